@@ -1,0 +1,185 @@
+// The entry points of the library.
+//
+// Conventions (docs/api.md says more):
+// - Every tensor is a TensorView; shapes are given beside each field. T is the total number of
+//   packed tokens (spec §9), Hq/Hkv the query/KV heads, Dqk/Dv the head dims, n = n_selected.
+// - All floating-point inputs and outputs of one call share one dtype (f32, bf16, f16; f64 on
+//   the reference backend), except the log-sum-exps and selection scores, which are always f32,
+//   and indices/cu_seqlens, which are int32. The last dimension of every tensor must be
+//   contiguous (stride 1) for the fast backends; the reference accepts any non-negative strides.
+// - Outputs are written, never read; an optional output may be left absent (ndim == 0).
+// - Nothing allocates in a fast backend: ask workspace_size() and pass that many bytes, on the
+//   backend's device. The reference backend is slow on purpose and uses host vectors.
+// - Invalid input throws nsa::Error naming the parameter, its value and what is allowed.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "nsa/config.h"
+#include "nsa/tensor.h"
+
+namespace nsa {
+
+enum class Backend : int32_t {
+  automatic = 0,  // cuda for device tensors; for host tensors, reference for f64, else cpu
+  reference = 1,  // plain fp64 loops: the executable specification
+  cpu = 2,        // the fast CPU backend (threads + SIMD)
+  cuda = 3,       // the CUDA backend
+};
+const char* backend_name(Backend backend);
+Backend parse_backend(const char* text);  // "auto", "reference", "cpu", "cuda"
+// Whether the backend was compiled in and (for cuda) a device is present.
+bool backend_available(Backend backend);
+
+struct Context {
+  Backend backend = Backend::automatic;
+  void* stream = nullptr;     // cudaStream_t for the CUDA backend (nullptr: default stream)
+  int num_threads = 0;        // CPU backends: 0 = OpenMP's default; results never depend on it
+  bool deterministic = true;  // false allows a faster non-deterministic backward where one exists
+};
+
+struct Workspace {
+  void* data = nullptr;  // on the device of the backend; at least 256-byte aligned
+  size_t bytes = 0;
+};
+
+// Packed variable-length sequences (spec §9).
+struct Sequences {
+  TensorView cu_seqlens;   // [B+1] int32, cu_seqlens[0] = 0, non-decreasing; absent: one sequence
+  int64_t max_seqlen = 0;  // >= max_b T_b; 0 = derive it from host cu_seqlens (required when
+                           // cu_seqlens is on the GPU: the library never syncs to read it)
+};
+
+// Parameters of one phi (spec §2), shared by all KV heads. D is the head dim of what phi
+// compresses (Dqk for phi_k, Dv for phi_v); l = cmp_block_len; F = hidden width.
+//   mean:   none (all absent)
+//   linear: w1 = W [D, l*D], pe [l, D]
+//   mlp:    w1 [F, l*D], b1 [F], w2 [D, F], b2 [D], pe [l, D]
+// flatten(block + pe) is row-major: element (r, c) of the block sits at r*D + c.
+struct PhiParams {
+  TensorView w1, b1, w2, b2, pe;
+};
+
+struct KV {
+  TensorView k;  // [T, Hkv, Dqk]
+  TensorView v;  // [T, Hkv, Dv]
+};
+
+enum BranchIndex : int { kCmp = 0, kSlc = 1, kWin = 2 };
+
+struct Inputs {
+  TensorView q;  // [T, Hq, Dqk]
+  KV kv[3];      // raw keys/values per branch (cmp, slc, win); shared_kv: only kv[kCmp], others absent
+  TensorView g;  // [T, Hq, 3] gates (cmp, slc, win)
+  PhiParams phi_k, phi_v;
+  Sequences seqs;
+};
+
+struct ForwardOutputs {
+  TensorView o;         // [T, Hq, Dv]
+  TensorView lse;       // [T, Hq, 3] f32: each branch's log-sum-exp, -inf where a branch is empty
+  TensorView indices;   // [T, Hkv, n] int32: selected blocks, ascending, padded with -1
+  TensorView o_branch;  // optional [3, T, Hq, Dv]: each branch's output before gating
+};
+
+struct Gradients {
+  TensorView dq;            // [T, Hq, Dqk]
+  KV dkv[3];                // like Inputs::kv; shared_kv: the sum over branches goes to dkv[kCmp]
+  TensorView dg;            // [T, Hq, 3]
+  PhiParams dphi_k, dphi_v; // like the parameters (absent for mean)
+};
+
+// ---- Workspace sizes --------------------------------------------------------------------------
+
+enum class Op : int32_t {
+  compress_fwd,
+  compress_bwd,
+  compressed_attention_fwd,
+  select_topn,
+  selected_attention_fwd,
+  window_attention_fwd,
+  forward,
+  backward,
+  dense_attention_fwd,
+  dense_attention_bwd,
+};
+
+// The sizes that determine a workspace.
+struct Problem {
+  int64_t total_tokens = 0;  // T
+  int64_t batch = 1;         // B
+  int64_t max_seqlen = 0;
+  int64_t hq = 0, hkv = 0, dqk = 0, dv = 0;
+  int64_t phi_hidden = 0;  // F (mlp), else 0
+  DType dtype = DType::bf16;
+  Device device = Device::cpu;
+};
+// Reads the sizes off the inputs (derives max_seqlen from host cu_seqlens when it is 0).
+Problem problem_of(const Config& cfg, const Inputs& in);
+
+// Bytes of workspace `op` needs on the backend that `ctx` resolves to for `problem`.
+size_t workspace_size(const Context& ctx, Op op, const Config& cfg, const Problem& problem);
+
+// ---- Stages -----------------------------------------------------------------------------------
+
+// Spec §2: xc = phi(x) per compressed block and KV head.
+//   x [T, Hkv, D] -> xc [T/d, Hkv, D] (packed layout of blocks.h: sequence starting at s uses rows
+//   s/d .. s/d + N_c - 1; rows past a sequence's N_c are left untouched).
+void compress_fwd(const Context& ctx, const Config& cfg, const PhiParams& phi, const TensorView& x,
+                  const Sequences& seqs, const TensorView& xc, Workspace ws = {});
+// Gradients of compress_fwd: dxc [T/d, Hkv, D] -> dx [T, Hkv, D] (written, not accumulated) and
+// dphi (written; absent for mean).
+void compress_bwd(const Context& ctx, const Config& cfg, const PhiParams& phi, const TensorView& x,
+                  const Sequences& seqs, const TensorView& dxc, const TensorView& dx,
+                  const PhiParams& dphi, Workspace ws = {});
+
+// Spec §2-§3: attention of q over the visible compressed blocks, and the group-summed selection
+// scores S.  q [T, Hq, Dqk], kc [T/d, Hkv, Dqk], vc [T/d, Hkv, Dv] -> o [T, Hq, Dv],
+// lse [T, Hq] f32, scores [T, Hkv, Ns] f32 (optional; Ns >= ceil(max_seqlen / l'); entries past a
+// query's admissible blocks are 0).
+void compressed_attention_fwd(const Context& ctx, const Config& cfg, const TensorView& q,
+                              const TensorView& kc, const TensorView& vc, const Sequences& seqs,
+                              const TensorView& o, const TensorView& lse, const TensorView& scores,
+                              Workspace ws = {});
+
+// Spec §4: top-n blocks per (token, KV head). scores [T, Hkv, Ns] f32 -> indices [T, Hkv, n] int32.
+void select_topn(const Context& ctx, const Config& cfg, const TensorView& scores,
+                 const Sequences& seqs, const TensorView& indices, Workspace ws = {});
+
+// Spec §5: attention over the selected blocks. q [T, Hq, Dqk], k [T, Hkv, Dqk], v [T, Hkv, Dv],
+// indices [T, Hkv, n] -> o [T, Hq, Dv], lse [T, Hq] f32 (optional).
+void selected_attention_fwd(const Context& ctx, const Config& cfg, const TensorView& q,
+                            const TensorView& k, const TensorView& v, const TensorView& indices,
+                            const Sequences& seqs, const TensorView& o, const TensorView& lse,
+                            Workspace ws = {});
+
+// Spec §6: sliding-window attention. Shapes as selected_attention_fwd without indices.
+void window_attention_fwd(const Context& ctx, const Config& cfg, const TensorView& q,
+                          const TensorView& k, const TensorView& v, const Sequences& seqs,
+                          const TensorView& o, const TensorView& lse, Workspace ws = {});
+
+// ---- Whole layer ------------------------------------------------------------------------------
+
+// Spec §2-§7: every branch, the gates, the per-branch log-sum-exps and the selected indices.
+void forward(const Context& ctx, const Config& cfg, const Inputs& in, const ForwardOutputs& out,
+             Workspace ws = {});
+
+// Spec §8: gradients of a loss with respect to every input, given d_o = dLoss/do [T, Hq, Dv] and
+// what forward() saved (lse and indices are read; o and o_branch are not needed).
+// Selection is a constant. Every gradient is written (not accumulated).
+void backward(const Context& ctx, const Config& cfg, const Inputs& in, const ForwardOutputs& saved,
+              const TensorView& d_o, const Gradients& grads, Workspace ws = {});
+
+// Dense causal softmax attention with GQA (the baseline NSA is compared with), per sequence.
+// q [T, Hq, Dqk], k [T, Hkv, Dqk], v [T, Hkv, Dv] -> o [T, Hq, Dv], lse [T, Hq] f32 (optional).
+void dense_attention_fwd(const Context& ctx, double scale, const TensorView& q, const TensorView& k,
+                         const TensorView& v, const Sequences& seqs, const TensorView& o,
+                         const TensorView& lse, Workspace ws = {});
+// Its gradients, given o and lse of the forward: writes dq, dk, dv.
+void dense_attention_bwd(const Context& ctx, double scale, const TensorView& q, const TensorView& k,
+                         const TensorView& v, const Sequences& seqs, const TensorView& o,
+                         const TensorView& lse, const TensorView& d_o, const TensorView& dq,
+                         const TensorView& dk, const TensorView& dv, Workspace ws = {});
+
+}  // namespace nsa

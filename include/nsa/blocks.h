@@ -1,0 +1,65 @@
+// Index math of NSA's blocks (spec §2-§6), shared by every backend, host and device.
+//
+// All positions are 0-based and counted from the start of the token's own sequence.
+// Symbols: l = cmp_block_len, d = cmp_stride, l' = slc_block_len, w = window.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define NSA_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define NSA_HOST_DEVICE inline
+#endif
+
+namespace nsa {
+
+// Compressed blocks of a sequence of T tokens: N_c = floor((T - l)/d) + 1 when T >= l, else 0.
+// Block i covers tokens [i*d, i*d + l - 1].
+NSA_HOST_DEVICE constexpr int64_t num_cmp_blocks(int64_t T, int64_t l, int64_t d) {
+  return T >= l ? (T - l) / d + 1 : 0;
+}
+
+// Compressed blocks visible to query t (the whole block at or before t):
+// C_t = floor((t - l + 1)/d) + 1 when t >= l - 1, else 0.
+NSA_HOST_DEVICE constexpr int64_t visible_cmp_blocks(int64_t t, int64_t l, int64_t d) {
+  return t >= l - 1 ? (t - l + 1) / d + 1 : 0;
+}
+
+// Selection blocks of a sequence of T tokens: N_s = ceil(T / l').
+NSA_HOST_DEVICE constexpr int64_t num_slc_blocks(int64_t T, int64_t lp) { return (T + lp - 1) / lp; }
+
+// The last selection block that has started at query t: J_t = floor(t / l').
+NSA_HOST_DEVICE constexpr int64_t last_slc_block(int64_t t, int64_t lp) { return t / lp; }
+
+// ov(i, j) of spec §3: how many stride-d pieces compressed block i (pieces [i, i + l/d - 1])
+// shares with selection block j (pieces [j*l'/d, (j+1)*l'/d - 1]).
+NSA_HOST_DEVICE constexpr int64_t cmp_slc_overlap(int64_t i, int64_t j, int64_t l, int64_t d,
+                                                  int64_t lp) {
+  const int64_t a0 = i, a1 = i + l / d - 1;
+  const int64_t b0 = j * (lp / d), b1 = (j + 1) * (lp / d) - 1;
+  const int64_t lo = a0 > b0 ? a0 : b0;
+  const int64_t hi = a1 < b1 ? a1 : b1;
+  return hi >= lo ? hi - lo + 1 : 0;
+}
+
+// Spec §4: block j is forced for query t (J_t = last_slc_block(t)) when it is admissible and
+// either one of the n_init initial blocks or one of the n_local blocks ending at J_t.
+NSA_HOST_DEVICE constexpr bool is_forced_block(int64_t j, int64_t Jt, int64_t n_init,
+                                               int64_t n_local) {
+  return j >= 0 && j <= Jt && (j < n_init || j > Jt - n_local);
+}
+
+// First key position of query t's sliding window of length w (w >= 1).
+NSA_HOST_DEVICE constexpr int64_t window_start(int64_t t, int64_t w) {
+  return t - w + 1 > 0 ? t - w + 1 : 0;
+}
+
+// Packed layout of compressed keys/values (spec §9): the compressed blocks of the sequence that
+// starts at packed token offset s are rows [s/d, s/d + N_c) of a tensor with floor(T_total/d)
+// rows. Rows of different sequences never overlap because N_c(T) <= floor(T/d) when d divides l;
+// at most one row per sequence is left unused.
+NSA_HOST_DEVICE constexpr int64_t cmp_row_offset(int64_t seq_start, int64_t d) { return seq_start / d; }
+NSA_HOST_DEVICE constexpr int64_t cmp_rows(int64_t total_tokens, int64_t d) { return total_tokens / d; }
+
+}  // namespace nsa

@@ -1,0 +1,80 @@
+// What the API layer hands to a backend after validating a call: the resolved backend, the
+// configuration, the sizes, and (for host tensors) the sequence table.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "nsa/api.h"
+
+namespace nsa::detail {
+
+struct Plan {
+  Context ctx;              // backend resolved (never automatic)
+  Config cfg;               // validated
+  double scale = 0.0;       // resolved softmax scale
+  int64_t T = 0;            // total packed tokens
+  int64_t B = 1;            // sequences
+  int64_t max_seqlen = 0;   // max_b T_b
+  int64_t hq = 0, hkv = 0, group = 1;  // G = hq / hkv
+  int64_t dqk = 0, dv = 0;
+  int64_t phi_hidden_k = 0, phi_hidden_v = 0;  // F of phi_k / phi_v (mlp)
+  int64_t n_slc_max = 0;    // ceil(max_seqlen / l'): width of a scores tensor
+  DType dtype = DType::f32;
+  Device device = Device::cpu;
+  // Token offsets of the sequences, B+1 entries, when cu_seqlens is host memory or absent.
+  std::vector<int64_t> cu;
+  // The caller's cu_seqlens (absent for one sequence); device backends read it on the device.
+  TensorView cu_seqlens;
+
+  int64_t seq_start(int64_t b) const { return cu[static_cast<size_t>(b)]; }
+  int64_t seq_len(int64_t b) const { return cu[static_cast<size_t>(b) + 1] - cu[static_cast<size_t>(b)]; }
+};
+
+// The operations of one backend. A backend that lacks one leaves it null; calling it then is an
+// nsa::Error naming the backend and the operation (never a silent fallback).
+struct BackendOps {
+  const char* name;
+  size_t (*workspace_size)(Op op, const Config& cfg, const Problem& problem);
+  void (*compress_fwd)(const Plan&, const PhiParams& phi, const TensorView& x, const TensorView& xc,
+                       Workspace ws);
+  void (*compress_bwd)(const Plan&, const PhiParams& phi, const TensorView& x,
+                       const TensorView& dxc, const TensorView& dx, const PhiParams& dphi,
+                       Workspace ws);
+  void (*compressed_attention_fwd)(const Plan&, const TensorView& q, const TensorView& kc,
+                                   const TensorView& vc, const TensorView& o,
+                                   const TensorView& lse, const TensorView& scores, Workspace ws);
+  void (*select_topn)(const Plan&, const TensorView& scores, const TensorView& indices,
+                      Workspace ws);
+  void (*selected_attention_fwd)(const Plan&, const TensorView& q, const TensorView& k,
+                                 const TensorView& v, const TensorView& indices,
+                                 const TensorView& o, const TensorView& lse, Workspace ws);
+  void (*window_attention_fwd)(const Plan&, const TensorView& q, const TensorView& k,
+                               const TensorView& v, const TensorView& o, const TensorView& lse,
+                               Workspace ws);
+  void (*forward)(const Plan&, const Inputs& in, const ForwardOutputs& out, Workspace ws);
+  void (*backward)(const Plan&, const Inputs& in, const ForwardOutputs& saved,
+                   const TensorView& d_o, const Gradients& grads, Workspace ws);
+  void (*dense_attention_fwd)(const Plan&, const TensorView& q, const TensorView& k,
+                              const TensorView& v, const TensorView& o, const TensorView& lse,
+                              Workspace ws);
+  void (*dense_attention_bwd)(const Plan&, const TensorView& q, const TensorView& k,
+                              const TensorView& v, const TensorView& o, const TensorView& lse,
+                              const TensorView& d_o, const TensorView& dq, const TensorView& dk,
+                              const TensorView& dv, Workspace ws);
+};
+
+// Each backend defines its table; a backend that is not compiled in returns nullptr.
+const BackendOps* reference_backend();
+const BackendOps* cpu_backend();
+const BackendOps* cuda_backend();
+// True when the CUDA backend is compiled in and a device is visible.
+bool cuda_device_present();
+
+// Helpers shared by backends.
+inline const KV& branch_kv(const Config& cfg, const Inputs& in, int branch) {
+  return cfg.shared_kv ? in.kv[kCmp] : in.kv[branch];
+}
+
+}  // namespace nsa::detail

@@ -1,0 +1,238 @@
+// Spec §2-§6: the three attention branches, the selection scores S and top-n, in fp64.
+//
+// Every branch is softmax attention of one query over a list of key rows; the branches differ
+// only in which rows a query sees. Each (sequence, token, head) is computed on its own.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "nsa/blocks.h"
+#include "reference/reference.h"
+
+namespace nsa::reference {
+
+namespace {
+
+using KeyRows = std::vector<int64_t>;
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+double dot(const double* a, const double* b, int64_t n) {
+  double s = 0.0;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Softmax attention of one query over `rows` of K/V (KV head hk).
+struct RowAttention {
+  std::vector<double> p;  // probabilities, one per key row
+  std::vector<double> o;  // [Dv]
+  double lse = kNegInf;   // log sum_j exp(s_j); -inf when there is no key
+};
+
+RowAttention attend(const double* q, const Array& K, const Array& V, int64_t hk, const KeyRows& rows,
+                    double scale) {
+  const int64_t Dqk = K.dim(2), Dv = V.dim(2);
+  RowAttention r;
+  r.o.assign(static_cast<size_t>(Dv), 0.0);
+  if (rows.empty()) return r;  // an empty branch outputs zeros (spec §2, §7)
+  std::vector<double> s(rows.size());
+  for (size_t j = 0; j < rows.size(); ++j) s[j] = scale * dot(q, K.at(rows[j], hk), Dqk);
+  const double m = *std::max_element(s.begin(), s.end());  // subtract the running maximum (§11)
+  double sum = 0.0;
+  r.p.resize(rows.size());
+  for (size_t j = 0; j < rows.size(); ++j) sum += (r.p[j] = std::exp(s[j] - m));
+  for (size_t j = 0; j < rows.size(); ++j) {
+    r.p[j] /= sum;
+    const double* v = V.at(rows[j], hk);
+    for (int64_t c = 0; c < Dv; ++c) r.o[static_cast<size_t>(c)] += r.p[j] * v[c];
+  }
+  r.lse = m + std::log(sum);
+  return r;
+}
+
+// Gradient of attend() for output gradient dout; accumulates into dq, dK, dV.
+void attend_backward(const double* q, const Array& K, const Array& V, int64_t hk, const KeyRows& rows,
+                     double scale, const double* dout, double* dq, Array& dK, Array& dV) {
+  if (rows.empty()) return;
+  const int64_t Dqk = K.dim(2), Dv = V.dim(2);
+  const RowAttention r = attend(q, K, V, hk, rows, scale);
+  const double delta = dot(dout, r.o.data(), Dv);  // sum_j p_j dp_j
+  for (size_t j = 0; j < rows.size(); ++j) {
+    const double dp = dot(dout, V.at(rows[j], hk), Dv);
+    const double ds = r.p[j] * (dp - delta);
+    const double* k = K.at(rows[j], hk);
+    double* dk = dK.at(rows[j], hk);
+    double* dv = dV.at(rows[j], hk);
+    for (int64_t c = 0; c < Dqk; ++c) {
+      dq[c] += scale * ds * k[c];
+      dk[c] += scale * ds * q[c];
+    }
+    for (int64_t c = 0; c < Dv; ++c) dv[c] += r.p[j] * dout[c];
+  }
+}
+
+// Which key rows query t (position within its sequence starting at packed row s0) sees.
+KeyRows cmp_keys(const detail::Plan& p, int64_t s0, int64_t t) {
+  KeyRows rows(static_cast<size_t>(visible_cmp_blocks(t, p.cfg.cmp_block_len, p.cfg.cmp_stride)));
+  std::iota(rows.begin(), rows.end(), cmp_row_offset(s0, p.cfg.cmp_stride));
+  return rows;
+}
+
+KeyRows slc_keys(const detail::Plan& p, const std::vector<int32_t>& indices, int64_t s0, int64_t t,
+                 int64_t hk) {
+  const int64_t n = p.cfg.n_selected, lp = p.cfg.slc_block_len;
+  KeyRows rows;
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t j = indices[static_cast<size_t>(((s0 + t) * p.hkv + hk) * n + k)];
+    if (j < 0) continue;
+    for (int64_t pos = j * lp; pos < std::min((j + 1) * lp, t + 1); ++pos) rows.push_back(s0 + pos);
+  }
+  return rows;
+}
+
+KeyRows causal_keys(int64_t s0, int64_t first, int64_t t) {
+  KeyRows rows;
+  for (int64_t pos = first; pos <= t; ++pos) rows.push_back(s0 + pos);
+  return rows;
+}
+
+KeyRows win_keys(const detail::Plan& p, int64_t s0, int64_t t) {
+  if (p.cfg.window == 0) return {};  // branch off
+  return causal_keys(s0, window_start(t, p.cfg.window), t);
+}
+
+// Runs attention for every (sequence, token, query head); keys(s0, t, hk) gives the key rows.
+template <typename Keys>
+void branch_forward(const detail::Plan& p, const Array& q, const Array& K, const Array& V, Keys keys,
+                    Array& o, Array& lse) {
+  o = Array({p.T, p.hq, V.dim(2)});
+  lse = Array({p.T, p.hq});
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t s0 = p.seq_start(b);
+    for (int64_t t = 0; t < p.seq_len(b); ++t)
+      for (int64_t h = 0; h < p.hq; ++h) {
+        const int64_t hk = h / p.group;
+        const RowAttention r = attend(q.at(s0 + t, h), K, V, hk, keys(s0, t, hk), p.scale);
+        std::copy(r.o.begin(), r.o.end(), o.at(s0 + t, h));
+        lse.row(s0 + t)[h] = r.lse;
+      }
+  }
+}
+
+template <typename Keys>
+void branch_backward(const detail::Plan& p, const Array& q, const Array& K, const Array& V, Keys keys,
+                     const Array& d_o, Array& dq, Array& dK, Array& dV) {
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t s0 = p.seq_start(b);
+    for (int64_t t = 0; t < p.seq_len(b); ++t)
+      for (int64_t h = 0; h < p.hq; ++h) {
+        const int64_t hk = h / p.group;
+        attend_backward(q.at(s0 + t, h), K, V, hk, keys(s0, t, hk), p.scale, d_o.at(s0 + t, h),
+                        dq.at(s0 + t, h), dK, dV);
+      }
+  }
+}
+
+}  // namespace
+
+void cmp_attention(const detail::Plan& p, const Array& q, const Array& kc, const Array& vc, Array& o,
+                   Array& lse, Array* scores) {
+  const int64_t l = p.cfg.cmp_block_len, d = p.cfg.cmp_stride, lp = p.cfg.slc_block_len;
+  o = Array({p.T, p.hq, vc.dim(2)});
+  lse = Array({p.T, p.hq});
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t s0 = p.seq_start(b);
+    for (int64_t t = 0; t < p.seq_len(b); ++t) {
+      const KeyRows rows = cmp_keys(p, s0, t);
+      for (int64_t h = 0; h < p.hq; ++h) {
+        const int64_t hk = h / p.group;
+        const RowAttention r = attend(q.at(s0 + t, h), kc, vc, hk, rows, p.scale);  // p_cmp = r.p
+        std::copy(r.o.begin(), r.o.end(), o.at(s0 + t, h));
+        lse.row(s0 + t)[h] = r.lse;
+        if (scores == nullptr) continue;
+        // §3: S[t, hk, j] += sum_i ov(i, j) * p_cmp[t, h, i], summed over the group's heads.
+        double* S = scores->at(s0 + t, hk);
+        for (size_t i = 0; i < rows.size(); ++i) {
+          const int64_t first_j = static_cast<int64_t>(i) * d / lp;
+          const int64_t last_j = (static_cast<int64_t>(i) * d + l - 1) / lp;
+          for (int64_t j = first_j; j <= last_j; ++j)
+            S[j] += static_cast<double>(cmp_slc_overlap(static_cast<int64_t>(i), j, l, d, lp)) * r.p[i];
+        }
+      }
+    }
+  }
+}
+
+std::vector<int32_t> select_topn(const detail::Plan& p, const Array& scores) {
+  const int64_t n = p.cfg.n_selected, lp = p.cfg.slc_block_len;
+  std::vector<int32_t> indices(static_cast<size_t>(p.T * p.hkv * n), -1);
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t s0 = p.seq_start(b);
+    for (int64_t t = 0; t < p.seq_len(b); ++t)
+      for (int64_t hk = 0; hk < p.hkv; ++hk) {
+        const int64_t Jt = last_slc_block(t, lp);
+        const int64_t count = std::min(n, Jt + 1);
+        const double* S = scores.at(s0 + t, hk);
+        // §4: forced blocks first, then the rest by descending S, ties to the smaller j.
+        std::vector<int64_t> order(static_cast<size_t>(Jt + 1));
+        std::iota(order.begin(), order.end(), 0);
+        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) {
+          const bool fa = is_forced_block(a, Jt, p.cfg.n_init, p.cfg.n_local);
+          const bool fc = is_forced_block(c, Jt, p.cfg.n_init, p.cfg.n_local);
+          if (fa != fc) return fa;
+          return S[a] > S[c];
+        });
+        std::vector<int64_t> chosen(order.begin(), order.begin() + count);
+        std::sort(chosen.begin(), chosen.end());
+        int32_t* out = indices.data() + ((s0 + t) * p.hkv + hk) * n;
+        for (size_t k = 0; k < chosen.size(); ++k) out[k] = static_cast<int32_t>(chosen[k]);
+      }
+  }
+  return indices;
+}
+
+void slc_attention(const detail::Plan& p, const Array& q, const Array& k, const Array& v,
+                   const std::vector<int32_t>& indices, Array& o, Array& lse) {
+  branch_forward(p, q, k, v, [&](int64_t s0, int64_t t, int64_t hk) { return slc_keys(p, indices, s0, t, hk); },
+                 o, lse);
+}
+
+void win_attention(const detail::Plan& p, const Array& q, const Array& k, const Array& v, Array& o,
+                   Array& lse) {
+  branch_forward(p, q, k, v, [&](int64_t s0, int64_t t, int64_t) { return win_keys(p, s0, t); }, o, lse);
+}
+
+void dense_attention(const detail::Plan& p, const Array& q, const Array& k, const Array& v, Array& o,
+                     Array& lse) {
+  branch_forward(p, q, k, v, [&](int64_t s0, int64_t t, int64_t) { return causal_keys(s0, 0, t); }, o, lse);
+}
+
+void cmp_attention_backward(const detail::Plan& p, const Array& q, const Array& kc, const Array& vc,
+                            const Array& d_o, Array& dq, Array& dkc, Array& dvc) {
+  branch_backward(p, q, kc, vc, [&](int64_t s0, int64_t t, int64_t) { return cmp_keys(p, s0, t); }, d_o, dq,
+                  dkc, dvc);
+}
+
+void slc_attention_backward(const detail::Plan& p, const Array& q, const Array& k, const Array& v,
+                            const std::vector<int32_t>& indices, const Array& d_o, Array& dq,
+                            Array& dk, Array& dv) {
+  branch_backward(p, q, k, v,
+                  [&](int64_t s0, int64_t t, int64_t hk) { return slc_keys(p, indices, s0, t, hk); }, d_o,
+                  dq, dk, dv);
+}
+
+void win_attention_backward(const detail::Plan& p, const Array& q, const Array& k, const Array& v,
+                            const Array& d_o, Array& dq, Array& dk, Array& dv) {
+  branch_backward(p, q, k, v, [&](int64_t s0, int64_t t, int64_t) { return win_keys(p, s0, t); }, d_o, dq,
+                  dk, dv);
+}
+
+void dense_attention_backward(const detail::Plan& p, const Array& q, const Array& k, const Array& v,
+                              const Array& d_o, Array& dq, Array& dk, Array& dv) {
+  branch_backward(p, q, k, v, [&](int64_t s0, int64_t t, int64_t) { return causal_keys(s0, 0, t); }, d_o,
+                  dq, dk, dv);
+}
+
+}  // namespace nsa::reference
