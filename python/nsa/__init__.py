@@ -1,0 +1,42 @@
+"""Native Sparse Attention (Yuan et al., arXiv 2502.11089) for NumPy and PyTorch.
+
+Functional API (numpy arrays and torch tensors, host or CUDA): ``attention`` and its stages
+``compress``, ``compressed_attention``, ``select_topn``, ``selected_attention``,
+``window_attention``, plus ``dense_attention``. PyTorch layer: ``nsa.NativeSparseAttention``
+(imported on first use, so that numpy users never import torch). See docs/python.md.
+"""
+from ._core import Config, Error, Phi
+from ._nsa import backend_available
+from .functional import (
+    AttentionAux,
+    Gradients,
+    attention,
+    attention_backward,
+    attention_branches,
+    compress,
+    compress_backward,
+    compressed_attention,
+    dense_attention,
+    dense_attention_backward,
+    select_topn,
+    selected_attention,
+    window_attention,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionAux", "Config", "Error", "Gradients", "NSACache", "NativeSparseAttention", "Phi",
+    "attention", "attention_backward", "attention_branches", "backend_available", "compress",
+    "compress_backward", "compressed_attention", "dense_attention", "dense_attention_backward",
+    "select_topn", "selected_attention", "window_attention",
+]
+
+
+def __getattr__(name):
+    # The PyTorch layer imports torch; load it only when asked for.
+    if name in ("NativeSparseAttention", "NSACache"):
+        from . import modules
+
+        return getattr(modules, name)
+    raise AttributeError(f"module 'nsa' has no attribute {name!r}")

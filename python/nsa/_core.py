@@ -1,0 +1,547 @@
+"""Framework-neutral calls into the extension: output and workspace allocation, then one library call.
+
+Every function here takes arrays of one framework (numpy or torch, described by an ``_Arrays``
+object), allocates the outputs with that framework on the inputs' device, asks the library how
+much workspace the call needs and allocates that too, then calls ``nsa._nsa``. Shapes follow
+include/nsa/api.h: T packed tokens, Hq/Hkv heads, Dqk/Dv head dims, n = n_selected.
+The library validates every argument; errors arrive as ``nsa.Error`` (a ValueError).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple, Optional, Sequence
+
+from . import _nsa
+
+Error = _nsa.Error
+
+# The library wants workspaces 256-byte aligned (api.h).
+_WORKSPACE_ALIGN = 256
+# Names of the 5 phi parameters, in the order the extension takes them.
+PHI_FIELDS = ("w1", "b1", "w2", "b2", "pe")
+# Names of the six raw K/V arrays, in the order the extension takes them.
+KV_NAMES = ("k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win")
+
+
+def error(parameter: str, value: Any, allowed: str) -> Error:
+    """An nsa.Error in the library's own format (``nsa: invalid P = V: allowed``)."""
+    err = Error(f"nsa: invalid {parameter} = {value}: {allowed}")
+    err.parameter, err.value, err.allowed = parameter, str(value), allowed
+    return err
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """NSA's configuration (spec §1); the defaults are the paper's.
+
+    ``scale = 0`` means 1/sqrt(Dqk). The compression function phi is not part of it: it follows
+    from the phi parameters a call receives (none: mean; w1 and pe: linear; all five: mlp).
+    """
+
+    cmp_block_len: int = 32  # l
+    cmp_stride: int = 16  # d, divides l and l'
+    slc_block_len: int = 64  # l'
+    n_selected: int = 16  # n, forced blocks included; 0 turns selection off
+    n_init: int = 1
+    n_local: int = 2
+    window: int = 512  # w, the query's own token included; 0 turns the window off
+    scale: float = 0.0
+
+    def native(self, phi: str = "mean", shared_kv: bool = False) -> "_nsa.Config":
+        c = _nsa.Config()
+        c.cmp_block_len = int(self.cmp_block_len)
+        c.cmp_stride = int(self.cmp_stride)
+        c.slc_block_len = int(self.slc_block_len)
+        c.n_selected = int(self.n_selected)
+        c.n_init = int(self.n_init)
+        c.n_local = int(self.n_local)
+        c.window = int(self.window)
+        c.scale = float(self.scale)
+        c.phi = _nsa.parse_phi_kind(phi)
+        c.shared_kv = bool(shared_kv)
+        return c
+
+    def ints(self) -> list:
+        """The integer fields, in declaration order (how the torch operators receive a Config)."""
+        return [self.cmp_block_len, self.cmp_stride, self.slc_block_len, self.n_selected,
+                self.n_init, self.n_local, self.window]
+
+    @staticmethod
+    def from_ints(ints: Sequence[int], scale: float) -> "Config":
+        if len(ints) != 7:
+            raise error("config", list(ints), "must hold 7 integers (l, d, l', n, n_init, n_local, w)")
+        return Config(*[int(i) for i in ints], scale=float(scale))
+
+
+def make_config(config: Optional[Config], overrides: dict) -> Config:
+    cfg = config if config is not None else Config()
+    if not isinstance(cfg, Config):
+        raise error("config", type(cfg).__name__, "must be an nsa.Config or None")
+    if overrides:
+        fields = {f.name for f in dataclasses.fields(Config)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise error("keyword " + unknown[0], overrides[unknown[0]],
+                        "is not a Config field (" + ", ".join(sorted(fields)) + ")")
+        cfg = dataclasses.replace(cfg, **overrides)
+    return cfg
+
+
+class Phi(NamedTuple):
+    """Parameters of one compression function phi (spec §2), shared by all KV heads.
+
+    mean: none (pass ``None`` instead of a Phi); linear: ``w1 = W [D, l*D]`` and ``pe [l, D]``;
+    mlp: ``w1 [F, l*D], b1 [F], w2 [D, F], b2 [D], pe [l, D]``.
+    """
+
+    w1: Any = None
+    b1: Any = None
+    w2: Any = None
+    b2: Any = None
+    pe: Any = None
+
+
+def phi_kind(phi: Optional[Phi]) -> str:
+    if phi is None or all(p is None for p in phi):
+        return "mean"
+    return "linear" if phi.w2 is None and phi.b1 is None and phi.b2 is None else "mlp"
+
+
+def as_phi(phi: Any, name: str) -> Optional[Phi]:
+    if phi is None:
+        return None
+    if isinstance(phi, dict):
+        unknown = sorted(set(phi) - set(PHI_FIELDS))
+        if unknown:
+            raise error(name + "." + unknown[0], "given", "is not a phi parameter (w1, b1, w2, b2, pe)")
+        return Phi(**phi)
+    if isinstance(phi, (tuple, list)) and len(phi) == 5:
+        return Phi(*phi)
+    raise error(name, type(phi).__name__, "must be None (mean), an nsa.Phi, a dict or a 5-tuple (w1, b1, w2, b2, pe)")
+
+
+def phi_pair_kind(phi_k: Optional[Phi], phi_v: Optional[Phi]) -> str:
+    kind_k, kind_v = phi_kind(phi_k), phi_kind(phi_v)
+    if kind_k != kind_v:
+        raise error("phi_v", f"a {kind_v} phi", f"must be of the same kind as phi_k ({kind_k})")
+    return kind_k
+
+
+def phi_hidden(phi: Optional[Phi]) -> int:
+    return int(phi.w1.shape[0]) if phi is not None and phi.w1 is not None and phi.w2 is not None else 0
+
+
+def dims(x: Any, name: str, ndim: int, names: str) -> tuple:
+    if x is None:
+        raise error(name, "absent", "required, shape " + names)
+    if len(x.shape) != ndim:
+        raise error(name + ".ndim", len(x.shape), f"must be {ndim} (shape {names}, got {list(x.shape)})")
+    return tuple(int(s) for s in x.shape)
+
+
+# ---- Frameworks -------------------------------------------------------------------------------
+
+
+class NumpyArrays:
+    """Allocation and stream handling for numpy arrays (host only)."""
+
+    def __init__(self):
+        import numpy
+
+        self.np = numpy
+
+    def float_dtype(self, x) -> Any:
+        return x.dtype
+
+    def empty(self, shape, dtype, like):
+        return self.np.empty(shape, dtype=dtype)
+
+    def zeros(self, shape, dtype, like):
+        return self.np.zeros(shape, dtype=dtype)
+
+    f32 = property(lambda self: self.np.float32)
+    i32 = property(lambda self: self.np.int32)
+
+    def prepare(self, x):
+        """A version the library accepts: last dimension contiguous, no negative strides."""
+        if x is None:
+            return None
+        x = self.np.asarray(x)
+        if x.ndim and (any(s < 0 for s in x.strides) or (x.shape[-1] > 1 and x.strides[-1] != x.itemsize)):
+            x = self.np.ascontiguousarray(x)
+        return x
+
+    def workspace(self, nbytes: int, like):
+        buf = self.np.empty(nbytes + _WORKSPACE_ALIGN, dtype=self.np.uint8)
+        offset = (-buf.ctypes.data) % _WORKSPACE_ALIGN
+        return buf[offset:offset + nbytes]
+
+    def device(self, x) -> str:
+        return "cpu"
+
+    def stream(self, x) -> int:
+        return 0
+
+    def device_guard(self, x):
+        return _NoGuard()
+
+    def host_ints(self, x):
+        return self.np.asarray(x).astype(self.np.int64)
+
+    def dtype_name(self, x) -> str:
+        names = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16"}
+        return names.get(str(x.dtype), str(x.dtype))
+
+    def to_int32(self, cu):
+        cu = self.np.asarray(cu)
+        if cu.dtype != self.np.int32 and self.np.issubdtype(cu.dtype, self.np.integer):
+            if cu.size and (cu.max() > 2**31 - 1 or cu.min() < 0):
+                raise error("cu_seqlens", "out of int32 range", "must fit in int32")
+            cu = cu.astype(self.np.int32)
+        return self.prepare(cu)
+
+
+class TorchArrays:
+    """Allocation through PyTorch (its caching allocator on CUDA) on the inputs' device."""
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+
+    f32 = property(lambda self: self.torch.float32)
+    i32 = property(lambda self: self.torch.int32)
+
+    def empty(self, shape, dtype, like):
+        return self.torch.empty(shape, dtype=dtype, device=like.device)
+
+    def zeros(self, shape, dtype, like):
+        return self.torch.zeros(shape, dtype=dtype, device=like.device)
+
+    def prepare(self, x):
+        # DLPack refuses tensors that require grad; the operators handle autograd themselves.
+        if x is None:
+            return None
+        x = x.detach()
+        if x.dim() and x.shape[-1] > 1 and x.stride(-1) != 1:
+            x = x.contiguous()
+        if any(s == 0 for s, n in zip(x.stride(), x.shape) if n > 1):
+            x = x.contiguous()  # expanded (broadcast) tensors: materialise for the library
+        return x
+
+    def workspace(self, nbytes: int, like):
+        # The caching allocator returns 512-byte aligned blocks, but check rather than assume.
+        buf = self.torch.empty(nbytes + _WORKSPACE_ALIGN, dtype=self.torch.uint8, device=like.device)
+        offset = (-buf.data_ptr()) % _WORKSPACE_ALIGN
+        return buf[offset:offset + nbytes]
+
+    def device(self, x) -> str:
+        return "cuda" if x.device.type == "cuda" else "cpu"
+
+    def stream(self, x) -> int:
+        if x.device.type != "cuda":
+            return 0
+        return int(self.torch.cuda.current_stream(x.device).cuda_stream)
+
+    def device_guard(self, x):
+        if x.device.type == "cuda":
+            return self.torch.cuda.device(x.device)
+        return _NoGuard()
+
+    def dtype_name(self, x) -> str:
+        t = self.torch
+        names = {t.float32: "f32", t.float64: "f64", t.float16: "f16", t.bfloat16: "bf16"}
+        return names.get(x.dtype, str(x.dtype))
+
+    def to_int32(self, cu):
+        if cu.dtype != self.torch.int32 and not cu.is_floating_point():
+            cu = cu.to(self.torch.int32)
+        return self.prepare(cu)
+
+
+class _NoGuard:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NUMPY = None
+_TORCH = None
+
+
+def is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
+
+
+def arrays_for(x) -> Any:
+    """The framework of an array: torch tensors, or anything numpy can take."""
+    global _NUMPY, _TORCH
+    if is_torch(x):
+        if _TORCH is None:
+            _TORCH = TorchArrays()
+        return _TORCH
+    if _NUMPY is None:
+        _NUMPY = NumpyArrays()
+    return _NUMPY
+
+
+# ---- Calls ------------------------------------------------------------------------------------
+
+
+class Call:
+    """What every call shares: framework, context, sequences and the workspace request."""
+
+    def __init__(self, fw, main, backend: str, num_threads: int, cu_seqlens, max_seqlen: Optional[int]):
+        if not isinstance(backend, str):
+            raise error("backend", repr(backend), "must be one of 'auto', 'reference', 'cpu', 'cuda'")
+        self.fw = fw
+        self.main = main
+        self.backend = backend
+        self.num_threads = int(num_threads)
+        self.cu = fw.to_int32(cu_seqlens) if cu_seqlens is not None else None
+        self.max_seqlen = int(max_seqlen) if max_seqlen else 0
+        self.stream = fw.stream(main)
+        self.ctx = (backend, self.stream, self.num_threads, True)
+
+    def batch(self) -> int:
+        return int(self.cu.shape[0]) - 1 if self.cu is not None and len(self.cu.shape) == 1 else 1
+
+    def longest(self, T: int) -> int:
+        """max_seqlen for workspace sizes and score widths; host cu_seqlens are read here."""
+        if self.max_seqlen:
+            return self.max_seqlen
+        if self.cu is None:
+            return T
+        if self.fw.device(self.cu) != "cpu":
+            raise error("max_seqlen", 0, "must be given (>= the longest sequence) when cu_seqlens is on the GPU")
+        c = [int(v) for v in self.cu.tolist()]
+        return max([b - a for a, b in zip(c, c[1:])], default=0)
+
+    def workspace(self, op: str, cfg, T: int, hq: int, hkv: int, dqk: int, dv: int, hidden: int = 0):
+        nbytes = _nsa.workspace_size(op, self.backend, self.num_threads, cfg, T, self.batch(),
+                                     self.longest(T), hq, hkv, dqk, dv, hidden,
+                                     self.fw.dtype_name(self.main), self.fw.device(self.main))
+        return self.fw.workspace(nbytes, self.main) if nbytes else None
+
+
+def _phi_tuple(fw, phi: Optional[Phi]):
+    return None if phi is None else tuple(fw.prepare(p) for p in phi)
+
+
+def compress(fw, cfg: Config, phi: Optional[Phi], x, cu_seqlens=None, max_seqlen=None,
+             backend="auto", num_threads=0):
+    """xc [T/d, Hkv, D] = phi(x [T, Hkv, D]); rows no compressed block uses are zero."""
+    x = fw.prepare(x)
+    T, H, D = dims(x, "x", 3, "[T, Hkv, D]")
+    call = Call(fw, x, backend, num_threads, cu_seqlens, max_seqlen)
+    kind = phi_kind(phi)
+    c = cfg.native(kind)
+    xc = fw.zeros((T // max(cfg.cmp_stride, 1), H, D), x.dtype, x)
+    ws = call.workspace("compress_fwd", c, T, H, H, D, D, phi_hidden(phi))
+    with fw.device_guard(x):
+        _nsa.compress_fwd(*call.ctx, c, _phi_tuple(fw, phi), x, call.cu, call.max_seqlen, xc, ws)
+    return xc
+
+
+def compress_backward(fw, cfg: Config, phi: Optional[Phi], x, dxc, cu_seqlens=None, max_seqlen=None,
+                      backend="auto", num_threads=0):
+    """(dx [T, Hkv, D], dphi: Phi of gradients or None for mean) from dxc [T/d, Hkv, D]."""
+    x, dxc = fw.prepare(x), fw.prepare(dxc)
+    T, H, D = dims(x, "x", 3, "[T, Hkv, D]")
+    call = Call(fw, x, backend, num_threads, cu_seqlens, max_seqlen)
+    kind = phi_kind(phi)
+    c = cfg.native(kind)
+    dx = fw.empty((T, H, D), x.dtype, x)
+    dphi = None if kind == "mean" else Phi(*[None if p is None else fw.empty(tuple(p.shape), x.dtype, x) for p in phi])
+    ws = call.workspace("compress_bwd", c, T, H, H, D, D, phi_hidden(phi))
+    with fw.device_guard(x):
+        _nsa.compress_bwd(*call.ctx, c, _phi_tuple(fw, phi), x, call.cu, call.max_seqlen, dxc, dx,
+                          None if dphi is None else tuple(dphi), ws)
+    return dx, dphi
+
+
+def compressed_attention(fw, cfg: Config, q, kc, vc, cu_seqlens=None, max_seqlen=None, scores=True,
+                         backend="auto", num_threads=0):
+    """(o [T, Hq, Dv], lse [T, Hq] f32, scores [T, Hkv, Ns] f32 or None), Ns = ceil(max_seqlen / l')."""
+    q, kc, vc = fw.prepare(q), fw.prepare(kc), fw.prepare(vc)
+    T, Hq, Dqk = dims(q, "q", 3, "[T, Hq, Dqk]")
+    _, Hkv, _ = dims(kc, "kc", 3, "[T/d, Hkv, Dqk]")
+    Dv = dims(vc, "vc", 3, "[T/d, Hkv, Dv]")[2]
+    call = Call(fw, q, backend, num_threads, cu_seqlens, max_seqlen)
+    c = cfg.native()
+    o = fw.empty((T, Hq, Dv), q.dtype, q)
+    lse = fw.empty((T, Hq), fw.f32, q)
+    S = None
+    if scores:
+        ns = -(-call.longest(T) // max(cfg.slc_block_len, 1))
+        S = fw.empty((T, Hkv, ns), fw.f32, q)
+    ws = call.workspace("compressed_attention_fwd", c, T, Hq, Hkv, Dqk, Dv)
+    with fw.device_guard(q):
+        _nsa.compressed_attention_fwd(*call.ctx, c, q, kc, vc, call.cu, call.max_seqlen, o, lse, S, ws)
+    return o, lse, S
+
+
+def select_topn(fw, cfg: Config, scores, cu_seqlens=None, max_seqlen=None, backend="auto", num_threads=0):
+    """indices [T, Hkv, n] int32 (ascending, padded with -1) from scores [T, Hkv, Ns] f32."""
+    scores = fw.prepare(scores)
+    T, Hkv, _ = dims(scores, "scores", 3, "[T, Hkv, Ns]")
+    call = Call(fw, scores, backend, num_threads, cu_seqlens, max_seqlen)
+    c = cfg.native()
+    idx = fw.empty((T, Hkv, cfg.n_selected), fw.i32, scores)
+    ws = call.workspace("select_topn", c, T, Hkv, Hkv, 1, 1)
+    with fw.device_guard(scores):
+        _nsa.select_topn(*call.ctx, c, scores, call.cu, call.max_seqlen, idx, ws)
+    return idx
+
+
+def selected_attention(fw, cfg: Config, q, k, v, indices, cu_seqlens=None, max_seqlen=None,
+                       backend="auto", num_threads=0):
+    """(o [T, Hq, Dv], lse [T, Hq] f32): attention over the blocks in indices [T, Hkv, n]."""
+    q, k, v, indices = fw.prepare(q), fw.prepare(k), fw.prepare(v), fw.prepare(indices)
+    T, Hq, Dqk = dims(q, "q", 3, "[T, Hq, Dqk]")
+    Hkv = dims(k, "k", 3, "[T, Hkv, Dqk]")[1]
+    Dv = dims(v, "v", 3, "[T, Hkv, Dv]")[2]
+    call = Call(fw, q, backend, num_threads, cu_seqlens, max_seqlen)
+    c = cfg.native()
+    o = fw.empty((T, Hq, Dv), q.dtype, q)
+    lse = fw.empty((T, Hq), fw.f32, q)
+    ws = call.workspace("selected_attention_fwd", c, T, Hq, Hkv, Dqk, Dv)
+    with fw.device_guard(q):
+        _nsa.selected_attention_fwd(*call.ctx, c, q, k, v, indices, call.cu, call.max_seqlen, o, lse, ws)
+    return o, lse
+
+
+def window_attention(fw, cfg: Config, q, k, v, cu_seqlens=None, max_seqlen=None, backend="auto",
+                     num_threads=0):
+    """(o [T, Hq, Dv], lse [T, Hq] f32): sliding-window attention over the last w positions."""
+    q, k, v = fw.prepare(q), fw.prepare(k), fw.prepare(v)
+    T, Hq, Dqk = dims(q, "q", 3, "[T, Hq, Dqk]")
+    Hkv = dims(k, "k", 3, "[T, Hkv, Dqk]")[1]
+    Dv = dims(v, "v", 3, "[T, Hkv, Dv]")[2]
+    call = Call(fw, q, backend, num_threads, cu_seqlens, max_seqlen)
+    c = cfg.native()
+    o = fw.empty((T, Hq, Dv), q.dtype, q)
+    lse = fw.empty((T, Hq), fw.f32, q)
+    ws = call.workspace("window_attention_fwd", c, T, Hq, Hkv, Dqk, Dv)
+    with fw.device_guard(q):
+        _nsa.window_attention_fwd(*call.ctx, c, q, k, v, call.cu, call.max_seqlen, o, lse, ws)
+    return o, lse
+
+
+def split_kv(k, v):
+    """The six raw K/V arrays and shared_kv from k, v: arrays (shared) or 3-sequences (per branch)."""
+    k_seq, v_seq = isinstance(k, (tuple, list)), isinstance(v, (tuple, list))
+    if k_seq != v_seq:
+        raise error("v" if k_seq else "k", "an array" if k_seq else "a sequence",
+                    "must match k: both arrays (shared K/V) or both (cmp, slc, win) sequences")
+    if not k_seq:
+        return (k, v, None, None, None, None), True
+    if len(k) != 3 or len(v) != 3:
+        raise error("k" if len(k) != 3 else "v", f"a sequence of {len(k) if len(k) != 3 else len(v)}",
+                    "must hold 3 arrays (cmp, slc, win) or be one array shared by all branches")
+    return (k[0], v[0], k[1], v[1], k[2], v[2]), False
+
+
+class ForwardResult(NamedTuple):
+    o: Any  # [T, Hq, Dv]
+    lse: Any  # [T, Hq, 3] f32, per branch, -inf where a branch is empty
+    indices: Any  # [T, Hkv, n] int32
+    o_branch: Any  # [3, T, Hq, Dv] or None
+
+
+def forward(fw, cfg: Config, q, kv6, g, phi_k: Optional[Phi], phi_v: Optional[Phi], cu_seqlens=None,
+            max_seqlen=None, backend="auto", num_threads=0, branches=False) -> ForwardResult:
+    q, g = fw.prepare(q), fw.prepare(g)
+    kv6 = tuple(fw.prepare(x) for x in kv6)
+    shared = kv6[2] is None and kv6[3] is None and kv6[4] is None and kv6[5] is None
+    T, Hq, Dqk = dims(q, "q", 3, "[T, Hq, Dqk]")
+    Hkv = dims(kv6[0], "k_cmp", 3, "[T, Hkv, Dqk]")[1]
+    Dv = dims(kv6[1], "v_cmp", 3, "[T, Hkv, Dv]")[2]
+    call = Call(fw, q, backend, num_threads, cu_seqlens, max_seqlen)
+    c = cfg.native(phi_pair_kind(phi_k, phi_v), shared)
+    o = fw.empty((T, Hq, Dv), q.dtype, q)
+    lse = fw.empty((T, Hq, 3), fw.f32, q)
+    idx = fw.empty((T, Hkv, cfg.n_selected), fw.i32, q)
+    ob = fw.empty((3, T, Hq, Dv), q.dtype, q) if branches else None
+    ws = call.workspace("forward", c, T, Hq, Hkv, Dqk, Dv, max(phi_hidden(phi_k), phi_hidden(phi_v)))
+    with fw.device_guard(q):
+        _nsa.forward(*call.ctx, c, q, kv6, g, _phi_tuple(fw, phi_k), _phi_tuple(fw, phi_v), call.cu,
+                     call.max_seqlen, o, lse, idx, ob, ws)
+    return ForwardResult(o, lse, idx, ob)
+
+
+class Gradients(NamedTuple):
+    dq: Any  # [T, Hq, Dqk]
+    dkv: tuple  # six entries like the raw K/V; shared K/V: the sum over branches in dk_cmp/dv_cmp
+    dg: Any  # [T, Hq, 3]
+    dphi_k: Optional[Phi]
+    dphi_v: Optional[Phi]
+
+
+def backward(fw, cfg: Config, q, kv6, g, phi_k: Optional[Phi], phi_v: Optional[Phi], lse, indices, d_o,
+             cu_seqlens=None, max_seqlen=None, backend="auto", num_threads=0) -> Gradients:
+    q, g, lse, indices, d_o = (fw.prepare(x) for x in (q, g, lse, indices, d_o))
+    kv6 = tuple(fw.prepare(x) for x in kv6)
+    shared = kv6[2] is None and kv6[3] is None and kv6[4] is None and kv6[5] is None
+    T, Hq, Dqk = dims(q, "q", 3, "[T, Hq, Dqk]")
+    Hkv = dims(kv6[0], "k_cmp", 3, "[T, Hkv, Dqk]")[1]
+    Dv = dims(kv6[1], "v_cmp", 3, "[T, Hkv, Dv]")[2]
+    call = Call(fw, q, backend, num_threads, cu_seqlens, max_seqlen)
+    kind = phi_pair_kind(phi_k, phi_v)
+    c = cfg.native(kind, shared)
+
+    def like(x):
+        return None if x is None else fw.empty(tuple(x.shape), q.dtype, q)
+
+    dq = like(q)
+    dkv = tuple(like(x) for x in kv6)
+    dg = like(g)
+    dphi_k = None if phi_k is None else Phi(*[like(p) for p in phi_k])
+    dphi_v = None if phi_v is None else Phi(*[like(p) for p in phi_v])
+    ws = call.workspace("backward", c, T, Hq, Hkv, Dqk, Dv, max(phi_hidden(phi_k), phi_hidden(phi_v)))
+    with fw.device_guard(q):
+        _nsa.backward(*call.ctx, c, q, kv6, g, _phi_tuple(fw, phi_k), _phi_tuple(fw, phi_v), call.cu,
+                      call.max_seqlen, None, lse, indices, d_o, dq, dkv, dg,
+                      None if dphi_k is None else tuple(dphi_k), None if dphi_v is None else tuple(dphi_v), ws)
+    return Gradients(dq, dkv, dg, dphi_k, dphi_v)
+
+
+def dense_attention(fw, scale: float, q, k, v, cu_seqlens=None, max_seqlen=None, backend="auto",
+                    num_threads=0):
+    """(o [T, Hq, Dv], lse [T, Hq] f32): dense causal attention with GQA, per sequence."""
+    q, k, v = fw.prepare(q), fw.prepare(k), fw.prepare(v)
+    T, Hq, Dqk = dims(q, "q", 3, "[T, Hq, Dqk]")
+    Hkv = dims(k, "k", 3, "[T, Hkv, Dqk]")[1]
+    Dv = dims(v, "v", 3, "[T, Hkv, Dv]")[2]
+    call = Call(fw, q, backend, num_threads, cu_seqlens, max_seqlen)
+    o = fw.empty((T, Hq, Dv), q.dtype, q)
+    lse = fw.empty((T, Hq), fw.f32, q)
+    ws = call.workspace("dense_attention_fwd", Config(scale=scale).native(), T, Hq, Hkv, Dqk, Dv)
+    with fw.device_guard(q):
+        _nsa.dense_attention_fwd(*call.ctx, float(scale), q, k, v, call.cu, call.max_seqlen, o, lse, ws)
+    return o, lse
+
+
+def dense_attention_backward(fw, scale: float, q, k, v, o, lse, d_o, cu_seqlens=None, max_seqlen=None,
+                             backend="auto", num_threads=0):
+    """(dq, dk, dv) of dense_attention, given its o and lse."""
+    q, k, v, o, lse, d_o = (fw.prepare(x) for x in (q, k, v, o, lse, d_o))
+    T, Hq, Dqk = dims(q, "q", 3, "[T, Hq, Dqk]")
+    Hkv = dims(k, "k", 3, "[T, Hkv, Dqk]")[1]
+    Dv = dims(v, "v", 3, "[T, Hkv, Dv]")[2]
+    call = Call(fw, q, backend, num_threads, cu_seqlens, max_seqlen)
+    dq = fw.empty(tuple(q.shape), q.dtype, q)
+    dk = fw.empty(tuple(k.shape), q.dtype, q)
+    dv = fw.empty(tuple(v.shape), q.dtype, q)
+    ws = call.workspace("dense_attention_bwd", Config(scale=scale).native(), T, Hq, Hkv, Dqk, Dv)
+    with fw.device_guard(q):
+        _nsa.dense_attention_bwd(*call.ctx, float(scale), q, k, v, call.cu, call.max_seqlen, o, lse, d_o,
+                                 dq, dk, dv, ws)
+    return dq, dk, dv
+
+
+def default_scale(dqk: int) -> float:
+    return 1.0 / math.sqrt(dqk)

@@ -1,0 +1,183 @@
+"""The functional API: NSA and its stages on numpy arrays and torch tensors.
+
+Every function takes host or CUDA arrays of one framework and returns arrays of the same
+framework on the same device. Torch tensors go through the operators of ``nsa.torch_ops``
+(``torch.ops.nsa.*``), so autograd and ``torch.compile`` work where the library has a backward
+(``attention``, ``compress``, ``dense_attention``); the other stages are forward-only.
+
+Shapes (spec §1; T = packed tokens of all sequences, see ``cu_seqlens``):
+  q [T, Hq, Dqk]; k [T, Hkv, Dqk]; v [T, Hkv, Dv]; g [T, Hq, 3] gates (cmp, slc, win).
+Common keyword arguments:
+  cu_seqlens  [B+1] integer offsets of B packed sequences (None: one sequence); converted to int32.
+  max_seqlen  the longest sequence; required only when cu_seqlens is on a GPU.
+  config      an nsa.Config (default: the paper's values); single fields may also be given as
+              keywords, e.g. ``window=64``.
+  backend     'auto' (CUDA for device arrays; reference for float64, else the fast CPU backend
+              when it is compiled in, else reference), 'reference', 'cpu' or 'cuda'.
+  num_threads CPU backends: threads to use (0: OpenMP's default). Results never depend on it.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+from . import _core
+from ._core import Config, Phi, as_phi, arrays_for, is_torch, make_config, split_kv
+
+
+class AttentionAux(NamedTuple):
+    lse: Any  # [T, Hq, 3] float32: each branch's log-sum-exp, -inf where the branch saw no key
+    indices: Any  # [T, Hkv, n] int32: selected blocks per token and KV head, ascending, -1 padded
+
+
+def _torch_ops():
+    from . import torch_ops
+
+    return torch_ops
+
+
+def attention(q, k, v, g, phi_k=None, phi_v=None, *, cu_seqlens=None, max_seqlen=None,
+              config: Optional[Config] = None, backend: str = "auto", num_threads: int = 0,
+              return_aux: bool = False, **config_fields):
+    """Native Sparse Attention (spec §2-§7): o [T, Hq, Dv] = sum_b g[..., b] * o_b.
+
+    k, v: one array each, shared by the three branches, or a (cmp, slc, win) tuple each for
+    independent K/V per branch (the paper's choice). phi_k, phi_v: the compression functions'
+    parameters (``nsa.Phi``); None for mean pooling. With ``return_aux`` the result is
+    ``(o, AttentionAux(lse, indices))``.
+    """
+    cfg = make_config(config, config_fields)
+    phi_k, phi_v = as_phi(phi_k, "phi_k"), as_phi(phi_v, "phi_v")
+    kv6, _ = split_kv(k, v)
+    if is_torch(q):
+        o, lse, idx = _torch_ops().attention(q, kv6, g, phi_k, phi_v, cfg, cu_seqlens, max_seqlen,
+                                              backend, num_threads)
+    else:
+        o, lse, idx, _ = _core.forward(arrays_for(q), cfg, q, kv6, g, phi_k, phi_v, cu_seqlens,
+                                       max_seqlen, backend, num_threads)
+    return (o, AttentionAux(lse, idx)) if return_aux else o
+
+
+def attention_branches(q, k, v, g, phi_k=None, phi_v=None, *, cu_seqlens=None, max_seqlen=None,
+                       config: Optional[Config] = None, backend: str = "auto", num_threads: int = 0,
+                       **config_fields):
+    """Forward only, with every branch's output before gating: ``_core.ForwardResult``
+    (o, lse [T, Hq, 3], indices [T, Hkv, n], o_branch [3, T, Hq, Dv]). No autograd."""
+    cfg = make_config(config, config_fields)
+    phi_k, phi_v = as_phi(phi_k, "phi_k"), as_phi(phi_v, "phi_v")
+    kv6, _ = split_kv(k, v)
+    return _core.forward(arrays_for(q), cfg, q, kv6, g, phi_k, phi_v, cu_seqlens, max_seqlen, backend,
+                         num_threads, branches=True)
+
+
+def attention_backward(q, k, v, g, phi_k, phi_v, lse, indices, d_o, *, cu_seqlens=None, max_seqlen=None,
+                       config: Optional[Config] = None, backend: str = "auto", num_threads: int = 0,
+                       **config_fields) -> _core.Gradients:
+    """Gradients of NSA (spec §8) given what ``attention(..., return_aux=True)`` returned and
+    d_o = dLoss/do [T, Hq, Dv]. Selection is a constant. Returns ``Gradients(dq, dk, dv, dg,
+    dphi_k, dphi_v)`` where dk/dv are arrays (shared K/V) or (cmp, slc, win) tuples like k/v."""
+    cfg = make_config(config, config_fields)
+    phi_k, phi_v = as_phi(phi_k, "phi_k"), as_phi(phi_v, "phi_v")
+    kv6, shared = split_kv(k, v)
+    grads = _core.backward(arrays_for(q), cfg, q, kv6, g, phi_k, phi_v, lse, indices, d_o, cu_seqlens,
+                           max_seqlen, backend, num_threads)
+    d = grads.dkv
+    dk, dv = (d[0], d[1]) if shared else ((d[0], d[2], d[4]), (d[1], d[3], d[5]))
+    return Gradients(grads.dq, dk, dv, grads.dg, grads.dphi_k, grads.dphi_v)
+
+
+class Gradients(NamedTuple):
+    dq: Any
+    dk: Any  # like k: one array (shared K/V: summed over branches) or (cmp, slc, win)
+    dv: Any
+    dg: Any
+    dphi_k: Optional[Phi]
+    dphi_v: Optional[Phi]
+
+
+def compress(x, phi=None, *, cu_seqlens=None, max_seqlen=None, config: Optional[Config] = None,
+             backend: str = "auto", num_threads: int = 0, **config_fields):
+    """Compressed keys or values (spec §2): x [T, Hkv, D] -> xc [T // d, Hkv, D].
+
+    The sequence that starts at packed token s owns rows s // d .. s // d + N_c - 1 (blocks.h);
+    rows that no block uses are zero. Differentiable for torch tensors."""
+    cfg = make_config(config, config_fields)
+    phi = as_phi(phi, "phi")
+    if is_torch(x):
+        return _torch_ops().compress(x, phi, cfg, cu_seqlens, max_seqlen, backend, num_threads)
+    return _core.compress(arrays_for(x), cfg, phi, x, cu_seqlens, max_seqlen, backend, num_threads)
+
+
+def compress_backward(x, phi, dxc, *, cu_seqlens=None, max_seqlen=None, config: Optional[Config] = None,
+                      backend: str = "auto", num_threads: int = 0, **config_fields):
+    """(dx [T, Hkv, D], dphi) of ``compress`` given dxc [T // d, Hkv, D]; dphi is None for mean."""
+    cfg = make_config(config, config_fields)
+    phi = as_phi(phi, "phi")
+    return _core.compress_backward(arrays_for(x), cfg, phi, x, dxc, cu_seqlens, max_seqlen, backend,
+                                   num_threads)
+
+
+def compressed_attention(q, kc, vc, *, cu_seqlens=None, max_seqlen=None, scores: bool = True,
+                         config: Optional[Config] = None, backend: str = "auto", num_threads: int = 0,
+                         **config_fields):
+    """Compression branch and selection scores (spec §2-§3): q [T, Hq, Dqk] against the
+    compressed kc [T // d, Hkv, Dqk], vc [T // d, Hkv, Dv] (as ``compress`` lays them out).
+    Returns (o [T, Hq, Dv], lse [T, Hq] f32, S [T, Hkv, ceil(max_seqlen / l')] f32 or None)."""
+    cfg = make_config(config, config_fields)
+    if is_torch(q):
+        return _torch_ops().compressed_attention(q, kc, vc, cfg, cu_seqlens, max_seqlen, scores, backend,
+                                                 num_threads)
+    return _core.compressed_attention(arrays_for(q), cfg, q, kc, vc, cu_seqlens, max_seqlen, scores, backend,
+                                      num_threads)
+
+
+def select_topn(scores, *, cu_seqlens=None, max_seqlen=None, config: Optional[Config] = None,
+                backend: str = "auto", num_threads: int = 0, **config_fields):
+    """Top-n selection (spec §4): scores [T, Hkv, Ns] f32 -> indices [T, Hkv, n] int32, ascending,
+    padded with -1; forced initial and local blocks included, ties to the smaller block."""
+    cfg = make_config(config, config_fields)
+    if is_torch(scores):
+        return _torch_ops().select_topn(scores, cfg, cu_seqlens, max_seqlen, backend, num_threads)
+    return _core.select_topn(arrays_for(scores), cfg, scores, cu_seqlens, max_seqlen, backend, num_threads)
+
+
+def selected_attention(q, k, v, indices, *, cu_seqlens=None, max_seqlen=None, config: Optional[Config] = None,
+                       backend: str = "auto", num_threads: int = 0, **config_fields):
+    """Selection branch (spec §5): attention over the blocks in indices [T, Hkv, n].
+    Returns (o [T, Hq, Dv], lse [T, Hq] f32)."""
+    cfg = make_config(config, config_fields)
+    if is_torch(q):
+        return _torch_ops().selected_attention(q, k, v, indices, cfg, cu_seqlens, max_seqlen, backend,
+                                               num_threads)
+    return _core.selected_attention(arrays_for(q), cfg, q, k, v, indices, cu_seqlens, max_seqlen, backend,
+                                    num_threads)
+
+
+def window_attention(q, k, v, *, cu_seqlens=None, max_seqlen=None, config: Optional[Config] = None,
+                     backend: str = "auto", num_threads: int = 0, **config_fields):
+    """Sliding-window branch (spec §6): keys max(0, t - w + 1) .. t.
+    Returns (o [T, Hq, Dv], lse [T, Hq] f32)."""
+    cfg = make_config(config, config_fields)
+    if is_torch(q):
+        return _torch_ops().window_attention(q, k, v, cfg, cu_seqlens, max_seqlen, backend, num_threads)
+    return _core.window_attention(arrays_for(q), cfg, q, k, v, cu_seqlens, max_seqlen, backend, num_threads)
+
+
+def dense_attention(q, k, v, *, scale: Optional[float] = None, cu_seqlens=None, max_seqlen=None,
+                    backend: str = "auto", num_threads: int = 0, return_lse: bool = False):
+    """Dense causal attention with GQA, per sequence (the baseline NSA is compared with).
+    scale None means 1/sqrt(Dqk). Returns o [T, Hq, Dv] (and lse [T, Hq] f32 with return_lse).
+    Differentiable for torch tensors."""
+    s = 0.0 if scale is None else float(scale)
+    if is_torch(q):
+        o, lse = _torch_ops().dense_attention(q, k, v, s, cu_seqlens, max_seqlen, backend, num_threads)
+    else:
+        o, lse = _core.dense_attention(arrays_for(q), s, q, k, v, cu_seqlens, max_seqlen, backend, num_threads)
+    return (o, lse) if return_lse else o
+
+
+def dense_attention_backward(q, k, v, o, lse, d_o, *, scale: Optional[float] = None, cu_seqlens=None,
+                             max_seqlen=None, backend: str = "auto", num_threads: int = 0):
+    """(dq, dk, dv) of ``dense_attention`` given its o and lse."""
+    s = 0.0 if scale is None else float(scale)
+    return _core.dense_attention_backward(arrays_for(q), s, q, k, v, o, lse, d_o, cu_seqlens, max_seqlen,
+                                          backend, num_threads)

@@ -1,0 +1,370 @@
+"""PyTorch operators of nsa: ``torch.ops.nsa.*``, with autograd and fake-tensor implementations.
+
+The operators are registered with ``torch.library.custom_op``, so ``torch.compile`` treats each
+one as an opaque node (their fake implementations give it the output shapes), and autograd
+uses the library's own backward through ``register_autograd``:
+
+  nsa::forward / nsa::backward                     the whole layer (spec §2-§8)
+  nsa::compress / nsa::compress_backward           phi over blocks (spec §2)
+  nsa::dense_attention / nsa::dense_attention_backward   the dense baseline
+  nsa::compressed_attention, nsa::select_topn, nsa::selected_attention, nsa::window_attention
+                                                   forward-only stages (the library has no
+                                                   per-stage backward; use nsa::forward to train)
+
+Outputs and workspaces are allocated with torch on the inputs' device (the caching allocator on
+CUDA) and the library runs on ``torch.cuda.current_stream()``. Config travels as a list of 7
+integers (l, d, l', n, n_init, n_local, w) plus the float scale, which is what an operator
+schema can carry. Absent optional tensors are None; an absent gradient is an empty tensor.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _core
+from ._core import Config, Phi
+
+_fw = _core.TorchArrays()
+
+# The differentiable inputs of nsa::forward, in schema order (18): q, six K/V, g, phi_k, phi_v.
+_N_KV = 6
+_N_PHI = 5
+
+
+def _phi(w1, b1, w2, b2, pe) -> Optional[Phi]:
+    p = Phi(w1, b1, w2, b2, pe)
+    return None if all(x is None for x in p) else p
+
+
+def _phi_args(phi: Optional[Phi]) -> list:
+    return [None] * _N_PHI if phi is None else list(phi)
+
+
+def _empty_grad(like: Tensor) -> Tensor:
+    # A custom operator cannot return None: an absent gradient is an empty tensor.
+    return like.new_empty((0,))
+
+
+def _cfg(config: List[int], scale: float) -> Config:
+    return Config.from_ints(config, scale)
+
+
+# ---- nsa::forward / nsa::backward ---------------------------------------------------------------
+
+
+@torch.library.custom_op("nsa::forward", mutates_args=())
+def forward_op(
+    q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Optional[Tensor], v_slc: Optional[Tensor],
+    k_win: Optional[Tensor], v_win: Optional[Tensor], g: Tensor,
+    phi_k_w1: Optional[Tensor], phi_k_b1: Optional[Tensor], phi_k_w2: Optional[Tensor],
+    phi_k_b2: Optional[Tensor], phi_k_pe: Optional[Tensor],
+    phi_v_w1: Optional[Tensor], phi_v_b1: Optional[Tensor], phi_v_w2: Optional[Tensor],
+    phi_v_b2: Optional[Tensor], phi_v_pe: Optional[Tensor],
+    cu_seqlens: Optional[Tensor], max_seqlen: int, config: List[int], scale: float, backend: str,
+    num_threads: int,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """o [T, Hq, Dv], lse [T, Hq, 3] f32, indices [T, Hkv, n] int32."""
+    r = _core.forward(_fw, _cfg(config, scale), q, (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win), g,
+                      _phi(phi_k_w1, phi_k_b1, phi_k_w2, phi_k_b2, phi_k_pe),
+                      _phi(phi_v_w1, phi_v_b1, phi_v_w2, phi_v_b2, phi_v_pe),
+                      cu_seqlens, max_seqlen, backend, num_threads)
+    return r.o, r.lse, r.indices
+
+
+@forward_op.register_fake
+def _forward_fake(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, g, *rest):
+    config = rest[2 * _N_PHI + 2]
+    T, Hq = q.shape[0], q.shape[1]
+    return (q.new_empty((T, Hq, v_cmp.shape[2])), q.new_empty((T, Hq, 3), dtype=torch.float32),
+            q.new_empty((T, k_cmp.shape[1], config[3]), dtype=torch.int32))
+
+
+@torch.library.custom_op("nsa::backward", mutates_args=())
+def backward_op(
+    q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Optional[Tensor], v_slc: Optional[Tensor],
+    k_win: Optional[Tensor], v_win: Optional[Tensor], g: Tensor,
+    phi_k_w1: Optional[Tensor], phi_k_b1: Optional[Tensor], phi_k_w2: Optional[Tensor],
+    phi_k_b2: Optional[Tensor], phi_k_pe: Optional[Tensor],
+    phi_v_w1: Optional[Tensor], phi_v_b1: Optional[Tensor], phi_v_w2: Optional[Tensor],
+    phi_v_b2: Optional[Tensor], phi_v_pe: Optional[Tensor],
+    cu_seqlens: Optional[Tensor], max_seqlen: int, config: List[int], scale: float, backend: str,
+    num_threads: int, lse: Tensor, indices: Tensor, d_o: Tensor,
+) -> List[Tensor]:
+    """The 18 gradients in the order of nsa::forward's tensor inputs; empty where an input was None
+    (shared K/V: the sum over branches is in dk_cmp, dv_cmp)."""
+    phi_k = _phi(phi_k_w1, phi_k_b1, phi_k_w2, phi_k_b2, phi_k_pe)
+    phi_v = _phi(phi_v_w1, phi_v_b1, phi_v_w2, phi_v_b2, phi_v_pe)
+    r = _core.backward(_fw, _cfg(config, scale), q, (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win), g, phi_k,
+                       phi_v, lse, indices, d_o, cu_seqlens, max_seqlen, backend, num_threads)
+    grads = [r.dq, *r.dkv, r.dg, *_phi_args(r.dphi_k), *_phi_args(r.dphi_v)]
+    return [x if x is not None else _empty_grad(q) for x in grads]
+
+
+@backward_op.register_fake
+def _backward_fake(*args):
+    inputs = args[: 8 + 2 * _N_PHI]
+    q = inputs[0]
+    return [q.new_empty(x.shape) if x is not None else _empty_grad(q) for x in inputs]
+
+
+def _forward_setup(ctx, inputs, output):
+    tensors = inputs[: 8 + 2 * _N_PHI + 1]  # the differentiable inputs and cu_seqlens
+    ctx.present = [x is not None for x in tensors]
+    ctx.statics = inputs[8 + 2 * _N_PHI + 1:]  # max_seqlen, config, scale, backend, num_threads
+    _, lse, indices = output
+    ctx.mark_non_differentiable(lse, indices)
+    ctx.save_for_backward(*tensors, lse, indices)
+
+
+def _forward_backward(ctx, d_o, _d_lse, _d_indices):
+    saved = ctx.saved_tensors
+    tensors, lse, indices = saved[:-2], saved[-2], saved[-1]
+    grads = torch.ops.nsa.backward(*tensors, *ctx.statics, lse, indices, d_o.contiguous())
+    n_grad = 8 + 2 * _N_PHI
+    out = [grad if present else None for grad, present in zip(grads, ctx.present[:n_grad])]
+    return (*out, None, None, None, None, None, None)  # cu_seqlens and the 5 statics
+
+
+forward_op.register_autograd(_forward_backward, setup_context=_forward_setup)
+
+
+# ---- nsa::compress ----------------------------------------------------------------------------
+
+
+@torch.library.custom_op("nsa::compress", mutates_args=())
+def compress_op(
+    x: Tensor, w1: Optional[Tensor], b1: Optional[Tensor], w2: Optional[Tensor], b2: Optional[Tensor],
+    pe: Optional[Tensor], cu_seqlens: Optional[Tensor], max_seqlen: int, config: List[int], backend: str,
+    num_threads: int,
+) -> Tensor:
+    """xc [T // d, Hkv, D]; rows no compressed block uses are zero."""
+    return _core.compress(_fw, _cfg(config, 0.0), _phi(w1, b1, w2, b2, pe), x, cu_seqlens, max_seqlen,
+                          backend, num_threads)
+
+
+@compress_op.register_fake
+def _compress_fake(x, w1, b1, w2, b2, pe, cu_seqlens, max_seqlen, config, backend, num_threads):
+    return x.new_empty((x.shape[0] // config[1], x.shape[1], x.shape[2]))
+
+
+@torch.library.custom_op("nsa::compress_backward", mutates_args=())
+def compress_backward_op(
+    x: Tensor, w1: Optional[Tensor], b1: Optional[Tensor], w2: Optional[Tensor], b2: Optional[Tensor],
+    pe: Optional[Tensor], cu_seqlens: Optional[Tensor], max_seqlen: int, config: List[int], backend: str,
+    num_threads: int, dxc: Tensor,
+) -> List[Tensor]:
+    """[dx, dw1, db1, dw2, db2, dpe], empty where a parameter was None."""
+    dx, dphi = _core.compress_backward(_fw, _cfg(config, 0.0), _phi(w1, b1, w2, b2, pe), x, dxc, cu_seqlens,
+                                       max_seqlen, backend, num_threads)
+    return [dx] + [p if p is not None else _empty_grad(x) for p in _phi_args(dphi)]
+
+
+@compress_backward_op.register_fake
+def _compress_backward_fake(x, w1, b1, w2, b2, pe, *rest):
+    return [x.new_empty(x.shape)] + [x.new_empty(p.shape) if p is not None else _empty_grad(x)
+                                     for p in (w1, b1, w2, b2, pe)]
+
+
+def _compress_setup(ctx, inputs, output):
+    ctx.present = [x is not None for x in inputs[:6]]
+    ctx.statics = inputs[7:]
+    ctx.save_for_backward(*inputs[:7])
+
+
+def _compress_backward(ctx, dxc):
+    saved = ctx.saved_tensors
+    grads = torch.ops.nsa.compress_backward(*saved, *ctx.statics, dxc.contiguous())
+    out = [grad if present else None for grad, present in zip(grads, ctx.present)]
+    return (*out, None, None, None, None, None)
+
+
+compress_op.register_autograd(_compress_backward, setup_context=_compress_setup)
+
+
+# ---- nsa::dense_attention ---------------------------------------------------------------------
+
+
+@torch.library.custom_op("nsa::dense_attention", mutates_args=())
+def dense_attention_op(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], max_seqlen: int, scale: float,
+    backend: str, num_threads: int,
+) -> Tuple[Tensor, Tensor]:
+    """o [T, Hq, Dv], lse [T, Hq] f32."""
+    return _core.dense_attention(_fw, scale, q, k, v, cu_seqlens, max_seqlen, backend, num_threads)
+
+
+@dense_attention_op.register_fake
+def _dense_fake(q, k, v, *rest):
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@torch.library.custom_op("nsa::dense_attention_backward", mutates_args=())
+def dense_attention_backward_op(
+    q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, d_o: Tensor, cu_seqlens: Optional[Tensor],
+    max_seqlen: int, scale: float, backend: str, num_threads: int,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    return _core.dense_attention_backward(_fw, scale, q, k, v, o, lse, d_o, cu_seqlens, max_seqlen, backend,
+                                          num_threads)
+
+
+@dense_attention_backward_op.register_fake
+def _dense_backward_fake(q, k, v, *rest):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _dense_setup(ctx, inputs, output):
+    q, k, v, cu_seqlens = inputs[:4]
+    o, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.statics = inputs[4:]
+    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
+
+
+def _dense_backward(ctx, d_o, _d_lse):
+    q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
+    max_seqlen, scale, backend, num_threads = ctx.statics
+    dq, dk, dv = torch.ops.nsa.dense_attention_backward(q, k, v, o, lse, d_o.contiguous(), cu_seqlens,
+                                                        max_seqlen, scale, backend, num_threads)
+    return dq, dk, dv, None, None, None, None, None
+
+
+dense_attention_op.register_autograd(_dense_backward, setup_context=_dense_setup)
+
+
+# ---- Forward-only stages ----------------------------------------------------------------------
+
+
+@torch.library.custom_op("nsa::compressed_attention", mutates_args=())
+def compressed_attention_op(
+    q: Tensor, kc: Tensor, vc: Tensor, cu_seqlens: Optional[Tensor], max_seqlen: int, config: List[int],
+    scale: float, scores: bool, backend: str, num_threads: int,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """o [T, Hq, Dv], lse [T, Hq] f32, S [T, Hkv, ceil(max_seqlen / l')] f32 (empty without scores).
+    max_seqlen must be the real value here (it sets S's width)."""
+    o, lse, s = _core.compressed_attention(_fw, _cfg(config, scale), q, kc, vc, cu_seqlens, max_seqlen, scores,
+                                           backend, num_threads)
+    return o, lse, s if s is not None else _empty_grad(lse)
+
+
+@compressed_attention_op.register_fake
+def _compressed_attention_fake(q, kc, vc, cu_seqlens, max_seqlen, config, scale, scores, *rest):
+    T, Hq = q.shape[0], q.shape[1]
+    o = q.new_empty((T, Hq, vc.shape[2]))
+    lse = q.new_empty((T, Hq), dtype=torch.float32)
+    ns = -(-max_seqlen // config[2])
+    s = q.new_empty((T, kc.shape[1], ns) if scores else (0,), dtype=torch.float32)
+    return o, lse, s
+
+
+@torch.library.custom_op("nsa::select_topn", mutates_args=())
+def select_topn_op(
+    scores: Tensor, cu_seqlens: Optional[Tensor], max_seqlen: int, config: List[int], backend: str,
+    num_threads: int,
+) -> Tensor:
+    return _core.select_topn(_fw, _cfg(config, 0.0), scores, cu_seqlens, max_seqlen, backend, num_threads)
+
+
+@select_topn_op.register_fake
+def _select_topn_fake(scores, cu_seqlens, max_seqlen, config, *rest):
+    return scores.new_empty((scores.shape[0], scores.shape[1], config[3]), dtype=torch.int32)
+
+
+@torch.library.custom_op("nsa::selected_attention", mutates_args=())
+def selected_attention_op(
+    q: Tensor, k: Tensor, v: Tensor, indices: Tensor, cu_seqlens: Optional[Tensor], max_seqlen: int,
+    config: List[int], scale: float, backend: str, num_threads: int,
+) -> Tuple[Tensor, Tensor]:
+    return _core.selected_attention(_fw, _cfg(config, scale), q, k, v, indices, cu_seqlens, max_seqlen, backend,
+                                    num_threads)
+
+
+@selected_attention_op.register_fake
+def _selected_attention_fake(q, k, v, *rest):
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@torch.library.custom_op("nsa::window_attention", mutates_args=())
+def window_attention_op(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], max_seqlen: int, config: List[int],
+    scale: float, backend: str, num_threads: int,
+) -> Tuple[Tensor, Tensor]:
+    return _core.window_attention(_fw, _cfg(config, scale), q, k, v, cu_seqlens, max_seqlen, backend,
+                                  num_threads)
+
+
+@window_attention_op.register_fake
+def _window_attention_fake(q, k, v, *rest):
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+# ---- Python wrappers (what nsa.functional calls for torch tensors) -------------------------------
+
+
+def sequences(cu_seqlens, max_seqlen, like: Tensor):
+    """cu_seqlens as an int32 tensor on like's device, and max_seqlen (0: the library derives it).
+
+    Host offsets for device inputs are read here (no device sync) and then copied over, so that
+    the library, which never syncs to read device offsets, gets max_seqlen."""
+    if cu_seqlens is None:
+        return None, int(max_seqlen or 0)
+    if not isinstance(cu_seqlens, Tensor):
+        cu_seqlens = torch.as_tensor(cu_seqlens)
+    if cu_seqlens.is_floating_point():
+        raise _core.error("cu_seqlens.dtype", str(cu_seqlens.dtype), "must be an integer type")
+    ms = int(max_seqlen or 0)
+    if cu_seqlens.device != like.device:
+        if cu_seqlens.device.type == "cpu" and not ms and cu_seqlens.numel() > 1:
+            ms = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        cu_seqlens = cu_seqlens.to(like.device)
+    if cu_seqlens.dtype != torch.int32:
+        cu_seqlens = cu_seqlens.to(torch.int32)
+    return cu_seqlens, ms
+
+
+def attention(q, kv6, g, phi_k, phi_v, cfg: Config, cu_seqlens, max_seqlen, backend, num_threads):
+    cu, ms = sequences(cu_seqlens, max_seqlen, q)
+    return torch.ops.nsa.forward(q, *kv6, g, *_phi_args(phi_k), *_phi_args(phi_v), cu, ms, cfg.ints(),
+                                 float(cfg.scale), backend, int(num_threads))
+
+
+def compress(x, phi, cfg: Config, cu_seqlens, max_seqlen, backend, num_threads):
+    cu, ms = sequences(cu_seqlens, max_seqlen, x)
+    return torch.ops.nsa.compress(x, *_phi_args(phi), cu, ms, cfg.ints(), backend, int(num_threads))
+
+
+def dense_attention(q, k, v, scale, cu_seqlens, max_seqlen, backend, num_threads):
+    cu, ms = sequences(cu_seqlens, max_seqlen, q)
+    return torch.ops.nsa.dense_attention(q, k, v, cu, ms, float(scale), backend, int(num_threads))
+
+
+def compressed_attention(q, kc, vc, cfg: Config, cu_seqlens, max_seqlen, scores, backend, num_threads):
+    cu, ms = sequences(cu_seqlens, max_seqlen, q)
+    if not ms:  # S's width depends on it; read host offsets (or T for one sequence)
+        if cu is None:
+            ms = int(q.shape[0])
+        elif cu.device.type == "cpu":
+            ms = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+        else:
+            raise _core.error("max_seqlen", 0, "must be given (>= the longest sequence) when cu_seqlens is on the GPU")
+    o, lse, s = torch.ops.nsa.compressed_attention(q, kc, vc, cu, ms, cfg.ints(), float(cfg.scale), bool(scores),
+                                                   backend, int(num_threads))
+    return o, lse, (s if scores else None)
+
+
+def select_topn(scores, cfg: Config, cu_seqlens, max_seqlen, backend, num_threads):
+    cu, ms = sequences(cu_seqlens, max_seqlen, scores)
+    return torch.ops.nsa.select_topn(scores, cu, ms, cfg.ints(), backend, int(num_threads))
+
+
+def selected_attention(q, k, v, indices, cfg: Config, cu_seqlens, max_seqlen, backend, num_threads):
+    cu, ms = sequences(cu_seqlens, max_seqlen, q)
+    return torch.ops.nsa.selected_attention(q, k, v, indices, cu, ms, cfg.ints(), float(cfg.scale), backend,
+                                            int(num_threads))
+
+
+def window_attention(q, k, v, cfg: Config, cu_seqlens, max_seqlen, backend, num_threads):
+    cu, ms = sequences(cu_seqlens, max_seqlen, q)
+    return torch.ops.nsa.window_attention(q, k, v, cu, ms, cfg.ints(), float(cfg.scale), backend,
+                                          int(num_threads))

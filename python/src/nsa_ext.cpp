@@ -1,0 +1,468 @@
+// The Python extension nsa._nsa: a thin layer from DLPack arrays to the C++ API.
+//
+// Arrays of any framework arrive through nanobind's ndarray (DLPack), on the host or a CUDA
+// device, and become nsa::TensorViews without a copy. This layer checks nothing about shapes:
+// src/api.cpp validates every call and its nsa::Error becomes nsa.Error (a ValueError) in Python.
+// It allocates nothing either: outputs and workspaces come from the caller's framework (the
+// Python package allocates them with numpy or torch). It does not link against PyTorch.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "nsa/nsa.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+// DLPack device types (dlpack.h, DLDeviceType) that nsa understands.
+constexpr int kDLCPU = 1;
+constexpr int kDLCUDA = 2;
+constexpr int kDLCUDAHost = 3;  // pinned host memory: a host array for nsa
+
+// Python exception type for nsa::Error (a subclass of ValueError), created at module import.
+PyObject* g_error_type = nullptr;
+
+nsa::DType dtype_of(const nb::dlpack::dtype& t, const std::string& name) {
+  using nb::dlpack::dtype_code;
+  if (t.lanes == 1) {
+    if (t.code == static_cast<uint8_t>(dtype_code::Float) && t.bits == 32) return nsa::DType::f32;
+    if (t.code == static_cast<uint8_t>(dtype_code::Float) && t.bits == 64) return nsa::DType::f64;
+    if (t.code == static_cast<uint8_t>(dtype_code::Float) && t.bits == 16) return nsa::DType::f16;
+    if (t.code == static_cast<uint8_t>(dtype_code::Bfloat) && t.bits == 16) return nsa::DType::bf16;
+    if (t.code == static_cast<uint8_t>(dtype_code::Int) && t.bits == 32) return nsa::DType::i32;
+  }
+  throw nsa::Error(name + ".dtype",
+                   "(DLPack code " + std::to_string(t.code) + ", " + std::to_string(t.bits) +
+                       " bits, " + std::to_string(t.lanes) + " lanes)",
+                   "must be float32, float16, bfloat16, float64 or int32");
+}
+
+// Keeps the imported arrays alive for the duration of one call and turns them into views.
+class Arrays {
+ public:
+  // None gives an absent view (ndim 0).
+  nsa::TensorView view(nb::handle obj, const std::string& name) {
+    if (obj.is_none()) return {};
+    nb::ndarray<> array;
+    if (!nb::try_cast(obj, array))
+      throw nsa::Error(name, std::string("an object of type ") + nb::inst_name(obj).c_str(),
+                       "must be an array that supports DLPack (numpy, torch, ...) or None");
+    return keep(std::move(array), name);
+  }
+
+  // A flat byte buffer (any dtype) used as a workspace; None gives no workspace.
+  nsa::Workspace workspace(nb::handle obj) {
+    if (obj.is_none()) return {};
+    nb::ndarray<> array;
+    if (!nb::try_cast(obj, array))
+      throw nsa::Error("workspace", std::string("an object of type ") + nb::inst_name(obj).c_str(),
+                       "must be a contiguous array that supports DLPack, or None");
+    nsa::Workspace ws;
+    ws.data = array.data();
+    ws.bytes = array.nbytes();
+    held_.push_back(std::move(array));
+    return ws;
+  }
+
+ private:
+  nsa::TensorView keep(nb::ndarray<> array, const std::string& name) {
+    nsa::TensorView t;
+    if (array.ndim() < 1 || array.ndim() > static_cast<size_t>(nsa::kMaxDims))
+      throw nsa::Error(name + ".ndim", std::to_string(array.ndim()),
+                       "must be 1 to " + std::to_string(nsa::kMaxDims));
+    t.data = array.data();
+    t.dtype = dtype_of(array.dtype(), name);
+    t.ndim = static_cast<int>(array.ndim());
+    for (int d = 0; d < t.ndim; ++d) {
+      t.shape[d] = static_cast<int64_t>(array.shape(static_cast<size_t>(d)));
+      t.stride[d] = array.stride(static_cast<size_t>(d));  // DLPack strides are in elements
+    }
+    switch (array.device_type()) {
+      case kDLCPU:
+      case kDLCUDAHost: t.device = nsa::Device::cpu; break;
+      case kDLCUDA: t.device = nsa::Device::cuda; break;
+      default:
+        throw nsa::Error(name + ".device", "DLPack device type " + std::to_string(array.device_type()),
+                         "must be the host (cpu) or a CUDA device");
+    }
+    t.device_index = t.device == nsa::Device::cuda ? array.device_id() : 0;
+    held_.push_back(std::move(array));
+    return t;
+  }
+
+  std::vector<nb::ndarray<>> held_;
+};
+
+nsa::PhiParams phi_views(Arrays& arrays, nb::handle params, const std::string& name) {
+  // params: None (mean) or a sequence (w1, b1, w2, b2, pe) whose entries may be None.
+  nsa::PhiParams p;
+  if (params.is_none()) return p;
+  nb::sequence seq = nb::cast<nb::sequence>(params);
+  if (nb::len(seq) != 5)
+    throw nsa::Error(name, "a sequence of " + std::to_string(nb::len(seq)) + " entries",
+                     "must be None or (w1, b1, w2, b2, pe)");
+  p.w1 = arrays.view(seq[0], name + ".w1");
+  p.b1 = arrays.view(seq[1], name + ".b1");
+  p.w2 = arrays.view(seq[2], name + ".w2");
+  p.b2 = arrays.view(seq[3], name + ".b2");
+  p.pe = arrays.view(seq[4], name + ".pe");
+  return p;
+}
+
+nsa::Sequences sequences(Arrays& arrays, nb::handle cu_seqlens, int64_t max_seqlen) {
+  nsa::Sequences s;
+  s.cu_seqlens = arrays.view(cu_seqlens, "cu_seqlens");
+  s.max_seqlen = max_seqlen;
+  return s;
+}
+
+// The six raw K/V arrays (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win); None where absent.
+void kv_views(Arrays& arrays, nb::handle kv, nsa::KV out[3], const char* const names[6]) {
+  nb::sequence seq = nb::cast<nb::sequence>(kv);
+  if (nb::len(seq) != 6)
+    throw nsa::Error("kv", "a sequence of " + std::to_string(nb::len(seq)) + " entries",
+                     "must be (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win), None where absent");
+  for (int b = 0; b < 3; ++b) {
+    out[b].k = arrays.view(seq[2 * b], names[2 * b]);
+    out[b].v = arrays.view(seq[2 * b + 1], names[2 * b + 1]);
+  }
+}
+
+nsa::Op parse_op(const std::string& name) {
+  static const std::pair<const char*, nsa::Op> kOps[] = {
+      {"compress_fwd", nsa::Op::compress_fwd},
+      {"compress_bwd", nsa::Op::compress_bwd},
+      {"compressed_attention_fwd", nsa::Op::compressed_attention_fwd},
+      {"select_topn", nsa::Op::select_topn},
+      {"selected_attention_fwd", nsa::Op::selected_attention_fwd},
+      {"window_attention_fwd", nsa::Op::window_attention_fwd},
+      {"forward", nsa::Op::forward},
+      {"backward", nsa::Op::backward},
+      {"dense_attention_fwd", nsa::Op::dense_attention_fwd},
+      {"dense_attention_bwd", nsa::Op::dense_attention_bwd},
+  };
+  for (const auto& [text, op] : kOps)
+    if (name == text) return op;
+  throw nsa::Error("op", "\"" + name + "\"", "must name an operation of nsa::Op, e.g. \"forward\"");
+}
+
+nsa::DType parse_dtype(const std::string& name) {
+  for (nsa::DType t : {nsa::DType::f32, nsa::DType::f16, nsa::DType::bf16, nsa::DType::f64, nsa::DType::i32})
+    if (name == nsa::dtype_name(t)) return t;
+  throw nsa::Error("dtype", "\"" + name + "\"", "must be one of f32, f16, bf16, f64, i32");
+}
+
+nsa::Device parse_device(const std::string& name) {
+  if (name == "cpu") return nsa::Device::cpu;
+  if (name == "cuda") return nsa::Device::cuda;
+  throw nsa::Error("device", "\"" + name + "\"", "must be cpu or cuda");
+}
+
+nsa::Context make_context(const std::string& backend, uintptr_t stream, int num_threads,
+                          bool deterministic) {
+  nsa::Context ctx;
+  ctx.backend = nsa::parse_backend(backend.c_str());
+  ctx.stream = reinterpret_cast<void*>(stream);
+  ctx.num_threads = num_threads;
+  ctx.deterministic = deterministic;
+  return ctx;
+}
+
+}  // namespace
+
+NB_MODULE(_nsa, m) {
+  m.doc() = "Native Sparse Attention: bindings of the C++ library (see the nsa package).";
+
+  g_error_type = PyErr_NewExceptionWithDoc(
+      "nsa._nsa.Error",
+      "Invalid input to nsa; the message names the parameter, its value and what is allowed.\n"
+      "Attributes: parameter, value, allowed.",
+      PyExc_ValueError, nullptr);
+  m.attr("Error") = nb::handle(g_error_type);
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const nsa::Error& e) {
+      nb::object error = nb::handle(g_error_type)(e.what());
+      error.attr("parameter") = e.parameter();
+      error.attr("value") = e.value();
+      error.attr("allowed") = e.allowed();
+      PyErr_SetObject(g_error_type, error.ptr());
+    }
+  });
+
+  nb::enum_<nsa::PhiKind>(m, "PhiKind")
+      .value("mean", nsa::PhiKind::mean)
+      .value("linear", nsa::PhiKind::linear)
+      .value("mlp", nsa::PhiKind::mlp);
+
+  nb::class_<nsa::Config>(m, "Config", "nsa::Config: the paper's symbols l, d, l', n, w (spec §1).")
+      .def(nb::init<>())
+      .def_rw("cmp_block_len", &nsa::Config::cmp_block_len)
+      .def_rw("cmp_stride", &nsa::Config::cmp_stride)
+      .def_rw("slc_block_len", &nsa::Config::slc_block_len)
+      .def_rw("n_selected", &nsa::Config::n_selected)
+      .def_rw("n_init", &nsa::Config::n_init)
+      .def_rw("n_local", &nsa::Config::n_local)
+      .def_rw("window", &nsa::Config::window)
+      .def_rw("scale", &nsa::Config::scale)
+      .def_rw("phi", &nsa::Config::phi)
+      .def_rw("shared_kv", &nsa::Config::shared_kv)
+      .def("validate", &nsa::Config::validate)
+      .def("softmax_scale", &nsa::Config::softmax_scale, nb::arg("dqk"));
+
+  m.def("parse_phi_kind", [](const std::string& text) { return nsa::parse_phi_kind(text, "phi"); },
+        nb::arg("text"));
+  m.def("backend_available",
+        [](const std::string& backend) { return nsa::backend_available(nsa::parse_backend(backend.c_str())); },
+        nb::arg("backend"), "Whether the backend is compiled in and (cuda) a device is visible.");
+
+  m.def(
+      "workspace_size",
+      [](const std::string& op, const std::string& backend, int num_threads, const nsa::Config& cfg,
+         int64_t total_tokens, int64_t batch, int64_t max_seqlen, int64_t hq, int64_t hkv,
+         int64_t dqk, int64_t dv, int64_t phi_hidden, const std::string& dtype,
+         const std::string& device) {
+        nsa::Problem pr;
+        pr.total_tokens = total_tokens;
+        pr.batch = batch;
+        pr.max_seqlen = max_seqlen;
+        pr.hq = hq;
+        pr.hkv = hkv;
+        pr.dqk = dqk;
+        pr.dv = dv;
+        pr.phi_hidden = phi_hidden;
+        pr.dtype = parse_dtype(dtype);
+        pr.device = parse_device(device);
+        return nsa::workspace_size(make_context(backend, 0, num_threads, true), parse_op(op), cfg, pr);
+      },
+      nb::arg("op"), nb::arg("backend"), nb::arg("num_threads"), nb::arg("cfg"),
+      nb::arg("total_tokens"), nb::arg("batch"), nb::arg("max_seqlen"), nb::arg("hq"),
+      nb::arg("hkv"), nb::arg("dqk"), nb::arg("dv"), nb::arg("phi_hidden"), nb::arg("dtype"),
+      nb::arg("device"), "Bytes of workspace nsa::Op `op` needs (nsa::workspace_size).");
+
+  // Every entry point below takes (backend, stream, num_threads, deterministic) as its context,
+  // then the arguments of the C++ function in the same order. The GIL is released while the
+  // library runs; the arrays stay alive through `arrays`.
+#define NSA_CONTEXT_ARGS                                                                   \
+  nb::arg("backend"), nb::arg("stream"), nb::arg("num_threads"), nb::arg("deterministic")
+
+  m.def(
+      "compress_fwd",
+      [](const std::string& backend, uintptr_t stream, int threads, bool det, const nsa::Config& cfg,
+         nb::handle phi, nb::handle x, nb::handle cu_seqlens, int64_t max_seqlen, nb::handle xc,
+         nb::handle workspace) {
+        Arrays a;
+        const nsa::Context ctx = make_context(backend, stream, threads, det);
+        const nsa::PhiParams p = phi_views(a, phi, "phi");
+        const nsa::TensorView vx = a.view(x, "x"), vxc = a.view(xc, "xc");
+        const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
+        const nsa::Workspace ws = a.workspace(workspace);
+        nb::gil_scoped_release release;
+        nsa::compress_fwd(ctx, cfg, p, vx, s, vxc, ws);
+      },
+      NSA_CONTEXT_ARGS, nb::arg("cfg"), nb::arg("phi").none(), nb::arg("x"),
+      nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("xc"), nb::arg("workspace").none());
+
+  m.def(
+      "compress_bwd",
+      [](const std::string& backend, uintptr_t stream, int threads, bool det, const nsa::Config& cfg,
+         nb::handle phi, nb::handle x, nb::handle cu_seqlens, int64_t max_seqlen, nb::handle dxc,
+         nb::handle dx, nb::handle dphi, nb::handle workspace) {
+        Arrays a;
+        const nsa::Context ctx = make_context(backend, stream, threads, det);
+        const nsa::PhiParams p = phi_views(a, phi, "phi"), dp = phi_views(a, dphi, "dphi");
+        const nsa::TensorView vx = a.view(x, "x"), vdxc = a.view(dxc, "dxc"), vdx = a.view(dx, "dx");
+        const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
+        const nsa::Workspace ws = a.workspace(workspace);
+        nb::gil_scoped_release release;
+        nsa::compress_bwd(ctx, cfg, p, vx, s, vdxc, vdx, dp, ws);
+      },
+      NSA_CONTEXT_ARGS, nb::arg("cfg"), nb::arg("phi").none(), nb::arg("x"),
+      nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("dxc"), nb::arg("dx"),
+      nb::arg("dphi").none(), nb::arg("workspace").none());
+
+  m.def(
+      "compressed_attention_fwd",
+      [](const std::string& backend, uintptr_t stream, int threads, bool det, const nsa::Config& cfg,
+         nb::handle q, nb::handle kc, nb::handle vc, nb::handle cu_seqlens, int64_t max_seqlen,
+         nb::handle o, nb::handle lse, nb::handle scores, nb::handle workspace) {
+        Arrays a;
+        const nsa::Context ctx = make_context(backend, stream, threads, det);
+        const nsa::TensorView vq = a.view(q, "q"), vkc = a.view(kc, "kc"), vvc = a.view(vc, "vc");
+        const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
+        const nsa::TensorView vo = a.view(o, "o"), vl = a.view(lse, "lse"), vs = a.view(scores, "scores");
+        const nsa::Workspace ws = a.workspace(workspace);
+        nb::gil_scoped_release release;
+        nsa::compressed_attention_fwd(ctx, cfg, vq, vkc, vvc, s, vo, vl, vs, ws);
+      },
+      NSA_CONTEXT_ARGS, nb::arg("cfg"), nb::arg("q"), nb::arg("kc"), nb::arg("vc"),
+      nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("o"), nb::arg("lse"),
+      nb::arg("scores").none(), nb::arg("workspace").none());
+
+  m.def(
+      "select_topn",
+      [](const std::string& backend, uintptr_t stream, int threads, bool det, const nsa::Config& cfg,
+         nb::handle scores, nb::handle cu_seqlens, int64_t max_seqlen, nb::handle indices,
+         nb::handle workspace) {
+        Arrays a;
+        const nsa::Context ctx = make_context(backend, stream, threads, det);
+        const nsa::TensorView vs = a.view(scores, "scores"), vi = a.view(indices, "indices");
+        const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
+        const nsa::Workspace ws = a.workspace(workspace);
+        nb::gil_scoped_release release;
+        nsa::select_topn(ctx, cfg, vs, s, vi, ws);
+      },
+      NSA_CONTEXT_ARGS, nb::arg("cfg"), nb::arg("scores"), nb::arg("cu_seqlens").none(),
+      nb::arg("max_seqlen"), nb::arg("indices"), nb::arg("workspace").none());
+
+  m.def(
+      "selected_attention_fwd",
+      [](const std::string& backend, uintptr_t stream, int threads, bool det, const nsa::Config& cfg,
+         nb::handle q, nb::handle k, nb::handle v, nb::handle indices, nb::handle cu_seqlens,
+         int64_t max_seqlen, nb::handle o, nb::handle lse, nb::handle workspace) {
+        Arrays a;
+        const nsa::Context ctx = make_context(backend, stream, threads, det);
+        const nsa::TensorView vq = a.view(q, "q"), vk = a.view(k, "k"), vv = a.view(v, "v");
+        const nsa::TensorView vi = a.view(indices, "indices");
+        const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
+        const nsa::TensorView vo = a.view(o, "o"), vl = a.view(lse, "lse");
+        const nsa::Workspace ws = a.workspace(workspace);
+        nb::gil_scoped_release release;
+        nsa::selected_attention_fwd(ctx, cfg, vq, vk, vv, vi, s, vo, vl, ws);
+      },
+      NSA_CONTEXT_ARGS, nb::arg("cfg"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
+      nb::arg("indices"), nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("o"),
+      nb::arg("lse").none(), nb::arg("workspace").none());
+
+  m.def(
+      "window_attention_fwd",
+      [](const std::string& backend, uintptr_t stream, int threads, bool det, const nsa::Config& cfg,
+         nb::handle q, nb::handle k, nb::handle v, nb::handle cu_seqlens, int64_t max_seqlen,
+         nb::handle o, nb::handle lse, nb::handle workspace) {
+        Arrays a;
+        const nsa::Context ctx = make_context(backend, stream, threads, det);
+        const nsa::TensorView vq = a.view(q, "q"), vk = a.view(k, "k"), vv = a.view(v, "v");
+        const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
+        const nsa::TensorView vo = a.view(o, "o"), vl = a.view(lse, "lse");
+        const nsa::Workspace ws = a.workspace(workspace);
+        nb::gil_scoped_release release;
+        nsa::window_attention_fwd(ctx, cfg, vq, vk, vv, s, vo, vl, ws);
+      },
+      NSA_CONTEXT_ARGS, nb::arg("cfg"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
+      nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("o"), nb::arg("lse").none(),
+      nb::arg("workspace").none());
+
+  static const char* const kKvNames[6] = {"k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win"};
+  static const char* const kDkvNames[6] = {"dk_cmp", "dv_cmp", "dk_slc", "dv_slc", "dk_win", "dv_win"};
+
+  m.def(
+      "forward",
+      [](const std::string& backend, uintptr_t stream, int threads, bool det, const nsa::Config& cfg,
+         nb::handle q, nb::handle kv, nb::handle g, nb::handle phi_k, nb::handle phi_v,
+         nb::handle cu_seqlens, int64_t max_seqlen, nb::handle o, nb::handle lse,
+         nb::handle indices, nb::handle o_branch, nb::handle workspace) {
+        Arrays a;
+        const nsa::Context ctx = make_context(backend, stream, threads, det);
+        nsa::Inputs in;
+        in.q = a.view(q, "q");
+        kv_views(a, kv, in.kv, kKvNames);
+        in.g = a.view(g, "g");
+        in.phi_k = phi_views(a, phi_k, "phi_k");
+        in.phi_v = phi_views(a, phi_v, "phi_v");
+        in.seqs = sequences(a, cu_seqlens, max_seqlen);
+        nsa::ForwardOutputs out;
+        out.o = a.view(o, "o");
+        out.lse = a.view(lse, "lse");
+        out.indices = a.view(indices, "indices");
+        out.o_branch = a.view(o_branch, "o_branch");
+        const nsa::Workspace ws = a.workspace(workspace);
+        nb::gil_scoped_release release;
+        nsa::forward(ctx, cfg, in, out, ws);
+      },
+      NSA_CONTEXT_ARGS, nb::arg("cfg"), nb::arg("q"), nb::arg("kv"), nb::arg("g"),
+      nb::arg("phi_k").none(), nb::arg("phi_v").none(), nb::arg("cu_seqlens").none(),
+      nb::arg("max_seqlen"), nb::arg("o"), nb::arg("lse"), nb::arg("indices"),
+      nb::arg("o_branch").none(), nb::arg("workspace").none());
+
+  m.def(
+      "backward",
+      [](const std::string& backend, uintptr_t stream, int threads, bool det, const nsa::Config& cfg,
+         nb::handle q, nb::handle kv, nb::handle g, nb::handle phi_k, nb::handle phi_v,
+         nb::handle cu_seqlens, int64_t max_seqlen, nb::handle o, nb::handle lse,
+         nb::handle indices, nb::handle d_o, nb::handle dq, nb::handle dkv, nb::handle dg,
+         nb::handle dphi_k, nb::handle dphi_v, nb::handle workspace) {
+        Arrays a;
+        const nsa::Context ctx = make_context(backend, stream, threads, det);
+        nsa::Inputs in;
+        in.q = a.view(q, "q");
+        kv_views(a, kv, in.kv, kKvNames);
+        in.g = a.view(g, "g");
+        in.phi_k = phi_views(a, phi_k, "phi_k");
+        in.phi_v = phi_views(a, phi_v, "phi_v");
+        in.seqs = sequences(a, cu_seqlens, max_seqlen);
+        nsa::ForwardOutputs saved;
+        saved.o = a.view(o, "o");
+        saved.lse = a.view(lse, "lse");
+        saved.indices = a.view(indices, "indices");
+        const nsa::TensorView vdo = a.view(d_o, "d_o");
+        nsa::Gradients grads;
+        grads.dq = a.view(dq, "dq");
+        kv_views(a, dkv, grads.dkv, kDkvNames);
+        grads.dg = a.view(dg, "dg");
+        grads.dphi_k = phi_views(a, dphi_k, "dphi_k");
+        grads.dphi_v = phi_views(a, dphi_v, "dphi_v");
+        const nsa::Workspace ws = a.workspace(workspace);
+        nb::gil_scoped_release release;
+        nsa::backward(ctx, cfg, in, saved, vdo, grads, ws);
+      },
+      NSA_CONTEXT_ARGS, nb::arg("cfg"), nb::arg("q"), nb::arg("kv"), nb::arg("g"),
+      nb::arg("phi_k").none(), nb::arg("phi_v").none(), nb::arg("cu_seqlens").none(),
+      nb::arg("max_seqlen"), nb::arg("o").none(), nb::arg("lse"), nb::arg("indices"),
+      nb::arg("d_o"), nb::arg("dq"), nb::arg("dkv"), nb::arg("dg"), nb::arg("dphi_k").none(),
+      nb::arg("dphi_v").none(), nb::arg("workspace").none());
+
+  m.def(
+      "dense_attention_fwd",
+      [](const std::string& backend, uintptr_t stream, int threads, bool det, double scale,
+         nb::handle q, nb::handle k, nb::handle v, nb::handle cu_seqlens, int64_t max_seqlen,
+         nb::handle o, nb::handle lse, nb::handle workspace) {
+        Arrays a;
+        const nsa::Context ctx = make_context(backend, stream, threads, det);
+        const nsa::TensorView vq = a.view(q, "q"), vk = a.view(k, "k"), vv = a.view(v, "v");
+        const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
+        const nsa::TensorView vo = a.view(o, "o"), vl = a.view(lse, "lse");
+        const nsa::Workspace ws = a.workspace(workspace);
+        nb::gil_scoped_release release;
+        nsa::dense_attention_fwd(ctx, scale, vq, vk, vv, s, vo, vl, ws);
+      },
+      NSA_CONTEXT_ARGS, nb::arg("scale"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
+      nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("o"), nb::arg("lse").none(),
+      nb::arg("workspace").none());
+
+  m.def(
+      "dense_attention_bwd",
+      [](const std::string& backend, uintptr_t stream, int threads, bool det, double scale,
+         nb::handle q, nb::handle k, nb::handle v, nb::handle cu_seqlens, int64_t max_seqlen,
+         nb::handle o, nb::handle lse, nb::handle d_o, nb::handle dq, nb::handle dk,
+         nb::handle dv, nb::handle workspace) {
+        Arrays a;
+        const nsa::Context ctx = make_context(backend, stream, threads, det);
+        const nsa::TensorView vq = a.view(q, "q"), vk = a.view(k, "k"), vv = a.view(v, "v");
+        const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
+        const nsa::TensorView vo = a.view(o, "o"), vl = a.view(lse, "lse"), vdo = a.view(d_o, "d_o");
+        const nsa::TensorView vdq = a.view(dq, "dq"), vdk = a.view(dk, "dk"), vdv = a.view(dv, "dv");
+        const nsa::Workspace ws = a.workspace(workspace);
+        nb::gil_scoped_release release;
+        nsa::dense_attention_bwd(ctx, scale, vq, vk, vv, s, vo, vl, vdo, vdq, vdk, vdv, ws);
+      },
+      NSA_CONTEXT_ARGS, nb::arg("scale"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
+      nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("o"), nb::arg("lse"),
+      nb::arg("d_o"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), nb::arg("workspace").none());
+#undef NSA_CONTEXT_ARGS
+}
