@@ -1,6 +1,44 @@
-// The fast CPU backend (not yet implemented: Backend::cpu reports that it is not compiled in).
-#include "common/plan.h"
+// The fast CPU backend's table of operations and its workspace sizes.
+#include "cpu/ops.h"
+
+namespace nsa::cpu {
+
+size_t workspace_bytes(Op op, const Config& cfg, const Problem& problem, int threads) {
+  const WsSizes w = (op == Op::backward || op == Op::dense_attention_bwd || op == Op::compress_fwd ||
+                     op == Op::compress_bwd)
+                        ? backward_sizes(op, cfg, problem)
+                        : forward_sizes(op, cfg, problem);
+  if (w.shared == 0 && w.slot == 0) return 0;
+  return Arena::round_bytes(w.shared) + w.slot * static_cast<size_t>(std::max(threads, 1));
+}
+
+namespace {
+
+// Sized for OpenMP's default thread count (or the core count, when larger); a call with more
+// threads (Context::num_threads) needs workspace_bytes(op, cfg, problem, threads).
+size_t workspace_size(Op op, const Config& cfg, const Problem& problem) {
+  return workspace_bytes(op, cfg, problem, default_slots());
+}
+
+const detail::BackendOps kOps = {
+    "cpu",
+    workspace_size,
+    compress_fwd,
+    compress_bwd,
+    compressed_attention_fwd,
+    select_topn,
+    selected_attention_fwd,
+    window_attention_fwd,
+    forward,
+    backward,
+    dense_attention_fwd,
+    dense_attention_bwd,
+};
+
+}  // namespace
+
+}  // namespace nsa::cpu
 
 namespace nsa::detail {
-const BackendOps* cpu_backend() { return nullptr; }
+const BackendOps* cpu_backend() { return &nsa::cpu::kOps; }
 }  // namespace nsa::detail

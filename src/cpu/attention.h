@@ -1,0 +1,548 @@
+// The attention engine of the CPU backend: every branch (compressed, selected, window) and the
+// dense baseline is softmax attention of a tile of query rows over chunks of key rows, where
+// each query token sees one interval of keys per chunk. Branches differ only in which chunks a
+// tile visits and in that interval.
+//
+// A tile is some tokens of one sequence times the G query heads of one KV head: row
+// r = i * G + g is token tokens[i], query head hk * G + g. All heads of a group and all tokens
+// of a tile share each packed K/V chunk (loaded and converted once per tile), which gives the
+// matrix kernels M = tokens * G rows even when G is small. The selection branch visits the union
+// of the blocks its tokens selected and masks the (token, block) pairs that were not selected.
+//
+// Forward: flash-style online softmax per row (no [T, T] or [T, N_c] matrix); the compressed
+// branch keeps one [rows, C] score tile instead, so that its exact probabilities can be summed
+// into the selection scores S in the same pass (spec §3).
+// Backward: dQ query-major (a tile walks its chunks), dK/dV key-major (a key chunk walks the
+// queries that see it), so each output row is written by exactly one work item: no atomics,
+// and the result does not depend on the number of threads.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cpu/common.h"
+#include "nsa/blocks.h"
+
+namespace nsa::cpu {
+
+enum class Kind { cmp, slc, win, dense };
+
+// Sizes shared by every tile of a call.
+struct Dims {
+  int64_t G = 1, dqk = 0, dv = 0;
+  int64_t dqkp = 0, dvp = 0;  // padded to kColPad
+  float scale = 1.0f;
+  int64_t max_rows = 0;       // rows of the largest tile
+  int64_t max_rows_p = 0;     // padded to kColPad
+  int64_t tile_tokens = 1;    // tokens per query tile
+  int64_t max_seqlen = 0;
+  int64_t max_cmp = 0;        // compressed blocks of the longest sequence
+  int64_t max_cmp_p = 0;      // padded to kChunk
+  int64_t ns_max = 0;         // selection blocks of the longest sequence
+  int64_t ns_max_p = 0;
+  int64_t max_chunks = 0;     // chunks a tile can visit
+};
+
+inline Dims make_dims(const Config& cfg, int64_t G, int64_t dqk, int64_t dv, double scale,
+                      int64_t max_seqlen) {
+  Dims d;
+  d.G = G;
+  d.dqk = dqk;
+  d.dv = dv;
+  d.dqkp = pad_cols(dqk);
+  d.dvp = pad_cols(dv);
+  d.scale = static_cast<float>(scale);
+  d.tile_tokens = std::max<int64_t>(1, kTileRows / G);
+  d.max_rows = d.tile_tokens * G;
+  d.max_rows_p = pad_cols(d.max_rows);
+  d.max_seqlen = max_seqlen;
+  d.max_cmp = num_cmp_blocks(max_seqlen, cfg.cmp_block_len, cfg.cmp_stride);
+  d.max_cmp_p = round_up(std::max<int64_t>(d.max_cmp, 1), kChunk);
+  d.ns_max = num_slc_blocks(max_seqlen, cfg.slc_block_len);
+  d.ns_max_p = round_up(std::max<int64_t>(d.ns_max, 1), kColPad);
+  // Dense/window/compressed: one chunk per 64 keys of the longest span. Selection: every block
+  // the tile's tokens chose, each split into 64-key chunks.
+  const int64_t dense_chunks = max_seqlen / kChunk + 2;
+  const int64_t slc_chunks =
+      d.tile_tokens * std::max<int64_t>(cfg.n_selected, 1) * ((cfg.slc_block_len + kChunk - 1) / kChunk + 1);
+  d.max_chunks = std::max(dense_chunks, slc_chunks);
+  return d;
+}
+
+// One branch's keys and how a query token sees them.
+struct Branch {
+  Kind kind = Kind::dense;
+  Rows k, v;  // token rows (slc, win, dense) or compressed rows (cmp), packed over sequences
+  int64_t l = 1, d = 1, lp = 1, w = 0;
+  // Selection indices [T, Hkv, n] (int32).
+  const int32_t* idx = nullptr;
+  int64_t idx_s0 = 0, idx_s1 = 0, n = 0;
+};
+
+struct Seq {
+  int64_t s0 = 0;   // packed row of the first token
+  int64_t len = 0;  // tokens
+};
+
+// Key rows of a branch start at this packed row for a sequence.
+inline int64_t key_row0(const Branch& br, const Seq& s) {
+  return br.kind == Kind::cmp ? cmp_row_offset(s.s0, br.d) : s.s0;
+}
+
+struct Chunk {
+  int64_t k0 = 0, nk = 0;  // keys [k0, k0 + nk), positions within the sequence (or compressed index)
+  int64_t block = -1;      // selection block (slc only)
+};
+
+struct Interval {
+  int64_t lo = 0, hi = -1;  // inclusive; empty when hi < lo
+};
+
+inline const int32_t* idx_row(const Branch& br, const Seq& s, int64_t t, int64_t hk) {
+  return br.idx + (s.s0 + t) * br.idx_s0 + hk * br.idx_s1;
+}
+
+inline bool selected(const Branch& br, const Seq& s, int64_t t, int64_t hk, int64_t block) {
+  const int32_t* row = idx_row(br, s, t, hk);
+  for (int64_t k = 0; k < br.n; ++k)
+    if (row[k] == block) return true;
+  return false;
+}
+
+// The keys query token t may see in a chunk (before clipping to the chunk).
+inline Interval keys_of(const Branch& br, const Seq& s, int64_t hk, int64_t t, const Chunk& c,
+                        bool check_selected) {
+  switch (br.kind) {
+    case Kind::cmp: return {0, visible_cmp_blocks(t, br.l, br.d) - 1};
+    case Kind::win: return br.w > 0 ? Interval{window_start(t, br.w), t} : Interval{};
+    case Kind::dense: return {0, t};
+    case Kind::slc:
+      if (check_selected && !selected(br, s, t, hk, c.block)) return {};
+      return {c.block * br.lp, std::min((c.block + 1) * br.lp - 1, t)};
+  }
+  return {};
+}
+
+// Per-thread scratch of the engine. `A` is Arena (carve) or Sizer (count).
+struct Scratch {
+  float *q, *dout, *dq;         // [rows][dqkp], [rows][dvp], [rows][dqkp]
+  float *o[3];                  // [rows][dvp] per branch
+  float *s, *dp;                // [rows][kChunk]
+  float *kt, *vt;               // [dqk][kChunk], [dv][kChunk]
+  float *kn, *vn;               // [kChunk][dqkp], [kChunk][dvp]
+  float *qt, *dot;              // [dqk][rows_p], [dv][rows_p]
+  float *st, *dpt;              // [kChunk][rows_p]
+  float *dk, *dv;               // [kChunk][dqkp], [kChunk][dvp]
+  float *m, *l, *lse, *delta;   // [rows]
+  float *lse3, *delta3;         // [rows][3]
+  float *sfull;                 // [rows][max_cmp_p]
+  float *psum;                  // [max_cmp_p]
+  float *scores;                // [tile_tokens][ns_max_p]
+  int32_t* tokens;              // [max(tile_tokens, kChunk)]
+  int32_t* blocks;              // [tile_tokens * n + 1]
+  Chunk* chunks;                // [max_chunks]
+  int32_t* topn;                // [ns_max_p] candidates for top-n
+};
+
+template <typename A>
+Scratch layout_scratch(A& a, const Dims& d, int64_t n_selected) {
+  Scratch s{};
+  const int64_t R = d.max_rows, Rp = d.max_rows_p;
+  s.q = a.template take<float>(R * d.dqkp);
+  s.dout = a.template take<float>(R * d.dvp);
+  s.dq = a.template take<float>(R * d.dqkp);
+  for (auto& o : s.o) o = a.template take<float>(R * d.dvp);
+  s.s = a.template take<float>(R * kChunk);
+  s.dp = a.template take<float>(R * kChunk);
+  s.kt = a.template take<float>(d.dqk * kChunk);
+  s.vt = a.template take<float>(d.dv * kChunk);
+  s.kn = a.template take<float>(kChunk * d.dqkp);
+  s.vn = a.template take<float>(kChunk * d.dvp);
+  s.qt = a.template take<float>(d.dqk * Rp);
+  s.dot = a.template take<float>(d.dv * Rp);
+  s.st = a.template take<float>(kChunk * Rp);
+  s.dpt = a.template take<float>(kChunk * Rp);
+  s.dk = a.template take<float>(kChunk * d.dqkp);
+  s.dv = a.template take<float>(kChunk * d.dvp);
+  s.m = a.template take<float>(Rp);
+  s.l = a.template take<float>(Rp);
+  s.lse = a.template take<float>(Rp);
+  s.delta = a.template take<float>(Rp);
+  s.lse3 = a.template take<float>(Rp * 3);
+  s.delta3 = a.template take<float>(Rp * 3);
+  s.sfull = a.template take<float>(R * d.max_cmp_p);
+  s.psum = a.template take<float>(d.max_cmp_p);
+  s.scores = a.template take<float>(d.tile_tokens * d.ns_max_p);
+  s.tokens = a.template take<int32_t>(std::max(d.tile_tokens, kChunk));
+  s.blocks = a.template take<int32_t>(d.tile_tokens * std::max<int64_t>(n_selected, 1) + 1);
+  s.chunks = a.template take<Chunk>(d.max_chunks);
+  s.topn = a.template take<int32_t>(d.ns_max_p);
+  return s;
+}
+
+// ---- Packing ------------------------------------------------------------------------------
+
+// Query-side rows of a tile: dst[r][0..dim) = factor * src(token, head), zero padding to ld.
+inline void pack_rows(const Rows& src, const Seq& s, const int32_t* tokens, int64_t nt, int64_t hk,
+                      int64_t G, float factor, float* dst, int64_t ld) {
+  for (int64_t i = 0; i < nt; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      float* row = dst + (i * G + g) * ld;
+      src.load(s.s0 + tokens[i], hk * G + g, row);
+      if (factor != 1.0f)
+        for (int64_t c = 0; c < src.dim; ++c) row[c] *= factor;
+      std::fill(row + src.dim, row + ld, 0.0f);
+    }
+}
+
+// Transpose of packed rows: dst[c][r] = rows[r][c] for r < M, zero for M <= r < ldt.
+inline void transpose(const float* rows, int64_t M, int64_t dim, int64_t ld, float* dst, int64_t ldt) {
+  for (int64_t c = 0; c < dim; ++c) {
+    float* out = dst + c * ldt;
+    for (int64_t r = 0; r < M; ++r) out[r] = rows[r * ld + c];
+    std::fill(out + M, out + ldt, 0.0f);
+  }
+}
+
+// Key-side chunk: natural [kChunk][ld] (rows past nk zero) from key rows row0 + k0 ...
+inline void pack_keys(const Rows& src, int64_t row0, int64_t hk, const Chunk& c, float* dst, int64_t ld) {
+  for (int64_t j = 0; j < c.nk; ++j) {
+    float* row = dst + j * ld;
+    src.load(row0 + c.k0 + j, hk, row);
+    std::fill(row + src.dim, row + ld, 0.0f);
+  }
+  std::fill(dst + c.nk * ld, dst + kChunk * ld, 0.0f);
+}
+
+// Transposed key chunk [dim][kChunk] from a natural one.
+inline void transpose_keys(const float* nat, int64_t ld, int64_t dim, float* dst) {
+  for (int64_t c = 0; c < dim; ++c)
+    for (int64_t j = 0; j < kChunk; ++j) dst[c * kChunk + j] = nat[j * ld + c];
+}
+
+// ---- Chunk lists (query-major) ------------------------------------------------------------
+
+// The chunks a tile of consecutive-or-not tokens visits; returns how many.
+inline int64_t tile_chunks(const Branch& br, const Seq& s, int64_t hk, const int32_t* tokens,
+                           int64_t nt, Scratch& sc) {
+  const int64_t t_first = tokens[0], t_last = tokens[nt - 1];
+  int64_t count = 0;
+  auto add_range = [&](int64_t lo, int64_t hi_excl, int64_t block) {
+    for (int64_t k0 = lo; k0 < hi_excl; k0 += kChunk)
+      sc.chunks[count++] = Chunk{k0, std::min(kChunk, hi_excl - k0), block};
+  };
+  switch (br.kind) {
+    case Kind::cmp: add_range(0, visible_cmp_blocks(t_last, br.l, br.d), -1); break;
+    case Kind::win:
+      if (br.w > 0) add_range(window_start(t_first, br.w), t_last + 1, -1);
+      break;
+    case Kind::dense: add_range(0, t_last + 1, -1); break;
+    case Kind::slc: {
+      // The union of the tokens' selected blocks, ascending.
+      int64_t nb = 0;
+      for (int64_t i = 0; i < nt; ++i) {
+        const int32_t* row = idx_row(br, s, tokens[i], hk);
+        for (int64_t k = 0; k < br.n; ++k)
+          if (row[k] >= 0 && row[k] * br.lp <= tokens[i]) sc.blocks[nb++] = row[k];
+      }
+      std::sort(sc.blocks, sc.blocks + nb);
+      nb = std::unique(sc.blocks, sc.blocks + nb) - sc.blocks;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t j = sc.blocks[b];
+        add_range(j * br.lp, std::min((j + 1) * br.lp, t_last + 1), j);
+      }
+      break;
+    }
+  }
+  return count;
+}
+
+// ---- Forward ------------------------------------------------------------------------------
+
+// Flash forward of one branch for a tile. q: [rows][dqkp] already multiplied by the scale.
+// Writes o [rows][dvp] (normalised; zero for rows with no key) and lse [rows] (-inf there).
+inline void attend_fwd(const Dims& d, const Branch& br, const Seq& s, int64_t hk,
+                       const int32_t* tokens, int64_t nt, const float* q, Scratch& sc, float* o,
+                       float* lse) {
+  const KernelTable& K = kernels();
+  const int64_t G = d.G, M = nt * G;
+  const int64_t row0 = key_row0(br, s);
+  std::fill(o, o + M * d.dvp, 0.0f);
+  for (int64_t r = 0; r < M; ++r) {
+    sc.m[r] = kNegInf;
+    sc.l[r] = 0.0f;
+  }
+  const int64_t nchunks = tile_chunks(br, s, hk, tokens, nt, sc);
+  for (int64_t ci = 0; ci < nchunks; ++ci) {
+    const Chunk& c = sc.chunks[ci];
+    pack_keys(br.k, row0, hk, c, sc.kn, d.dqkp);
+    transpose_keys(sc.kn, d.dqkp, d.dqk, sc.kt);
+    pack_keys(br.v, row0, hk, c, sc.vn, d.dvp);
+    K.gemm(M, kChunk, d.dqk, q, d.dqkp, sc.kt, kChunk, sc.s, kChunk, false);
+    for (int64_t i = 0; i < nt; ++i) {
+      const Interval iv = keys_of(br, s, hk, tokens[i], c, true);
+      const int64_t a = std::max<int64_t>(iv.lo - c.k0, 0), b = std::min<int64_t>(iv.hi - c.k0, c.nk - 1);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = i * G + g;
+        float* srow = sc.s + r * kChunk;
+        if (a > b) {  // this token sees nothing here: zero probabilities, state unchanged
+          std::fill(srow, srow + kChunk, kNegInf);
+          continue;
+        }
+        std::fill(srow, srow + a, kNegInf);
+        std::fill(srow + b + 1, srow + kChunk, kNegInf);
+        float mx = sc.m[r];
+        for (int64_t j = a; j <= b; ++j) mx = std::max(mx, srow[j]);
+        const float corr = std::exp(sc.m[r] - mx);  // 0 when m was -inf
+        for (int64_t j = a; j <= b; ++j) srow[j] -= mx;
+        sc.m[r] = mx;
+        sc.l[r] *= corr;
+        if (corr != 1.0f) {
+          float* orow = o + r * d.dvp;
+          for (int64_t c2 = 0; c2 < d.dv; ++c2) orow[c2] *= corr;
+        }
+      }
+    }
+    K.exp_inplace(sc.s, M * kChunk);
+    for (int64_t r = 0; r < M; ++r) {
+      const float* srow = sc.s + r * kChunk;
+      float sum = 0.0f;
+      for (int64_t j = 0; j < kChunk; ++j) sum += srow[j];
+      sc.l[r] += sum;
+    }
+    K.gemm(M, d.dvp, kChunk, sc.s, kChunk, sc.vn, d.dvp, o, d.dvp, true);
+  }
+  for (int64_t r = 0; r < M; ++r) {
+    float* orow = o + r * d.dvp;
+    if (sc.l[r] > 0.0f) {
+      const float inv = 1.0f / sc.l[r];
+      for (int64_t c2 = 0; c2 < d.dv; ++c2) orow[c2] *= inv;
+      lse[r] = sc.m[r] + std::log(sc.l[r]);
+    } else {
+      std::fill(orow, orow + d.dvp, 0.0f);
+      lse[r] = kNegInf;
+    }
+  }
+}
+
+// The compressed branch of a tile with exact probabilities, and (scores != nullptr) the
+// group-summed selection scores S of spec §3 for each token: scores [nt][ns_max_p], entries
+// past the token's admissible blocks 0.
+inline void attend_cmp_fwd(const Dims& d, const Branch& br, int64_t lp, const Seq& s, int64_t hk,
+                           const int32_t* tokens, int64_t nt, const float* q, Scratch& sc, float* o,
+                           float* lse, float* scores) {
+  const KernelTable& K = kernels();
+  const int64_t G = d.G, M = nt * G;
+  const int64_t row0 = key_row0(br, s);
+  const int64_t C = visible_cmp_blocks(tokens[nt - 1], br.l, br.d);
+  const int64_t Cp = round_up(std::max<int64_t>(C, 1), kChunk);
+  std::fill(o, o + M * d.dvp, 0.0f);
+  if (scores != nullptr)
+    for (int64_t i = 0; i < nt; ++i) std::fill(scores + i * d.ns_max_p, scores + (i + 1) * d.ns_max_p, 0.0f);
+  if (C == 0) {
+    std::fill(lse, lse + M, kNegInf);
+    return;
+  }
+  // Scores of every visible compressed key: [M][Cp].
+  for (int64_t k0 = 0; k0 < C; k0 += kChunk) {
+    const Chunk c{k0, std::min(kChunk, C - k0), -1};
+    pack_keys(br.k, row0, hk, c, sc.kn, d.dqkp);
+    transpose_keys(sc.kn, d.dqkp, d.dqk, sc.kt);
+    K.gemm(M, kChunk, d.dqk, q, d.dqkp, sc.kt, kChunk, sc.sfull + k0, Cp, false);
+  }
+  for (int64_t i = 0; i < nt; ++i) {
+    const int64_t Ct = visible_cmp_blocks(tokens[i], br.l, br.d);
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = i * G + g;
+      float* srow = sc.sfull + r * Cp;
+      std::fill(srow + Ct, srow + Cp, kNegInf);
+      if (Ct == 0) {
+        sc.m[r] = kNegInf;
+        continue;
+      }
+      float mx = kNegInf;
+      for (int64_t j = 0; j < Ct; ++j) mx = std::max(mx, srow[j]);
+      for (int64_t j = 0; j < Ct; ++j) srow[j] -= mx;
+      sc.m[r] = mx;
+    }
+  }
+  K.exp_inplace(sc.sfull, M * Cp);
+  for (int64_t r = 0; r < M; ++r) {
+    float* srow = sc.sfull + r * Cp;
+    float sum = 0.0f;
+    for (int64_t j = 0; j < Cp; ++j) sum += srow[j];
+    if (sum > 0.0f) {
+      const float inv = 1.0f / sum;
+      for (int64_t j = 0; j < Cp; ++j) srow[j] *= inv;  // p_cmp, exact per row
+      lse[r] = sc.m[r] + std::log(sum);
+    } else {
+      lse[r] = kNegInf;
+    }
+  }
+  for (int64_t k0 = 0; k0 < C; k0 += kChunk) {
+    const Chunk c{k0, std::min(kChunk, C - k0), -1};
+    pack_keys(br.v, row0, hk, c, sc.vn, d.dvp);
+    K.gemm(M, d.dvp, kChunk, sc.sfull + k0, Cp, sc.vn, d.dvp, o, d.dvp, true);
+  }
+  if (scores == nullptr) return;
+  // §3: S[j] = sum_i ov(i, j) * sum_h p_cmp[h, i]; ov is how many stride pieces block i shares
+  // with selection block j (pieces: i .. i + l/d - 1 and j*l'/d .. (j+1)*l'/d - 1).
+  const int64_t pieces_i = br.l / br.d, pieces_j = lp / br.d;
+  for (int64_t i = 0; i < nt; ++i) {
+    const int64_t Ct = visible_cmp_blocks(tokens[i], br.l, br.d);
+    float* psum = sc.psum;
+    std::fill(psum, psum + Ct, 0.0f);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* prow = sc.sfull + (i * G + g) * Cp;
+      for (int64_t j = 0; j < Ct; ++j) psum[j] += prow[j];
+    }
+    float* S = scores + i * d.ns_max_p;
+    for (int64_t b = 0; b < Ct; ++b) {
+      const int64_t first_j = b / pieces_j, last_j = (b + pieces_i - 1) / pieces_j;
+      for (int64_t j = first_j; j <= last_j; ++j) {
+        const int64_t lo = std::max(b, j * pieces_j), hi = std::min(b + pieces_i - 1, (j + 1) * pieces_j - 1);
+        S[j] += static_cast<float>(hi - lo + 1) * psum[b];
+      }
+    }
+  }
+}
+
+// Spec §4 for one (token, KV head): forced blocks, then the best others by descending S (ties
+// to the smaller j), reported ascending and padded with -1. nth_element: no full sort.
+inline void topn_row(const Config& cfg, int64_t t, const float* S, int32_t* cand, int32_t* out) {
+  const int64_t n = cfg.n_selected, lp = cfg.slc_block_len;
+  const int64_t Jt = last_slc_block(t, lp);
+  const int64_t count = std::min(n, Jt + 1);
+  int64_t nout = 0, ncand = 0;
+  for (int64_t j = 0; j <= Jt; ++j) {
+    if (is_forced_block(j, Jt, cfg.n_init, cfg.n_local)) out[nout++] = static_cast<int32_t>(j);
+    else cand[ncand++] = static_cast<int32_t>(j);
+  }
+  const int64_t rest = std::min(count - nout, ncand);
+  if (rest > 0) {
+    auto better = [S](int32_t a, int32_t b) { return S[a] > S[b] || (S[a] == S[b] && a < b); };
+    // Afterwards cand[0 .. rest) are the `rest` best (better is a strict total order).
+    if (rest < ncand) std::nth_element(cand, cand + rest - 1, cand + ncand, better);
+    for (int64_t k = 0; k < rest; ++k) out[nout++] = cand[k];
+  }
+  std::sort(out, out + nout);
+  for (int64_t k = nout; k < n; ++k) out[k] = -1;
+}
+
+// ---- Backward -----------------------------------------------------------------------------
+
+// dq [rows][dqkp] += (1/scale) * dS . K for one branch (the caller multiplies by the scale at
+// the end of all branches: dq = scale * sum dS k). q is scaled, dout = gate * dO [rows][dvp],
+// lse and delta per row.
+inline void attend_dq(const Dims& d, const Branch& br, const Seq& s, int64_t hk,
+                      const int32_t* tokens, int64_t nt, const float* q, const float* dout,
+                      const float* lse, const float* delta, Scratch& sc, float* dq) {
+  const KernelTable& K = kernels();
+  const int64_t G = d.G, M = nt * G;
+  const int64_t row0 = key_row0(br, s);
+  const int64_t nchunks = tile_chunks(br, s, hk, tokens, nt, sc);
+  for (int64_t ci = 0; ci < nchunks; ++ci) {
+    const Chunk& c = sc.chunks[ci];
+    pack_keys(br.k, row0, hk, c, sc.kn, d.dqkp);
+    transpose_keys(sc.kn, d.dqkp, d.dqk, sc.kt);
+    pack_keys(br.v, row0, hk, c, sc.vn, d.dvp);
+    transpose_keys(sc.vn, d.dvp, d.dv, sc.vt);
+    K.gemm(M, kChunk, d.dqk, q, d.dqkp, sc.kt, kChunk, sc.s, kChunk, false);
+    for (int64_t i = 0; i < nt; ++i) {
+      const Interval iv = keys_of(br, s, hk, tokens[i], c, true);
+      const int64_t a = std::max<int64_t>(iv.lo - c.k0, 0), b = std::min<int64_t>(iv.hi - c.k0, c.nk - 1);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = i * G + g;
+        float* srow = sc.s + r * kChunk;
+        if (a > b || lse[r] == kNegInf) {
+          std::fill(srow, srow + kChunk, kNegInf);
+          continue;
+        }
+        std::fill(srow, srow + a, kNegInf);
+        std::fill(srow + b + 1, srow + kChunk, kNegInf);
+        for (int64_t j = a; j <= b; ++j) srow[j] -= lse[r];
+      }
+    }
+    K.exp_inplace(sc.s, M * kChunk);  // P
+    K.gemm(M, kChunk, d.dv, dout, d.dvp, sc.vt, kChunk, sc.dp, kChunk, false);  // dP = dO V^T
+    for (int64_t r = 0; r < M; ++r) {
+      float* prow = sc.s + r * kChunk;
+      const float* dprow = sc.dp + r * kChunk;
+      for (int64_t j = 0; j < kChunk; ++j) prow[j] *= dprow[j] - delta[r];  // dS (unscaled)
+    }
+    K.gemm(M, d.dqkp, kChunk, sc.s, kChunk, sc.kn, d.dqkp, dq, d.dqkp, true);
+  }
+}
+
+// Where the query side of a key-major pass comes from.
+struct QuerySide {
+  Rows q, dout;
+  TensorView g;         // [T, Hq, 3] gates; absent: gate 1 (dense attention)
+  int gate = 0;         // which gate multiplies dO
+  const float* lse = nullptr;  // per (packed token, head)
+  int64_t lse_s0 = 0, lse_s1 = 0;
+  const float* delta = nullptr;
+  int64_t delta_s0 = 0, delta_s1 = 0;
+};
+
+// Key-major backward of one key chunk: dkdv_begin packs the chunk and zeroes dK [kChunk][dqkp]
+// and dV [kChunk][dvp] in the scratch; dkdv_tile adds the contribution of up to tile_tokens
+// query tokens (ascending) that may see the chunk.
+inline void dkdv_begin(const Dims& d, const Branch& br, const Seq& s, int64_t hk, const Chunk& c, Scratch& sc) {
+  const int64_t row0 = key_row0(br, s);
+  std::fill(sc.dk, sc.dk + kChunk * d.dqkp, 0.0f);
+  std::fill(sc.dv, sc.dv + kChunk * d.dvp, 0.0f);
+  pack_keys(br.k, row0, hk, c, sc.kn, d.dqkp);
+  pack_keys(br.v, row0, hk, c, sc.vn, d.dvp);
+}
+
+inline void dkdv_tile(const Dims& d, const Branch& br, const Seq& s, int64_t hk, const Chunk& c,
+                      const int32_t* tk, int64_t nt, const QuerySide& qs, Scratch& sc) {
+  const KernelTable& K = kernels();
+  const int64_t G = d.G;
+  const int64_t M = nt * G, Mp = pad_cols(M);
+  pack_rows(qs.q, s, tk, nt, hk, G, d.scale, sc.q, d.dqkp);
+  pack_rows(qs.dout, s, tk, nt, hk, G, 1.0f, sc.dout, d.dvp);
+  for (int64_t i = 0; i < nt; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = i * G + g, row = s.s0 + tk[i], h = hk * G + g;
+      if (qs.g.defined()) {
+        const float gate = load_scalar(qs.g, row * qs.g.stride[0] + h * qs.g.stride[1] + qs.gate * qs.g.stride[2]);
+        float* dr = sc.dout + r * d.dvp;
+        for (int64_t c2 = 0; c2 < d.dv; ++c2) dr[c2] *= gate;
+      }
+      sc.lse[r] = qs.lse[row * qs.lse_s0 + h * qs.lse_s1];
+      sc.delta[r] = qs.delta[row * qs.delta_s0 + h * qs.delta_s1];
+    }
+  transpose(sc.q, M, d.dqk, d.dqkp, sc.qt, Mp);
+  transpose(sc.dout, M, d.dv, d.dvp, sc.dot, Mp);
+  K.gemm(kChunk, Mp, d.dqk, sc.kn, d.dqkp, sc.qt, Mp, sc.st, Mp, false);  // S^T
+  K.gemm(kChunk, Mp, d.dv, sc.vn, d.dvp, sc.dot, Mp, sc.dpt, Mp, false);  // dP^T
+  // Mask and shift column by column: P^T[j][r] = exp(S^T[j][r] - lse[r]).
+  for (int64_t i = 0; i < nt; ++i) {
+    const Interval iv = keys_of(br, s, hk, tk[i], c, false);
+    const int64_t a = std::max<int64_t>(iv.lo - c.k0, 0), b = std::min<int64_t>(iv.hi - c.k0, c.nk - 1);
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = i * G + g;
+      const bool dead = a > b || sc.lse[r] == kNegInf;
+      for (int64_t j = 0; j < kChunk; ++j) {
+        float& v = sc.st[j * Mp + r];
+        v = (dead || j < a || j > b) ? kNegInf : v - sc.lse[r];
+      }
+    }
+  }
+  for (int64_t j = 0; j < kChunk; ++j)
+    for (int64_t r = M; r < Mp; ++r) sc.st[j * Mp + r] = kNegInf;
+  K.exp_inplace(sc.st, kChunk * Mp);                                          // P^T
+  K.gemm(kChunk, d.dvp, M, sc.st, Mp, sc.dout, d.dvp, sc.dv, d.dvp, true);   // dV += P^T dO
+  for (int64_t j = 0; j < kChunk; ++j) {
+    float* prow = sc.st + j * Mp;
+    const float* dprow = sc.dpt + j * Mp;
+    for (int64_t r = 0; r < M; ++r) prow[r] *= dprow[r] - sc.delta[r];      // dS^T
+  }
+  K.gemm(kChunk, d.dqkp, M, sc.st, Mp, sc.q, d.dqkp, sc.dk, d.dqkp, true);   // dK += dS^T (scale q)
+}
+
+}  // namespace nsa::cpu
