@@ -3,7 +3,11 @@
 
 namespace nsa::cpu {
 
-size_t workspace_bytes(Op op, const Config& cfg, const Problem& problem, int threads) {
+size_t workspace_bytes(Op op, const Config& call_cfg, const Problem& problem, int threads) {
+  // Dense attention has no NSA configuration (the API plans it with a default Config), so its
+  // size must not depend on the one the caller happens to pass.
+  const bool dense = op == Op::dense_attention_fwd || op == Op::dense_attention_bwd;
+  const Config cfg = dense ? Config{} : call_cfg;
   const WsSizes w = (op == Op::backward || op == Op::dense_attention_bwd || op == Op::compress_fwd ||
                      op == Op::compress_bwd)
                         ? backward_sizes(op, cfg, problem)

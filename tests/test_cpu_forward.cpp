@@ -1,0 +1,273 @@
+// The CPU backend's forward stages and layer forward against the fp64 reference.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "test_cpu_support.h"
+
+using namespace nsa;
+using namespace nsa::test;
+
+namespace {
+
+struct Case {
+  std::string name;
+  Config cfg;
+  Sizes sizes;
+};
+
+Config make_cfg(int64_t l, int64_t d, int64_t lp, int64_t n, int64_t n_init, int64_t n_local, int64_t w,
+                PhiKind phi, bool shared_kv = false) {
+  Config c;
+  c.cmp_block_len = l;
+  c.cmp_stride = d;
+  c.slc_block_len = lp;
+  c.n_selected = n;
+  c.n_init = n_init;
+  c.n_local = n_local;
+  c.window = w;
+  c.phi = phi;
+  c.shared_kv = shared_kv;
+  return c;
+}
+
+Sizes make_sizes(std::vector<int32_t> seqlens, int64_t hq, int64_t hkv, int64_t dqk, int64_t dv, int64_t F = 6) {
+  Sizes s;
+  s.seqlens = std::move(seqlens);
+  s.hq = hq;
+  s.hkv = hkv;
+  s.dqk = dqk;
+  s.dv = dv;
+  s.phi_hidden = F;
+  return s;
+}
+
+// Awkward shapes on purpose: lengths not multiples of l, d, l', w; empty and one-token
+// sequences; n above the block count; G from 1 to 16; shared and independent K/V; each phi.
+std::vector<Case> cases() {
+  return {
+      {"small_packed_mlp", make_cfg(8, 4, 16, 3, 1, 1, 12, PhiKind::mlp), make_sizes({37, 0, 50, 1}, 4, 2, 16, 8)},
+      {"paper_blocks_G16_linear", make_cfg(32, 16, 64, 5, 1, 2, 100, PhiKind::linear),
+       make_sizes({300, 129}, 16, 1, 32, 16)},
+      {"G1_shared_mean", make_cfg(16, 8, 32, 4, 0, 1, 40, PhiKind::mean, true), make_sizes({200}, 2, 2, 24, 40)},
+      {"n_above_blocks_no_window", make_cfg(8, 4, 16, 20, 2, 1, 0, PhiKind::mlp), make_sizes({90}, 8, 1, 8, 8)},
+      {"no_selection", make_cfg(8, 8, 8, 0, 0, 0, 33, PhiKind::linear), make_sizes({70, 3}, 6, 3, 8, 16)},
+      {"head_dim_128_G16", make_cfg(32, 16, 64, 3, 1, 1, 64, PhiKind::mlp, true), make_sizes({150}, 16, 1, 128, 128, 16)},
+  };
+}
+
+struct Rowset {
+  // (token, kv head) rows whose selected indices agree between two runs.
+  std::vector<char> agree;
+  int64_t disagree = 0;
+};
+
+Rowset compare_indices(const HostTensor& a, const HostTensor& b, int64_t T, int64_t hkv, int64_t n) {
+  Rowset r;
+  r.agree.assign(static_cast<size_t>(T * hkv), 1);
+  for (int64_t row = 0; row < T * hkv; ++row)
+    for (int64_t k = 0; k < n; ++k)
+      if (a.get(row * n + k) != b.get(row * n + k)) {
+        r.agree[static_cast<size_t>(row)] = 0;
+        ++r.disagree;
+        break;
+      }
+  return r;
+}
+
+// Elements of a [T, Hq, X] tensor (or branch b of [3, T, Hq, X]) on rows whose indices agree.
+std::vector<double> on_rows(const HostTensor& t, const Rowset& rows, int64_t T, int64_t hq, int64_t hkv,
+                            int64_t X, int64_t branch = -1) {
+  std::vector<double> out;
+  const int64_t G = hq / hkv;
+  const int64_t base = branch >= 0 ? branch * T * hq * X : 0;
+  for (int64_t tok = 0; tok < T; ++tok)
+    for (int64_t h = 0; h < hq; ++h) {
+      if (!rows.agree[static_cast<size_t>(tok * hkv + h / G)]) continue;
+      for (int64_t x = 0; x < X; ++x) out.push_back(t.get(base + (tok * hq + h) * X + x));
+    }
+  return out;
+}
+
+class CpuForward : public ::testing::TestWithParam<DType> {};
+
+TEST_P(CpuForward, LayerMatchesReference) {
+  const DType dtype = GetParam();
+  uint64_t seed = 10;
+  for (const Case& c : cases()) {
+    SCOPED_TRACE(c.name);
+    Sizes s = c.sizes;
+    s.dtype = dtype;
+    LayerProblem cpu = make_problem(c.cfg, s, seed++);
+    LayerProblem rounded = cpu;          // reference, outputs rounded to the storage dtype
+    LayerProblem truth = to_f64(cpu);    // reference in fp64 on the same values
+    Context ref;
+    ref.backend = Backend::reference;
+    forward(ref, c.cfg, truth.inputs(), truth.outputs());
+    forward(ref, c.cfg, rounded.inputs(), rounded.outputs());
+    Context ctx;
+    ctx.backend = Backend::cpu;
+    const Problem pr = problem_of(c.cfg, cpu.inputs());
+    OwnedWorkspace ws = cpu_workspace(Op::forward, c.cfg, pr);
+    forward(ctx, c.cfg, cpu.inputs(), cpu.outputs(), ws.ws);
+
+    const int64_t T = cpu.T, hq = s.hq, hkv = s.hkv, n = c.cfg.n_selected;
+    const Rowset rows = compare_indices(cpu.indices, truth.indices, T, hkv, n);
+    // Near-ties may legitimately pick another block (fp32 vs fp64 scores); nearly all agree.
+    EXPECT_LE(rows.disagree, std::max<int64_t>(1, T * hkv / 100)) << "rows with other indices";
+    // Branches that do not depend on the selection: every element.
+    for (int b : {kCmp, kWin})
+      expect_close("o_branch[" + std::to_string(b) + "]",
+                   on_rows(cpu.o_branch, Rowset{std::vector<char>(size_t(T * hkv), 1), 0}, T, hq, hkv, s.dv, b),
+                   on_rows(truth.o_branch, Rowset{std::vector<char>(size_t(T * hkv), 1), 0}, T, hq, hkv, s.dv, b),
+                   on_rows(rounded.o_branch, Rowset{std::vector<char>(size_t(T * hkv), 1), 0}, T, hq, hkv, s.dv, b));
+    expect_close("o_branch[slc]", on_rows(cpu.o_branch, rows, T, hq, hkv, s.dv, kSlc),
+                 on_rows(truth.o_branch, rows, T, hq, hkv, s.dv, kSlc),
+                 on_rows(rounded.o_branch, rows, T, hq, hkv, s.dv, kSlc));
+    expect_close("o", on_rows(cpu.o, rows, T, hq, hkv, s.dv), on_rows(truth.o, rows, T, hq, hkv, s.dv),
+                 on_rows(rounded.o, rows, T, hq, hkv, s.dv));
+    // lse is f32 in every run: the plain-precision error is the f32 rounding of the truth.
+    const std::vector<double> lse_cpu = on_rows(cpu.lse, rows, T, hq, hkv, 3);
+    const std::vector<double> lse_truth = on_rows(truth.lse, rows, T, hq, hkv, 3);
+    EXPECT_LE(max_abs_diff(lse_cpu, lse_truth), 2e-5 * std::max(1.0, max_abs(lse_truth))) << "lse";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, CpuForward, ::testing::Values(DType::f32, DType::bf16, DType::f16),
+                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+
+// The stages on their own, each fed identical inputs (so top-n sees the very same scores).
+class CpuStages : public ::testing::TestWithParam<DType> {};
+
+TEST_P(CpuStages, StagesMatchReference) {
+  const DType dtype = GetParam();
+  uint64_t seed = 100;
+  for (const Case& c : cases()) {
+    SCOPED_TRACE(c.name);
+    Sizes s = c.sizes;
+    s.dtype = dtype;
+    LayerProblem p = make_problem(c.cfg, s, seed++);
+    const int64_t T = p.T, d = c.cfg.cmp_stride, rows = T / d;
+    Context ref;
+    ref.backend = Backend::reference;
+    Context cpu;
+    cpu.backend = Backend::cpu;
+    Sequences seqs = p.inputs().seqs;
+    const Problem pr = problem_of(c.cfg, p.inputs());
+    Problem prc = pr;  // compress_* see one head group: hq = hkv and D = Dqk
+    prc.hq = prc.hkv;
+    prc.dv = prc.dqk;
+
+    // compress_fwd: kc of the compression keys.
+    HostTensor kc_cpu(dtype, {rows, s.hkv, s.dqk}), kc_ref(dtype, {rows, s.hkv, s.dqk}), kc_truth(DType::f64, {rows, s.hkv, s.dqk});
+    kc_cpu.poison();
+    kc_ref.poison();
+    kc_truth.poison();
+    {
+      OwnedWorkspace ws = cpu_workspace(Op::compress_fwd, c.cfg, prc);
+      compress_fwd(cpu, c.cfg, LayerProblem::params(p.phi_k), p.k[0].view(), seqs, kc_cpu.view(), ws.ws);
+      compress_fwd(ref, c.cfg, LayerProblem::params(p.phi_k), p.k[0].view(), seqs, kc_ref.view());
+      LayerProblem p64 = to_f64(p);
+      compress_fwd(ref, c.cfg, LayerProblem::params(p64.phi_k), p64.k[0].view(), seqs, kc_truth.view());
+      // Rows past a sequence's blocks stay poisoned in all three (NaN == NaN for this check).
+      std::vector<double> a = kc_cpu.values(), b = kc_truth.values(), r = kc_ref.values();
+      for (size_t i = 0; i < a.size(); ++i) {
+        ASSERT_EQ(std::isnan(a[i]), std::isnan(b[i])) << "kc element " << i;
+        if (std::isnan(a[i])) a[i] = b[i] = r[i] = 0;
+      }
+      expect_close("compress_fwd", a, b, r);
+    }
+    // compressed attention + scores, from kc/vc in the storage dtype (the reference's kc/vc).
+    HostTensor vc(dtype, {rows, s.hkv, s.dv});
+    {
+      LayerProblem pv = p;
+      for (auto& t : kc_ref.values()) (void)t;
+      compress_fwd(ref, c.cfg, LayerProblem::params(p.phi_v), p.v[0].view(), seqs, vc.view());
+      std::vector<double> kv = kc_ref.values(), vv = vc.values();
+      for (size_t i = 0; i < kv.size(); ++i)
+        if (std::isnan(kv[i])) kc_ref.set(static_cast<int64_t>(i), 0.0);
+      for (int64_t i = 0; i < vc.numel(); ++i)
+        if (std::isnan(vv[static_cast<size_t>(i)])) vc.set(i, 0.0);
+    }
+    const int64_t ns = (std::max<int64_t>(*std::max_element(s.seqlens.begin(), s.seqlens.end()), 1) +
+                        c.cfg.slc_block_len - 1) / c.cfg.slc_block_len;
+    HostTensor o_cpu(dtype, {T, s.hq, s.dv}), o_ref(dtype, {T, s.hq, s.dv}), o_truth(DType::f64, {T, s.hq, s.dv});
+    HostTensor lse_cpu(DType::f32, {T, s.hq}), lse_truth(DType::f32, {T, s.hq});
+    HostTensor S_cpu(DType::f32, {T, s.hkv, ns + 2}), S_truth(DType::f32, {T, s.hkv, ns + 2});
+    for (HostTensor* t : {&o_cpu, &o_ref, &o_truth, &lse_cpu, &lse_truth, &S_cpu, &S_truth}) t->poison();
+    {
+      OwnedWorkspace ws = cpu_workspace(Op::compressed_attention_fwd, c.cfg, pr);
+      compressed_attention_fwd(cpu, c.cfg, p.q.view(), kc_ref.view(), vc.view(), seqs, o_cpu.view(), lse_cpu.view(),
+                               S_cpu.view(), ws.ws);
+      compressed_attention_fwd(ref, c.cfg, p.q.view(), kc_ref.view(), vc.view(), seqs, o_ref.view(), lse_truth.view(),
+                               S_truth.view());
+      HostTensor q64 = convert(p.q, DType::f64), kc64 = convert(kc_ref, DType::f64), vc64 = convert(vc, DType::f64);
+      HostTensor lse2(DType::f32, {T, s.hq});
+      compressed_attention_fwd(ref, c.cfg, q64.view(), kc64.view(), vc64.view(), seqs, o_truth.view(), lse2.view(),
+                               HostTensor().view());
+      expect_close("compressed_attention_fwd o", o_cpu.values(), o_truth.values(), o_ref.values());
+      EXPECT_LE(max_abs_diff(lse_cpu.values(), lse_truth.values()), 2e-5 * std::max(1.0, max_abs(lse_truth.values())));
+      EXPECT_LE(max_abs_diff(S_cpu.values(), S_truth.values()), 2e-5 * std::max(1.0, max_abs(S_truth.values())))
+          << "selection scores";
+    }
+    // top-n on identical scores: exactly the reference's choice. Quantised scores make many ties.
+    if (c.cfg.n_selected > 0) {
+      HostTensor S(DType::f32, {T, s.hkv, ns});
+      std::mt19937_64 rng(seed);
+      for (int64_t i = 0; i < S.numel(); ++i) S.set(i, static_cast<double>(rng() % 4));
+      HostTensor i_cpu(DType::i32, {T, s.hkv, c.cfg.n_selected}), i_ref(DType::i32, {T, s.hkv, c.cfg.n_selected});
+      i_cpu.poison();
+      i_ref.poison();
+      OwnedWorkspace ws = cpu_workspace(Op::select_topn, c.cfg, pr);
+      select_topn(cpu, c.cfg, S.view(), seqs, i_cpu.view(), ws.ws);
+      select_topn(ref, c.cfg, S.view(), seqs, i_ref.view());
+      EXPECT_EQ(i_cpu.values(), i_ref.values()) << "select_topn";
+    }
+    // Selection branch with the very same indices (those of a reference forward).
+    {
+      LayerProblem f = to_f64(p);
+      forward(ref, c.cfg, f.inputs(), f.outputs());
+      HostTensor so_cpu(dtype, {T, s.hq, s.dv}), so_ref(dtype, {T, s.hq, s.dv}), so_truth(DType::f64, {T, s.hq, s.dv});
+      HostTensor sl_cpu(DType::f32, {T, s.hq}), sl_truth(DType::f32, {T, s.hq});
+      for (HostTensor* t : {&so_cpu, &so_ref, &so_truth, &sl_cpu, &sl_truth}) t->poison();
+      const int kb = c.cfg.shared_kv ? 0 : 1;
+      OwnedWorkspace ws = cpu_workspace(Op::selected_attention_fwd, c.cfg, pr);
+      selected_attention_fwd(cpu, c.cfg, p.q.view(), p.k[kb].view(), p.v[kb].view(), f.indices.view(), seqs,
+                             so_cpu.view(), sl_cpu.view(), ws.ws);
+      selected_attention_fwd(ref, c.cfg, p.q.view(), p.k[kb].view(), p.v[kb].view(), f.indices.view(), seqs,
+                             so_ref.view(), HostTensor().view());
+      selected_attention_fwd(ref, c.cfg, f.q.view(), f.k[kb].view(), f.v[kb].view(), f.indices.view(), seqs,
+                             so_truth.view(), sl_truth.view());
+      expect_close("selected_attention_fwd", so_cpu.values(), so_truth.values(), so_ref.values());
+      EXPECT_LE(max_abs_diff(sl_cpu.values(), sl_truth.values()), 2e-5 * std::max(1.0, max_abs(sl_truth.values())));
+    }
+    // Window and dense attention.
+    for (bool dense : {false, true}) {
+      HostTensor wo_cpu(dtype, {T, s.hq, s.dv}), wo_ref(dtype, {T, s.hq, s.dv}), wo_truth(DType::f64, {T, s.hq, s.dv});
+      HostTensor wl_cpu(DType::f32, {T, s.hq}), wl_truth(DType::f32, {T, s.hq});
+      for (HostTensor* t : {&wo_cpu, &wo_ref, &wo_truth, &wl_cpu, &wl_truth}) t->poison();
+      const int kb = c.cfg.shared_kv ? 0 : 2;
+      HostTensor q64 = convert(p.q, DType::f64), k64 = convert(p.k[kb], DType::f64), v64 = convert(p.v[kb], DType::f64);
+      if (dense) {
+        OwnedWorkspace ws = cpu_workspace(Op::dense_attention_fwd, c.cfg, pr);
+        dense_attention_fwd(cpu, 0.0, p.q.view(), p.k[kb].view(), p.v[kb].view(), seqs, wo_cpu.view(), wl_cpu.view(), ws.ws);
+        dense_attention_fwd(ref, 0.0, p.q.view(), p.k[kb].view(), p.v[kb].view(), seqs, wo_ref.view(), HostTensor().view());
+        dense_attention_fwd(ref, 0.0, q64.view(), k64.view(), v64.view(), seqs, wo_truth.view(), wl_truth.view());
+      } else {
+        OwnedWorkspace ws = cpu_workspace(Op::window_attention_fwd, c.cfg, pr);
+        window_attention_fwd(cpu, c.cfg, p.q.view(), p.k[kb].view(), p.v[kb].view(), seqs, wo_cpu.view(), wl_cpu.view(), ws.ws);
+        window_attention_fwd(ref, c.cfg, p.q.view(), p.k[kb].view(), p.v[kb].view(), seqs, wo_ref.view(), HostTensor().view());
+        window_attention_fwd(ref, c.cfg, q64.view(), k64.view(), v64.view(), seqs, wo_truth.view(), wl_truth.view());
+      }
+      const char* what = dense ? "dense_attention_fwd" : "window_attention_fwd";
+      expect_close(what, wo_cpu.values(), wo_truth.values(), wo_ref.values());
+      EXPECT_LE(max_abs_diff(wl_cpu.values(), wl_truth.values()), 2e-5 * std::max(1.0, max_abs(wl_truth.values())))
+          << what << " lse";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, CpuStages, ::testing::Values(DType::f32, DType::bf16, DType::f16),
+                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+
+}  // namespace
