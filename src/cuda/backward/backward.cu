@@ -1,0 +1,703 @@
+// The CUDA backward pass (spec §8): orchestration, the inverted selection index, and phi.
+// docs/cuda_backward.md describes the design; attention.cuh holds the attention kernels.
+//
+// Order of work on the stream:
+//   1. sequence table on the device; compressed keys/values recomputed through phi (fp32
+//      accumulation, rounded to the storage dtype like the forward's), phi's hidden layer kept;
+//   2. the inverted index of the selection (stable radix sort of (KV head, block) -> token);
+//   3. dq_kernel: per-branch outputs recomputed from lse -> dg; dq of all branches at once;
+//   4. dkv_kernel<cmp>: dkc/dvc partials per query split, reduced in a fixed order;
+//   5. phi backward: parameter gradients (split-K GEMMs, fixed-order reductions), dpre;
+//   6. dkv_kernel<raw>: window + selection dk/dv (shared_kv: plus phi's gradient, one rounding);
+//      independent K/V: phi's gradient to k_cmp/v_cmp by its own kernel.
+// Nothing uses floating-point atomics: same inputs, same bits.
+#include "cuda/backward/backward.h"
+
+#include <cub/cub.cuh>
+
+#include <algorithm>
+#include <vector>
+
+#include "cuda/backward/attention.cuh"
+#include "cuda/common/check.h"
+#include "cuda/common/launch.h"
+#include "nsa/error.h"
+
+namespace nsa::cuda_bwd {
+
+// ---- the attention kernels: run-time dtype/head dims -> templates -------------------------
+// (compiled in attention_<dtype>_hdim<Dqk>.cu)
+#define NSA_BWD_EXTERN(E, DQK)                                                       \
+  extern template void launch_attention<E, DQK, 64>(const BwdArgs&, cudaStream_t, int); \
+  extern template void launch_attention<E, DQK, 128>(const BwdArgs&, cudaStream_t, int);
+NSA_BWD_EXTERN(__nv_bfloat16, 64)
+NSA_BWD_EXTERN(__nv_bfloat16, 128)
+NSA_BWD_EXTERN(__nv_bfloat16, 192)
+NSA_BWD_EXTERN(__half, 64)
+NSA_BWD_EXTERN(__half, 128)
+NSA_BWD_EXTERN(__half, 192)
+#undef NSA_BWD_EXTERN
+
+namespace {
+
+using detail::Plan;
+using cuda::WorkspaceCarver;
+
+constexpr int kGemmTile = 64;     // output tile of the SIMT GEMM (phi only)
+constexpr int kGemmK = 16;        // depth of one shared-memory step
+constexpr int kGemmThreads = 256; // 16 x 16 threads, 4 x 4 outputs each
+constexpr int kRowsPerSplit = 512;  // rows per partial sum of a reduction over compressed rows
+constexpr int kMaxSplits = 32;
+constexpr int kMaxCmpSplits = 4;    // query-range splits of the compressed dk/dv (memory: see docs)
+constexpr int kCmpSplitTokens = 1024;
+
+constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2 / pi), GELU's tanh form
+constexpr float kGeluA = 0.044715f;
+
+__device__ __forceinline__ float gelu(float x) {
+  return 0.5f * x * (1.f + tanhf(kGeluC * (x + kGeluA * x * x * x)));
+}
+__device__ __forceinline__ float gelu_grad(float x) {
+  const float th = tanhf(kGeluC * (x + kGeluA * x * x * x));
+  return 0.5f * (1.f + th) + 0.5f * x * (1.f - th * th) * kGeluC * (1.f + 3.f * kGeluA * x * x);
+}
+
+// ---- generic deterministic GEMM: C[M x N] (+)= A[M x K] B[K x N], split over K by blockIdx.z --
+
+template <class LoadA, class LoadB, class Store>
+__global__ void __launch_bounds__(kGemmThreads) gemm_kernel(int M, int N, int K, int k_chunk, LoadA la,
+                                                            LoadB lb, Store st) {
+  __shared__ float sA[kGemmK][kGemmTile + 1];  // [k][m]
+  __shared__ float sB[kGemmK][kGemmTile + 1];  // [k][n]
+  const int m0 = blockIdx.y * kGemmTile, n0 = blockIdx.x * kGemmTile, z = blockIdx.z;
+  const int k_begin = z * k_chunk, k_end = min(K, k_begin + k_chunk);
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  float acc[4][4] = {};
+  for (int k0 = k_begin; k0 < k_end; k0 += kGemmK) {
+    for (int e = threadIdx.x; e < kGemmK * kGemmTile; e += kGemmThreads) {
+      const int mm = e / kGemmK, kk = e % kGemmK;  // k fastest: A is usually row-major in k
+      const int m = m0 + mm, k = k0 + kk;
+      sA[kk][mm] = (m < M && k < k_end) ? la(m, k) : 0.f;
+      const int kb = e / kGemmTile, nn = e % kGemmTile;  // n fastest for B
+      const int n = n0 + nn, k2 = k0 + kb;
+      sB[kb][nn] = (n < N && k2 < k_end) ? lb(k2, n) : 0.f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kGemmK; ++kk) {
+      float av[4], bv[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) av[i] = sA[kk][ty + 16 * i];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) bv[j] = sB[kk][tx + 16 * j];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] += av[i] * bv[j];
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int m = m0 + ty + 16 * i, n = n0 + tx + 16 * j;
+      if (m < M && n < N) st(m, n, z, acc[i][j]);
+    }
+}
+
+template <class LoadA, class LoadB, class Store>
+void gemm(cudaStream_t s, int M, int N, int K, int splits, LoadA la, LoadB lb, Store st) {
+  if (M <= 0 || N <= 0) return;
+  const int k_chunk = std::max(1, (K + splits - 1) / splits);
+  const dim3 grid((N + kGemmTile - 1) / kGemmTile, (M + kGemmTile - 1) / kGemmTile, splits);
+  gemm_kernel<<<grid, kGemmThreads, 0, s>>>(M, N, K, k_chunk, la, lb, st);
+  NSA_CUDA_CHECK_LAUNCH();
+}
+
+// Operand loaders (device functors).
+template <typename E>
+struct BlockRows {  // A(m, k) = u_m[k] = x[block m's rows] + pe, m = crow * Hkv + hk
+  const E* x;
+  int64_t s0, s1;
+  const E* pe;  // [l, D] (nullptr: none)
+  int64_t pe_s0;
+  const int32_t* crow_token;
+  int hkv, D;
+  __device__ float operator()(int m, int k) const {
+    const int tok = crow_token[m / hkv];
+    if (tok < 0) return 0.f;
+    const int r = k / D, c = k % D;
+    float v = cuda::to_float(x[(int64_t(tok) + r) * s0 + int64_t(m % hkv) * s1 + c]);
+    if (pe != nullptr) v += cuda::to_float(pe[r * pe_s0 + c]);
+    return v;
+  }
+};
+template <typename E>
+struct BlockRowsT {  // B(k, n) = u_k[n]: the transposed use (k = row)
+  BlockRows<E> u;
+  __device__ float operator()(int k, int n) const { return u(k, n); }
+};
+template <typename E>
+struct MatT {  // B(k, n) = W[n, k]
+  const E* w;
+  int64_t s0;
+  __device__ float operator()(int k, int n) const { return cuda::to_float(w[n * s0 + k]); }
+};
+template <typename E>
+struct Mat {  // B(k, n) = W[k, n]
+  const E* w;
+  int64_t s0;
+  __device__ float operator()(int k, int n) const { return cuda::to_float(w[k * s0 + n]); }
+};
+struct F32 {  // A(m, k) = a[m * ld + k]
+  const float* a;
+  int64_t ld;
+  __device__ float operator()(int m, int k) const { return a[m * ld + k]; }
+};
+struct F32T {  // A(m, k) = a[k * ld + m]
+  const float* a;
+  int64_t ld;
+  __device__ float operator()(int m, int k) const { return a[k * ld + m]; }
+};
+struct GeluOf {  // B(k, n) or A(m, k) = gelu(pre[i * ld + j])
+  const float* pre;
+  int64_t ld;
+  __device__ float operator()(int i, int j) const { return gelu(pre[i * ld + j]); }
+};
+
+// Stores.
+struct StorePre {  // pre[m, n] = v + b1[n]
+  float* pre;
+  int F;
+  const void* b1;
+  bool bf;
+  __device__ void operator()(int m, int n, int, float v) const {
+    const float b = bf ? cuda::to_float(static_cast<const __nv_bfloat16*>(b1)[n])
+                       : cuda::to_float(static_cast<const __half*>(b1)[n]);
+    pre[int64_t(m) * F + n] = v + b;
+  }
+};
+template <typename E>
+struct StoreCompressed {  // xc[m, n] = v (+ b2[n]), rounded to the storage dtype
+  E* xc;
+  int D;
+  const E* b2;  // nullptr: none
+  __device__ void operator()(int m, int n, int, float v) const {
+    if (b2 != nullptr) v += cuda::to_float(b2[n]);
+    xc[int64_t(m) * D + n] = cuda::from_float<E>(v);
+  }
+};
+struct StorePartial {  // part[z][m, n] = v
+  float* part;
+  int N;
+  int64_t plane;
+  __device__ void operator()(int m, int n, int z, float v) const { part[z * plane + int64_t(m) * N + n] = v; }
+};
+struct StoreDpre {  // in place: pre[m, n] := v * gelu'(pre[m, n])
+  float* pre;
+  int F;
+  __device__ void operator()(int m, int n, int, float v) const {
+    float& p = pre[int64_t(m) * F + n];
+    p = v * gelu_grad(p);
+  }
+};
+
+// out[m, n] (storage dtype, row stride s0) = sum_z part[z][m, n], z ascending.
+template <typename E>
+__global__ void reduce_parts_kernel(const float* part, int splits, int M, int N, E* out, int64_t s0) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= int64_t(M) * N) return;
+  float acc = 0.f;
+  for (int z = 0; z < splits; ++z) acc += part[z * int64_t(M) * N + i];
+  out[(i / N) * s0 + i % N] = cuda::from_float<E>(acc);
+}
+
+// Column sums in a fixed order: sum[n] = sum_m a[m * N + n]; optionally also stored as E.
+template <typename E>
+__global__ void column_sum_kernel(const float* a, int M, int N, float* sum, E* out) {
+  const int n = blockIdx.x * blockDim.x + threadIdx.x;
+  if (n >= N) return;
+  float acc = 0.f;
+  for (int m = 0; m < M; ++m) acc += a[int64_t(m) * N + n];
+  sum[n] = acc;
+  if (out != nullptr) out[n] = cuda::from_float<E>(acc);
+}
+
+// dpe[k] = sum_n W[n, k] s[n] (u = block + pe, so pe's gradient is W^T summed over blocks).
+template <typename E>
+__global__ void pe_grad_kernel(const E* w, int64_t w_s0, int N, int K, const float* s, E* dpe) {
+  const int k = blockIdx.x * blockDim.x + threadIdx.x;
+  if (k >= K) return;
+  float acc = 0.f;
+  for (int n = 0; n < N; ++n) acc += cuda::to_float(w[n * w_s0 + k]) * s[n];
+  dpe[k] = cuda::from_float<E>(acc);  // pe [l, D] is written row-major contiguous (checked on host)
+}
+
+// xc = mean of the block's rows.
+template <typename E>
+__global__ void phi_mean_kernel(const E* x, int64_t s0, int64_t s1, const int32_t* crow_token,
+                                int64_t rc, int hkv, int D, int l, E* xc) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= rc * hkv * D) return;
+  const int c = int(i % D);
+  const int64_t m = i / D;
+  const int tok = crow_token[m / hkv];
+  float acc = 0.f;
+  if (tok >= 0)
+    for (int r = 0; r < l; ++r) acc += cuda::to_float(x[(int64_t(tok) + r) * s0 + (m % hkv) * s1 + c]);
+  xc[i] = cuda::from_float<E>(acc / float(l));
+}
+
+// crow_token[crow] = packed first token of compressed row crow, or -1 when no block uses it.
+__global__ void crow_token_kernel(const int32_t* cu, int B, int64_t rc, int l, int d, int32_t* crow_token) {
+  const int64_t crow = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (crow >= rc) return;
+  // The last sequence whose first compressed row is <= crow (rows of sequences never overlap).
+  int lo = 0, hi = B - 1, b = -1;
+  while (lo <= hi) {
+    const int mid = (lo + hi) / 2;
+    if (cu[mid] / d <= crow) { b = mid; lo = mid + 1; } else { hi = mid - 1; }
+  }
+  int32_t tok = -1;
+  if (b >= 0) {
+    const int64_t i = crow - cu[b] / d;
+    if (i < num_cmp_blocks(cu[b + 1] - cu[b], l, d)) tok = int32_t(cu[b] + i * d);
+  }
+  crow_token[crow] = tok;
+}
+
+// (key, token) pairs of the selection: key = (hk * B + b) * n_slc_max + j, or `sentinel`.
+__global__ void selection_pairs_kernel(BwdArgs a, uint32_t sentinel, uint32_t* keys, int32_t* tokens) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= a.T * a.hkv * a.n) return;
+  const int k = int(i % a.n);
+  const int hk = int((i / a.n) % a.hkv);
+  const int64_t tok = i / (int64_t(a.n) * a.hkv);
+  int lo = 0, hi = a.B - 1, b = 0;  // sequence of tok: the last b with cu[b] <= tok < cu[b+1]
+  while (lo <= hi) {
+    const int mid = (lo + hi) / 2;
+    if (a.cu[mid] <= tok) { b = mid; lo = mid + 1; } else { hi = mid - 1; }
+  }
+  const int t = int(tok - a.cu[b]);
+  const int j = static_cast<const int32_t*>(a.indices.p)[tok * a.indices.s0 + hk * a.indices.s1 + k];
+  const bool valid = j >= 0 && int64_t(j) * a.lp <= t;
+  keys[i] = valid ? uint32_t((int64_t(hk) * a.B + b) * a.n_slc_max + j) : sentinel;
+  tokens[i] = int32_t(tok);
+}
+
+// offsets[key] = first position of key in the sorted keys (lower bound), key in [0, nkeys].
+__global__ void segment_offsets_kernel(const uint32_t* keys, int64_t n, int64_t nkeys, int32_t* offsets) {
+  const int64_t key = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (key > nkeys) return;
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (keys[mid] < uint32_t(key)) lo = mid + 1; else hi = mid;
+  }
+  offsets[key] = int32_t(lo);
+}
+
+// cu [B+1] int32 from a device tensor with any stride.
+__global__ void copy_cu_kernel(const int32_t* src, int64_t stride, int n, int32_t* dst) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) dst[i] = src[i * stride];
+}
+
+// Sum of the per-split partials of the compressed dk/dv: dkc[i] = sum_z part[z][i].
+__global__ void reduce_f32_kernel(const float* part, int splits, int64_t n, float* out) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  float acc = 0.f;
+  for (int z = 0; z < splits; ++z) acc += part[z * n + i];
+  out[i] = acc;
+}
+
+// Independent K/V: dk_cmp/dv_cmp = phi's gradient alone.
+template <typename E>
+__global__ void phi_dx_kernel(BwdArgs a, PhiDxArgs P, int D, OutMat3 out) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= a.T * a.hkv * D) return;
+  const int c = int(i % D);
+  const int hk = int((i / D) % a.hkv);
+  const int64_t tok = i / (int64_t(D) * a.hkv);
+  int lo = 0, hi = a.B - 1, b = 0;
+  while (lo <= hi) {
+    const int mid = (lo + hi) / 2;
+    if (a.cu[mid] <= tok) { b = mid; lo = mid + 1; } else { hi = mid - 1; }
+  }
+  const int64_t s0 = a.cu[b];
+  const float v = phi_dx<E>(P, a, D, s0, int(a.cu[b + 1] - s0), int(tok - s0), hk, c);
+  static_cast<E*>(out.p)[tok * out.s0 + hk * out.s1 + c] = cuda::from_float<E>(v);
+}
+
+inline unsigned blocks_for(int64_t n, int threads = 256) { return unsigned((n + threads - 1) / threads); }
+
+// ---- workspace layout (one description for workspace_size and backward) ----------------------
+
+struct Layout {
+  int32_t* cu = nullptr;
+  int32_t* crow_token = nullptr;
+  void* kc = nullptr;
+  void* vc = nullptr;
+  float* pre_k = nullptr;  // [Rc*Hkv, F] (mlp): hidden pre-activation, then dpre in place
+  float* pre_v = nullptr;
+  float* dkc = nullptr;    // [Rc*Hkv, Dqk]
+  float* dvc = nullptr;
+  float* dkc_part = nullptr;  // [splits][Rc*Hkv, Dqk]
+  float* dvc_part = nullptr;
+  float* dg32 = nullptr;      // [T, Hq, 3]
+  uint32_t* keys[2] = {};     // radix-sort double buffers [T*Hkv*n]
+  int32_t* tokens[2] = {};
+  int32_t* offsets = nullptr; // [Hkv*B*n_slc_max + 1]
+  void* sort_temp = nullptr;
+  size_t sort_temp_bytes = 0;
+  float* gemm_part = nullptr; // [splits][max phi parameter size]
+  float* colsum = nullptr;    // [max(F, D)]
+  int cmp_splits = 1;
+  int row_splits = 1;
+  size_t bytes = 0;
+};
+
+struct Sizes {
+  int64_t T, B, max_seqlen, hq, hkv, dqk, dv, F, l, d, lp, n;
+};
+
+Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
+  WorkspaceCarver w(base);
+  Layout L;
+  const int64_t rc = cmp_rows(z.T, z.d);
+  const int64_t rows = rc * z.hkv;
+  const int64_t n_slc_max = num_slc_blocks(z.max_seqlen, z.lp);
+  L.cu = w.take<int32_t>(size_t(z.B + 1));
+  L.crow_token = w.take<int32_t>(size_t(std::max<int64_t>(rc, 1)));
+  L.kc = w.take<uint16_t>(size_t(rows * z.dqk));
+  L.vc = w.take<uint16_t>(size_t(rows * z.dv));
+  if (z.F > 0) {
+    L.pre_k = w.take<float>(size_t(rows * z.F));
+    L.pre_v = w.take<float>(size_t(rows * z.F));
+  }
+  L.dkc = w.take<float>(size_t(rows * z.dqk));
+  L.dvc = w.take<float>(size_t(rows * z.dv));
+  L.cmp_splits = int(std::clamp<int64_t>((z.max_seqlen + kCmpSplitTokens - 1) / kCmpSplitTokens, 1, kMaxCmpSplits));
+  L.dkc_part = w.take<float>(size_t(L.cmp_splits * rows * z.dqk));
+  L.dvc_part = w.take<float>(size_t(L.cmp_splits * rows * z.dv));
+  L.dg32 = w.take<float>(size_t(z.T * z.hq * 3));
+  const int64_t pairs = z.T * z.hkv * z.n;
+  if (pairs > 0) {
+    for (int i = 0; i < 2; ++i) {
+      L.keys[i] = w.take<uint32_t>(size_t(pairs));
+      L.tokens[i] = w.take<int32_t>(size_t(pairs));
+    }
+    cub::DoubleBuffer<uint32_t> kb(L.keys[0], L.keys[1]);
+    cub::DoubleBuffer<int32_t> vb(L.tokens[0], L.tokens[1]);
+    NSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, L.sort_temp_bytes, kb, vb, int(pairs), 0, 32, stream));
+    L.sort_temp = w.take<unsigned char>(L.sort_temp_bytes);
+  }
+  L.offsets = w.take<int32_t>(size_t(z.hkv * z.B * n_slc_max + 1));
+  L.row_splits = int(std::clamp<int64_t>((rows + kRowsPerSplit - 1) / kRowsPerSplit, 1, kMaxSplits));
+  const int64_t D = std::max(z.dqk, z.dv);
+  const int64_t param = std::max({z.F * z.l * D, D * z.F, D * z.l * D});
+  L.gemm_part = w.take<float>(size_t(L.row_splits * param));
+  L.colsum = w.take<float>(size_t(std::max<int64_t>(z.F, D)));
+  L.bytes = w.bytes();
+  return L;
+}
+
+Sizes sizes_of(const Config& cfg, const Problem& p, int64_t F) {
+  return Sizes{p.total_tokens, p.batch, p.max_seqlen, p.hq, p.hkv, p.dqk, p.dv, F,
+               cfg.cmp_block_len, cfg.cmp_stride, cfg.slc_block_len, cfg.n_selected};
+}
+
+Mat3 mat3(const TensorView& t) { return Mat3{t.data, t.ndim > 0 ? t.stride[0] : 0, t.ndim > 1 ? t.stride[1] : 0}; }
+OutMat3 out3(const TensorView& t) { return OutMat3{t.data, t.ndim > 0 ? t.stride[0] : 0, t.ndim > 1 ? t.stride[1] : 0}; }
+
+bool aligned16(const TensorView& t) {
+  if (!t.defined()) return true;
+  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0) return false;
+  for (int i = 0; i + 1 < t.ndim; ++i)
+    if (t.stride[i] % 8 != 0) return false;
+  return true;
+}
+
+// ---- phi on the GPU ----------------------------------------------------------------------
+
+template <typename E>
+void phi_forward(const Plan& p, cudaStream_t s, const PhiParams& phi, const TensorView& x, int D,
+                 const Layout& L, void* xc, float* pre) {
+  const int64_t rows = cmp_rows(p.T, p.cfg.cmp_stride) * p.hkv;
+  const int l = int(p.cfg.cmp_block_len);
+  const E* xb = static_cast<const E*>(x.data);
+  if (p.cfg.phi == PhiKind::mean) {
+    phi_mean_kernel<E><<<blocks_for(rows * D), 256, 0, s>>>(xb, x.stride[0], x.stride[1], L.crow_token,
+                                                           cmp_rows(p.T, p.cfg.cmp_stride), int(p.hkv), D, l,
+                                                           static_cast<E*>(xc));
+    NSA_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  const BlockRows<E> u{xb, x.stride[0], x.stride[1], static_cast<const E*>(phi.pe.data), phi.pe.stride[0],
+                       L.crow_token, int(p.hkv), D};
+  const int K = l * D;
+  if (p.cfg.phi == PhiKind::linear) {
+    gemm(s, int(rows), D, K, 1, u, MatT<E>{static_cast<const E*>(phi.w1.data), phi.w1.stride[0]},
+         StoreCompressed<E>{static_cast<E*>(xc), D, nullptr});
+    return;
+  }
+  const int F = int(phi.w1.shape[0]);
+  gemm(s, int(rows), F, K, 1, u, MatT<E>{static_cast<const E*>(phi.w1.data), phi.w1.stride[0]},
+       StorePre{pre, F, phi.b1.data, p.dtype == DType::bf16});
+  gemm(s, int(rows), D, F, 1, GeluOf{pre, F}, MatT<E>{static_cast<const E*>(phi.w2.data), phi.w2.stride[0]},
+       StoreCompressed<E>{static_cast<E*>(xc), D, static_cast<const E*>(phi.b2.data)});
+}
+
+// Parameter gradients of phi from dy = dLoss/dxc [rows, D] (fp32); leaves dpre in `pre` (mlp).
+template <typename E>
+void phi_backward_params(const Plan& p, cudaStream_t s, const PhiParams& phi, const TensorView& x, int D,
+                         const Layout& L, const float* dy, float* pre, const PhiParams& dphi) {
+  if (p.cfg.phi == PhiKind::mean) return;
+  const int rows = int(cmp_rows(p.T, p.cfg.cmp_stride) * p.hkv);
+  const int l = int(p.cfg.cmp_block_len), K = l * D;
+  const int splits = L.row_splits;
+  const BlockRowsT<E> u{BlockRows<E>{static_cast<const E*>(x.data), x.stride[0], x.stride[1],
+                                     static_cast<const E*>(phi.pe.data), phi.pe.stride[0], L.crow_token,
+                                     int(p.hkv), D}};
+  auto reduce_to = [&](int M, int N, const TensorView& out) {
+    reduce_parts_kernel<E><<<blocks_for(int64_t(M) * N), 256, 0, s>>>(L.gemm_part, splits, M, N,
+                                                                     static_cast<E*>(out.data), out.stride[0]);
+    NSA_CUDA_CHECK_LAUNCH();
+  };
+  if (p.cfg.phi == PhiKind::linear) {
+    // dW [D, l*D] = dy^T u;  dpe = W^T (sum over rows of dy).
+    gemm(s, D, K, rows, splits, F32T{dy, D}, u, StorePartial{L.gemm_part, K, int64_t(D) * K});
+    reduce_to(D, K, dphi.w1);
+    column_sum_kernel<E><<<blocks_for(D), 256, 0, s>>>(dy, rows, D, L.colsum, nullptr);
+    NSA_CUDA_CHECK_LAUNCH();
+    pe_grad_kernel<E><<<blocks_for(K), 256, 0, s>>>(static_cast<const E*>(phi.w1.data), phi.w1.stride[0], D, K,
+                                                    L.colsum, static_cast<E*>(dphi.pe.data));
+    NSA_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  const int F = int(phi.w1.shape[0]);
+  // db2 = column sums of dy; dW2 [D, F] = dy^T gelu(pre).
+  column_sum_kernel<E><<<blocks_for(D), 256, 0, s>>>(dy, rows, D, L.colsum, static_cast<E*>(dphi.b2.data));
+  NSA_CUDA_CHECK_LAUNCH();
+  gemm(s, D, F, rows, splits, F32T{dy, D}, GeluOf{pre, F}, StorePartial{L.gemm_part, F, int64_t(D) * F});
+  reduce_to(D, F, dphi.w2);
+  // dpre = (dy W2) * gelu'(pre), in place.
+  gemm(s, rows, F, D, 1, F32{dy, D}, Mat<E>{static_cast<const E*>(phi.w2.data), phi.w2.stride[0]},
+       StoreDpre{pre, F});
+  // db1 = column sums of dpre; dW1 [F, l*D] = dpre^T u; dpe = W1^T db1.
+  column_sum_kernel<E><<<blocks_for(F), 256, 0, s>>>(pre, rows, F, L.colsum, static_cast<E*>(dphi.b1.data));
+  NSA_CUDA_CHECK_LAUNCH();
+  gemm(s, F, K, rows, splits, F32T{pre, F}, u, StorePartial{L.gemm_part, K, int64_t(F) * K});
+  reduce_to(F, K, dphi.w1);
+  pe_grad_kernel<E><<<blocks_for(K), 256, 0, s>>>(static_cast<const E*>(phi.w1.data), phi.w1.stride[0], F, K,
+                                                  L.colsum, static_cast<E*>(dphi.pe.data));
+  NSA_CUDA_CHECK_LAUNCH();
+}
+
+
+template <typename E>
+void dispatch_dims(const BwdArgs& a, cudaStream_t s, int phase) {
+  if (a.dqk == 64 && a.dv == 64) return launch_attention<E, 64, 64>(a, s, phase);
+  if (a.dqk == 64 && a.dv == 128) return launch_attention<E, 64, 128>(a, s, phase);
+  if (a.dqk == 128 && a.dv == 64) return launch_attention<E, 128, 64>(a, s, phase);
+  if (a.dqk == 128 && a.dv == 128) return launch_attention<E, 128, 128>(a, s, phase);
+  if (a.dqk == 192 && a.dv == 64) return launch_attention<E, 192, 64>(a, s, phase);
+  if (a.dqk == 192 && a.dv == 128) return launch_attention<E, 192, 128>(a, s, phase);
+  cuda::require_supported_dims(a.dqk, a.dv);  // throws
+}
+
+int64_t phi_hidden(const Plan& p) { return std::max(p.phi_hidden_k, p.phi_hidden_v); }
+
+template <typename E>
+void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, const TensorView& d_o,
+                  const Gradients& grads, Workspace ws) {
+  cudaStream_t s = cuda::stream_of(p);
+  Problem prob;
+  prob.total_tokens = p.T;
+  prob.batch = p.B;
+  prob.max_seqlen = p.max_seqlen;
+  prob.hq = p.hq;
+  prob.hkv = p.hkv;
+  prob.dqk = p.dqk;
+  prob.dv = p.dv;
+  prob.phi_hidden = phi_hidden(p);
+  const Layout L = carve(sizes_of(p.cfg, prob, p.cfg.phi == PhiKind::mlp ? phi_hidden(p) : 0), ws.data, s);
+  if (p.T == 0) return;
+  const int64_t rc = cmp_rows(p.T, p.cfg.cmp_stride);
+
+  // 1. Sequence table on the device.
+  if (p.cu_seqlens.defined() && p.cu_seqlens.device == Device::cuda) {
+    copy_cu_kernel<<<blocks_for(p.B + 1), 256, 0, s>>>(static_cast<const int32_t*>(p.cu_seqlens.data),
+                                                      p.cu_seqlens.stride[0], int(p.B + 1), L.cu);
+    NSA_CUDA_CHECK_LAUNCH();
+  } else {
+    std::vector<int32_t> cu(p.cu.begin(), p.cu.end());
+    NSA_CUDA_CHECK(cudaMemcpyAsync(L.cu, cu.data(), cu.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
+    NSA_CUDA_CHECK(cudaStreamSynchronize(s));  // `cu` is a local: it must outlive the copy
+  }
+
+  BwdArgs a;
+  a.dtype = p.dtype == DType::bf16 ? 0 : 1;
+  a.T = p.T;
+  a.max_seqlen = p.max_seqlen;
+  a.B = int(p.B);
+  a.cu = L.cu;
+  a.hq = int(p.hq);
+  a.hkv = int(p.hkv);
+  a.G = int(p.group);
+  a.dqk = int(p.dqk);
+  a.dv = int(p.dv);
+  a.l = int(p.cfg.cmp_block_len);
+  a.d = int(p.cfg.cmp_stride);
+  a.lp = int(p.cfg.slc_block_len);
+  a.n = int(p.cfg.n_selected);
+  a.n_init = int(p.cfg.n_init);
+  a.n_local = int(p.cfg.n_local);
+  a.w = int(p.cfg.window);
+  a.n_slc_max = int(p.n_slc_max);
+  a.scale = float(p.scale);
+  a.shared_kv = p.cfg.shared_kv;
+  a.q = mat3(in.q);
+  a.d_o = mat3(d_o);
+  a.g = mat3(in.g);
+  a.lse = mat3(saved.lse);
+  a.indices = mat3(saved.indices);
+  bool vec = aligned16(in.q) && aligned16(d_o);
+  for (int b = 0; b < 3; ++b) {
+    const KV& kv = detail::branch_kv(p.cfg, in, b);
+    a.k[b] = mat3(kv.k);
+    a.v[b] = mat3(kv.v);
+    vec = vec && aligned16(kv.k) && aligned16(kv.v);
+    if (!p.cfg.shared_kv || b == kCmp) {
+      a.grad_k[b] = out3(grads.dkv[b].k);
+      a.grad_v[b] = out3(grads.dkv[b].v);
+    }
+  }
+  a.vec = vec;
+  a.kc = L.kc;
+  a.vc = L.vc;
+  a.dg32 = L.dg32;
+  a.dq = out3(grads.dq);
+  a.dg = out3(grads.dg);
+  a.sel_tokens = L.tokens[0];
+  a.sel_offsets = L.offsets;
+  a.dkc_part = L.dkc_part;
+  a.dvc_part = L.dvc_part;
+  a.cmp_splits = L.cmp_splits;
+  a.rc = rc;
+
+  // 1b. Compressed keys/values through phi (as the forward computes them).
+  if (rc > 0) {
+    crow_token_kernel<<<blocks_for(rc), 256, 0, s>>>(L.cu, a.B, rc, a.l, a.d, L.crow_token);
+    NSA_CUDA_CHECK_LAUNCH();
+    phi_forward<E>(p, s, in.phi_k, in.kv[kCmp].k, a.dqk, L, L.kc, L.pre_k);
+    phi_forward<E>(p, s, in.phi_v, in.kv[kCmp].v, a.dv, L, L.vc, L.pre_v);
+  }
+
+  // 2. Inverted selection index: stable sort of (key, token) pairs enumerated in token order,
+  //    so each block's list is ascending in token: deterministic.
+  const int64_t pairs = p.T * p.hkv * p.cfg.n_selected;
+  const int64_t nkeys = p.hkv * p.B * p.n_slc_max;
+  if (pairs > 0) {
+    if (pairs > INT32_MAX || nkeys >= INT32_MAX)
+      throw Error("T * Hkv * n_selected", std::to_string(pairs), "must be < 2^31 for the cuda backward");
+    selection_pairs_kernel<<<blocks_for(pairs), 256, 0, s>>>(a, uint32_t(nkeys), L.keys[0], L.tokens[0]);
+    NSA_CUDA_CHECK_LAUNCH();
+    cub::DoubleBuffer<uint32_t> kb(L.keys[0], L.keys[1]);
+    cub::DoubleBuffer<int32_t> vb(L.tokens[0], L.tokens[1]);
+    int end_bit = 1;
+    while ((uint64_t(1) << end_bit) <= uint64_t(nkeys)) ++end_bit;
+    size_t temp = L.sort_temp_bytes;
+    NSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(L.sort_temp, temp, kb, vb, int(pairs), 0, end_bit, s));
+    segment_offsets_kernel<<<blocks_for(nkeys + 1), 256, 0, s>>>(kb.Current(), pairs, nkeys, L.offsets);
+    NSA_CUDA_CHECK_LAUNCH();
+    a.sel_tokens = vb.Current();
+  }
+
+  // 3. dq and dg.
+  dispatch_dims<E>(a, s, 0);
+
+  // 4. Compressed branch dk/dv (fp32, per query split), reduced in split order.
+  if (rc > 0) {
+    NSA_CUDA_CHECK(cudaMemsetAsync(L.dkc_part, 0, sizeof(float) * size_t(L.cmp_splits * rc * p.hkv * p.dqk), s));
+    NSA_CUDA_CHECK(cudaMemsetAsync(L.dvc_part, 0, sizeof(float) * size_t(L.cmp_splits * rc * p.hkv * p.dv), s));
+    dispatch_dims<E>(a, s, 1);
+    reduce_f32_kernel<<<blocks_for(rc * p.hkv * p.dqk), 256, 0, s>>>(L.dkc_part, L.cmp_splits, rc * p.hkv * p.dqk, L.dkc);
+    NSA_CUDA_CHECK_LAUNCH();
+    reduce_f32_kernel<<<blocks_for(rc * p.hkv * p.dv), 256, 0, s>>>(L.dvc_part, L.cmp_splits, rc * p.hkv * p.dv, L.dvc);
+    NSA_CUDA_CHECK_LAUNCH();
+    // 5. phi's parameter gradients (and dpre for the raw keys).
+    phi_backward_params<E>(p, s, in.phi_k, in.kv[kCmp].k, a.dqk, L, L.dkc, L.pre_k, grads.dphi_k);
+    phi_backward_params<E>(p, s, in.phi_v, in.kv[kCmp].v, a.dv, L, L.dvc, L.pre_v, grads.dphi_v);
+  } else {
+    // No compressed block anywhere: phi's parameters get no gradient.
+    auto zero = [&](const TensorView& t) {
+      if (!t.defined()) return;
+      for (int64_t r = 0; r < (t.ndim == 1 ? 1 : t.shape[0]); ++r)
+        NSA_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(t.data) + r * t.stride[0] * 2, 0,
+                                       size_t(t.shape[t.ndim - 1]) * 2, s));
+    };
+    for (const PhiParams* d : {&grads.dphi_k, &grads.dphi_v}) {
+      zero(d->w1); zero(d->b1); zero(d->w2); zero(d->b2); zero(d->pe);
+    }
+  }
+  const int kind = int(p.cfg.phi);
+  a.phi_k = PhiDxArgs{kind, L.dkc, L.pre_k, in.phi_k.w1.data, in.phi_k.w1.defined() ? in.phi_k.w1.stride[0] : 0,
+                      int(p.phi_hidden_k)};
+  a.phi_v = PhiDxArgs{kind, L.dvc, L.pre_v, in.phi_v.w1.data, in.phi_v.w1.defined() ? in.phi_v.w1.stride[0] : 0,
+                      int(p.phi_hidden_v)};
+  if (rc == 0) {  // phi_dx reads dkc/dvc only for existing blocks; keep the pointers harmless
+    a.phi_k.kind = a.phi_v.kind = 0;
+  }
+
+  // 6. Window + selection dk/dv (shared K/V: plus phi's gradient).
+  dispatch_dims<E>(a, s, 2);
+  if (!p.cfg.shared_kv) {
+    phi_dx_kernel<E><<<blocks_for(p.T * p.hkv * p.dqk), 256, 0, s>>>(a, a.phi_k, a.dqk, a.grad_k[kCmp]);
+    NSA_CUDA_CHECK_LAUNCH();
+    phi_dx_kernel<E><<<blocks_for(p.T * p.hkv * p.dv), 256, 0, s>>>(a, a.phi_v, a.dv, a.grad_v[kCmp]);
+    NSA_CUDA_CHECK_LAUNCH();
+  }
+}
+
+void check_supported(const Config& cfg, const Problem& p) {
+  cuda::require_storage_dtype(p.dtype);
+  cuda::require_supported_dims(p.dqk, p.dv);
+  cuda::require_supported_group(p.hq / std::max<int64_t>(p.hkv, 1));
+  if (p.max_seqlen > INT32_MAX / 2)
+    throw Error("max_seqlen", std::to_string(p.max_seqlen), "must be < 2^30 for the cuda backward");
+  (void)cfg;
+}
+
+}  // namespace
+
+size_t backward_workspace_size(const Config& cfg, const Problem& problem) {
+  check_supported(cfg, problem);
+  const int64_t F = cfg.phi == PhiKind::mlp ? problem.phi_hidden : 0;
+  return carve(sizes_of(cfg, problem, F), nullptr, nullptr).bytes;
+}
+
+void backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, const TensorView& d_o,
+              const Gradients& grads, Workspace ws) {
+  Problem prob;
+  prob.total_tokens = p.T;
+  prob.batch = p.B;
+  prob.max_seqlen = p.max_seqlen;
+  prob.hq = p.hq;
+  prob.hkv = p.hkv;
+  prob.dqk = p.dqk;
+  prob.dv = p.dv;
+  prob.phi_hidden = phi_hidden(p);
+  prob.dtype = p.dtype;
+  prob.device = p.device;
+  check_supported(p.cfg, prob);
+  if (p.cfg.phi != PhiKind::mean && (in.phi_k.pe.stride[0] != p.dqk || in.phi_v.pe.stride[0] != p.dv ||
+                                      grads.dphi_k.pe.stride[0] != p.dqk || grads.dphi_v.pe.stride[0] != p.dv))
+    throw Error("phi.pe / dphi.pe", "strided", "must be contiguous [l, D] for the cuda backward");
+  if (p.dtype == DType::bf16) run_backward<__nv_bfloat16>(p, in, saved, d_o, grads, ws);
+  else run_backward<__half>(p, in, saved, d_o, grads, ws);
+}
+
+}  // namespace nsa::cuda_bwd

@@ -1,0 +1,24 @@
+// The CUDA backward pass of the whole NSA layer (spec §8), see docs/cuda_backward.md.
+//
+// Entry points the CUDA backend's BackendOps table points at. The API layer has validated every
+// argument (src/api.cpp); these functions only check what is specific to the CUDA backward
+// (dtype, head dims) and fail with nsa::Error otherwise.
+#pragma once
+
+#include <cstddef>
+
+#include "common/plan.h"
+
+namespace nsa::cuda_bwd {
+
+// Bytes of workspace backward() needs for `problem` (everything it recomputes or reorders:
+// compressed keys/values, phi's hidden layer, dg in fp32, the inverted selection index, and the
+// split partial sums of the compressed branch's dk/dv and of phi's parameter gradients).
+size_t backward_workspace_size(const Config& cfg, const Problem& problem);
+
+// Spec §8 on the GPU: every gradient is written (not accumulated). Deterministic: no
+// floating-point atomics anywhere, every reduction in a fixed order.
+void backward(const detail::Plan& plan, const Inputs& in, const ForwardOutputs& saved,
+              const TensorView& d_o, const Gradients& grads, Workspace ws);
+
+}  // namespace nsa::cuda_bwd

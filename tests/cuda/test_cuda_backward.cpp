@@ -1,0 +1,287 @@
+// The CUDA backward against the fp64 reference backward, and its determinism.
+//
+// Both backends get the same saved state: lse and indices come from the reference forward, so
+// selection (a constant of the backward, spec §8) is identical and every gradient can be
+// compared element by element. Inputs are random and rounded to the storage type; the reference
+// runs in fp64 on exactly those values. Gradients are poisoned (NaN) before the GPU run, so an
+// unwritten element fails. Shapes are awkward on purpose: lengths that are not multiples of l,
+// d, l', w; packed batches with empty and one-token sequences; n larger than the block count;
+// G from 1 to 16; shared and independent K/V; all three phi kinds; cu_seqlens on the device.
+//
+// Tolerance (style.md): a plain same-precision backward rounds P and dS to the storage type
+// before each product and rounds its outputs, so each gradient element carries an error of
+// about u (|x| + max|x|) (u the unit roundoff; the second term is the accumulated rounding of
+// the fp32 sums, which scales with the tensor's size, not with the element, because of the
+// cancellation in sums like dV = sum P^T dO). We allow twice that, plus 1e-6 absolute.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cuda_support.h"
+
+using namespace nsa;
+using namespace nsa::test;
+
+namespace {
+
+struct BwdCase {
+  std::string name;
+  DType dtype;
+  int64_t dqk, dv, hq, hkv;
+  std::vector<int32_t> seqlens;
+  int64_t l, d, lp, n, n_init, n_local, w;
+  PhiKind phi;
+  bool shared_kv;
+};
+
+Config config_of(const BwdCase& c) {
+  Config cfg;
+  cfg.cmp_block_len = c.l;
+  cfg.cmp_stride = c.d;
+  cfg.slc_block_len = c.lp;
+  cfg.n_selected = c.n;
+  cfg.n_init = c.n_init;
+  cfg.n_local = c.n_local;
+  cfg.window = c.w;
+  cfg.phi = c.phi;
+  cfg.shared_kv = c.shared_kv;
+  return cfg;
+}
+
+Sizes sizes_of(const BwdCase& c, DType dtype) {
+  Sizes s;
+  s.seqlens = c.seqlens;
+  s.hq = c.hq;
+  s.hkv = c.hkv;
+  s.dqk = c.dqk;
+  s.dv = c.dv;
+  s.phi_hidden = 24;
+  s.dtype = dtype;
+  return s;
+}
+
+const std::vector<BwdCase>& bwd_cases() {
+  static const std::vector<BwdCase> all = {
+      // name, dtype, Dqk, Dv, Hq, Hkv, seqlens, l, d, l', n, n_init, n_local, w, phi, shared_kv
+      {"bf16_d128_G16_paper", DType::bf16, 128, 128, 16, 1, {300}, 32, 16, 64, 6, 1, 2, 100, PhiKind::mean, false},
+      {"f16_d64_G1_packed_linear", DType::f16, 64, 64, 2, 2, {37, 0, 130, 1}, 16, 8, 32, 5, 1, 1, 40, PhiKind::linear, false},
+      {"bf16_d192x128_G4_mlp", DType::bf16, 192, 128, 8, 2, {257}, 32, 16, 64, 4, 1, 2, 70, PhiKind::mlp, false},
+      {"f16_d128x64_G2_shared_bigN_mlp", DType::f16, 128, 64, 4, 2, {99, 200}, 8, 4, 16, 20, 2, 2, 33, PhiKind::mlp, true},
+      {"bf16_d64x128_G8_w1", DType::bf16, 64, 128, 8, 1, {150}, 32, 8, 64, 3, 0, 1, 1, PhiKind::mean, false},
+      {"f16_d192x64_G16_nowindow", DType::f16, 192, 64, 16, 1, {65, 64}, 32, 16, 64, 16, 1, 2, 0, PhiKind::mean, false},
+      {"bf16_d128_G2_noselect_linear", DType::bf16, 128, 128, 4, 2, {190}, 32, 16, 64, 0, 0, 0, 64, PhiKind::linear, false},
+      {"f16_d128_G4_lp128_shared", DType::f16, 128, 128, 8, 2, {333}, 16, 16, 128, 2, 1, 1, 200, PhiKind::mean, true},
+      {"bf16_d64_G1_long_splits", DType::bf16, 64, 64, 1, 1, {1500, 3}, 32, 16, 64, 4, 1, 2, 96, PhiKind::mlp, false},
+      {"bf16_d64_G2_shorter_than_l", DType::bf16, 64, 64, 2, 1, {20, 1, 31}, 32, 16, 64, 2, 1, 1, 8, PhiKind::linear, true},
+  };
+  return all;
+}
+
+Context ctx_of(Backend b) {
+  Context c;
+  c.backend = b;
+  return c;
+}
+
+// Rounds every random input to `dtype` once, and keeps an exact fp64 twin for the reference.
+struct Twin {
+  LayerProblem low;  // storage dtype (what the GPU reads)
+  LayerProblem ref;  // fp64, same values
+};
+
+void copy_values(const HostTensor& from, HostTensor& to) {
+  for (int64_t i = 0; i < from.numel(); ++i) to.set(i, from.get(i));
+}
+
+Twin make_twin(const BwdCase& c, uint64_t seed) {
+  const Config cfg = config_of(c);
+  Twin t{make_problem(cfg, sizes_of(c, c.dtype), seed), make_problem(cfg, sizes_of(c, DType::f64), seed)};
+  copy_values(t.low.q, t.ref.q);
+  copy_values(t.low.g, t.ref.g);
+  copy_values(t.low.d_o, t.ref.d_o);
+  for (int b = 0; b < 3; ++b) {
+    copy_values(t.low.k[b], t.ref.k[b]);
+    copy_values(t.low.v[b], t.ref.v[b]);
+  }
+  for (int i = 0; i < 5; ++i) {
+    copy_values(t.low.phi_k[i], t.ref.phi_k[i]);
+    copy_values(t.low.phi_v[i], t.ref.phi_v[i]);
+  }
+  return t;
+}
+
+// Device copies of everything the backward reads and writes.
+struct DeviceLayer {
+  DeviceTensor q, g, d_o, lse, indices, cu;
+  DeviceTensor k[3], v[3], phi_k[5], phi_v[5];
+  DeviceTensor dq, dg, dk[3], dv[3], dphi_k[5], dphi_v[5];
+  Inputs in;
+  ForwardOutputs saved;
+  Gradients grads;
+
+  DeviceLayer(LayerProblem& p, int64_t max_seqlen)
+      : q(p.q), g(p.g), d_o(p.d_o), lse(p.lse), indices(p.indices), cu(p.cu),
+        dq(p.dq), dg(p.dg) {
+    for (int b = 0; b < 3; ++b) {
+      k[b] = DeviceTensor(p.k[b]);
+      v[b] = DeviceTensor(p.v[b]);
+      dk[b] = DeviceTensor(p.dk[b]);  // poisoned by make_problem
+      dv[b] = DeviceTensor(p.dv[b]);
+    }
+    for (int i = 0; i < 5; ++i) {
+      phi_k[i] = DeviceTensor(p.phi_k[i]);
+      phi_v[i] = DeviceTensor(p.phi_v[i]);
+      dphi_k[i] = DeviceTensor(p.dphi_k[i]);
+      dphi_v[i] = DeviceTensor(p.dphi_v[i]);
+    }
+    in.q = q.view();
+    for (int b = 0; b < 3; ++b) in.kv[b] = KV{k[b].view(), v[b].view()};
+    in.g = g.view();
+    in.phi_k = PhiParams{phi_k[0].view(), phi_k[1].view(), phi_k[2].view(), phi_k[3].view(), phi_k[4].view()};
+    in.phi_v = PhiParams{phi_v[0].view(), phi_v[1].view(), phi_v[2].view(), phi_v[3].view(), phi_v[4].view()};
+    if (p.sizes.seqlens.size() != 1) in.seqs.cu_seqlens = cu.view();
+    in.seqs.max_seqlen = max_seqlen;
+    saved.lse = lse.view();
+    saved.indices = indices.view();
+    grads.dq = dq.view();
+    for (int b = 0; b < 3; ++b) grads.dkv[b] = KV{dk[b].view(), dv[b].view()};
+    grads.dg = dg.view();
+    grads.dphi_k = PhiParams{dphi_k[0].view(), dphi_k[1].view(), dphi_k[2].view(), dphi_k[3].view(), dphi_k[4].view()};
+    grads.dphi_v = PhiParams{dphi_v[0].view(), dphi_v[1].view(), dphi_v[2].view(), dphi_v[3].view(), dphi_v[4].view()};
+  }
+
+  // Runs the CUDA backward with a fresh (poisoned) workspace.
+  void run(const Config& cfg) {
+    const Context ctx = ctx_of(Backend::cuda);
+    const size_t bytes = workspace_size(ctx, Op::backward, cfg, problem_of(cfg, in));
+    void* ws = nullptr;
+    if (bytes) {
+      ASSERT_EQ(cudaMalloc(&ws, bytes), cudaSuccess);
+      ASSERT_EQ(cudaMemset(ws, 0xff, bytes), cudaSuccess);  // NaN pattern: nothing may rely on zeros
+    }
+    backward(ctx, cfg, in, saved, d_o.view(), grads, Workspace{ws, bytes});
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    if (ws) cudaFree(ws);
+  }
+
+  // Every gradient tensor (host copies), in a fixed order with names.
+  std::vector<std::pair<std::string, HostTensor>> download(LayerProblem& shape_of) const {
+    std::vector<std::pair<std::string, HostTensor>> out;
+    auto add = [&](const std::string& name, const DeviceTensor& d, const HostTensor& like) {
+      if (!like.defined()) return;
+      HostTensor h(like.dtype(), like.shape());
+      d.download(h);
+      out.emplace_back(name, std::move(h));
+    };
+    add("dq", dq, shape_of.dq);
+    add("dg", dg, shape_of.dg);
+    static const char* kBranch[3] = {"cmp", "slc", "win"};
+    for (int b = 0; b < 3; ++b) {
+      add(std::string("dk_") + kBranch[b], dk[b], shape_of.dk[b]);
+      add(std::string("dv_") + kBranch[b], dv[b], shape_of.dv[b]);
+    }
+    static const char* kParam[5] = {"w1", "b1", "w2", "b2", "pe"};
+    for (int i = 0; i < 5; ++i) {
+      add(std::string("dphi_k.") + kParam[i], dphi_k[i], shape_of.dphi_k[i]);
+      add(std::string("dphi_v.") + kParam[i], dphi_v[i], shape_of.dphi_v[i]);
+    }
+    return out;
+  }
+};
+
+// The reference's gradient tensor matching a name of DeviceLayer::download.
+const HostTensor& ref_grad(LayerProblem& r, const std::string& name) {
+  static const char* kBranch[3] = {"cmp", "slc", "win"};
+  static const char* kParam[5] = {"w1", "b1", "w2", "b2", "pe"};
+  if (name == "dq") return r.dq;
+  if (name == "dg") return r.dg;
+  for (int b = 0; b < 3; ++b) {
+    if (name == std::string("dk_") + kBranch[b]) return r.dk[b];
+    if (name == std::string("dv_") + kBranch[b]) return r.dv[b];
+  }
+  for (int i = 0; i < 5; ++i) {
+    if (name == std::string("dphi_k.") + kParam[i]) return r.dphi_k[i];
+    if (name == std::string("dphi_v.") + kParam[i]) return r.dphi_v[i];
+  }
+  throw std::runtime_error("unknown gradient " + name);
+}
+
+auto grad_tol(DType dtype, double vmax) {
+  const double u = unit_roundoff(dtype);
+  return [=](double want, size_t) { return 2.0 * u * (std::fabs(want) + vmax) + 1e-6; };
+}
+
+class CudaBackward : public ::testing::TestWithParam<BwdCase> {};
+
+TEST_P(CudaBackward, EveryGradientMatchesReference) {
+  NSA_REQUIRE_GPU();
+  const BwdCase& c = GetParam();
+  const Config cfg = config_of(c);
+  Twin t = make_twin(c, 101);
+  // Saved state from the reference forward (fp64): lse and indices, shared by both backwards.
+  forward(ctx_of(Backend::reference), cfg, t.ref.inputs(), t.ref.outputs());
+  copy_values(t.ref.lse, t.low.lse);
+  copy_values(t.ref.indices, t.low.indices);
+  backward(ctx_of(Backend::reference), cfg, t.ref.inputs(), t.ref.outputs(), t.ref.d_o.view(), t.ref.gradients());
+
+  const int64_t longest = *std::max_element(c.seqlens.begin(), c.seqlens.end());
+  DeviceLayer dev(t.low, longest);
+  dev.run(cfg);
+  for (auto& [name, got] : dev.download(t.low)) {
+    const HostTensor& want = ref_grad(t.ref, name);
+    const std::vector<double> w = want.values();
+    const auto result = close(got.values(), w, grad_tol(c.dtype, max_abs(w)));
+    EXPECT_TRUE(result) << name;
+    std::printf("  %-14s max|ref| %.3g  %s\n", name.c_str(), max_abs(w), result.message());
+  }
+}
+
+TEST_P(CudaBackward, BitwiseDeterministic) {
+  NSA_REQUIRE_GPU();
+  const BwdCase& c = GetParam();
+  const Config cfg = config_of(c);
+  Twin t = make_twin(c, 202);
+  forward(ctx_of(Backend::reference), cfg, t.ref.inputs(), t.ref.outputs());
+  copy_values(t.ref.lse, t.low.lse);
+  copy_values(t.ref.indices, t.low.indices);
+  const int64_t longest = *std::max_element(c.seqlens.begin(), c.seqlens.end());
+  DeviceLayer dev(t.low, longest);
+  dev.run(cfg);
+  const auto first = dev.download(t.low);
+  for (int rep = 0; rep < 3; ++rep) {
+    dev.run(cfg);
+    const auto again = dev.download(t.low);
+    ASSERT_EQ(first.size(), again.size());
+    for (size_t i = 0; i < first.size(); ++i) {
+      const size_t bytes = size_t(first[i].second.numel()) * dtype_size(first[i].second.dtype());
+      EXPECT_EQ(std::memcmp(const_cast<HostTensor&>(first[i].second).data(),
+                            const_cast<HostTensor&>(again[i].second).data(), bytes),
+                0)
+          << first[i].first << " differs on repetition " << rep;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaBackward, ::testing::ValuesIn(bwd_cases()),
+                         [](const ::testing::TestParamInfo<BwdCase>& info) { return info.param.name; });
+
+TEST(CudaBackwardErrors, UnsupportedHeadDimNamesTheValue) {
+  NSA_REQUIRE_GPU();
+  BwdCase c{"x", DType::bf16, 32, 64, 2, 1, {40}, 32, 16, 64, 2, 1, 1, 16, PhiKind::mean, false};
+  const Config cfg = config_of(c);
+  Twin t = make_twin(c, 1);
+  forward(ctx_of(Backend::reference), cfg, t.ref.inputs(), t.ref.outputs());
+  DeviceLayer dev(t.low, 40);
+  try {
+    backward(ctx_of(Backend::cuda), cfg, dev.in, dev.saved, dev.d_o.view(), dev.grads);
+    FAIL() << "expected nsa::Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("32"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
