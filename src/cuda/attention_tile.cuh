@@ -1,0 +1,187 @@
+// The attention engine shared by the forward kernels: one CTA of 4 warps owns a tile of
+// kTileRows = 64 query rows (64/G neighbouring tokens x the G heads of one KV head) and streams
+// chunks of kKeyChunk = 64 keys through shared memory, double-buffered with cp.async.
+//
+// Per chunk, each warp computes its 16 x 64 block of S = Q K^T with mma.m16n8k16 (Q stays in
+// registers for the whole kernel), applies the caller's mask, updates the online softmax
+// (running max m and sum l per row, scores kept in log2 units), and adds P V into its
+// 16 x Dv fp32 accumulator. P goes from the S accumulator to the A operand in registers.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/common/dtype.h"
+#include "cuda/common/mma.h"
+#include "cuda/forward_params.h"
+
+namespace nsa::cuda {
+
+inline constexpr int kWarps = kTileRows / 16;  // one m16 slice of the tile per warp
+inline constexpr int kThreads = kWarps * 32;
+// Padding of every shared row, in elements: a row then starts 16 bytes further along the banks,
+// so the 8 rows an ldmatrix reads hit 8 different 16-byte bank groups (no conflicts).
+inline constexpr int kSmemPad = 8;
+inline constexpr float kLn2 = 0.6931471805599453f;
+inline constexpr float kNegInf = -__builtin_huge_valf();
+
+__device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+__device__ __forceinline__ int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+__device__ __forceinline__ void sequence_bounds(const SeqParams& s, int b, int64_t& start, int64_t& len) {
+  if (s.cu_seqlens != nullptr) {
+    start = s.cu_seqlens[b];
+    len = s.cu_seqlens[b + 1] - start;
+  } else {
+    start = 0;
+    len = s.total_tokens;
+  }
+}
+
+template <typename Storage, int kDqk, int kDv>
+struct TileAttention {
+  using Traits = StorageTraits<Storage>;
+  static constexpr bool kBf16 = Traits::is_bf16;
+  static constexpr int kKStride = kDqk + kSmemPad;  // shared row stride of Q and K tiles
+  static constexpr int kVStride = kDv + kSmemPad;
+  static constexpr int kSTiles = kKeyChunk / 8;  // n8 tiles of a warp's S block
+  static constexpr int kOTiles = kDv / 8;        // n8 tiles of a warp's O block
+  static_assert(kDqk % 16 == 0 && kDv % 16 == 0, "head dims must be multiples of 16");
+
+  // Shared bytes of the Q tile and of the double-buffered K and V tiles.
+  static constexpr size_t kQBytes = size_t(kTileRows) * kKStride * sizeof(Storage);
+  static constexpr size_t kKBytes = size_t(2) * kKeyChunk * kKStride * sizeof(Storage);
+  static constexpr size_t kVBytes = size_t(2) * kKeyChunk * kVStride * sizeof(Storage);
+
+  uint32_t qf[kDqk / 16][4];  // this warp's 16 query rows as A fragments
+  float acc[kOTiles][4];      // unnormalised O of rows (group, group + 8)
+  float m[2], lsum[2];        // running max (log2 units) and this thread's partial row sums
+
+  __device__ __forceinline__ void reset() {
+#pragma unroll
+    for (int i = 0; i < kOTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    m[0] = m[1] = kNegInf;
+    lsum[0] = lsum[1] = 0.f;
+  }
+
+  // Copies `count` rows (the rest of the 64 zero-filled) of kD columns into a padded tile.
+  // Row i of the source starts at base + i * row_stride.
+  template <int kD>
+  static __device__ __forceinline__ void load_rows(Storage* tile, const Storage* base, int64_t row_stride,
+                                                   int count) {
+    constexpr int kPieces = kD / 8;  // 16-byte pieces per row
+    for (int e = threadIdx.x; e < kKeyChunk * kPieces; e += kThreads) {
+      const int row = e / kPieces, piece = e % kPieces;
+      const bool valid = row < count;
+      const Storage* src = valid ? base + row * row_stride + piece * 8 : base;
+      cp_async_16(tile + row * (kD + kSmemPad) + piece * 8, src, valid);
+    }
+  }
+
+  // Loads this warp's Q fragments from the shared Q tile.
+  __device__ __forceinline__ void load_q_fragments(const Storage* sq) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const Storage* row = sq + (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kKStride + (lane >> 4) * 8;
+#pragma unroll
+    for (int kk = 0; kk < kDqk / 16; ++kk) ldmatrix_x4(qf[kk], row + kk * 16);
+  }
+
+  // s = Q K^T for this warp's 16 rows and the 64 keys of the chunk in `sk`.
+  __device__ __forceinline__ void scores(float (&s)[kSTiles][4], const Storage* sk) const {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int i = 0; i < kSTiles; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+    const Storage* row = sk + ((lane & 7) + (lane >> 4) * 8) * kKStride + ((lane >> 3) & 1) * 8;
+#pragma unroll
+    for (int kk = 0; kk < kDqk / 16; ++kk) {
+#pragma unroll
+      for (int np = 0; np < kSTiles / 2; ++np) {
+        uint32_t b[4];
+        ldmatrix_x4(b, row + np * 16 * kKStride + kk * 16);
+        mma_16816<kBf16>(s[2 * np], qf[kk], b[0], b[1]);
+        mma_16816<kBf16>(s[2 * np + 1], qf[kk], b[2], b[3]);
+      }
+    }
+  }
+
+  // Online softmax over one chunk: `s` holds log2-scaled scores, -inf where masked. On return
+  // it holds the probabilities relative to the new running max; acc is rescaled.
+  __device__ __forceinline__ void softmax_update(float (&s)[kSTiles][4]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // h = 0: row group, h = 1: row group + 8
+      float mx = kNegInf;
+#pragma unroll
+      for (int i = 0; i < kSTiles; ++i) mx = fmaxf(mx, fmaxf(s[i][2 * h], s[i][2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[h], mx);
+      // A row with no key so far keeps m = -inf; exponents then use 0 so that exp2(-inf) = 0.
+      const float m_use = m_new == kNegInf ? 0.f : m_new;
+      const float alpha = exp2f(m[h] - m_use);
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < kSTiles; ++i) {
+        s[i][2 * h] = exp2f(s[i][2 * h] - m_use);
+        s[i][2 * h + 1] = exp2f(s[i][2 * h + 1] - m_use);
+        sum += s[i][2 * h] + s[i][2 * h + 1];
+      }
+      lsum[h] = lsum[h] * alpha + sum;
+      m[h] = m_new;
+#pragma unroll
+      for (int i = 0; i < kOTiles; ++i) {
+        acc[i][2 * h] *= alpha;
+        acc[i][2 * h + 1] *= alpha;
+      }
+    }
+  }
+
+  // acc += P V for the chunk's V tile in `sv`.
+  __device__ __forceinline__ void accumulate_pv(const float (&p)[kSTiles][4], const Storage* sv) {
+    const int lane = threadIdx.x % 32;
+    const Storage* row = sv + ((lane & 7) + ((lane >> 3) & 1) * 8) * kVStride + (lane >> 4) * 8;
+#pragma unroll
+    for (int kk = 0; kk < kKeyChunk / 16; ++kk) {
+      uint32_t a[4];
+      a[0] = Traits::pack(p[2 * kk][0], p[2 * kk][1]);
+      a[1] = Traits::pack(p[2 * kk][2], p[2 * kk][3]);
+      a[2] = Traits::pack(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+      a[3] = Traits::pack(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+#pragma unroll
+      for (int dp = 0; dp < kOTiles / 2; ++dp) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, row + kk * 16 * kVStride + dp * 16);
+        mma_16816<kBf16>(acc[2 * dp], a, b[0], b[1]);
+        mma_16816<kBf16>(acc[2 * dp + 1], a, b[2], b[3]);
+      }
+    }
+  }
+
+  // Row sums over the quad; returns the log-sum-exp in log2 units (-inf for an empty row) and
+  // the factor that normalises acc (0 for an empty row: the branch outputs zeros).
+  __device__ __forceinline__ void finish_row(int h, float& lse2, float& inv) const {
+    float l = lsum[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    lse2 = l > 0.f ? m[h] + __log2f(l) : kNegInf;
+    inv = l > 0.f ? 1.f / l : 0.f;
+  }
+};
+
+// Loads the Q tile: row r is token t0 + r/G, head hk*G + r%G; rows past the sequence are zero.
+template <typename Storage, int kDqk>
+__device__ __forceinline__ void load_q_tile(Storage* sq, const Storage* q, int64_t q_st, int64_t q_sh,
+                                            int64_t first_token, int tokens_valid, int head0, int log2_group) {
+  constexpr int kPieces = kDqk / 8;
+  const int group_mask = (1 << log2_group) - 1;
+  for (int e = threadIdx.x; e < kTileRows * kPieces; e += kThreads) {
+    const int row = e / kPieces, piece = e % kPieces;
+    const int token = row >> log2_group;
+    const bool valid = token < tokens_valid;
+    const Storage* src =
+        valid ? q + (first_token + token) * q_st + int64_t(head0 + (row & group_mask)) * q_sh + piece * 8 : q;
+    cp_async_16(sq + row * (kDqk + kSmemPad) + piece * 8, src, valid);
+  }
+}
+
+}  // namespace nsa::cuda

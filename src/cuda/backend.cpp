@@ -1,0 +1,479 @@
+// The CUDA backend's table (src/common/plan.h): checks what only this backend restricts
+// (dtype, head dims, group size, alignment), fills the kernels' parameter structs and launches
+// them on ctx.stream. No allocation, no synchronisation: temporary buffers come from the
+// caller's workspace, laid out by ForwardWorkspace (shared by workspace_size and forward).
+//
+// Layers: api.cpp (validation) -> this file (dispatch) -> launch_* (grid, shared memory) -> kernels.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "common/plan.h"
+#include "cuda/backward/backward.h"
+#include "cuda/common/check.h"
+#include "cuda/common/launch.h"
+#include "cuda/forward_params.h"
+#include "cuda/topn.cuh"
+#include "nsa/blocks.h"
+#include "nsa/error.h"
+
+namespace nsa::cuda {
+
+namespace {
+
+using detail::Plan;
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr size_t kMaxSmem = 227 * 1024;  // opt-in shared memory per block on sm_80 / sm_90 (A100: 163 KB)
+
+int log2_exact(int64_t v) {
+  int r = 0;
+  while ((int64_t(1) << r) < v) ++r;
+  return r;
+}
+
+// cp.async moves 16-byte pieces: rows must start on 16 bytes.
+void require_rows_aligned(const char* name, const TensorView& t) {
+  if (!t.defined()) return;
+  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0)
+    throw Error(std::string(name) + ".data", "not 16-byte aligned", "the cuda backend needs 16-byte aligned tensors");
+  for (int d = 0; d + 1 < t.ndim; ++d)
+    if (t.shape[d] > 1 && t.stride[d] % 8 != 0)
+      throw Error(std::string(name) + ".stride[" + std::to_string(d) + "]", std::to_string(t.stride[d]),
+                  "must be a multiple of 8 elements on the cuda backend (rows start on 16 bytes)");
+}
+
+void require_attention_shapes(const Plan& p) {
+  require_storage_dtype(p.dtype);
+  require_supported_dims(p.dqk, p.dv);
+  require_supported_group(p.group);
+}
+
+SeqParams seq_params(const Plan& p) {
+  SeqParams s;
+  s.cu_seqlens = p.cu_seqlens.defined() ? static_cast<const int32_t*>(p.cu_seqlens.data) : nullptr;
+  s.total_tokens = p.T;
+  s.batch = static_cast<int>(p.B);
+  s.max_seqlen = p.max_seqlen;
+  return s;
+}
+
+// Runs fn.template operator()<Storage, Dqk, Dv>() for the compiled combination.
+template <typename Storage, typename Fn>
+void dispatch_dims(int64_t dqk, int64_t dv, Fn&& fn) {
+  switch (dqk * 1000 + dv) {
+    case 64064: fn.template operator()<Storage, 64, 64>(); return;
+    case 64128: fn.template operator()<Storage, 64, 128>(); return;
+    case 128064: fn.template operator()<Storage, 128, 64>(); return;
+    case 128128: fn.template operator()<Storage, 128, 128>(); return;
+    case 192064: fn.template operator()<Storage, 192, 64>(); return;
+    case 192128: fn.template operator()<Storage, 192, 128>(); return;
+  }
+  require_supported_dims(dqk, dv);  // throws naming the value
+}
+template <typename Fn>
+void dispatch(DType dtype, int64_t dqk, int64_t dv, Fn&& fn) {
+  require_storage_dtype(dtype);
+  if (dtype == DType::bf16) dispatch_dims<__nv_bfloat16>(dqk, dv, fn);
+  else dispatch_dims<__half>(dqk, dv, fn);
+}
+template <typename Fn>
+void dispatch_storage(DType dtype, Fn&& fn) {
+  require_storage_dtype(dtype);
+  if (dtype == DType::bf16) fn.template operator()<__nv_bfloat16>();
+  else fn.template operator()<__half>();
+}
+
+// Columns of the running S accumulator of the compressed kernel: the selection blocks one chunk
+// of kKeyChunk compressed blocks can touch (cmp_attention.cuh).
+int score_window(const Config& cfg) {
+  const int64_t R = cfg.slc_block_len / cfg.cmp_stride, L = cfg.cmp_block_len / cfg.cmp_stride;
+  return static_cast<int>((kKeyChunk + L - 2) / R + 2);
+}
+
+int union_capacity(const Config& cfg, int64_t n_slc_max, int64_t group) {
+  return static_cast<int>(std::min<int64_t>(n_slc_max, (kTileRows / group) * cfg.n_selected));
+}
+
+// ---- Workspace of forward() -----------------------------------------------------------------
+
+struct ForwardWorkspace {
+  void* kc = nullptr;        // [T/d, Hkv, Dqk] storage dtype
+  void* vc = nullptr;        // [T/d, Hkv, Dv]
+  float* hidden = nullptr;   // [T/d * Hkv, F] f32 (mlp)
+  float* scores = nullptr;   // [T, Hkv, Ns] f32
+  void* o_cmp = nullptr;     // [T, Hq, Dv] storage dtype (when o_branch is absent)
+  size_t bytes = 0;
+
+  ForwardWorkspace(const Config& cfg, const Problem& pr, void* base) {
+    WorkspaceCarver w(base);
+    const size_t es = dtype_size(pr.dtype);
+    const int64_t rows = cmp_rows(pr.total_tokens, cfg.cmp_stride);
+    const int64_t ns = num_slc_blocks(pr.max_seqlen, cfg.slc_block_len);
+    kc = w.take<char>(rows * pr.hkv * pr.dqk * es);
+    vc = w.take<char>(rows * pr.hkv * pr.dv * es);
+    hidden = w.take<float>(cfg.phi == PhiKind::mlp ? rows * pr.hkv * pr.phi_hidden : 0);
+    scores = w.take<float>(cfg.n_selected > 0 ? pr.total_tokens * pr.hkv * ns : 0);
+    o_cmp = w.take<char>(pr.total_tokens * pr.hq * pr.dv * es);
+    bytes = w.bytes();
+  }
+};
+
+size_t workspace_size(Op op, const Config& cfg, const Problem& pr) {
+  switch (op) {
+    case Op::compress_fwd:
+      return cfg.phi == PhiKind::mlp
+                 ? align_up(cmp_rows(pr.total_tokens, cfg.cmp_stride) * pr.hkv * pr.phi_hidden * sizeof(float))
+                 : 0;
+    case Op::forward: return ForwardWorkspace(cfg, pr, nullptr).bytes;
+    case Op::backward: return cuda_bwd::backward_workspace_size(cfg, pr);  // issue 5
+    default: return 0;
+  }
+}
+
+// ---- Stages -----------------------------------------------------------------------------------
+
+void run_phi(const Plan& p, const PhiParams& phi, const TensorView& x, const TensorView& xc, int64_t hidden_width,
+             float* hidden) {
+  require_storage_dtype(p.dtype);
+  for (const TensorView* t : {&phi.w1, &phi.b1, &phi.w2, &phi.b2, &phi.pe})
+    if (t->defined() && !t->is_contiguous())
+      throw Error("phi parameters", "strided", "must be contiguous on the cuda backend");
+  PhiLaunch l{};
+  l.seqs = seq_params(p);
+  l.kind = p.cfg.phi;
+  l.x = x.data;
+  l.x_st = x.stride[0];
+  l.x_sh = x.stride[1];
+  l.xc = xc.data;
+  l.xc_st = xc.stride[0];
+  l.xc_sh = xc.stride[1];
+  l.heads = static_cast<int>(x.shape[1]);
+  l.dim = static_cast<int>(x.shape[2]);
+  l.l = static_cast<int>(p.cfg.cmp_block_len);
+  l.d = static_cast<int>(p.cfg.cmp_stride);
+  l.w1 = phi.w1.data;
+  l.b1 = phi.b1.data;
+  l.w2 = phi.w2.data;
+  l.b2 = phi.b2.data;
+  l.pe = phi.pe.data;
+  l.hidden = static_cast<int>(hidden_width);
+  l.hidden_buf = hidden;
+  dispatch_storage(p.dtype, [&]<typename S>() { launch_phi_forward<S>(l, stream_of(p)); });
+}
+
+void compress_fwd(const Plan& p, const PhiParams& phi, const TensorView& x, const TensorView& xc, Workspace ws) {
+  run_phi(p, phi, x, xc, p.phi_hidden_k, static_cast<float*>(ws.data));
+}
+
+CmpAttnParams cmp_params(const Plan& p, const TensorView& q, const void* kc, int64_t kc_st, int64_t kc_sh,
+                         const void* vc, int64_t vc_st, int64_t vc_sh) {
+  CmpAttnParams c{};
+  c.seqs = seq_params(p);
+  c.q = q.data;
+  c.q_st = q.stride[0];
+  c.q_sh = q.stride[1];
+  c.kc = kc;
+  c.kc_st = kc_st;
+  c.kc_sh = kc_sh;
+  c.vc = vc;
+  c.vc_st = vc_st;
+  c.vc_sh = vc_sh;
+  c.hkv = static_cast<int>(p.hkv);
+  c.group = static_cast<int>(p.group);
+  c.log2_group = log2_exact(p.group);
+  c.scale_log2 = static_cast<float>(p.scale) * kLog2e;
+  c.l = static_cast<int>(p.cfg.cmp_block_len);
+  c.d = static_cast<int>(p.cfg.cmp_stride);
+  c.lp = static_cast<int>(p.cfg.slc_block_len);
+  c.score_window = score_window(p.cfg);
+  return c;
+}
+
+void launch_cmp(const Plan& p, const CmpAttnParams& c) {
+  const size_t smem = cmp_attention_smem_bytes(static_cast<int>(p.dqk), static_cast<int>(p.dv), c.group, c.score_window,
+                                               c.scores != nullptr);
+  if (smem > kMaxSmem)
+    throw Error("cmp_block_len / cmp_stride", std::to_string(p.cfg.cmp_block_len / p.cfg.cmp_stride),
+                "needs more shared memory (" + std::to_string(smem) + " bytes) than the cuda backend has");
+  dispatch(p.dtype, p.dqk, p.dv, [&]<typename S, int kDqk, int kDv>() { launch_cmp_attention<S, kDqk, kDv>(c, stream_of(p)); });
+}
+
+void compressed_attention_fwd(const Plan& p, const TensorView& q, const TensorView& kc, const TensorView& vc,
+                              const TensorView& o, const TensorView& lse, const TensorView& scores, Workspace) {
+  require_attention_shapes(p);
+  for (auto [name, t] : {std::pair{"q", &q}, {"kc", &kc}, {"vc", &vc}, {"o", &o}}) require_rows_aligned(name, *t);
+  CmpAttnParams c = cmp_params(p, q, kc.data, kc.stride[0], kc.stride[1], vc.data, vc.stride[0], vc.stride[1]);
+  c.o = o.data;
+  c.o_st = o.stride[0];
+  c.o_sh = o.stride[1];
+  c.lse = static_cast<float*>(lse.data);
+  c.lse_st = lse.stride[0];
+  c.lse_sh = lse.stride[1];
+  if (scores.defined()) {
+    c.scores = static_cast<float*>(scores.data);
+    c.s_st = scores.stride[0];
+    c.s_sh = scores.stride[1];
+    c.scores_width = scores.shape[2];
+    c.scores_zero_fill = true;
+  }
+  launch_cmp(p, c);
+}
+
+TopnParams topn_params(const Plan& p, const float* scores, int64_t s_st, int64_t s_sh, const TensorView& indices) {
+  TopnParams t{};
+  t.seqs = seq_params(p);
+  t.scores = scores;
+  t.s_st = s_st;
+  t.s_sh = s_sh;
+  t.indices = static_cast<int32_t*>(indices.data);
+  t.i_st = indices.stride[0];
+  t.i_sh = indices.stride[1];
+  t.hkv = static_cast<int>(p.hkv);
+  t.lp = static_cast<int>(p.cfg.slc_block_len);
+  t.n_sel = static_cast<int>(p.cfg.n_selected);
+  t.n_init = static_cast<int>(p.cfg.n_init);
+  t.n_local = static_cast<int>(p.cfg.n_local);
+  t.n_slc_max = p.n_slc_max;
+  return t;
+}
+
+void select_topn(const Plan& p, const TensorView& scores, const TensorView& indices, Workspace) {
+  launch_select_topn(topn_params(p, static_cast<const float*>(scores.data), scores.stride[0], scores.stride[1], indices),
+                     stream_of(p));
+}
+
+SlcWinParams slc_win_params(const Plan& p, const TensorView& q) {
+  SlcWinParams s{};
+  s.seqs = seq_params(p);
+  s.q = q.data;
+  s.q_st = q.stride[0];
+  s.q_sh = q.stride[1];
+  s.hkv = static_cast<int>(p.hkv);
+  s.group = static_cast<int>(p.group);
+  s.log2_group = log2_exact(p.group);
+  s.scale_log2 = static_cast<float>(p.scale) * kLog2e;
+  s.lp = static_cast<int>(p.cfg.slc_block_len);
+  s.n_sel = static_cast<int>(p.cfg.n_selected);
+  s.window = static_cast<int>(p.cfg.window);
+  s.union_capacity = union_capacity(p.cfg, p.n_slc_max, p.group);
+  s.bitmap_words = static_cast<int>((p.n_slc_max + 31) / 32);
+  return s;
+}
+
+void set_kv(const TensorView& k, const TensorView& v, const void*& kp, int64_t& k_st, int64_t& k_sh, const void*& vp,
+            int64_t& v_st, int64_t& v_sh) {
+  kp = k.data;
+  k_st = k.stride[0];
+  k_sh = k.stride[1];
+  vp = v.data;
+  v_st = v.stride[0];
+  v_sh = v.stride[1];
+}
+
+void set_indices(SlcWinParams& s, const TensorView& indices) {
+  s.indices = static_cast<const int32_t*>(indices.data);
+  s.idx_st = indices.stride[0];
+  s.idx_sh = indices.stride[1];
+}
+
+void launch_slc_win(const Plan& p, const SlcWinParams& s) {
+  const size_t smem = slc_win_smem_bytes(static_cast<int>(p.dqk), static_cast<int>(p.dv), s.group, s.union_capacity,
+                                         s.bitmap_words, s.n_sel);
+  if (smem > kMaxSmem)
+    throw Error("n_selected and max_seqlen", std::to_string(p.cfg.n_selected) + " and " + std::to_string(p.max_seqlen),
+                "need more shared memory (" + std::to_string(smem) + " bytes) than the cuda selection kernel has");
+  dispatch(p.dtype, p.dqk, p.dv,
+           [&]<typename S, int kDqk, int kDv>() { launch_slc_win_attention<S, kDqk, kDv>(s, stream_of(p)); });
+}
+
+void selected_attention_fwd(const Plan& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                            const TensorView& indices, const TensorView& o, const TensorView& lse, Workspace) {
+  require_attention_shapes(p);
+  for (auto [name, t] : {std::pair{"q", &q}, {"k", &k}, {"v", &v}, {"o", &o}}) require_rows_aligned(name, *t);
+  SlcWinParams s = slc_win_params(p, q);
+  set_kv(k, v, s.k_slc, s.ks_st, s.ks_sh, s.v_slc, s.vs_st, s.vs_sh);
+  set_kv(k, v, s.k_win, s.kw_st, s.kw_sh, s.v_win, s.vw_st, s.vw_sh);
+  set_indices(s, indices);
+  s.has_slc = true;
+  s.o_branch[0] = o.data;
+  s.ob_st[0] = o.stride[0];
+  s.ob_sh[0] = o.stride[1];
+  if (lse.defined()) {
+    s.lse[0] = static_cast<float*>(lse.data);
+    s.lse_st[0] = lse.stride[0];
+    s.lse_sh[0] = lse.stride[1];
+  }
+  launch_slc_win(p, s);
+}
+
+void window_attention_fwd(const Plan& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                          const TensorView& o, const TensorView& lse, Workspace) {
+  require_attention_shapes(p);
+  for (auto [name, t] : {std::pair{"q", &q}, {"k", &k}, {"v", &v}, {"o", &o}}) require_rows_aligned(name, *t);
+  SlcWinParams s = slc_win_params(p, q);
+  set_kv(k, v, s.k_slc, s.ks_st, s.ks_sh, s.v_slc, s.vs_st, s.vs_sh);
+  set_kv(k, v, s.k_win, s.kw_st, s.kw_sh, s.v_win, s.vw_st, s.vw_sh);
+  s.n_sel = 0;  // no selection: the kernel's union is empty
+  s.union_capacity = 0;
+  s.bitmap_words = 0;
+  s.has_win = true;
+  s.o_branch[1] = o.data;
+  s.ob_st[1] = o.stride[0];
+  s.ob_sh[1] = o.stride[1];
+  if (lse.defined()) {
+    s.lse[1] = static_cast<float*>(lse.data);
+    s.lse_st[1] = lse.stride[0];
+    s.lse_sh[1] = lse.stride[1];
+  }
+  launch_slc_win(p, s);
+}
+
+// Spec §2-§7: phi, compressed attention + S, top-n, then selection + window + gated combine.
+void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspace ws) {
+  require_attention_shapes(p);
+  require_rows_aligned("q", in.q);
+  require_rows_aligned("o", out.o);
+  require_rows_aligned("o_branch", out.o_branch);
+  for (int b = 0; b < 3; ++b) {
+    const KV& kv = detail::branch_kv(p.cfg, in, b);
+    require_rows_aligned("k", kv.k);
+    require_rows_aligned("v", kv.v);
+  }
+  Problem pr;
+  pr.total_tokens = p.T;
+  pr.batch = p.B;
+  pr.max_seqlen = p.max_seqlen;
+  pr.hq = p.hq;
+  pr.hkv = p.hkv;
+  pr.dqk = p.dqk;
+  pr.dv = p.dv;
+  pr.phi_hidden = std::max(p.phi_hidden_k, p.phi_hidden_v);
+  pr.dtype = p.dtype;
+  pr.device = p.device;
+  const ForwardWorkspace w(p.cfg, pr, ws.data);
+  const cudaStream_t stream = stream_of(p);
+  const size_t es = dtype_size(p.dtype);
+  const int64_t rows = cmp_rows(p.T, p.cfg.cmp_stride);
+
+  // §2: compressed keys and values, contiguous [T/d, Hkv, D].
+  const KV& cmp = detail::branch_kv(p.cfg, in, kCmp);
+  TensorView kc = make_view(w.kc, p.dtype, {rows, p.hkv, p.dqk}, Device::cuda);
+  TensorView vc = make_view(w.vc, p.dtype, {rows, p.hkv, p.dv}, Device::cuda);
+  if (rows > 0) {
+    run_phi(p, in.phi_k, cmp.k, kc, p.phi_hidden_k, w.hidden);
+    run_phi(p, in.phi_v, cmp.v, vc, p.phi_hidden_v, w.hidden);
+  }
+
+  // §2-§3: o_cmp, lse_cmp and S in one kernel.
+  CmpAttnParams c = cmp_params(p, in.q, w.kc, p.hkv * p.dqk, p.dqk, w.vc, p.hkv * p.dv, p.dv);
+  void* o_cmp = w.o_cmp;
+  int64_t oc_st = p.hq * p.dv, oc_sh = p.dv;
+  if (out.o_branch.defined()) {  // o_branch[0] is o_cmp: write it there and read it back
+    o_cmp = out.o_branch.data;
+    oc_st = out.o_branch.stride[1];
+    oc_sh = out.o_branch.stride[2];
+  }
+  c.o = o_cmp;
+  c.o_st = oc_st;
+  c.o_sh = oc_sh;
+  c.lse = static_cast<float*>(out.lse.data) + kCmp * out.lse.stride[2];
+  c.lse_st = out.lse.stride[0];
+  c.lse_sh = out.lse.stride[1];
+  const int64_t ns = p.n_slc_max;
+  if (p.cfg.n_selected > 0) {
+    c.scores = w.scores;
+    c.s_st = p.hkv * ns;
+    c.s_sh = ns;
+    c.scores_width = ns;
+    c.scores_zero_fill = false;  // top-n reads only the admissible blocks j <= J_t
+  }
+  launch_cmp(p, c);
+
+  // §4: top-n.
+  if (p.cfg.n_selected > 0) launch_select_topn(topn_params(p, w.scores, p.hkv * ns, ns, out.indices), stream);
+
+  // §5-§7: selection, window and the gated combine.
+  SlcWinParams s = slc_win_params(p, in.q);
+  const KV& slc = detail::branch_kv(p.cfg, in, kSlc);
+  const KV& win = detail::branch_kv(p.cfg, in, kWin);
+  set_kv(slc.k, slc.v, s.k_slc, s.ks_st, s.ks_sh, s.v_slc, s.vs_st, s.vs_sh);
+  set_kv(win.k, win.v, s.k_win, s.kw_st, s.kw_sh, s.v_win, s.vw_st, s.vw_sh);
+  set_indices(s, out.indices);
+  s.has_slc = p.cfg.n_selected > 0;
+  s.has_win = p.cfg.window > 0;
+  for (int b = 0; b < 2; ++b) {
+    s.lse[b] = static_cast<float*>(out.lse.data) + (kSlc + b) * out.lse.stride[2];
+    s.lse_st[b] = out.lse.stride[0];
+    s.lse_sh[b] = out.lse.stride[1];
+    if (out.o_branch.defined()) {
+      s.o_branch[b] = static_cast<char*>(out.o_branch.data) + (kSlc + b) * out.o_branch.stride[0] * es;
+      s.ob_st[b] = out.o_branch.stride[1];
+      s.ob_sh[b] = out.o_branch.stride[2];
+    }
+  }
+  s.combine = true;
+  s.g = in.g.data;
+  s.g_st = in.g.stride[0];
+  s.g_sh = in.g.stride[1];
+  s.o_cmp = o_cmp;
+  s.oc_st = oc_st;
+  s.oc_sh = oc_sh;
+  s.o = out.o.data;
+  s.o_st = out.o.stride[0];
+  s.o_sh = out.o.stride[1];
+  launch_slc_win(p, s);
+}
+
+const detail::BackendOps kOps = {
+    "cuda",
+    workspace_size,
+    compress_fwd,
+    nullptr,  // compress_bwd: the CUDA backward (issue 5)
+    compressed_attention_fwd,
+    select_topn,
+    selected_attention_fwd,
+    window_attention_fwd,
+    forward,
+    cuda_bwd::backward,  // issue 5: src/cuda/backward/
+    nullptr,  // dense_attention_fwd
+    nullptr,  // dense_attention_bwd
+};
+
+}  // namespace
+
+size_t cmp_attention_smem_bytes(int dqk, int dv, int group, int score_window, bool with_scores) {
+  const size_t es = 2, tokens = kTileRows / group;
+  const size_t q = size_t(kTileRows) * (dqk + 8) * es, k = 2 * size_t(kKeyChunk) * (dqk + 8) * es;
+  const size_t v = 2 * size_t(kKeyChunk) * (dv + 8) * es;
+  const size_t scores = with_scores ? tokens * (kKeyChunk + score_window) * sizeof(float) : 0;
+  return q + k + std::max(v, scores);
+}
+
+size_t slc_win_smem_bytes(int dqk, int dv, int group, int union_capacity, int bitmap_words, int n_sel) {
+  const size_t es = 2, tokens = kTileRows / group;
+  const size_t q = size_t(kTileRows) * (dqk + 8) * es, k = 2 * size_t(kKeyChunk) * (dqk + 8) * es;
+  const size_t v = 2 * size_t(kKeyChunk) * (dv + 8) * es;
+  return q + k + v + (tokens * n_sel + bitmap_words + union_capacity) * sizeof(int32_t);
+}
+
+}  // namespace nsa::cuda
+
+namespace nsa::detail {
+
+const BackendOps* cuda_backend() { return &nsa::cuda::kOps; }
+
+bool cuda_device_present() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the sticky "no device" error
+    return false;
+  }
+  return count > 0;
+}
+
+}  // namespace nsa::detail

@@ -1,0 +1,219 @@
+// Compressed-branch attention (spec §2) fused with the selection scores S (spec §3).
+//
+// Pass 1 is flash attention over the visible compressed blocks (keys i < C_t) and yields o_cmp
+// and the per-row log-sum-exp. Pass 2 (only when S is wanted) recomputes Q K^T chunk by chunk
+// with the final log-sum-exp, so p_cmp is exact, and turns it into S without ever storing p_cmp:
+//   1. sum p over the G heads of each token with warp shuffles (rows of one token sit in
+//      neighbouring lanes of the mma accumulator) -> pg[token][i] in shared memory;
+//   2. add ov(i, j) * pg[token][i] into a running accumulator acc[token][j - jbase] that covers
+//      the W selection blocks this chunk can touch;
+//   3. blocks j below the next chunk's first j are final: write them out, shift the rest down.
+// p_cmp is never rounded (fp32 all the way), and the order of additions is fixed (deterministic).
+#pragma once
+
+#include "cuda/attention_tile.cuh"
+#include "cuda/common/check.h"
+#include "nsa/blocks.h"
+
+namespace nsa::cuda {
+
+template <typename Storage, int kDqk, int kDv>
+__global__ void __launch_bounds__(kThreads) cmp_attention_kernel(const CmpAttnParams p) {
+  using Tile = TileAttention<Storage, kDqk, kDv>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  Storage* sq = reinterpret_cast<Storage*>(smem);
+  Storage* sk = reinterpret_cast<Storage*>(smem + Tile::kQBytes);
+  Storage* sv = reinterpret_cast<Storage*>(smem + Tile::kQBytes + Tile::kKBytes);
+  // Pass 2 needs no V: its score buffers reuse the V tiles' space.
+  float* s_pg = reinterpret_cast<float*>(sv);  // [tokens][kKeyChunk]
+
+  const int tokens_per_tile = kTileRows >> p.log2_group;
+  const int64_t tiles_per_seq = (p.seqs.max_seqlen + tokens_per_tile - 1) / tokens_per_tile;
+  const int b = static_cast<int>(blockIdx.x / tiles_per_seq);
+  // Later tiles have more keys: start them first so the tail of the grid is short.
+  const int64_t tile = tiles_per_seq - 1 - blockIdx.x % tiles_per_seq;
+  const int hk = blockIdx.y;
+  int64_t s0, len;
+  sequence_bounds(p.seqs, b, s0, len);
+  const int64_t t0 = tile * tokens_per_tile;
+  if (t0 >= len) return;
+  const int tokens_valid = static_cast<int>(min64(tokens_per_tile, len - t0));
+  float* s_acc = s_pg + tokens_per_tile * kKeyChunk;  // [tokens][score_window]
+
+  const Storage* q = static_cast<const Storage*>(p.q);
+  const Storage* kbase = static_cast<const Storage*>(p.kc) + cmp_row_offset(s0, p.d) * p.kc_st + hk * p.kc_sh;
+  const Storage* vbase = static_cast<const Storage*>(p.vc) + cmp_row_offset(s0, p.d) * p.vc_st + hk * p.vc_sh;
+
+  load_q_tile<Storage, kDqk>(sq, q, p.q_st, p.q_sh, s0 + t0, tokens_valid, hk * p.group, p.log2_group);
+  cp_async_commit();
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group_id = lane / 4, quad = lane % 4;
+  int row[2], tok[2];
+  int64_t t_row[2], visible[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row[h] = warp * 16 + group_id + 8 * h;
+    tok[h] = row[h] >> p.log2_group;
+    t_row[h] = t0 + tok[h];
+    visible[h] = tok[h] < tokens_valid ? visible_cmp_blocks(t_row[h], p.l, p.d) : 0;
+  }
+  const int64_t num_keys = visible_cmp_blocks(t0 + tokens_valid - 1, p.l, p.d);  // C of the last token
+  const int num_chunks = static_cast<int>((num_keys + kKeyChunk - 1) / kKeyChunk);
+
+  Tile tile_state;
+  tile_state.reset();
+  auto load_chunk = [&](int c, int buf, bool with_v) {
+    const int64_t first = int64_t(c) * kKeyChunk;
+    const int count = static_cast<int>(min64(kKeyChunk, num_keys - first));
+    Tile::template load_rows<kDqk>(sk + buf * kKeyChunk * Tile::kKStride, kbase + first * p.kc_st, p.kc_st, count);
+    if (with_v)
+      Tile::template load_rows<kDv>(sv + buf * kKeyChunk * Tile::kVStride, vbase + first * p.vc_st, p.vc_st, count);
+    cp_async_commit();
+  };
+  // Masked, log2-scaled scores of chunk c.
+  auto masked_scores = [&](float (&s)[Tile::kSTiles][4], int c, int buf) {
+    tile_state.scores(s, sk + buf * kKeyChunk * Tile::kKStride);
+#pragma unroll
+    for (int i = 0; i < Tile::kSTiles; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t key = int64_t(c) * kKeyChunk + i * 8 + 2 * quad + (e & 1);
+        s[i][e] = key < visible[e >> 1] ? s[i][e] * p.scale_log2 : kNegInf;
+      }
+  };
+
+  // ---- Pass 1: o_cmp and lse ----
+  if (num_chunks > 0) load_chunk(0, 0, true);
+  cp_async_wait<0>();
+  __syncthreads();
+  tile_state.load_q_fragments(sq);
+  for (int c = 0; c < num_chunks; ++c) {
+    if (c + 1 < num_chunks) {
+      load_chunk(c + 1, (c + 1) & 1, true);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    float s[Tile::kSTiles][4];
+    masked_scores(s, c, c & 1);
+    tile_state.softmax_update(s);
+    tile_state.accumulate_pv(s, sv + (c & 1) * kKeyChunk * Tile::kVStride);
+    __syncthreads();
+  }
+  float lse2[2];
+  Storage* o = static_cast<Storage*>(p.o);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float inv;
+    tile_state.finish_row(h, lse2[h], inv);
+    if (tok[h] >= tokens_valid) continue;
+    const int head = hk * p.group + (row[h] & (p.group - 1));
+    const int64_t t = s0 + t_row[h];
+    if (quad == 0) p.lse[t * p.lse_st + head * p.lse_sh] = lse2[h] == kNegInf ? kNegInf : lse2[h] * kLn2;
+    Storage* orow = o + t * p.o_st + head * p.o_sh;
+#pragma unroll
+    for (int i = 0; i < Tile::kOTiles; ++i) {
+      const uint32_t packed = StorageTraits<Storage>::pack(tile_state.acc[i][2 * h] * inv, tile_state.acc[i][2 * h + 1] * inv);
+      *reinterpret_cast<uint32_t*>(orow + i * 8 + 2 * quad) = packed;
+    }
+  }
+  if (p.scores == nullptr) return;
+
+  // ---- Pass 2: selection scores S ----
+  const int R = p.lp / p.d;  // stride pieces per selection block
+  const int L = p.l / p.d;   // stride pieces per compressed block
+  const int W = p.score_window;
+  for (int e = threadIdx.x; e < tokens_per_tile * W; e += kThreads) s_acc[e] = 0.f;
+  __syncthreads();
+  const int heads_in_warp_row = p.group < 8 ? p.group : 8;  // rows of one token among a warp's 8 groups
+  // Writes S[token][j] for j in [j_from, j_to) from the accumulator (aligned at jbase).
+  auto flush = [&](int token, int64_t jbase, int64_t j_from, int64_t j_to) {
+    if (token >= tokens_valid) return;
+    const int64_t t = t0 + token;
+    const int64_t limit = p.scores_zero_fill ? p.scores_width : min64(p.scores_width, last_slc_block(t, p.lp) + 1);
+    float* srow = p.scores + (s0 + t) * p.s_st + hk * p.s_sh;
+    for (int64_t j = j_from; j < min64(j_to, limit); ++j)
+      srow[j] = j - jbase < W ? s_acc[token * W + (j - jbase)] : 0.f;
+  };
+  int64_t jbase = 0;
+  if (num_chunks > 0) load_chunk(0, 0, false);
+  for (int c = 0; c < num_chunks; ++c) {
+    if (c + 1 < num_chunks) {
+      load_chunk(c + 1, (c + 1) & 1, false);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    float s[Tile::kSTiles][4];
+    masked_scores(s, c, c & 1);
+    // p_cmp = exp2(s - lse2), summed over the token's heads: first across the lanes that hold
+    // the same token (xor over group bits), then across the row pair when G = 16.
+#pragma unroll
+    for (int i = 0; i < Tile::kSTiles; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = s[i][e] == kNegInf ? 0.f : exp2f(s[i][e] - lse2[e >> 1]);
+        for (int off = 4; off < 4 * heads_in_warp_row; off *= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+        s[i][e] = v;
+      }
+    const bool writer = (group_id & (heads_in_warp_row - 1)) == 0;
+#pragma unroll
+    for (int i = 0; i < Tile::kSTiles; ++i)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = i * 8 + 2 * quad + e;
+        if (p.group == 16) {
+          if (writer) s_pg[tok[0] * kKeyChunk + col] = s[i][e] + s[i][2 + e];
+        } else if (writer) {
+          s_pg[tok[0] * kKeyChunk + col] = s[i][e];
+          s_pg[tok[1] * kKeyChunk + col] = s[i][2 + e];
+        }
+      }
+    __syncthreads();
+    // S[token][j] += sum_i ov(i, j) * pg[token][i] over the chunk's compressed blocks i.
+    const int64_t i0 = int64_t(c) * kKeyChunk;
+    for (int e = threadIdx.x; e < tokens_per_tile * W; e += kThreads) {
+      const int token = e / W;
+      const int64_t j = jbase + e % W;
+      const int64_t ilo = max64(i0, j * R - L + 1), ihi = min64(i0 + kKeyChunk - 1, (j + 1) * R - 1);
+      float sum = 0.f;
+      for (int64_t i = ilo; i <= ihi; ++i) {
+        const int64_t ov = min64(i + L - 1, (j + 1) * R - 1) - max64(i, j * R) + 1;
+        sum += static_cast<float>(ov) * s_pg[token * kKeyChunk + (i - i0)];
+      }
+      s_acc[e] += sum;
+    }
+    __syncthreads();
+    // Blocks below the next chunk's first block are final.
+    const int64_t jnext = (i0 + kKeyChunk) / R;
+    const int shift = static_cast<int>(jnext - jbase);
+    for (int token = threadIdx.x; token < tokens_per_tile; token += kThreads) {
+      flush(token, jbase, jbase, jnext);
+      float* a = s_acc + token * W;
+      for (int x = 0; x < W; ++x) a[x] = x + shift < W ? a[x + shift] : 0.f;
+    }
+    jbase = jnext;
+    __syncthreads();
+  }
+  for (int token = threadIdx.x; token < tokens_per_tile; token += kThreads)
+    flush(token, jbase, jbase, p.scores_width);
+}
+
+template <typename Storage, int kDqk, int kDv>
+void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream) {
+  using Tile = TileAttention<Storage, kDqk, kDv>;
+  const size_t smem = cmp_attention_smem_bytes(kDqk, kDv, p.group, p.score_window, p.scores != nullptr);
+  const auto kernel = cmp_attention_kernel<Storage, kDqk, kDv>;
+  NSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  const int tokens_per_tile = kTileRows / p.group;
+  const int64_t tiles = (p.seqs.max_seqlen + tokens_per_tile - 1) / tokens_per_tile;
+  const dim3 grid(static_cast<unsigned>(tiles * p.seqs.batch), static_cast<unsigned>(p.hkv));
+  if (grid.x == 0) return;
+  kernel<<<grid, kThreads, smem, stream>>>(p);
+  NSA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace nsa::cuda
