@@ -176,10 +176,12 @@ class NativeSparseAttention(nn.Module):
         """x [T, H, D] rotated by positions [T] (pairs (i, i + D/2), GPT-NeoX layout)."""
         if not self.rotary:
             return x
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        # At least float32 (bf16/fp16 angles would be far off at long positions); float64 stays.
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        angles = positions.to(work)[:, None] * self.inv_freq.to(work)[None, :]  # [T, D/2]
         cos = torch.cos(angles)[:, None, :]
         sin = torch.sin(angles)[:, None, :]
-        x1, x2 = x.float().chunk(2, dim=-1)
+        x1, x2 = x.to(work).chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
     def _project(self, x: Tensor, positions: Tensor):
@@ -240,6 +242,8 @@ class NativeSparseAttention(nn.Module):
         # the new rows (NSACache's docstring says why and what replaces it).
         T = x.shape[0]
         cu = [0, T] if cu_seqlens is None else [int(c) for c in torch.as_tensor(cu_seqlens).tolist()]
+        if cu[0] != 0 or cu[-1] != T:
+            raise error("cu_seqlens", cu, f"must run from 0 to the number of new tokens T = {T}")
         if len(cu) - 1 < len(cache):
             raise error("cu_seqlens", f"{len(cu) - 1} sequences",
                         f"must cover every cached sequence ({len(cache)}); give a 0-length entry for idle ones")

@@ -1,0 +1,183 @@
+"""NativeSparseAttention: forward and backward, batching and packing, causality, decoding,
+dtypes, and torch.compile on the CPU."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import SMALL, has_torch
+
+if not has_torch():
+    pytest.skip("PyTorch is not installed", allow_module_level=True)
+
+import torch  # noqa: E402
+
+import nsa  # noqa: E402
+
+HIDDEN = 32
+
+
+def make_module(seed=0, **kw):
+    torch.manual_seed(seed)
+    args = dict(hidden_size=HIDDEN, num_heads=4, num_kv_heads=2, config=SMALL, phi_hidden=12, dtype=torch.float64)
+    args.update(kw)
+    return nsa.NativeSparseAttention(**args)
+
+
+@pytest.mark.parametrize("phi", ["mlp", "linear", "mean"])
+@pytest.mark.parametrize("shared_kv", [False, True])
+def test_forward_backward_reach_every_parameter(phi, shared_kv):
+    m = make_module(phi=phi, shared_kv=shared_kv)
+    x = torch.randn(50, HIDDEN, dtype=torch.float64, requires_grad=True)
+    y = m(x)
+    assert y.shape == (50, HIDDEN) and torch.isfinite(y).all()
+    y.square().sum().backward()
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    for name, param in m.named_parameters():
+        assert param.grad is not None, name
+        assert torch.isfinite(param.grad).all(), name
+        assert param.grad.abs().sum() > 0, name
+
+
+def test_module_gradcheck():
+    """Gradients of the whole layer (projections, rotary, gates, phi, NSA) against finite differences."""
+    m = make_module(hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, phi_hidden=3, gate_hidden=4,
+                    config=nsa.Config(cmp_block_len=4, cmp_stride=2, slc_block_len=4, n_selected=3, n_init=1,
+                                      n_local=1, window=3))
+    x = torch.randn(11, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(m, (x,), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_batched_input_equals_packed_and_separate_sequences():
+    m = make_module()
+    x = torch.randn(3, 40, HIDDEN, dtype=torch.float64)
+    batched = m(x)
+    packed = m(x.reshape(120, HIDDEN), cu_seqlens=torch.tensor([0, 40, 80, 120], dtype=torch.int32))
+    torch.testing.assert_close(batched.reshape(120, HIDDEN), packed, rtol=1e-12, atol=1e-12)
+    for b in range(3):
+        torch.testing.assert_close(m(x[b]), batched[b], rtol=1e-12, atol=1e-12)
+
+
+def test_varlen_with_empty_sequence():
+    m = make_module()
+    x = torch.randn(45, HIDDEN, dtype=torch.float64)
+    y = m(x, cu_seqlens=[0, 20, 20, 45])
+    torch.testing.assert_close(y[20:], m(x[20:]), rtol=1e-12, atol=1e-12)
+
+
+def test_causality():
+    m = make_module()
+    x = torch.randn(60, HIDDEN, dtype=torch.float64)
+    y = m(x)
+    x2 = x.clone()
+    x2[45:] = torch.randn(15, HIDDEN, dtype=torch.float64)
+    y2 = m(x2)
+    torch.testing.assert_close(y[:45], y2[:45], rtol=1e-12, atol=1e-12)
+    assert (y[45:] - y2[45:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("shared_kv", [False, True])
+def test_decode_equals_prefill(shared_kv):
+    """Prefill, then steps of 1 and 3 tokens for two sequences at once (one of them idle for a
+    step), crossing compression, selection and window block boundaries: every new row equals
+    the matching row of one prefill over the whole sequences."""
+    m = make_module(shared_kv=shared_kv)
+    xa = torch.randn(45, HIDDEN, dtype=torch.float64)
+    xb = torch.randn(35, HIDDEN, dtype=torch.float64)
+    full_a, full_b = m(xa), m(xb)
+    cache = nsa.NSACache()
+    with torch.no_grad():
+        out = m(torch.cat([xa[:30], xb[:16]]), cu_seqlens=[0, 30, 46], cache=cache)
+        torch.testing.assert_close(out[:30], full_a[:30], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(out[30:], full_b[:16], rtol=1e-12, atol=1e-12)
+        pa, pb = 30, 16
+        for step_a, step_b in [(1, 3), (3, 1), (0, 3), (1, 1), (3, 0), (3, 3), (1, 3)]:
+            x = torch.cat([xa[pa:pa + step_a], xb[pb:pb + step_b]])
+            out = m(x, cu_seqlens=[0, step_a, step_a + step_b], cache=cache)
+            torch.testing.assert_close(out[:step_a], full_a[pa:pa + step_a], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(out[step_a:], full_b[pb:pb + step_b], rtol=1e-12, atol=1e-12)
+            pa, pb = pa + step_a, pb + step_b
+    assert cache.seq_len(0) == pa and cache.seq_len(1) == pb
+
+
+def test_cache_must_cover_its_sequences():
+    m = make_module()
+    cache = nsa.NSACache()
+    m(torch.randn(10, HIDDEN, dtype=torch.float64), cu_seqlens=[0, 4, 10], cache=cache)
+    with pytest.raises(nsa.Error, match="cu_seqlens"):
+        m(torch.randn(1, HIDDEN, dtype=torch.float64), cache=cache)
+    with pytest.raises(nsa.Error, match="cu_seqlens"):
+        m(torch.randn(3, HIDDEN, dtype=torch.float64), cu_seqlens=[0, 1, 4], cache=cache)
+
+
+def test_rotary_uses_positions_within_each_sequence():
+    """Rotary changes the output (it is applied), and positions count from each sequence's start:
+    packing a sequence after another one gives the same rows as running it alone."""
+    cfg = nsa.Config(cmp_block_len=8, cmp_stride=4, slc_block_len=16, n_selected=0, window=5)
+    m = make_module(config=cfg, phi="mean")
+    x = torch.randn(30, HIDDEN, dtype=torch.float64)
+    y = m(x)
+    m_plain = make_module(config=cfg, phi="mean", rotary=False)
+    assert (y - m_plain(x)).abs().max() > 1e-6
+    # Each sequence counts positions from its own start: packing after another sequence is a no-op.
+    packed = m(torch.cat([torch.randn(7, HIDDEN, dtype=torch.float64), x]), cu_seqlens=[0, 7, 37])
+    torch.testing.assert_close(packed[7:], y, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dtypes(dtype):
+    m = make_module(dtype=dtype)
+    assert all(p.dtype == dtype for p in m.parameters())
+    x = torch.randn(2, 33, HIDDEN, dtype=dtype)
+    y = m(x)
+    assert y.dtype == dtype and torch.isfinite(y.float()).all()
+    y.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == dtype for p in m.parameters())
+    # Against the same weights in float64: bfloat16 storage costs a few percent at most here.
+    m64 = make_module(dtype=torch.float64)
+    m64.load_state_dict({k: v.double() for k, v in m.state_dict().items()})
+    ref = m64(x.double())
+    tol = {torch.float32: 1e-4, torch.bfloat16: 0.1}[dtype]
+    assert (y.double() - ref).abs().max() <= tol * ref.abs().max()
+
+
+def test_to_dtype_and_reset_parameters():
+    m = make_module(dtype=torch.float32, phi="linear").to(torch.float64)
+    assert all(p.dtype == torch.float64 for p in m.parameters())
+    w = m.phi_k["w1"]
+    l, D = SMALL.cmp_block_len, m.head_dim
+    # linear phi starts as mean pooling
+    torch.testing.assert_close(w, (torch.eye(D, dtype=torch.float64) / l).repeat(1, l))
+    before = m.q_proj.weight.clone()
+    m.reset_parameters()
+    assert not torch.equal(before, m.q_proj.weight)
+
+
+def test_bad_arguments():
+    with pytest.raises(nsa.Error, match="num_heads"):
+        nsa.NativeSparseAttention(32, num_heads=4, num_kv_heads=3)
+    with pytest.raises(nsa.Error, match="head_dim"):
+        nsa.NativeSparseAttention(30, num_heads=2, head_dim=15)
+    with pytest.raises(nsa.Error, match="phi"):
+        nsa.NativeSparseAttention(32, num_heads=4, phi="max")
+    with pytest.raises(nsa.Error, match="cmp_stride"):
+        nsa.NativeSparseAttention(32, num_heads=4, config=nsa.Config(cmp_stride=5))
+    m = make_module()
+    with pytest.raises(nsa.Error, match="x.shape"):
+        m(torch.randn(3, 31, dtype=torch.float64))
+
+
+def test_torch_compile_module_cpu():
+    """torch.compile (Inductor on the CPU) of a module using NSA: same output and gradients as eager."""
+    torch._dynamo.reset()
+    m = make_module(dtype=torch.float32, phi="mlp")
+    x = torch.randn(40, HIDDEN)
+    compiled = torch.compile(m, fullgraph=True)
+    y_eager = m(x)
+    y = compiled(x)
+    torch.testing.assert_close(y, y_eager, rtol=1e-5, atol=1e-5)
+    y.square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+    m.zero_grad()
+    y_eager.square().sum().backward()
+    for n, p in m.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-5)
