@@ -1,0 +1,18 @@
+"""The example in examples/ (and so the README's) runs as written."""
+import os
+import subprocess
+import sys
+
+from conftest import needs_torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@needs_torch
+def test_torch_example_runs():
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "torch_example.py")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "step 2: loss" in result.stdout
+    assert "decode matches prefill: True" in result.stdout
+    assert "selected blocks of the last token: [0, 1, 2, 3]" in result.stdout, result.stdout
