@@ -63,8 +63,10 @@ struct OwnedWorkspace {
 
 // Workspace of `op` for `threads` threads on the cpu backend.
 inline OwnedWorkspace cpu_workspace(Op op, const Config& cfg, const Problem& pr, int threads = 0) {
-  const size_t n = threads > 0 ? cpu::workspace_bytes(op, cfg, pr, threads)
-                               : workspace_size(Context{Backend::cpu}, op, cfg, pr);
+  // The API checks against workspace_size() (planned for the default thread count); a call
+  // with more threads needs room for their scratch too.
+  const size_t planned = workspace_size(Context{Backend::cpu}, op, cfg, pr);
+  const size_t n = threads > 0 ? std::max(planned, cpu::workspace_bytes(op, cfg, pr, threads)) : planned;
   return OwnedWorkspace(n);
 }
 

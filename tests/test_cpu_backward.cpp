@@ -1,0 +1,265 @@
+// The CPU backend's gradients against the fp64 reference, and thread-count determinism.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "test_cpu_support.h"
+
+using namespace nsa;
+using namespace nsa::test;
+
+namespace {
+
+struct Case {
+  std::string name;
+  Config cfg;
+  Sizes sizes;
+};
+
+Config make_cfg(int64_t l, int64_t d, int64_t lp, int64_t n, int64_t n_init, int64_t n_local, int64_t w,
+                PhiKind phi, bool shared_kv = false) {
+  Config c;
+  c.cmp_block_len = l;
+  c.cmp_stride = d;
+  c.slc_block_len = lp;
+  c.n_selected = n;
+  c.n_init = n_init;
+  c.n_local = n_local;
+  c.window = w;
+  c.phi = phi;
+  c.shared_kv = shared_kv;
+  return c;
+}
+
+Sizes make_sizes(std::vector<int32_t> seqlens, int64_t hq, int64_t hkv, int64_t dqk, int64_t dv, int64_t F = 6) {
+  Sizes s;
+  s.seqlens = std::move(seqlens);
+  s.hq = hq;
+  s.hkv = hkv;
+  s.dqk = dqk;
+  s.dv = dv;
+  s.phi_hidden = F;
+  return s;
+}
+
+std::vector<Case> cases() {
+  return {
+      {"small_packed_mlp", make_cfg(8, 4, 16, 3, 1, 1, 12, PhiKind::mlp), make_sizes({37, 0, 50, 1}, 4, 2, 16, 8)},
+      {"paper_blocks_G16_linear", make_cfg(32, 16, 64, 4, 1, 2, 70, PhiKind::linear),
+       make_sizes({200, 97}, 16, 1, 32, 16)},
+      {"G1_shared_mean", make_cfg(16, 8, 32, 4, 0, 1, 40, PhiKind::mean, true), make_sizes({150}, 2, 2, 24, 40)},
+      {"n_above_blocks_no_window", make_cfg(8, 4, 16, 20, 2, 1, 0, PhiKind::mlp), make_sizes({90}, 8, 1, 8, 8)},
+      {"no_selection_shared_mlp", make_cfg(8, 8, 8, 0, 0, 0, 33, PhiKind::mlp, true), make_sizes({70, 3}, 6, 3, 8, 16)},
+      {"long_selection_blocks", make_cfg(16, 16, 128, 3, 1, 1, 20, PhiKind::linear), make_sizes({300}, 4, 1, 8, 8)},
+  };
+}
+
+// Copies the saved forward state (lse, indices) of `from` into `to`.
+void take_saved(LayerProblem& to, const LayerProblem& from) {
+  to.lse = from.lse;
+  to.indices = from.indices;
+}
+
+void compare_gradients(const LayerProblem& cpu, const LayerProblem& truth, const LayerProblem& rounded) {
+  expect_close("dq", cpu.dq.values(), truth.dq.values(), rounded.dq.values());
+  expect_close("dg", cpu.dg.values(), truth.dg.values(), rounded.dg.values());
+  static const char* kNames[3] = {"cmp", "slc", "win"};
+  for (int b = 0; b < 3; ++b) {
+    if (!cpu.dk[b].defined()) continue;
+    expect_close(std::string("dk_") + kNames[b], cpu.dk[b].values(), truth.dk[b].values(), rounded.dk[b].values());
+    expect_close(std::string("dv_") + kNames[b], cpu.dv[b].values(), truth.dv[b].values(), rounded.dv[b].values());
+  }
+  static const char* kParams[5] = {"w1", "b1", "w2", "b2", "pe"};
+  for (int i = 0; i < 5; ++i) {
+    if (!cpu.dphi_k[i].defined()) continue;
+    expect_close(std::string("dphi_k.") + kParams[i], cpu.dphi_k[i].values(), truth.dphi_k[i].values(),
+                 rounded.dphi_k[i].values());
+    expect_close(std::string("dphi_v.") + kParams[i], cpu.dphi_v[i].values(), truth.dphi_v[i].values(),
+                 rounded.dphi_v[i].values());
+  }
+}
+
+class CpuBackward : public ::testing::TestWithParam<DType> {};
+
+TEST_P(CpuBackward, LayerGradientsMatchReference) {
+  const DType dtype = GetParam();
+  uint64_t seed = 1000;
+  for (const Case& c : cases()) {
+    SCOPED_TRACE(c.name);
+    Sizes s = c.sizes;
+    s.dtype = dtype;
+    LayerProblem cpu = make_problem(c.cfg, s, seed++);
+    LayerProblem truth = to_f64(cpu);
+    Context ref;
+    ref.backend = Backend::reference;
+    forward(ref, c.cfg, truth.inputs(), truth.outputs());  // lse and indices every run uses
+    LayerProblem rounded = cpu;
+    take_saved(cpu, truth);
+    take_saved(rounded, truth);
+    cpu.o_branch = HostTensor();  // absent: the backward recomputes the branch outputs
+    backward(ref, c.cfg, truth.inputs(), truth.outputs(), truth.d_o.view(), truth.gradients());
+    backward(ref, c.cfg, rounded.inputs(), rounded.outputs(), rounded.d_o.view(), rounded.gradients());
+    Context ctx;
+    ctx.backend = Backend::cpu;
+    const Problem pr = problem_of(c.cfg, cpu.inputs());
+    OwnedWorkspace ws = cpu_workspace(Op::backward, c.cfg, pr);
+    backward(ctx, c.cfg, cpu.inputs(), cpu.outputs(), cpu.d_o.view(), cpu.gradients(), ws.ws);
+    compare_gradients(cpu, truth, rounded);
+
+    if (dtype == DType::f32) {
+      // With saved branch outputs (f32: nothing rounded) the recomputation is skipped.
+      LayerProblem again = cpu;
+      again.o_branch = convert(truth.o_branch, DType::f32);
+      for (HostTensor* t : {&again.dq, &again.dg}) t->poison();
+      backward(ctx, c.cfg, again.inputs(), again.outputs(), again.d_o.view(), again.gradients(), ws.ws);
+      compare_gradients(again, truth, rounded);
+    }
+  }
+}
+
+TEST_P(CpuBackward, DenseGradientsMatchReference) {
+  const DType dtype = GetParam();
+  uint64_t seed = 2000;
+  for (const Case& c : cases()) {
+    SCOPED_TRACE(c.name);
+    Sizes s = c.sizes;
+    s.dtype = dtype;
+    LayerProblem p = make_problem(c.cfg, s, seed++);
+    const int64_t T = p.T;
+    Sequences seqs = p.inputs().seqs;
+    HostTensor q64 = convert(p.q, DType::f64), k64 = convert(p.k[0], DType::f64), v64 = convert(p.v[0], DType::f64);
+    HostTensor do64 = convert(p.d_o, DType::f64);
+    HostTensor o64(DType::f64, {T, s.hq, s.dv}), lse(DType::f32, {T, s.hq});
+    Context ref;
+    ref.backend = Backend::reference;
+    dense_attention_fwd(ref, 0.0, q64.view(), k64.view(), v64.view(), seqs, o64.view(), lse.view());
+    HostTensor o = convert(o64, dtype);
+    auto grads = [&](DType dt) {
+      std::vector<HostTensor> g = {HostTensor(dt, {T, s.hq, s.dqk}), HostTensor(dt, {T, s.hkv, s.dqk}),
+                                   HostTensor(dt, {T, s.hkv, s.dv})};
+      for (auto& t : g) t.poison();
+      return g;
+    };
+    std::vector<HostTensor> truth = grads(DType::f64), rounded = grads(dtype), cpu = grads(dtype);
+    dense_attention_bwd(ref, 0.0, q64.view(), k64.view(), v64.view(), seqs, o64.view(), lse.view(), do64.view(),
+                        truth[0].view(), truth[1].view(), truth[2].view());
+    dense_attention_bwd(ref, 0.0, p.q.view(), p.k[0].view(), p.v[0].view(), seqs, o.view(), lse.view(), p.d_o.view(),
+                        rounded[0].view(), rounded[1].view(), rounded[2].view());
+    Context ctx;
+    ctx.backend = Backend::cpu;
+    const Problem pr = problem_of(c.cfg, p.inputs());
+    OwnedWorkspace ws = cpu_workspace(Op::dense_attention_bwd, c.cfg, pr);
+    dense_attention_bwd(ctx, 0.0, p.q.view(), p.k[0].view(), p.v[0].view(), seqs, o.view(), lse.view(), p.d_o.view(),
+                        cpu[0].view(), cpu[1].view(), cpu[2].view(), ws.ws);
+    const char* names[3] = {"dense dq", "dense dk", "dense dv"};
+    for (int i = 0; i < 3; ++i) expect_close(names[i], cpu[i].values(), truth[i].values(), rounded[i].values());
+  }
+}
+
+TEST_P(CpuBackward, CompressBackwardMatchesReference) {
+  const DType dtype = GetParam();
+  uint64_t seed = 3000;
+  for (const Case& c : cases()) {
+    SCOPED_TRACE(c.name);
+    Sizes s = c.sizes;
+    s.dtype = dtype;
+    LayerProblem p = make_problem(c.cfg, s, seed++);
+    LayerProblem p64 = to_f64(p);
+    const int64_t T = p.T, rows = T / c.cfg.cmp_stride;
+    Sequences seqs = p.inputs().seqs;
+    HostTensor dxc(dtype, {rows, s.hkv, s.dqk});
+    std::mt19937_64 rng(seed);
+    dxc.fill_uniform(rng, -1, 1);
+    HostTensor dxc64 = convert(dxc, DType::f64);
+    Context ref;
+    ref.backend = Backend::reference;
+    Context ctx;
+    ctx.backend = Backend::cpu;
+    HostTensor dx_truth(DType::f64, {T, s.hkv, s.dqk}), dx_round(dtype, {T, s.hkv, s.dqk}), dx_cpu(dtype, {T, s.hkv, s.dqk});
+    for (HostTensor* t : {&dx_truth, &dx_round, &dx_cpu}) t->poison();
+    compress_bwd(ref, c.cfg, LayerProblem::params(p64.phi_k), p64.k[0].view(), seqs, dxc64.view(), dx_truth.view(),
+                 LayerProblem::params(p64.dphi_k));
+    compress_bwd(ref, c.cfg, LayerProblem::params(p.phi_k), p.k[0].view(), seqs, dxc.view(), dx_round.view(),
+                 LayerProblem::params(p.dphi_k));
+    LayerProblem pc = p;
+    for (auto& t : pc.dphi_k) if (t.defined()) t.poison();
+    Problem pr = problem_of(c.cfg, p.inputs());
+    pr.hq = pr.hkv;
+    pr.dv = pr.dqk;
+    OwnedWorkspace ws = cpu_workspace(Op::compress_bwd, c.cfg, pr);
+    compress_bwd(ctx, c.cfg, LayerProblem::params(p.phi_k), p.k[0].view(), seqs, dxc.view(), dx_cpu.view(),
+                 LayerProblem::params(pc.dphi_k), ws.ws);
+    expect_close("compress_bwd dx", dx_cpu.values(), dx_truth.values(), dx_round.values());
+    for (int i = 0; i < 5; ++i)
+      if (pc.dphi_k[i].defined())
+        expect_close("compress_bwd dphi[" + std::to_string(i) + "]", pc.dphi_k[i].values(), p64.dphi_k[i].values(),
+                     p.dphi_k[i].values());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, CpuBackward, ::testing::Values(DType::f32, DType::bf16, DType::f16),
+                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+
+// Bitwise the same outputs and gradients for 1, 2 and 3 threads.
+TEST(CpuDeterminism, ThreadCountDoesNotChangeBits) {
+  for (const Case& c : cases()) {
+    SCOPED_TRACE(c.name);
+    Sizes s = c.sizes;
+    s.dtype = DType::bf16;
+    const LayerProblem base = make_problem(c.cfg, s, 77);
+    std::vector<std::vector<unsigned char>> first;
+    for (int threads : {1, 2, 3}) {
+      LayerProblem p = base;
+      Context ctx;
+      ctx.backend = Backend::cpu;
+      ctx.num_threads = threads;
+      const Problem pr = problem_of(c.cfg, p.inputs());
+      OwnedWorkspace wf = cpu_workspace(Op::forward, c.cfg, pr, threads);
+      forward(ctx, c.cfg, p.inputs(), p.outputs(), wf.ws);
+      OwnedWorkspace wb = cpu_workspace(Op::backward, c.cfg, pr, threads);
+      backward(ctx, c.cfg, p.inputs(), p.outputs(), p.d_o.view(), p.gradients(), wb.ws);
+      std::vector<std::vector<unsigned char>> bits;
+      auto add = [&](HostTensor& t) {
+        if (!t.defined()) return;
+        const auto* b = static_cast<const unsigned char*>(t.data());
+        bits.emplace_back(b, b + t.numel() * static_cast<int64_t>(dtype_size(t.dtype())));
+      };
+      for (HostTensor* t : {&p.o, &p.lse, &p.indices, &p.o_branch, &p.dq, &p.dg}) add(*t);
+      for (int b = 0; b < 3; ++b) {
+        add(p.dk[b]);
+        add(p.dv[b]);
+      }
+      for (int i = 0; i < 5; ++i) {
+        add(p.dphi_k[i]);
+        add(p.dphi_v[i]);
+      }
+      if (first.empty()) first = bits;
+      else EXPECT_TRUE(bits == first) << threads << " threads differ from 1 thread";
+    }
+  }
+}
+
+TEST(CpuWorkspace, TooSmallForTheThreadsIsAnError) {
+  Config cfg;
+  cfg.cmp_block_len = 8;
+  cfg.cmp_stride = 4;
+  cfg.slc_block_len = 16;
+  cfg.n_selected = 3;
+  cfg.window = 12;
+  Sizes s = make_sizes({40}, 2, 1, 8, 8);
+  s.dtype = DType::f32;
+  LayerProblem p = make_problem(cfg, s, 5);
+  Context ctx;
+  ctx.backend = Backend::cpu;
+  ctx.num_threads = 64;  // more slots than workspace_size() planned for
+  const Problem pr = problem_of(cfg, p.inputs());
+  OwnedWorkspace ws = cpu_workspace(Op::forward, cfg, pr);
+  try {
+    forward(ctx, cfg, p.inputs(), p.outputs(), ws.ws);
+    if (ws.ws.bytes < cpu::workspace_bytes(Op::forward, cfg, pr, 64)) FAIL() << "expected nsa::Error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.parameter(), "ctx.num_threads");
+  }
+}
+
+}  // namespace
