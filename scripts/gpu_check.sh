@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# On the GPU machine, in one go: configure + build (Release, ninja), the host tests, the GPU
+# tests, a compute-sanitizer memcheck run on a small case, the CUDA benchmark and the dense
+# PyTorch SDPA baseline measured right after it. Logs go to $OUT (default ./out).
+#
+#   scripts/gpu_check.sh [SOURCE_DIR]        (default: this repository)
+#
+# Environment: OUT (log folder), BUILD_DIR (default /tmp/nsa-gpu-build), JOBS (default 16),
+# SKIP="tests memcheck bench" (any subset), BENCH_ARGS (e.g. --quick).
+# To add a step: write a function and call `step NAME function` below; its output lands in
+# $OUT/NAME.log and its status in $OUT/summary.txt.
+set -u -o pipefail
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+SRC="$(cd "${1:-$SCRIPT_DIR/..}" && pwd)"
+OUT="${OUT:-./out}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+BUILD_DIR="${BUILD_DIR:-/tmp/nsa-gpu-build}"
+JOBS="${JOBS:-16}"
+SKIP="${SKIP:-}"
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+FAILED=0
+
+step() {  # step NAME FUNCTION: runs FUNCTION, logs to $OUT/NAME.log, records the status
+  local name="$1"; shift
+  if [[ " $SKIP " == *" $name "* ]]; then echo "$name: skipped" | tee -a "$SUMMARY"; return 0; fi
+  local start=$SECONDS
+  echo "== $name" >&2
+  "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc=$rc, $((SECONDS - start)) s" | tee -a "$SUMMARY"
+  [[ $rc -eq 0 ]] || FAILED=1
+  return $rc
+}
+
+# GoogleTest: use an installed one, else build the sources carried in .gtest/ (or the system's).
+gtest_prefix() {
+  local gsrc=""
+  for d in "$SRC/.gtest" "$SCRIPT_DIR/../.gtest" /usr/src/googletest; do
+    [[ -f "$d/CMakeLists.txt" ]] && { gsrc="$d"; break; }
+  done
+  if [[ -n "$gsrc" ]] && ! ls /usr/lib/x86_64-linux-gnu/cmake/GTest >/dev/null 2>&1 && ! ls /usr/local/lib/cmake/GTest >/dev/null 2>&1; then
+    cmake -S "$gsrc" -B /tmp/gtest-build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX=/tmp/gtest-install \
+      -DBUILD_GMOCK=OFF >/dev/null && cmake --build /tmp/gtest-build -j "$JOBS" >/dev/null && cmake --install /tmp/gtest-build >/dev/null
+    echo /tmp/gtest-install
+  fi
+}
+
+build() {
+  nvidia-smi || true
+  nvcc --version | tail -2
+  cmake --version | head -1
+  local prefix; prefix="$(gtest_prefix)"
+  cmake -S "$SRC" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNSA_CUDA=ON \
+    ${prefix:+-DCMAKE_PREFIX_PATH=$prefix} || return 1
+  local t0=$SECONDS
+  cmake --build "$BUILD_DIR" -j "$JOBS" || return 1
+  echo "build time: $((SECONDS - t0)) s with -j $JOBS"
+}
+
+host_tests() { "$BUILD_DIR/tests/nsa_tests" --gtest_brief=1; }
+cuda_tests() { "$BUILD_DIR/tests/cuda/nsa_cuda_tests"; }
+memcheck() {
+  compute-sanitizer --tool memcheck --error-exitcode 3 "$BUILD_DIR/tests/cuda/nsa_cuda_tests" \
+    --gtest_filter='*f16_d64_G1_packed_linear*:*bf16_d128_G16_paper*'
+}
+bench() {
+  "$BUILD_DIR/nsa_cuda_bench" --out "$OUT/nsa_bench.csv" ${BENCH_ARGS:-} || return 1
+  PYTHONUNBUFFERED=1 python3 "$SRC/bench/sdpa_baseline.py" "$OUT/nsa_bench.csv" --markdown "$OUT/bench.md"
+}
+
+bench_backward() {  # issue 5: forward+backward against SDPA forward+backward, same run
+  "$BUILD_DIR/nsa_cuda_backward_bench" --out "$OUT/nsa_backward_bench.csv" ${BENCH_ARGS:-} || return 1
+  PYTHONUNBUFFERED=1 python3 "$SRC/bench/sdpa_backward_baseline.py" "$OUT/nsa_backward_bench.csv" --markdown "$OUT/bench_backward.md"
+}
+
+step build build || { echo "build failed: see $OUT/build.log"; tail -40 "$OUT/build.log"; exit 1; }
+step host_tests host_tests
+step cuda_tests cuda_tests
+step memcheck memcheck
+step bench bench
+step bench_backward bench_backward
+cat "$SUMMARY"
+exit $FAILED

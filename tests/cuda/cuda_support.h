@@ -1,0 +1,125 @@
+// GPU test support: device copies of host tensors, the skip rule, and comparisons with the
+// tolerance rule of style.md.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "support.h"
+
+namespace nsa::test {
+
+// Skips the test when no CUDA device is visible (CI compiles and runs this binary without one).
+#define NSA_REQUIRE_GPU()                                                              \
+  do {                                                                                 \
+    if (!::nsa::backend_available(::nsa::Backend::cuda)) GTEST_SKIP() << "no CUDA device"; \
+  } while (0)
+
+#define NSA_TEST_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+
+// A device copy of a HostTensor (same dtype, shape, contiguous).
+class DeviceTensor {
+ public:
+  DeviceTensor() = default;
+  explicit DeviceTensor(const HostTensor& h) : host_shape_(h.shape()), dtype_(h.dtype()) {
+    if (!h.defined()) return;
+    bytes_ = static_cast<size_t>(h.numel()) * dtype_size(dtype_);
+    if (cudaMalloc(&data_, bytes_ + 16) != cudaSuccess) throw std::runtime_error("cudaMalloc failed");
+    if (cudaMemcpy(data_, const_cast<HostTensor&>(h).data(), bytes_, cudaMemcpyHostToDevice) != cudaSuccess)
+      throw std::runtime_error("cudaMemcpy failed");
+  }
+  DeviceTensor(const DeviceTensor&) = delete;
+  DeviceTensor& operator=(const DeviceTensor&) = delete;
+  DeviceTensor(DeviceTensor&& o) noexcept { *this = std::move(o); }
+  DeviceTensor& operator=(DeviceTensor&& o) noexcept {
+    std::swap(data_, o.data_);
+    std::swap(bytes_, o.bytes_);
+    host_shape_ = o.host_shape_;
+    dtype_ = o.dtype_;
+    return *this;
+  }
+  ~DeviceTensor() {
+    if (data_) cudaFree(data_);
+  }
+  TensorView view() const {
+    TensorView t;
+    if (host_shape_.empty()) return t;
+    t.data = data_;
+    t.dtype = dtype_;
+    t.ndim = static_cast<int>(host_shape_.size());
+    t.device = Device::cuda;
+    int64_t st = 1;
+    for (int d = t.ndim - 1; d >= 0; --d) {
+      t.shape[d] = host_shape_[static_cast<size_t>(d)];
+      t.stride[d] = st;
+      st *= t.shape[d];
+    }
+    return t;
+  }
+  // Copies back into `h` (same shape and dtype).
+  void download(HostTensor& h) const {
+    if (bytes_ == 0) return;
+    if (cudaMemcpy(h.data(), data_, bytes_, cudaMemcpyDeviceToHost) != cudaSuccess)
+      throw std::runtime_error("cudaMemcpy back failed");
+  }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+  std::vector<int64_t> host_shape_;
+  DType dtype_ = DType::f32;
+};
+
+// An f64 copy (the values are exact: every bf16/f16 value is a double).
+inline HostTensor to_f64(const HostTensor& h) {
+  if (!h.defined()) return HostTensor();
+  HostTensor out(DType::f64, h.shape());
+  for (int64_t i = 0; i < h.numel(); ++i) out.set(i, h.get(i));
+  return out;
+}
+
+// Unit roundoff of a storage type.
+inline double unit_roundoff(DType t) {
+  switch (t) {
+    case DType::bf16: return std::ldexp(1.0, -8);
+    case DType::f16: return std::ldexp(1.0, -11);
+    case DType::f32: return std::ldexp(1.0, -24);
+    default: return 0.0;
+  }
+}
+
+// Element-wise comparison: NaN and infinities must sit in the same places with the same value;
+// elsewhere |got - want| <= tol(want). `mask` (optional) picks the elements compared.
+template <typename Tol>
+::testing::AssertionResult close(const std::vector<double>& got, const std::vector<double>& want, Tol tol,
+                                 const std::vector<bool>* mask = nullptr) {
+  if (got.size() != want.size()) return ::testing::AssertionFailure() << "size " << got.size() << " vs " << want.size();
+  size_t bad = 0, first = 0, checked = 0;
+  double worst = 0, worst_ratio = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (mask && !(*mask)[i]) continue;
+    ++checked;
+    const double g = got[i], w = want[i];
+    bool ok;
+    if (std::isnan(w) || std::isnan(g)) ok = std::isnan(w) && std::isnan(g);
+    else if (std::isinf(w) || std::isinf(g)) ok = g == w;
+    else {
+      const double t = tol(w, i);
+      ok = std::fabs(g - w) <= t;
+      if (t > 0 && std::fabs(g - w) / t > worst_ratio) worst_ratio = std::fabs(g - w) / t;
+      worst = std::max(worst, std::fabs(g - w));
+    }
+    if (!ok && bad++ == 0) first = i;
+  }
+  if (bad == 0) return ::testing::AssertionSuccess() << checked << " elements, worst |diff| " << worst;
+  return ::testing::AssertionFailure() << bad << " of " << checked << " elements out of tolerance; first at " << first
+                                       << ": got " << got[first] << ", want " << want[first]
+                                       << " (tol " << tol(want[first], first) << "); worst |diff| " << worst;
+}
+
+}  // namespace nsa::test

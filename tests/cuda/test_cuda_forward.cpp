@@ -1,0 +1,420 @@
+// The CUDA forward against the fp64 reference: every stage on its own (same inputs, so top-n is
+// compared on identical scores and the selection branch on identical indices), then the whole
+// forward. Inputs are random, lengths awkward (not multiples of l, d, l', w; packed batches with
+// empty and one-token sequences; n larger than the block count); outputs are poisoned (NaN,
+// -7777) before each run so an unwritten element fails.
+//
+// Tolerances (style.md): a plain same-precision implementation rounds P to the storage type
+// before P V and rounds its output, so its error is at most u (|o| + max|v|) per element (u the
+// unit roundoff); we allow twice that. Log-sum-exps and scores are fp32 on both sides of every
+// implementation and are compared tightly: they catch a wrong key set that o's tolerance could
+// hide.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda_support.h"
+
+using namespace nsa;
+using namespace nsa::test;
+
+namespace {
+
+struct Case {
+  std::string name;
+  DType dtype;
+  int64_t dqk, dv, hq, hkv;
+  std::vector<int32_t> seqlens;
+  int64_t l, d, lp, n, n_init, n_local, w;
+  PhiKind phi;
+  bool shared_kv;
+};
+
+Config config_of(const Case& c) {
+  Config cfg;
+  cfg.cmp_block_len = c.l;
+  cfg.cmp_stride = c.d;
+  cfg.slc_block_len = c.lp;
+  cfg.n_selected = c.n;
+  cfg.n_init = c.n_init;
+  cfg.n_local = c.n_local;
+  cfg.window = c.w;
+  cfg.phi = c.phi;
+  cfg.shared_kv = c.shared_kv;
+  return cfg;
+}
+
+Sizes sizes_of(const Case& c) {
+  Sizes s;
+  s.seqlens = c.seqlens;
+  s.hq = c.hq;
+  s.hkv = c.hkv;
+  s.dqk = c.dqk;
+  s.dv = c.dv;
+  s.phi_hidden = 24;
+  s.dtype = c.dtype;
+  return s;
+}
+
+int64_t max_seqlen(const Case& c) { return *std::max_element(c.seqlens.begin(), c.seqlens.end()); }
+
+Sequences host_seqs(LayerProblem& p) {
+  Sequences s;
+  if (p.sizes.seqlens.size() != 1) s.cu_seqlens = p.cu.view();
+  return s;
+}
+
+// Device cu_seqlens (the GPU path never reads host memory) with max_seqlen given.
+struct DeviceSeqs {
+  DeviceTensor cu;
+  Sequences seqs;
+  DeviceSeqs(LayerProblem& p, int64_t longest) {
+    if (p.sizes.seqlens.size() != 1) {
+      cu = DeviceTensor(p.cu);
+      seqs.cu_seqlens = cu.view();
+    }
+    seqs.max_seqlen = longest;
+  }
+};
+
+// Rounds an f64 tensor to `dtype` and back (what a same-precision implementation stores).
+HostTensor rounded(const HostTensor& t, DType dtype) {
+  HostTensor r(dtype, t.shape());
+  for (int64_t i = 0; i < t.numel(); ++i) r.set(i, t.get(i));
+  return to_f64(r);
+}
+
+auto attention_tol(DType dtype, double vmax) {
+  const double u = unit_roundoff(dtype);
+  return [=](double want, size_t) { return 2.0 * u * (std::fabs(want) + vmax) + 1e-6; };
+}
+auto lse_tol = [](double want, size_t) { return 2e-4 * (1.0 + std::fabs(want)); };
+auto score_tol = [](double want, size_t) { return 1e-4 * std::max(1.0, std::fabs(want)); };
+
+Context cuda_ctx() {
+  Context c;
+  c.backend = Backend::cuda;
+  return c;
+}
+Context ref_ctx() {
+  Context c;
+  c.backend = Backend::reference;
+  return c;
+}
+
+void sync() { ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess); }
+
+const std::vector<Case>& cases() {
+  static const std::vector<Case> all = {
+      // name, dtype, Dqk, Dv, Hq, Hkv, seqlens, l, d, l', n, n_init, n_local, w, phi, shared_kv
+      {"bf16_d128_G16_paper", DType::bf16, 128, 128, 16, 1, {300}, 32, 16, 64, 6, 1, 2, 100, PhiKind::mean, false},
+      {"f16_d64_G1_packed_linear", DType::f16, 64, 64, 2, 2, {37, 0, 130, 1}, 16, 8, 32, 5, 1, 1, 40, PhiKind::linear, false},
+      {"bf16_d192x128_G4_mlp", DType::bf16, 192, 128, 8, 2, {257}, 32, 16, 64, 4, 1, 2, 70, PhiKind::mlp, false},
+      {"f16_d128x64_G2_shared_bigN", DType::f16, 128, 64, 4, 2, {99, 200}, 8, 4, 16, 20, 2, 2, 33, PhiKind::mean, true},
+      {"bf16_d64x128_G8_w1", DType::bf16, 64, 128, 8, 1, {150}, 32, 8, 64, 3, 0, 1, 1, PhiKind::mean, false},
+      {"f16_d192x64_G16_nowindow", DType::f16, 192, 64, 16, 1, {65, 64}, 32, 16, 64, 16, 1, 2, 0, PhiKind::mean, false},
+      {"bf16_d128_G2_noselect", DType::bf16, 128, 128, 4, 2, {190}, 32, 16, 64, 0, 0, 0, 64, PhiKind::linear, false},
+      {"f16_d128_G4_lp128", DType::f16, 128, 128, 8, 2, {333}, 16, 16, 128, 2, 1, 1, 200, PhiKind::mean, false},
+  };
+  return all;
+}
+
+class CudaForward : public ::testing::TestWithParam<Case> {};
+
+// ---- compress_fwd ---------------------------------------------------------------------------
+
+TEST_P(CudaForward, CompressMatchesReference) {
+  NSA_REQUIRE_GPU();
+  const Case& c = GetParam();
+  for (PhiKind kind : {PhiKind::mean, PhiKind::linear, PhiKind::mlp}) {
+    Case ck = c;
+    ck.phi = kind;
+    const Config cfg = config_of(ck);
+    LayerProblem p = make_problem(cfg, sizes_of(ck), 11);
+    const int64_t rows = cmp_rows(p.T, cfg.cmp_stride);
+    HostTensor xc(c.dtype, {rows, c.hkv, c.dqk});
+    xc.poison();
+    HostTensor xc_ref = to_f64(xc);
+    HostTensor k64 = to_f64(p.k[0]);
+    HostTensor phi64[5];
+    for (int i = 0; i < 5; ++i) phi64[i] = to_f64(p.phi_k[i]);
+    compress_fwd(ref_ctx(), cfg, LayerProblem::params(phi64), k64.view(), host_seqs(p), xc_ref.view());
+
+    DeviceSeqs ds(p, max_seqlen(c));
+    DeviceTensor k(p.k[0]), out(xc);
+    DeviceTensor phi[5];
+    for (int i = 0; i < 5; ++i) phi[i] = DeviceTensor(p.phi_k[i]);
+    const PhiParams params{phi[0].view(), phi[1].view(), phi[2].view(), phi[3].view(), phi[4].view()};
+    Problem pr;
+    pr.total_tokens = p.T;
+    pr.hkv = c.hkv;
+    pr.hq = c.hkv;
+    pr.dqk = pr.dv = c.dqk;
+    pr.phi_hidden = kind == PhiKind::mlp ? p.sizes.phi_hidden : 0;
+    pr.dtype = c.dtype;
+    pr.device = Device::cuda;
+    pr.max_seqlen = max_seqlen(c);
+    const size_t ws_bytes = workspace_size(cuda_ctx(), Op::compress_fwd, cfg, pr);
+    void* ws = nullptr;
+    if (ws_bytes) NSA_TEST_CUDA(cudaMalloc(&ws, ws_bytes));
+    compress_fwd(cuda_ctx(), cfg, params, k.view(), ds.seqs, out.view(), Workspace{ws, ws_bytes});
+    sync();
+    out.download(xc);
+    if (ws) cudaFree(ws);
+    const double u = unit_roundoff(c.dtype);
+    EXPECT_TRUE(close(xc.values(), xc_ref.values(), [&](double w, size_t) { return 2 * u * std::fabs(w) + 1e-5; }))
+        << "phi = " << phi_kind_name(kind);
+  }
+}
+
+// ---- compressed attention + scores ----------------------------------------------------------
+
+TEST_P(CudaForward, CompressedAttentionAndScoresMatchReference) {
+  NSA_REQUIRE_GPU();
+  const Case& c = GetParam();
+  const Config cfg = config_of(c);
+  LayerProblem p = make_problem(cfg, sizes_of(c), 21);
+  const int64_t T = p.T, rows = cmp_rows(T, cfg.cmp_stride);
+  const int64_t ns = num_slc_blocks(max_seqlen(c), cfg.slc_block_len) + 3;  // wider than needed
+  std::mt19937_64 rng(5);
+  HostTensor kc(c.dtype, {rows, c.hkv, c.dqk}), vc(c.dtype, {rows, c.hkv, c.dv});
+  kc.fill_uniform(rng, -1, 1);
+  vc.fill_uniform(rng, -1, 1);
+  HostTensor o(c.dtype, {T, c.hq, c.dv}), lse(DType::f32, {T, c.hq}), s(DType::f32, {T, c.hkv, ns});
+  o.poison();
+  lse.poison();
+  s.poison();
+  HostTensor q64 = to_f64(p.q), kc64 = to_f64(kc), vc64 = to_f64(vc), o64 = to_f64(o);
+  HostTensor lse_ref = lse, s_ref = s;
+  compressed_attention_fwd(ref_ctx(), cfg, q64.view(), kc64.view(), vc64.view(), host_seqs(p), o64.view(),
+                           lse_ref.view(), s_ref.view());
+
+  DeviceSeqs ds(p, max_seqlen(c));
+  DeviceTensor q(p.q), dkc(kc), dvc(vc), dout(o), dlse(lse), ds_(s);
+  compressed_attention_fwd(cuda_ctx(), cfg, q.view(), dkc.view(), dvc.view(), ds.seqs, dout.view(), dlse.view(),
+                           ds_.view());
+  sync();
+  dout.download(o);
+  dlse.download(lse);
+  ds_.download(s);
+  EXPECT_TRUE(close(o.values(), o64.values(), attention_tol(c.dtype, 1.0)));
+  EXPECT_TRUE(close(lse.values(), lse_ref.values(), lse_tol));
+  EXPECT_TRUE(close(s.values(), s_ref.values(), score_tol));
+}
+
+// ---- top-n on identical scores --------------------------------------------------------------
+
+TEST_P(CudaForward, TopnMatchesReferenceOnIdenticalScores) {
+  NSA_REQUIRE_GPU();
+  const Case& c = GetParam();
+  Config cfg = config_of(c);
+  if (cfg.n_selected == 0) cfg.n_selected = 3;
+  LayerProblem p = make_problem(cfg, sizes_of(c), 31);
+  const int64_t ns = num_slc_blocks(max_seqlen(c), cfg.slc_block_len);
+  std::mt19937_64 rng(7);
+  // Few distinct values: many exact ties, so the tie rule (smaller j first) decides often.
+  HostTensor s(DType::f32, {p.T, c.hkv, ns});
+  std::uniform_int_distribution<int> level(0, 3);
+  for (int64_t i = 0; i < s.numel(); ++i) s.set(i, 0.25 * level(rng));
+  HostTensor idx(DType::i32, {p.T, c.hkv, cfg.n_selected});
+  idx.poison();
+  HostTensor idx_ref = idx;
+  select_topn(ref_ctx(), cfg, s.view(), host_seqs(p), idx_ref.view());
+  DeviceSeqs ds(p, max_seqlen(c));
+  DeviceTensor dsc(s), didx(idx);
+  select_topn(cuda_ctx(), cfg, dsc.view(), ds.seqs, didx.view());
+  sync();
+  didx.download(idx);
+  EXPECT_EQ(idx.values(), idx_ref.values());
+}
+
+// ---- selection branch on identical indices, window branch -----------------------------------
+
+TEST_P(CudaForward, SelectedAndWindowAttentionMatchReference) {
+  NSA_REQUIRE_GPU();
+  const Case& c = GetParam();
+  Config cfg = config_of(c);
+  if (cfg.n_selected == 0) cfg.n_selected = 2;
+  if (cfg.window == 0) cfg.window = 17;
+  LayerProblem p = make_problem(cfg, sizes_of(c), 41);
+  const int64_t ns = num_slc_blocks(max_seqlen(c), cfg.slc_block_len);
+  std::mt19937_64 rng(9);
+  HostTensor s(DType::f32, {p.T, c.hkv, ns});
+  s.fill_uniform(rng, 0, 1);
+  HostTensor idx(DType::i32, {p.T, c.hkv, cfg.n_selected});
+  select_topn(ref_ctx(), cfg, s.view(), host_seqs(p), idx.view());  // valid, sorted, -1 padded
+
+  HostTensor q64 = to_f64(p.q), k64 = to_f64(p.k[0]), v64 = to_f64(p.v[0]);
+  HostTensor o(c.dtype, {p.T, c.hq, c.dv}), lse(DType::f32, {p.T, c.hq});
+  DeviceSeqs ds(p, max_seqlen(c));
+  DeviceTensor q(p.q), k(p.k[0]), v(p.v[0]), didx(idx);
+  for (int branch = 0; branch < 2; ++branch) {
+    o.poison();
+    lse.poison();
+    HostTensor o64 = to_f64(o), lse_ref = lse;
+    DeviceTensor dout(o), dlse(lse);
+    if (branch == 0) {
+      selected_attention_fwd(ref_ctx(), cfg, q64.view(), k64.view(), v64.view(), idx.view(), host_seqs(p), o64.view(), lse_ref.view());
+      selected_attention_fwd(cuda_ctx(), cfg, q.view(), k.view(), v.view(), didx.view(), ds.seqs, dout.view(), dlse.view());
+    } else {
+      window_attention_fwd(ref_ctx(), cfg, q64.view(), k64.view(), v64.view(), host_seqs(p), o64.view(), lse_ref.view());
+      window_attention_fwd(cuda_ctx(), cfg, q.view(), k.view(), v.view(), ds.seqs, dout.view(), dlse.view());
+    }
+    sync();
+    dout.download(o);
+    dlse.download(lse);
+    EXPECT_TRUE(close(o.values(), o64.values(), attention_tol(c.dtype, 1.0))) << (branch ? "window" : "selection");
+    EXPECT_TRUE(close(lse.values(), lse_ref.values(), lse_tol)) << (branch ? "window" : "selection");
+  }
+}
+
+// ---- whole forward ----------------------------------------------------------------------------
+
+TEST_P(CudaForward, ForwardMatchesReferencePipeline) {
+  NSA_REQUIRE_GPU();
+  const Case& c = GetParam();
+  const Config cfg = config_of(c);
+  LayerProblem p = make_problem(cfg, sizes_of(c), 51);
+  const int64_t T = p.T, rows = cmp_rows(T, cfg.cmp_stride);
+  const int64_t ns = num_slc_blocks(max_seqlen(c), cfg.slc_block_len);
+  const int nkv = cfg.shared_kv ? 1 : 3;
+
+  // Reference, stage by stage in fp64, storing kc/vc in the storage type as any same-precision
+  // implementation does (the compressed branch and S then see the same keys as the GPU).
+  HostTensor q64 = to_f64(p.q), g64 = to_f64(p.g), k64[3], v64[3], pk[5], pv[5];
+  for (int b = 0; b < nkv; ++b) {
+    k64[b] = to_f64(p.k[b]);
+    v64[b] = to_f64(p.v[b]);
+  }
+  for (int i = 0; i < 5; ++i) {
+    pk[i] = to_f64(p.phi_k[i]);
+    pv[i] = to_f64(p.phi_v[i]);
+  }
+  HostTensor kc(DType::f64, {rows, c.hkv, c.dqk}), vc(DType::f64, {rows, c.hkv, c.dv});
+  compress_fwd(ref_ctx(), cfg, LayerProblem::params(pk), k64[0].view(), host_seqs(p), kc.view());
+  compress_fwd(ref_ctx(), cfg, LayerProblem::params(pv), v64[0].view(), host_seqs(p), vc.view());
+  kc = rounded(kc, c.dtype);
+  vc = rounded(vc, c.dtype);
+  double vmax[3] = {max_abs(vc.values()), 1.0, 1.0};
+  HostTensor ob_ref[3], lse_ref[3];
+  for (int b = 0; b < 3; ++b) {
+    ob_ref[b] = HostTensor(DType::f64, {T, c.hq, c.dv});
+    lse_ref[b] = HostTensor(DType::f32, {T, c.hq});
+  }
+  HostTensor s_ref(DType::f32, {T, c.hkv, std::max<int64_t>(ns, 1)});
+  compressed_attention_fwd(ref_ctx(), cfg, q64.view(), kc.view(), vc.view(), host_seqs(p), ob_ref[0].view(),
+                           lse_ref[0].view(), s_ref.view());
+  HostTensor idx_ref(DType::i32, {T, c.hkv, cfg.n_selected});
+  select_topn(ref_ctx(), cfg, s_ref.view(), host_seqs(p), idx_ref.view());
+  const int bs = cfg.shared_kv ? 0 : 1, bw = cfg.shared_kv ? 0 : 2;
+  selected_attention_fwd(ref_ctx(), cfg, q64.view(), k64[bs].view(), v64[bs].view(), idx_ref.view(), host_seqs(p),
+                         ob_ref[1].view(), lse_ref[1].view());
+  window_attention_fwd(ref_ctx(), cfg, q64.view(), k64[bw].view(), v64[bw].view(), host_seqs(p), ob_ref[2].view(),
+                       lse_ref[2].view());
+
+  // GPU.
+  DeviceSeqs ds(p, max_seqlen(c));
+  DeviceTensor q(p.q), g(p.g), k[3], v[3], phk[5], phv[5];
+  for (int b = 0; b < nkv; ++b) {
+    k[b] = DeviceTensor(p.k[b]);
+    v[b] = DeviceTensor(p.v[b]);
+  }
+  for (int i = 0; i < 5; ++i) {
+    phk[i] = DeviceTensor(p.phi_k[i]);
+    phv[i] = DeviceTensor(p.phi_v[i]);
+  }
+  DeviceTensor o(p.o), lse(p.lse), idx(p.indices), ob(p.o_branch);  // poisoned
+  Inputs in;
+  in.q = q.view();
+  for (int b = 0; b < 3; ++b) in.kv[b] = KV{k[b].view(), v[b].view()};
+  in.g = g.view();
+  in.phi_k = PhiParams{phk[0].view(), phk[1].view(), phk[2].view(), phk[3].view(), phk[4].view()};
+  in.phi_v = PhiParams{phv[0].view(), phv[1].view(), phv[2].view(), phv[3].view(), phv[4].view()};
+  in.seqs = ds.seqs;
+  const ForwardOutputs out{o.view(), lse.view(), idx.view(), ob.view()};
+  const size_t ws_bytes = workspace_size(cuda_ctx(), Op::forward, cfg, problem_of(cfg, in));
+  void* ws = nullptr;
+  if (ws_bytes) NSA_TEST_CUDA(cudaMalloc(&ws, ws_bytes));
+  forward(cuda_ctx(), cfg, in, out, Workspace{ws, ws_bytes});
+  sync();
+  if (ws) cudaFree(ws);
+  o.download(p.o);
+  lse.download(p.lse);
+  idx.download(p.indices);
+  ob.download(p.o_branch);
+
+  // Rows (t, hk) whose selected blocks agree with the reference's.
+  const int64_t n = cfg.n_selected, G = c.hq / c.hkv;
+  const std::vector<double> got_idx = p.indices.values(), want_idx = idx_ref.values();
+  std::vector<bool> agree(static_cast<size_t>(T * c.hq));
+  int64_t agreeing = 0;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t hk = 0; hk < c.hkv; ++hk) {
+      bool same = true;
+      for (int64_t e = 0; e < n; ++e) same &= got_idx[(t * c.hkv + hk) * n + e] == want_idx[(t * c.hkv + hk) * n + e];
+      agreeing += same;
+      for (int64_t h = hk * G; h < (hk + 1) * G; ++h) agree[t * c.hq + h] = same;
+    }
+  EXPECT_GE(agreeing, (T * c.hkv * 99) / 100) << "selected blocks differ from the reference on too many rows";
+  EXPECT_TRUE(std::none_of(got_idx.begin(), got_idx.end(), [](double x) { return x == -7777; })) << "unwritten index";
+
+  // Per-row masks over [T, Hq, Dv] and [T, Hq, 3].
+  std::vector<bool> mask_o(static_cast<size_t>(T * c.hq * c.dv)), mask_lse(static_cast<size_t>(T * c.hq * 3));
+  for (size_t i = 0; i < mask_o.size(); ++i) mask_o[i] = agree[i / static_cast<size_t>(c.dv)];
+  const std::vector<double> got_ob = p.o_branch.values(), got_lse = p.lse.values(), got_o = p.o.values();
+  const size_t per_branch = static_cast<size_t>(T * c.hq * c.dv);
+  for (int b = 0; b < 3; ++b) {
+    std::vector<double> got(got_ob.begin() + b * per_branch, got_ob.begin() + (b + 1) * per_branch);
+    std::vector<double> got_l(static_cast<size_t>(T * c.hq));
+    for (size_t i = 0; i < got_l.size(); ++i) got_l[i] = got_lse[i * 3 + b];
+    const std::vector<bool>* m = b == 1 ? &mask_o : nullptr;
+    std::vector<bool> mask_rows(agree);
+    EXPECT_TRUE(close(got, ob_ref[b].values(), attention_tol(c.dtype, vmax[b]), m)) << "o_branch[" << b << "]";
+    EXPECT_TRUE(close(got_l, lse_ref[b].values(), lse_tol, b == 1 ? &mask_rows : nullptr)) << "lse[" << b << "]";
+  }
+  // o = sum_b g_b o_b; a plain implementation rounds each o_b and the sum.
+  std::vector<double> o_ref(per_branch);
+  const std::vector<double> gv = g64.values();
+  std::vector<double> ref_b[3] = {ob_ref[0].values(), ob_ref[1].values(), ob_ref[2].values()};
+  for (size_t i = 0; i < per_branch; ++i) {
+    const size_t row = i / static_cast<size_t>(c.dv);
+    o_ref[i] = gv[row * 3] * ref_b[0][i] + gv[row * 3 + 1] * ref_b[1][i] + gv[row * 3 + 2] * ref_b[2][i];
+  }
+  const double u = unit_roundoff(c.dtype), vsum = vmax[0] + vmax[1] + vmax[2];
+  EXPECT_TRUE(close(got_o, o_ref, [&](double w, size_t) { return 2 * u * (2 * std::fabs(w) + vsum) + 1e-6; }, &mask_o))
+      << "o";
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaForward, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// ---- errors -----------------------------------------------------------------------------------
+
+TEST(CudaForwardErrors, UnsupportedShapesNameTheValue) {
+  NSA_REQUIRE_GPU();
+  Config cfg;
+  cfg.window = 16;
+  cfg.n_selected = 2;
+  cfg.n_local = 1;
+  cfg.phi = PhiKind::mean;
+  for (auto [dqk, hq, what] : {std::tuple{96, 2, "Dqk"}, std::tuple{64, 3, "G = Hq / Hkv"}}) {
+    Case c{"x", DType::bf16, dqk, 64, hq, 1, {40}, 32, 16, 64, 2, 1, 1, 16, PhiKind::mean, false};
+    LayerProblem p = make_problem(cfg, sizes_of(c), 1);
+    DeviceTensor q(p.q), k(p.k[0]), v(p.v[0]), o(p.o);
+    HostTensor oo(DType::bf16, {p.T, hq, 64});
+    DeviceTensor out(oo);
+    Sequences s;
+    try {
+      window_attention_fwd(cuda_ctx(), cfg, q.view(), k.view(), v.view(), s, out.view(), TensorView());
+      ADD_FAILURE() << "expected an error for " << what;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.parameter(), what) << e.what();
+    }
+  }
+}
+
+}  // namespace
