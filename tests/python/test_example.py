@@ -16,3 +16,15 @@ def test_torch_example_runs():
     assert "step 2: loss" in result.stdout
     assert "decode matches prefill: True" in result.stdout
     assert "selected blocks of the last token: [0, 1, 2, 3]" in result.stdout, result.stdout
+
+
+@needs_torch
+def test_docs_example_runs_as_written():
+    """The example of docs/python.md (the README's) is the block after its <!-- example --> mark."""
+    with open(os.path.join(ROOT, "docs", "python.md")) as f:
+        text = f.read()
+    start = text.index("```python", text.index("<!-- example -->")) + len("```python")
+    code = text[start:text.index("```", start)]
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "torch.Size([2, 128, 256]) torch.Size([100, 4, 32])" in result.stdout
