@@ -9,6 +9,7 @@
 
 #define NSA_VEC_BYTES 32
 #define NSA_MR 6
+#define NSA_BROADCAST(p) _mm256_broadcast_ss(p)
 namespace nsa::cpu::isa_avx2 {
 #include "cpu/kernels_impl.h"
 

@@ -9,6 +9,7 @@
 
 #define NSA_VEC_BYTES 64
 #define NSA_MR 12
+#define NSA_BROADCAST(p) _mm512_set1_ps(*(p))
 namespace nsa::cpu::isa_avx512 {
 #include "cpu/kernels_impl.h"
 

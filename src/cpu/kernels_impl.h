@@ -27,7 +27,16 @@ __attribute__((always_inline)) inline vf load(const float* p) {
   return v;
 }
 __attribute__((always_inline)) inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+// A broadcast of *p. NSA_BROADCAST (a one-instruction broadcast load) comes from the ISA's TU;
+// the portable `vf{} + x` costs an extra add and a register shuffle per use.
 __attribute__((always_inline)) inline vf splat(float x) { return vf{} + x; }
+__attribute__((always_inline)) inline vf splat_load(const float* p) {
+#ifdef NSA_BROADCAST
+  return NSA_BROADCAST(p);
+#else
+  return splat(*p);
+#endif
+}
 
 template <int R>
 __attribute__((always_inline)) inline void micro_kernel(int64_t K, const float* A, int64_t lda,
@@ -49,7 +58,7 @@ __attribute__((always_inline)) inline void micro_kernel(int64_t K, const float* 
     const vf b1 = load(B + k * ldb + kW);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const vf a = splat(A[r * lda + k]);
+      const vf a = splat_load(A + r * lda + k);
       c0[r] += a * b0;
       c1[r] += a * b1;
     }

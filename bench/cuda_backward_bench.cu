@@ -1,0 +1,238 @@
+// Benchmark of the CUDA backward (issue 5): forward, backward and forward+backward of the whole
+// layer, bf16, random data, CUDA events, warm-up, median of repeats; plus branch ablations
+// (window off, selection off) that show where the backward's time goes, and the backward's extra
+// memory (its workspace) against the memory of q, k, v and o. Writes a CSV that
+// bench/sdpa_backward_baseline.py joins with PyTorch SDPA forward+backward measured in the
+// same gpu_check.sh run.
+//
+//   nsa_cuda_backward_bench [--out FILE.csv] [--quick]
+//
+// Shapes: Hq = 64, Hkv = 4 (G = 16), D = 128, and G = 4 (Hq = 16, Hkv = 4); paper block settings
+// (l = 32, d = 16, l' = 64, n = 16, n_init = 1, n_local = 2, w = 512), phi = mean (the public
+// NSA kernels' compression) and once phi = mlp (F = 4 D) at 64K.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "nsa/nsa.h"
+
+namespace {
+
+#define BENCH_CHECK(expr)                                                                               \
+  do {                                                                                                  \
+    const cudaError_t e_ = (expr);                                                                      \
+    if (e_ != cudaSuccess) {                                                                            \
+      std::fprintf(stderr, "%s failed: %s (%s:%d)\n", #expr, cudaGetErrorString(e_), __FILE__, __LINE__); \
+      std::exit(1);                                                                                     \
+    }                                                                                                   \
+  } while (0)
+
+// Uniform values in [lo, hi) from a hash of the index.
+__global__ void fill_uniform(__nv_bfloat16* x, int64_t n, uint32_t seed, float lo, float hi) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    h ^= h >> 16;
+    h *= 0x7feb352du;
+    h ^= h >> 15;
+    h *= 0x846ca68bu;
+    h ^= h >> 16;
+    x[i] = __float2bfloat16(lo + (hi - lo) * (h >> 8) * (1.0f / 16777216.0f));
+  }
+}
+
+struct Tensor {
+  void* data = nullptr;
+  size_t bytes = 0;
+  nsa::TensorView view;
+  Tensor() = default;
+  Tensor(nsa::DType dt, std::initializer_list<int64_t> shape, uint32_t seed = 0, float lo = -1.f, float hi = 1.f) {
+    size_t n = 1;
+    for (int64_t s : shape) n *= static_cast<size_t>(s);
+    bytes = n * nsa::dtype_size(dt);
+    if (bytes) BENCH_CHECK(cudaMalloc(&data, bytes));
+    view = nsa::make_view(data, dt, shape, nsa::Device::cuda);
+    if (seed != 0 && dt == nsa::DType::bf16)
+      fill_uniform<<<1024, 256>>>(static_cast<__nv_bfloat16*>(data), view.numel(), seed, lo, hi);
+  }
+  ~Tensor() {
+    if (data) cudaFree(data);
+  }
+  Tensor(const Tensor&) = delete;
+};
+
+double time_ms(const std::function<void()>& fn, int warmup, int reps) {
+  cudaEvent_t a, b;
+  BENCH_CHECK(cudaEventCreate(&a));
+  BENCH_CHECK(cudaEventCreate(&b));
+  for (int i = 0; i < warmup; ++i) fn();
+  std::vector<float> ms;
+  for (int i = 0; i < reps; ++i) {
+    BENCH_CHECK(cudaEventRecord(a));
+    fn();
+    BENCH_CHECK(cudaEventRecord(b));
+    BENCH_CHECK(cudaEventSynchronize(b));
+    float t;
+    BENCH_CHECK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  BENCH_CHECK(cudaGetLastError());
+  std::sort(ms.begin(), ms.end());
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return ms[ms.size() / 2];
+}
+
+// Keys attended per (token, query head), summed over tokens, per branch.
+void attended_keys(const nsa::Config& c, int64_t T, double keys[3]) {
+  keys[0] = keys[1] = keys[2] = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    keys[0] += double(nsa::visible_cmp_blocks(t, c.cmp_block_len, c.cmp_stride));
+    const int64_t blocks = std::min<int64_t>(c.n_selected, nsa::last_slc_block(t, c.slc_block_len) + 1);
+    keys[1] += double(std::min<int64_t>(t + 1, blocks * c.slc_block_len - c.slc_block_len / 2));
+    keys[2] += double(std::min<int64_t>(t + 1, c.window));
+  }
+}
+
+struct Shape {
+  int64_t hq, hkv, d;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const char* out_path = "nsa_backward_bench.csv";
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--out") && i + 1 < argc) out_path = argv[++i];
+    else if (!std::strcmp(argv[i], "--quick")) quick = true;
+  }
+  cudaDeviceProp prop;
+  BENCH_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  FILE* csv = std::fopen(out_path, "w");
+  if (!csv) {
+    std::perror(out_path);
+    return 1;
+  }
+  std::fprintf(csv, "T,hq,hkv,dqk,dv,variant,fwd_ms,bwd_ms,fwd_bwd_ms,bwd_tflops,ws_mb,qkvo_mb\n");
+  const std::vector<int64_t> lengths = quick ? std::vector<int64_t>{8192} : std::vector<int64_t>{8192, 16384, 32768, 65536};
+  const std::vector<Shape> shapes = {{64, 4, 128}, {16, 4, 128}};
+  nsa::Context ctx;
+  ctx.backend = nsa::Backend::cuda;
+  const nsa::DType bf16 = nsa::DType::bf16;
+
+  for (const Shape& s : shapes) {
+    for (int64_t T : lengths) {
+      // Variants: the full layer, then one branch off at a time (64K and 8K only, G = 16).
+      struct Variant {
+        const char* name;
+        int64_t n, w;
+        nsa::PhiKind phi;
+      };
+      std::vector<Variant> variants = {{"full", 16, 512, nsa::PhiKind::mean}};
+      if (s.hq == 64 && (T == 65536 || T == 8192)) {
+        variants.push_back({"no_window", 16, 0, nsa::PhiKind::mean});
+        variants.push_back({"no_selection", 0, 512, nsa::PhiKind::mean});
+        if (T == 65536) variants.push_back({"phi_mlp_F4D", 16, 512, nsa::PhiKind::mlp});
+      }
+      Tensor q(bf16, {T, s.hq, s.d}, 1);
+      std::unique_ptr<Tensor> k[3], v[3], dk[3], dv[3];
+      for (int b = 0; b < 3; ++b) {
+        k[b] = std::make_unique<Tensor>(bf16, std::initializer_list<int64_t>{T, s.hkv, s.d}, 2 + 2 * b);
+        v[b] = std::make_unique<Tensor>(bf16, std::initializer_list<int64_t>{T, s.hkv, s.d}, 3 + 2 * b);
+        dk[b] = std::make_unique<Tensor>(bf16, std::initializer_list<int64_t>{T, s.hkv, s.d});
+        dv[b] = std::make_unique<Tensor>(bf16, std::initializer_list<int64_t>{T, s.hkv, s.d});
+      }
+      Tensor g(bf16, {T, s.hq, 3}, 8, 0.f, 1.f);
+      Tensor d_o(bf16, {T, s.hq, s.d}, 9);
+      Tensor o(bf16, {T, s.hq, s.d}), lse(nsa::DType::f32, {T, s.hq, 3});
+      Tensor dq(bf16, {T, s.hq, s.d}), dg(bf16, {T, s.hq, 3});
+      const double qkvo_bytes = double(q.bytes) * 2 + 6.0 * double(k[0]->bytes);
+      for (const Variant& var : variants) {
+        nsa::Config cfg;
+        cfg.phi = var.phi;
+        cfg.n_selected = var.n;
+        cfg.n_init = var.n ? 1 : 0;
+        cfg.n_local = var.n ? 2 : 0;
+        cfg.window = var.w;
+        const int64_t F = 4 * s.d, l = cfg.cmp_block_len;
+        const bool mlp = var.phi == nsa::PhiKind::mlp;
+        // phi's parameters and their gradients (mlp only): w1, b1, w2, b2, pe per phi_k / phi_v.
+        std::vector<std::unique_ptr<Tensor>> params;
+        nsa::PhiParams phik, phiv, dphik, dphiv;
+        if (mlp) {
+          auto make = [&](std::initializer_list<int64_t> shape, uint32_t seed, float lo, float hi) {
+            params.push_back(std::make_unique<Tensor>(bf16, shape, seed, lo, hi));
+            return params.back()->view;
+          };
+          auto make_phi = [&](uint32_t seed) {
+            return nsa::PhiParams{make({F, l * s.d}, seed, -0.01f, 0.01f), make({F}, seed + 1, -1.f, 1.f),
+                                  make({s.d, F}, seed + 2, -0.05f, 0.05f), make({s.d}, seed + 3, -1.f, 1.f),
+                                  make({l, s.d}, seed + 4, -1.f, 1.f)};
+          };
+          phik = make_phi(21);
+          phiv = make_phi(31);
+          dphik = make_phi(0);
+          dphiv = make_phi(0);
+        }
+        Tensor idx(nsa::DType::i32, {T, s.hkv, cfg.n_selected});
+        nsa::Inputs in;
+        in.q = q.view;
+        for (int b = 0; b < 3; ++b) in.kv[b] = {k[b]->view, v[b]->view};
+        in.g = g.view;
+        in.phi_k = phik;
+        in.phi_v = phiv;
+        const nsa::ForwardOutputs out{o.view, lse.view, idx.view, nsa::TensorView()};
+        nsa::Gradients grads;
+        grads.dq = dq.view;
+        for (int b = 0; b < 3; ++b) grads.dkv[b] = {dk[b]->view, dv[b]->view};
+        grads.dg = dg.view;
+        grads.dphi_k = dphik;
+        grads.dphi_v = dphiv;
+        const nsa::Problem pr = nsa::problem_of(cfg, in);
+        const size_t fws = nsa::workspace_size(ctx, nsa::Op::forward, cfg, pr);
+        const size_t bws = nsa::workspace_size(ctx, nsa::Op::backward, cfg, pr);
+        void *fbuf = nullptr, *bbuf = nullptr;
+        if (fws) BENCH_CHECK(cudaMalloc(&fbuf, fws));
+        if (bws) BENCH_CHECK(cudaMalloc(&bbuf, bws));
+        const nsa::Workspace fw{fbuf, fws}, bw{bbuf, bws};
+        const int reps = T >= 65536 ? 5 : 9;
+        nsa::forward(ctx, cfg, in, out, fw);  // lse and indices for the backward
+        BENCH_CHECK(cudaDeviceSynchronize());
+        const double t_f = time_ms([&] { nsa::forward(ctx, cfg, in, out, fw); }, 1, reps);
+        const double t_b = time_ms([&] { nsa::backward(ctx, cfg, in, out, d_o.view, grads, bw); }, 1, reps);
+        const double t_fb = time_ms([&] {
+          nsa::forward(ctx, cfg, in, out, fw);
+          nsa::backward(ctx, cfg, in, out, d_o.view, grads, bw);
+        }, 1, reps);
+        // Useful backward FLOPs as a plain attention backward counts them: per (token, head, key)
+        // QK^T, dO V^T, dQ, dK, dV = 2 * (3 Dqk + 2 Dv).
+        double keys[3];
+        attended_keys(cfg, T, keys);
+        const double bwd_flops = (keys[0] + keys[1] + keys[2]) * s.hq * 2.0 * (5.0 * s.d);
+        const double tf = bwd_flops / (t_b * 1e-3) / 1e12;
+        std::printf("T=%6lld Hq=%2lld Hkv=%lld D=%lld %-12s fwd %8.2f ms  bwd %8.2f ms  fwd+bwd %8.2f ms  "
+                    "(bwd %5.1f TFLOP/s)  bwd workspace %.1f MB = %.1f%% of q,k,v,o (%.0f MB)\n",
+                    (long long)T, (long long)s.hq, (long long)s.hkv, (long long)s.d, var.name, t_f, t_b, t_fb, tf,
+                    bws / 1e6, 100.0 * bws / qkvo_bytes, qkvo_bytes / 1e6);
+        std::fprintf(csv, "%lld,%lld,%lld,%lld,%lld,%s,%.4f,%.4f,%.4f,%.2f,%.2f,%.2f\n", (long long)T,
+                     (long long)s.hq, (long long)s.hkv, (long long)s.d, (long long)s.d, var.name, t_f, t_b, t_fb, tf,
+                     bws / 1e6, qkvo_bytes / 1e6);
+        std::fflush(csv);
+        if (fbuf) cudaFree(fbuf);
+        if (bbuf) cudaFree(bbuf);
+      }
+    }
+  }
+  std::fclose(csv);
+  return 0;
+}

@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Dense baseline for the CUDA NSA backward benchmark: PyTorch SDPA forward+backward.
+
+Reads the CSV that nsa_cuda_backward_bench wrote, times torch.nn.functional.
+scaled_dot_product_attention (is_causal=True, enable_gqa=True, bf16; PyTorch picks its backend)
+forward and forward+backward for every shape in it with CUDA events (warm-up, median of repeats,
+random data), and prints a markdown table: NSA forward, backward, forward+backward, the dense
+numbers and the speedup, the backward's workspace against q, k, v, o; then the ablations.
+
+    python3 bench/sdpa_backward_baseline.py nsa_backward_bench.csv [--markdown OUT.md]
+"""
+import argparse
+import csv
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+def time_ms(fn, warmup=2, reps=7):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def dense_ms(T, hq, hkv, dqk, dv):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = (torch.rand(1, hq, T, dqk, device="cuda", dtype=torch.bfloat16, generator=g) * 2 - 1).requires_grad_()
+    k = (torch.rand(1, hkv, T, dqk, device="cuda", dtype=torch.bfloat16, generator=g) * 2 - 1).requires_grad_()
+    v = (torch.rand(1, hkv, T, dv, device="cuda", dtype=torch.bfloat16, generator=g) * 2 - 1).requires_grad_()
+    do = torch.rand(1, hq, T, dv, device="cuda", dtype=torch.bfloat16, generator=g) * 2 - 1
+    reps = 5 if T >= 65536 else 9
+
+    def fwd():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    def fwd_bwd():
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        torch.autograd.grad(o, (q, k, v), do)
+
+    return time_ms(fwd, reps=reps), time_ms(fwd_bwd, reps=reps)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("csv")
+    ap.add_argument("--markdown", default=None)
+    args = ap.parse_args()
+    rows = list(csv.DictReader(open(args.csv)))
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    lines = ["| Hq/Hkv | T | NSA fwd ms | NSA bwd ms | NSA fwd+bwd ms | NSA bwd TFLOP/s | dense fwd ms | "
+             "dense fwd+bwd ms | fwd+bwd speedup | bwd workspace MB (% of q,k,v,o) |",
+             "|" + " --- |" * 10]
+    ablations = ["", "| Hq/Hkv | T | variant | NSA fwd ms | NSA bwd ms | NSA fwd+bwd ms |", "|" + " --- |" * 6]
+    for r in rows:
+        T, hq, hkv, dqk, dv = (int(r[c]) for c in ("T", "hq", "hkv", "dqk", "dv"))
+        f, b, fb = float(r["fwd_ms"]), float(r["bwd_ms"]), float(r["fwd_bwd_ms"])
+        if r["variant"] != "full":
+            ablations.append(f"| {hq}/{hkv} | {T // 1024}K | {r['variant']} | {f:.2f} | {b:.2f} | {fb:.2f} |")
+            continue
+        dense_f, dense_fb = dense_ms(T, hq, hkv, dqk, dv)
+        ws, qkvo = float(r["ws_mb"]), float(r["qkvo_mb"])
+        line = (f"| {hq}/{hkv} | {T // 1024}K | {f:.2f} | {b:.2f} | {fb:.2f} | {float(r['bwd_tflops']):.0f} | "
+                f"{dense_f:.2f} | {dense_fb:.2f} | {dense_fb / fb:.2f}x | {ws:.0f} ({100 * ws / qkvo:.1f}%) |")
+        print(line, flush=True)
+        lines.append(line)
+    text = "\n".join(lines + ablations)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

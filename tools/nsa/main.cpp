@@ -1,0 +1,550 @@
+// The `nsa` command-line program.
+//
+//   nsa bench [options]   NSA forward and forward+backward against dense causal attention on the
+//                         best available backend, checked against the reference, as a table
+//   nsa --help
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "nsa/nsa.h"
+
+namespace {
+
+using nsa::Backend;
+using nsa::Config;
+using nsa::DType;
+using nsa::TensorView;
+
+// A command-line mistake: printed as "nsa: <message>" with exit status 2.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct Options {
+  Config cfg;
+  std::vector<int64_t> seqlens = {4096, 16384};
+  int64_t hq = 16, hkv = 1, dqk = 128, dv = 128, phi_hidden = 128;
+  DType dtype = DType::bf16;
+  int threads = 0;
+  Backend backend = Backend::automatic;
+  int repeats = 3;
+  int64_t check_tokens = 256;
+  bool backward = true;
+  bool dense = true;
+};
+
+const char* kHelp = R"(usage: nsa bench [options]
+       nsa --help
+
+bench: times the NSA layer (forward, and forward+backward) and this backend's dense causal
+attention on random data, one sequence per length, and prints one table row per length and pass:
+  T, backend, pass, NSA ms, dense ms, speedup, NSA GFLOP/s, max error.
+The first --check-tokens rows of every NSA output are compared with the fp64 reference (attention
+is causal, so they equal the output of the same problem truncated to those tokens); rows whose
+selected blocks differ from the reference's (near-ties of fp32 scores) are counted, not compared.
+
+sizes and run:
+  --seqlens LIST        comma-separated sequence lengths T (default 4096,16384)
+  --hq N                query heads (default 16)
+  --hkv N               key/value heads (default 1)
+  --dqk N               query/key head dim (default 128)
+  --dv N                value head dim (default 128)
+  --phi-hidden N        hidden width F of phi = mlp (default 128)
+  --dtype T             bf16, f16 or f32 (default bf16)
+  --threads N           CPU threads, 0 = OpenMP default (default 0)
+  --backend B           auto, cpu, cuda or reference (default auto: the best available)
+  --repeats N           timed repeats after one warm-up; the median is reported (default 3)
+  --check-tokens N      rows checked against the reference, 0 = none (default 256)
+  --no-backward         time the forward pass only
+  --no-dense            skip the dense baseline
+NSA configuration (defaults: the paper's):
+  --cmp-block-len N     l, compression block length (32)
+  --cmp-stride N        d, compression stride (16)
+  --slc-block-len N     l', selection block length (64)
+  --n-selected N        n, selected blocks per query incl. forced ones (16)
+  --n-init N            forced initial blocks (1)
+  --n-local N           forced local blocks (2)
+  --window N            w, sliding window (512)
+  --scale X             softmax scale, 0 = 1/sqrt(dqk) (0)
+  --phi K               mean, linear or mlp (mlp)
+  --shared-kv           one K/V for all three branches (default: independent K/V per branch)
+)";
+
+int64_t parse_int(const std::string& opt, const std::string& text) {
+  try {
+    size_t used = 0;
+    const long long v = std::stoll(text, &used);
+    if (used != text.size()) throw std::invalid_argument(text);
+    return v;
+  } catch (const std::exception&) {
+    throw UsageError(opt + " expects an integer, got \"" + text + "\"");
+  }
+}
+
+double parse_double(const std::string& opt, const std::string& text) {
+  try {
+    size_t used = 0;
+    const double v = std::stod(text, &used);
+    if (used != text.size()) throw std::invalid_argument(text);
+    return v;
+  } catch (const std::exception&) {
+    throw UsageError(opt + " expects a number, got \"" + text + "\"");
+  }
+}
+
+int64_t positive(const std::string& opt, int64_t v) {
+  if (v < 1) throw UsageError(opt + " must be >= 1, got " + std::to_string(v));
+  return v;
+}
+
+DType parse_dtype(const std::string& text) {
+  if (text == "bf16") return DType::bf16;
+  if (text == "f16") return DType::f16;
+  if (text == "f32") return DType::f32;
+  throw UsageError("--dtype must be bf16, f16 or f32, got \"" + text + "\"");
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 2; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw UsageError(a + " needs a value");
+      return argv[++i];
+    };
+    if (a == "--seqlens") {
+      o.seqlens.clear();
+      std::string list = value(), item;
+      for (size_t pos = 0; pos <= list.size(); ++pos) {
+        if (pos == list.size() || list[pos] == ',') {
+          o.seqlens.push_back(positive("--seqlens", parse_int("--seqlens", item)));
+          item.clear();
+        } else {
+          item += list[pos];
+        }
+      }
+    } else if (a == "--hq") o.hq = positive(a, parse_int(a, value()));
+    else if (a == "--hkv") o.hkv = positive(a, parse_int(a, value()));
+    else if (a == "--dqk") o.dqk = positive(a, parse_int(a, value()));
+    else if (a == "--dv") o.dv = positive(a, parse_int(a, value()));
+    else if (a == "--phi-hidden") o.phi_hidden = positive(a, parse_int(a, value()));
+    else if (a == "--dtype") o.dtype = parse_dtype(value());
+    else if (a == "--threads") {
+      o.threads = static_cast<int>(parse_int(a, value()));
+      if (o.threads < 0) throw UsageError("--threads must be >= 0 (0: OpenMP default)");
+    } else if (a == "--backend") o.backend = nsa::parse_backend(value().c_str());
+    else if (a == "--repeats") o.repeats = static_cast<int>(positive(a, parse_int(a, value())));
+    else if (a == "--check-tokens") {
+      o.check_tokens = parse_int(a, value());
+      if (o.check_tokens < 0) throw UsageError("--check-tokens must be >= 0");
+    } else if (a == "--no-backward") o.backward = false;
+    else if (a == "--no-dense") o.dense = false;
+    else if (a == "--cmp-block-len") o.cfg.cmp_block_len = parse_int(a, value());
+    else if (a == "--cmp-stride") o.cfg.cmp_stride = parse_int(a, value());
+    else if (a == "--slc-block-len") o.cfg.slc_block_len = parse_int(a, value());
+    else if (a == "--n-selected") o.cfg.n_selected = parse_int(a, value());
+    else if (a == "--n-init") o.cfg.n_init = parse_int(a, value());
+    else if (a == "--n-local") o.cfg.n_local = parse_int(a, value());
+    else if (a == "--window") o.cfg.window = parse_int(a, value());
+    else if (a == "--scale") o.cfg.scale = parse_double(a, value());
+    else if (a == "--phi") o.cfg.phi = nsa::parse_phi_kind(value(), "--phi");
+    else if (a == "--shared-kv") o.cfg.shared_kv = true;
+    else throw UsageError("unknown option " + a + " (see nsa --help)");
+  }
+  if (o.hq % o.hkv != 0)
+    throw UsageError("--hq (" + std::to_string(o.hq) + ") must be a multiple of --hkv (" + std::to_string(o.hkv) + ")");
+  o.cfg.validate();  // nsa::Error names the field and the rule
+  return o;
+}
+
+// ---- Host tensors ---------------------------------------------------------------------------
+
+struct Buffer {
+  std::vector<unsigned char> bytes;
+  void* data = nullptr;
+  void resize(size_t n) {
+    bytes.assign(n + 256, 0);
+    const auto addr = reinterpret_cast<uintptr_t>(bytes.data());
+    data = bytes.data() + (256 - addr % 256) % 256;
+  }
+};
+
+struct Tensor {
+  Buffer buf;
+  TensorView view;
+  Tensor() = default;
+  Tensor(DType dtype, std::vector<int64_t> shape) {
+    int64_t n = 1;
+    for (int64_t s : shape) n *= s;
+    buf.resize(static_cast<size_t>(n) * nsa::dtype_size(dtype));
+    view.data = buf.data;
+    view.dtype = dtype;
+    view.ndim = static_cast<int>(shape.size());
+    int64_t st = 1;
+    for (int d = view.ndim - 1; d >= 0; --d) {
+      view.shape[d] = shape[static_cast<size_t>(d)];
+      view.stride[d] = st;
+      st *= view.shape[d];
+    }
+  }
+  int64_t numel() const { return view.numel(); }
+};
+
+uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+float from_bf16(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// IEEE half from float for values in [-4, 4] (normal range; round to nearest even).
+uint16_t to_f16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs < 0x38800000u) return sign;  // tiny values flush to zero (random data rarely has them)
+  uint32_t r = abs - 0x38000000u;
+  r += 0xfffu + ((r >> 13) & 1u);
+  return static_cast<uint16_t>(sign | (r >> 13));
+}
+
+float from_f16(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  if (exp == 0) return sign ? -0.0f : 0.0f;  // flushed subnormals (see to_f16)
+  const uint32_t u = sign | ((exp + 112) << 23) | (man << 13);
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+float get(const TensorView& t, int64_t i) {
+  switch (t.dtype) {
+    case DType::f32: return static_cast<const float*>(t.data)[i];
+    case DType::bf16: return from_bf16(static_cast<const uint16_t*>(t.data)[i]);
+    case DType::f16: return from_f16(static_cast<const uint16_t*>(t.data)[i]);
+    case DType::f64: return static_cast<float>(static_cast<const double*>(t.data)[i]);
+    default: return 0.0f;
+  }
+}
+
+void fill(Tensor& t, std::mt19937_64& rng, float lo, float hi) {
+  std::uniform_real_distribution<float> u(lo, hi);
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    const float v = u(rng);
+    switch (t.view.dtype) {
+      case DType::f32: static_cast<float*>(t.view.data)[i] = v; break;
+      case DType::bf16: static_cast<uint16_t*>(t.view.data)[i] = to_bf16(v); break;
+      case DType::f16: static_cast<uint16_t*>(t.view.data)[i] = to_f16(v); break;
+      default: break;
+    }
+  }
+}
+
+// A view of the first `rows` rows.
+TensorView head_rows(TensorView v, int64_t rows) {
+  v.shape[0] = rows;
+  return v;
+}
+
+// ---- The problem ----------------------------------------------------------------------------
+
+struct Layer {
+  int64_t T = 0;
+  Tensor q, g, k[3], v[3], o, lse, idx, d_o, dq, dg, dk[3], dv[3];
+  Tensor phi_k[5], phi_v[5], dphi_k[5], dphi_v[5];  // w1, b1, w2, b2, pe
+  Tensor dense_o, dense_lse;
+
+  static nsa::PhiParams params(Tensor* t) {
+    return nsa::PhiParams{t[0].view, t[1].view, t[2].view, t[3].view, t[4].view};
+  }
+  nsa::Inputs inputs(const Config& cfg, int64_t rows) {
+    nsa::Inputs in;
+    in.q = head_rows(q.view, rows);
+    for (int b = 0; b < 3; ++b)
+      if (b == 0 || !cfg.shared_kv) in.kv[b] = nsa::KV{head_rows(k[b].view, rows), head_rows(v[b].view, rows)};
+    in.g = head_rows(g.view, rows);
+    in.phi_k = params(phi_k);
+    in.phi_v = params(phi_v);
+    return in;
+  }
+  nsa::Gradients gradients(const Config& cfg) {
+    nsa::Gradients gr;
+    gr.dq = dq.view;
+    for (int b = 0; b < 3; ++b)
+      if (b == 0 || !cfg.shared_kv) gr.dkv[b] = nsa::KV{dk[b].view, dv[b].view};
+    gr.dg = dg.view;
+    gr.dphi_k = params(dphi_k);
+    gr.dphi_v = params(dphi_v);
+    return gr;
+  }
+};
+
+void make_phi(const Config& cfg, int64_t D, int64_t F, DType dt, Tensor* out, std::mt19937_64* rng) {
+  const int64_t l = cfg.cmp_block_len;
+  if (cfg.phi == nsa::PhiKind::linear) {
+    out[0] = Tensor(dt, {D, l * D});
+    out[4] = Tensor(dt, {l, D});
+  } else if (cfg.phi == nsa::PhiKind::mlp) {
+    out[0] = Tensor(dt, {F, l * D});
+    out[1] = Tensor(dt, {F});
+    out[2] = Tensor(dt, {D, F});
+    out[3] = Tensor(dt, {D});
+    out[4] = Tensor(dt, {l, D});
+  }
+  if (rng == nullptr) return;
+  const float s1 = 2.0f / std::sqrt(static_cast<float>(l * D)), s2 = 1.5f / std::sqrt(static_cast<float>(std::max<int64_t>(F, 1)));
+  if (out[0].numel()) fill(out[0], *rng, -s1, s1);
+  if (out[1].numel()) fill(out[1], *rng, -0.5f, 0.5f);
+  if (out[2].numel()) fill(out[2], *rng, -s2, s2);
+  if (out[3].numel()) fill(out[3], *rng, -0.5f, 0.5f);
+  if (out[4].numel()) fill(out[4], *rng, -0.5f, 0.5f);
+}
+
+Layer make_layer(const Options& o, int64_t T, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Layer L;
+  L.T = T;
+  const DType dt = o.dtype;
+  L.q = Tensor(dt, {T, o.hq, o.dqk});
+  fill(L.q, rng, -1, 1);
+  for (int b = 0; b < (o.cfg.shared_kv ? 1 : 3); ++b) {
+    L.k[b] = Tensor(dt, {T, o.hkv, o.dqk});
+    L.v[b] = Tensor(dt, {T, o.hkv, o.dv});
+    fill(L.k[b], rng, -1, 1);
+    fill(L.v[b], rng, -1, 1);
+    L.dk[b] = Tensor(dt, {T, o.hkv, o.dqk});
+    L.dv[b] = Tensor(dt, {T, o.hkv, o.dv});
+  }
+  L.g = Tensor(dt, {T, o.hq, 3});
+  fill(L.g, rng, 0, 1);
+  make_phi(o.cfg, o.dqk, o.phi_hidden, dt, L.phi_k, &rng);
+  make_phi(o.cfg, o.dv, o.phi_hidden, dt, L.phi_v, &rng);
+  make_phi(o.cfg, o.dqk, o.phi_hidden, dt, L.dphi_k, nullptr);
+  make_phi(o.cfg, o.dv, o.phi_hidden, dt, L.dphi_v, nullptr);
+  L.o = Tensor(dt, {T, o.hq, o.dv});
+  L.lse = Tensor(DType::f32, {T, o.hq, 3});
+  L.idx = Tensor(DType::i32, {T, o.hkv, o.cfg.n_selected});
+  L.d_o = Tensor(dt, {T, o.hq, o.dv});
+  fill(L.d_o, rng, -1, 1);
+  L.dq = Tensor(dt, {T, o.hq, o.dqk});
+  L.dg = Tensor(dt, {T, o.hq, 3});
+  L.dense_o = Tensor(dt, {T, o.hq, o.dv});
+  L.dense_lse = Tensor(DType::f32, {T, o.hq});
+  return L;
+}
+
+// ---- FLOP counts (multiply-add = 2) ---------------------------------------------------------
+
+// Keys each query attends per branch, summed over the sequence, per query head.
+struct KeyCounts {
+  double cmp = 0, slc = 0, win = 0, dense = 0;
+};
+
+KeyCounts key_counts(const Config& cfg, int64_t T, const int32_t* idx, int64_t hkv) {
+  KeyCounts k;
+  for (int64_t t = 0; t < T; ++t) {
+    k.cmp += static_cast<double>(nsa::visible_cmp_blocks(t, cfg.cmp_block_len, cfg.cmp_stride));
+    k.win += static_cast<double>(cfg.window > 0 ? t - nsa::window_start(t, cfg.window) + 1 : 0);
+    k.dense += static_cast<double>(t + 1);
+    double s = 0;  // averaged over KV heads
+    for (int64_t h = 0; h < hkv; ++h)
+      for (int64_t j = 0; j < cfg.n_selected; ++j) {
+        const int64_t b = idx[(t * hkv + h) * cfg.n_selected + j];
+        if (b >= 0) s += static_cast<double>(std::max<int64_t>(0, std::min((b + 1) * cfg.slc_block_len, t + 1) - b * cfg.slc_block_len));
+      }
+    k.slc += s / static_cast<double>(hkv);
+  }
+  return k;
+}
+
+// ---- Timing ---------------------------------------------------------------------------------
+
+double now_ms() {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// One warm-up, then `repeats` timed runs; the median in ms.
+double time_median(int repeats, const std::string& what, const std::function<void()>& fn) {
+  std::fprintf(stderr, "  %s: warm-up", what.c_str());
+  std::fflush(stderr);
+  fn();
+  std::vector<double> times;
+  for (int r = 0; r < repeats; ++r) {
+    std::fprintf(stderr, ", run %d/%d", r + 1, repeats);
+    std::fflush(stderr);
+    const double t0 = now_ms();
+    fn();
+    times.push_back(now_ms() - t0);
+  }
+  std::sort(times.begin(), times.end());
+  std::fprintf(stderr, " -> %.1f ms\n", times[times.size() / 2]);
+  return times[times.size() / 2];
+}
+
+struct Row {
+  int64_t T;
+  const char* backend;
+  const char* pass;
+  double nsa_ms, dense_ms, gflops, max_err;
+  int64_t idx_disagree, checked;
+};
+
+// ---- CUDA plug-in point ---------------------------------------------------------------------
+// The CUDA backend's benchmark lives in tools/nsa/cuda_bench.cpp (owned by the CUDA engineers):
+// it defines run_cuda_bench() and tools/CMakeLists.txt sets NSA_CLI_CUDA_BENCH when it exists.
+// It receives the parsed options as plain values and prints rows in the same table format.
+#ifdef NSA_CLI_CUDA_BENCH
+int run_cuda_bench(int argc, char** argv);
+#endif
+
+// Compares the first `rows` tokens of the NSA output with the fp64 reference on the truncated
+// problem. Returns the max error over rows whose indices agree; counts the others.
+double check_rows(const Options& o, Layer& L, int64_t rows, int64_t* disagree, int64_t* checked) {
+  *disagree = 0;
+  *checked = 0;
+  if (rows == 0) return 0.0;
+  nsa::Context ref;
+  ref.backend = Backend::reference;
+  Tensor ro(o.dtype, {rows, o.hq, o.dv}), rl(DType::f32, {rows, o.hq, 3}), ri(DType::i32, {rows, o.hkv, o.cfg.n_selected});
+  nsa::forward(ref, o.cfg, L.inputs(o.cfg, rows), nsa::ForwardOutputs{ro.view, rl.view, ri.view, {}});
+  const int64_t n = o.cfg.n_selected, G = o.hq / o.hkv;
+  const auto* a = static_cast<const int32_t*>(L.idx.view.data);
+  const auto* b = static_cast<const int32_t*>(ri.view.data);
+  double err = 0.0;
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t hk = 0; hk < o.hkv; ++hk) {
+      if (!std::equal(a + (t * o.hkv + hk) * n, a + (t * o.hkv + hk + 1) * n, b + (t * o.hkv + hk) * n)) {
+        ++*disagree;
+        continue;
+      }
+      ++*checked;
+      for (int64_t h = hk * G; h < (hk + 1) * G; ++h)
+        for (int64_t c = 0; c < o.dv; ++c) {
+          const int64_t i = (t * o.hq + h) * o.dv + c;
+          err = std::max(err, static_cast<double>(std::fabs(get(L.o.view, i) - get(ro.view, i))));
+        }
+    }
+  return err;
+}
+
+int bench(const Options& o) {
+  nsa::Context ctx;
+  ctx.backend = o.backend;
+  ctx.num_threads = o.threads;
+  if (o.backend == Backend::automatic)  // host tensors here: the cpu backend (CUDA: see above)
+    ctx.backend = nsa::backend_available(Backend::cpu) ? Backend::cpu : Backend::reference;
+  if (ctx.backend == Backend::cuda)
+    throw UsageError("--backend cuda: the CUDA benchmark is not built into this nsa program yet");
+  const char* bname = nsa::backend_name(ctx.backend);
+  std::vector<Row> rows;
+  for (int64_t T : o.seqlens) {
+    std::fprintf(stderr, "T = %lld (%s, Hq=%lld, Hkv=%lld, Dqk=%lld, Dv=%lld, %s)\n", static_cast<long long>(T), bname,
+                 static_cast<long long>(o.hq), static_cast<long long>(o.hkv), static_cast<long long>(o.dqk),
+                 static_cast<long long>(o.dv), nsa::dtype_name(o.dtype));
+    Layer L = make_layer(o, T, 1234 + static_cast<uint64_t>(T));
+    const nsa::Inputs in = L.inputs(o.cfg, T);
+    const nsa::Problem pr = nsa::problem_of(o.cfg, in);
+    size_t bytes = 0;
+    for (nsa::Op op : {nsa::Op::forward, nsa::Op::backward, nsa::Op::dense_attention_fwd, nsa::Op::dense_attention_bwd})
+      bytes = std::max(bytes, nsa::workspace_size(ctx, op, o.cfg, pr));
+    Buffer wsbuf;
+    wsbuf.resize(bytes);
+    const nsa::Workspace ws{wsbuf.data, bytes};
+    const nsa::ForwardOutputs out{L.o.view, L.lse.view, L.idx.view, {}};
+    const TensorView& kd = L.k[o.cfg.shared_kv ? 0 : nsa::kWin].view;
+    const TensorView& vd = L.v[o.cfg.shared_kv ? 0 : nsa::kWin].view;
+    Tensor dq2(o.dtype, {T, o.hq, o.dqk}), dk2(o.dtype, {T, o.hkv, o.dqk}), dv2(o.dtype, {T, o.hkv, o.dv});
+
+    const double nsa_fwd = time_median(o.repeats, "NSA forward", [&] { nsa::forward(ctx, o.cfg, in, out, ws); });
+    double dense_fwd = 0;
+    if (o.dense)
+      dense_fwd = time_median(o.repeats, "dense forward", [&] {
+        nsa::dense_attention_fwd(ctx, o.cfg.scale, L.q.view, kd, vd, {}, L.dense_o.view, L.dense_lse.view, ws);
+      });
+    int64_t disagree = 0, checked = 0;
+    const int64_t check = std::min(o.check_tokens, T);
+    if (check > 0) std::fprintf(stderr, "  checking %lld rows against the reference\n", static_cast<long long>(check));
+    const double err = check_rows(o, L, check, &disagree, &checked);
+    const KeyCounts kc = key_counts(o.cfg, T, static_cast<const int32_t*>(L.idx.view.data), o.hkv);
+    const double per_key = 2.0 * static_cast<double>(o.dqk + o.dv) * static_cast<double>(o.hq);
+    const double nsa_flop = (kc.cmp + kc.slc + kc.win) * per_key;
+    rows.push_back({T, bname, "fwd", nsa_fwd, dense_fwd, nsa_flop / nsa_fwd * 1e-6, err, disagree, checked});
+    if (o.backward) {
+      const double nsa_fb = time_median(o.repeats, "NSA forward+backward", [&] {
+        nsa::forward(ctx, o.cfg, in, out, ws);
+        nsa::backward(ctx, o.cfg, in, out, L.d_o.view, L.gradients(o.cfg), ws);
+      });
+      double dense_fb = 0;
+      if (o.dense)
+        dense_fb = time_median(o.repeats, "dense forward+backward", [&] {
+          nsa::dense_attention_fwd(ctx, o.cfg.scale, L.q.view, kd, vd, {}, L.dense_o.view, L.dense_lse.view, ws);
+          nsa::dense_attention_bwd(ctx, o.cfg.scale, L.q.view, kd, vd, {}, L.dense_o.view, L.dense_lse.view, L.d_o.view,
+                                   dq2.view, dk2.view, dv2.view, ws);
+        });
+      // Forward 2 matrix products per key, backward 5 (S, dP, dV, dK, dQ): 3.5x the forward.
+      rows.push_back({T, bname, "fwd+bwd", nsa_fb, dense_fb, 3.5 * nsa_flop / nsa_fb * 1e-6, err, disagree, checked});
+    }
+  }
+  std::printf("\n%8s  %-9s  %-7s  %10s  %10s  %8s  %11s  %10s  %s\n", "T", "backend", "pass", "NSA ms", "dense ms",
+              "speedup", "NSA GFLOP/s", "max error", "rows checked (other blocks)");
+  for (const Row& r : rows) {
+    char dense[32] = "-", speed[32] = "-";
+    if (r.dense_ms > 0) {
+      std::snprintf(dense, sizeof dense, "%.1f", r.dense_ms);
+      std::snprintf(speed, sizeof speed, "%.2fx", r.dense_ms / r.nsa_ms);
+    }
+    std::printf("%8lld  %-9s  %-7s  %10.1f  %10s  %8s  %11.1f  %10.2e  %lld (%lld)\n", static_cast<long long>(r.T),
+                r.backend, r.pass, r.nsa_ms, dense, speed, r.gflops, r.max_err, static_cast<long long>(r.checked),
+                static_cast<long long>(r.idx_disagree));
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0 ||
+        std::strcmp(argv[1], "help") == 0) {
+      std::fputs(kHelp, stdout);
+      return argc < 2 ? 2 : 0;
+    }
+    if (std::strcmp(argv[1], "bench") != 0) throw UsageError(std::string("unknown command ") + argv[1] + " (see nsa --help)");
+    for (int i = 2; i < argc; ++i)
+      if (std::strcmp(argv[i], "--help") == 0) {
+        std::fputs(kHelp, stdout);
+        return 0;
+      }
+#ifdef NSA_CLI_CUDA_BENCH
+    if (nsa::backend_available(Backend::cuda)) return run_cuda_bench(argc, argv);
+#endif
+    return bench(parse(argc, argv));
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "nsa: %s\n", e.what());
+    return 2;
+  } catch (const nsa::Error& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "nsa: error: %s\n", e.what());
+    return 1;
+  }
+}
