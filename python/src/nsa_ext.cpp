@@ -82,6 +82,15 @@ class Arrays {
       t.shape[d] = static_cast<int64_t>(array.shape(static_cast<size_t>(d)));
       t.stride[d] = array.stride(static_cast<size_t>(d));  // DLPack strides are in elements
     }
+    if (array.size() == 0) {
+      // Exporters give empty arrays arbitrary strides (numpy: 0). Nothing is read or written,
+      // so describe them as row-major, which every check accepts.
+      int64_t stride = 1;
+      for (int d = t.ndim - 1; d >= 0; --d) {
+        t.stride[d] = stride;
+        stride *= t.shape[d] > 0 ? t.shape[d] : 1;
+      }
+    }
     switch (array.device_type()) {
       case kDLCPU:
       case kDLCUDAHost: t.device = nsa::Device::cpu; break;

@@ -44,6 +44,8 @@ CASES = {
     "window_and_selection_off": (dict(n_selected=0, window=0), dict(seqlens=(30, 19))),
     "window_1_explicit_scale": (dict(window=1, scale=0.3), dict(seqlens=(33,), dqk=5, dv=7)),
     "short_sequences": ({}, dict(seqlens=(7, 3, 8), phi="mlp")),
+    "no_tokens_at_all": ({}, dict(seqlens=(0, 0), phi="mlp")),
+    "one_empty_sequence": ({}, dict(seqlens=(0,), phi="linear")),
     "l_equals_d": (dict(cmp_block_len=4, cmp_stride=4, slc_block_len=8, n_selected=2, n_local=1), dict(seqlens=(27,))),
 }
 

@@ -147,6 +147,16 @@ def test_backward_of_shared_kv_sums_the_branches():
     torch.testing.assert_close(shared_grad, k3[0].grad + k3[1].grad + k3[2].grad, rtol=1e-12, atol=1e-12)
 
 
+def test_empty_batch_forward_and_backward():
+    p = make_problem(seed=42, seqlens=(0, 0))
+    q, kv6, g, phi_k, phi_v, cu = to_torch(p, requires_grad=True)
+    k, v = split(kv6)
+    o = nsa.attention(q, k, v, g, phi_k, phi_v, cu_seqlens=cu, config=SMALL)
+    assert o.shape == (0, 4, 6)
+    o.sum().backward()
+    assert q.grad.shape == q.shape and phi_k.w1.grad.abs().sum() == 0
+
+
 def test_lse_and_indices_are_not_differentiable():
     p = make_problem(seed=36, seqlens=(20,), phi="mean")
     q, kv6, g, _, _, _ = to_torch(p, requires_grad=True)
