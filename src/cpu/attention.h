@@ -71,6 +71,18 @@ inline Dims make_dims(const Config& cfg, int64_t G, int64_t dqk, int64_t dv, dou
   return d;
 }
 
+// A branch's keys and values converted once per call (fp32) into the layouts the matrix kernels
+// read, so that tiles use them in place instead of converting and transposing every chunk they
+// visit. Chunks are 64 keys aligned to the sequence start; chunk0[b] is sequence b's first.
+struct Packed {
+  const float* kt = nullptr;  // [Hkv][chunks][dqk][kChunk]
+  const float* kn = nullptr;  // [Hkv][chunks][kChunk][dqkp]
+  const float* vt = nullptr;  // [Hkv][chunks][dv][kChunk]
+  const float* vn = nullptr;  // [Hkv][chunks][kChunk][dvp]
+  const int64_t* chunk0 = nullptr;
+  int64_t chunks = 0;
+};
+
 // One branch's keys and how a query token sees them.
 struct Branch {
   Kind kind = Kind::dense;
@@ -79,11 +91,15 @@ struct Branch {
   // Selection indices [T, Hkv, n] (int32).
   const int32_t* idx = nullptr;
   int64_t idx_s0 = 0, idx_s1 = 0, n = 0;
+  Packed pk;  // optional pre-packed keys/values
+  // Selection blocks are whole chunks (l' a multiple of kChunk): only then can slc use pk.
+  bool slc_aligned() const { return lp % kChunk == 0; }
 };
 
 struct Seq {
   int64_t s0 = 0;   // packed row of the first token
   int64_t len = 0;  // tokens
+  int64_t b = 0;    // index of the sequence
 };
 
 // Key rows of a branch start at this packed row for a sequence.
@@ -222,6 +238,49 @@ inline void transpose_keys(const float* nat, int64_t ld, int64_t dim, float* dst
     for (int64_t j = 0; j < kChunk; ++j) dst[c * kChunk + j] = nat[j * ld + c];
 }
 
+// The layouts of one chunk a pass needs.
+enum Need : unsigned { kNeedKt = 1, kNeedKn = 2, kNeedVt = 4, kNeedVn = 8 };
+
+struct ChunkData {
+  const float *kt = nullptr, *kn = nullptr, *vt = nullptr, *vn = nullptr;
+};
+
+// Pointers to a chunk's layouts: in place when the branch is pre-packed (and the chunk aligned),
+// else packed now into the scratch.
+inline ChunkData chunk_data(const Dims& d, const Branch& br, const Seq& s, int64_t hk, const Chunk& c,
+                            unsigned need, Scratch& sc) {
+  ChunkData cd;
+  const bool aligned = c.k0 % kChunk == 0 && (br.kind != Kind::slc || br.slc_aligned());
+  if (aligned && (br.pk.kt || br.pk.kn || br.pk.vt || br.pk.vn)) {
+    const int64_t ci = hk * br.pk.chunks + br.pk.chunk0[s.b] + c.k0 / kChunk;
+    if (need & kNeedKt) cd.kt = br.pk.kt + ci * d.dqk * kChunk;
+    if (need & kNeedKn) cd.kn = br.pk.kn + ci * kChunk * d.dqkp;
+    if (need & kNeedVt) cd.vt = br.pk.vt + ci * d.dv * kChunk;
+    if (need & kNeedVn) cd.vn = br.pk.vn + ci * kChunk * d.dvp;
+    const bool complete = (!(need & kNeedKt) || cd.kt) && (!(need & kNeedKn) || cd.kn) &&
+                          (!(need & kNeedVt) || cd.vt) && (!(need & kNeedVn) || cd.vn);
+    if (complete) return cd;
+  }
+  const int64_t row0 = key_row0(br, s);
+  if (need & (kNeedKt | kNeedKn)) {
+    pack_keys(br.k, row0, hk, c, sc.kn, d.dqkp);
+    cd.kn = sc.kn;
+    if (need & kNeedKt) {
+      transpose_keys(sc.kn, d.dqkp, d.dqk, sc.kt);
+      cd.kt = sc.kt;
+    }
+  }
+  if (need & (kNeedVt | kNeedVn)) {
+    pack_keys(br.v, row0, hk, c, sc.vn, d.dvp);
+    cd.vn = sc.vn;
+    if (need & kNeedVt) {
+      transpose_keys(sc.vn, d.dvp, d.dv, sc.vt);
+      cd.vt = sc.vt;
+    }
+  }
+  return cd;
+}
+
 // ---- Chunk lists (query-major) ------------------------------------------------------------
 
 // The chunks a tile of consecutive-or-not tokens visits; returns how many.
@@ -236,7 +295,8 @@ inline int64_t tile_chunks(const Branch& br, const Seq& s, int64_t hk, const int
   switch (br.kind) {
     case Kind::cmp: add_range(0, visible_cmp_blocks(t_last, br.l, br.d), -1); break;
     case Kind::win:
-      if (br.w > 0) add_range(window_start(t_first, br.w), t_last + 1, -1);
+      // From the chunk boundary below the first key, so chunks stay aligned (masks cut the rest).
+      if (br.w > 0) add_range(window_start(t_first, br.w) / kChunk * kChunk, t_last + 1, -1);
       break;
     case Kind::dense: add_range(0, t_last + 1, -1); break;
     case Kind::slc: {
@@ -259,6 +319,26 @@ inline int64_t tile_chunks(const Branch& br, const Seq& s, int64_t hk, const int
   return count;
 }
 
+// Neighbouring tokens share most selected blocks on real data, and a tile then visits each block
+// once for all of them. When they do not (random data, or scores without structure), the union
+// costs more than visiting each token's own blocks: then the tile is split into single tokens.
+inline constexpr double kUnionSlack = 1.25;
+
+inline bool split_selection(const Branch& br, const Seq& s, int64_t hk, const int32_t* tokens, int64_t nt,
+                            int64_t union_chunks) {
+  if (br.kind != Kind::slc || nt <= 1) return false;
+  int64_t own = 0;  // chunks the tokens visit on their own
+  for (int64_t i = 0; i < nt; ++i) {
+    const int32_t* row = idx_row(br, s, tokens[i], hk);
+    for (int64_t k = 0; k < br.n; ++k)
+      if (row[k] >= 0 && row[k] * br.lp <= tokens[i]) {
+        const int64_t keys = std::min<int64_t>((row[k] + 1) * br.lp, tokens[i] + 1) - row[k] * br.lp;
+        own += (keys + kChunk - 1) / kChunk;
+      }
+  }
+  return static_cast<double>(union_chunks * nt) > kUnionSlack * static_cast<double>(own);
+}
+
 // ---- Forward ------------------------------------------------------------------------------
 
 // Flash forward of one branch for a tile. q: [rows][dqkp] already multiplied by the scale.
@@ -268,19 +348,21 @@ inline void attend_fwd(const Dims& d, const Branch& br, const Seq& s, int64_t hk
                        float* lse) {
   const KernelTable& K = kernels();
   const int64_t G = d.G, M = nt * G;
-  const int64_t row0 = key_row0(br, s);
+  const int64_t nchunks = tile_chunks(br, s, hk, tokens, nt, sc);
+  if (split_selection(br, s, hk, tokens, nt, nchunks)) {
+    for (int64_t i = 0; i < nt; ++i)
+      attend_fwd(d, br, s, hk, tokens + i, 1, q + i * G * d.dqkp, sc, o + i * G * d.dvp, lse + i * G);
+    return;
+  }
   std::fill(o, o + M * d.dvp, 0.0f);
   for (int64_t r = 0; r < M; ++r) {
     sc.m[r] = kNegInf;
     sc.l[r] = 0.0f;
   }
-  const int64_t nchunks = tile_chunks(br, s, hk, tokens, nt, sc);
   for (int64_t ci = 0; ci < nchunks; ++ci) {
     const Chunk& c = sc.chunks[ci];
-    pack_keys(br.k, row0, hk, c, sc.kn, d.dqkp);
-    transpose_keys(sc.kn, d.dqkp, d.dqk, sc.kt);
-    pack_keys(br.v, row0, hk, c, sc.vn, d.dvp);
-    K.gemm(M, kChunk, d.dqk, q, d.dqkp, sc.kt, kChunk, sc.s, kChunk, false);
+    const ChunkData cd = chunk_data(d, br, s, hk, c, kNeedKt | kNeedVn, sc);
+    K.gemm(M, kChunk, d.dqk, q, d.dqkp, cd.kt, kChunk, sc.s, kChunk, false);
     for (int64_t i = 0; i < nt; ++i) {
       const Interval iv = keys_of(br, s, hk, tokens[i], c, true);
       const int64_t a = std::max<int64_t>(iv.lo - c.k0, 0), b = std::min<int64_t>(iv.hi - c.k0, c.nk - 1);
@@ -312,7 +394,7 @@ inline void attend_fwd(const Dims& d, const Branch& br, const Seq& s, int64_t hk
       for (int64_t j = 0; j < kChunk; ++j) sum += srow[j];
       sc.l[r] += sum;
     }
-    K.gemm(M, d.dvp, kChunk, sc.s, kChunk, sc.vn, d.dvp, o, d.dvp, true);
+    K.gemm(M, d.dvp, kChunk, sc.s, kChunk, cd.vn, d.dvp, o, d.dvp, true);
   }
   for (int64_t r = 0; r < M; ++r) {
     float* orow = o + r * d.dvp;
@@ -335,7 +417,6 @@ inline void attend_cmp_fwd(const Dims& d, const Branch& br, int64_t lp, const Se
                            float* lse, float* scores) {
   const KernelTable& K = kernels();
   const int64_t G = d.G, M = nt * G;
-  const int64_t row0 = key_row0(br, s);
   const int64_t C = visible_cmp_blocks(tokens[nt - 1], br.l, br.d);
   const int64_t Cp = round_up(std::max<int64_t>(C, 1), kChunk);
   std::fill(o, o + M * d.dvp, 0.0f);
@@ -348,9 +429,8 @@ inline void attend_cmp_fwd(const Dims& d, const Branch& br, int64_t lp, const Se
   // Scores of every visible compressed key: [M][Cp].
   for (int64_t k0 = 0; k0 < C; k0 += kChunk) {
     const Chunk c{k0, std::min(kChunk, C - k0), -1};
-    pack_keys(br.k, row0, hk, c, sc.kn, d.dqkp);
-    transpose_keys(sc.kn, d.dqkp, d.dqk, sc.kt);
-    K.gemm(M, kChunk, d.dqk, q, d.dqkp, sc.kt, kChunk, sc.sfull + k0, Cp, false);
+    const ChunkData cd = chunk_data(d, br, s, hk, c, kNeedKt, sc);
+    K.gemm(M, kChunk, d.dqk, q, d.dqkp, cd.kt, kChunk, sc.sfull + k0, Cp, false);
   }
   for (int64_t i = 0; i < nt; ++i) {
     const int64_t Ct = visible_cmp_blocks(tokens[i], br.l, br.d);
@@ -383,8 +463,8 @@ inline void attend_cmp_fwd(const Dims& d, const Branch& br, int64_t lp, const Se
   }
   for (int64_t k0 = 0; k0 < C; k0 += kChunk) {
     const Chunk c{k0, std::min(kChunk, C - k0), -1};
-    pack_keys(br.v, row0, hk, c, sc.vn, d.dvp);
-    K.gemm(M, d.dvp, kChunk, sc.sfull + k0, Cp, sc.vn, d.dvp, o, d.dvp, true);
+    const ChunkData cd = chunk_data(d, br, s, hk, c, kNeedVn, sc);
+    K.gemm(M, d.dvp, kChunk, sc.sfull + k0, Cp, cd.vn, d.dvp, o, d.dvp, true);
   }
   if (scores == nullptr) return;
   // §3: S[j] = sum_i ov(i, j) * sum_h p_cmp[h, i]; ov is how many stride pieces block i shares
@@ -441,15 +521,17 @@ inline void attend_dq(const Dims& d, const Branch& br, const Seq& s, int64_t hk,
                       const float* lse, const float* delta, Scratch& sc, float* dq) {
   const KernelTable& K = kernels();
   const int64_t G = d.G, M = nt * G;
-  const int64_t row0 = key_row0(br, s);
   const int64_t nchunks = tile_chunks(br, s, hk, tokens, nt, sc);
+  if (split_selection(br, s, hk, tokens, nt, nchunks)) {
+    for (int64_t i = 0; i < nt; ++i)
+      attend_dq(d, br, s, hk, tokens + i, 1, q + i * G * d.dqkp, dout + i * G * d.dvp, lse + i * G, delta + i * G,
+                sc, dq + i * G * d.dqkp);
+    return;
+  }
   for (int64_t ci = 0; ci < nchunks; ++ci) {
     const Chunk& c = sc.chunks[ci];
-    pack_keys(br.k, row0, hk, c, sc.kn, d.dqkp);
-    transpose_keys(sc.kn, d.dqkp, d.dqk, sc.kt);
-    pack_keys(br.v, row0, hk, c, sc.vn, d.dvp);
-    transpose_keys(sc.vn, d.dvp, d.dv, sc.vt);
-    K.gemm(M, kChunk, d.dqk, q, d.dqkp, sc.kt, kChunk, sc.s, kChunk, false);
+    const ChunkData cd = chunk_data(d, br, s, hk, c, kNeedKt | kNeedKn | kNeedVt, sc);
+    K.gemm(M, kChunk, d.dqk, q, d.dqkp, cd.kt, kChunk, sc.s, kChunk, false);
     for (int64_t i = 0; i < nt; ++i) {
       const Interval iv = keys_of(br, s, hk, tokens[i], c, true);
       const int64_t a = std::max<int64_t>(iv.lo - c.k0, 0), b = std::min<int64_t>(iv.hi - c.k0, c.nk - 1);
@@ -466,13 +548,13 @@ inline void attend_dq(const Dims& d, const Branch& br, const Seq& s, int64_t hk,
       }
     }
     K.exp_inplace(sc.s, M * kChunk);  // P
-    K.gemm(M, kChunk, d.dv, dout, d.dvp, sc.vt, kChunk, sc.dp, kChunk, false);  // dP = dO V^T
+    K.gemm(M, kChunk, d.dv, dout, d.dvp, cd.vt, kChunk, sc.dp, kChunk, false);  // dP = dO V^T
     for (int64_t r = 0; r < M; ++r) {
       float* prow = sc.s + r * kChunk;
       const float* dprow = sc.dp + r * kChunk;
       for (int64_t j = 0; j < kChunk; ++j) prow[j] *= dprow[j] - delta[r];  // dS (unscaled)
     }
-    K.gemm(M, d.dqkp, kChunk, sc.s, kChunk, sc.kn, d.dqkp, dq, d.dqkp, true);
+    K.gemm(M, d.dqkp, kChunk, sc.s, kChunk, cd.kn, d.dqkp, dq, d.dqkp, true);
   }
 }
 
@@ -490,16 +572,15 @@ struct QuerySide {
 // Key-major backward of one key chunk: dkdv_begin packs the chunk and zeroes dK [kChunk][dqkp]
 // and dV [kChunk][dvp] in the scratch; dkdv_tile adds the contribution of up to tile_tokens
 // query tokens (ascending) that may see the chunk.
-inline void dkdv_begin(const Dims& d, const Branch& br, const Seq& s, int64_t hk, const Chunk& c, Scratch& sc) {
-  const int64_t row0 = key_row0(br, s);
+inline ChunkData dkdv_begin(const Dims& d, const Branch& br, const Seq& s, int64_t hk, const Chunk& c,
+                            Scratch& sc) {
   std::fill(sc.dk, sc.dk + kChunk * d.dqkp, 0.0f);
   std::fill(sc.dv, sc.dv + kChunk * d.dvp, 0.0f);
-  pack_keys(br.k, row0, hk, c, sc.kn, d.dqkp);
-  pack_keys(br.v, row0, hk, c, sc.vn, d.dvp);
+  return chunk_data(d, br, s, hk, c, kNeedKn | kNeedVn, sc);
 }
 
 inline void dkdv_tile(const Dims& d, const Branch& br, const Seq& s, int64_t hk, const Chunk& c,
-                      const int32_t* tk, int64_t nt, const QuerySide& qs, Scratch& sc) {
+                      const ChunkData& cd, const int32_t* tk, int64_t nt, const QuerySide& qs, Scratch& sc) {
   const KernelTable& K = kernels();
   const int64_t G = d.G;
   const int64_t M = nt * G, Mp = pad_cols(M);
@@ -518,8 +599,8 @@ inline void dkdv_tile(const Dims& d, const Branch& br, const Seq& s, int64_t hk,
     }
   transpose(sc.q, M, d.dqk, d.dqkp, sc.qt, Mp);
   transpose(sc.dout, M, d.dv, d.dvp, sc.dot, Mp);
-  K.gemm(kChunk, Mp, d.dqk, sc.kn, d.dqkp, sc.qt, Mp, sc.st, Mp, false);  // S^T
-  K.gemm(kChunk, Mp, d.dv, sc.vn, d.dvp, sc.dot, Mp, sc.dpt, Mp, false);  // dP^T
+  K.gemm(kChunk, Mp, d.dqk, cd.kn, d.dqkp, sc.qt, Mp, sc.st, Mp, false);  // S^T
+  K.gemm(kChunk, Mp, d.dv, cd.vn, d.dvp, sc.dot, Mp, sc.dpt, Mp, false);  // dP^T
   // Mask and shift column by column: P^T[j][r] = exp(S^T[j][r] - lse[r]).
   for (int64_t i = 0; i < nt; ++i) {
     const Interval iv = keys_of(br, s, hk, tk[i], c, false);

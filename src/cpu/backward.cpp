@@ -96,7 +96,7 @@ void key_major(const Plan& p, const Dims& d, const Branch& br, const QuerySide& 
     const int64_t b = std::upper_bound(first.begin(), first.end(), id) - first.begin() - 1;
     const int64_t local = id - first[static_cast<size_t>(b)];
     const int64_t ci = local / p.hkv, hk = local % p.hkv;
-    const Seq s{p.seq_start(b), p.seq_len(b)};
+    const Seq s{p.seq_start(b), p.seq_len(b), b};
     Chunk c;
     int64_t t_lo = 0, t_hi = -1;  // consecutive query tokens (all kinds but slc)
     const int32_t* list = nullptr;
@@ -137,15 +137,15 @@ void key_major(const Plan& p, const Dims& d, const Branch& br, const QuerySide& 
       }
     }
     if (c.nk <= 0) return;
-    dkdv_begin(d, br, s, hk, c, sc);
+    const ChunkData cd = dkdv_begin(d, br, s, hk, c, sc);
     if (br.kind == Kind::slc) {
       for (int64_t i = 0; i < list_len; i += d.tile_tokens)
-        dkdv_tile(d, br, s, hk, c, list + i, std::min(d.tile_tokens, list_len - i), qs, sc);
+        dkdv_tile(d, br, s, hk, c, cd, list + i, std::min(d.tile_tokens, list_len - i), qs, sc);
     } else {
       for (int64_t t0 = t_lo; t0 <= t_hi; t0 += d.tile_tokens) {
         const int64_t nt = std::min(d.tile_tokens, t_hi - t0 + 1);
         fill_tokens(sc.tokens, t0, nt);
-        dkdv_tile(d, br, s, hk, c, sc.tokens, nt, qs, sc);
+        dkdv_tile(d, br, s, hk, c, cd, sc.tokens, nt, qs, sc);
       }
     }
     emit(s, hk, c, sc.dk, sc.dv);

@@ -41,11 +41,37 @@ void store_tile(const Dims& d, const Seq& s, int64_t hk, const int32_t* tokens, 
     }
 }
 
+// Whether the forward pre-packs a branch (selection only when its blocks are whole chunks).
+bool packs(const Config& cfg, Kind kind) {
+  switch (kind) {
+    case Kind::slc: return cfg.n_selected > 0 && cfg.slc_block_len % kChunk == 0;
+    case Kind::win: return cfg.window > 0;
+    default: return true;
+  }
+}
+
+size_t pack_bytes(const Config& cfg, const Problem& pr, const Dims& d, Kind kind) {
+  if (!packs(cfg, kind)) return 0;
+  Sizer s;
+  layout_pack(s, cfg, pr.total_tokens, pr.batch, pr.hkv, d, kind == Kind::cmp, kNeedKt | kNeedVn);
+  return s.bytes;
+}
+
+Problem problem_of_plan(const Plan& p) {
+  return Problem{p.T, p.B, p.max_seqlen, p.hq, p.hkv, p.dqk, p.dv, std::max(p.phi_hidden_k, p.phi_hidden_v),
+                 p.dtype, p.device};
+}
+
 // One branch over all tiles: the three single-branch attention ops and dense attention.
-void branch_op(const Plan& p, const Branch& br, const TensorView& q, const TensorView& o,
+void branch_op(const Plan& p, Branch br, const TensorView& q, const TensorView& o,
                const TensorView& lse, Workspace ws) {
   const Dims d = dims_of(p);
-  const Slots slots = carve_slots(p, ws, 0, attention_slot_bytes(p.cfg, d));
+  const size_t shared_bytes = pack_bytes(p.cfg, problem_of_plan(p), d, br.kind);
+  const Slots slots = carve_slots(p, ws, shared_bytes, attention_slot_bytes(p.cfg, d));
+  if (packs(p.cfg, br.kind)) {
+    Arena shared(ws.data, shared_bytes);
+    prepack(p, d, br, kNeedKt | kNeedVn, shared, slots);
+  }
   const Rows qrows = Rows::of(q);
   for_each_tile(p, d.tile_tokens, p.hkv, slots, [&](const Seq& s, int64_t t0, int64_t nt, int64_t hk, Arena arena) {
     Scratch sc = layout_scratch(arena, d, p.cfg.n_selected);
@@ -62,8 +88,13 @@ void compressed_attention_fwd(const Plan& p, const TensorView& q, const TensorVi
                               const TensorView& vc, const TensorView& o, const TensorView& lse,
                               const TensorView& scores, Workspace ws) {
   const Dims d = dims_of(p);
-  const Slots slots = carve_slots(p, ws, 0, attention_slot_bytes(p.cfg, d));
-  const Branch br = make_branch(p, Kind::cmp, kc, vc);
+  const size_t shared_bytes = pack_bytes(p.cfg, problem_of_plan(p), d, Kind::cmp);
+  const Slots slots = carve_slots(p, ws, shared_bytes, attention_slot_bytes(p.cfg, d));
+  Branch br = make_branch(p, Kind::cmp, kc, vc);
+  {
+    Arena shared(ws.data, shared_bytes);
+    prepack(p, d, br, kNeedKt | kNeedVn, shared, slots);
+  }
   const Rows qrows = Rows::of(q);
   const int64_t ns_out = scores.defined() ? scores.shape[2] : 0;
   for_each_tile(p, d.tile_tokens, p.hkv, slots, [&](const Seq& s, int64_t t0, int64_t nt, int64_t hk, Arena arena) {
@@ -148,8 +179,7 @@ size_t phi_shared_bytes(const Config& cfg, const Problem& pr, bool backward, siz
 
 void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspace ws) {
   const Dims d = dims_of(p);
-  const WsSizes sizes = forward_sizes(Op::forward, p.cfg, Problem{p.T, p.B, p.max_seqlen, p.hq, p.hkv, p.dqk, p.dv,
-                                                                  std::max(p.phi_hidden_k, p.phi_hidden_v), p.dtype, p.device});
+  const WsSizes sizes = forward_sizes(Op::forward, p.cfg, problem_of_plan(p));
   const Slots slots = carve_slots(p, ws, sizes.shared, sizes.slot);
   Arena shared(ws.data, sizes.shared);
   const ForwardShared fs = layout_forward_shared(shared, p.T, p.cfg.cmp_stride, p.hkv, p.dqk, p.dv);
@@ -173,7 +203,14 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
   const KV& win = detail::branch_kv(p.cfg, in, kWin);
   Branch br_slc = make_branch(p, Kind::slc, slc.k, slc.v);
   set_indices(br_slc, out.indices);
-  const Branch br_win = make_branch(p, Kind::win, win.k, win.v);
+  Branch br_win = make_branch(p, Kind::win, win.k, win.v);
+  // Every branch's keys/values converted once (after phi, whose scratch they overwrite).
+  {
+    Arena packs_area = shared;
+    prepack(p, d, br_cmp, kNeedKt | kNeedVn, packs_area, slots);
+    if (packs(p.cfg, Kind::slc)) prepack(p, d, br_slc, kNeedKt | kNeedVn, packs_area, slots);
+    if (packs(p.cfg, Kind::win)) prepack(p, d, br_win, kNeedKt | kNeedVn, packs_area, slots);
+  }
   const Rows qrows = Rows::of(in.q);
   const int64_t n = p.cfg.n_selected;
 
@@ -236,9 +273,15 @@ WsSizes forward_sizes(Op op, const Config& cfg, const Problem& pr) {
     case Op::compressed_attention_fwd:
     case Op::selected_attention_fwd:
     case Op::window_attention_fwd:
-    case Op::dense_attention_fwd:
+    case Op::dense_attention_fwd: {
+      const Kind kind = op == Op::compressed_attention_fwd ? Kind::cmp
+                        : op == Op::selected_attention_fwd ? Kind::slc
+                        : op == Op::window_attention_fwd   ? Kind::win
+                                                           : Kind::dense;
+      w.shared = pack_bytes(cfg, pr, d, kind);
       w.slot = attention_slot_bytes(cfg, d);
       return w;
+    }
     case Op::select_topn:
       w.slot = Arena::round_bytes(static_cast<size_t>(round_up(std::max<int64_t>(d.ns_max, 1), kColPad)) * 4);
       return w;
@@ -246,7 +289,10 @@ WsSizes forward_sizes(Op op, const Config& cfg, const Problem& pr) {
       Sizer s;
       layout_forward_shared(s, pr.total_tokens, cfg.cmp_stride, pr.hkv, pr.dqk, pr.dv);
       size_t phi_slot = 0;
-      w.shared = s.bytes + phi_shared_bytes(cfg, pr, false, &phi_slot);
+      const size_t packed = pack_bytes(cfg, pr, d, Kind::cmp) + pack_bytes(cfg, pr, d, Kind::slc) +
+                            pack_bytes(cfg, pr, d, Kind::win);
+      // phi's scratch and the packed keys/values share the space after kc/vc (one after the other).
+      w.shared = s.bytes + std::max(phi_shared_bytes(cfg, pr, false, &phi_slot), packed);
       w.slot = std::max(attention_slot_bytes(cfg, d), phi_slot);
       return w;
     }

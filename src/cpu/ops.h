@@ -34,7 +34,7 @@ void for_each_tile(const Plan& p, int64_t tile_tokens, int64_t hkv, const Slots&
         const int64_t ntiles = (p.seq_len(b) + tile_tokens - 1) / tile_tokens;
         const int64_t tile = ntiles - 1 - local / hkv;
         const int64_t hk = local % hkv;
-        const Seq s{p.seq_start(b), p.seq_len(b)};
+        const Seq s{p.seq_start(b), p.seq_len(b), b};
         const int64_t t0 = tile * tile_tokens;
         fn(s, t0, std::min(tile_tokens, s.len - t0), hk, arena);
       } catch (...) {
@@ -81,6 +81,63 @@ inline size_t attention_slot_bytes(const Config& cfg, const Dims& d) {
 // Tokens t0 .. t0+nt-1 into a token list.
 inline void fill_tokens(int32_t* tokens, int64_t t0, int64_t nt) {
   for (int64_t i = 0; i < nt; ++i) tokens[i] = static_cast<int32_t>(t0 + i);
+}
+
+// ---- Pre-packed keys/values (see Packed in attention.h) ------------------------------------
+
+// Upper bound of the chunks of a branch's keys: token rows, or compressed rows (cmp).
+inline int64_t chunk_bound(const Config& cfg, int64_t T, int64_t B, bool cmp) {
+  return (cmp ? cmp_rows(T, cfg.cmp_stride) : T) / kChunk + B + 1;
+}
+
+struct PackBuffers {
+  float *kt = nullptr, *kn = nullptr, *vt = nullptr, *vn = nullptr;
+  int64_t* chunk0 = nullptr;  // [B+1]
+};
+
+template <typename A>
+PackBuffers layout_pack(A& a, const Config& cfg, int64_t T, int64_t B, int64_t hkv, const Dims& d, bool cmp,
+                        unsigned need) {
+  PackBuffers pb;
+  const int64_t chunks = chunk_bound(cfg, T, B, cmp) * hkv;
+  pb.chunk0 = a.template take<int64_t>(B + 1);
+  if (need & kNeedKt) pb.kt = a.template take<float>(chunks * d.dqk * kChunk);
+  if (need & kNeedKn) pb.kn = a.template take<float>(chunks * kChunk * d.dqkp);
+  if (need & kNeedVt) pb.vt = a.template take<float>(chunks * d.dv * kChunk);
+  if (need & kNeedVn) pb.vn = a.template take<float>(chunks * kChunk * d.dvp);
+  return pb;
+}
+
+// Converts a branch's keys/values once into the layouts of `need` (carved from `shared`) and
+// points br.pk at them. Every chunk is written by one work item.
+inline void prepack(const Plan& p, const Dims& d, Branch& br, unsigned need, Arena& shared, const Slots& slots) {
+  const bool cmp = br.kind == Kind::cmp;
+  PackBuffers pb = layout_pack(shared, p.cfg, p.T, p.B, p.hkv, d, cmp, need);
+  pb.chunk0[0] = 0;
+  std::vector<int64_t> keys(static_cast<size_t>(p.B));
+  for (int64_t b = 0; b < p.B; ++b) {
+    keys[static_cast<size_t>(b)] = cmp ? num_cmp_blocks(p.seq_len(b), p.cfg.cmp_block_len, p.cfg.cmp_stride) : p.seq_len(b);
+    pb.chunk0[b + 1] = pb.chunk0[b] + (keys[static_cast<size_t>(b)] + kChunk - 1) / kChunk;
+  }
+  const int64_t chunks = pb.chunk0[p.B];
+  parallel_for(chunks * p.hkv, slots, [&](int64_t item, Arena arena) {
+    float* kn = arena.take<float>(kChunk * d.dqkp);
+    float* vn = arena.take<float>(kChunk * d.dvp);
+    const int64_t hk = item / chunks, ci = item % chunks;
+    const int64_t b = std::upper_bound(pb.chunk0, pb.chunk0 + p.B + 1, ci) - pb.chunk0 - 1;
+    const Seq s{p.seq_start(b), p.seq_len(b), b};
+    const int64_t k0 = (ci - pb.chunk0[b]) * kChunk;
+    const Chunk c{k0, std::min(kChunk, keys[static_cast<size_t>(b)] - k0), -1};
+    const int64_t row0 = key_row0(br, s);
+    const int64_t at = hk * chunks + ci;
+    pack_keys(br.k, row0, hk, c, kn, d.dqkp);
+    pack_keys(br.v, row0, hk, c, vn, d.dvp);
+    if (pb.kt) transpose_keys(kn, d.dqkp, d.dqk, pb.kt + at * d.dqk * kChunk);
+    if (pb.kn) std::copy(kn, kn + kChunk * d.dqkp, pb.kn + at * kChunk * d.dqkp);
+    if (pb.vt) transpose_keys(vn, d.dvp, d.dv, pb.vt + at * d.dv * kChunk);
+    if (pb.vn) std::copy(vn, vn + kChunk * d.dvp, pb.vn + at * kChunk * d.dvp);
+  });
+  br.pk = Packed{pb.kt, pb.kn, pb.vt, pb.vn, pb.chunk0, chunks};
 }
 
 // BackendOps entries.
