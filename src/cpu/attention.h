@@ -253,13 +253,14 @@ inline ChunkData chunk_data(const Dims& d, const Branch& br, const Seq& s, int64
   const bool aligned = c.k0 % kChunk == 0 && (br.kind != Kind::slc || br.slc_aligned());
   if (aligned && (br.pk.kt || br.pk.kn || br.pk.vt || br.pk.vn)) {
     const int64_t ci = hk * br.pk.chunks + br.pk.chunk0[s.b] + c.k0 / kChunk;
-    if (need & kNeedKt) cd.kt = br.pk.kt + ci * d.dqk * kChunk;
-    if (need & kNeedKn) cd.kn = br.pk.kn + ci * kChunk * d.dqkp;
-    if (need & kNeedVt) cd.vt = br.pk.vt + ci * d.dv * kChunk;
-    if (need & kNeedVn) cd.vn = br.pk.vn + ci * kChunk * d.dvp;
+    if ((need & kNeedKt) && br.pk.kt) cd.kt = br.pk.kt + ci * d.dqk * kChunk;
+    if ((need & kNeedKn) && br.pk.kn) cd.kn = br.pk.kn + ci * kChunk * d.dqkp;
+    if ((need & kNeedVt) && br.pk.vt) cd.vt = br.pk.vt + ci * d.dv * kChunk;
+    if ((need & kNeedVn) && br.pk.vn) cd.vn = br.pk.vn + ci * kChunk * d.dvp;
     const bool complete = (!(need & kNeedKt) || cd.kt) && (!(need & kNeedKn) || cd.kn) &&
                           (!(need & kNeedVt) || cd.vt) && (!(need & kNeedVn) || cd.vn);
     if (complete) return cd;
+    cd = ChunkData{};  // a layout is missing: pack them all here
   }
   const int64_t row0 = key_row0(br, s);
   if (need & (kNeedKt | kNeedKn)) {
@@ -576,7 +577,7 @@ inline ChunkData dkdv_begin(const Dims& d, const Branch& br, const Seq& s, int64
                             Scratch& sc) {
   std::fill(sc.dk, sc.dk + kChunk * d.dqkp, 0.0f);
   std::fill(sc.dv, sc.dv + kChunk * d.dvp, 0.0f);
-  return chunk_data(d, br, s, hk, c, kNeedKn | kNeedVn, sc);
+  return chunk_data(d, br, s, hk, c, kNeedKt | kNeedVt, sc);
 }
 
 inline void dkdv_tile(const Dims& d, const Branch& br, const Seq& s, int64_t hk, const Chunk& c,
@@ -597,33 +598,35 @@ inline void dkdv_tile(const Dims& d, const Branch& br, const Seq& s, int64_t hk,
       sc.lse[r] = qs.lse[row * qs.lse_s0 + h * qs.lse_s1];
       sc.delta[r] = qs.delta[row * qs.delta_s0 + h * qs.delta_s1];
     }
-  transpose(sc.q, M, d.dqk, d.dqkp, sc.qt, Mp);
-  transpose(sc.dout, M, d.dv, d.dvp, sc.dot, Mp);
-  K.gemm(kChunk, Mp, d.dqk, cd.kn, d.dqkp, sc.qt, Mp, sc.st, Mp, false);  // S^T
-  K.gemm(kChunk, Mp, d.dv, cd.vn, d.dvp, sc.dot, Mp, sc.dpt, Mp, false);  // dP^T
-  // Mask and shift column by column: P^T[j][r] = exp(S^T[j][r] - lse[r]).
+  // Row-major like the dq pass (S = Q K^T, dP = dO V^T: no transposed query operands); only the
+  // [M, 64] tiles P and dS are transposed for the two products that reduce over the queries.
+  K.gemm(M, kChunk, d.dqk, sc.q, d.dqkp, cd.kt, kChunk, sc.s, kChunk, false);      // S
+  K.gemm(M, kChunk, d.dv, sc.dout, d.dvp, cd.vt, kChunk, sc.dp, kChunk, false);    // dP
   for (int64_t i = 0; i < nt; ++i) {
     const Interval iv = keys_of(br, s, hk, tk[i], c, false);
     const int64_t a = std::max<int64_t>(iv.lo - c.k0, 0), b = std::min<int64_t>(iv.hi - c.k0, c.nk - 1);
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = i * G + g;
-      const bool dead = a > b || sc.lse[r] == kNegInf;
-      for (int64_t j = 0; j < kChunk; ++j) {
-        float& v = sc.st[j * Mp + r];
-        v = (dead || j < a || j > b) ? kNegInf : v - sc.lse[r];
+      float* srow = sc.s + r * kChunk;
+      if (a > b || sc.lse[r] == kNegInf) {
+        std::fill(srow, srow + kChunk, kNegInf);
+        continue;
       }
+      std::fill(srow, srow + a, kNegInf);
+      std::fill(srow + b + 1, srow + kChunk, kNegInf);
+      for (int64_t j = a; j <= b; ++j) srow[j] -= sc.lse[r];
     }
   }
-  for (int64_t j = 0; j < kChunk; ++j)
-    for (int64_t r = M; r < Mp; ++r) sc.st[j * Mp + r] = kNegInf;
-  K.exp_inplace(sc.st, kChunk * Mp);                                          // P^T
-  K.gemm(kChunk, d.dvp, M, sc.st, Mp, sc.dout, d.dvp, sc.dv, d.dvp, true);   // dV += P^T dO
-  for (int64_t j = 0; j < kChunk; ++j) {
-    float* prow = sc.st + j * Mp;
-    const float* dprow = sc.dpt + j * Mp;
-    for (int64_t r = 0; r < M; ++r) prow[r] *= dprow[r] - sc.delta[r];      // dS^T
+  K.exp_inplace(sc.s, M * kChunk);  // P
+  transpose(sc.s, M, kChunk, kChunk, sc.st, Mp);                                     // P^T [64][Mp]
+  K.gemm(kChunk, d.dvp, M, sc.st, Mp, sc.dout, d.dvp, sc.dv, d.dvp, true);           // dV += P^T dO
+  for (int64_t r = 0; r < M; ++r) {
+    float* prow = sc.s + r * kChunk;
+    const float* dprow = sc.dp + r * kChunk;
+    for (int64_t j = 0; j < kChunk; ++j) prow[j] *= dprow[j] - sc.delta[r];        // dS
   }
-  K.gemm(kChunk, d.dqkp, M, sc.st, Mp, sc.q, d.dqkp, sc.dk, d.dqkp, true);   // dK += dS^T (scale q)
+  transpose(sc.s, M, kChunk, kChunk, sc.st, Mp);                                     // dS^T
+  K.gemm(kChunk, d.dqkp, M, sc.st, Mp, sc.q, d.dqkp, sc.dk, d.dqkp, true);           // dK += dS^T (scale q)
 }
 
 }  // namespace nsa::cpu

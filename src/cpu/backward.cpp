@@ -185,6 +185,24 @@ size_t phi_backward_shared(const Config& cfg, const Problem& pr, size_t* slot) {
   return std::max(shared_k.bytes, shared_v.bytes);
 }
 
+// The chunk layouts the backward reads: K^T and V^T (S, dP in both passes), K (dq).
+constexpr unsigned kBackwardNeeds = kNeedKt | kNeedKn | kNeedVt;
+
+bool backward_packs(const Config& cfg, Kind kind) {
+  switch (kind) {
+    case Kind::slc: return cfg.n_selected > 0 && cfg.slc_block_len % kChunk == 0;
+    case Kind::win: return cfg.window > 0;
+    default: return true;
+  }
+}
+
+size_t backward_pack_bytes(const Config& cfg, const Problem& pr, const Dims& d, Kind kind) {
+  if (!backward_packs(cfg, kind)) return 0;
+  Sizer s;
+  layout_pack(s, cfg, pr.total_tokens, pr.batch, pr.hkv, d, kind == Kind::cmp, kBackwardNeeds);
+  return s.bytes;
+}
+
 // A [T, Hq, Dv] slice b of o_branch [3, T, Hq, Dv].
 TensorView branch_slice(const TensorView& all, int b) {
   TensorView s = all;
@@ -245,7 +263,7 @@ void backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, cons
     Arena a = shared;
     phi_forward(p, in.phi_v, cmp.v, bs.vc, a, slots);
   }
-  const Branch br[3] = {
+  Branch br[3] = {
       branch_of(p, Kind::cmp, Rows::of_f32(bs.kc, p.hkv, p.dqk), Rows::of_f32(bs.vc, p.hkv, p.dv)),
       [&] {
         Branch b = branch_of(p, Kind::slc, Rows::of(slc.k), Rows::of(slc.v));
@@ -256,6 +274,13 @@ void backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, cons
       }(),
       branch_of(p, Kind::win, Rows::of(win.k), Rows::of(win.v)),
   };
+  // Keys/values of every branch in the layouts of both passes, converted once (this region is
+  // reused by phi's backward at the end).
+  {
+    Arena packs_area = shared;
+    for (int b = 0; b < 3; ++b)
+      if (backward_packs(p.cfg, br[b].kind)) prepack(p, d, br[b], kBackwardNeeds, packs_area, slots);
+  }
   const Rows qrows = Rows::of(in.q), dorows = Rows::of(d_o);
   const float* lse_all = static_cast<const float*>(saved.lse.data);
 
@@ -411,7 +436,8 @@ void dense_attention_bwd(const Plan& p, const TensorView& q, const TensorView& k
   const Slots slots = carve_slots(p, ws, sizes.shared, sizes.slot);
   Arena shared(ws.data, sizes.shared);
   float* delta = shared.take<float>(p.T * p.hq);  // [T][Hq] = <dO, O>
-  const Branch br = branch_of(p, Kind::dense, Rows::of(k), Rows::of(v));
+  Branch br = branch_of(p, Kind::dense, Rows::of(k), Rows::of(v));
+  prepack(p, d, br, kBackwardNeeds, shared, slots);
   const Rows qrows = Rows::of(q), dorows = Rows::of(d_o), orows = Rows::of(o);
   const float* lse_all = static_cast<const float*>(lse.data);
   for_each_tile(p, d.tile_tokens, p.hkv, slots, [&](const Seq& s, int64_t t0, int64_t nt, int64_t hk, Arena arena) {
@@ -476,7 +502,7 @@ WsSizes backward_sizes(Op op, const Config& cfg, const Problem& pr) {
     case Op::dense_attention_bwd: {
       Sizer shared;
       shared.take<float>(pr.total_tokens * pr.hq);
-      w.shared = shared.bytes;
+      w.shared = shared.bytes + backward_pack_bytes(cfg, pr, d, Kind::dense);
       w.slot = attention_slot_bytes(cfg, d);
       return w;
     }
@@ -484,7 +510,9 @@ WsSizes backward_sizes(Op op, const Config& cfg, const Problem& pr) {
       Sizer shared;
       layout_backward(shared, cfg, pr.total_tokens, pr.batch, pr.hq, pr.hkv, pr.dqk, pr.dv);
       size_t phi_slot = 0;
-      w.shared = shared.bytes + phi_backward_shared(cfg, pr, &phi_slot);
+      const size_t packed = backward_pack_bytes(cfg, pr, d, Kind::cmp) + backward_pack_bytes(cfg, pr, d, Kind::slc) +
+                            backward_pack_bytes(cfg, pr, d, Kind::win);
+      w.shared = shared.bytes + std::max(phi_backward_shared(cfg, pr, &phi_slot), packed);
       w.slot = std::max(attention_slot_bytes(cfg, d), phi_slot);
       return w;
     }
