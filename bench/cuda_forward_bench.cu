@@ -223,7 +223,7 @@ int main(int argc, char** argv) {
         const size_t mws = nsa::workspace_size(ctx, nsa::Op::compress_fwd, mlp, pr);
         Buffer mbuf(mws);
         const double t_mlp = time_ms([&] { nsa::compress_fwd(ctx, mlp, phi, k0.view, seqs, kc.view, {mbuf.data, mws}); }, 1, 3);
-        report("compress(mlp,F=4D,k)", t_mlp, 2.0 * rows * s.hkv * (double(cfg.cmp_block_len) * s.dqk * F + double(F) * s.dqk));
+        report("compress(mlp_F=4D_k_only)", t_mlp, 2.0 * rows * s.hkv * (double(cfg.cmp_block_len) * s.dqk * F + double(F) * s.dqk));
       }
     }
   }

@@ -60,19 +60,29 @@ build() {
   echo "build time: $((SECONDS - t0)) s with -j $JOBS"
 }
 
-host_tests() { "$BUILD_DIR/tests/nsa_tests" --gtest_brief=1; }
-cuda_tests() { "$BUILD_DIR/tests/cuda/nsa_cuda_tests"; }
+# Path of a built program (the top-level CMake puts executables in bin/).
+bin() {
+  local d
+  for d in "$BUILD_DIR/bin" "$BUILD_DIR" "$BUILD_DIR/tests" "$BUILD_DIR/tests/cuda"; do
+    [[ -x "$d/$1" ]] && { echo "$d/$1"; return 0; }
+  done
+  echo "missing program $1 under $BUILD_DIR" >&2
+  return 1
+}
+
+host_tests() { "$(bin nsa_tests)" --gtest_brief=1; }
+cuda_tests() { "$(bin nsa_cuda_tests)"; }
 memcheck() {
-  compute-sanitizer --tool memcheck --error-exitcode 3 "$BUILD_DIR/tests/cuda/nsa_cuda_tests" \
+  compute-sanitizer --tool memcheck --error-exitcode 3 "$(bin nsa_cuda_tests)" \
     --gtest_filter='*f16_d64_G1_packed_linear*:*bf16_d128_G16_paper*'
 }
 bench() {
-  "$BUILD_DIR/nsa_cuda_bench" --out "$OUT/nsa_bench.csv" ${BENCH_ARGS:-} || return 1
+  "$(bin nsa_cuda_bench)" --out "$OUT/nsa_bench.csv" ${BENCH_ARGS:-} || return 1
   PYTHONUNBUFFERED=1 python3 "$SRC/bench/sdpa_baseline.py" "$OUT/nsa_bench.csv" --markdown "$OUT/bench.md"
 }
 
 bench_backward() {  # issue 5: forward+backward against SDPA forward+backward, same run
-  "$BUILD_DIR/nsa_cuda_backward_bench" --out "$OUT/nsa_backward_bench.csv" ${BENCH_ARGS:-} || return 1
+  "$(bin nsa_cuda_backward_bench)" --out "$OUT/nsa_backward_bench.csv" ${BENCH_ARGS:-} || return 1
   PYTHONUNBUFFERED=1 python3 "$SRC/bench/sdpa_backward_baseline.py" "$OUT/nsa_backward_bench.csv" --markdown "$OUT/bench_backward.md"
 }
 

@@ -13,7 +13,14 @@
 #include <string>
 
 #include "common/plan.h"
+// The backward (issue 5) is built from src/cuda/backward/ when present; without it the table's
+// backward entry is null and calling it is an nsa::Error ("does not implement backward").
+#if __has_include("cuda/backward/backward.h")
 #include "cuda/backward/backward.h"
+#define NSA_CUDA_HAS_BACKWARD 1
+#else
+#define NSA_CUDA_HAS_BACKWARD 0
+#endif
 #include "cuda/common/check.h"
 #include "cuda/common/launch.h"
 #include "cuda/forward_params.h"
@@ -95,8 +102,21 @@ int score_window(const Config& cfg) {
   return static_cast<int>((kKeyChunk + L - 2) / R + 2);
 }
 
+// Entries of the shared union-of-blocks list: at most every index of the tile's tokens, and at
+// most one per bit of the block bitmap (indices past it are ignored: they select no key).
+// The accumulator is a ring indexed by j mod score_ring: it must hold the W blocks one chunk
+// touches plus the blocks the previous chunk finished (flushed while the next chunk adds).
+int score_ring(const Config& cfg) {
+  const int64_t R = cfg.slc_block_len / cfg.cmp_stride;
+  const int64_t need = score_window(cfg) + (kKeyChunk + R - 1) / R;
+  int ring = 1;
+  while (ring < need) ring *= 2;
+  return ring;
+}
+
 int union_capacity(const Config& cfg, int64_t n_slc_max, int64_t group) {
-  return static_cast<int>(std::min<int64_t>(n_slc_max, (kTileRows / group) * cfg.n_selected));
+  const int64_t bitmap_bits = (n_slc_max + 31) / 32 * 32;
+  return static_cast<int>(std::min<int64_t>(bitmap_bits, (kTileRows / group) * cfg.n_selected));
 }
 
 // ---- Workspace of forward() -----------------------------------------------------------------
@@ -130,7 +150,9 @@ size_t workspace_size(Op op, const Config& cfg, const Problem& pr) {
                  ? align_up(cmp_rows(pr.total_tokens, cfg.cmp_stride) * pr.hkv * pr.phi_hidden * sizeof(float))
                  : 0;
     case Op::forward: return ForwardWorkspace(cfg, pr, nullptr).bytes;
+#if NSA_CUDA_HAS_BACKWARD
     case Op::backward: return cuda_bwd::backward_workspace_size(cfg, pr);  // issue 5
+#endif
     default: return 0;
   }
 }
@@ -191,11 +213,12 @@ CmpAttnParams cmp_params(const Plan& p, const TensorView& q, const void* kc, int
   c.d = static_cast<int>(p.cfg.cmp_stride);
   c.lp = static_cast<int>(p.cfg.slc_block_len);
   c.score_window = score_window(p.cfg);
+  c.score_ring = score_ring(p.cfg);
   return c;
 }
 
 void launch_cmp(const Plan& p, const CmpAttnParams& c) {
-  const size_t smem = cmp_attention_smem_bytes(static_cast<int>(p.dqk), static_cast<int>(p.dv), c.group, c.score_window,
+  const size_t smem = cmp_attention_smem_bytes(static_cast<int>(p.dqk), static_cast<int>(p.dv), c.group, c.score_ring,
                                                c.scores != nullptr);
   if (smem > kMaxSmem)
     throw Error("cmp_block_len / cmp_stride", std::to_string(p.cfg.cmp_block_len / p.cfg.cmp_stride),
@@ -439,18 +462,22 @@ const detail::BackendOps kOps = {
     selected_attention_fwd,
     window_attention_fwd,
     forward,
+#if NSA_CUDA_HAS_BACKWARD
     cuda_bwd::backward,  // issue 5: src/cuda/backward/
+#else
+    nullptr,
+#endif
     nullptr,  // dense_attention_fwd
     nullptr,  // dense_attention_bwd
 };
 
 }  // namespace
 
-size_t cmp_attention_smem_bytes(int dqk, int dv, int group, int score_window, bool with_scores) {
+size_t cmp_attention_smem_bytes(int dqk, int dv, int group, int score_ring, bool with_scores) {
   const size_t es = 2, tokens = kTileRows / group;
   const size_t q = size_t(kTileRows) * (dqk + 8) * es, k = 2 * size_t(kKeyChunk) * (dqk + 8) * es;
   const size_t v = 2 * size_t(kKeyChunk) * (dv + 8) * es;
-  const size_t scores = with_scores ? tokens * (kKeyChunk + score_window) * sizeof(float) : 0;
+  const size_t scores = with_scores ? tokens * (kKeyChunk + score_ring) * sizeof(float) : 0;
   return q + k + std::max(v, scores);
 }
 

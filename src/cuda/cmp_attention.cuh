@@ -5,9 +5,11 @@
 // with the final log-sum-exp, so p_cmp is exact, and turns it into S without ever storing p_cmp:
 //   1. sum p over the G heads of each token with warp shuffles (rows of one token sit in
 //      neighbouring lanes of the mma accumulator) -> pg[token][i] in shared memory;
-//   2. add ov(i, j) * pg[token][i] into a running accumulator acc[token][j - jbase] that covers
-//      the W selection blocks this chunk can touch;
-//   3. blocks j below the next chunk's first j are final: write them out, shift the rest down.
+//   2. add ov(i, j) * pg[token][i] into a ring accumulator acc[token][j mod ring] for the W
+//      selection blocks this chunk can touch;
+//   3. blocks j below the next chunk's first j are final: write them out and zero their slots.
+// Three barriers per chunk, every step spread over all threads (a first version shifted the
+// accumulator with one thread per token and spent 2.5x the time of pass 1 in pass 2).
 // p_cmp is never rounded (fp32 all the way), and the order of additions is fixed (deterministic).
 #pragma once
 
@@ -38,7 +40,7 @@ __global__ void __launch_bounds__(kThreads) cmp_attention_kernel(const CmpAttnPa
   const int64_t t0 = tile * tokens_per_tile;
   if (t0 >= len) return;
   const int tokens_valid = static_cast<int>(min64(tokens_per_tile, len - t0));
-  float* s_acc = s_pg + tokens_per_tile * kKeyChunk;  // [tokens][score_window]
+  float* s_acc = s_pg + tokens_per_tile * kKeyChunk;  // [tokens][score_ring]
 
   const Storage* q = static_cast<const Storage*>(p.q);
   const Storage* kbase = static_cast<const Storage*>(p.kc) + cmp_row_offset(s0, p.d) * p.kc_st + hk * p.kc_sh;
@@ -125,18 +127,15 @@ __global__ void __launch_bounds__(kThreads) cmp_attention_kernel(const CmpAttnPa
   const int R = p.lp / p.d;  // stride pieces per selection block
   const int L = p.l / p.d;   // stride pieces per compressed block
   const int W = p.score_window;
-  for (int e = threadIdx.x; e < tokens_per_tile * W; e += kThreads) s_acc[e] = 0.f;
-  __syncthreads();
+  const int ring = p.score_ring, ring_mask = ring - 1;
+  for (int e = threadIdx.x; e < tokens_per_tile * ring; e += kThreads) s_acc[e] = 0.f;
   const int heads_in_warp_row = p.group < 8 ? p.group : 8;  // rows of one token among a warp's 8 groups
-  // Writes S[token][j] for j in [j_from, j_to) from the accumulator (aligned at jbase).
-  auto flush = [&](int token, int64_t jbase, int64_t j_from, int64_t j_to) {
-    if (token >= tokens_valid) return;
+  // Columns a token writes: all of them for the public op, else the admissible ones (top-n reads those).
+  auto column_limit = [&](int token) -> int64_t {
     const int64_t t = t0 + token;
-    const int64_t limit = p.scores_zero_fill ? p.scores_width : min64(p.scores_width, last_slc_block(t, p.lp) + 1);
-    float* srow = p.scores + (s0 + t) * p.s_st + hk * p.s_sh;
-    for (int64_t j = j_from; j < min64(j_to, limit); ++j)
-      srow[j] = j - jbase < W ? s_acc[token * W + (j - jbase)] : 0.f;
+    return p.scores_zero_fill ? p.scores_width : min64(p.scores_width, last_slc_block(t, p.lp) + 1);
   };
+  auto score_row = [&](int token) { return p.scores + (s0 + t0 + token) * p.s_st + hk * p.s_sh; };
   int64_t jbase = 0;
   if (num_chunks > 0) load_chunk(0, 0, false);
   for (int c = 0; c < num_chunks; ++c) {
@@ -146,7 +145,7 @@ __global__ void __launch_bounds__(kThreads) cmp_attention_kernel(const CmpAttnPa
     } else {
       cp_async_wait<0>();
     }
-    __syncthreads();
+    __syncthreads();  // chunk c is in shared memory; the previous chunk's flush is done
     float s[Tile::kSTiles][4];
     masked_scores(s, c, c & 1);
     // p_cmp = exp2(s - lse2), summed over the token's heads: first across the lanes that hold
@@ -172,40 +171,48 @@ __global__ void __launch_bounds__(kThreads) cmp_attention_kernel(const CmpAttnPa
           s_pg[tok[1] * kKeyChunk + col] = s[i][2 + e];
         }
       }
-    __syncthreads();
+    __syncthreads();  // pg is complete; every warp is done with this chunk's K tile
     // S[token][j] += sum_i ov(i, j) * pg[token][i] over the chunk's compressed blocks i.
-    const int64_t i0 = int64_t(c) * kKeyChunk;
+    const int i0 = c * kKeyChunk;
+    const int jb = static_cast<int>(jbase);
     for (int e = threadIdx.x; e < tokens_per_tile * W; e += kThreads) {
       const int token = e / W;
-      const int64_t j = jbase + e % W;
-      const int64_t ilo = max64(i0, j * R - L + 1), ihi = min64(i0 + kKeyChunk - 1, (j + 1) * R - 1);
+      const int j = jb + e % W;
+      const int ilo = max(i0, j * R - L + 1), ihi = min(i0 + kKeyChunk - 1, (j + 1) * R - 1);
       float sum = 0.f;
-      for (int64_t i = ilo; i <= ihi; ++i) {
-        const int64_t ov = min64(i + L - 1, (j + 1) * R - 1) - max64(i, j * R) + 1;
+      for (int i = ilo; i <= ihi; ++i) {
+        const int ov = min(i + L - 1, (j + 1) * R - 1) - max(i, j * R) + 1;
         sum += static_cast<float>(ov) * s_pg[token * kKeyChunk + (i - i0)];
       }
-      s_acc[e] += sum;
+      s_acc[token * ring + (j & ring_mask)] += sum;
     }
     __syncthreads();
-    // Blocks below the next chunk's first block are final.
-    const int64_t jnext = (i0 + kKeyChunk) / R;
-    const int shift = static_cast<int>(jnext - jbase);
-    for (int token = threadIdx.x; token < tokens_per_tile; token += kThreads) {
-      flush(token, jbase, jbase, jnext);
-      float* a = s_acc + token * W;
-      for (int x = 0; x < W; ++x) a[x] = x + shift < W ? a[x + shift] : 0.f;
+    // Blocks below the next chunk's first block are final: write them and free their slots.
+    const int jnext = (i0 + kKeyChunk) / R;
+    const int shift = jnext - jb;
+    for (int e = threadIdx.x; e < tokens_per_tile * shift; e += kThreads) {
+      const int token = e / shift;
+      const int j = jb + e % shift;
+      float* slot = s_acc + token * ring + (j & ring_mask);
+      if (token < tokens_valid && j < column_limit(token)) score_row(token)[j] = *slot;
+      *slot = 0.f;
     }
     jbase = jnext;
-    __syncthreads();
   }
-  for (int token = threadIdx.x; token < tokens_per_tile; token += kThreads)
-    flush(token, jbase, jbase, p.scores_width);
+  __syncthreads();
+  // The rest of each row: the accumulator's last W blocks, then zeros.
+  for (int token = 0; token < tokens_valid; ++token) {
+    float* srow = score_row(token);
+    const int64_t limit = column_limit(token);
+    for (int64_t j = jbase + threadIdx.x; j < limit; j += kThreads)
+      srow[j] = j - jbase < W ? s_acc[token * ring + (j & ring_mask)] : 0.f;
+  }
 }
 
 template <typename Storage, int kDqk, int kDv>
 void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream) {
   using Tile = TileAttention<Storage, kDqk, kDv>;
-  const size_t smem = cmp_attention_smem_bytes(kDqk, kDv, p.group, p.score_window, p.scores != nullptr);
+  const size_t smem = cmp_attention_smem_bytes(kDqk, kDv, p.group, p.score_ring, p.scores != nullptr);
   const auto kernel = cmp_attention_kernel<Storage, kDqk, kDv>;
   NSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const int tokens_per_tile = kTileRows / p.group;

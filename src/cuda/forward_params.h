@@ -45,7 +45,8 @@ struct CmpAttnParams {
   int hkv, group, log2_group;
   float scale_log2;  // softmax scale * log2(e)
   int l, d, lp;      // cmp_block_len, cmp_stride, slc_block_len
-  int score_window;  // W: columns of the running score accumulator (see cmp_attention.cuh)
+  int score_window;  // W: selection blocks one chunk of compressed keys can touch (cmp_attention.cuh)
+  int score_ring;    // columns of the ring accumulator: a power of two >= W + blocks per chunk
 };
 
 // Selection (spec §5) and sliding-window (spec §6) attention of one query tile, fused with the
@@ -92,7 +93,7 @@ template <typename Storage, int kDqk, int kDv>
 void launch_slc_win_attention(const SlcWinParams& p, cudaStream_t stream);
 
 // Shared-memory bytes of the kernels (used by the launchers and to check limits up front).
-size_t cmp_attention_smem_bytes(int dqk, int dv, int group, int score_window, bool with_scores);
+size_t cmp_attention_smem_bytes(int dqk, int dv, int group, int score_ring, bool with_scores);
 size_t slc_win_smem_bytes(int dqk, int dv, int group, int union_capacity, int bitmap_words, int n_sel);
 
 }  // namespace nsa::cuda

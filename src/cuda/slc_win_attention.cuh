@@ -191,6 +191,10 @@ __global__ void __launch_bounds__(kThreads) slc_win_attention_kernel(const SlcWi
         row_on[h] = picked;
       }
     }
+    // A warp none of whose 16 rows picked this block (or precede its keys) skips the chunk: at
+    // G = 16 a warp is one token, so it multiplies only its own token's blocks even when the
+    // tile's union is wide (random scores: neighbouring tokens share few blocks).
+    if (__any_sync(0xffffffffu, row_on[0] || row_on[1])) {
     float s[Tile::kSTiles][4];
     st.scores(s, sk + (c & 1) * kKeyChunk * Tile::kKStride);
 #pragma unroll
@@ -206,6 +210,7 @@ __global__ void __launch_bounds__(kThreads) slc_win_attention_kernel(const SlcWi
       }
     st.softmax_update(s);
     st.accumulate_pv(s, sv + (c & 1) * kKeyChunk * Tile::kVStride);
+    }
     __syncthreads();
   }
   if (slc_chunks == num_chunks) finish_branch(0);  // no window chunk came
