@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include <sys/resource.h>
+
 #include "nsa/nsa.h"
 
 namespace {
@@ -37,6 +39,7 @@ struct Options {
   int threads = 0;
   Backend backend = Backend::automatic;
   int repeats = 1;
+  int warmup = 1;
   int64_t check_tokens = 256;
   bool backward = true;
   bool dense = true;
@@ -62,7 +65,8 @@ sizes and run:
   --dtype T             bf16, f16 or f32 (default bf16)
   --threads N           CPU threads, 0 = OpenMP default (default 0)
   --backend B           auto, cpu, cuda or reference (default auto: the best available)
-  --repeats N           timed repeats after one warm-up; the median is reported (default 1)
+  --repeats N           timed repeats; the median is reported (default 1)
+  --warmup N            untimed runs before them (default 1)
   --check-tokens N      rows checked against the reference, 0 = none (default 256)
   --no-backward         time the forward pass only
   --no-dense            skip the dense baseline
@@ -143,6 +147,10 @@ Options parse(int argc, char** argv) {
       if (o.threads < 0) throw UsageError("--threads must be >= 0 (0: OpenMP default)");
     } else if (a == "--backend") o.backend = nsa::parse_backend(value().c_str());
     else if (a == "--repeats") o.repeats = static_cast<int>(positive(a, parse_int(a, value())));
+    else if (a == "--warmup") {
+      o.warmup = static_cast<int>(parse_int(a, value()));
+      if (o.warmup < 0) throw UsageError("--warmup must be >= 0");
+    }
     else if (a == "--check-tokens") {
       o.check_tokens = parse_int(a, value());
       if (o.check_tokens < 0) throw UsageError("--check-tokens must be >= 0");
@@ -383,21 +391,35 @@ double now_ms() {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// One warm-up, then `repeats` timed runs; the median in ms.
-double time_median(int repeats, const std::string& what, const std::function<void()>& fn) {
-  std::fprintf(stderr, "  %s: warm-up", what.c_str());
-  std::fflush(stderr);
-  fn();
-  std::vector<double> times;
-  for (int r = 0; r < repeats; ++r) {
-    std::fprintf(stderr, ", run %d/%d", r + 1, repeats);
+// Process CPU time (user + system) in ms: with the wall time it shows how much of the machine a
+// run really had (other programs on a shared machine slow a benchmark down).
+double cpu_ms() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return (u.ru_utime.tv_sec + u.ru_stime.tv_sec) * 1e3 + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1e-3;
+}
+
+// `warmup` untimed runs, then `repeats` timed runs; the median in ms.
+double time_median(int warmup, int repeats, const std::string& what, const std::function<void()>& fn) {
+  std::fprintf(stderr, "  %s:", what.c_str());
+  for (int w = 0; w < warmup; ++w) {
+    std::fprintf(stderr, " warm-up%s", w + 1 < warmup ? "," : "");
     std::fflush(stderr);
-    const double t0 = now_ms();
+    fn();
+  }
+  std::vector<double> times;
+  double cpu = 0, wall = 0;
+  for (int r = 0; r < repeats; ++r) {
+    std::fprintf(stderr, " run %d/%d", r + 1, repeats);
+    std::fflush(stderr);
+    const double t0 = now_ms(), c0 = cpu_ms();
     fn();
     times.push_back(now_ms() - t0);
+    wall += times.back();
+    cpu += cpu_ms() - c0;
   }
   std::sort(times.begin(), times.end());
-  std::fprintf(stderr, " -> %.1f ms\n", times[times.size() / 2]);
+  std::fprintf(stderr, " -> %.1f ms (busy cores: %.2f)\n", times[times.size() / 2], cpu / wall);
   return times[times.size() / 2];
 }
 
@@ -477,10 +499,10 @@ int bench(const Options& o) {
     const TensorView& vd = L.v[o.cfg.shared_kv ? 0 : nsa::kWin].view;
     Tensor dq2(o.dtype, {T, o.hq, o.dqk}), dk2(o.dtype, {T, o.hkv, o.dqk}), dv2(o.dtype, {T, o.hkv, o.dv});
 
-    const double nsa_fwd = time_median(o.repeats, "NSA forward", [&] { nsa::forward(ctx, o.cfg, in, out, ws); });
+    const double nsa_fwd = time_median(o.warmup, o.repeats, "NSA forward", [&] { nsa::forward(ctx, o.cfg, in, out, ws); });
     double dense_fwd = 0;
     if (o.dense)
-      dense_fwd = time_median(o.repeats, "dense forward", [&] {
+      dense_fwd = time_median(o.warmup, o.repeats, "dense forward", [&] {
         nsa::dense_attention_fwd(ctx, o.cfg.scale, L.q.view, kd, vd, {}, L.dense_o.view, L.dense_lse.view, ws);
       });
     int64_t disagree = 0, checked = 0;
@@ -492,13 +514,13 @@ int bench(const Options& o) {
     const double nsa_flop = (kc.cmp + kc.slc + kc.win) * per_key;
     rows.push_back({T, bname, "fwd", nsa_fwd, dense_fwd, nsa_flop / nsa_fwd * 1e-6, err, disagree, checked});
     if (o.backward) {
-      const double nsa_fb = time_median(o.repeats, "NSA forward+backward", [&] {
+      const double nsa_fb = time_median(o.warmup, o.repeats, "NSA forward+backward", [&] {
         nsa::forward(ctx, o.cfg, in, out, ws);
         nsa::backward(ctx, o.cfg, in, out, L.d_o.view, L.gradients(o.cfg), ws);
       });
       double dense_fb = 0;
       if (o.dense)
-        dense_fb = time_median(o.repeats, "dense forward+backward", [&] {
+        dense_fb = time_median(o.warmup, o.repeats, "dense forward+backward", [&] {
           nsa::dense_attention_fwd(ctx, o.cfg.scale, L.q.view, kd, vd, {}, L.dense_o.view, L.dense_lse.view, ws);
           nsa::dense_attention_bwd(ctx, o.cfg.scale, L.q.view, kd, vd, {}, L.dense_o.view, L.dense_lse.view, L.d_o.view,
                                    dq2.view, dk2.view, dv2.view, ws);
