@@ -6,8 +6,11 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <cstdio>
 #include <random>
 #include <vector>
@@ -61,6 +64,100 @@ double gemm_rate(int64_t M, int64_t N, int64_t K, int reps) {
   return 2.0 * static_cast<double>(M * N * K) * reps / best * 1e-9;
 }
 
+// Owned bf16 host tensor filled with uniform values in [-1, 1].
+struct Bf16 {
+  std::vector<uint16_t> data;
+  nsa::TensorView view;
+  Bf16(std::initializer_list<int64_t> shape, std::mt19937_64& rng) {
+    int64_t n = 1;
+    for (int64_t s : shape) n *= s;
+    data.resize(static_cast<size_t>(n));
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    for (auto& x : data) {
+      const float f = u(rng);
+      uint32_t b;
+      std::memcpy(&b, &f, 4);
+      x = static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+    }
+    view = nsa::make_view(data.data(), nsa::DType::bf16, shape);
+  }
+};
+
+struct AlignedBytes {
+  std::vector<unsigned char> bytes;
+  nsa::Workspace ws;
+  explicit AlignedBytes(size_t n) : bytes(n + 256) {
+    const auto a = reinterpret_cast<uintptr_t>(bytes.data());
+    ws.data = bytes.data() + (256 - a % 256) % 256;
+    ws.bytes = n;
+  }
+};
+
+// The selection and window branches end to end on one thread (T tokens, Hq=16, Hkv=1, D=128,
+// bf16, l'=64, n=16, w=512): useful GFLOP/s (2 flops per multiply-add of q.k and p.v over the
+// keys each query really attends) and the share of the process that was on a core.
+void branch_rates(double peak) {
+  constexpr int64_t T = 8192, Hq = 16, Hkv = 1, D = 128;
+  nsa::Config cfg;  // the paper's blocks: l=32, d=16, l'=64, n=16, w=512
+  std::mt19937_64 rng(7);
+  Bf16 q({T, Hq, D}, rng), k({T, Hkv, D}, rng), v({T, Hkv, D}, rng);
+  Bf16 o({T, Hq, D}, rng);
+  const int64_t ns = (T + cfg.slc_block_len - 1) / cfg.slc_block_len;
+  std::vector<float> scores(static_cast<size_t>(T * Hkv * ns));
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  for (auto& x : scores) x = u(rng);
+  std::vector<int32_t> idx(static_cast<size_t>(T * Hkv * cfg.n_selected));
+  nsa::Context ctx;
+  ctx.backend = nsa::Backend::cpu;
+  ctx.num_threads = 1;
+  const nsa::TensorView sv = nsa::make_view(scores.data(), nsa::DType::f32, {T, Hkv, ns});
+  const nsa::TensorView iv = nsa::make_view(idx.data(), nsa::DType::i32, {T, Hkv, cfg.n_selected});
+  nsa::Problem pr;
+  pr.total_tokens = T;
+  pr.max_seqlen = T;
+  pr.hq = Hq;
+  pr.hkv = Hkv;
+  pr.dqk = pr.dv = D;
+  pr.dtype = nsa::DType::bf16;
+  size_t bytes = 0;
+  for (nsa::Op op : {nsa::Op::select_topn, nsa::Op::selected_attention_fwd, nsa::Op::window_attention_fwd})
+    bytes = std::max(bytes, nsa::workspace_size(ctx, op, cfg, pr));
+  AlignedBytes ws(bytes);
+  nsa::select_topn(ctx, cfg, sv, {}, iv, ws.ws);
+  double slc_keys = 0, win_keys = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    win_keys += static_cast<double>(t - nsa::window_start(t, cfg.window) + 1);
+    for (int64_t j = 0; j < cfg.n_selected; ++j) {
+      const int64_t b = idx[static_cast<size_t>(t * cfg.n_selected + j)];
+      if (b >= 0) slc_keys += static_cast<double>(std::min((b + 1) * cfg.slc_block_len, t + 1) - b * cfg.slc_block_len);
+    }
+  }
+  auto run = [&](const char* what, double keys, auto fn) {
+    double best = 1e30, busy = 0;
+    for (int r = 0; r < 3; ++r) {
+      rusage u0{}, u1{};
+      getrusage(RUSAGE_SELF, &u0);
+      const double t0 = now_s();
+      fn();
+      const double dt = now_s() - t0;
+      getrusage(RUSAGE_SELF, &u1);
+      const double cpu = (u1.ru_utime.tv_sec - u0.ru_utime.tv_sec) + (u1.ru_utime.tv_usec - u0.ru_utime.tv_usec) * 1e-6;
+      if (dt < best) {
+        best = dt;
+        busy = cpu / dt;
+      }
+    }
+    const double flops = keys * static_cast<double>(Hq) * 4.0 * static_cast<double>(D);
+    const double rate = flops / best * 1e-9;
+    std::printf("%-34s %8.1f ms  %6.1f GFLOP/s  %5.1f%% of peak  (on a core %.0f%% of the time; %5.1f%% of peak per busy second)\n",
+                what, best * 1e3, rate, 100.0 * rate / peak, 100.0 * busy, 100.0 * rate / peak / std::max(busy, 1e-9));
+  };
+  run("selected_attention_fwd T=8192", slc_keys,
+      [&] { nsa::selected_attention_fwd(ctx, cfg, q.view, k.view, v.view, iv, {}, o.view, {}, ws.ws); });
+  run("window_attention_fwd   T=8192", win_keys,
+      [&] { nsa::window_attention_fwd(ctx, cfg, q.view, k.view, v.view, {}, o.view, {}, ws.ws); });
+}
+
 }  // namespace
 
 int main() {
@@ -77,5 +174,6 @@ int main() {
     const double r = gemm_rate(s.M, s.N, s.K, 2000);
     std::printf("gemm %-42s %6.1f GFLOP/s  %5.1f%% of peak\n", s.what, r, 100.0 * r / peak);
   }
+  branch_rates(peak);
   return 0;
 }

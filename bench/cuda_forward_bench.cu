@@ -49,6 +49,26 @@ __global__ void fill_uniform(__nv_bfloat16* x, int64_t n, uint32_t seed, float l
   }
 }
 
+// Queries that change only every `period` tokens (plus 10% noise): neighbouring tokens then score
+// the blocks alike and select mostly the same ones, as in trained models; uniform random queries
+// are the opposite extreme (each token picks its own random blocks).
+__global__ void fill_local(__nv_bfloat16* x, int64_t n, int64_t row, int64_t period, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t base = (i / row) / period * row + i % row;
+    auto hash = [](uint32_t h) {
+      h ^= h >> 16;
+      h *= 0x7feb352du;
+      h ^= h >> 15;
+      h *= 0x846ca68bu;
+      h ^= h >> 16;
+      return (h >> 8) * (1.0f / 16777216.0f);
+    };
+    const float smooth = hash(static_cast<uint32_t>(base) * 2654435761u ^ seed);
+    const float noise = hash(static_cast<uint32_t>(i) * 2246822519u ^ seed);
+    x[i] = __float2bfloat16(2.f * (0.9f * smooth + 0.1f * noise) - 1.f);
+  }
+}
+
 struct Buffer {
   void* data = nullptr;
   size_t bytes = 0;
@@ -119,10 +139,11 @@ void attended_keys(const nsa::Config& c, int64_t T, double keys[3]) {
 
 int main(int argc, char** argv) {
   const char* out_path = "nsa_bench.csv";
-  bool quick = false;
+  bool quick = false, locality = true;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--out") && i + 1 < argc) out_path = argv[++i];
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
+    else if (!std::strcmp(argv[i], "--no-locality")) locality = false;
   }
   cudaDeviceProp prop;
   BENCH_CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -211,6 +232,16 @@ int main(int argc, char** argv) {
         nsa::window_attention_fwd(ctx, cfg, q.view, k2.view, v2.view, seqs, o_stage.view, lse_stage.view);
       }, 1, reps);
       report("window", t_win, flops_branch[2]);
+      if (locality && s.dqk == 128) {  // the same shapes with queries that are locally alike
+        constexpr int64_t kPeriod = 64;
+        fill_local<<<1024, 256>>>(static_cast<__nv_bfloat16*>(q.buf.data), q.view.numel(), s.hq * s.dqk, kPeriod, 21);
+        const double t_full = time_ms([&] { nsa::forward(ctx, cfg, in, out, w); }, 2, reps);
+        report("forward(local_q)", t_full, flops_branch[0] + flops_branch[1] + flops_branch[2]);
+        const double t_sel = time_ms([&] {
+          nsa::selected_attention_fwd(ctx, cfg, q.view, k1.view, v1.view, idx.view, seqs, o_stage.view, lse_stage.view);
+        }, 1, reps);
+        report("selection(local_q)", t_sel, flops_branch[1]);
+      }
       if (T == 65536 && s.hq == 64 && s.dqk == 128) {  // the paper's phi once, for scale
         nsa::Config mlp = cfg;
         mlp.phi = nsa::PhiKind::mlp;

@@ -65,14 +65,17 @@ def main():
         print(f"T={T} Hq={hq} Hkv={hkv} D={dqk}/{dv}: dense SDPA {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s), "
               f"NSA forward {nsa_ms:.3f} ms, speedup {ms / nsa_ms:.2f}x", flush=True)
     for (hq, hkv, dqk, dv), entries in by_group.items():
-        stage_names = [s for s in entries[0][4] if s != "forward"]
+        stage_names = []
+        for entry in entries:
+            stage_names += [s for s in entry[4] if s != "forward" and s not in stage_names]
         lines.append(f"\n### Hq = {hq}, Hkv = {hkv} (G = {hq // hkv}), Dqk = {dqk}, Dv = {dv}\n")
         lines.append("| T | NSA fwd ms | NSA TFLOP/s | dense SDPA ms | dense TFLOP/s | speedup | "
                      + " | ".join(f"{s} ms" for s in stage_names) + " |")
         lines.append("|" + " --- |" * (6 + len(stage_names)))
         for T, nsa_ms, ms, dense_tf, stages in entries:
             lines.append(f"| {T // 1024}K | {nsa_ms:.2f} | {stages['forward'][1]:.0f} | {ms:.2f} | {dense_tf:.0f} | "
-                         f"{ms / nsa_ms:.2f}x | " + " | ".join(f"{stages[s][0]:.2f}" for s in stage_names) + " |")
+                         f"{ms / nsa_ms:.2f}x | "
+                         + " | ".join(f"{stages[s][0]:.2f}" if s in stages else "-" for s in stage_names) + " |")
     text = "\n".join(lines)
     print(text)
     if args.markdown:
