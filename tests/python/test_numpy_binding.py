@@ -246,3 +246,17 @@ def test_unavailable_backend_says_so():
             continue
         with pytest.raises(nsa.Error, match="ctx.backend"):
             nsa.attention(p.q.astype(np.float32), p.k, p.v, p.g, p.phi_k, p.phi_v, config=SMALL, backend=backend)
+
+
+def test_workspaces_are_aligned_and_sized():
+    """The package allocates what workspace_size asks for, 256-byte aligned (api.h)."""
+    from nsa import _core, _nsa
+
+    fw = _core.NumpyArrays()
+    for nbytes in (1, 255, 4096, 12345):
+        ws = fw.workspace(nbytes, None)
+        assert ws.nbytes == nbytes and ws.ctypes.data % 256 == 0
+    for backend in ["reference"] + (["cpu"] if nsa.backend_available("cpu") else []):
+        size = _nsa.workspace_size("forward", backend, 0, SMALL.native("mlp"), 200, 2, 150, 8, 2, 64, 64, 32,
+                                   "f32", "cpu")
+        assert size >= 0
