@@ -441,7 +441,10 @@ struct Row {
 // it defines run_cuda_bench() and tools/CMakeLists.txt sets NSA_CLI_CUDA_BENCH when it exists.
 // It receives the parsed options as plain values and prints rows in the same table format.
 #ifdef NSA_CLI_CUDA_BENCH
+}  // namespace
+// Defined in another file: declared outside the anonymous namespace (external linkage).
 int run_cuda_bench(int argc, char** argv);
+namespace {
 #endif
 
 // Compares the first `rows` tokens of the NSA output with the fp64 reference on the truncated
