@@ -76,6 +76,8 @@ memcheck() {
   compute-sanitizer --tool memcheck --error-exitcode 3 "$(bin nsa_cuda_tests)" \
     --gtest_filter='*f16_d64_G1_packed_linear*:*bf16_d128_G16_paper*'
 }
+# `nsa bench` (tools/nsa) takes the CUDA backend when a device is visible: a short smoke run.
+cli_bench() { "$(bin nsa)" bench --seqlens 8192 --hq 64 --hkv 4 --phi mean --repeats 3 --no-backward; }
 bench() {
   "$(bin nsa_cuda_bench)" --out "$OUT/nsa_bench.csv" ${BENCH_ARGS:-} || return 1
   PYTHONUNBUFFERED=1 python3 "$SRC/bench/sdpa_baseline.py" "$OUT/nsa_bench.csv" --markdown "$OUT/bench.md"
@@ -90,6 +92,7 @@ step build build || { echo "build failed: see $OUT/build.log"; tail -40 "$OUT/bu
 step host_tests host_tests
 step cuda_tests cuda_tests
 step memcheck memcheck
+step cli_bench cli_bench
 step bench bench
 step bench_backward bench_backward
 cat "$SUMMARY"

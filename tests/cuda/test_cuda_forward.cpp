@@ -119,6 +119,8 @@ const std::vector<Case>& cases() {
       {"f16_d192x64_G16_nowindow", DType::f16, 192, 64, 16, 1, {65, 64}, 32, 16, 64, 16, 1, 2, 0, PhiKind::mean, false},
       {"bf16_d128_G2_noselect", DType::bf16, 128, 128, 4, 2, {190}, 32, 16, 64, 0, 0, 0, 64, PhiKind::linear, false},
       {"f16_d128_G4_lp128", DType::f16, 128, 128, 8, 2, {333}, 16, 16, 128, 2, 1, 1, 200, PhiKind::mean, false},
+      // The paper's settings at a length where n = 16 blocks and the whole window w = 512 are in use.
+      {"bf16_d64_G16_paper_T1500", DType::bf16, 64, 64, 16, 1, {1500}, 32, 16, 64, 16, 1, 2, 512, PhiKind::mean, false},
   };
   return all;
 }
