@@ -138,3 +138,14 @@ def test_module_on_cuda():
     y.float().square().mean().backward()
     assert y.is_cuda and torch.isfinite(y.float()).all()
     assert all(p.grad is not None and torch.isfinite(p.grad.float()).all() for p in m.parameters())
+
+
+def test_torch_compile_on_cuda():
+    """The operators trace on CUDA tensors too (fake implementations on the device)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = nsa.NativeSparseAttention(256, num_heads=4, num_kv_heads=2, head_dim=64, config=CFG, device="cuda",
+                                  dtype=torch.bfloat16)
+    x = torch.randn(200, 256, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), m(x), rtol=0, atol=0)

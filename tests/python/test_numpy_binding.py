@@ -260,3 +260,14 @@ def test_workspaces_are_aligned_and_sized():
         size = _nsa.workspace_size("forward", backend, 0, SMALL.native("mlp"), 200, 2, 150, 8, 2, 64, 64, 32,
                                    "f32", "cpu")
         assert size >= 0
+
+
+@pytest.mark.skipif(not nsa.backend_available("cpu"), reason="the CPU backend is not in this build")
+def test_results_do_not_depend_on_thread_count():
+    p = make_problem(seed=17, seqlens=(70, 33), hq=4, hkv=2, dqk=16, dv=16, hidden=8).astype(np.float32)
+    # At most the machine's threads: the CPU backend sizes its workspace for OpenMP's default
+    # thread count (BackendOps::workspace_size does not see ctx.num_threads).
+    outs = [run(p, backend="cpu", num_threads=n) for n in (1, 2, 0)]
+    for o, aux in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0][0])
+        np.testing.assert_array_equal(aux.indices, outs[0][1].indices)
