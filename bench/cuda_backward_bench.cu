@@ -5,7 +5,7 @@
 // bench/sdpa_backward_baseline.py joins with PyTorch SDPA forward+backward measured in the
 // same gpu_check.sh run.
 //
-//   nsa_cuda_backward_bench [--out FILE.csv] [--quick]
+//   nsa_cuda_backward_bench [--out FILE.csv] [--quick] [--lengths 8192,65536] [--g16-only]
 //
 // Shapes: Hq = 64, Hkv = 4 (G = 16), D = 128, and G = 4 (Hq = 16, Hkv = 4); paper block settings
 // (l = 32, d = 16, l' = 64, n = 16, n_init = 1, n_local = 2, w = 512), phi = mean (the public
@@ -110,10 +110,14 @@ struct Shape {
 
 int main(int argc, char** argv) {
   const char* out_path = "nsa_backward_bench.csv";
-  bool quick = false;
+  bool quick = false, g16_only = false;
+  std::vector<int64_t> chosen;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--out") && i + 1 < argc) out_path = argv[++i];
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
+    else if (!std::strcmp(argv[i], "--g16-only")) g16_only = true;
+    else if (!std::strcmp(argv[i], "--lengths") && i + 1 < argc)
+      for (char* tok = std::strtok(argv[++i], ","); tok; tok = std::strtok(nullptr, ",")) chosen.push_back(std::atoll(tok));
   }
   cudaDeviceProp prop;
   BENCH_CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -124,8 +128,10 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::fprintf(csv, "T,hq,hkv,dqk,dv,variant,fwd_ms,bwd_ms,fwd_bwd_ms,bwd_tflops,ws_mb,qkvo_mb\n");
-  const std::vector<int64_t> lengths = quick ? std::vector<int64_t>{8192} : std::vector<int64_t>{8192, 16384, 32768, 65536};
-  const std::vector<Shape> shapes = {{64, 4, 128}, {16, 4, 128}};
+  std::vector<int64_t> lengths = quick ? std::vector<int64_t>{8192} : std::vector<int64_t>{8192, 16384, 32768, 65536};
+  if (!chosen.empty()) lengths = chosen;
+  std::vector<Shape> shapes = {{64, 4, 128}, {16, 4, 128}};
+  if (g16_only) shapes.resize(1);
   nsa::Context ctx;
   ctx.backend = nsa::Backend::cuda;
   const nsa::DType bf16 = nsa::DType::bf16;

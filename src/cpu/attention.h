@@ -376,10 +376,10 @@ inline void attend_fwd(const Dims& d, const Branch& br, const Seq& s, int64_t hk
         }
         std::fill(srow, srow + a, kNegInf);
         std::fill(srow + b + 1, srow + kChunk, kNegInf);
-        float mx = sc.m[r];
-        for (int64_t j = a; j <= b; ++j) mx = std::max(mx, srow[j]);
+        // Whole-row vector max and shift: the masked entries are -inf and stay so.
+        const float mx = std::max(sc.m[r], K.row_max(srow, kChunk));
         const float corr = std::exp(sc.m[r] - mx);  // 0 when m was -inf
-        for (int64_t j = a; j <= b; ++j) srow[j] -= mx;
+        for (int64_t j = 0; j < kChunk; ++j) srow[j] -= mx;
         sc.m[r] = mx;
         sc.l[r] *= corr;
         if (corr != 1.0f) {
@@ -389,12 +389,7 @@ inline void attend_fwd(const Dims& d, const Branch& br, const Seq& s, int64_t hk
       }
     }
     K.exp_inplace(sc.s, M * kChunk);
-    for (int64_t r = 0; r < M; ++r) {
-      const float* srow = sc.s + r * kChunk;
-      float sum = 0.0f;
-      for (int64_t j = 0; j < kChunk; ++j) sum += srow[j];
-      sc.l[r] += sum;
-    }
+    for (int64_t r = 0; r < M; ++r) sc.l[r] += K.row_sum(sc.s + r * kChunk, kChunk);
     K.gemm(M, d.dvp, kChunk, sc.s, kChunk, cd.vn, d.dvp, o, d.dvp, true);
   }
   for (int64_t r = 0; r < M; ++r) {

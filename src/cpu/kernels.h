@@ -21,6 +21,9 @@ struct KernelTable {
   // x[i] = exp(x[i]) for i < n (n a multiple of kColPad); arguments below about -87 give
   // exactly 0, so a masked -inf becomes a zero probability.
   void (*exp_inplace)(float* x, int64_t n);
+  // max and sum of x[0..n) (n a multiple of kColPad), in a fixed vector order.
+  float (*row_max)(const float* x, int64_t n);
+  float (*row_sum)(const float* x, int64_t n);
   // dst[i] = float(src[i]) for the 16-bit storage formats.
   void (*bf16_to_f32)(const uint16_t* src, float* dst, int64_t n);
   void (*f16_to_f32)(const uint16_t* src, float* dst, int64_t n);

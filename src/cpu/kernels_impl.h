@@ -19,6 +19,8 @@ constexpr int kW = NSA_VEC_BYTES / 4;  // floats per vector
 // other 4 hold two B vectors, one broadcast A value and a spare), 24 of AVX-512's 32.
 constexpr int kMr = NSA_MR;
 constexpr int kNr = 2 * kW;
+// Rows of B fetched ahead in the micro-kernel (~a memory latency of iterations).
+constexpr int64_t kPrefetchRows = 8;
 static_assert(nsa::cpu::kColPad % kNr == 0, "kColPad must be a multiple of the panel width");
 
 __attribute__((always_inline)) inline vf load(const float* p) {
@@ -54,6 +56,8 @@ __attribute__((always_inline)) inline void micro_kernel(int64_t K, const float* 
     }
   }
   for (int64_t k = 0; k < K; ++k) {
+    // B panels often come from L3 (a selected block is read by few rows): fetch ahead.
+    __builtin_prefetch(B + (k + kPrefetchRows) * ldb);
     const vf b0 = load(B + k * ldb);
     const vf b1 = load(B + k * ldb + kW);
 #pragma GCC unroll 16
@@ -125,6 +129,25 @@ void exp_inplace(float* x, int64_t n) {
     std::memcpy(&out, &bits, sizeof out);
     store(x + i, out);
   }
+}
+
+float row_max(const float* x, int64_t n) {
+  vf m = load(x);
+  for (int64_t i = kW; i < n; i += kW) {
+    const vf v = load(x + i);
+    m = v > m ? v : m;
+  }
+  float r = m[0];
+  for (int i = 1; i < kW; ++i) r = m[i] > r ? m[i] : r;
+  return r;
+}
+
+float row_sum(const float* x, int64_t n) {
+  vf s = vf{};
+  for (int64_t i = 0; i < n; i += kW) s += load(x + i);
+  float r = 0.0f;
+  for (int i = 0; i < kW; ++i) r += s[i];
+  return r;
 }
 
 void bf16_to_f32(const uint16_t* src, float* dst, int64_t n) {
