@@ -55,6 +55,7 @@ attention on random data, one sequence per length, and prints one table row per 
 The first --check-tokens rows of every NSA output are compared with the fp64 reference (attention
 is causal, so they equal the output of the same problem truncated to those tokens); rows whose
 selected blocks differ from the reference's (near-ties of fp32 scores) are counted, not compared.
+Exit status 1 when the error exceeds a few roundings of the dtype or over 1% of rows differ.
 
 sizes and run:
   --seqlens LIST        comma-separated sequence lengths T (default 8192)
@@ -449,9 +450,10 @@ namespace {
 
 // Compares the first `rows` tokens of the NSA output with the fp64 reference on the truncated
 // problem. Returns the max error over rows whose indices agree; counts the others.
-double check_rows(const Options& o, Layer& L, int64_t rows, int64_t* disagree, int64_t* checked) {
+double check_rows(const Options& o, Layer& L, int64_t rows, int64_t* disagree, int64_t* checked, double* ref_max) {
   *disagree = 0;
   *checked = 0;
+  *ref_max = 0.0;
   if (rows == 0) return 0.0;
   nsa::Context ref;
   ref.backend = Backend::reference;
@@ -472,6 +474,7 @@ double check_rows(const Options& o, Layer& L, int64_t rows, int64_t* disagree, i
         for (int64_t c = 0; c < o.dv; ++c) {
           const int64_t i = (t * o.hq + h) * o.dv + c;
           err = std::max(err, static_cast<double>(std::fabs(get(L.o.view, i) - get(ro.view, i))));
+          *ref_max = std::max(*ref_max, static_cast<double>(std::fabs(get(ro.view, i))));
         }
     }
   return err;
@@ -487,6 +490,7 @@ int bench(const Options& o) {
     throw UsageError("--backend cuda: the CUDA benchmark is not built into this nsa program yet");
   const char* bname = nsa::backend_name(ctx.backend);
   std::vector<Row> rows;
+  bool failed = false;
   for (int64_t T : o.seqlens) {
     std::fprintf(stderr, "T = %lld (%s, Hq=%lld, Hkv=%lld, Dqk=%lld, Dv=%lld, %s)\n", static_cast<long long>(T), bname,
                  static_cast<long long>(o.hq), static_cast<long long>(o.hkv), static_cast<long long>(o.dqk),
@@ -516,7 +520,17 @@ int bench(const Options& o) {
     int64_t disagree = 0, checked = 0;
     const int64_t check = std::min(o.check_tokens, T);
     if (check > 0) std::fprintf(stderr, "  checking %lld rows against the reference\n", static_cast<long long>(check));
-    const double err = check_rows(o, L, check, &disagree, &checked);
+    double ref_max = 0;
+    const double err = check_rows(o, L, check, &disagree, &checked, &ref_max);
+    // Both outputs are rounded to the storage dtype: a few units of its rounding, plus fp32 sums.
+    const double unit = o.dtype == DType::bf16 ? 0x1p-8 : o.dtype == DType::f16 ? 0x1p-11 : 0x1p-23;
+    const double bound = 4.0 * unit * std::max(1.0, ref_max) + 1e-5;
+    if (err > bound || disagree * 100 > std::max<int64_t>(checked + disagree, 1)) {
+      std::fprintf(stderr, "nsa: CHECK FAILED at T = %lld: max error %.3e (bound %.3e), %lld of %lld rows chose other blocks\n",
+                   static_cast<long long>(T), err, bound, static_cast<long long>(disagree),
+                   static_cast<long long>(checked + disagree));
+      failed = true;
+    }
     const KeyCounts kc = key_counts(o.cfg, T, static_cast<const int32_t*>(L.idx.view.data), o.hkv);
     const double per_key = 2.0 * static_cast<double>(o.dqk + o.dv) * static_cast<double>(o.hq);
     const double nsa_flop = (kc.cmp + kc.slc + kc.win) * per_key;
@@ -554,7 +568,7 @@ int bench(const Options& o) {
                 static_cast<long long>(r.T), r.backend, r.pass, r.nsa.ms, dense, speed, r.nsa.cpu_ms, dense_cpu,
                 speed_cpu, r.gflops, r.max_err, static_cast<long long>(r.checked), static_cast<long long>(r.idx_disagree));
   }
-  return 0;
+  return failed ? 1 : 0;
 }
 
 }  // namespace
