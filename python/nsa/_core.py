@@ -151,9 +151,6 @@ class NumpyArrays:
 
         self.np = numpy
 
-    def float_dtype(self, x) -> Any:
-        return x.dtype
-
     def empty(self, shape, dtype, like):
         return self.np.empty(shape, dtype=dtype)
 
@@ -185,9 +182,6 @@ class NumpyArrays:
 
     def device_guard(self, x):
         return _NoGuard()
-
-    def host_ints(self, x):
-        return self.np.asarray(x).astype(self.np.int64)
 
     def dtype_name(self, x) -> str:
         names = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16"}

@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 import nsa  # noqa: E402
 import oracle  # noqa: E402
-from nsa import torch_ops  # noqa: E402
+from nsa import torch_ops  # noqa: E402,F401  (registers torch.ops.nsa.*)
 
 # A configuration with small blocks so that gradcheck's problems stay tiny: l = 4, d = 2, l' = 4.
 TINY = nsa.Config(cmp_block_len=4, cmp_stride=2, slc_block_len=4, n_selected=3, n_init=1, n_local=1, window=3)
