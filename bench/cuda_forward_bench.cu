@@ -162,8 +162,6 @@ int main(int argc, char** argv) {
   nsa::Context ctx;
   ctx.backend = nsa::Backend::cuda;
   const nsa::DType bf16 = nsa::DType::bf16;
-  const int64_t rows_scale = 1;
-  (void)rows_scale;
 
   for (const Shape& base : shapes) {
     for (int64_t T : lengths) {
