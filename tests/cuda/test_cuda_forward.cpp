@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <ostream>
 #include <cmath>
 #include <random>
 #include <string>
@@ -33,6 +34,9 @@ struct Case {
   PhiKind phi;
   bool shared_kv;
 };
+
+// gtest prints a parameter with this (instead of its raw bytes).
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 Config config_of(const Case& c) {
   Config cfg;
