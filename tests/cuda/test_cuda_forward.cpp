@@ -166,7 +166,9 @@ TEST_P(CudaForward, CompressMatchesReference) {
     pr.max_seqlen = max_seqlen(c);
     const size_t ws_bytes = workspace_size(cuda_ctx(), Op::compress_fwd, cfg, pr);
     void* ws = nullptr;
-    if (ws_bytes) NSA_TEST_CUDA(cudaMalloc(&ws, ws_bytes));
+    if (ws_bytes) {
+      NSA_TEST_CUDA(cudaMalloc(&ws, ws_bytes));
+    }
     compress_fwd(cuda_ctx(), cfg, params, k.view(), ds.seqs, out.view(), Workspace{ws, ws_bytes});
     sync();
     out.download(xc);
@@ -344,7 +346,9 @@ TEST_P(CudaForward, ForwardMatchesReferencePipeline) {
   const ForwardOutputs out{o.view(), lse.view(), idx.view(), ob.view()};
   const size_t ws_bytes = workspace_size(cuda_ctx(), Op::forward, cfg, problem_of(cfg, in));
   void* ws = nullptr;
-  if (ws_bytes) NSA_TEST_CUDA(cudaMalloc(&ws, ws_bytes));
+  if (ws_bytes) {
+    NSA_TEST_CUDA(cudaMalloc(&ws, ws_bytes));
+  }
   forward(cuda_ctx(), cfg, in, out, Workspace{ws, ws_bytes});
   sync();
   if (ws) cudaFree(ws);
