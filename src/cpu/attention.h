@@ -159,6 +159,7 @@ struct Scratch {
   int32_t* tokens;              // [max(tile_tokens, kChunk)]
   int32_t* blocks;              // [tile_tokens * n + 1]
   Chunk* chunks;                // [max_chunks]
+  Chunk* chunks_own;            // [max_chunks] selection chunks not every token of the tile chose
   int32_t* topn;                // [ns_max_p] candidates for top-n
 };
 
@@ -194,6 +195,7 @@ Scratch layout_scratch(A& a, const Dims& d, int64_t n_selected) {
   s.tokens = a.template take<int32_t>(std::max(d.tile_tokens, kChunk));
   s.blocks = a.template take<int32_t>(d.tile_tokens * std::max<int64_t>(n_selected, 1) + 1);
   s.chunks = a.template take<Chunk>(d.max_chunks);
+  s.chunks_own = a.template take<Chunk>(d.max_chunks);
   s.topn = a.template take<int32_t>(d.ns_max_p);
   return s;
 }
@@ -342,26 +344,15 @@ inline bool split_selection(const Branch& br, const Seq& s, int64_t hk, const in
 
 // ---- Forward ------------------------------------------------------------------------------
 
-// Flash forward of one branch for a tile. q: [rows][dqkp] already multiplied by the scale.
-// Writes o [rows][dvp] (normalised; zero for rows with no key) and lse [rows] (-inf there).
-inline void attend_fwd(const Dims& d, const Branch& br, const Seq& s, int64_t hk,
-                       const int32_t* tokens, int64_t nt, const float* q, Scratch& sc, float* o,
-                       float* lse) {
+// The flash loop over `count` chunks for the rows of tokens[0..nt): q [nt*G][dqkp], running
+// max m, sum l and unnormalised output o [nt*G][dvp] of those rows, updated in place.
+inline void flash_chunks(const Dims& d, const Branch& br, const Seq& s, int64_t hk, const int32_t* tokens,
+                         int64_t nt, const float* q, float* o, float* m, float* l, const Chunk* chunks,
+                         int64_t count, Scratch& sc) {
   const KernelTable& K = kernels();
   const int64_t G = d.G, M = nt * G;
-  const int64_t nchunks = tile_chunks(br, s, hk, tokens, nt, sc);
-  if (split_selection(br, s, hk, tokens, nt, nchunks)) {
-    for (int64_t i = 0; i < nt; ++i)
-      attend_fwd(d, br, s, hk, tokens + i, 1, q + i * G * d.dqkp, sc, o + i * G * d.dvp, lse + i * G);
-    return;
-  }
-  std::fill(o, o + M * d.dvp, 0.0f);
-  for (int64_t r = 0; r < M; ++r) {
-    sc.m[r] = kNegInf;
-    sc.l[r] = 0.0f;
-  }
-  for (int64_t ci = 0; ci < nchunks; ++ci) {
-    const Chunk& c = sc.chunks[ci];
+  for (int64_t ci = 0; ci < count; ++ci) {
+    const Chunk& c = chunks[ci];
     const ChunkData cd = chunk_data(d, br, s, hk, c, kNeedKt | kNeedVn, sc);
     K.gemm(M, kChunk, d.dqk, q, d.dqkp, cd.kt, kChunk, sc.s, kChunk, false);
     for (int64_t i = 0; i < nt; ++i) {
@@ -377,11 +368,11 @@ inline void attend_fwd(const Dims& d, const Branch& br, const Seq& s, int64_t hk
         std::fill(srow, srow + a, kNegInf);
         std::fill(srow + b + 1, srow + kChunk, kNegInf);
         // Whole-row vector max and shift: the masked entries are -inf and stay so.
-        const float mx = std::max(sc.m[r], K.row_max(srow, kChunk));
-        const float corr = std::exp(sc.m[r] - mx);  // 0 when m was -inf
+        const float mx = std::max(m[r], K.row_max(srow, kChunk));
+        const float corr = std::exp(m[r] - mx);  // 0 when m was -inf
         for (int64_t j = 0; j < kChunk; ++j) srow[j] -= mx;
-        sc.m[r] = mx;
-        sc.l[r] *= corr;
+        m[r] = mx;
+        l[r] *= corr;
         if (corr != 1.0f) {
           float* orow = o + r * d.dvp;
           for (int64_t c2 = 0; c2 < d.dv; ++c2) orow[c2] *= corr;
@@ -389,8 +380,41 @@ inline void attend_fwd(const Dims& d, const Branch& br, const Seq& s, int64_t hk
       }
     }
     K.exp_inplace(sc.s, M * kChunk);
-    for (int64_t r = 0; r < M; ++r) sc.l[r] += K.row_sum(sc.s + r * kChunk, kChunk);
+    for (int64_t r = 0; r < M; ++r) l[r] += K.row_sum(sc.s + r * kChunk, kChunk);
     K.gemm(M, d.dvp, kChunk, sc.s, kChunk, cd.vn, d.dvp, o, d.dvp, true);
+  }
+}
+
+// Flash forward of one branch for a tile. q: [rows][dqkp] already multiplied by the scale.
+// Writes o [rows][dvp] (normalised; zero for rows with no key) and lse [rows] (-inf there).
+inline void attend_fwd(const Dims& d, const Branch& br, const Seq& s, int64_t hk,
+                       const int32_t* tokens, int64_t nt, const float* q, Scratch& sc, float* o,
+                       float* lse) {
+  const int64_t G = d.G, M = nt * G;
+  const int64_t nchunks = tile_chunks(br, s, hk, tokens, nt, sc);
+  std::fill(o, o + M * d.dvp, 0.0f);
+  for (int64_t r = 0; r < M; ++r) {
+    sc.m[r] = kNegInf;
+    sc.l[r] = 0.0f;
+  }
+  if (split_selection(br, s, hk, tokens, nt, nchunks)) {
+    // The blocks every token chose (the forced ones, at least) with the whole tile; each other
+    // block with the rows of the tokens that chose it, one token at a time.
+    int64_t shared = 0, own = 0;
+    for (int64_t ci = 0; ci < nchunks; ++ci) {
+      bool all = true;
+      for (int64_t i = 0; i < nt && all; ++i) all = selected(br, s, tokens[i], hk, sc.chunks[ci].block);
+      if (all) sc.chunks[shared++] = sc.chunks[ci];
+      else sc.chunks_own[own++] = sc.chunks[ci];
+    }
+    flash_chunks(d, br, s, hk, tokens, nt, q, o, sc.m, sc.l, sc.chunks, shared, sc);
+    for (int64_t i = 0; i < nt; ++i)
+      for (int64_t ci = 0; ci < own; ++ci)
+        if (selected(br, s, tokens[i], hk, sc.chunks_own[ci].block))
+          flash_chunks(d, br, s, hk, tokens + i, 1, q + i * G * d.dqkp, o + i * G * d.dvp, sc.m + i * G,
+                       sc.l + i * G, sc.chunks_own + ci, 1, sc);
+  } else {
+    flash_chunks(d, br, s, hk, tokens, nt, q, o, sc.m, sc.l, sc.chunks, nchunks, sc);
   }
   for (int64_t r = 0; r < M; ++r) {
     float* orow = o + r * d.dvp;
