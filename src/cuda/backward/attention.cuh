@@ -25,6 +25,7 @@
 
 #include "cuda/common/check.h"
 #include "cuda/common/dtype.h"
+#include "nsa/api.h"
 #include "nsa/blocks.h"
 
 namespace nsa::cuda_bwd {

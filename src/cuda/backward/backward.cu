@@ -47,7 +47,8 @@ constexpr int kGemmTile = 64;     // output tile of the SIMT GEMM (phi only)
 constexpr int kGemmK = 16;        // depth of one shared-memory step
 constexpr int kGemmThreads = 256; // 16 x 16 threads, 4 x 4 outputs each
 constexpr int kRowsPerSplit = 512;  // rows per partial sum of a reduction over compressed rows
-constexpr int kMaxSplits = 32;
+constexpr int kMaxSplits = 8;
+constexpr int64_t kMaxPartialBytes = int64_t(32) << 20;  // keeps mlp's dW1 partials at 32 MB
 constexpr int kMaxCmpSplits = 4;    // query-range splits of the compressed dk/dv (memory: see docs)
 constexpr int kCmpSplitTokens = 1024;
 
@@ -361,6 +362,7 @@ struct Layout {
 
 struct Sizes {
   int64_t T, B, max_seqlen, hq, hkv, dqk, dv, F, l, d, lp, n;
+  bool has_params;  // phi = linear or mlp
 };
 
 Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
@@ -395,10 +397,14 @@ Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
     L.sort_temp = w.take<unsigned char>(L.sort_temp_bytes);
   }
   L.offsets = w.take<int32_t>(size_t(z.hkv * z.B * n_slc_max + 1));
-  L.row_splits = int(std::clamp<int64_t>((rows + kRowsPerSplit - 1) / kRowsPerSplit, 1, kMaxSplits));
   const int64_t D = std::max(z.dqk, z.dv);
-  const int64_t param = std::max({z.F * z.l * D, D * z.F, D * z.l * D});
-  L.gemm_part = w.take<float>(size_t(L.row_splits * param));
+  if (z.has_params) {  // split-K partials of phi's parameter gradients, capped in bytes
+    const int64_t param = std::max({z.F * z.l * D, D * z.F, D * z.l * D});
+    const int64_t by_rows = (rows + kRowsPerSplit - 1) / kRowsPerSplit;
+    const int64_t by_bytes = kMaxPartialBytes / (param * int64_t(sizeof(float)));
+    L.row_splits = int(std::clamp<int64_t>(std::min(by_rows, by_bytes), 1, kMaxSplits));
+    L.gemm_part = w.take<float>(size_t(L.row_splits * param));
+  }
   L.colsum = w.take<float>(size_t(std::max<int64_t>(z.F, D)));
   L.bytes = w.bytes();
   return L;
@@ -406,7 +412,7 @@ Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
 
 Sizes sizes_of(const Config& cfg, const Problem& p, int64_t F) {
   return Sizes{p.total_tokens, p.batch, p.max_seqlen, p.hq, p.hkv, p.dqk, p.dv, F,
-               cfg.cmp_block_len, cfg.cmp_stride, cfg.slc_block_len, cfg.n_selected};
+               cfg.cmp_block_len, cfg.cmp_stride, cfg.slc_block_len, cfg.n_selected, cfg.phi != PhiKind::mean};
 }
 
 Mat3 mat3(const TensorView& t) { return Mat3{t.data, t.ndim > 0 ? t.stride[0] : 0, t.ndim > 1 ? t.stride[1] : 0}; }
