@@ -181,3 +181,16 @@ def test_torch_compile_module_cpu():
     y_eager.square().sum().backward()
     for n, p in m.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_torch_compile_dynamic_shapes_and_packed_input():
+    """One compiled graph serves several lengths (symbolic shapes in the fake implementations)."""
+    torch._dynamo.reset()
+    m = make_module(dtype=torch.float32)
+    compiled = torch.compile(m, backend="aot_eager", dynamic=True, fullgraph=True)
+    for T in (40, 57, 23):
+        x = torch.randn(T, HIDDEN)
+        torch.testing.assert_close(compiled(x), m(x), rtol=0, atol=0)
+    x = torch.randn(30, HIDDEN)
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    torch.testing.assert_close(compiled(x, cu_seqlens=cu), m(x, cu_seqlens=cu), rtol=0, atol=0)
