@@ -161,12 +161,13 @@ class NumpyArrays:
     i32 = property(lambda self: self.np.int32)
 
     def prepare(self, x):
-        """A version the library accepts: last dimension contiguous, no negative strides."""
+        """A version the library accepts: last dimension contiguous, no negative or zero strides."""
         if x is None:
             return None
         x = self.np.asarray(x)
-        if x.ndim and (any(s < 0 for s in x.strides) or (x.shape[-1] > 1 and x.strides[-1] != x.itemsize)):
-            x = self.np.ascontiguousarray(x)
+        if x.ndim and (x.shape[-1] > 1 and x.strides[-1] != x.itemsize
+                       or any(s <= 0 for s, n in zip(x.strides, x.shape) if n > 1)):
+            x = self.np.ascontiguousarray(x)  # negative strides, or broadcast (stride 0) rows
         return x
 
     def workspace(self, nbytes: int, like):

@@ -45,14 +45,28 @@ nsa::DType dtype_of(const nb::dlpack::dtype& t, const std::string& name) {
 // Keeps the imported arrays alive for the duration of one call and turns them into views.
 class Arrays {
  public:
-  // None gives an absent view (ndim 0).
-  nsa::TensorView view(nb::handle obj, const std::string& name) {
+  // An input (read-only arrays welcome; the library only reads it). None gives an absent view.
+  nsa::TensorView in(nb::handle obj, const std::string& name) {
+    if (obj.is_none()) return {};
+    nb::ndarray<nb::ro> array;
+    if (!nb::try_cast(obj, array))
+      throw nsa::Error(name, std::string("an object of type ") + nb::inst_name(obj).c_str(),
+                       "must be an array that supports DLPack (numpy, torch, ...) or None");
+    const nsa::TensorView t = describe(array, name);
+    held_inputs_.push_back(std::move(array));
+    return t;
+  }
+
+  // An output: a writable array. None gives an absent view.
+  nsa::TensorView out(nb::handle obj, const std::string& name) {
     if (obj.is_none()) return {};
     nb::ndarray<> array;
     if (!nb::try_cast(obj, array))
       throw nsa::Error(name, std::string("an object of type ") + nb::inst_name(obj).c_str(),
-                       "must be an array that supports DLPack (numpy, torch, ...) or None");
-    return keep(std::move(array), name);
+                       "must be a writable array that supports DLPack (numpy, torch, ...) or None");
+    const nsa::TensorView t = describe(array, name);
+    held_outputs_.push_back(std::move(array));
+    return t;
   }
 
   // A flat byte buffer (any dtype) used as a workspace; None gives no workspace.
@@ -65,17 +79,20 @@ class Arrays {
     nsa::Workspace ws;
     ws.data = array.data();
     ws.bytes = array.nbytes();
-    held_.push_back(std::move(array));
+    held_outputs_.push_back(std::move(array));
     return ws;
   }
 
  private:
-  nsa::TensorView keep(nb::ndarray<> array, const std::string& name) {
+  // The view of an imported array (the caller keeps the array alive).
+  template <typename Array>
+  static nsa::TensorView describe(const Array& array, const std::string& name) {
     nsa::TensorView t;
     if (array.ndim() < 1 || array.ndim() > static_cast<size_t>(nsa::kMaxDims))
       throw nsa::Error(name + ".ndim", std::to_string(array.ndim()),
                        "must be 1 to " + std::to_string(nsa::kMaxDims));
-    t.data = array.data();
+    // TensorView takes `void*` for inputs and outputs alike; the library never writes an input.
+    t.data = const_cast<void*>(static_cast<const void*>(array.data()));
     t.dtype = dtype_of(array.dtype(), name);
     t.ndim = static_cast<int>(array.ndim());
     for (int d = 0; d < t.ndim; ++d) {
@@ -100,14 +117,15 @@ class Arrays {
                          "must be the host (cpu) or a CUDA device");
     }
     t.device_index = t.device == nsa::Device::cuda ? array.device_id() : 0;
-    held_.push_back(std::move(array));
     return t;
   }
 
-  std::vector<nb::ndarray<>> held_;
+  std::vector<nb::ndarray<nb::ro>> held_inputs_;
+  std::vector<nb::ndarray<>> held_outputs_;
 };
 
-nsa::PhiParams phi_views(Arrays& arrays, nb::handle params, const std::string& name) {
+// output: the arrays are written (gradients), else read.
+nsa::PhiParams phi_views(Arrays& arrays, nb::handle params, const std::string& name, bool output = false) {
   // params: None (mean) or a sequence (w1, b1, w2, b2, pe) whose entries may be None.
   nsa::PhiParams p;
   if (params.is_none()) return p;
@@ -115,30 +133,31 @@ nsa::PhiParams phi_views(Arrays& arrays, nb::handle params, const std::string& n
   if (nb::len(seq) != 5)
     throw nsa::Error(name, "a sequence of " + std::to_string(nb::len(seq)) + " entries",
                      "must be None or (w1, b1, w2, b2, pe)");
-  p.w1 = arrays.view(seq[0], name + ".w1");
-  p.b1 = arrays.view(seq[1], name + ".b1");
-  p.w2 = arrays.view(seq[2], name + ".w2");
-  p.b2 = arrays.view(seq[3], name + ".b2");
-  p.pe = arrays.view(seq[4], name + ".pe");
+  auto view = [&](nb::handle h, const std::string& n) { return output ? arrays.out(h, n) : arrays.in(h, n); };
+  p.w1 = view(seq[0], name + ".w1");
+  p.b1 = view(seq[1], name + ".b1");
+  p.w2 = view(seq[2], name + ".w2");
+  p.b2 = view(seq[3], name + ".b2");
+  p.pe = view(seq[4], name + ".pe");
   return p;
 }
 
 nsa::Sequences sequences(Arrays& arrays, nb::handle cu_seqlens, int64_t max_seqlen) {
   nsa::Sequences s;
-  s.cu_seqlens = arrays.view(cu_seqlens, "cu_seqlens");
+  s.cu_seqlens = arrays.in(cu_seqlens, "cu_seqlens");
   s.max_seqlen = max_seqlen;
   return s;
 }
 
 // The six raw K/V arrays (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win); None where absent.
-void kv_views(Arrays& arrays, nb::handle kv, nsa::KV out[3], const char* const names[6]) {
+void kv_views(Arrays& arrays, nb::handle kv, nsa::KV out[3], const char* const names[6], bool output = false) {
   nb::sequence seq = nb::cast<nb::sequence>(kv);
   if (nb::len(seq) != 6)
     throw nsa::Error("kv", "a sequence of " + std::to_string(nb::len(seq)) + " entries",
                      "must be (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win), None where absent");
   for (int b = 0; b < 3; ++b) {
-    out[b].k = arrays.view(seq[2 * b], names[2 * b]);
-    out[b].v = arrays.view(seq[2 * b + 1], names[2 * b + 1]);
+    out[b].k = output ? arrays.out(seq[2 * b], names[2 * b]) : arrays.in(seq[2 * b], names[2 * b]);
+    out[b].v = output ? arrays.out(seq[2 * b + 1], names[2 * b + 1]) : arrays.in(seq[2 * b + 1], names[2 * b + 1]);
   }
 }
 
@@ -269,7 +288,7 @@ NB_MODULE(_nsa, m) {
         Arrays a;
         const nsa::Context ctx = make_context(backend, stream, threads, det);
         const nsa::PhiParams p = phi_views(a, phi, "phi");
-        const nsa::TensorView vx = a.view(x, "x"), vxc = a.view(xc, "xc");
+        const nsa::TensorView vx = a.in(x, "x"), vxc = a.out(xc, "xc");
         const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
         const nsa::Workspace ws = a.workspace(workspace);
         nb::gil_scoped_release release;
@@ -285,8 +304,8 @@ NB_MODULE(_nsa, m) {
          nb::handle dx, nb::handle dphi, nb::handle workspace) {
         Arrays a;
         const nsa::Context ctx = make_context(backend, stream, threads, det);
-        const nsa::PhiParams p = phi_views(a, phi, "phi"), dp = phi_views(a, dphi, "dphi");
-        const nsa::TensorView vx = a.view(x, "x"), vdxc = a.view(dxc, "dxc"), vdx = a.view(dx, "dx");
+        const nsa::PhiParams p = phi_views(a, phi, "phi"), dp = phi_views(a, dphi, "dphi", /*output=*/true);
+        const nsa::TensorView vx = a.in(x, "x"), vdxc = a.in(dxc, "dxc"), vdx = a.out(dx, "dx");
         const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
         const nsa::Workspace ws = a.workspace(workspace);
         nb::gil_scoped_release release;
@@ -303,9 +322,9 @@ NB_MODULE(_nsa, m) {
          nb::handle o, nb::handle lse, nb::handle scores, nb::handle workspace) {
         Arrays a;
         const nsa::Context ctx = make_context(backend, stream, threads, det);
-        const nsa::TensorView vq = a.view(q, "q"), vkc = a.view(kc, "kc"), vvc = a.view(vc, "vc");
+        const nsa::TensorView vq = a.in(q, "q"), vkc = a.in(kc, "kc"), vvc = a.in(vc, "vc");
         const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
-        const nsa::TensorView vo = a.view(o, "o"), vl = a.view(lse, "lse"), vs = a.view(scores, "scores");
+        const nsa::TensorView vo = a.out(o, "o"), vl = a.out(lse, "lse"), vs = a.out(scores, "scores");
         const nsa::Workspace ws = a.workspace(workspace);
         nb::gil_scoped_release release;
         nsa::compressed_attention_fwd(ctx, cfg, vq, vkc, vvc, s, vo, vl, vs, ws);
@@ -321,7 +340,7 @@ NB_MODULE(_nsa, m) {
          nb::handle workspace) {
         Arrays a;
         const nsa::Context ctx = make_context(backend, stream, threads, det);
-        const nsa::TensorView vs = a.view(scores, "scores"), vi = a.view(indices, "indices");
+        const nsa::TensorView vs = a.in(scores, "scores"), vi = a.out(indices, "indices");
         const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
         const nsa::Workspace ws = a.workspace(workspace);
         nb::gil_scoped_release release;
@@ -337,10 +356,10 @@ NB_MODULE(_nsa, m) {
          int64_t max_seqlen, nb::handle o, nb::handle lse, nb::handle workspace) {
         Arrays a;
         const nsa::Context ctx = make_context(backend, stream, threads, det);
-        const nsa::TensorView vq = a.view(q, "q"), vk = a.view(k, "k"), vv = a.view(v, "v");
-        const nsa::TensorView vi = a.view(indices, "indices");
+        const nsa::TensorView vq = a.in(q, "q"), vk = a.in(k, "k"), vv = a.in(v, "v");
+        const nsa::TensorView vi = a.in(indices, "indices");
         const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
-        const nsa::TensorView vo = a.view(o, "o"), vl = a.view(lse, "lse");
+        const nsa::TensorView vo = a.out(o, "o"), vl = a.out(lse, "lse");
         const nsa::Workspace ws = a.workspace(workspace);
         nb::gil_scoped_release release;
         nsa::selected_attention_fwd(ctx, cfg, vq, vk, vv, vi, s, vo, vl, ws);
@@ -356,9 +375,9 @@ NB_MODULE(_nsa, m) {
          nb::handle o, nb::handle lse, nb::handle workspace) {
         Arrays a;
         const nsa::Context ctx = make_context(backend, stream, threads, det);
-        const nsa::TensorView vq = a.view(q, "q"), vk = a.view(k, "k"), vv = a.view(v, "v");
+        const nsa::TensorView vq = a.in(q, "q"), vk = a.in(k, "k"), vv = a.in(v, "v");
         const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
-        const nsa::TensorView vo = a.view(o, "o"), vl = a.view(lse, "lse");
+        const nsa::TensorView vo = a.out(o, "o"), vl = a.out(lse, "lse");
         const nsa::Workspace ws = a.workspace(workspace);
         nb::gil_scoped_release release;
         nsa::window_attention_fwd(ctx, cfg, vq, vk, vv, s, vo, vl, ws);
@@ -379,17 +398,17 @@ NB_MODULE(_nsa, m) {
         Arrays a;
         const nsa::Context ctx = make_context(backend, stream, threads, det);
         nsa::Inputs in;
-        in.q = a.view(q, "q");
+        in.q = a.in(q, "q");
         kv_views(a, kv, in.kv, kKvNames);
-        in.g = a.view(g, "g");
+        in.g = a.in(g, "g");
         in.phi_k = phi_views(a, phi_k, "phi_k");
         in.phi_v = phi_views(a, phi_v, "phi_v");
         in.seqs = sequences(a, cu_seqlens, max_seqlen);
         nsa::ForwardOutputs out;
-        out.o = a.view(o, "o");
-        out.lse = a.view(lse, "lse");
-        out.indices = a.view(indices, "indices");
-        out.o_branch = a.view(o_branch, "o_branch");
+        out.o = a.out(o, "o");
+        out.lse = a.out(lse, "lse");
+        out.indices = a.out(indices, "indices");
+        out.o_branch = a.out(o_branch, "o_branch");
         const nsa::Workspace ws = a.workspace(workspace);
         nb::gil_scoped_release release;
         nsa::forward(ctx, cfg, in, out, ws);
@@ -409,23 +428,23 @@ NB_MODULE(_nsa, m) {
         Arrays a;
         const nsa::Context ctx = make_context(backend, stream, threads, det);
         nsa::Inputs in;
-        in.q = a.view(q, "q");
+        in.q = a.in(q, "q");
         kv_views(a, kv, in.kv, kKvNames);
-        in.g = a.view(g, "g");
+        in.g = a.in(g, "g");
         in.phi_k = phi_views(a, phi_k, "phi_k");
         in.phi_v = phi_views(a, phi_v, "phi_v");
         in.seqs = sequences(a, cu_seqlens, max_seqlen);
         nsa::ForwardOutputs saved;
-        saved.o = a.view(o, "o");
-        saved.lse = a.view(lse, "lse");
-        saved.indices = a.view(indices, "indices");
-        const nsa::TensorView vdo = a.view(d_o, "d_o");
+        saved.o = a.in(o, "o");
+        saved.lse = a.in(lse, "lse");
+        saved.indices = a.in(indices, "indices");
+        const nsa::TensorView vdo = a.in(d_o, "d_o");
         nsa::Gradients grads;
-        grads.dq = a.view(dq, "dq");
-        kv_views(a, dkv, grads.dkv, kDkvNames);
-        grads.dg = a.view(dg, "dg");
-        grads.dphi_k = phi_views(a, dphi_k, "dphi_k");
-        grads.dphi_v = phi_views(a, dphi_v, "dphi_v");
+        grads.dq = a.out(dq, "dq");
+        kv_views(a, dkv, grads.dkv, kDkvNames, /*output=*/true);
+        grads.dg = a.out(dg, "dg");
+        grads.dphi_k = phi_views(a, dphi_k, "dphi_k", /*output=*/true);
+        grads.dphi_v = phi_views(a, dphi_v, "dphi_v", /*output=*/true);
         const nsa::Workspace ws = a.workspace(workspace);
         nb::gil_scoped_release release;
         nsa::backward(ctx, cfg, in, saved, vdo, grads, ws);
@@ -443,9 +462,9 @@ NB_MODULE(_nsa, m) {
          nb::handle o, nb::handle lse, nb::handle workspace) {
         Arrays a;
         const nsa::Context ctx = make_context(backend, stream, threads, det);
-        const nsa::TensorView vq = a.view(q, "q"), vk = a.view(k, "k"), vv = a.view(v, "v");
+        const nsa::TensorView vq = a.in(q, "q"), vk = a.in(k, "k"), vv = a.in(v, "v");
         const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
-        const nsa::TensorView vo = a.view(o, "o"), vl = a.view(lse, "lse");
+        const nsa::TensorView vo = a.out(o, "o"), vl = a.out(lse, "lse");
         const nsa::Workspace ws = a.workspace(workspace);
         nb::gil_scoped_release release;
         nsa::dense_attention_fwd(ctx, scale, vq, vk, vv, s, vo, vl, ws);
@@ -462,10 +481,10 @@ NB_MODULE(_nsa, m) {
          nb::handle dv, nb::handle workspace) {
         Arrays a;
         const nsa::Context ctx = make_context(backend, stream, threads, det);
-        const nsa::TensorView vq = a.view(q, "q"), vk = a.view(k, "k"), vv = a.view(v, "v");
+        const nsa::TensorView vq = a.in(q, "q"), vk = a.in(k, "k"), vv = a.in(v, "v");
         const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
-        const nsa::TensorView vo = a.view(o, "o"), vl = a.view(lse, "lse"), vdo = a.view(d_o, "d_o");
-        const nsa::TensorView vdq = a.view(dq, "dq"), vdk = a.view(dk, "dk"), vdv = a.view(dv, "dv");
+        const nsa::TensorView vo = a.in(o, "o"), vl = a.in(lse, "lse"), vdo = a.in(d_o, "d_o");
+        const nsa::TensorView vdq = a.out(dq, "dq"), vdk = a.out(dk, "dk"), vdv = a.out(dv, "dv");
         const nsa::Workspace ws = a.workspace(workspace);
         nb::gil_scoped_release release;
         nsa::dense_attention_bwd(ctx, scale, vq, vk, vv, s, vo, vl, vdo, vdq, vdk, vdv, ws);

@@ -163,6 +163,17 @@ def test_strided_and_reversed_inputs_give_the_same_result():
     np.testing.assert_array_equal(o, o_ref)
 
 
+def test_read_only_and_broadcast_inputs():
+    p = make_problem(seed=18, seqlens=(33,))
+    g_row = p.g[:1]
+    expected = nsa.attention(p.q, p.k, p.v, np.repeat(g_row, p.q.shape[0], axis=0), p.phi_k, p.phi_v, config=SMALL)
+    q_ro = p.q.copy()
+    q_ro.setflags(write=False)
+    g_broadcast = np.broadcast_to(g_row, p.g.shape)  # read-only, stride 0 along tokens
+    o = nsa.attention(q_ro, p.k, p.v, g_broadcast, p.phi_k, p.phi_v, config=SMALL)
+    np.testing.assert_array_equal(o, expected)
+
+
 def test_cu_seqlens_from_a_list():
     p = make_problem(seed=11, seqlens=(10, 14))
     o_ref, _ = run(p)
