@@ -17,7 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-VENV=${NSA_PY_VENV:-$HOME/.cache/nsa/py-venv}
+VENV=${NSA_PY_VENV:-${HOME:-/tmp}/.cache/nsa/py-venv}
 BUILD=${NSA_PY_BUILD:-pip}
 if [ -z "${NSA_PY_CUDA:-}" ]; then
   if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then NSA_PY_CUDA=AUTO; else NSA_PY_CUDA=OFF; fi
