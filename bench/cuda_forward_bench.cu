@@ -2,7 +2,7 @@
 // CUDA events, warm-up, median of repeats. Writes a CSV that bench/sdpa_baseline.py joins with
 // PyTorch SDPA (dense causal GQA attention) measured in the same gpu_check.sh run.
 //
-//   nsa_cuda_bench [--out FILE.csv] [--quick]
+//   nsa_cuda_bench [--out FILE.csv] [--quick] [--no-locality] [--lengths 8192,65536]
 //
 // Shapes (issue 4): T in {8K .. 128K}; Hq = 64, Hkv = 4 (G = 16) with D = 128 and with the
 // paper's Dqk = 192 / Dv = 128; and G = 4 (Hq = 16, Hkv = 4), D = 128. Paper block settings
@@ -140,10 +140,16 @@ void attended_keys(const nsa::Config& c, int64_t T, double keys[3]) {
 int main(int argc, char** argv) {
   const char* out_path = "nsa_bench.csv";
   bool quick = false, locality = true;
+  const char* lengths_arg = nullptr;  // comma-separated sequence lengths (a short device run)
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--out") && i + 1 < argc) out_path = argv[++i];
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--no-locality")) locality = false;
+    else if (!std::strcmp(argv[i], "--lengths") && i + 1 < argc) lengths_arg = argv[++i];
+    else {
+      std::fprintf(stderr, "unknown argument %s\n", argv[i]);
+      return 2;
+    }
   }
   cudaDeviceProp prop;
   BENCH_CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -157,7 +163,20 @@ int main(int argc, char** argv) {
 
   nsa::Config cfg;  // paper settings
   cfg.phi = nsa::PhiKind::mean;
-  const std::vector<int64_t> lengths = quick ? std::vector<int64_t>{8192} : std::vector<int64_t>{8192, 16384, 32768, 65536, 131072};
+  std::vector<int64_t> lengths = quick ? std::vector<int64_t>{8192} : std::vector<int64_t>{8192, 16384, 32768, 65536, 131072};
+  if (lengths_arg != nullptr) {
+    lengths.clear();
+    for (const char* c = lengths_arg; *c != '\0';) {
+      char* end = nullptr;
+      const long long T = std::strtoll(c, &end, 10);
+      if (end == c || T <= 0) {
+        std::fprintf(stderr, "--lengths wants positive integers separated by commas, got %s\n", lengths_arg);
+        return 2;
+      }
+      lengths.push_back(T);
+      c = *end == ',' ? end + 1 : end;
+    }
+  }
   const std::vector<Shape> shapes = {{0, 64, 4, 128, 128}, {0, 64, 4, 192, 128}, {0, 16, 4, 128, 128}};
   nsa::Context ctx;
   ctx.backend = nsa::Backend::cuda;

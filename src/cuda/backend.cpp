@@ -483,8 +483,11 @@ size_t cmp_attention_smem_bytes(int dqk, int dv, int group, int score_ring, bool
 
 size_t slc_win_smem_bytes(int dqk, int dv, int group, int union_capacity, int bitmap_words, int n_sel) {
   const size_t es = 2, tokens = kTileRows / group;
-  const size_t q = size_t(kTileRows) * (dqk + 8) * es, k = 2 * size_t(kKeyChunk) * (dqk + 8) * es;
-  const size_t v = 2 * size_t(kKeyChunk) * (dv + 8) * es;
+  const int stages = slc_win_stages(dqk, dv);
+  // With three stages the Q tile lives in the last K buffer (slc_win_attention.cuh).
+  const size_t q = stages == 3 ? 0 : size_t(kTileRows) * (dqk + 8) * es;
+  const size_t k = stages * size_t(kKeyChunk) * (dqk + 8) * es;
+  const size_t v = stages * size_t(kKeyChunk) * (dv + 8) * es;
   return q + k + v + (tokens * n_sel + bitmap_words + union_capacity) * sizeof(int32_t);
 }
 

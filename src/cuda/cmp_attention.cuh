@@ -2,14 +2,16 @@
 //
 // Pass 1 is flash attention over the visible compressed blocks (keys i < C_t) and yields o_cmp
 // and the per-row log-sum-exp. Pass 2 (only when S is wanted) recomputes Q K^T chunk by chunk
-// with the final log-sum-exp, so p_cmp is exact, and turns it into S without ever storing p_cmp:
-//   1. sum p over the G heads of each token with warp shuffles (rows of one token sit in
-//      neighbouring lanes of the mma accumulator) -> pg[token][i] in shared memory;
-//   2. add ov(i, j) * pg[token][i] into a ring accumulator acc[token][j mod ring] for the W
+// with the final log-sum-exp, so p_cmp is exact, and turns it into S without ever storing p_cmp.
+// A warp's 16 rows are whole tokens (G divides 16), so pass 2 is warp-local after the K chunk
+// is in shared memory: one CTA barrier per chunk (the K double buffer), the rest __syncwarp.
+// Per chunk each warp
+//   1. sums p over the G heads of each token with a reduce-scatter over the lanes that hold the
+//      token's heads (log2 min(G, 8) shuffle rounds, each exchanging half of the values still
+//      held: 14 shuffles per lane at G = 16 where a full butterfly took 96) -> pg[token][i];
+//   2. adds ov(i, j) * pg[token][i] into a ring accumulator acc[token][j mod ring] for the W
 //      selection blocks this chunk can touch;
-//   3. blocks j below the next chunk's first j are final: write them out and zero their slots.
-// Three barriers per chunk, every step spread over all threads (a first version shifted the
-// accumulator with one thread per token and spent 2.5x the time of pass 1 in pass 2).
+//   3. writes the blocks below the next chunk's first j (they are final) and zeroes their slots.
 // p_cmp is never rounded (fp32 all the way), and the order of additions is fixed (deterministic).
 #pragma once
 
@@ -18,6 +20,62 @@
 #include "nsa/blocks.h"
 
 namespace nsa::cuda {
+
+// Sums the probabilities p (one warp's 16 x kKeyChunk accumulator block) over the G heads of
+// each token and stores them to pg [tokens of the tile][kKeyChunk]. The heads of a token are the
+// lanes whose group index differs in its low kSteps bits (kSteps = log2 min(G, 8)), and, when
+// kPairRows (G = 16), also the two rows (group, group + 8) of each thread.
+// Reduce-scatter: in each round a lane keeps half of the values it still holds, sends the other
+// half to its partner and adds the partner's copy of its half, so the values held halve every
+// round. A value held at the end is a complete head sum; lane (group_id, quad) then holds the
+// entries orig = (group_id & (2^kSteps - 1)) * kHeld + k of the initial list, in pairs of
+// neighbouring columns.
+template <int kSteps, bool kPairRows>
+__device__ __forceinline__ void store_head_sums(const float (&p)[kKeyChunk / 8][4], float* pg, int warp,
+                                                int log2_group) {
+  constexpr int kTiles = kKeyChunk / 8;
+  constexpr int kInitial = kPairRows ? 2 * kTiles : 4 * kTiles;  // values per lane before the rounds
+  constexpr int kHeld = kInitial >> kSteps;
+  static_assert(kHeld >= 2, "every lane keeps at least one pair of neighbouring columns");
+  const int lane = threadIdx.x % 32, group_id = lane / 4, quad = lane % 4;
+  // v[orig]: orig = i * 2 + c (kPairRows) or h * 2 * kTiles + i * 2 + c, column i * 8 + 2 * quad + c.
+  float v[kInitial];
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      if constexpr (kPairRows) {
+        v[i * 2 + c] = p[i][c] + p[i][2 + c];
+      } else {
+        v[i * 2 + c] = p[i][c];
+        v[2 * kTiles + i * 2 + c] = p[i][2 + c];
+      }
+    }
+#pragma unroll
+  for (int round = 0; round < kSteps; ++round) {
+    const int bit = kSteps - 1 - round;  // high group bits first: the mapping above
+    const int half = kInitial >> (round + 1);
+    const bool upper = (group_id >> bit) & 1;
+    // A constant trip count with a guard: the inner loop unrolls before the outer one, and a
+    // bound that depends on `round` would leave v dynamically indexed (local memory).
+#pragma unroll
+    for (int k = 0; k < kInitial / 2; ++k) {
+      if (k >= half) break;
+      const float send = upper ? v[k] : v[k + half];
+      const float keep = upper ? v[k + half] : v[k];
+      v[k] = keep + __shfl_xor_sync(0xffffffffu, send, 4 << bit);
+    }
+  }
+  const int base = (group_id & ((1 << kSteps) - 1)) * kHeld;
+#pragma unroll
+  for (int k = 0; k < kHeld; k += 2) {
+    const int orig = base + k;
+    const int h = kPairRows ? 0 : orig / (2 * kTiles);
+    const int i = (orig / 2) % kTiles;
+    const int token = (warp * 16 + group_id + 8 * h) >> log2_group;
+    *reinterpret_cast<float2*>(pg + token * kKeyChunk + i * 8 + 2 * quad) = make_float2(v[k], v[k + 1]);
+  }
+}
 
 template <typename Storage, int kDqk, int kDv>
 __global__ void __launch_bounds__(kThreads) cmp_attention_kernel(const CmpAttnParams p) {
@@ -86,23 +144,20 @@ __global__ void __launch_bounds__(kThreads) cmp_attention_kernel(const CmpAttnPa
   };
 
   // ---- Pass 1: o_cmp and lse ----
+  // One barrier per chunk: after it chunk c has landed for everyone and every warp is done with
+  // chunk c - 1, whose buffer then receives chunk c + 1 while chunk c is multiplied.
   if (num_chunks > 0) load_chunk(0, 0, true);
   cp_async_wait<0>();
   __syncthreads();
   tile_state.load_q_fragments(sq);
   for (int c = 0; c < num_chunks; ++c) {
-    if (c + 1 < num_chunks) {
-      load_chunk(c + 1, (c + 1) & 1, true);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    cp_async_wait<0>();
     __syncthreads();
+    if (c + 1 < num_chunks) load_chunk(c + 1, (c + 1) & 1, true);
     float s[Tile::kSTiles][4];
     masked_scores(s, c, c & 1);
     tile_state.softmax_update(s);
     tile_state.accumulate_pv(s, sv + (c & 1) * kKeyChunk * Tile::kVStride);
-    __syncthreads();
   }
   float lse2[2];
   Storage* o = static_cast<Storage*>(p.o);
@@ -124,12 +179,15 @@ __global__ void __launch_bounds__(kThreads) cmp_attention_kernel(const CmpAttnPa
   if (p.scores == nullptr) return;
 
   // ---- Pass 2: selection scores S ----
+  __syncthreads();  // every warp is done with pass 1's K/V buffers (pg and acc reuse V's space)
   const int R = p.lp / p.d;  // stride pieces per selection block
   const int L = p.l / p.d;   // stride pieces per compressed block
   const int W = p.score_window;
   const int ring = p.score_ring, ring_mask = ring - 1;
   for (int e = threadIdx.x; e < tokens_per_tile * ring; e += kThreads) s_acc[e] = 0.f;
-  const int heads_in_warp_row = p.group < 8 ? p.group : 8;  // rows of one token among a warp's 8 groups
+  // This warp's tokens: its 16 rows are tokens_per_warp whole tokens (G divides 16).
+  const int tokens_per_warp = 16 >> p.log2_group;
+  const int warp_token0 = warp * tokens_per_warp;
   // Columns a token writes: all of them for the public op, else the admissible ones (top-n reads those).
   auto column_limit = [&](int token) -> int64_t {
     const int64_t t = t0 + token;
@@ -139,44 +197,28 @@ __global__ void __launch_bounds__(kThreads) cmp_attention_kernel(const CmpAttnPa
   int64_t jbase = 0;
   if (num_chunks > 0) load_chunk(0, 0, false);
   for (int c = 0; c < num_chunks; ++c) {
-    if (c + 1 < num_chunks) {
-      load_chunk(c + 1, (c + 1) & 1, false);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();  // chunk c is in shared memory; the previous chunk's flush is done
+    cp_async_wait<0>();
+    __syncthreads();  // chunk c has landed; every warp is done with chunk c - 1's K buffer
+    if (c + 1 < num_chunks) load_chunk(c + 1, (c + 1) & 1, false);
     float s[Tile::kSTiles][4];
     masked_scores(s, c, c & 1);
-    // p_cmp = exp2(s - lse2), summed over the token's heads: first across the lanes that hold
-    // the same token (xor over group bits), then across the row pair when G = 16.
 #pragma unroll
     for (int i = 0; i < Tile::kSTiles; ++i)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float v = s[i][e] == kNegInf ? 0.f : exp2f(s[i][e] - lse2[e >> 1]);
-        for (int off = 4; off < 4 * heads_in_warp_row; off *= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
-        s[i][e] = v;
-      }
-    const bool writer = (group_id & (heads_in_warp_row - 1)) == 0;
-#pragma unroll
-    for (int i = 0; i < Tile::kSTiles; ++i)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = i * 8 + 2 * quad + e;
-        if (p.group == 16) {
-          if (writer) s_pg[tok[0] * kKeyChunk + col] = s[i][e] + s[i][2 + e];
-        } else if (writer) {
-          s_pg[tok[0] * kKeyChunk + col] = s[i][e];
-          s_pg[tok[1] * kKeyChunk + col] = s[i][2 + e];
-        }
-      }
-    __syncthreads();  // pg is complete; every warp is done with this chunk's K tile
+      for (int e = 0; e < 4; ++e) s[i][e] = s[i][e] == kNegInf ? 0.f : exp2f(s[i][e] - lse2[e >> 1]);
+    switch (p.log2_group) {
+      case 0: store_head_sums<0, false>(s, s_pg, warp, p.log2_group); break;
+      case 1: store_head_sums<1, false>(s, s_pg, warp, p.log2_group); break;
+      case 2: store_head_sums<2, false>(s, s_pg, warp, p.log2_group); break;
+      case 3: store_head_sums<3, false>(s, s_pg, warp, p.log2_group); break;
+      default: store_head_sums<3, true>(s, s_pg, warp, p.log2_group); break;  // G = 16
+    }
+    __syncwarp();  // this warp's pg rows are complete
     // S[token][j] += sum_i ov(i, j) * pg[token][i] over the chunk's compressed blocks i.
     const int i0 = c * kKeyChunk;
     const int jb = static_cast<int>(jbase);
-    for (int e = threadIdx.x; e < tokens_per_tile * W; e += kThreads) {
-      const int token = e / W;
+    for (int e = lane; e < tokens_per_warp * W; e += 32) {
+      const int token = warp_token0 + e / W;
       const int j = jb + e % W;
       const int ilo = max(i0, j * R - L + 1), ihi = min(i0 + kKeyChunk - 1, (j + 1) * R - 1);
       float sum = 0.f;
@@ -186,17 +228,18 @@ __global__ void __launch_bounds__(kThreads) cmp_attention_kernel(const CmpAttnPa
       }
       s_acc[token * ring + (j & ring_mask)] += sum;
     }
-    __syncthreads();
+    __syncwarp();  // the sums are in acc; pg may be overwritten by the next chunk
     // Blocks below the next chunk's first block are final: write them and free their slots.
     const int jnext = (i0 + kKeyChunk) / R;
     const int shift = jnext - jb;
-    for (int e = threadIdx.x; e < tokens_per_tile * shift; e += kThreads) {
-      const int token = e / shift;
+    for (int e = lane; e < tokens_per_warp * shift; e += 32) {
+      const int token = warp_token0 + e / shift;
       const int j = jb + e % shift;
       float* slot = s_acc + token * ring + (j & ring_mask);
       if (token < tokens_valid && j < column_limit(token)) score_row(token)[j] = *slot;
       *slot = 0.f;
     }
+    __syncwarp();
     jbase = jnext;
   }
   __syncthreads();

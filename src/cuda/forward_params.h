@@ -92,6 +92,14 @@ void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream);
 template <typename Storage, int kDqk, int kDv>
 void launch_slc_win_attention(const SlcWinParams& p, cudaStream_t stream);
 
+// K/V chunk buffers of the selection + window kernel: three (two chunks in flight, the Q tile
+// in the third K buffer) where three fit twice per SM beside their index lists (<= 110 KB: every
+// head-dim pair but 192/128), else two with a separate Q tile.
+inline constexpr size_t kSlcWinStageBudget = 110 * 1024;
+constexpr int slc_win_stages(int dqk, int dv) {
+  return 3 * size_t(kKeyChunk) * ((dqk + 8) + (dv + 8)) * 2 <= kSlcWinStageBudget ? 3 : 2;
+}
+
 // Shared-memory bytes of the kernels (used by the launchers and to check limits up front).
 size_t cmp_attention_smem_bytes(int dqk, int dv, int group, int score_ring, bool with_scores);
 size_t slc_win_smem_bytes(int dqk, int dv, int group, int union_capacity, int bitmap_words, int n_sel);

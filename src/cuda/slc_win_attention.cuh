@@ -22,11 +22,20 @@ template <typename Storage, int kDqk, int kDv>
 __global__ void __launch_bounds__(kThreads) slc_win_attention_kernel(const SlcWinParams p) {
   using Tile = TileAttention<Storage, kDqk, kDv>;
   using Traits = StorageTraits<Storage>;
+  // kStages K/V chunk buffers; with three, chunks c + 1 and c + 2 load while chunk c is
+  // multiplied (the kernel is load-latency bound: with random picks one warp of four multiplies
+  // most chunks). The Q tile is needed only until its fragments are in registers, so with three
+  // stages it sits in the last K buffer (a Q tile is exactly one K tile) and costs no space.
+  constexpr int kStages = slc_win_stages(kDqk, kDv);
+  constexpr bool kQInStage = kStages == 3;
+  static_assert(kTileRows == kKeyChunk, "the Q tile overlays one K chunk buffer");
+  constexpr size_t kKTile = size_t(kKeyChunk) * Tile::kKStride;  // elements of one K buffer
+  constexpr size_t kVTile = size_t(kKeyChunk) * Tile::kVStride;
   extern __shared__ __align__(16) unsigned char smem[];
-  Storage* sq = reinterpret_cast<Storage*>(smem);
-  Storage* sk = reinterpret_cast<Storage*>(smem + Tile::kQBytes);
-  Storage* sv = reinterpret_cast<Storage*>(smem + Tile::kQBytes + Tile::kKBytes);
-  int32_t* s_idx = reinterpret_cast<int32_t*>(smem + Tile::kQBytes + Tile::kKBytes + Tile::kVBytes);
+  Storage* sk = reinterpret_cast<Storage*>(smem) + (kQInStage ? 0 : kKTile);  // [kStages][64][Dqk+8]
+  Storage* sv = sk + kStages * kKTile;                                          // [kStages][64][Dv+8]
+  Storage* sq = kQInStage ? sk + (kStages - 1) * kKTile : reinterpret_cast<Storage*>(smem);
+  int32_t* s_idx = reinterpret_cast<int32_t*>(sv + kStages * kVTile);
   const int tokens_per_tile = kTileRows >> p.log2_group;
   uint32_t* s_bitmap = reinterpret_cast<uint32_t*>(s_idx + tokens_per_tile * p.n_sel);  // [bitmap_words]
   int32_t* s_union = reinterpret_cast<int32_t*>(s_bitmap + p.bitmap_words);            // [union_capacity]
@@ -110,10 +119,15 @@ __global__ void __launch_bounds__(kThreads) slc_win_attention_kernel(const SlcWi
     int count, block;
     chunk_range(c, first, count, block);
     const bool slc = c < slc_chunks;
-    Tile::template load_rows<kDqk>(sk + buf * kKeyChunk * Tile::kKStride,
-                                   (slc ? ks + first * p.ks_st : kw + first * p.kw_st), slc ? p.ks_st : p.kw_st, count);
-    Tile::template load_rows<kDv>(sv + buf * kKeyChunk * Tile::kVStride,
-                                  (slc ? vs + first * p.vs_st : vw + first * p.vw_st), slc ? p.vs_st : p.vw_st, count);
+    Tile::template load_rows<kDqk>(sk + buf * kKTile, (slc ? ks + first * p.ks_st : kw + first * p.kw_st),
+                                   slc ? p.ks_st : p.kw_st, count);
+    Tile::template load_rows<kDv>(sv + buf * kVTile, (slc ? vs + first * p.vs_st : vw + first * p.vw_st),
+                                  slc ? p.vs_st : p.vw_st, count);
+  };
+  // One commit group per chunk slot, empty past the last chunk, so that the wait counts below
+  // hold whatever the number of chunks.
+  auto issue_chunk = [&](int c) {
+    if (c < num_chunks) load_chunk(c, c % kStages);
     cp_async_commit();
   };
 
@@ -164,19 +178,19 @@ __global__ void __launch_bounds__(kThreads) slc_win_attention_kernel(const SlcWi
     st.reset();
   };
 
-  if (num_chunks > 0) load_chunk(0, 0);
-  cp_async_wait<0>();
+  // Prologue: chunks 0 .. kStages-2 into buffers 0 .. kStages-2 (not the one Q may occupy).
+  for (int c = 0; c < kStages - 1; ++c) issue_chunk(c);
+  cp_async_wait<kStages - 1>();  // the Q group has landed
   __syncthreads();
   st.load_q_fragments(sq);
+  if constexpr (kQInStage) __syncthreads();  // Q's buffer is free once every warp holds its fragments
   for (int c = 0; c < num_chunks; ++c) {
     if (c == slc_chunks) finish_branch(0);  // the window branch starts
-    if (c + 1 < num_chunks) {
-      load_chunk(c + 1, (c + 1) & 1);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    cp_async_wait<kStages - 2>();  // chunk c has landed (later chunks may still be in flight)
+    // One barrier per chunk: after it chunk c is visible to all and every warp is done with chunk
+    // c - 1, whose buffer now receives chunk c + kStages - 1.
     __syncthreads();
+    issue_chunk(c + kStages - 1);
     int64_t first;
     int count, block;
     chunk_range(c, first, count, block);
@@ -196,7 +210,7 @@ __global__ void __launch_bounds__(kThreads) slc_win_attention_kernel(const SlcWi
     // tile's union is wide (random scores: neighbouring tokens share few blocks).
     if (__any_sync(0xffffffffu, row_on[0] || row_on[1])) {
     float s[Tile::kSTiles][4];
-    st.scores(s, sk + (c & 1) * kKeyChunk * Tile::kKStride);
+    st.scores(s, sk + (c % kStages) * kKTile);
 #pragma unroll
     for (int i = 0; i < Tile::kSTiles; ++i)
 #pragma unroll
@@ -209,9 +223,8 @@ __global__ void __launch_bounds__(kThreads) slc_win_attention_kernel(const SlcWi
         s[i][e] = on ? s[i][e] * p.scale_log2 : kNegInf;
       }
     st.softmax_update(s);
-    st.accumulate_pv(s, sv + (c & 1) * kKeyChunk * Tile::kVStride);
+    st.accumulate_pv(s, sv + (c % kStages) * kVTile);
     }
-    __syncthreads();
   }
   if (slc_chunks == num_chunks) finish_branch(0);  // no window chunk came
   finish_branch(1);
