@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import needs_torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -19,9 +21,10 @@ def test_torch_example_runs():
 
 
 @needs_torch
-def test_docs_example_runs_as_written():
-    """The example of docs/python.md (the README's) is the block after its <!-- example --> mark."""
-    with open(os.path.join(ROOT, "docs", "python.md")) as f:
+@pytest.mark.parametrize("document", ["README.md", os.path.join("docs", "python.md")])
+def test_docs_example_runs_as_written(document):
+    """The PyTorch example of the README and of docs/python.md: the block after the <!-- example --> mark."""
+    with open(os.path.join(ROOT, document)) as f:
         text = f.read()
     start = text.index("```python", text.index("<!-- example -->")) + len("```python")
     code = text[start:text.index("```", start)]
