@@ -8,7 +8,13 @@ command -v cmake >/dev/null || need+=(cmake)
 command -v ninja >/dev/null || need+=(ninja-build)
 command -v g++ >/dev/null || need+=(g++)
 [ -f /usr/include/gtest/gtest.h ] || need+=(libgtest-dev)
-command -v python3 >/dev/null || need+=(python3 python3-pip python3-venv)
+if ! command -v python3 >/dev/null; then
+  need+=(python3 python3-pip python3-venv)
+else
+  # The Python tests make a virtual environment: Debian's python3 needs python3-venv for it.
+  python3 -c "import ensurepip, venv" 2>/dev/null || need+=(python3-venv)
+  python3 -m pip --version >/dev/null 2>&1 || need+=(python3-pip)
+fi
 if [ ${#need[@]} -gt 0 ]; then
   SUDO=""
   [ "$(id -u)" -ne 0 ] && SUDO="sudo"
