@@ -87,6 +87,14 @@ struct BwdArgs {
   float* dkc_part = nullptr;
   float* dvc_part = nullptr;
   int cmp_splits = 1;
+  // Forced initial blocks (j < n_init) are selected by every later query: one block's list is
+  // as long as the sequence, a serial tail for the one block that owns it. When the list is
+  // exactly that range, its query tiles are split over slc_splits blocks (0: off) whose fp32
+  // partials [slc_splits][B * n_init * lp_pad, Hkv, D] the owner adds in split order.
+  float* slc_part_k = nullptr;
+  float* slc_part_v = nullptr;
+  int slc_splits = 0;
+  int lp_pad = 64;  // l' rounded up to whole key tiles
   int64_t rc = 0;  // rows of the compressed tensors, floor(T / d)
   PhiDxArgs phi_k, phi_v;
 };
@@ -445,7 +453,13 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
 
 // ---- dkv_kernel --------------------------------------------------------------------------
 
-enum class KeySet : int { raw = 0, cmp = 1 };
+enum class KeySet : int { raw = 0, cmp = 1, slc_forced = 2 };
+
+// Whether the selection list of block j (< n_init) of a sequence is the whole range of queries
+// t >= j * l' (what the spec's forced initial blocks give): then slc_forced blocks own it.
+__device__ __forceinline__ bool forced_split(const BwdArgs& a, int j, int len, int first, int last) {
+  return a.slc_splits > 0 && j < a.n_init && last - first == len - j * a.lp;
+}
 
 template <typename E, int DQK, int DV>
 struct DkvSmem {
@@ -510,9 +524,9 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
 
   // Which key tile this block owns.
   int b, key0, nk, j = 0;
-  if constexpr (kSet == KeySet::raw) {
+  if constexpr (kSet != KeySet::cmp) {
     const int chunks = (a.lp + kKeys - 1) / kKeys;
-    const int per_seq = a.n_slc_max * chunks;
+    const int per_seq = (kSet == KeySet::raw ? a.n_slc_max : a.n_init) * chunks;
     b = blockIdx.x / per_seq;
     j = (blockIdx.x % per_seq) / chunks;
     key0 = j * a.lp + (blockIdx.x % chunks) * kKeys;  // first key position
@@ -523,7 +537,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
   }
   const int64_t s0 = seq_start(a.cu, b);
   const int len = int(seq_start(a.cu, b + 1) - s0);
-  if constexpr (kSet == KeySet::raw) {
+  if constexpr (kSet != KeySet::cmp) {
     if (key0 >= len) return;
     nk = min(kKeys, min((j + 1) * a.lp, len) - key0);
   } else {
@@ -531,7 +545,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
     if (key0 >= nc) return;
     nk = min(kKeys, nc - key0);
   }
-  const KeyTile kt = kSet == KeySet::raw ? KeyTile{nk, key0, 1}
+  const KeyTile kt = kSet != KeySet::cmp ? KeyTile{nk, key0, 1}
                                          : KeyTile{nk, key0 * a.d + a.l - 1, a.d};
 
   FragC acc_k[DQK / 16], acc_v[DV / 16];
@@ -588,7 +602,12 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
   };
 
   // Writes the accumulated dK/dV rows (plus phi's gradient in shared mode) and clears them.
-  auto epilogue = [&](OutMat3 dk_out, OutMat3 dv_out, bool add_phi, float* part_k, float* part_v) {
+  // Forced-block partial slot of key c of this tile: ((b * n_init + j) * lp_pad + key0 - j l' + c).
+  auto forced_row = [&](int c) -> int64_t {
+    return (int64_t(b) * a.n_init + j) * a.lp_pad + (key0 - j * a.lp) + c;
+  };
+  auto epilogue = [&](OutMat3 dk_out, OutMat3 dv_out, bool add_phi, bool add_forced, float* part_k,
+                      float* part_v) {
     float* sOut = reinterpret_cast<float*>(smem);
     for (int which = 0; which < 2; ++which) {
       const int D = which == 0 ? DQK : DV;
@@ -607,12 +626,20 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
         const int c = e / D, col = e % D;
         float val = sOut[c * (D + 4) + col];
         if constexpr (kSet == KeySet::raw) {
+          if (add_forced) {
+            const float* part = which == 0 ? a.slc_part_k : a.slc_part_v;
+            const int64_t plane = int64_t(a.B) * a.n_init * a.lp_pad * a.hkv * D;
+            for (int z = 0; z < a.slc_splits; ++z) val += part[z * plane + (forced_row(c) * a.hkv + hk) * D + col];
+          }
           if (add_phi) val += phi_dx<E>(which == 0 ? a.phi_k : a.phi_v, a, D, s0, len, key0 + c, hk, col);
           const OutMat3& o = which == 0 ? dk_out : dv_out;
           static_cast<E*>(o.p)[(s0 + key0 + c) * o.s0 + hk * o.s1 + col] = from_float<E>(val);
-        } else {
+        } else if constexpr (kSet == KeySet::cmp) {
           float* part = which == 0 ? part_k : part_v;
           part[((cmp_row_offset(s0, a.d) + key0 + c) * a.hkv + hk) * D + col] = val;
+        } else {
+          float* part = which == 0 ? part_k : part_v;
+          part[(forced_row(c) * a.hkv + hk) * D + col] = val;
         }
       }
     }
@@ -633,9 +660,15 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
         tile_step();
       }
     }
-    if (!a.shared_kv) epilogue(a.grad_k[kWin], a.grad_v[kWin], false, nullptr, nullptr);
-    // Selection: the queries that selected block j (inverted index), ascending.
+    if (!a.shared_kv) epilogue(a.grad_k[kWin], a.grad_v[kWin], false, false, nullptr, nullptr);
+    // Selection: the queries that selected block j (inverted index), ascending; a forced initial
+    // block whose list is the whole range was done by the slc_forced blocks.
+    bool forced = false;
     if (a.n > 0) {
+      const int64_t key = (int64_t(hk) * a.B + b) * a.n_slc_max + j;
+      forced = forced_split(a, j, len, a.sel_offsets[key], a.sel_offsets[key + 1]);
+    }
+    if (a.n > 0 && !forced) {
       const Mat3& Ks = a.k[kSlc];
       const Mat3& Vs = a.v[kSlc];
       load_kv(static_cast<const E*>(Ks.p) + (s0 + key0) * Ks.s0 + hk * Ks.s1, Ks.s0,
@@ -648,8 +681,28 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
         tile_step();
       }
     }
-    if (a.shared_kv) epilogue(a.grad_k[kCmp], a.grad_v[kCmp], true, nullptr, nullptr);
-    else epilogue(a.grad_k[kSlc], a.grad_v[kSlc], false, nullptr, nullptr);
+    if (a.shared_kv) epilogue(a.grad_k[kCmp], a.grad_v[kCmp], true, forced, nullptr, nullptr);
+    else epilogue(a.grad_k[kSlc], a.grad_v[kSlc], false, forced, nullptr, nullptr);
+  } else if constexpr (kSet == KeySet::slc_forced) {
+    // One split (blockIdx.z) of the list of a forced initial block: fp32 partials.
+    const int64_t key = (int64_t(hk) * a.B + b) * a.n_slc_max + j;
+    const int first = a.sel_offsets[key], last = a.sel_offsets[key + 1];
+    if (!forced_split(a, j, len, first, last)) return;  // the raw blocks handle this list
+    const Mat3& Ks = a.k[kSlc];
+    const Mat3& Vs = a.v[kSlc];
+    load_kv(static_cast<const E*>(Ks.p) + (s0 + key0) * Ks.s0 + hk * Ks.s1, Ks.s0,
+            static_cast<const E*>(Vs.p) + (s0 + key0) * Vs.s0 + hk * Vs.s1, Vs.s0);
+    const int ntiles = (last - first + tq - 1) / tq;
+    const int per_split = (ntiles + a.slc_splits - 1) / a.slc_splits;
+    const int z = blockIdx.z;
+    for (int ti = z * per_split; ti < min(ntiles, (z + 1) * per_split); ++ti) {
+      const int i0 = first + ti * tq;
+      set_rows(kSlc, [&](int u) { return a.sel_tokens[i0 + u]; }, min(tq, last - i0));
+      tile_step();
+    }
+    const int64_t plane_k = int64_t(a.B) * a.n_init * a.lp_pad * a.hkv * DQK;
+    const int64_t plane_v = int64_t(a.B) * a.n_init * a.lp_pad * a.hkv * DV;
+    epilogue(OutMat3{}, OutMat3{}, false, false, a.slc_part_k + z * plane_k, a.slc_part_v + z * plane_v);
   } else {
     // Compressed keys: queries t >= key0 * d + l - 1, split in a.cmp_splits ranges (blockIdx.z).
     load_kv(static_cast<const E*>(a.kc) + (cmp_row_offset(s0, a.d) + key0) * a.hkv * DQK + hk * DQK,
@@ -667,11 +720,11 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
       tile_step();
     }
     const int64_t part_elems_k = a.rc * a.hkv * DQK, part_elems_v = a.rc * a.hkv * DV;
-    epilogue(OutMat3{}, OutMat3{}, false, a.dkc_part + z * part_elems_k, a.dvc_part + z * part_elems_v);
+    epilogue(OutMat3{}, OutMat3{}, false, false, a.dkc_part + z * part_elems_k, a.dvc_part + z * part_elems_v);
   }
 }
 
-// ---- launch: phase 0 = dq_kernel, 1 = dkv_kernel<cmp>, 2 = dkv_kernel<raw> ------------------
+// ---- launch: phase 0 = dq_kernel, 1 = dkv_kernel<cmp>, 2 = <raw>, 3 = <slc_forced> ----------
 // Explicitly instantiated once per dtype and Dqk (attention_<dtype>_hdim<Dqk>.cu).
 
 template <typename E, int DQK, int DV>
@@ -695,6 +748,12 @@ void launch_attention(const BwdArgs& a, cudaStream_t s, int phase) {
     const int64_t tiles = a.B * ((num_cmp_blocks(a.max_seqlen, a.l, a.d) + kKeys - 1) / kKeys);
     if (tiles == 0) return;
     kernel<<<dim3(unsigned(tiles), unsigned(a.hkv), unsigned(a.cmp_splits)), kThreads, smem, s>>>(a);
+  } else if (phase == 3) {
+    auto* kernel = dkv_kernel<E, DQK, DV, KeySet::slc_forced>;
+    NSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    const int64_t tiles = a.B * int64_t(a.n_init) * ((a.lp + kKeys - 1) / kKeys);
+    if (tiles == 0 || a.slc_splits == 0) return;
+    kernel<<<dim3(unsigned(tiles), unsigned(a.hkv), unsigned(a.slc_splits)), kThreads, smem, s>>>(a);
   } else {
     auto* kernel = dkv_kernel<E, DQK, DV, KeySet::raw>;
     NSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));

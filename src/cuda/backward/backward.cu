@@ -51,6 +51,9 @@ constexpr int kMaxSplits = 8;
 constexpr int64_t kMaxPartialBytes = int64_t(32) << 20;  // keeps mlp's dW1 partials at 32 MB
 constexpr int kMaxCmpSplits = 4;    // query-range splits of the compressed dk/dv (memory: see docs)
 constexpr int kCmpSplitTokens = 1024;
+constexpr int kMaxForcedSplits = 16;       // splits of a forced initial block's query list
+constexpr int kForcedSplitTokens = 1024;   // one more split per this many tokens of max_seqlen
+constexpr int64_t kMaxForcedPartialBytes = int64_t(32) << 20;
 
 constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2 / pi), GELU's tanh form
 constexpr float kGeluA = 0.044715f;
@@ -355,13 +358,17 @@ struct Layout {
   size_t sort_temp_bytes = 0;
   float* gemm_part = nullptr; // [splits][max phi parameter size]
   float* colsum = nullptr;    // [max(F, D)]
+  float* slc_part_k = nullptr;  // [slc_splits][B * n_init * lp_pad, Hkv, Dqk]
+  float* slc_part_v = nullptr;
   int cmp_splits = 1;
+  int slc_splits = 0;
+  int lp_pad = 64;
   int row_splits = 1;
   size_t bytes = 0;
 };
 
 struct Sizes {
-  int64_t T, B, max_seqlen, hq, hkv, dqk, dv, F, l, d, lp, n;
+  int64_t T, B, max_seqlen, hq, hkv, dqk, dv, F, l, d, lp, n, n_init;
   bool has_params;  // phi = linear or mlp
 };
 
@@ -397,6 +404,18 @@ Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
     L.sort_temp = w.take<unsigned char>(L.sort_temp_bytes);
   }
   L.offsets = w.take<int32_t>(size_t(z.hkv * z.B * n_slc_max + 1));
+  L.lp_pad = int((z.lp + kKeys - 1) / kKeys * kKeys);
+  if (z.n > 0 && z.n_init > 0) {
+    const int64_t rows_forced = z.B * z.n_init * L.lp_pad * z.hkv;
+    const int64_t by_len = (z.max_seqlen + kForcedSplitTokens - 1) / kForcedSplitTokens;
+    const int64_t by_bytes = kMaxForcedPartialBytes / std::max<int64_t>(1, rows_forced * (z.dqk + z.dv) * 4);
+    const int64_t splits = std::min<int64_t>({by_len, by_bytes, kMaxForcedSplits});
+    if (splits >= 2) {
+      L.slc_splits = int(splits);
+      L.slc_part_k = w.take<float>(size_t(splits * rows_forced * z.dqk));
+      L.slc_part_v = w.take<float>(size_t(splits * rows_forced * z.dv));
+    }
+  }
   const int64_t D = std::max(z.dqk, z.dv);
   if (z.has_params) {  // split-K partials of phi's parameter gradients, capped in bytes
     const int64_t param = std::max({z.F * z.l * D, D * z.F, D * z.l * D});
@@ -412,7 +431,8 @@ Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
 
 Sizes sizes_of(const Config& cfg, const Problem& p, int64_t F) {
   return Sizes{p.total_tokens, p.batch, p.max_seqlen, p.hq, p.hkv, p.dqk, p.dv, F,
-               cfg.cmp_block_len, cfg.cmp_stride, cfg.slc_block_len, cfg.n_selected, cfg.phi != PhiKind::mean};
+               cfg.cmp_block_len, cfg.cmp_stride, cfg.slc_block_len, cfg.n_selected, cfg.n_init,
+               cfg.phi != PhiKind::mean};
 }
 
 Mat3 mat3(const TensorView& t) { return Mat3{t.data, t.ndim > 0 ? t.stride[0] : 0, t.ndim > 1 ? t.stride[1] : 0}; }
@@ -592,6 +612,10 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
   a.dkc_part = L.dkc_part;
   a.dvc_part = L.dvc_part;
   a.cmp_splits = L.cmp_splits;
+  a.slc_part_k = L.slc_part_k;
+  a.slc_part_v = L.slc_part_v;
+  a.slc_splits = L.slc_splits;
+  a.lp_pad = L.lp_pad;
   a.rc = rc;
 
   // 1b. Compressed keys/values through phi (as the forward computes them).
@@ -658,7 +682,9 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
     a.phi_k.kind = a.phi_v.kind = 0;
   }
 
-  // 6. Window + selection dk/dv (shared K/V: plus phi's gradient).
+  // 6. Window + selection dk/dv (shared K/V: plus phi's gradient); the forced initial blocks'
+  //    long query lists first, split.
+  if (a.slc_splits > 0) dispatch_dims<E>(a, s, 3);
   dispatch_dims<E>(a, s, 2);
   if (!p.cfg.shared_kv) {
     phi_dx_kernel<E><<<blocks_for(p.T * p.hkv * p.dqk), 256, 0, s>>>(a, a.phi_k, a.dqk, a.grad_k[kCmp]);
