@@ -9,7 +9,8 @@
 // of once per token.
 // Window: the keys [t0 - w + 1, t_last] of the tile, masked per row to [t - w + 1, t].
 // The two branches run one after the other with the same Q fragments; the gated sum
-// g_slc o_slc + g_win o_win + g_cmp o_cmp is formed in registers and written once.
+// g_slc o_slc + g_win o_win + g_cmp o_cmp is formed in registers and written once (o_slc held
+// rounded to the storage type, as a plain implementation stores each branch output).
 #pragma once
 
 #include "cuda/attention_tile.cuh"
@@ -17,6 +18,16 @@
 #include "nsa/blocks.h"
 
 namespace nsa::cuda {
+
+// The two values of a register packed by StorageTraits::pack, back to fp32 (exact).
+template <typename Storage>
+__device__ __forceinline__ float2 unpack_pair(uint32_t packed) {
+  if constexpr (StorageTraits<Storage>::is_bf16) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed));
+  } else {
+    return __half22float2(*reinterpret_cast<const __half2*>(&packed));
+  }
+}
 
 template <typename Storage, int kDqk, int kDv>
 __global__ void __launch_bounds__(kThreads) slc_win_attention_kernel(const SlcWinParams p) {
@@ -145,16 +156,25 @@ __global__ void __launch_bounds__(kThreads) slc_win_attention_kernel(const SlcWi
 
   Tile st;
   st.reset();
-  float comb[Tile::kOTiles][4];
-#pragma unroll
-  for (int i = 0; i < Tile::kOTiles; ++i) comb[i][0] = comb[i][1] = comb[i][2] = comb[i][3] = 0.f;
+  // The selection branch's normalised output, rounded to the storage type as a plain
+  // implementation stores o_slc, two values per register (rows group and group + 8 of each n8
+  // tile). A second fp32 accumulator for the gated sum held 64 more registers through the window
+  // loop (255 registers with spills); packed, it holds 32.
+  uint32_t slc_out[Tile::kOTiles][2];
 
-  // Normalises the finished branch (0 = slc, 1 = win), writes what is wanted, adds g * o_b.
+  // Normalises the finished branch (0 = slc, 1 = win) and writes what is wanted; after the
+  // window branch, o = g_cmp o_cmp + g_slc o_slc + g_win o_win is formed and written once.
   auto finish_branch = [&](int branch) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float lse2, inv;
       st.finish_row(h, lse2, inv);
+      uint32_t packed[Tile::kOTiles];
+#pragma unroll
+      for (int i = 0; i < Tile::kOTiles; ++i) {
+        packed[i] = Traits::pack(st.acc[i][2 * h] * inv, st.acc[i][2 * h + 1] * inv);
+        if (branch == 0) slc_out[i][h] = packed[i];
+      }
       if (t_row[h] < 0) continue;
       const int64_t t = s0 + t_row[h];
       if (p.lse[branch] != nullptr && quad == 0)
@@ -162,16 +182,20 @@ __global__ void __launch_bounds__(kThreads) slc_win_attention_kernel(const SlcWi
       if (p.o_branch[branch] != nullptr) {
         Storage* orow = static_cast<Storage*>(p.o_branch[branch]) + t * p.ob_st[branch] + head[h] * p.ob_sh[branch];
 #pragma unroll
-        for (int i = 0; i < Tile::kOTiles; ++i)
-          *reinterpret_cast<uint32_t*>(orow + i * 8 + 2 * quad) =
-              Traits::pack(st.acc[i][2 * h] * inv, st.acc[i][2 * h + 1] * inv);
+        for (int i = 0; i < Tile::kOTiles; ++i) *reinterpret_cast<uint32_t*>(orow + i * 8 + 2 * quad) = packed[i];
       }
-      if (p.combine) {
-        const float gate = to_float(static_cast<const Storage*>(p.g)[t * p.g_st + head[h] * p.g_sh + 1 + branch]);
+      if (branch == 1 && p.combine) {
+        const Storage* g = static_cast<const Storage*>(p.g) + t * p.g_st + head[h] * p.g_sh;
+        const float g_cmp = to_float(g[0]), g_slc = to_float(g[1]), g_win = to_float(g[2]);
+        const Storage* oc = static_cast<const Storage*>(p.o_cmp) + t * p.oc_st + head[h] * p.oc_sh;
+        Storage* orow = static_cast<Storage*>(p.o) + t * p.o_st + head[h] * p.o_sh;
 #pragma unroll
         for (int i = 0; i < Tile::kOTiles; ++i) {
-          comb[i][2 * h] += gate * st.acc[i][2 * h] * inv;
-          comb[i][2 * h + 1] += gate * st.acc[i][2 * h + 1] * inv;
+          const int col = i * 8 + 2 * quad;
+          const float2 o_slc = unpack_pair<Storage>(slc_out[i][h]);
+          const float lo = g_slc * o_slc.x + g_win * st.acc[i][2 * h] * inv + g_cmp * to_float(oc[col]);
+          const float hi = g_slc * o_slc.y + g_win * st.acc[i][2 * h + 1] * inv + g_cmp * to_float(oc[col + 1]);
+          *reinterpret_cast<uint32_t*>(orow + col) = Traits::pack(lo, hi);
         }
       }
     }
@@ -228,22 +252,6 @@ __global__ void __launch_bounds__(kThreads) slc_win_attention_kernel(const SlcWi
   }
   if (slc_chunks == num_chunks) finish_branch(0);  // no window chunk came
   finish_branch(1);
-  if (!p.combine) return;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    if (t_row[h] < 0) continue;
-    const int64_t t = s0 + t_row[h];
-    const Storage* g = static_cast<const Storage*>(p.g) + t * p.g_st + head[h] * p.g_sh;
-    const float gate = to_float(g[0]);
-    const Storage* oc = static_cast<const Storage*>(p.o_cmp) + t * p.oc_st + head[h] * p.oc_sh;
-    Storage* orow = static_cast<Storage*>(p.o) + t * p.o_st + head[h] * p.o_sh;
-#pragma unroll
-    for (int i = 0; i < Tile::kOTiles; ++i) {
-      const int col = i * 8 + 2 * quad;
-      orow[col] = from_float<Storage>(comb[i][2 * h] + gate * to_float(oc[col]));
-      orow[col + 1] = from_float<Storage>(comb[i][2 * h + 1] + gate * to_float(oc[col + 1]));
-    }
-  }
 }
 
 template <typename Storage, int kDqk, int kDv>
@@ -251,6 +259,10 @@ void launch_slc_win_attention(const SlcWinParams& p, cudaStream_t stream) {
   const size_t smem = slc_win_smem_bytes(kDqk, kDv, p.group, p.union_capacity, p.bitmap_words, p.n_sel);
   const auto kernel = slc_win_attention_kernel<Storage, kDqk, kDv>;
   NSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  // The whole unified L1/shared array as shared memory: two CTAs per SM need it (left to the
+  // driver, the carve-out can be chosen smaller).
+  NSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                      static_cast<int>(cudaSharedmemCarveoutMaxShared)));
   const int tokens_per_tile = kTileRows / p.group;
   const int64_t tiles = (p.seqs.max_seqlen + tokens_per_tile - 1) / tokens_per_tile;
   const dim3 grid(static_cast<unsigned>(tiles * p.seqs.batch), static_cast<unsigned>(p.hkv));
