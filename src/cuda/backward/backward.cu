@@ -700,6 +700,8 @@ void check_supported(const Config& cfg, const Problem& p) {
   cuda::require_supported_group(p.hq / std::max<int64_t>(p.hkv, 1));
   if (p.max_seqlen > INT32_MAX / 2)
     throw Error("max_seqlen", std::to_string(p.max_seqlen), "must be < 2^30 for the cuda backward");
+  if (p.total_tokens > INT32_MAX / 2)  // packed token indices are int32 in the kernels
+    throw Error("T (total tokens)", std::to_string(p.total_tokens), "must be < 2^30 for the cuda backward");
   (void)cfg;
 }
 
