@@ -237,7 +237,7 @@ Fn require_op(const BackendOps& ops, Fn fn, const char* op) {
 }
 
 void check_workspace(const BackendOps& ops, const Plan& p, Op op, const Problem& prob, Workspace ws) {
-  const size_t need = ops.workspace_size ? ops.workspace_size(op, p.cfg, prob) : 0;
+  const size_t need = ops.workspace_size ? ops.workspace_size(p.ctx, op, p.cfg, prob) : 0;
   if (need == 0) return;
   if (ws.bytes < need)
     throw Error("workspace.bytes", std::to_string(ws.bytes),
@@ -351,7 +351,7 @@ size_t workspace_size(const Context& ctx, Op op, const Config& cfg, const Proble
   probe.device = problem.device;
   Context c = ctx;
   const BackendOps& ops = resolve_backend(c, probe, "problem");
-  return ops.workspace_size ? ops.workspace_size(op, cfg, problem) : 0;
+  return ops.workspace_size ? ops.workspace_size(c, op, cfg, problem) : 0;
 }
 
 void compress_fwd(const Context& ctx, const Config& cfg, const PhiParams& phi, const TensorView& x,

@@ -36,7 +36,8 @@ struct Plan {
 // nsa::Error naming the backend and the operation (never a silent fallback).
 struct BackendOps {
   const char* name;
-  size_t (*workspace_size)(Op op, const Config& cfg, const Problem& problem);
+  // ctx is resolved (never automatic); num_threads sizes the CPU backends' per-thread scratch.
+  size_t (*workspace_size)(const Context& ctx, Op op, const Config& cfg, const Problem& problem);
   void (*compress_fwd)(const Plan&, const PhiParams& phi, const TensorView& x, const TensorView& xc,
                        Workspace ws);
   void (*compress_bwd)(const Plan&, const PhiParams& phi, const TensorView& x,

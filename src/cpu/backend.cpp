@@ -18,10 +18,10 @@ size_t workspace_bytes(Op op, const Config& call_cfg, const Problem& problem, in
 
 namespace {
 
-// Sized for OpenMP's default thread count (or the core count, when larger); a call with more
-// threads (Context::num_threads) needs workspace_bytes(op, cfg, problem, threads).
-size_t workspace_size(Op op, const Config& cfg, const Problem& problem) {
-  return workspace_bytes(op, cfg, problem, default_slots());
+// Sized for the call's threads: Context::num_threads, or when 0 OpenMP's default thread count
+// (or the core count, when larger).
+size_t workspace_size(const Context& ctx, Op op, const Config& cfg, const Problem& problem) {
+  return workspace_bytes(op, cfg, problem, ctx.num_threads > 0 ? ctx.num_threads : default_slots());
 }
 
 const detail::BackendOps kOps = {

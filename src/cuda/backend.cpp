@@ -143,7 +143,7 @@ struct ForwardWorkspace {
   }
 };
 
-size_t workspace_size(Op op, const Config& cfg, const Problem& pr) {
+size_t workspace_size(const Context&, Op op, const Config& cfg, const Problem& pr) {
   switch (op) {
     case Op::compress_fwd:
       return cfg.phi == PhiKind::mlp

@@ -209,7 +209,7 @@ void backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, cons
   }
 }
 
-size_t workspace_size(Op, const Config&, const Problem&) { return 0; }
+size_t workspace_size(const Context&, Op, const Config&, const Problem&) { return 0; }
 
 const detail::BackendOps kOps = {
     "reference",           workspace_size,          compress_fwd,         compress_bwd,
