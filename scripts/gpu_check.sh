@@ -6,7 +6,7 @@
 #   scripts/gpu_check.sh [SOURCE_DIR]        (default: this repository)
 #
 # Environment: OUT (log folder), BUILD_DIR (default /tmp/nsa-gpu-build), JOBS (default 16),
-# SKIP="tests memcheck bench" (any subset), BENCH_ARGS (e.g. --quick).
+# SKIP="host_tests cuda_tests memcheck cli_bench bench bench_backward python_tests" (any subset), BENCH_ARGS (e.g. --quick).
 # To add a step: write a function and call `step NAME function` below; its output lands in
 # $OUT/NAME.log and its status in $OUT/summary.txt.
 set -u -o pipefail
@@ -88,6 +88,10 @@ bench_backward() {  # issue 5: forward+backward against SDPA forward+backward, s
   PYTHONUNBUFFERED=1 python3 "$SRC/bench/sdpa_backward_baseline.py" "$OUT/nsa_backward_bench.csv" --markdown "$OUT/bench_backward.md"
 }
 
+# issue 6: the whole Python suite with the CUDA backend built in (the GPU machine has torch, numpy,
+# nanobind and pytest; the extension is built with CMake, no network needed).
+python_tests() { NSA_PY_BUILD=cmake NSA_PY_CUDA=ON PYTHON=python3 "$SRC/scripts/test_python.sh"; }
+
 step build build || { echo "build failed: see $OUT/build.log"; tail -40 "$OUT/build.log"; exit 1; }
 step host_tests host_tests
 step cuda_tests cuda_tests
@@ -95,5 +99,6 @@ step memcheck memcheck
 step cli_bench cli_bench
 step bench bench
 step bench_backward bench_backward
+step python_tests python_tests
 cat "$SUMMARY"
 exit $FAILED
