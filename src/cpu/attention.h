@@ -462,8 +462,7 @@ inline void attend_cmp_fwd(const Dims& d, const Branch& br, int64_t lp, const Se
         sc.m[r] = kNegInf;
         continue;
       }
-      float mx = kNegInf;
-      for (int64_t j = 0; j < Ct; ++j) mx = std::max(mx, srow[j]);
+      const float mx = K.row_max(srow, Cp);  // entries past Ct are -inf
       for (int64_t j = 0; j < Ct; ++j) srow[j] -= mx;
       sc.m[r] = mx;
     }
@@ -471,8 +470,7 @@ inline void attend_cmp_fwd(const Dims& d, const Branch& br, int64_t lp, const Se
   K.exp_inplace(sc.sfull, M * Cp);
   for (int64_t r = 0; r < M; ++r) {
     float* srow = sc.sfull + r * Cp;
-    float sum = 0.0f;
-    for (int64_t j = 0; j < Cp; ++j) sum += srow[j];
+    const float sum = K.row_sum(srow, Cp);
     if (sum > 0.0f) {
       const float inv = 1.0f / sum;
       for (int64_t j = 0; j < Cp; ++j) srow[j] *= inv;  // p_cmp, exact per row
