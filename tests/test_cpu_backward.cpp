@@ -263,3 +263,74 @@ TEST(CpuWorkspace, TooSmallForTheThreadsIsAnError) {
 }
 
 }  // namespace
+
+namespace {
+
+// Empty sequences only (T = 0) and strided (non-contiguous) inputs.
+TEST(CpuEdges, EmptyBatchRuns) {
+  Config cfg;
+  cfg.cmp_block_len = 8;
+  cfg.cmp_stride = 4;
+  cfg.slc_block_len = 16;
+  cfg.n_selected = 3;
+  cfg.window = 12;
+  Sizes s = make_sizes({0, 0}, 4, 2, 8, 8);
+  s.dtype = DType::bf16;
+  LayerProblem p = make_problem(cfg, s, 3);
+  Context ctx;
+  ctx.backend = Backend::cpu;
+  const Problem pr = problem_of(cfg, p.inputs());
+  OwnedWorkspace wf = cpu_workspace(Op::forward, cfg, pr);
+  forward(ctx, cfg, p.inputs(), p.outputs(), wf.ws);
+  OwnedWorkspace wb = cpu_workspace(Op::backward, cfg, pr);
+  backward(ctx, cfg, p.inputs(), p.outputs(), p.d_o.view(), p.gradients(), wb.ws);
+  SUCCEED();
+}
+
+// A view whose rows are padded (stride larger than the row) reads the same numbers.
+TensorView padded_copy(const HostTensor& t, std::vector<float>& storage, int64_t pad) {
+  const auto& sh = t.shape();
+  const int64_t rows = sh[0], heads = sh[1], dim = sh[2];
+  storage.assign(static_cast<size_t>(rows * heads * (dim + pad)), -12345.0f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t c = 0; c < dim; ++c)
+        storage[static_cast<size_t>((r * heads + h) * (dim + pad) + c)] = static_cast<float>(t.get((r * heads + h) * dim + c));
+  return make_view(storage.data(), DType::f32, {rows, heads, dim}, {heads * (dim + pad), dim + pad, 1});
+}
+
+TEST(CpuEdges, StridedInputsGiveTheSameBits) {
+  Config cfg;
+  cfg.cmp_block_len = 8;
+  cfg.cmp_stride = 4;
+  cfg.slc_block_len = 16;
+  cfg.n_selected = 3;
+  cfg.window = 12;
+  cfg.phi = PhiKind::linear;
+  Sizes s = make_sizes({45, 20}, 4, 2, 8, 16);
+  s.dtype = DType::f32;
+  LayerProblem a = make_problem(cfg, s, 9);
+  LayerProblem b = a;
+  std::vector<float> qs, ks, vs;
+  Inputs in_b = b.inputs();
+  in_b.q = padded_copy(b.q, qs, 3);
+  in_b.kv[kSlc].k = padded_copy(b.k[kSlc], ks, 5);
+  in_b.kv[kWin].v = padded_copy(b.v[kWin], vs, 1);
+  Context ctx;
+  ctx.backend = Backend::cpu;
+  const Problem pr = problem_of(cfg, a.inputs());
+  OwnedWorkspace wf = cpu_workspace(Op::forward, cfg, pr);
+  forward(ctx, cfg, a.inputs(), a.outputs(), wf.ws);
+  forward(ctx, cfg, in_b, b.outputs(), wf.ws);
+  EXPECT_EQ(a.o.values(), b.o.values());
+  EXPECT_EQ(a.indices.values(), b.indices.values());
+  OwnedWorkspace wb = cpu_workspace(Op::backward, cfg, pr);
+  backward(ctx, cfg, a.inputs(), a.outputs(), a.d_o.view(), a.gradients(), wb.ws);
+  backward(ctx, cfg, in_b, b.outputs(), b.d_o.view(), b.gradients(), wb.ws);
+  EXPECT_EQ(a.dq.values(), b.dq.values());
+  EXPECT_EQ(a.dk[kSlc].values(), b.dk[kSlc].values());
+  EXPECT_EQ(a.dv[kWin].values(), b.dv[kWin].values());
+  EXPECT_EQ(a.dphi_k[0].values(), b.dphi_k[0].values());
+}
+
+}  // namespace
