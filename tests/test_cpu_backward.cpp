@@ -239,7 +239,7 @@ TEST(CpuDeterminism, ThreadCountDoesNotChangeBits) {
   }
 }
 
-TEST(CpuWorkspace, TooSmallForTheThreadsIsAnError) {
+TEST(CpuWorkspace, SizedForTheCallsThreads) {
   Config cfg;
   cfg.cmp_block_len = 8;
   cfg.cmp_stride = 4;
@@ -249,17 +249,23 @@ TEST(CpuWorkspace, TooSmallForTheThreadsIsAnError) {
   Sizes s = make_sizes({40}, 2, 1, 8, 8);
   s.dtype = DType::f32;
   LayerProblem p = make_problem(cfg, s, 5);
+  const Problem pr = problem_of(cfg, p.inputs());
   Context ctx;
   ctx.backend = Backend::cpu;
-  ctx.num_threads = 64;  // more slots than workspace_size() planned for
-  const Problem pr = problem_of(cfg, p.inputs());
-  OwnedWorkspace ws = cpu_workspace(Op::forward, cfg, pr);
+  ctx.num_threads = 1;
+  OwnedWorkspace one = cpu_workspace(Op::forward, cfg, pr, 1);
+  ctx.num_threads = 5;
+  OwnedWorkspace five = cpu_workspace(Op::forward, cfg, pr, 5);
+  EXPECT_GT(five.ws.bytes, one.ws.bytes) << "per-thread scratch";
+  EXPECT_EQ(five.ws.bytes, cpu::workspace_bytes(Op::forward, cfg, pr, 5));
+  // A workspace planned for 1 thread is too small for a 5-thread call: an nsa::Error.
   try {
-    forward(ctx, cfg, p.inputs(), p.outputs(), ws.ws);
-    if (ws.ws.bytes < cpu::workspace_bytes(Op::forward, cfg, pr, 64)) FAIL() << "expected nsa::Error";
+    forward(ctx, cfg, p.inputs(), p.outputs(), one.ws);
+    FAIL() << "expected nsa::Error";
   } catch (const Error& e) {
-    EXPECT_EQ(e.parameter(), "ctx.num_threads");
+    EXPECT_EQ(e.parameter(), "workspace.bytes");
   }
+  forward(ctx, cfg, p.inputs(), p.outputs(), five.ws);
 }
 
 }  // namespace

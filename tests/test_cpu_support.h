@@ -61,13 +61,12 @@ struct OwnedWorkspace {
   }
 };
 
-// Workspace of `op` for `threads` threads on the cpu backend.
+// Workspace of `op` for `threads` threads (0: the default) on the cpu backend.
 inline OwnedWorkspace cpu_workspace(Op op, const Config& cfg, const Problem& pr, int threads = 0) {
-  // The API checks against workspace_size() (planned for the default thread count); a call
-  // with more threads needs room for their scratch too.
-  const size_t planned = workspace_size(Context{Backend::cpu}, op, cfg, pr);
-  const size_t n = threads > 0 ? std::max(planned, cpu::workspace_bytes(op, cfg, pr, threads)) : planned;
-  return OwnedWorkspace(n);
+  Context ctx;
+  ctx.backend = Backend::cpu;
+  ctx.num_threads = threads;
+  return OwnedWorkspace(workspace_size(ctx, op, cfg, pr));
 }
 
 // Error bound of style.md: at most twice the error of the plain same-precision implementation

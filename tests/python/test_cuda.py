@@ -105,9 +105,18 @@ def test_backward_against_reference():
                 *ref.dphi_v]
     names = ["dq", "dk_cmp", "dv_cmp", "dk_slc", "dv_slc", "dk_win", "dv_win", "dg"] + \
             [f"dphi_k.{n}" for n in nsa.Phi._fields] + [f"dphi_v.{n}" for n in nsa.Phi._fields]
+    def group_scale(name):
+        # phi's parameters are measured on the scale of all of that phi's gradients: dphi_k.b2 is
+        # zero in exact arithmetic (softmax ignores a shift shared by every compressed key), so a
+        # bf16 backward leaves only cancellation noise there, of the size of its siblings' rounding.
+        if name.startswith("dphi_"):
+            prefix = name.split(".")[0]
+            return max(r.abs().max().item() for n, r in zip(names, ref_list) if n.startswith(prefix + "."))
+        return None
+
     for name, x, r in zip(names, leaves, ref_list):
         err = (x.grad.double().cpu() - r).abs().max().item()
-        scale = r.abs().max().item()
+        scale = group_scale(name) or r.abs().max().item()
         # bf16 gradients summed over hundreds of keys: this checks the wiring (a wrong or swapped
         # gradient is off by O(scale)); the CUDA suite measures the kernels' accuracy itself.
         assert err <= 0.02 * scale + 1e-4, (name, err, scale)
