@@ -596,3 +596,37 @@ TEST(Storage, LowPrecisionInputsRoundOnlyAtTheBoundary) {
 
 }  // namespace
 }  // namespace nsa::test
+
+namespace nsa::test {
+namespace {
+
+TEST(Selection, IndicesAreASet) {
+  // selected_attention_fwd reads each row of indices as a set: order, repeats, -1 and blocks past
+  // the query change nothing (every backend follows api.h here).
+  Config cfg;
+  cfg.slc_block_len = 4, cfg.cmp_block_len = 4, cfg.cmp_stride = 2, cfg.n_selected = 4;
+  const int64_t T = 20, H = 2, D = 3;
+  std::mt19937_64 rng(31);
+  HostTensor q(DType::f64, {T, H, D}), k(DType::f64, {T, 1, D}), v(DType::f64, {T, 1, D});
+  for (HostTensor* t : {&q, &k, &v}) t->fill_uniform(rng, -1, 1);
+  HostTensor plain(DType::i32, {T, 1, 4}), messy(DType::i32, {T, 1, 4});
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t Jt = t / 4;
+    const int32_t a = 0, b = static_cast<int32_t>(Jt);
+    const int32_t rows_plain[4] = {a, b == a ? -1 : b, -1, -1};
+    const int32_t rows_messy[4] = {b, a, b, static_cast<int32_t>(Jt + 1)};  // unsorted, repeated, future
+    for (int i = 0; i < 4; ++i) {
+      plain.set(t * 4 + i, rows_plain[i]);
+      messy.set(t * 4 + i, rows_messy[i]);
+    }
+  }
+  Context ctx;
+  ctx.backend = Backend::reference;
+  HostTensor o1(DType::f64, {T, H, D}), o2(DType::f64, {T, H, D});
+  selected_attention_fwd(ctx, cfg, q.view(), k.view(), v.view(), plain.view(), {}, o1.view(), {});
+  selected_attention_fwd(ctx, cfg, q.view(), k.view(), v.view(), messy.view(), {}, o2.view(), {});
+  EXPECT_EQ(max_abs_diff(o1.values(), o2.values()), 0.0);
+}
+
+}  // namespace
+}  // namespace nsa::test

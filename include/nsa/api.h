@@ -148,7 +148,9 @@ void select_topn(const Context& ctx, const Config& cfg, const TensorView& scores
                  const Sequences& seqs, const TensorView& indices, Workspace ws = {});
 
 // Spec §5: attention over the selected blocks. q [T, Hq, Dqk], k [T, Hkv, Dqk], v [T, Hkv, Dv],
-// indices [T, Hkv, n] -> o [T, Hq, Dv], lse [T, Hq] f32 (optional).
+// indices [T, Hkv, n] -> o [T, Hq, Dv], lse [T, Hq] f32 (optional). Each row of indices is a set
+// of blocks in any order: -1 entries and repeats add nothing, and only the tokens at or before
+// the query are attended (a block past the query contributes nothing).
 void selected_attention_fwd(const Context& ctx, const Config& cfg, const TensorView& q,
                             const TensorView& k, const TensorView& v, const TensorView& indices,
                             const Sequences& seqs, const TensorView& o, const TensorView& lse,

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <set>
 #include <vector>
 
 #include "nsa/blocks.h"
@@ -83,12 +84,15 @@ KeyRows cmp_keys(const detail::Plan& p, int64_t s0, int64_t t) {
 KeyRows slc_keys(const detail::Plan& p, const std::vector<int32_t>& indices, int64_t s0, int64_t t,
                  int64_t hk) {
   const int64_t n = p.cfg.n_selected, lp = p.cfg.slc_block_len;
-  KeyRows rows;
+  // The selected blocks are a set (api.h): -1 entries and repeats add nothing, order does not matter.
+  std::set<int64_t> blocks;
   for (int64_t k = 0; k < n; ++k) {
     const int64_t j = indices[static_cast<size_t>(((s0 + t) * p.hkv + hk) * n + k)];
-    if (j < 0) continue;
-    for (int64_t pos = j * lp; pos < std::min((j + 1) * lp, t + 1); ++pos) rows.push_back(s0 + pos);
+    if (j >= 0) blocks.insert(j);
   }
+  KeyRows rows;
+  for (int64_t j : blocks)
+    for (int64_t pos = j * lp; pos < std::min((j + 1) * lp, t + 1); ++pos) rows.push_back(s0 + pos);
   return rows;
 }
 
