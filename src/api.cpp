@@ -294,6 +294,22 @@ void check_saved(const Plan& p, const Checker& chk, const ForwardOutputs& out, b
   chk.tensor("indices", out.indices, "[T, Hkv, n]", {p.T, p.hkv, p.cfg.n_selected}, DType::i32);
 }
 
+// What compress_fwd and compress_bwd share: x [T, Hkv, D], phi's parameters, the sequences.
+Plan plan_compress(const Context& ctx, const Config& cfg, const PhiParams& phi, const TensorView& x,
+                   const Sequences& seqs, const BackendOps*& ops) {
+  Plan p = start_plan(ctx, cfg, x, "x", ops);
+  const Checker chk(p.dtype, p.device, x.device_index);
+  chk.floats("x", x, "[T, Hkv, D]", {kAny, kAny, kAny});
+  p.hkv = x.shape[1];
+  p.hq = p.hkv;
+  p.dqk = p.dv = x.shape[2];
+  if (p.hkv < 1) throw Error("x.shape[1] (Hkv)", str(p.hkv), "must be >= 1");
+  if (p.dqk < 1) throw Error("x.shape[2] (D)", str(p.dqk), "must be >= 1");
+  p.phi_hidden_k = check_phi(cfg, chk, "phi", phi, p.dqk);
+  fill_sequences(p, seqs, x.shape[0], chk);
+  return p;
+}
+
 }  // namespace
 
 const char* backend_name(Backend backend) {
@@ -357,16 +373,8 @@ size_t workspace_size(const Context& ctx, Op op, const Config& cfg, const Proble
 void compress_fwd(const Context& ctx, const Config& cfg, const PhiParams& phi, const TensorView& x,
                   const Sequences& seqs, const TensorView& xc, Workspace ws) {
   const BackendOps* ops;
-  Plan p = start_plan(ctx, cfg, x, "x", ops);
+  Plan p = plan_compress(ctx, cfg, phi, x, seqs, ops);
   const Checker chk(p.dtype, p.device, x.device_index);
-  chk.floats("x", x, "[T, Hkv, D]", {kAny, kAny, kAny});
-  p.hkv = x.shape[1];
-  p.hq = p.hkv;
-  p.dqk = p.dv = x.shape[2];
-  if (p.hkv < 1) throw Error("x.shape[1] (Hkv)", str(p.hkv), "must be >= 1");
-  if (p.dqk < 1) throw Error("x.shape[2] (D)", str(p.dqk), "must be >= 1");
-  p.phi_hidden_k = check_phi(cfg, chk, "phi", phi, p.dqk);
-  fill_sequences(p, seqs, x.shape[0], chk);
   chk.floats("xc", xc, "[T/d, Hkv, D]", {cmp_rows(p.T, cfg.cmp_stride), p.hkv, p.dqk});
   check_workspace(*ops, p, Op::compress_fwd, problem_from(p), ws);
   require_op(*ops, ops->compress_fwd, "compress_fwd")(p, phi, x, xc, ws);
@@ -376,19 +384,11 @@ void compress_bwd(const Context& ctx, const Config& cfg, const PhiParams& phi, c
                   const Sequences& seqs, const TensorView& dxc, const TensorView& dx,
                   const PhiParams& dphi, Workspace ws) {
   const BackendOps* ops;
-  Plan p = start_plan(ctx, cfg, x, "x", ops);
+  Plan p = plan_compress(ctx, cfg, phi, x, seqs, ops);
   const Checker chk(p.dtype, p.device, x.device_index);
-  chk.floats("x", x, "[T, Hkv, D]", {kAny, kAny, kAny});
-  p.hkv = x.shape[1];
-  p.hq = p.hkv;
-  p.dqk = p.dv = x.shape[2];
-  if (p.hkv < 1) throw Error("x.shape[1] (Hkv)", str(p.hkv), "must be >= 1");
-  if (p.dqk < 1) throw Error("x.shape[2] (D)", str(p.dqk), "must be >= 1");
-  p.phi_hidden_k = check_phi(cfg, chk, "phi", phi, p.dqk);
   check_phi(cfg, chk, "dphi", dphi, p.dqk);
   if (cfg.phi == PhiKind::mlp && dphi.w1.shape[0] != p.phi_hidden_k)
     throw Error("dphi.w1.shape[0]", str(dphi.w1.shape[0]), "must equal phi.w1.shape[0] = " + str(p.phi_hidden_k));
-  fill_sequences(p, seqs, x.shape[0], chk);
   chk.floats("dxc", dxc, "[T/d, Hkv, D]", {cmp_rows(p.T, cfg.cmp_stride), p.hkv, p.dqk});
   chk.floats("dx", dx, "[T, Hkv, D]", {p.T, p.hkv, p.dqk});
   check_workspace(*ops, p, Op::compress_bwd, problem_from(p), ws);

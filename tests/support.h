@@ -99,6 +99,34 @@ struct Sizes {
   DType dtype = DType::f64;
 };
 
+// A Config from the spec's symbols, for tables of test cases.
+inline Config make_config(int64_t l, int64_t d, int64_t lp, int64_t n, int64_t n_init, int64_t n_local,
+                          int64_t w, PhiKind phi, bool shared_kv = false) {
+  Config c;
+  c.cmp_block_len = l;
+  c.cmp_stride = d;
+  c.slc_block_len = lp;
+  c.n_selected = n;
+  c.n_init = n_init;
+  c.n_local = n_local;
+  c.window = w;
+  c.phi = phi;
+  c.shared_kv = shared_kv;
+  return c;
+}
+
+inline Sizes make_sizes(std::vector<int32_t> seqlens, int64_t hq, int64_t hkv, int64_t dqk, int64_t dv,
+                        int64_t phi_hidden = 6) {
+  Sizes s;
+  s.seqlens = std::move(seqlens);
+  s.hq = hq;
+  s.hkv = hkv;
+  s.dqk = dqk;
+  s.dv = dv;
+  s.phi_hidden = phi_hidden;
+  return s;
+}
+
 // A whole random problem: inputs, outputs and gradients, all owned.
 struct LayerProblem {
   Config cfg;

@@ -16,43 +16,17 @@ struct Case {
   Sizes sizes;
 };
 
-Config make_cfg(int64_t l, int64_t d, int64_t lp, int64_t n, int64_t n_init, int64_t n_local, int64_t w,
-                PhiKind phi, bool shared_kv = false) {
-  Config c;
-  c.cmp_block_len = l;
-  c.cmp_stride = d;
-  c.slc_block_len = lp;
-  c.n_selected = n;
-  c.n_init = n_init;
-  c.n_local = n_local;
-  c.window = w;
-  c.phi = phi;
-  c.shared_kv = shared_kv;
-  return c;
-}
-
-Sizes make_sizes(std::vector<int32_t> seqlens, int64_t hq, int64_t hkv, int64_t dqk, int64_t dv, int64_t F = 6) {
-  Sizes s;
-  s.seqlens = std::move(seqlens);
-  s.hq = hq;
-  s.hkv = hkv;
-  s.dqk = dqk;
-  s.dv = dv;
-  s.phi_hidden = F;
-  return s;
-}
-
 // Awkward shapes on purpose: lengths not multiples of l, d, l', w; empty and one-token
 // sequences; n above the block count; G from 1 to 16; shared and independent K/V; each phi.
 std::vector<Case> cases() {
   return {
-      {"small_packed_mlp", make_cfg(8, 4, 16, 3, 1, 1, 12, PhiKind::mlp), make_sizes({37, 0, 50, 1}, 4, 2, 16, 8)},
-      {"paper_blocks_G16_linear", make_cfg(32, 16, 64, 5, 1, 2, 100, PhiKind::linear),
+      {"small_packed_mlp", make_config(8, 4, 16, 3, 1, 1, 12, PhiKind::mlp), make_sizes({37, 0, 50, 1}, 4, 2, 16, 8)},
+      {"paper_blocks_G16_linear", make_config(32, 16, 64, 5, 1, 2, 100, PhiKind::linear),
        make_sizes({300, 129}, 16, 1, 32, 16)},
-      {"G1_shared_mean", make_cfg(16, 8, 32, 4, 0, 1, 40, PhiKind::mean, true), make_sizes({200}, 2, 2, 24, 40)},
-      {"n_above_blocks_no_window", make_cfg(8, 4, 16, 20, 2, 1, 0, PhiKind::mlp), make_sizes({90}, 8, 1, 8, 8)},
-      {"no_selection", make_cfg(8, 8, 8, 0, 0, 0, 33, PhiKind::linear), make_sizes({70, 3}, 6, 3, 8, 16)},
-      {"head_dim_128_G16", make_cfg(32, 16, 64, 3, 1, 1, 64, PhiKind::mlp, true), make_sizes({150}, 16, 1, 128, 128, 16)},
+      {"G1_shared_mean", make_config(16, 8, 32, 4, 0, 1, 40, PhiKind::mean, true), make_sizes({200}, 2, 2, 24, 40)},
+      {"n_above_blocks_no_window", make_config(8, 4, 16, 20, 2, 1, 0, PhiKind::mlp), make_sizes({90}, 8, 1, 8, 8)},
+      {"no_selection", make_config(8, 8, 8, 0, 0, 0, 33, PhiKind::linear), make_sizes({70, 3}, 6, 3, 8, 16)},
+      {"head_dim_128_G16", make_config(32, 16, 64, 3, 1, 1, 64, PhiKind::mlp, true), make_sizes({150}, 16, 1, 128, 128, 16)},
   };
 }
 

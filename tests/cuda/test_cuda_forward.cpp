@@ -39,17 +39,7 @@ struct Case {
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 Config config_of(const Case& c) {
-  Config cfg;
-  cfg.cmp_block_len = c.l;
-  cfg.cmp_stride = c.d;
-  cfg.slc_block_len = c.lp;
-  cfg.n_selected = c.n;
-  cfg.n_init = c.n_init;
-  cfg.n_local = c.n_local;
-  cfg.window = c.w;
-  cfg.phi = c.phi;
-  cfg.shared_kv = c.shared_kv;
-  return cfg;
+  return make_config(c.l, c.d, c.lp, c.n, c.n_init, c.n_local, c.w, c.phi, c.shared_kv);
 }
 
 Sizes sizes_of(const Case& c) {
