@@ -23,31 +23,11 @@
 #include <string>
 #include <vector>
 
+#include "cuda_bench_common.cuh"
 #include "nsa/nsa.h"
 
 namespace {
 
-#define BENCH_CHECK(expr)                                                                               \
-  do {                                                                                                  \
-    const cudaError_t e_ = (expr);                                                                      \
-    if (e_ != cudaSuccess) {                                                                            \
-      std::fprintf(stderr, "%s failed: %s (%s:%d)\n", #expr, cudaGetErrorString(e_), __FILE__, __LINE__); \
-      std::exit(1);                                                                                     \
-    }                                                                                                   \
-  } while (0)
-
-// Uniform values in [lo, hi) from a hash of the index.
-__global__ void fill_uniform(__nv_bfloat16* x, int64_t n, uint32_t seed, float lo, float hi) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-    h ^= h >> 16;
-    h *= 0x7feb352du;
-    h ^= h >> 15;
-    h *= 0x846ca68bu;
-    h ^= h >> 16;
-    x[i] = __float2bfloat16(lo + (hi - lo) * (h >> 8) * (1.0f / 16777216.0f));
-  }
-}
 
 struct Tensor {
   void* data = nullptr;
