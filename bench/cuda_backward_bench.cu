@@ -49,27 +49,6 @@ struct Tensor {
   Tensor(const Tensor&) = delete;
 };
 
-double time_ms(const std::function<void()>& fn, int warmup, int reps) {
-  cudaEvent_t a, b;
-  BENCH_CHECK(cudaEventCreate(&a));
-  BENCH_CHECK(cudaEventCreate(&b));
-  for (int i = 0; i < warmup; ++i) fn();
-  std::vector<float> ms;
-  for (int i = 0; i < reps; ++i) {
-    BENCH_CHECK(cudaEventRecord(a));
-    fn();
-    BENCH_CHECK(cudaEventRecord(b));
-    BENCH_CHECK(cudaEventSynchronize(b));
-    float t;
-    BENCH_CHECK(cudaEventElapsedTime(&t, a, b));
-    ms.push_back(t);
-  }
-  BENCH_CHECK(cudaGetLastError());
-  std::sort(ms.begin(), ms.end());
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return ms[ms.size() / 2];
-}
 
 // Keys attended per (token, query head), summed over tokens, per branch.
 void attended_keys(const nsa::Config& c, int64_t T, double keys[3]) {

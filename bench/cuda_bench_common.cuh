@@ -1,12 +1,15 @@
-// What the CUDA benchmarks share: a checked CUDA call that exits, and random bf16 fill.
+// What the CUDA benchmarks share: a checked CUDA call that exits, random bf16 fill, event timing.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
+#include <vector>
 
 #define BENCH_CHECK(expr)                                                                               \
   do {                                                                                                  \
@@ -30,6 +33,29 @@ __global__ void fill_uniform(__nv_bfloat16* x, int64_t n, uint32_t seed, float l
     h ^= h >> 16;
     x[i] = __float2bfloat16(lo + (hi - lo) * (h >> 8) * (1.0f / 16777216.0f));
   }
+}
+
+// Median milliseconds of `fn` over `reps` timed runs after `warmup` runs (CUDA events).
+double time_ms(const std::function<void()>& fn, int warmup, int reps) {
+  cudaEvent_t a, b;
+  BENCH_CHECK(cudaEventCreate(&a));
+  BENCH_CHECK(cudaEventCreate(&b));
+  for (int i = 0; i < warmup; ++i) fn();
+  std::vector<float> ms;
+  for (int i = 0; i < reps; ++i) {
+    BENCH_CHECK(cudaEventRecord(a));
+    fn();
+    BENCH_CHECK(cudaEventRecord(b));
+    BENCH_CHECK(cudaEventSynchronize(b));
+    float t;
+    BENCH_CHECK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  BENCH_CHECK(cudaGetLastError());
+  std::sort(ms.begin(), ms.end());
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return ms[ms.size() / 2];
 }
 
 }  // namespace

@@ -10,25 +10,12 @@ shape: NSA forward and its stages, dense forward, achieved TFLOP/s and the speed
 """
 import argparse
 import csv
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
-
-def time_ms(fn, warmup=2, reps=7):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+from sdpa_common import time_ms  # the script's folder is on sys.path
 
 
 def dense_ms(T, hq, hkv, dqk, dv):
