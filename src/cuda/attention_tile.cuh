@@ -1,6 +1,7 @@
-// The attention engine shared by the forward kernels: one CTA of 4 warps owns a tile of
-// kTileRows = 64 query rows (64/G neighbouring tokens x the G heads of one KV head) and streams
-// chunks of kKeyChunk = 64 keys through shared memory, double-buffered with cp.async.
+// The attention engine shared by the forward kernels: one CTA of kRows / 16 warps owns a tile of
+// kRows query rows (kRows/G neighbouring tokens x the G heads of one KV head) and streams chunks
+// of kChunk keys through shared memory with cp.async. The compressed kernel uses 64 x 64
+// (kTileRows, kKeyChunk); the selection + window kernel 16 x 32 (kSlcRows, kSlcChunk).
 //
 // Per chunk, each warp computes its 16 x 64 block of S = Q K^T with mma.m16n8k16 (Q stays in
 // registers for the whole kernel), applies the caller's mask, updates the online softmax
@@ -39,20 +40,23 @@ __device__ __forceinline__ void sequence_bounds(const SeqParams& s, int b, int64
   }
 }
 
-template <typename Storage, int kDqk, int kDv>
+template <typename Storage, int kDqk, int kDv, int kRows = kTileRows, int kChunk = kKeyChunk>
 struct TileAttention {
   using Traits = StorageTraits<Storage>;
+  static constexpr int kCtaThreads = kRows / 16 * 32;  // one warp per m16 slice of the tile
   static constexpr bool kBf16 = Traits::is_bf16;
   static constexpr int kKStride = kDqk + kSmemPad;  // shared row stride of Q and K tiles
   static constexpr int kVStride = kDv + kSmemPad;
-  static constexpr int kSTiles = kKeyChunk / 8;  // n8 tiles of a warp's S block
+  static constexpr int kSTiles = kChunk / 8;  // n8 tiles of a warp's S block
   static constexpr int kOTiles = kDv / 8;        // n8 tiles of a warp's O block
   static_assert(kDqk % 16 == 0 && kDv % 16 == 0, "head dims must be multiples of 16");
 
-  // Shared bytes of the Q tile and of the double-buffered K and V tiles.
-  static constexpr size_t kQBytes = size_t(kTileRows) * kKStride * sizeof(Storage);
-  static constexpr size_t kKBytes = size_t(2) * kKeyChunk * kKStride * sizeof(Storage);
-  static constexpr size_t kVBytes = size_t(2) * kKeyChunk * kVStride * sizeof(Storage);
+  static_assert(kRows % 16 == 0 && kChunk % 16 == 0, "tiles are made of m16 rows and k16 keys");
+
+  // Shared bytes of the Q tile and of double-buffered K and V tiles.
+  static constexpr size_t kQBytes = size_t(kRows) * kKStride * sizeof(Storage);
+  static constexpr size_t kKBytes = size_t(2) * kChunk * kKStride * sizeof(Storage);
+  static constexpr size_t kVBytes = size_t(2) * kChunk * kVStride * sizeof(Storage);
 
   uint32_t qf[kDqk / 16][4];  // this warp's 16 query rows as A fragments
   float acc[kOTiles][4];      // unnormalised O of rows (group, group + 8)
@@ -65,13 +69,13 @@ struct TileAttention {
     lsum[0] = lsum[1] = 0.f;
   }
 
-  // Copies `count` rows (the rest of the 64 zero-filled) of kD columns into a padded tile.
+  // Copies `count` rows (the rest of the kChunk zero-filled) of kD columns into a padded tile.
   // Row i of the source starts at base + i * row_stride.
   template <int kD>
   static __device__ __forceinline__ void load_rows(Storage* tile, const Storage* base, int64_t row_stride,
                                                    int count) {
     constexpr int kPieces = kD / 8;  // 16-byte pieces per row
-    for (int e = threadIdx.x; e < kKeyChunk * kPieces; e += kThreads) {
+    for (int e = threadIdx.x; e < kChunk * kPieces; e += kCtaThreads) {
       const int row = e / kPieces, piece = e % kPieces;
       const bool valid = row < count;
       const Storage* src = valid ? base + row * row_stride + piece * 8 : base;
@@ -87,7 +91,7 @@ struct TileAttention {
     for (int kk = 0; kk < kDqk / 16; ++kk) ldmatrix_x4(qf[kk], row + kk * 16);
   }
 
-  // s = Q K^T for this warp's 16 rows and the 64 keys of the chunk in `sk`.
+  // s = Q K^T for this warp's 16 rows and the kChunk keys of the chunk in `sk`.
   __device__ __forceinline__ void scores(float (&s)[kSTiles][4], const Storage* sk) const {
     const int lane = threadIdx.x % 32;
 #pragma unroll
@@ -105,9 +109,34 @@ struct TileAttention {
     }
   }
 
+  // Scales the chunk's scores to log2 units and masks them: row h (of this thread's two) keeps
+  // the keys lo[h] <= col < hi[h] of the chunk, the rest become -inf. When every row of the warp
+  // keeps the whole chunk (most chunks), this is one multiply per score.
+  __device__ __forceinline__ void scale_and_mask(float (&s)[kSTiles][4], const int (&lo)[2], const int (&hi)[2],
+                                                 float scale_log2) const {
+    const int quad = threadIdx.x % 4;
+    const bool whole = lo[0] <= 0 && lo[1] <= 0 && hi[0] >= kChunk && hi[1] >= kChunk;
+    if (__all_sync(0xffffffffu, whole)) {
+#pragma unroll
+      for (int i = 0; i < kSTiles; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[i][e] *= scale_log2;
+      return;
+    }
+#pragma unroll
+    for (int i = 0; i < kSTiles; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = i * 8 + 2 * quad + (e & 1), h = e >> 1;
+        s[i][e] = col >= lo[h] && col < hi[h] ? s[i][e] * scale_log2 : kNegInf;
+      }
+  }
+
   // Online softmax over one chunk: `s` holds log2-scaled scores, -inf where masked. On return
-  // it holds the probabilities relative to the new running max; acc is rescaled.
+  // it holds the probabilities relative to the new running max; acc is rescaled (skipped when
+  // no row of the warp found a larger maximum: then every factor is exactly 1).
   __device__ __forceinline__ void softmax_update(float (&s)[kSTiles][4]) {
+    float alpha[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // h = 0: row group, h = 1: row group + 8
       float mx = kNegInf;
@@ -118,7 +147,7 @@ struct TileAttention {
       const float m_new = fmaxf(m[h], mx);
       // A row with no key so far keeps m = -inf; exponents then use 0 so that exp2(-inf) = 0.
       const float m_use = m_new == kNegInf ? 0.f : m_new;
-      const float alpha = exp2f(m[h] - m_use);
+      alpha[h] = exp2f(m[h] - m_use);
       float sum = 0.f;
 #pragma unroll
       for (int i = 0; i < kSTiles; ++i) {
@@ -126,13 +155,16 @@ struct TileAttention {
         s[i][2 * h + 1] = exp2f(s[i][2 * h + 1] - m_use);
         sum += s[i][2 * h] + s[i][2 * h + 1];
       }
-      lsum[h] = lsum[h] * alpha + sum;
+      lsum[h] = lsum[h] * alpha[h] + sum;
       m[h] = m_new;
+    }
+    if (__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) return;
 #pragma unroll
-      for (int i = 0; i < kOTiles; ++i) {
-        acc[i][2 * h] *= alpha;
-        acc[i][2 * h + 1] *= alpha;
-      }
+    for (int i = 0; i < kOTiles; ++i) {
+      acc[i][0] *= alpha[0];
+      acc[i][1] *= alpha[0];
+      acc[i][2] *= alpha[1];
+      acc[i][3] *= alpha[1];
     }
   }
 
@@ -141,7 +173,7 @@ struct TileAttention {
     const int lane = threadIdx.x % 32;
     const Storage* row = sv + ((lane & 7) + ((lane >> 3) & 1) * 8) * kVStride + (lane >> 4) * 8;
 #pragma unroll
-    for (int kk = 0; kk < kKeyChunk / 16; ++kk) {
+    for (int kk = 0; kk < kChunk / 16; ++kk) {
       uint32_t a[4];
       a[0] = Traits::pack(p[2 * kk][0], p[2 * kk][1]);
       a[1] = Traits::pack(p[2 * kk][2], p[2 * kk][3]);
@@ -169,12 +201,13 @@ struct TileAttention {
 };
 
 // Loads the Q tile: row r is token t0 + r/G, head hk*G + r%G; rows past the sequence are zero.
-template <typename Storage, int kDqk>
+template <typename Storage, int kDqk, int kRows = kTileRows>
 __device__ __forceinline__ void load_q_tile(Storage* sq, const Storage* q, int64_t q_st, int64_t q_sh,
                                             int64_t first_token, int tokens_valid, int head0, int log2_group) {
   constexpr int kPieces = kDqk / 8;
+  constexpr int kCtaThreads = kRows / 16 * 32;
   const int group_mask = (1 << log2_group) - 1;
-  for (int e = threadIdx.x; e < kTileRows * kPieces; e += kThreads) {
+  for (int e = threadIdx.x; e < kRows * kPieces; e += kCtaThreads) {
     const int row = e / kPieces, piece = e % kPieces;
     const int token = row >> log2_group;
     const bool valid = token < tokens_valid;

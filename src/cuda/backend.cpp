@@ -116,7 +116,7 @@ int score_ring(const Config& cfg) {
 
 int union_capacity(const Config& cfg, int64_t n_slc_max, int64_t group) {
   const int64_t bitmap_bits = (n_slc_max + 31) / 32 * 32;
-  return static_cast<int>(std::min<int64_t>(bitmap_bits, (kTileRows / group) * cfg.n_selected));
+  return static_cast<int>(std::min<int64_t>(bitmap_bits, (kSlcRows / group) * cfg.n_selected));
 }
 
 // ---- Workspace of forward() -----------------------------------------------------------------
@@ -482,13 +482,10 @@ size_t cmp_attention_smem_bytes(int dqk, int dv, int group, int score_ring, bool
 }
 
 size_t slc_win_smem_bytes(int dqk, int dv, int group, int union_capacity, int bitmap_words, int n_sel) {
-  const size_t es = 2, tokens = kTileRows / group;
-  const int stages = slc_win_stages(dqk, dv);
-  // With three stages the Q tile lives in the last K buffer (slc_win_attention.cuh).
-  const size_t q = stages == 3 ? 0 : size_t(kTileRows) * (dqk + 8) * es;
-  const size_t k = stages * size_t(kKeyChunk) * (dqk + 8) * es;
-  const size_t v = stages * size_t(kKeyChunk) * (dv + 8) * es;
-  return q + k + v + (tokens * n_sel + bitmap_words + union_capacity) * sizeof(int32_t);
+  const size_t tokens = kSlcRows / group;
+  // The ring of chunk buffers; the Q tile borrows its last stages (slc_win_attention.cuh).
+  const size_t ring = size_t(slc_win_stages(dqk, dv)) * slc_win_stage_bytes(dqk, dv);
+  return ring + (tokens * n_sel + bitmap_words + union_capacity) * sizeof(int32_t);
 }
 
 }  // namespace nsa::cuda

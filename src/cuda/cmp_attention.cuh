@@ -134,13 +134,11 @@ __global__ void __launch_bounds__(kThreads) cmp_attention_kernel(const CmpAttnPa
   // Masked, log2-scaled scores of chunk c.
   auto masked_scores = [&](float (&s)[Tile::kSTiles][4], int c, int buf) {
     tile_state.scores(s, sk + buf * kKeyChunk * Tile::kKStride);
+    const int lo[2] = {0, 0};
+    int hi[2];
 #pragma unroll
-    for (int i = 0; i < Tile::kSTiles; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t key = int64_t(c) * kKeyChunk + i * 8 + 2 * quad + (e & 1);
-        s[i][e] = key < visible[e >> 1] ? s[i][e] * p.scale_log2 : kNegInf;
-      }
+    for (int h = 0; h < 2; ++h) hi[h] = static_cast<int>(max64(0, min64(kKeyChunk, visible[h] - int64_t(c) * kKeyChunk)));
+    tile_state.scale_and_mask(s, lo, hi, p.scale_log2);
   };
 
   // ---- Pass 1: o_cmp and lse ----

@@ -14,8 +14,13 @@ namespace nsa::cuda {
 // Rows of the attention tile: 64 query rows = (64 / G) tokens x the G heads of one KV head, so
 // every tensor-core instruction has M = 64 rows whatever G is (performance.md).
 inline constexpr int kTileRows = 64;
-// Keys per step of the attention loops (one selection block at the paper's l' = 64).
+// Keys per step of the compressed attention loop.
 inline constexpr int kKeyChunk = 64;
+// The selection + window kernel: a tile of 64 rows (4 warps), keys in chunks of 64 (one block at
+// l' = 64) streamed through a ring of shared buffers that each warp waits on by itself
+// (slc_win_attention.cuh).
+inline constexpr int kSlcRows = 64;
+inline constexpr int kSlcChunk = 64;
 
 // Packed sequences: cu_seqlens [B+1] on the device, or nullptr for one sequence of T tokens.
 struct SeqParams {
@@ -92,12 +97,22 @@ void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream);
 template <typename Storage, int kDqk, int kDv>
 void launch_slc_win_attention(const SlcWinParams& p, cudaStream_t stream);
 
-// K/V chunk buffers of the selection + window kernel: three (two chunks in flight, the Q tile
-// in the third K buffer) where three fit twice per SM beside their index lists (<= 110 KB: every
-// head-dim pair but 192/128), else two with a separate Q tile.
-inline constexpr size_t kSlcWinStageBudget = 110 * 1024;
+// The ring of K/V chunk buffers of the selection + window kernel: as many stages of kSlcChunk
+// keys as fit in 108 KB (two CTAs per SM), at most 8: 3 at 128/128, 2 at 192/128. Up to
+// stages - 1 chunks are in flight while one is multiplied; the selection branch is bound by the
+// bytes in flight (L2 latency x bandwidth), so the ring takes nearly all the shared memory.
+inline constexpr size_t kSlcWinStageBudget = 108 * 1024;
+inline constexpr int kSlcWinMaxStages = 8;
+constexpr size_t slc_win_stage_bytes(int dqk, int dv) { return size_t(kSlcChunk) * ((dqk + 8) + (dv + 8)) * 2; }
 constexpr int slc_win_stages(int dqk, int dv) {
-  return 3 * size_t(kKeyChunk) * ((dqk + 8) + (dv + 8)) * 2 <= kSlcWinStageBudget ? 3 : 2;
+  const size_t n = kSlcWinStageBudget / slc_win_stage_bytes(dqk, dv);
+  return n > size_t(kSlcWinMaxStages) ? kSlcWinMaxStages : static_cast<int>(n);
+}
+// Stages the Q tile (64 rows) borrows at the start: it is needed only until its fragments are in
+// registers, so it sits in the last stages of the ring before their first chunks are loaded.
+constexpr int slc_win_q_stages(int dqk, int dv) {
+  const size_t q = size_t(kSlcRows) * (dqk + 8) * 2, stage = slc_win_stage_bytes(dqk, dv);
+  return static_cast<int>((q + stage - 1) / stage);
 }
 
 // Shared-memory bytes of the kernels (used by the launchers and to check limits up front).

@@ -1,16 +1,24 @@
 // Selection (spec §5) and sliding-window (spec §6) attention of one query tile, with the gated
 // combine of spec §7 in the epilogue.
 //
-// Selection: the tile's tokens picked up to n blocks each; the CTA builds the union of their
-// blocks (a bitmap, then a sorted list) and streams each union block through shared memory once,
-// masking, row by row, the blocks a row's token did not pick and the keys after the token. With
-// 64 rows per tile this gives every mma M = 64 rows at any G, and neighbouring tokens share most
-// blocks (forced initial/local blocks, smooth scores), so a block is read once per tile instead
-// of once per token.
-// Window: the keys [t0 - w + 1, t_last] of the tile, masked per row to [t - w + 1, t].
-// The two branches run one after the other with the same Q fragments; the gated sum
-// g_slc o_slc + g_win o_win + g_cmp o_cmp is formed in registers and written once (o_slc held
-// rounded to the storage type, as a plain implementation stores each branch output).
+// One CTA (4 warps) owns kSlcRows = 64 query rows: 64/G neighbouring tokens x the G heads of one
+// KV head; each warp owns 16 rows. Selection: the tile's tokens picked up to n blocks each; the
+// CTA builds the union of their blocks (a bitmap, then a sorted list) and streams each union block
+// once, in chunks of kSlcChunk = 32 keys, through a ring of shared buffers; window: the keys
+// [t0 - w + 1, t_last] of the tile, after the selection chunks in the same ring.
+//
+// No CTA-wide barrier in the loop: each warp waits by itself on the mbarrier of the chunk it
+// needs (completed by the cp.async copies that fill it), multiplies the chunk only if one of its
+// rows picked the block (at G = 16 with random picks a warp's token uses 16 of the ~55 union
+// blocks), and then counts itself off the buffer; the last of the four warps to leave a buffer
+// refills it with the chunk `stages` places ahead. Warps thus drift apart by up to a ring's
+// length, and up to stages - 1 chunks are in flight per CTA: the kernel is bound by the bytes in
+// flight from L2, not by waiting for the slowest warp (the previous version, one barrier per
+// chunk, stalled 37.5% of the time there).
+// Rows mask the blocks their token did not pick and the keys after the token; window rows are
+// masked to [t - w + 1, t]. The two branches run one after the other with the same Q fragments;
+// the gated sum g_slc o_slc + g_win o_win + g_cmp o_cmp is formed in registers and written once
+// (o_slc held rounded to the storage type, as a plain implementation stores each branch output).
 #pragma once
 
 #include "cuda/attention_tile.cuh"
@@ -29,28 +37,35 @@ __device__ __forceinline__ float2 unpack_pair(uint32_t packed) {
   }
 }
 
+inline constexpr int kSlcThreads = kSlcRows / 16 * 32;
+
 template <typename Storage, int kDqk, int kDv>
-__global__ void __launch_bounds__(kThreads) slc_win_attention_kernel(const SlcWinParams p) {
-  using Tile = TileAttention<Storage, kDqk, kDv>;
+__global__ void __launch_bounds__(kSlcThreads) slc_win_attention_kernel(const SlcWinParams p) {
+  using Tile = TileAttention<Storage, kDqk, kDv, kSlcRows, kSlcChunk>;
   using Traits = StorageTraits<Storage>;
-  // kStages K/V chunk buffers; with three, chunks c + 1 and c + 2 load while chunk c is
-  // multiplied (the kernel is load-latency bound: with random picks one warp of four multiplies
-  // most chunks). The Q tile is needed only until its fragments are in registers, so with three
-  // stages it sits in the last K buffer (a Q tile is exactly one K tile) and costs no space.
+  static_assert(Tile::kCtaThreads == kSlcThreads, "one thread count for the kernel and its tile");
+  constexpr int kChunk = kSlcChunk;
+  constexpr int kWarpsPerCta = kSlcThreads / 32;
   constexpr int kStages = slc_win_stages(kDqk, kDv);
-  constexpr bool kQInStage = kStages == 3;
-  static_assert(kTileRows == kKeyChunk, "the Q tile overlays one K chunk buffer");
-  constexpr size_t kKTile = size_t(kKeyChunk) * Tile::kKStride;  // elements of one K buffer
-  constexpr size_t kVTile = size_t(kKeyChunk) * Tile::kVStride;
+  constexpr int kQStages = slc_win_q_stages(kDqk, kDv);
+  static_assert(kQStages < kStages, "the Q tile borrows some stages of the ring, not all");
+  constexpr size_t kKTile = size_t(kChunk) * Tile::kKStride;  // elements of one K buffer
+  constexpr size_t kVTile = size_t(kChunk) * Tile::kVStride;
+  constexpr size_t kStageElems = kKTile + kVTile;  // a stage: K [kChunk][Dqk+8], then V [kChunk][Dv+8]
+  static_assert(kStageElems * sizeof(Storage) == slc_win_stage_bytes(kDqk, kDv), "one stage size");
   extern __shared__ __align__(16) unsigned char smem[];
-  Storage* sk = reinterpret_cast<Storage*>(smem) + (kQInStage ? 0 : kKTile);  // [kStages][64][Dqk+8]
-  Storage* sv = sk + kStages * kKTile;                                          // [kStages][64][Dv+8]
-  Storage* sq = kQInStage ? sk + (kStages - 1) * kKTile : reinterpret_cast<Storage*>(smem);
-  int32_t* s_idx = reinterpret_cast<int32_t*>(sv + kStages * kVTile);
-  const int tokens_per_tile = kTileRows >> p.log2_group;
+  Storage* ring = reinterpret_cast<Storage*>(smem);                // [kStages][kStageElems]
+  Storage* sq = ring + (kStages - kQStages) * kStageElems;          // the Q tile, at first
+  int32_t* s_idx = reinterpret_cast<int32_t*>(ring + kStages * kStageElems);
+  const int tokens_per_tile = kSlcRows >> p.log2_group;
   uint32_t* s_bitmap = reinterpret_cast<uint32_t*>(s_idx + tokens_per_tile * p.n_sel);  // [bitmap_words]
   int32_t* s_union = reinterpret_cast<int32_t*>(s_bitmap + p.bitmap_words);            // [union_capacity]
   __shared__ int s_union_count;
+  // full[s]: completes when the copies of the chunk in stage s have landed (one arrival per lane
+  // of the warp that issued them). left[s]: warps that have finished with stage s, counted up
+  // forever: the use k of stage s ends at 4k + 4.
+  __shared__ __align__(8) uint64_t s_full[kStages];
+  __shared__ int s_left[kStages];
 
   const int64_t tiles_per_seq = (p.seqs.max_seqlen + tokens_per_tile - 1) / tokens_per_tile;
   const int b = static_cast<int>(blockIdx.x / tiles_per_seq);
@@ -63,16 +78,24 @@ __global__ void __launch_bounds__(kThreads) slc_win_attention_kernel(const SlcWi
   const int tokens_valid = static_cast<int>(min64(tokens_per_tile, len - t0));
   const int64_t t_last = t0 + tokens_valid - 1;
 
-  load_q_tile<Storage, kDqk>(sq, static_cast<const Storage*>(p.q), p.q_st, p.q_sh, s0 + t0, tokens_valid,
-                             hk * p.group, p.log2_group);
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      mbarrier_init(&s_full[i], 32);
+      s_left[i] = 0;
+    }
+  }
+  load_q_tile<Storage, kDqk, kSlcRows>(sq, static_cast<const Storage*>(p.q), p.q_st, p.q_sh, s0 + t0, tokens_valid,
+                                       hk * p.group, p.log2_group);
   cp_async_commit();
+
+  __syncthreads();  // the barriers are initialised
 
   // ---- Union of the tile's selected blocks ----
   int slc_blocks = 0;
   if (p.has_slc && p.n_sel > 0) {
-    for (int e = threadIdx.x; e < p.bitmap_words; e += kThreads) s_bitmap[e] = 0u;
+    for (int e = threadIdx.x; e < p.bitmap_words; e += kSlcThreads) s_bitmap[e] = 0u;
     __syncthreads();
-    for (int e = threadIdx.x; e < tokens_per_tile * p.n_sel; e += kThreads) {
+    for (int e = threadIdx.x; e < tokens_per_tile * p.n_sel; e += kSlcThreads) {
       const int token = e / p.n_sel, k = e % p.n_sel;
       int32_t j = -1;
       if (token < tokens_valid) j = p.indices[(s0 + t0 + token) * p.idx_st + hk * p.idx_sh + k];
@@ -81,7 +104,7 @@ __global__ void __launch_bounds__(kThreads) slc_win_attention_kernel(const SlcWi
       if (j >= 0 && j < p.bitmap_words * 32) atomicOr(&s_bitmap[j / 32], 1u << (j % 32));
     }
     __syncthreads();
-    if (threadIdx.x < 32) {  // one warp compacts the bitmap into an ascending list
+    if (threadIdx.x < 32) {  // the first warp compacts the bitmap into an ascending list
       const int lane = threadIdx.x;
       int total = 0;
       for (int base = 0; base < p.bitmap_words; base += 32) {
@@ -101,10 +124,10 @@ __global__ void __launch_bounds__(kThreads) slc_win_attention_kernel(const SlcWi
     __syncthreads();
     slc_blocks = s_union_count;
   }
-  const int chunks_per_block = (p.lp + kKeyChunk - 1) / kKeyChunk;
+  const int chunks_per_block = (p.lp + kChunk - 1) / kChunk;
   const int slc_chunks = slc_blocks * chunks_per_block;
   const int64_t win_lo = p.window > 0 ? window_start(t0, p.window) : 0;
-  const int win_chunks = p.has_win && p.window > 0 ? static_cast<int>((t_last - win_lo + kKeyChunk) / kKeyChunk) : 0;
+  const int win_chunks = p.has_win && p.window > 0 ? static_cast<int>((t_last - win_lo + kChunk) / kChunk) : 0;
   const int num_chunks = slc_chunks + win_chunks;
 
   const Storage* ks = static_cast<const Storage*>(p.k_slc) + s0 * p.ks_st + hk * p.ks_sh;
@@ -116,33 +139,39 @@ __global__ void __launch_bounds__(kThreads) slc_win_attention_kernel(const SlcWi
     int64_t end;
     if (c < slc_chunks) {
       block = s_union[c / chunks_per_block];
-      first = int64_t(block) * p.lp + int64_t(c % chunks_per_block) * kKeyChunk;
+      first = int64_t(block) * p.lp + int64_t(c % chunks_per_block) * kChunk;
       end = min64(int64_t(block + 1) * p.lp, t_last + 1);
     } else {
       block = -1;
-      first = win_lo + int64_t(c - slc_chunks) * kKeyChunk;
+      first = win_lo + int64_t(c - slc_chunks) * kChunk;
       end = t_last + 1;
     }
-    count = static_cast<int>(max64(0, min64(kKeyChunk, end - first)));
+    count = static_cast<int>(max64(0, min64(kChunk, end - first)));
   };
-  auto load_chunk = [&](int c, int buf) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // Issued by the 32 lanes of one warp: chunk c into its stage, then one arrival per lane on the
+  // stage's full barrier when the lane's copies have landed. Rows past the chunk are zero-filled.
+  auto issue_chunk = [&](int c) {
     int64_t first;
     int count, block;
     chunk_range(c, first, count, block);
     const bool slc = c < slc_chunks;
-    Tile::template load_rows<kDqk>(sk + buf * kKTile, (slc ? ks + first * p.ks_st : kw + first * p.kw_st),
-                                   slc ? p.ks_st : p.kw_st, count);
-    Tile::template load_rows<kDv>(sv + buf * kVTile, (slc ? vs + first * p.vs_st : vw + first * p.vw_st),
-                                  slc ? p.vs_st : p.vw_st, count);
+    Storage* sk = ring + (c % kStages) * kStageElems;
+    Storage* sv = sk + kKTile;
+    const Storage* kbase = slc ? ks + first * p.ks_st : kw + first * p.kw_st;
+    const Storage* vbase = slc ? vs + first * p.vs_st : vw + first * p.vw_st;
+    const int64_t kst = slc ? p.ks_st : p.kw_st, vst = slc ? p.vs_st : p.vw_st;
+    constexpr int kKPieces = kDqk / 8, kVPieces = kDv / 8;  // 16-byte pieces of a row
+    for (int e = lane; e < kChunk * kKPieces; e += 32) {
+      const int r = e / kKPieces, piece = e % kKPieces;
+      cp_async_16(sk + r * Tile::kKStride + piece * 8, r < count ? kbase + r * kst + piece * 8 : kbase, r < count);
+    }
+    for (int e = lane; e < kChunk * kVPieces; e += 32) {
+      const int r = e / kVPieces, piece = e % kVPieces;
+      cp_async_16(sv + r * Tile::kVStride + piece * 8, r < count ? vbase + r * vst + piece * 8 : vbase, r < count);
+    }
+    cp_async_arrive_noinc(&s_full[c % kStages]);
   };
-  // One commit group per chunk slot, empty past the last chunk, so that the wait counts below
-  // hold whatever the number of chunks.
-  auto issue_chunk = [&](int c) {
-    if (c < num_chunks) load_chunk(c, c % kStages);
-    cp_async_commit();
-  };
-
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group_id = lane / 4, quad = lane % 4;
   int row[2], tok[2], head[2];
   int64_t t_row[2];
@@ -202,53 +231,66 @@ __global__ void __launch_bounds__(kThreads) slc_win_attention_kernel(const SlcWi
     st.reset();
   };
 
-  // Prologue: chunks 0 .. kStages-2 into buffers 0 .. kStages-2 (not the one Q may occupy).
-  for (int c = 0; c < kStages - 1; ++c) issue_chunk(c);
-  cp_async_wait<kStages - 1>();  // the Q group has landed
+  // Prologue: warp 0 fills the stages Q does not occupy, then every warp takes its Q fragments,
+  // then warp 0 fills the stages Q occupied.
+  if (warp == 0)
+    for (int c = 0; c < min(kStages - kQStages, num_chunks); ++c) issue_chunk(c);
+  cp_async_wait<0>();  // the Q tile's group (the chunk copies belong to no group)
   __syncthreads();
   st.load_q_fragments(sq);
-  if constexpr (kQInStage) __syncthreads();  // Q's buffer is free once every warp holds its fragments
+  __syncthreads();  // Q's stages are free once every warp holds its fragments
+  if (warp == 0)
+    for (int c = kStages - kQStages; c < min(kStages, num_chunks); ++c) issue_chunk(c);
+
+  bool picked[2] = {false, false};  // whether row h's token picked the current union block
   for (int c = 0; c < num_chunks; ++c) {
     if (c == slc_chunks) finish_branch(0);  // the window branch starts
-    cp_async_wait<kStages - 2>();  // chunk c has landed (later chunks may still be in flight)
-    // One barrier per chunk: after it chunk c is visible to all and every warp is done with chunk
-    // c - 1, whose buffer now receives chunk c + kStages - 1.
-    __syncthreads();
-    issue_chunk(c + kStages - 1);
+    const int stage = c % kStages, use = c / kStages;
+    // Every warp waits for every chunk, also one it skips: then all of a stage's departures of
+    // use k precede its refill and every departure of use k + 1 (the count below stays exact).
+    mbarrier_wait_parity(&s_full[stage], use & 1);
     int64_t first;
     int count, block;
     chunk_range(c, first, count, block);
+    if (block >= 0 && c % chunks_per_block == 0) {  // a new union block: which rows picked it
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        bool any = false;
+        if (t_row[h] >= 0)
+          for (int k = 0; k < p.n_sel; ++k) any |= s_idx[tok[h] * p.n_sel + k] == block;
+        picked[h] = any;
+      }
+    }
     // Which of this thread's two rows may see the chunk at all.
     bool row_on[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      row_on[h] = t_row[h] >= first;
-      if (block >= 0 && row_on[h]) {
-        bool picked = false;
-        for (int k = 0; k < p.n_sel; ++k) picked |= s_idx[tok[h] * p.n_sel + k] == block;
-        row_on[h] = picked;
-      }
-    }
-    // A warp none of whose 16 rows picked this block (or precede its keys) skips the chunk: at
-    // G = 16 a warp is one token, so it multiplies only its own token's blocks even when the
-    // tile's union is wide (random scores: neighbouring tokens share few blocks).
+    for (int h = 0; h < 2; ++h) row_on[h] = t_row[h] >= first && (block < 0 || picked[h]);
+    // A warp none of whose 16 rows picked this block (or precede its keys) skips the chunk.
     if (__any_sync(0xffffffffu, row_on[0] || row_on[1])) {
-    float s[Tile::kSTiles][4];
-    st.scores(s, sk + (c % kStages) * kKTile);
+      const Storage* sk = ring + stage * kStageElems;
+      float s[Tile::kSTiles][4];
+      st.scores(s, sk);
+      // Row h keeps the chunk's keys [lo, hi): loaded, not after its token, in its window.
+      int lo[2], hi[2];
 #pragma unroll
-    for (int i = 0; i < Tile::kSTiles; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = i * 8 + 2 * quad + (e & 1);
-        const int h = e >> 1;
-        const int64_t pos = first + col;
-        bool on = row_on[h] && col < count && pos <= t_row[h];
-        if (block < 0) on = on && pos > t_row[h] - p.window;
-        s[i][e] = on ? s[i][e] * p.scale_log2 : kNegInf;
+      for (int h = 0; h < 2; ++h) {
+        hi[h] = row_on[h] ? static_cast<int>(min64(count, t_row[h] - first + 1)) : 0;
+        lo[h] = block < 0 ? static_cast<int>(max64(0, min64(kChunk, t_row[h] - p.window + 1 - first))) : 0;
       }
-    st.softmax_update(s);
-    st.accumulate_pv(s, sv + (c % kStages) * kVTile);
+      st.scale_and_mask(s, lo, hi, p.scale_log2);
+      st.softmax_update(s);
+      st.accumulate_pv(s, sk + kKTile);
     }
+    // Leave the stage (every lane's shared reads are done: their values fed the mma above). The
+    // last warp to leave refills it with chunk c + kStages.
+    __syncwarp();
+    int last = 0;
+    if (lane == 0) {
+      __threadfence_block();
+      last = atomicAdd(&s_left[stage], 1) == kWarpsPerCta * use + kWarpsPerCta - 1;
+    }
+    last = __shfl_sync(0xffffffffu, last, 0);
+    if (last && c + kStages < num_chunks) issue_chunk(c + kStages);
   }
   if (slc_chunks == num_chunks) finish_branch(0);  // no window chunk came
   finish_branch(1);
@@ -259,15 +301,15 @@ void launch_slc_win_attention(const SlcWinParams& p, cudaStream_t stream) {
   const size_t smem = slc_win_smem_bytes(kDqk, kDv, p.group, p.union_capacity, p.bitmap_words, p.n_sel);
   const auto kernel = slc_win_attention_kernel<Storage, kDqk, kDv>;
   NSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  // The whole unified L1/shared array as shared memory: two CTAs per SM need it (left to the
+  // The whole unified L1/shared array as shared memory: as many CTAs per SM as fit (left to the
   // driver, the carve-out can be chosen smaller).
   NSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                       static_cast<int>(cudaSharedmemCarveoutMaxShared)));
-  const int tokens_per_tile = kTileRows / p.group;
+  const int tokens_per_tile = kSlcRows / p.group;
   const int64_t tiles = (p.seqs.max_seqlen + tokens_per_tile - 1) / tokens_per_tile;
   const dim3 grid(static_cast<unsigned>(tiles * p.seqs.batch), static_cast<unsigned>(p.hkv));
   if (grid.x == 0) return;
-  kernel<<<grid, kThreads, smem, stream>>>(p);
+  kernel<<<grid, kSlcThreads, smem, stream>>>(p);
   NSA_CUDA_CHECK_LAUNCH();
 }
 

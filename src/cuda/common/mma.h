@@ -66,3 +66,40 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 }  // namespace nsa::cuda
+
+// ---- mbarriers (sm_80+): completion of cp.async copies without CTA-wide barriers ----
+namespace nsa::cuda {
+
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(smem_address(bar)), "r"(count) : "memory");
+}
+
+// Makes one arrival on `bar` when every cp.async this thread issued so far has landed (.noinc:
+// the arrival counts towards the barrier's expected count, which must include it).
+__device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(smem_address(bar)) : "memory");
+}
+
+// Waits until the phase of `bar` with the given parity has completed (acquire: the data the
+// phase's copies wrote are visible afterwards).
+__device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, uint32_t parity) {
+  const uint32_t addr = smem_address(bar);
+  uint32_t done = 0;
+  do {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+#else
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+#endif
+  } while (!done);
+}
+
+}  // namespace nsa::cuda
