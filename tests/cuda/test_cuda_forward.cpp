@@ -270,6 +270,48 @@ TEST_P(CudaForward, SelectedAndWindowAttentionMatchReference) {
   }
 }
 
+// A row of indices is a set (api.h): order, repeats and where the -1 padding sits do not matter.
+// Rows here are the top-n rows reversed (padding first, blocks descending) with the first block
+// repeated in the last place; the reference reads the same rows.
+TEST_P(CudaForward, SelectedAttentionTreatsIndicesAsASet) {
+  NSA_REQUIRE_GPU();
+  const Case& c = GetParam();
+  Config cfg = config_of(c);
+  if (cfg.n_selected < 3) cfg.n_selected = 3;
+  LayerProblem p = make_problem(cfg, sizes_of(c), 43);
+  const int64_t ns = num_slc_blocks(max_seqlen(c), cfg.slc_block_len), n = cfg.n_selected;
+  std::mt19937_64 rng(10);
+  HostTensor s(DType::f32, {p.T, c.hkv, ns});
+  s.fill_uniform(rng, 0, 1);
+  HostTensor sorted(DType::i32, {p.T, c.hkv, n});
+  select_topn(ref_ctx(), cfg, s.view(), host_seqs(p), sorted.view());
+  HostTensor idx(DType::i32, {p.T, c.hkv, n});
+  int64_t rows_with_repeat = 0;
+  for (int64_t r = 0; r < p.T * c.hkv; ++r) {
+    for (int64_t k = 0; k < n; ++k) idx.set(r * n + k, sorted.get(r * n + (n - 1 - k)));
+    if (sorted.get(r * n + 1) >= 0) {  // two blocks or more: repeat one of them
+      idx.set(r * n + n - 1, idx.get(r * n + 0));
+      ++rows_with_repeat;
+    }
+  }
+  ASSERT_GT(rows_with_repeat, 0);
+
+  HostTensor q64 = to_f64(p.q), k64 = to_f64(p.k[0]), v64 = to_f64(p.v[0]);
+  HostTensor o(c.dtype, {p.T, c.hq, c.dv}), lse(DType::f32, {p.T, c.hq});
+  o.poison();
+  lse.poison();
+  HostTensor o64 = to_f64(o), lse_ref = lse;
+  DeviceSeqs ds(p, max_seqlen(c));
+  DeviceTensor q(p.q), k(p.k[0]), v(p.v[0]), didx(idx), dout(o), dlse(lse);
+  selected_attention_fwd(ref_ctx(), cfg, q64.view(), k64.view(), v64.view(), idx.view(), host_seqs(p), o64.view(), lse_ref.view());
+  selected_attention_fwd(cuda_ctx(), cfg, q.view(), k.view(), v.view(), didx.view(), ds.seqs, dout.view(), dlse.view());
+  sync();
+  dout.download(o);
+  dlse.download(lse);
+  EXPECT_TRUE(close(o.values(), o64.values(), attention_tol(c.dtype, 1.0)));
+  EXPECT_TRUE(close(lse.values(), lse_ref.values(), lse_tol));
+}
+
 // ---- whole forward ----------------------------------------------------------------------------
 
 TEST_P(CudaForward, ForwardMatchesReferencePipeline) {
