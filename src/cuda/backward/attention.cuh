@@ -1,30 +1,39 @@
 // Attention kernels of the CUDA backward (docs/cuda_backward.md).
 //
 // Every branch is softmax attention over a set of keys; the backward of one (row tile, key tile)
-// pair is four small matrix products on the tensor cores (WMMA, 16x16x16, fp32 accumulation):
+// pair is a few 64 x 64 x D products on the tensor cores (mma.sync m16n8k16, fp32 accumulation):
 //   S = Q K^T,  P = exp(scale S - lse) (masked),  dP = dO V^T,
 //   dS = g P (dP - dg),  dQ += scale dS K,  dK += scale dS^T Q,  dV += (g P)^T dO
 // where g is the branch gate and dg = <dO, o_branch> (= the usual rowsum(dO_b * o_b) / g).
 //
+// Scores never leave registers: the C fragments of two neighbouring n8 tiles are the A fragments
+// of one k16 tile (src/cuda/common/mma.h), so P and dS go from the accumulator of one product
+// straight into the next as operands; K, V, Q, dO come from shared memory through ldmatrix
+// (transposed where they are the k-major operand). The streamed tiles are double-buffered with
+// cp.async: the copy of the next tile runs under the products of the current one.
+//
 // A row tile holds kRows = 64 rows: kRows / G consecutive query tokens of one sequence times the
 // G query heads of one KV head, so every key row loaded serves G heads. Two kernels, neither with
 // floating-point atomics:
-//   dq_kernel        query-centric: per row tile, (1) recompute each branch's output from lse to
-//                    get dg, (2) sum the three branches' dQ in registers, write dq once.
-//   dkv_kernel       key-centric: per key tile, loop over the query tiles that see it; raw keys
-//                    (window + selection, the latter through the inverted index) or compressed
-//                    keys (split over query ranges, partial sums reduced in a fixed order later).
+//   dq_kernel        query-centric, each warp owns 16 rows: per row tile, (1) recompute each
+//                    branch's output from lse to get dg, (2) sum the three branches' dQ in
+//                    registers, write dq once.
+//   dkv_kernel       key-centric, each warp owns 16 keys (it computes S^T and dP^T, so P^T and
+//                    dS^T are its A operands): per key tile, loop over the query tiles that see
+//                    it; raw keys (window + selection, the latter through the inverted index) or
+//                    compressed keys (split over query ranges, partial sums reduced in a fixed
+//                    order later).
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <mma.h>
 
 #include <cstdint>
 #include <type_traits>
 
 #include "cuda/common/check.h"
 #include "cuda/common/dtype.h"
+#include "cuda/common/mma.h"
 #include "nsa/api.h"
 #include "nsa/blocks.h"
 
@@ -32,12 +41,17 @@ namespace nsa::cuda_bwd {
 
 constexpr int kRows = 64;            // query rows per tile (tokens x heads of one group)
 constexpr int kKeys = 64;            // keys per tile
-constexpr int kWarps = kRows / 16;   // each warp owns 16 rows (or 16 keys)
+constexpr int kWarps = kRows / 16;   // each warp owns 16 rows (dq) or 16 keys (dk/dv)
 constexpr int kThreads = 32 * kWarps;
-constexpr int kPad = 8;              // 16-bit elements of padding per shared row (16 bytes)
-constexpr int kLdF = kKeys + 4;      // row pitch of the fp32 score tiles
-constexpr int kLdP = kKeys + kPad;   // row pitch of the 16-bit probability tiles
+// The warps work on 16 x 64 score blocks in two halves of 16 x 32 (kSubTiles n8 tiles): half the
+// live score registers, so dK and dV (or dQ) accumulators of a 128-wide head fit without spills.
+constexpr int kSub = 32;
+constexpr int kSubTiles = kSub / 8;
+// 16-bit elements of padding per shared row: a row starts 16 bytes further along the banks than
+// the one before, so the 8 rows one ldmatrix reads hit 8 different bank groups.
+constexpr int kPad = 8;
 constexpr float kLog2e = 1.4426950408889634f;
+static_assert(kRows == kKeys && kKeys == 2 * kSub, "a score block is two halves, both ways");
 
 // A [N, H, D] tensor with a contiguous last dimension (element strides of the first two).
 struct Mat3 {
@@ -101,8 +115,8 @@ struct BwdArgs {
 
 // ---- small device helpers ----------------------------------------------------------------
 
-using cuda::to_float;
 using cuda::from_float;
+using cuda::to_float;
 
 template <typename E>
 __device__ __forceinline__ float load_f32(const void* base, int64_t i) {
@@ -111,19 +125,26 @@ __device__ __forceinline__ float load_f32(const void* base, int64_t i) {
 
 __device__ __forceinline__ int64_t seq_start(const int32_t* cu, int b) { return cu[b]; }
 
-// Copies up to kRows rows of D elements into shared [kRows][D + kPad]; row r comes from
-// row_ptr(r) (nullptr: zeros).
+// Bytes of a shared tile of kRows (= kKeys) rows of D 16-bit elements, padded rows.
+template <int D>
+constexpr int tile_bytes() {
+  return kRows * (D + kPad) * 2;
+}
+
+// Starts copying kRows rows of D elements into a shared tile [kRows][D + kPad]; row r comes from
+// row_ptr(r) (nullptr: zeros). With `vec` (every row 16-byte aligned) the copy is cp.async and
+// lands at the caller's next cp_async_wait; otherwise plain loads. Either way it is visible after
+// the caller's next barrier. `any` is a valid global address: cp.async needs one even for a
+// zero-filled row, whose bytes it does not read.
 template <typename E, int D, typename RowPtr>
-__device__ __forceinline__ void load_rows(E* dst, RowPtr row_ptr, bool vec) {
+__device__ __forceinline__ void copy_rows(E* dst, RowPtr row_ptr, bool vec, const E* any) {
   constexpr int kLd = D + kPad;
   if (vec) {
     constexpr int kChunks = D / 8;
     for (int e = threadIdx.x; e < kRows * kChunks; e += kThreads) {
       const int r = e / kChunks, c = (e % kChunks) * 8;
       const E* src = row_ptr(r);
-      uint4 val = make_uint4(0, 0, 0, 0);
-      if (src != nullptr) val = *reinterpret_cast<const uint4*>(src + c);
-      *reinterpret_cast<uint4*>(dst + r * kLd + c) = val;
+      cuda::cp_async_16(dst + r * kLd + c, src != nullptr ? src + c : any, src != nullptr);
     }
   } else {
     for (int e = threadIdx.x; e < kRows * D; e += kThreads) {
@@ -134,132 +155,101 @@ __device__ __forceinline__ void load_rows(E* dst, RowPtr row_ptr, bool vec) {
   }
 }
 
-namespace wm = nvcuda::wmma;
-using FragC = wm::fragment<wm::accumulator, 16, 16, 16, float>;
+template <typename E>
+constexpr bool kIsBf16 = cuda::StorageTraits<E>::is_bf16;
 
-// out[16 x 64] (fp32, pitch kLdF) = A[16 x D] B[64 x D]^T for the calling warp.
-template <typename E, int D>
-__device__ __forceinline__ void warp_abt(const E* A, const E* Bm, float* out) {
+// acc = A B^T for the 16 rows of A starting at sA and the NT * 8 rows of B starting at sB (shared
+// tiles of depth D): the C fragments of NT n8 tiles, columns = B's rows.
+template <typename E, int D, int NT>
+__device__ __forceinline__ void mma_abt(float (&acc)[NT][4], const E* sA, const E* sB) {
   constexpr int kLd = D + kPad;
-  FragC acc[kKeys / 16];
+  const int lane = threadIdx.x % 32;
+  const E* arow = sA + ((lane & 7) + ((lane >> 3) & 1) * 8) * kLd + (lane >> 4) * 8;
+  const E* brow = sB + ((lane & 7) + (lane >> 4) * 8) * kLd + ((lane >> 3) & 1) * 8;
 #pragma unroll
-  for (int n = 0; n < kKeys / 16; ++n) wm::fill_fragment(acc[n], 0.f);
+  for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
-    wm::fragment<wm::matrix_a, 16, 16, 16, E, wm::row_major> a;
-    wm::load_matrix_sync(a, A + kk * 16, kLd);
+    uint32_t af[4];
+    cuda::ldmatrix_x4(af, arow + kk * 16);
 #pragma unroll
-    for (int n = 0; n < kKeys / 16; ++n) {
-      wm::fragment<wm::matrix_b, 16, 16, 16, E, wm::col_major> b;
-      wm::load_matrix_sync(b, Bm + n * 16 * kLd + kk * 16, kLd);
-      wm::mma_sync(acc[n], a, b, acc[n]);
+    for (int np = 0; np < NT / 2; ++np) {
+      uint32_t b[4];
+      cuda::ldmatrix_x4(b, brow + np * 16 * kLd + kk * 16);
+      cuda::mma_16816<kIsBf16<E>>(acc[2 * np], af, b[0], b[1]);
+      cuda::mma_16816<kIsBf16<E>>(acc[2 * np + 1], af, b[2], b[3]);
     }
   }
-#pragma unroll
-  for (int n = 0; n < kKeys / 16; ++n) wm::store_matrix_sync(out + n * 16, acc[n], kLdF, wm::mem_row_major);
 }
 
-// acc[D/16] += A[16 x 64] (pitch kLdP; transposed: A is stored [64][16-col slice] when kTransA)
-//              times Bm[64 x D] (row-major, pitch D + kPad).
-template <typename E, int D, bool kTransA>
-__device__ __forceinline__ void warp_acc(const E* A, const E* Bm, FragC* acc) {
+// The A fragments of a 16 x (NT * 8) operand from the C fragments of its NT n8 tiles, rounded to E.
+template <typename E, int NT>
+__device__ __forceinline__ void to_operand(const float (&c)[NT][4], uint32_t (&af)[NT / 2][4]) {
+  using T = cuda::StorageTraits<E>;
+#pragma unroll
+  for (int kk = 0; kk < NT / 2; ++kk) {
+    af[kk][0] = T::pack(c[2 * kk][0], c[2 * kk][1]);
+    af[kk][1] = T::pack(c[2 * kk][2], c[2 * kk][3]);
+    af[kk][2] = T::pack(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+    af[kk][3] = T::pack(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+  }
+}
+
+// acc += A B for A 16 x (KT * 16) (operand fragments) and B the (KT * 16) x D rows of the shared
+// tile at sB (row-major, so it is read with ldmatrix.trans).
+template <typename E, int D, int KT>
+__device__ __forceinline__ void mma_ab(float (&acc)[D / 8][4], const uint32_t (&af)[KT][4], const E* sB) {
   constexpr int kLd = D + kPad;
+  const int lane = threadIdx.x % 32;
+  const E* row = sB + ((lane & 7) + ((lane >> 3) & 1) * 8) * kLd + (lane >> 4) * 8;
 #pragma unroll
-  for (int kk = 0; kk < kKeys / 16; ++kk) {
-    using Layout = std::conditional_t<kTransA, wm::col_major, wm::row_major>;
-    wm::fragment<wm::matrix_a, 16, 16, 16, E, Layout> a;
-    if constexpr (kTransA) wm::load_matrix_sync(a, A + kk * 16 * kLdP, kLdP);
-    else wm::load_matrix_sync(a, A + kk * 16, kLdP);
+  for (int kk = 0; kk < KT; ++kk) {
 #pragma unroll
-    for (int n = 0; n < D / 16; ++n) {
-      wm::fragment<wm::matrix_b, 16, 16, 16, E, wm::row_major> b;
-      wm::load_matrix_sync(b, Bm + kk * 16 * kLd + n * 16, kLd);
-      wm::mma_sync(acc[n], a, b, acc[n]);
+    for (int dp = 0; dp < D / 16; ++dp) {
+      uint32_t b[4];
+      cuda::ldmatrix_x4_trans(b, row + kk * 16 * kLd + dp * 16);
+      cuda::mma_16816<kIsBf16<E>>(acc[2 * dp], af[kk], b[0], b[1]);
+      cuda::mma_16816<kIsBf16<E>>(acc[2 * dp + 1], af[kk], b[2], b[3]);
     }
   }
 }
 
-// Per-row state of a row tile, in shared memory.
-struct RowInfo {
-  int tok[kRows];     // packed token (or -1: padding row)
-  int head[kRows];    // query head
-  int t[kRows];       // position within the sequence
-  int lo[kRows];      // smallest visible key position (window), else INT_MIN
-  int ok[kRows];      // row takes part for the current key set
-  float lse2[kRows];  // lse * log2(e) of the current branch
-  float gate[kRows];  // g of the current branch
-  float dg[kRows];    // dg of the current branch (fp32)
-};
+template <int N>
+__device__ __forceinline__ void zero(float (&acc)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+}
 
-// Key geometry of one key tile: key c (< nk) has "visibility position" kp0 + c * kstep: row r
-// sees it when lo[r] <= pos <= t[r] (compressed keys: the last token of the block).
+// Key geometry of one key tile: key c (< nk) has "visibility position" kp0 + c * kstep: a row at
+// position t with window start lo sees it when lo <= pos <= t (compressed keys: the last token of
+// the block). blk >= 0: a selection tile of block blk, seen only by rows that selected blk.
 struct KeyTile {
   int nk;
   int kp0, kstep;
+  int blk;
 };
-
-__device__ __forceinline__ bool visible(const RowInfo& ri, int r, const KeyTile& kt, int c) {
-  if (!ri.ok[r] || c >= kt.nk) return false;
-  const int pos = kt.kp0 + c * kt.kstep;
-  return pos <= ri.t[r] && pos >= ri.lo[r];
-}
 
 // ---- dq_kernel ---------------------------------------------------------------------------
 
 template <typename E, int DQK, int DV>
 struct DqSmem {
-  static constexpr int kK = 0;
-  static constexpr int kV = kK + kRows * (DQK + kPad) * 2;
-  static constexpr int kQ = kV + kRows * (DV + kPad) * 2;
-  static constexpr int kDo = kQ + kRows * (DQK + kPad) * 2;
-  static constexpr int kP = kDo + kRows * (DV + kPad) * 2;
-  static constexpr int kS = kP + kRows * kLdP * 2;
-  static constexpr int kDp = kS + kRows * kLdF * 4;
-  static constexpr int kRi = kDp + kRows * kLdF * 4;
-  static constexpr int kSel = kRi + int(sizeof(RowInfo));  // then [Tq][n] ints, then bitmap words
-  static_assert(kRows * (DV + 4) * 4 <= 2 * kRows * kLdF * 4, "O scratch must fit the score tiles");
-  static_assert(kRows * (DQK + 4) * 4 <= kS, "dQ scratch must fit below the score tiles");
+  static constexpr int kK = 0;                             // [2][kKeys][DQK + kPad], double-buffered
+  static constexpr int kV = kK + 2 * tile_bytes<DQK>();    // [2][kKeys][DV + kPad]
+  static constexpr int kQ = kV + 2 * tile_bytes<DV>();     // [kRows][DQK + kPad]
+  static constexpr int kDo = kQ + tile_bytes<DQK>();       // [kRows][DV + kPad]
+  // Then: sel [Tq][n] ints (each token's blocks), blocks [Tq * n] ints (their union, ascending),
+  // the union's bitmap words, and the union's size.
+  static constexpr int kSel = kDo + tile_bytes<DV>();
+  static size_t bytes(int tq, int n, int n_slc_max) {
+    return size_t(kSel) + size_t(tq) * n * 8 + size_t((n_slc_max + 31) / 32) * 4 + 16;
+  }
 };
 
-// Fills the row info of the row tile of tokens [u0, u0 + ntok) of a sequence starting at s0.
-__device__ __forceinline__ void fill_rows(RowInfo& ri, const BwdArgs& a, int hk, int64_t s0,
-                                          int u0, int ntok) {
-  for (int r = threadIdx.x; r < kRows; r += kThreads) {
-    const int u = r / a.G;
-    const bool valid = u < ntok;
-    ri.tok[r] = valid ? int(s0 + u0 + u) : -1;
-    ri.head[r] = hk * a.G + r % a.G;
-    ri.t[r] = valid ? u0 + u : -1;
-  }
-}
-
-// Sets lse/gate/dg/lo/ok of the rows for `branch`.
-__device__ __forceinline__ void set_branch_rows(RowInfo& ri, const BwdArgs& a, int branch,
-                                                bool need_dg, int dtype_is_bf16) {
-  for (int r = threadIdx.x; r < kRows; r += kThreads) {
-    const int tok = ri.tok[r];
-    if (tok < 0) {
-      ri.ok[r] = 0;
-      ri.lse2[r] = 0.f;
-      ri.gate[r] = 0.f;
-      ri.dg[r] = 0.f;
-      ri.lo[r] = 0;
-      continue;
-    }
-    const int h = ri.head[r];
-    const float lse = static_cast<const float*>(a.lse.p)[tok * a.lse.s0 + h * a.lse.s1 + branch];
-    ri.lse2[r] = lse * kLog2e;
-    const int64_t gi = tok * a.g.s0 + h * a.g.s1 + branch;
-    ri.gate[r] = dtype_is_bf16 ? load_f32<__nv_bfloat16>(a.g.p, gi) : load_f32<__half>(a.g.p, gi);
-    ri.dg[r] = need_dg ? a.dg32[(int64_t(tok) * a.hq + h) * 3 + branch] : 0.f;
-    ri.lo[r] = branch == kWin ? ri.t[r] - a.w + 1 : INT32_MIN;
-    ri.ok[r] = 1;
-  }
-}
-
-// The ascending list of selected blocks of the row tile: a bitmap over blocks (shared memory).
+// The selected blocks of the row tile: sel[u * n + k] (or -1) per token, and their union as an
+// ascending list blocks[0 .. *nblocks), built through a bitmap over blocks (shared memory).
 __device__ __forceinline__ void build_union(const BwdArgs& a, int hk, int64_t s0, int u0, int ntok,
-                                            int* sel, unsigned* bitmap, int words) {
+                                            int* sel, int* blocks, unsigned* bitmap, int words,
+                                            int* nblocks) {
   for (int i = threadIdx.x; i < words; i += kThreads) bitmap[i] = 0u;
   __syncthreads();
   const int tq = kRows / a.G;
@@ -275,24 +265,30 @@ __device__ __forceinline__ void build_union(const BwdArgs& a, int hk, int64_t s0
     if (j >= 0) atomicOr(&bitmap[j >> 5], 1u << (j & 31));  // integer: order-independent
   }
   __syncthreads();
+  if (threadIdx.x == 0) {  // at most Tq * n entries, a few hundred: one thread is enough
+    int count = 0;
+    for (int wi = 0; wi < words; ++wi)
+      for (unsigned word = bitmap[wi]; word != 0u; word &= word - 1u) blocks[count++] = wi * 32 + __ffs(word) - 1;
+    *nblocks = count;
+  }
+  __syncthreads();
 }
 
 template <typename E, int DQK, int DV>
 __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
   using L = DqSmem<E, DQK, DV>;
+  constexpr int kLdK = DQK + kPad, kLdV = DV + kPad;
   extern __shared__ __align__(128) unsigned char smem[];
   E* sK = reinterpret_cast<E*>(smem + L::kK);
   E* sV = reinterpret_cast<E*>(smem + L::kV);
   E* sQ = reinterpret_cast<E*>(smem + L::kQ);
   E* sDo = reinterpret_cast<E*>(smem + L::kDo);
-  E* sP = reinterpret_cast<E*>(smem + L::kP);
-  float* sS = reinterpret_cast<float*>(smem + L::kS);
-  float* sDp = reinterpret_cast<float*>(smem + L::kDp);
-  RowInfo& ri = *reinterpret_cast<RowInfo*>(smem + L::kRi);
-  int* sel = reinterpret_cast<int*>(smem + L::kSel);
   const int tq = kRows / a.G;
-  unsigned* bitmap = reinterpret_cast<unsigned*>(sel + tq * a.n);
+  int* sel = reinterpret_cast<int*>(smem + L::kSel);
+  int* blocks = sel + tq * a.n;
+  unsigned* bitmap = reinterpret_cast<unsigned*>(blocks + tq * a.n);
   const int words = (a.n_slc_max + 31) / 32;
+  int* nblocks = reinterpret_cast<int*>(bitmap + words);
 
   const int tiles_per_seq = int((a.max_seqlen + tq - 1) / tq);
   const int b = blockIdx.x / tiles_per_seq;
@@ -304,150 +300,239 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
   const int ntok = min(tq, len - u0);
   const int t_first = u0, t_last = u0 + ntok - 1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = lane / 4, quad = lane % 4;
   const int row0 = warp * 16;
-  const bool bf = a.dtype == 0;
+  const float scale_log2 = a.scale * kLog2e;
 
-  fill_rows(ri, a, hk, s0, u0, ntok);
-  if (a.n > 0) build_union(a, hk, s0, u0, ntok, sel, bitmap, words);
-  __syncthreads();
+  // Row r of the tile: token u0 + r / G of the sequence, head hk * G + r % G.
+  auto row_token = [&](int r) { return r / a.G < ntok ? int(s0 + u0 + r / a.G) : -1; };
+  auto row_head = [&](int r) { return hk * a.G + r % a.G; };
+
+  if (a.n > 0) build_union(a, hk, s0, u0, ntok, sel, blocks, bitmap, words, nblocks);
   const E* qb = static_cast<const E*>(a.q.p);
   const E* dob = static_cast<const E*>(a.d_o.p);
-  load_rows<E, DQK>(sQ, [&](int r) -> const E* { return ri.tok[r] < 0 ? nullptr : qb + ri.tok[r] * a.q.s0 + ri.head[r] * a.q.s1; }, a.vec);
-  load_rows<E, DV>(sDo, [&](int r) -> const E* { return ri.tok[r] < 0 ? nullptr : dob + ri.tok[r] * a.d_o.s0 + ri.head[r] * a.d_o.s1; }, a.vec);
+  copy_rows<E, DQK>(sQ, [&](int r) -> const E* {
+    const int tok = row_token(r);
+    return tok < 0 ? nullptr : qb + tok * a.q.s0 + row_head(r) * a.q.s1;
+  }, a.vec, qb);
+  copy_rows<E, DV>(sDo, [&](int r) -> const E* {
+    const int tok = row_token(r);
+    return tok < 0 ? nullptr : dob + tok * a.d_o.s0 + row_head(r) * a.d_o.s1;
+  }, a.vec, dob);
+  cuda::cp_async_commit();  // completes with the first key tile's group
 
-  // Visits every key tile of `branch` for this row tile: fn(kbase, kstride, vbase, vstride, KeyTile)
-  // with key c's rows at kbase + c * kstride. Selection also sets ri.ok per block.
-  auto for_each_tile = [&](int branch, auto&& fn) {
-    if (branch == kCmp) {
-      const int nc = int(visible_cmp_blocks(t_last, a.l, a.d));
-      const int64_t crow0 = cmp_row_offset(s0, a.d);
-      const E* kb = static_cast<const E*>(a.kc) + (crow0 * a.hkv + hk) * DQK;
-      const E* vb = static_cast<const E*>(a.vc) + (crow0 * a.hkv + hk) * DV;
-      for (int i0 = 0; i0 < nc; i0 += kKeys)
-        fn(kb + int64_t(i0) * a.hkv * DQK, int64_t(a.hkv) * DQK, vb + int64_t(i0) * a.hkv * DV,
-           int64_t(a.hkv) * DV, KeyTile{min(kKeys, nc - i0), i0 * a.d + a.l - 1, a.d});
-    } else if (branch == kWin) {
-      if (a.w == 0) return;
-      const int p0 = int(window_start(t_first, a.w));
-      const Mat3& K = a.k[kWin];
-      const Mat3& V = a.v[kWin];
-      for (int pos = p0; pos <= t_last; pos += kKeys)
-        fn(static_cast<const E*>(K.p) + (s0 + pos) * K.s0 + hk * K.s1, K.s0,
-           static_cast<const E*>(V.p) + (s0 + pos) * V.s0 + hk * V.s1, V.s0,
-           KeyTile{min(kKeys, t_last - pos + 1), pos, 1});
+  // The key tiles of all three branches as one sequence: compressed, selection, window.
+  const int nc = int(visible_cmp_blocks(t_last, a.l, a.d));
+  const int n_cmp = (nc + kKeys - 1) / kKeys;
+  const int p0 = int(window_start(t_first, a.w));
+  const int n_win = a.w > 0 ? (t_last - p0 + kKeys) / kKeys : 0;
+  const int chunks = (a.lp + kKeys - 1) / kKeys;  // key tiles per selection block
+  const int n_slc = a.n > 0 ? *nblocks * chunks : 0;
+  const int n_tiles = n_cmp + n_win + n_slc;
+  // In branch-index order (kCmp, kSlc, kWin): sweep() enters the branches in ascending order.
+  static_assert(kCmp == 0 && kSlc == 1 && kWin == 2, "tile order follows the branch indices");
+  auto branch_of = [&](int i) { return i < n_cmp ? int(kCmp) : i < n_cmp + n_slc ? int(kSlc) : int(kWin); };
+  // Tile i: its keys' geometry and the rows of its first key (key c at kb + c * ks, vb + c * vs).
+  auto tile_at = [&](int i, const E*& kb, int64_t& ks, const E*& vb, int64_t& vs) -> KeyTile {
+    if (i < n_cmp) {
+      const int i0 = i * kKeys;
+      const int64_t crow = cmp_row_offset(s0, a.d) + i0;
+      ks = int64_t(a.hkv) * DQK;
+      vs = int64_t(a.hkv) * DV;
+      kb = static_cast<const E*>(a.kc) + (crow * a.hkv + hk) * DQK;
+      vb = static_cast<const E*>(a.vc) + (crow * a.hkv + hk) * DV;
+      return KeyTile{min(kKeys, nc - i0), i0 * a.d + a.l - 1, a.d, -1};
+    }
+    const bool win = i >= n_cmp + n_slc;
+    int pos, end, blk = -1;
+    if (win) {
+      pos = p0 + (i - n_cmp - n_slc) * kKeys;
+      end = t_last + 1;
     } else {
-      if (a.n == 0) return;
-      const Mat3& K = a.k[kSlc];
-      const Mat3& V = a.v[kSlc];
-      for (int wi = 0; wi < words; ++wi) {
-        unsigned word = bitmap[wi];
-        while (word != 0u) {
-          const int j = wi * 32 + __ffs(word) - 1;
-          word &= word - 1u;
-          __syncthreads();  // the previous tile's readers of ri.ok are done
-          for (int r = threadIdx.x; r < kRows; r += kThreads) {
-            int hit = 0;
-            if (ri.tok[r] >= 0) {
-              const int u = r / a.G;
-              for (int k = 0; k < a.n; ++k) hit |= sel[u * a.n + k] == j;
-            }
-            ri.ok[r] = hit;
-          }
-          const int end = min((j + 1) * a.lp, t_last + 1);
-          for (int pos = j * a.lp; pos < end; pos += kKeys)
-            fn(static_cast<const E*>(K.p) + (s0 + pos) * K.s0 + hk * K.s1, K.s0,
-               static_cast<const E*>(V.p) + (s0 + pos) * V.s0 + hk * V.s1, V.s0,
-               KeyTile{min(kKeys, end - pos), pos, 1});
-        }
+      const int idx = i - n_cmp;
+      blk = blocks[idx / chunks];
+      pos = blk * a.lp + (idx % chunks) * kKeys;
+      end = min((blk + 1) * a.lp, t_last + 1);  // a chunk past t_last is empty (all masked)
+    }
+    const Mat3& K = a.k[win ? kWin : kSlc];
+    const Mat3& V = a.v[win ? kWin : kSlc];
+    ks = K.s0;
+    vs = V.s0;
+    kb = static_cast<const E*>(K.p) + (s0 + pos) * K.s0 + hk * K.s1;
+    vb = static_cast<const E*>(V.p) + (s0 + pos) * V.s0 + hk * V.s1;
+    return KeyTile{max(0, min(kKeys, end - pos)), pos, 1, blk};
+  };
+  auto issue = [&](int i, int buf) {
+    const E* kb;
+    const E* vb;
+    int64_t ks, vs;
+    const KeyTile kt = tile_at(i, kb, ks, vb, vs);
+    // (kb may point past the tensor for an empty chunk: zero-filled rows take qb as their address)
+    copy_rows<E, DQK>(sK + buf * kKeys * kLdK, [&](int c) -> const E* { return c < kt.nk ? kb + c * ks : nullptr; },
+                      a.vec, qb);
+    copy_rows<E, DV>(sV + buf * kKeys * kLdV, [&](int c) -> const E* { return c < kt.nk ? vb + c * vs : nullptr; },
+                     a.vec, qb);
+  };
+
+  // This thread's two rows of the warp's 16: group (h = 0) and group + 8 (h = 1).
+  int rtok[2], rhead[2], rt[2], ru[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = row0 + group + 8 * h;
+    rtok[h] = row_token(r);
+    rhead[h] = row_head(r);
+    rt[h] = rtok[h] >= 0 ? int(rtok[h] - s0) : -1;
+    ru[h] = r / a.G;
+  }
+  // Per-branch state of the two rows: lse in log2 units, gate, dg, visible positions [lo, hi].
+  float lse2[2], gate[2], dgr[2];
+  int lo[2], hi[2];
+  auto set_branch = [&](int branch, bool with_dg) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      lse2[h] = gate[h] = dgr[h] = 0.f;
+      lo[h] = 0;
+      hi[h] = -1;  // a padding row sees nothing
+      if (rtok[h] < 0) continue;
+      const int64_t tok = rtok[h];
+      lse2[h] = static_cast<const float*>(a.lse.p)[tok * a.lse.s0 + rhead[h] * a.lse.s1 + branch] * kLog2e;
+      gate[h] = load_f32<E>(a.g.p, tok * a.g.s0 + rhead[h] * a.g.s1 + branch);
+      if (with_dg) dgr[h] = a.dg32[(tok * a.hq + rhead[h]) * 3 + branch];
+      lo[h] = branch == kWin ? rt[h] - a.w + 1 : INT32_MIN;
+      hi[h] = rt[h];
+    }
+  };
+  // Which of the thread's rows take part in tile kt (selection tiles: rows whose token selected
+  // the block), and whether any row of the warp sees any of its keys. A warp that has nothing to
+  // do skips the tile: at G = 16 a warp is one token, so the selection tiles of the row tile's
+  // union that its token did not choose (about 3/4 of them on random scores) cost it nothing.
+  bool chose[2];
+  auto warp_takes = [&](const KeyTile& kt) {
+    const int first = kt.kp0, last = kt.kp0 + (kt.nk - 1) * kt.kstep;
+    bool any = false;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      bool hit = kt.nk > 0 && rtok[h] >= 0 && hi[h] >= first && lo[h] <= last;
+      if (hit && kt.blk >= 0) {
+        hit = false;
+        for (int k = 0; k < a.n; ++k) hit |= sel[ru[h] * a.n + k] == kt.blk;
+      }
+      chose[h] = hit;
+      any |= hit;
+    }
+    return __any_sync(0xffffffffu, any);
+  };
+  // s (scores of the warp's rows x keys c0 .. c0 + 31) -> P = exp(scale s - lse), 0 where masked.
+  auto probabilities = [&](float (&s)[kSubTiles][4], const KeyTile& kt, int c0) {
+#pragma unroll
+    for (int nt = 0; nt < kSubTiles; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int h = e >> 1, c = c0 + nt * 8 + 2 * quad + (e & 1);
+        const int pos = kt.kp0 + c * kt.kstep;
+        const bool vis = chose[h] && c < kt.nk && pos >= lo[h] && pos <= hi[h];
+        s[nt][e] = vis ? exp2f(s[nt][e] * scale_log2 - lse2[h]) : 0.f;
       }
     }
   };
 
-  auto load_kv = [&](const E* kb, int64_t ks, const E* vb, int64_t vs, const KeyTile& kt) {
-    __syncthreads();  // previous tile fully consumed, row info visible
-    load_rows<E, DQK>(sK, [&](int c) -> const E* { return c < kt.nk ? kb + c * ks : nullptr; }, a.vec);
-    load_rows<E, DV>(sV, [&](int c) -> const E* { return c < kt.nk ? vb + c * vs : nullptr; }, a.vec);
+  // One sweep over all key tiles, two-stage: tile i + 1's copy goes out before tile i is computed.
+  // enter(branch) runs (block-uniformly) before the first tile of each branch and once at the end
+  // with branch 3; compute(tk, tv, kt) does the tile in K/V buffer tk, tv.
+  auto sweep = [&](auto&& enter, auto&& compute) {
+    int cur = -1;
+    if (n_tiles > 0) issue(0, 0);
+    cuda::cp_async_commit();
+    for (int i = 0; i < n_tiles; ++i) {
+      if (i + 1 < n_tiles) issue(i + 1, (i + 1) & 1);  // its buffer's last reader (tile i-1) is done
+      cuda::cp_async_commit();
+      cuda::cp_async_wait<1>();
+      __syncthreads();
+      const int branch = branch_of(i);
+      while (cur < branch) enter(++cur);
+      const E* kb;
+      const E* vb;
+      int64_t ks, vs;
+      compute(sK + (i & 1) * kKeys * kLdK, sV + (i & 1) * kKeys * kLdV, tile_at(i, kb, ks, vb, vs));
+      __syncthreads();
+    }
+    cuda::cp_async_wait<0>();
     __syncthreads();
+    while (cur < 3) enter(++cur);
   };
 
   // ---- pass 1: each branch's output o_b = P V from the saved lse, then dg_b = <dO, o_b>
-  for (int branch = 0; branch < 3; ++branch) {
-    __syncthreads();
-    set_branch_rows(ri, a, branch, /*need_dg=*/false, bf);
-    FragC acc_o[DV / 16];
+  float acc_o[DV / 8][4];
+  zero(acc_o);
+  sweep(
+      [&](int branch) {
+        if (branch > 0) {
+          // dg of the thread's rows: its columns of o_b times dO, then the quad's partial sums.
 #pragma unroll
-    for (int n = 0; n < DV / 16; ++n) wm::fill_fragment(acc_o[n], 0.f);
-    for_each_tile(branch, [&](const E* kb, int64_t ks, const E* vb, int64_t vs, const KeyTile& kt) {
-      load_kv(kb, ks, vb, vs, kt);
-      warp_abt<E, DQK>(sQ + row0 * (DQK + kPad), sK, sS + row0 * kLdF);
-      __syncwarp();
-      for (int e = lane; e < 16 * kKeys; e += 32) {
-        const int r = row0 + e / kKeys, c = e % kKeys;
-        const float p = visible(ri, r, kt, c) ? exp2f(sS[r * kLdF + c] * (a.scale * kLog2e) - ri.lse2[r]) : 0.f;
-        sP[r * kLdP + c] = from_float<E>(p);
-      }
-      __syncwarp();
-      warp_acc<E, DV, false>(sP + row0 * kLdP, sV, acc_o);
-    });
-    // o_b of this warp's rows to the score tiles (fp32), then dg = <dO, o_b> per row.
-    float* sO = sS;  // [kRows][DV + 4], spans sS and sDp
-    __syncthreads();
+          for (int h = 0; h < 2; ++h) {
+            const E* dorow = sDo + (row0 + group + 8 * h) * kLdV + 2 * quad;
+            float part = 0.f;
 #pragma unroll
-    for (int n = 0; n < DV / 16; ++n)
-      wm::store_matrix_sync(sO + row0 * (DV + 4) + n * 16, acc_o[n], DV + 4, wm::mem_row_major);
-    __syncwarp();
-    for (int rr = 0; rr < 16; ++rr) {
-      const int r = row0 + rr;
-      float part = 0.f;
-      for (int c = lane; c < DV; c += 32) part += to_float(sDo[r * (DV + kPad) + c]) * sO[r * (DV + 4) + c];
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
-      if (lane == 0 && ri.tok[r] >= 0) {
-        const int64_t tok = ri.tok[r];
-        const int h = ri.head[r];
-        a.dg32[(tok * a.hq + h) * 3 + branch] = part;
-        static_cast<E*>(a.dg.p)[tok * a.dg.s0 + h * a.dg.s1 + branch] = from_float<E>(part);
-      }
-    }
-  }
+            for (int nt = 0; nt < DV / 8; ++nt)
+              part += acc_o[nt][2 * h] * to_float(dorow[nt * 8]) + acc_o[nt][2 * h + 1] * to_float(dorow[nt * 8 + 1]);
+            part += __shfl_xor_sync(0xffffffffu, part, 1);
+            part += __shfl_xor_sync(0xffffffffu, part, 2);
+            if (quad == 0 && rtok[h] >= 0) {
+              const int64_t tok = rtok[h];
+              a.dg32[(tok * a.hq + rhead[h]) * 3 + branch - 1] = part;
+              static_cast<E*>(a.dg.p)[tok * a.dg.s0 + rhead[h] * a.dg.s1 + branch - 1] = from_float<E>(part);
+            }
+          }
+          zero(acc_o);
+        }
+        if (branch < 3) set_branch(branch, false);
+      },
+      [&](const E* tk, const E* tv, const KeyTile& kt) {
+        if (!warp_takes(kt)) return;
+#pragma unroll 1
+        for (int c0 = 0; c0 < kKeys; c0 += kSub) {
+          float s[kSubTiles][4];
+          mma_abt<E, DQK, kSubTiles>(s, sQ + row0 * kLdK, tk + c0 * kLdK);
+          probabilities(s, kt, c0);
+          uint32_t pf[kSubTiles / 2][4];
+          to_operand<E, kSubTiles>(s, pf);
+          mma_ab<E, DV, kSubTiles / 2>(acc_o, pf, tv + c0 * kLdV);
+        }
+      });
   __syncthreads();  // dg32 of this tile's rows is written (read back below by the same block)
 
   // ---- pass 2: dQ = scale * sum_b dS_b K_b, summed in registers over the three branches
-  FragC acc_q[DQK / 16];
+  float acc_q[DQK / 8][4];
+  zero(acc_q);
+  sweep([&](int branch) { if (branch < 3) set_branch(branch, true); },
+        [&](const E* tk, const E* tv, const KeyTile& kt) {
+          if (!warp_takes(kt)) return;
+#pragma unroll 1
+          for (int c0 = 0; c0 < kKeys; c0 += kSub) {
+            float s[kSubTiles][4], dp[kSubTiles][4];
+            mma_abt<E, DQK, kSubTiles>(s, sQ + row0 * kLdK, tk + c0 * kLdK);
+            mma_abt<E, DV, kSubTiles>(dp, sDo + row0 * kLdV, tv + c0 * kLdV);
+            probabilities(s, kt, c0);
 #pragma unroll
-  for (int n = 0; n < DQK / 16; ++n) wm::fill_fragment(acc_q[n], 0.f);
-  for (int branch = 0; branch < 3; ++branch) {
-    __syncthreads();
-    set_branch_rows(ri, a, branch, /*need_dg=*/true, bf);
-    for_each_tile(branch, [&](const E* kb, int64_t ks, const E* vb, int64_t vs, const KeyTile& kt) {
-      load_kv(kb, ks, vb, vs, kt);
-      warp_abt<E, DQK>(sQ + row0 * (DQK + kPad), sK, sS + row0 * kLdF);
-      warp_abt<E, DV>(sDo + row0 * (DV + kPad), sV, sDp + row0 * kLdF);
-      __syncwarp();
-      for (int e = lane; e < 16 * kKeys; e += 32) {
-        const int r = row0 + e / kKeys, c = e % kKeys;
-        float ds = 0.f;
-        if (visible(ri, r, kt, c)) {
-          const float p = exp2f(sS[r * kLdF + c] * (a.scale * kLog2e) - ri.lse2[r]);
-          ds = a.scale * ri.gate[r] * p * (sDp[r * kLdF + c] - ri.dg[r]);
-        }
-        sP[r * kLdP + c] = from_float<E>(ds);
-      }
-      __syncwarp();
-      warp_acc<E, DQK, false>(sP + row0 * kLdP, sK, acc_q);
-    });
-  }
-  __syncthreads();
-  float* sOut = reinterpret_cast<float*>(smem);  // [kRows][DQK + 4]: K/V/Q tiles are free now
+            for (int nt = 0; nt < kSubTiles; ++nt)
 #pragma unroll
-  for (int n = 0; n < DQK / 16; ++n)
-    wm::store_matrix_sync(sOut + row0 * (DQK + 4) + n * 16, acc_q[n], DQK + 4, wm::mem_row_major);
-  __syncthreads();
+              for (int e = 0; e < 4; ++e)
+                s[nt][e] = a.scale * gate[e >> 1] * s[nt][e] * (dp[nt][e] - dgr[e >> 1]);
+            uint32_t df[kSubTiles / 2][4];
+            to_operand<E, kSubTiles>(s, df);
+            mma_ab<E, DQK, kSubTiles / 2>(acc_q, df, tk + c0 * kLdK);
+          }
+        });
   E* dqb = static_cast<E*>(a.dq.p);
-  for (int e = threadIdx.x; e < kRows * DQK; e += kThreads) {
-    const int r = e / DQK, c = e % DQK;
-    if (ri.tok[r] < 0) continue;
-    dqb[int64_t(ri.tok[r]) * a.dq.s0 + int64_t(ri.head[r]) * a.dq.s1 + c] = from_float<E>(sOut[r * (DQK + 4) + c]);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (rtok[h] < 0) continue;
+    E* out = dqb + int64_t(rtok[h]) * a.dq.s0 + int64_t(rhead[h]) * a.dq.s1 + 2 * quad;
+#pragma unroll
+    for (int nt = 0; nt < DQK / 8; ++nt) {
+      out[nt * 8] = from_float<E>(acc_q[nt][2 * h]);
+      out[nt * 8 + 1] = from_float<E>(acc_q[nt][2 * h + 1]);
+    }
   }
 }
 
@@ -461,20 +546,23 @@ __device__ __forceinline__ bool forced_split(const BwdArgs& a, int j, int len, i
   return a.slc_splits > 0 && j < a.n_init && last - first == len - j * a.lp;
 }
 
+// One query tile of the key-centric kernel (one per pipeline buffer).
+struct RowTile {
+  int tok[kRows];     // packed token (or -1: padding row)
+  int head[kRows];    // query head
+  float4 st[kRows];   // (lse * log2 e, gate, dg, unused) of the current branch
+  int2 vis[kRows];    // visible key positions [lo, hi]; hi = -1 for a padding row
+};
+
 template <typename E, int DQK, int DV>
 struct DkvSmem {
-  static constexpr int kK = 0;
-  static constexpr int kV = kK + kRows * (DQK + kPad) * 2;
-  static constexpr int kQ = kV + kRows * (DV + kPad) * 2;
-  static constexpr int kDo = kQ + kRows * (DQK + kPad) * 2;
-  static constexpr int kP = kDo + kRows * (DV + kPad) * 2;
-  static constexpr int kDs = kP + kRows * kLdP * 2;
-  static constexpr int kS = kDs + kRows * kLdP * 2;
-  static constexpr int kDp = kS + kRows * kLdF * 4;
-  static constexpr int kRi = kDp + kRows * kLdF * 4;
-  static constexpr int kEnd = kRi + int(sizeof(RowInfo));
-  static constexpr int kMaxD = DQK > DV ? DQK : DV;
-  static_assert(kRows * (kMaxD + 4) * 4 <= kRi, "epilogue scratch must fit below the row info");
+  static constexpr int kK = 0;                             // [kKeys][DQK + kPad], resident
+  static constexpr int kV = kK + tile_bytes<DQK>();        // [kKeys][DV + kPad]
+  static constexpr int kQ = kV + tile_bytes<DV>();         // [2][kRows][DQK + kPad], double-buffered
+  static constexpr int kDo = kQ + 2 * tile_bytes<DQK>();   // [2][kRows][DV + kPad]
+  static constexpr int kRi = kDo + 2 * tile_bytes<DV>();   // [2] RowTile
+  static constexpr int kEnd = kRi + 2 * int(sizeof(RowTile));
+  static_assert(kRi % 16 == 0, "RowTile holds float4");
 };
 
 template <typename E>
@@ -504,23 +592,21 @@ __device__ __forceinline__ float phi_dx(const PhiDxArgs& P, const BwdArgs& a, in
 template <typename E, int DQK, int DV, KeySet kSet>
 __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
   using L = DkvSmem<E, DQK, DV>;
+  constexpr int kLdK = DQK + kPad, kLdV = DV + kPad;
   extern __shared__ __align__(128) unsigned char smem[];
   E* sK = reinterpret_cast<E*>(smem + L::kK);
   E* sV = reinterpret_cast<E*>(smem + L::kV);
   E* sQ = reinterpret_cast<E*>(smem + L::kQ);
   E* sDo = reinterpret_cast<E*>(smem + L::kDo);
-  E* sP = reinterpret_cast<E*>(smem + L::kP);
-  E* sDs = reinterpret_cast<E*>(smem + L::kDs);
-  float* sS = reinterpret_cast<float*>(smem + L::kS);
-  float* sDp = reinterpret_cast<float*>(smem + L::kDp);
-  RowInfo& ri = *reinterpret_cast<RowInfo*>(smem + L::kRi);
+  RowTile* ri = reinterpret_cast<RowTile*>(smem + L::kRi);
   const int tq = kRows / a.G;
   const int hk = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row0 = warp * 16;
-  const bool bf = a.dtype == 0;
+  const int group = lane / 4, quad = lane % 4;
+  const int key_w = warp * 16;  // the warp's first key of the tile
   const E* qb = static_cast<const E*>(a.q.p);
   const E* dob = static_cast<const E*>(a.d_o.p);
+  const float scale_log2 = a.scale * kLog2e;
 
   // Which key tile this block owns.
   int b, key0, nk, j = 0;
@@ -545,195 +631,280 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
     if (key0 >= nc) return;
     nk = min(kKeys, nc - key0);
   }
-  const KeyTile kt = kSet != KeySet::cmp ? KeyTile{nk, key0, 1}
-                                         : KeyTile{nk, key0 * a.d + a.l - 1, a.d};
-
-  FragC acc_k[DQK / 16], acc_v[DV / 16];
-  auto zero_acc = [&]() {
+  const KeyTile kt = kSet != KeySet::cmp ? KeyTile{nk, key0, 1, -1}
+                                         : KeyTile{nk, key0 * a.d + a.l - 1, a.d, -1};
+  // This thread's two keys of the warp's 16: group (h = 0) and group + 8 (h = 1).
+  int kpos[2];
+  bool kin[2];
 #pragma unroll
-    for (int n = 0; n < DQK / 16; ++n) wm::fill_fragment(acc_k[n], 0.f);
-#pragma unroll
-    for (int n = 0; n < DV / 16; ++n) wm::fill_fragment(acc_v[n], 0.f);
-  };
-  zero_acc();
+  for (int h = 0; h < 2; ++h) {
+    const int c = key_w + group + 8 * h;
+    kin[h] = c < nk;
+    kpos[h] = kt.kp0 + c * kt.kstep;
+  }
 
-  auto load_kv = [&](const E* kb, int64_t ks, const E* vb, int64_t vs) {
-    __syncthreads();
-    load_rows<E, DQK>(sK, [&](int c) -> const E* { return c < nk ? kb + c * ks : nullptr; }, a.vec);
-    load_rows<E, DV>(sV, [&](int c) -> const E* { return c < nk ? vb + c * vs : nullptr; }, a.vec);
-  };
-
-  // One query tile against the resident key tile; the row info must be filled (ok, t, lo, ...).
-  auto tile_step = [&]() {
-    __syncthreads();
-    load_rows<E, DQK>(sQ, [&](int r) -> const E* { return ri.tok[r] < 0 ? nullptr : qb + ri.tok[r] * a.q.s0 + ri.head[r] * a.q.s1; }, a.vec);
-    load_rows<E, DV>(sDo, [&](int r) -> const E* { return ri.tok[r] < 0 ? nullptr : dob + ri.tok[r] * a.d_o.s0 + ri.head[r] * a.d_o.s1; }, a.vec);
-    __syncthreads();
-    warp_abt<E, DQK>(sQ + row0 * (DQK + kPad), sK, sS + row0 * kLdF);
-    warp_abt<E, DV>(sDo + row0 * (DV + kPad), sV, sDp + row0 * kLdF);
-    __syncwarp();
-    for (int e = lane; e < 16 * kKeys; e += 32) {
-      const int r = row0 + e / kKeys, c = e % kKeys;
-      float pg = 0.f, ds = 0.f;
-      if (visible(ri, r, kt, c)) {
-        pg = ri.gate[r] * exp2f(sS[r * kLdF + c] * (a.scale * kLog2e) - ri.lse2[r]);
-        ds = a.scale * pg * (sDp[r * kLdF + c] - ri.dg[r]);
-      }
-      sP[r * kLdP + c] = from_float<E>(pg);
-      sDs[r * kLdP + c] = from_float<E>(ds);
+  // The query tiles of this block, as one sequence: phase 0 (raw: window; cmp: one query split;
+  // slc_forced: one split of the block's list) then phase 1 (raw only: the selection list).
+  int n0 = 0, n1 = 0, t_end = 0, first = 0, last = 0, ti0 = 0;
+  bool forced = false;
+  if constexpr (kSet == KeySet::raw) {
+    if (a.w > 0) {
+      t_end = min(len - 1, key0 + nk - 1 + a.w - 1);  // window queries: [key0, t_end]
+      n0 = (t_end - key0 + tq) / tq;
     }
-    __syncthreads();  // dK/dV of a warp's keys read every row
-    warp_acc<E, DV, true>(sP + row0, sDo, acc_v);    // (g P)^T dO for keys row0..row0+15
-    warp_acc<E, DQK, true>(sDs + row0, sQ, acc_k);   // scale dS^T Q
+    if (a.n > 0) {
+      const int64_t key = (int64_t(hk) * a.B + b) * a.n_slc_max + j;
+      first = a.sel_offsets[key];
+      last = a.sel_offsets[key + 1];
+      // A forced initial block whose list is the whole range was done by the slc_forced blocks.
+      forced = forced_split(a, j, len, first, last);
+      if (!forced) n1 = (last - first + tq - 1) / tq;
+    }
+  } else if constexpr (kSet == KeySet::slc_forced) {
+    const int64_t key = (int64_t(hk) * a.B + b) * a.n_slc_max + j;
+    first = a.sel_offsets[key];
+    last = a.sel_offsets[key + 1];
+    if (!forced_split(a, j, len, first, last)) return;  // the raw blocks handle this list
+    const int ntiles = (last - first + tq - 1) / tq;
+    const int per_split = (ntiles + a.slc_splits - 1) / a.slc_splits;
+    ti0 = blockIdx.z * per_split;
+    n0 = max(0, min(ntiles, ti0 + per_split) - ti0);
+  } else {
+    // Compressed keys: queries t >= key0 * d + l - 1, split in a.cmp_splits ranges (blockIdx.z).
+    const int ntiles = (len - (key0 * a.d + a.l - 1) + tq - 1) / tq;
+    const int per_split = (ntiles + a.cmp_splits - 1) / a.cmp_splits;
+    ti0 = blockIdx.z * per_split;
+    n0 = max(0, min(ntiles, ti0 + per_split) - ti0);
+  }
+
+  // Starts copying the key tile of `phase` (raw: window or selection keys; else the only one).
+  auto load_kv = [&](int phase) {
+    const E* kb;
+    const E* vb;
+    int64_t ks, vs;
+    if constexpr (kSet == KeySet::cmp) {
+      const int64_t crow = cmp_row_offset(s0, a.d) + key0;
+      kb = static_cast<const E*>(a.kc) + (crow * a.hkv + hk) * DQK;
+      vb = static_cast<const E*>(a.vc) + (crow * a.hkv + hk) * DV;
+      ks = int64_t(a.hkv) * DQK;
+      vs = int64_t(a.hkv) * DV;
+    } else {
+      const int br = kSet == KeySet::raw && phase == 0 ? kWin : kSlc;
+      const Mat3& K = a.k[br];
+      const Mat3& V = a.v[br];
+      kb = static_cast<const E*>(K.p) + (s0 + key0) * K.s0 + hk * K.s1;
+      vb = static_cast<const E*>(V.p) + (s0 + key0) * V.s0 + hk * V.s1;
+      ks = K.s0;
+      vs = V.s0;
+    }
+    copy_rows<E, DQK>(sK, [&](int c) -> const E* { return c < nk ? kb + c * ks : nullptr; }, a.vec, qb);
+    copy_rows<E, DV>(sV, [&](int c) -> const E* { return c < nk ? vb + c * vs : nullptr; }, a.vec, qb);
   };
 
-  // Row info for query tokens given as consecutive positions [t0, t0 + ntok) or a token list.
-  auto set_rows = [&](int branch, auto&& token_of, int ntok) {
-    __syncthreads();
+  // Fills RowTile `buf` for query tile i of the sequence and starts copying its Q and dO rows into
+  // buffer `buf`. Nothing reads this buffer before the pipeline's next barrier.
+  auto prefetch = [&](int i, int buf) {
+    RowTile& R = ri[buf];
+    const bool list = kSet == KeySet::slc_forced || (kSet == KeySet::raw && i >= n0);
+    const int branch = kSet == KeySet::cmp ? kCmp : list ? kSlc : kWin;
+    int t0 = 0, i0 = 0, ntok;
+    if (list) {  // tokens from the inverted index
+      i0 = first + (kSet == KeySet::raw ? i - n0 : ti0 + i) * tq;
+      ntok = min(tq, last - i0);
+    } else if (kSet == KeySet::raw) {  // window: consecutive tokens from key0
+      t0 = key0 + i * tq;
+      ntok = min(tq, t_end - t0 + 1);
+    } else {  // compressed: consecutive tokens from the block's first viewer
+      t0 = key0 * a.d + a.l - 1 + (ti0 + i) * tq;
+      ntok = min(tq, len - t0);
+    }
     for (int r = threadIdx.x; r < kRows; r += kThreads) {
       const int u = r / a.G;
-      const int tok = u < ntok ? token_of(u) : -1;
-      ri.tok[r] = tok;
-      ri.head[r] = hk * a.G + r % a.G;
-      ri.t[r] = tok >= 0 ? int(tok - s0) : -1;
+      const int tok = u >= ntok ? -1 : list ? a.sel_tokens[i0 + u] : int(s0 + t0 + u);
+      const int h = hk * a.G + r % a.G;
+      R.tok[r] = tok;
+      R.head[r] = h;
+      if (tok < 0) {
+        R.st[r] = make_float4(0.f, 0.f, 0.f, 0.f);
+        R.vis[r] = make_int2(0, -1);
+        continue;
+      }
+      const int t = int(tok - s0);
+      const float lse = static_cast<const float*>(a.lse.p)[tok * a.lse.s0 + h * a.lse.s1 + branch];
+      const float g = load_f32<E>(a.g.p, tok * a.g.s0 + h * a.g.s1 + branch);
+      const float dg = a.dg32[(int64_t(tok) * a.hq + h) * 3 + branch];
+      R.st[r] = make_float4(lse * kLog2e, g, dg, 0.f);
+      R.vis[r] = make_int2(branch == kWin ? t - a.w + 1 : INT32_MIN, t);
     }
-    __syncthreads();
-    set_branch_rows(ri, a, branch, /*need_dg=*/true, bf);
+    __syncthreads();  // tokens and heads are in place for the copies
+    copy_rows<E, DQK>(sQ + buf * kRows * kLdK, [&](int r) -> const E* {
+      return R.tok[r] < 0 ? nullptr : qb + R.tok[r] * a.q.s0 + R.head[r] * a.q.s1;
+    }, a.vec, qb);
+    copy_rows<E, DV>(sDo + buf * kRows * kLdV, [&](int r) -> const E* {
+      return R.tok[r] < 0 ? nullptr : dob + R.tok[r] * a.d_o.s0 + R.head[r] * a.d_o.s1;
+    }, a.vec, dob);
   };
 
-  // Writes the accumulated dK/dV rows (plus phi's gradient in shared mode) and clears them.
-  // Forced-block partial slot of key c of this tile: ((b * n_init + j) * lp_pad + key0 - j l' + c).
-  auto forced_row = [&](int c) -> int64_t {
+  float acc_k[DQK / 8][4], acc_v[DV / 8][4];
+  zero(acc_k);
+  zero(acc_v);
+
+  // One query tile (buffer `buf`) against the resident key tile: this warp's 16 keys, the tile's
+  // rows in two halves of 32.
+  auto compute = [&](int buf) {
+    const RowTile& R = ri[buf];
+#pragma unroll 1
+    for (int r0 = 0; r0 < kRows; r0 += kSub) {
+      const E* q = sQ + (buf * kRows + r0) * kLdK;
+      const E* dO = sDo + (buf * kRows + r0) * kLdV;
+      float s[kSubTiles][4], dp[kSubTiles][4];
+      mma_abt<E, DQK, kSubTiles>(s, sK + key_w * kLdK, q);   // S^T: keys x rows
+      mma_abt<E, DV, kSubTiles>(dp, sV + key_w * kLdV, dO);  // dP^T
+#pragma unroll
+      for (int nt = 0; nt < kSubTiles; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int r = r0 + nt * 8 + 2 * quad + i;
+          const float4 st = R.st[r];
+          const int2 vis = R.vis[r];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const bool v = kin[h] && kpos[h] >= vis.x && kpos[h] <= vis.y;
+            float& x = s[nt][2 * h + i];
+            x = v ? st.y * exp2f(x * scale_log2 - st.x) : 0.f;  // g P
+            dp[nt][2 * h + i] = a.scale * x * (dp[nt][2 * h + i] - st.z);  // dS
+          }
+        }
+      }
+      uint32_t pf[kSubTiles / 2][4], df[kSubTiles / 2][4];
+      to_operand<E, kSubTiles>(s, pf);
+      to_operand<E, kSubTiles>(dp, df);
+      mma_ab<E, DV, kSubTiles / 2>(acc_v, pf, dO);  // dV += (g P)^T dO
+      mma_ab<E, DQK, kSubTiles / 2>(acc_k, df, q);  // dK += scale dS^T Q
+    }
+  };
+
+  // Writes the accumulated dK (which = 0) or dV rows through an fp32 scratch over the key tile's
+  // shared memory (free: the caller has passed a barrier after the last compute and reloads K/V
+  // before the next), 32 columns at a time so that it fits for every head dim; then clears them.
+  // Per element: raw keys add the forced-block partials (split order) and phi's gradient (shared
+  // K/V), then round once; compressed and forced-split blocks store fp32 partials.
+  float* scratch = reinterpret_cast<float*>(smem + L::kK);
+  constexpr int kLdS = kSub + 4;
+  static_assert(kKeys * kLdS * 4 <= tile_bytes<64>(), "the scratch fits the K tile");
+  auto forced_row = [&](int c) -> int64_t {  // forced-block partial slot of key c of this tile
     return (int64_t(b) * a.n_init + j) * a.lp_pad + (key0 - j * a.lp) + c;
+  };
+  auto emit_column_block = [&](int which, int D, int col0, OutMat3 out, bool add_phi, bool add_forced,
+                               float* part) {
+    __syncthreads();
+    for (int e = threadIdx.x; e < nk * kSub; e += kThreads) {
+      const int c = e / kSub, col = col0 + e % kSub;
+      float val = scratch[c * kLdS + e % kSub];
+      if constexpr (kSet == KeySet::raw) {
+        if (add_forced) {
+          const float* fp = which == 0 ? a.slc_part_k : a.slc_part_v;
+          const int64_t plane = int64_t(a.B) * a.n_init * a.lp_pad * a.hkv * D;
+          for (int z = 0; z < a.slc_splits; ++z) val += fp[z * plane + (forced_row(c) * a.hkv + hk) * D + col];
+        }
+        if (add_phi) val += phi_dx<E>(which == 0 ? a.phi_k : a.phi_v, a, D, s0, len, key0 + c, hk, col);
+        static_cast<E*>(out.p)[(s0 + key0 + c) * out.s0 + hk * out.s1 + col] = from_float<E>(val);
+      } else if constexpr (kSet == KeySet::cmp) {
+        part[((cmp_row_offset(s0, a.d) + key0 + c) * a.hkv + hk) * D + col] = val;
+      } else {
+        part[(forced_row(c) * a.hkv + hk) * D + col] = val;
+      }
+    }
+    __syncthreads();
+  };
+  auto emit = [&](auto& acc, int which, OutMat3 out, bool add_phi, bool add_forced, float* part) {
+    constexpr int kTiles = int(std::extent_v<std::remove_reference_t<decltype(acc)>>);
+#pragma unroll 1
+    for (int col0 = 0; col0 < kTiles * 8; col0 += kSub) {
+#pragma unroll
+      for (int nt = 0; nt < kTiles; ++nt) {
+        if (nt / kSubTiles != col0 / kSub) continue;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int c = key_w + group + 8 * (e >> 1), col = (nt % kSubTiles) * 8 + 2 * quad + (e & 1);
+          scratch[c * kLdS + col] = acc[nt][e];
+          acc[nt][e] = 0.f;
+        }
+      }
+      emit_column_block(which, kTiles * 8, col0, out, add_phi, add_forced, part);
+    }
   };
   auto epilogue = [&](OutMat3 dk_out, OutMat3 dv_out, bool add_phi, bool add_forced, float* part_k,
                       float* part_v) {
-    float* sOut = reinterpret_cast<float*>(smem);
-    for (int which = 0; which < 2; ++which) {
-      const int D = which == 0 ? DQK : DV;
-      __syncthreads();
-      if (which == 0) {
-#pragma unroll
-        for (int n = 0; n < DQK / 16; ++n)
-          wm::store_matrix_sync(sOut + row0 * (DQK + 4) + n * 16, acc_k[n], DQK + 4, wm::mem_row_major);
-      } else {
-#pragma unroll
-        for (int n = 0; n < DV / 16; ++n)
-          wm::store_matrix_sync(sOut + row0 * (DV + 4) + n * 16, acc_v[n], DV + 4, wm::mem_row_major);
-      }
-      __syncthreads();
-      for (int e = threadIdx.x; e < nk * D; e += kThreads) {
-        const int c = e / D, col = e % D;
-        float val = sOut[c * (D + 4) + col];
-        if constexpr (kSet == KeySet::raw) {
-          if (add_forced) {
-            const float* part = which == 0 ? a.slc_part_k : a.slc_part_v;
-            const int64_t plane = int64_t(a.B) * a.n_init * a.lp_pad * a.hkv * D;
-            for (int z = 0; z < a.slc_splits; ++z) val += part[z * plane + (forced_row(c) * a.hkv + hk) * D + col];
-          }
-          if (add_phi) val += phi_dx<E>(which == 0 ? a.phi_k : a.phi_v, a, D, s0, len, key0 + c, hk, col);
-          const OutMat3& o = which == 0 ? dk_out : dv_out;
-          static_cast<E*>(o.p)[(s0 + key0 + c) * o.s0 + hk * o.s1 + col] = from_float<E>(val);
-        } else if constexpr (kSet == KeySet::cmp) {
-          float* part = which == 0 ? part_k : part_v;
-          part[((cmp_row_offset(s0, a.d) + key0 + c) * a.hkv + hk) * D + col] = val;
-        } else {
-          float* part = which == 0 ? part_k : part_v;
-          part[(forced_row(c) * a.hkv + hk) * D + col] = val;
-        }
-      }
-    }
-    zero_acc();
+    emit(acc_k, 0, dk_out, add_phi, add_forced, part_k);
+    emit(acc_v, 1, dv_out, add_phi, add_forced, part_v);
   };
 
+  // The two-stage pipeline: query tile i + 1's rows and copies go out before tile i is computed.
+  const int n_tiles = n0 + n1;
+  if (kSet == KeySet::raw && !a.shared_kv && n0 == 0)
+    epilogue(a.grad_k[kWin], a.grad_v[kWin], false, false, nullptr, nullptr);  // no window: zeros
+  if (n_tiles > 0) {
+    load_kv(n0 > 0 ? 0 : 1);
+    prefetch(0, 0);
+  }
+  cuda::cp_async_commit();
+  for (int i = 0; i < n_tiles; ++i) {
+    if (i + 1 < n_tiles) prefetch(i + 1, (i + 1) & 1);  // its buffer's last reader (tile i-1) is done
+    cuda::cp_async_commit();
+    cuda::cp_async_wait<1>();
+    __syncthreads();
+    if (kSet == KeySet::raw && i == n0 && i > 0) {
+      // Window done, selection next: independent K/V write the window's gradient now; the
+      // selection's keys replace the window's (tile i + 1's copies may stay in flight).
+      if (!a.shared_kv) epilogue(a.grad_k[kWin], a.grad_v[kWin], false, false, nullptr, nullptr);
+      __syncthreads();
+      load_kv(1);
+      cuda::cp_async_commit();
+      cuda::cp_async_wait<0>();
+      __syncthreads();
+    }
+    compute(i & 1);
+    __syncthreads();
+  }
+  cuda::cp_async_wait<0>();
+  __syncthreads();
+
   if constexpr (kSet == KeySet::raw) {
-    // Window: queries t in [key0, key0 + nk - 1 + w - 1].
-    const Mat3& Kw = a.k[kWin];
-    const Mat3& Vw = a.v[kWin];
-    if (a.w > 0) {
-      load_kv(static_cast<const E*>(Kw.p) + (s0 + key0) * Kw.s0 + hk * Kw.s1, Kw.s0,
-              static_cast<const E*>(Vw.p) + (s0 + key0) * Vw.s0 + hk * Vw.s1, Vw.s0);
-      const int t_end = min(len - 1, key0 + nk - 1 + a.w - 1);
-      for (int t0 = key0; t0 <= t_end; t0 += tq) {
-        const int ntok = min(tq, t_end - t0 + 1);
-        set_rows(kWin, [&](int u) { return int(s0 + t0 + u); }, ntok);
-        tile_step();
-      }
-    }
-    if (!a.shared_kv) epilogue(a.grad_k[kWin], a.grad_v[kWin], false, false, nullptr, nullptr);
-    // Selection: the queries that selected block j (inverted index), ascending; a forced initial
-    // block whose list is the whole range was done by the slc_forced blocks.
-    bool forced = false;
-    if (a.n > 0) {
-      const int64_t key = (int64_t(hk) * a.B + b) * a.n_slc_max + j;
-      forced = forced_split(a, j, len, a.sel_offsets[key], a.sel_offsets[key + 1]);
-    }
-    if (a.n > 0 && !forced) {
-      const Mat3& Ks = a.k[kSlc];
-      const Mat3& Vs = a.v[kSlc];
-      load_kv(static_cast<const E*>(Ks.p) + (s0 + key0) * Ks.s0 + hk * Ks.s1, Ks.s0,
-              static_cast<const E*>(Vs.p) + (s0 + key0) * Vs.s0 + hk * Vs.s1, Vs.s0);
-      const int64_t key = (int64_t(hk) * a.B + b) * a.n_slc_max + j;
-      const int first = a.sel_offsets[key], last = a.sel_offsets[key + 1];
-      for (int i0 = first; i0 < last; i0 += tq) {
-        const int ntok = min(tq, last - i0);
-        set_rows(kSlc, [&](int u) { return a.sel_tokens[i0 + u]; }, ntok);
-        tile_step();
-      }
-    }
+    if (!a.shared_kv && n0 > 0 && n1 == 0) epilogue(a.grad_k[kWin], a.grad_v[kWin], false, false, nullptr, nullptr);
     if (a.shared_kv) epilogue(a.grad_k[kCmp], a.grad_v[kCmp], true, forced, nullptr, nullptr);
     else epilogue(a.grad_k[kSlc], a.grad_v[kSlc], false, forced, nullptr, nullptr);
   } else if constexpr (kSet == KeySet::slc_forced) {
-    // One split (blockIdx.z) of the list of a forced initial block: fp32 partials.
-    const int64_t key = (int64_t(hk) * a.B + b) * a.n_slc_max + j;
-    const int first = a.sel_offsets[key], last = a.sel_offsets[key + 1];
-    if (!forced_split(a, j, len, first, last)) return;  // the raw blocks handle this list
-    const Mat3& Ks = a.k[kSlc];
-    const Mat3& Vs = a.v[kSlc];
-    load_kv(static_cast<const E*>(Ks.p) + (s0 + key0) * Ks.s0 + hk * Ks.s1, Ks.s0,
-            static_cast<const E*>(Vs.p) + (s0 + key0) * Vs.s0 + hk * Vs.s1, Vs.s0);
-    const int ntiles = (last - first + tq - 1) / tq;
-    const int per_split = (ntiles + a.slc_splits - 1) / a.slc_splits;
-    const int z = blockIdx.z;
-    for (int ti = z * per_split; ti < min(ntiles, (z + 1) * per_split); ++ti) {
-      const int i0 = first + ti * tq;
-      set_rows(kSlc, [&](int u) { return a.sel_tokens[i0 + u]; }, min(tq, last - i0));
-      tile_step();
-    }
     const int64_t plane_k = int64_t(a.B) * a.n_init * a.lp_pad * a.hkv * DQK;
     const int64_t plane_v = int64_t(a.B) * a.n_init * a.lp_pad * a.hkv * DV;
-    epilogue(OutMat3{}, OutMat3{}, false, false, a.slc_part_k + z * plane_k, a.slc_part_v + z * plane_v);
+    epilogue(OutMat3{}, OutMat3{}, false, false, a.slc_part_k + blockIdx.z * plane_k,
+             a.slc_part_v + blockIdx.z * plane_v);
   } else {
-    // Compressed keys: queries t >= key0 * d + l - 1, split in a.cmp_splits ranges (blockIdx.z).
-    load_kv(static_cast<const E*>(a.kc) + (cmp_row_offset(s0, a.d) + key0) * a.hkv * DQK + hk * DQK,
-            int64_t(a.hkv) * DQK,
-            static_cast<const E*>(a.vc) + (cmp_row_offset(s0, a.d) + key0) * a.hkv * DV + hk * DV,
-            int64_t(a.hkv) * DV);
-    const int t_begin = key0 * a.d + a.l - 1;
-    const int ntiles = (len - t_begin + tq - 1) / tq;
-    const int per_split = (ntiles + a.cmp_splits - 1) / a.cmp_splits;
-    const int z = blockIdx.z;
-    for (int ti = z * per_split; ti < min(ntiles, (z + 1) * per_split); ++ti) {
-      const int t0 = t_begin + ti * tq;
-      const int ntok = min(tq, len - t0);
-      set_rows(kCmp, [&](int u) { return int(s0 + t0 + u); }, ntok);
-      tile_step();
-    }
     const int64_t part_elems_k = a.rc * a.hkv * DQK, part_elems_v = a.rc * a.hkv * DV;
-    epilogue(OutMat3{}, OutMat3{}, false, false, a.dkc_part + z * part_elems_k, a.dvc_part + z * part_elems_v);
+    epilogue(OutMat3{}, OutMat3{}, false, false, a.dkc_part + blockIdx.z * part_elems_k,
+             a.dvc_part + blockIdx.z * part_elems_v);
   }
 }
 
 // ---- launch: phase 0 = dq_kernel, 1 = dkv_kernel<cmp>, 2 = <raw>, 3 = <slc_forced> ----------
 // Explicitly instantiated once per dtype and Dqk (attention_<dtype>_hdim<Dqk>.cu).
 
+// Dynamic shared memory above 48 KB must be allowed per kernel; the carveout hint asks for the
+// largest shared-memory split so that two ~105 KB blocks fit on one SM (Dqk, Dv <= 128).
+template <typename Kernel>
+void allow_smem(Kernel* kernel, size_t bytes) {
+  NSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  NSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                      static_cast<int>(cudaSharedmemCarveoutMaxShared)));
+}
+
 template <typename E, int DQK, int DV>
 void launch_attention(const BwdArgs& a, cudaStream_t s, int phase) {
   const int tq = kRows / a.G;
   if (phase == 0) {
     using Lq = DqSmem<E, DQK, DV>;
-    const size_t smem = size_t(Lq::kSel) + size_t(tq) * a.n * 4 + size_t((a.n_slc_max + 31) / 32) * 4;
-    NSA_CUDA_CHECK(cudaFuncSetAttribute(dq_kernel<E, DQK, DV>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    const size_t smem = Lq::bytes(tq, a.n, a.n_slc_max);
+    allow_smem(dq_kernel<E, DQK, DV>, smem);
     const int64_t tiles = a.B * ((a.max_seqlen + tq - 1) / tq);
     if (tiles == 0) return;
     dq_kernel<E, DQK, DV><<<dim3(unsigned(tiles), unsigned(a.hkv)), kThreads, smem, s>>>(a);
@@ -744,19 +915,19 @@ void launch_attention(const BwdArgs& a, cudaStream_t s, int phase) {
   const size_t smem = Lk::kEnd;
   if (phase == 1) {
     auto* kernel = dkv_kernel<E, DQK, DV, KeySet::cmp>;
-    NSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    allow_smem(kernel, smem);
     const int64_t tiles = a.B * ((num_cmp_blocks(a.max_seqlen, a.l, a.d) + kKeys - 1) / kKeys);
     if (tiles == 0) return;
     kernel<<<dim3(unsigned(tiles), unsigned(a.hkv), unsigned(a.cmp_splits)), kThreads, smem, s>>>(a);
   } else if (phase == 3) {
     auto* kernel = dkv_kernel<E, DQK, DV, KeySet::slc_forced>;
-    NSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    allow_smem(kernel, smem);
     const int64_t tiles = a.B * int64_t(a.n_init) * ((a.lp + kKeys - 1) / kKeys);
     if (tiles == 0 || a.slc_splits == 0) return;
     kernel<<<dim3(unsigned(tiles), unsigned(a.hkv), unsigned(a.slc_splits)), kThreads, smem, s>>>(a);
   } else {
     auto* kernel = dkv_kernel<E, DQK, DV, KeySet::raw>;
-    NSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    allow_smem(kernel, smem);
     const int64_t tiles = a.B * int64_t(a.n_slc_max) * ((a.lp + kKeys - 1) / kKeys);
     if (tiles == 0) return;
     kernel<<<dim3(unsigned(tiles), unsigned(a.hkv)), kThreads, smem, s>>>(a);
