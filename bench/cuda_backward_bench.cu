@@ -5,7 +5,10 @@
 // bench/sdpa_backward_baseline.py joins with PyTorch SDPA forward+backward measured in the
 // same gpu_check.sh run.
 //
-//   nsa_cuda_backward_bench [--out FILE.csv] [--quick] [--lengths 8192,65536] [--g16-only]
+//   nsa_cuda_backward_bench [--out FILE.csv] [--quick] [--lengths 8192,65536] [--g16-only] [--once]
+//
+// --once: one forward and one backward of the first shape and length, then exit (for a profiler
+// such as `ncu --metrics gpu__time_duration.sum`, which then sees each kernel exactly once).
 //
 // Shapes: Hq = 64, Hkv = 4 (G = 16), D = 128, and G = 4 (Hq = 16, Hkv = 4); paper block settings
 // (l = 32, d = 16, l' = 64, n = 16, n_init = 1, n_local = 2, w = 512), phi = mean (the public
@@ -69,12 +72,13 @@ struct Shape {
 
 int main(int argc, char** argv) {
   const char* out_path = "nsa_backward_bench.csv";
-  bool quick = false, g16_only = false;
+  bool quick = false, g16_only = false, once = false;
   std::vector<int64_t> chosen;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--out") && i + 1 < argc) out_path = argv[++i];
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--g16-only")) g16_only = true;
+    else if (!std::strcmp(argv[i], "--once")) once = true;
     else if (!std::strcmp(argv[i], "--lengths") && i + 1 < argc)
       for (char* tok = std::strtok(argv[++i], ","); tok; tok = std::strtok(nullptr, ",")) chosen.push_back(std::atoll(tok));
   }
@@ -173,6 +177,12 @@ int main(int argc, char** argv) {
         const int reps = T >= 65536 ? 5 : 9;
         nsa::forward(ctx, cfg, in, out, fw);  // lse and indices for the backward
         BENCH_CHECK(cudaDeviceSynchronize());
+        if (once) {
+          nsa::backward(ctx, cfg, in, out, d_o.view, grads, bw);
+          BENCH_CHECK(cudaDeviceSynchronize());
+          std::printf("T=%lld Hq=%lld: one forward and one backward done\n", (long long)T, (long long)s.hq);
+          return 0;
+        }
         const double t_f = time_ms([&] { nsa::forward(ctx, cfg, in, out, fw); }, 1, reps);
         const double t_b = time_ms([&] { nsa::backward(ctx, cfg, in, out, d_o.view, grads, bw); }, 1, reps);
         const double t_fb = time_ms([&] {
