@@ -6,7 +6,8 @@
 #   scripts/gpu_check.sh [SOURCE_DIR]        (default: this repository)
 #
 # Environment: OUT (log folder), BUILD_DIR (default /tmp/nsa-gpu-build), JOBS (default 16),
-# SKIP="host_tests cuda_tests memcheck cli_bench bench bench_backward python_tests" (any subset), BENCH_ARGS (e.g. --quick).
+# SKIP="host_tests cuda_tests memcheck cli_bench bench bench_backward python_tests" (any subset), BENCH_ARGS (e.g. --quick),
+# CUDA_TEST_FILTER (a --gtest_filter for cuda_tests, e.g. '*CudaBackward*').
 # To add a step: write a function and call `step NAME function` below; its output lands in
 # $OUT/NAME.log and its status in $OUT/summary.txt.
 set -u -o pipefail
@@ -71,7 +72,7 @@ bin() {
 }
 
 host_tests() { "$(bin nsa_tests)" --gtest_brief=1; }
-cuda_tests() { "$(bin nsa_cuda_tests)"; }
+cuda_tests() { "$(bin nsa_cuda_tests)" ${CUDA_TEST_FILTER:+--gtest_filter=$CUDA_TEST_FILTER}; }
 memcheck() {
   compute-sanitizer --tool memcheck --error-exitcode 3 "$(bin nsa_cuda_tests)" \
     --gtest_filter='*f16_d64_G1_packed_linear*:*bf16_d128_G16_paper*'
