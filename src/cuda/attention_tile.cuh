@@ -1,7 +1,8 @@
 // The attention engine shared by the forward kernels: one CTA of kRows / 16 warps owns a tile of
 // kRows query rows (kRows/G neighbouring tokens x the G heads of one KV head) and streams chunks
 // of kChunk keys through shared memory with cp.async. The compressed kernel uses 64 x 64
-// (kTileRows, kKeyChunk); the selection + window kernel 16 x 32 (kSlcRows, kSlcChunk).
+// (kTileRows, kKeyChunk); the selection + window kernel kSlcRows x kSlcChunk (also 64 x 64, through
+// a ring of buffers, slc_win_attention.cuh).
 //
 // Per chunk, each warp computes its 16 x 64 block of S = Q K^T with mma.m16n8k16 (Q stays in
 // registers for the whole kernel), applies the caller's mask, updates the online softmax
@@ -26,6 +27,15 @@ inline constexpr int kThreads = kWarps * 32;
 inline constexpr int kSmemPad = 8;
 inline constexpr float kLn2 = 0.6931471805599453f;
 inline constexpr float kNegInf = -__builtin_huge_valf();
+
+// 2^x on the special-function unit, subnormal results flushed to zero (p < 2^-126 adds nothing a
+// float sum could keep). exp2f without fast-math adds a range fix-up around the same instruction:
+// three more instructions per probability.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 __device__ __forceinline__ int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -109,33 +119,28 @@ struct TileAttention {
     }
   }
 
-  // Scales the chunk's scores to log2 units and masks them: row h (of this thread's two) keeps
-  // the keys lo[h] <= col < hi[h] of the chunk, the rest become -inf. When every row of the warp
-  // keeps the whole chunk (most chunks), this is one multiply per score.
-  __device__ __forceinline__ void scale_and_mask(float (&s)[kSTiles][4], const int (&lo)[2], const int (&hi)[2],
-                                                 float scale_log2) const {
+  // Masks the chunk's raw scores: row h (of this thread's two) keeps the keys lo[h] <= col < hi[h]
+  // of the chunk, the rest become -inf. When every row of the warp keeps the whole chunk (most
+  // chunks), nothing is done at all.
+  __device__ __forceinline__ void mask(float (&s)[kSTiles][4], const int (&lo)[2], const int (&hi)[2]) const {
     const int quad = threadIdx.x % 4;
     const bool whole = lo[0] <= 0 && lo[1] <= 0 && hi[0] >= kChunk && hi[1] >= kChunk;
-    if (__all_sync(0xffffffffu, whole)) {
-#pragma unroll
-      for (int i = 0; i < kSTiles; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[i][e] *= scale_log2;
-      return;
-    }
+    if (__all_sync(0xffffffffu, whole)) return;
 #pragma unroll
     for (int i = 0; i < kSTiles; ++i)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int col = i * 8 + 2 * quad + (e & 1), h = e >> 1;
-        s[i][e] = col >= lo[h] && col < hi[h] ? s[i][e] * scale_log2 : kNegInf;
+        if (col < lo[h] || col >= hi[h]) s[i][e] = kNegInf;
       }
   }
 
-  // Online softmax over one chunk: `s` holds log2-scaled scores, -inf where masked. On return
-  // it holds the probabilities relative to the new running max; acc is rescaled (skipped when
-  // no row of the warp found a larger maximum: then every factor is exactly 1).
-  __device__ __forceinline__ void softmax_update(float (&s)[kSTiles][4]) {
+  // Online softmax over one chunk: `s` holds raw scores Q K^T (-inf where masked), the running
+  // max is kept in log2 units (scale_log2 = softmax scale * log2 e > 0, so max(s) * scale is the
+  // max of the scaled scores). On return s holds exp2(s * scale_log2 - m), one FFMA and one ex2
+  // per score; acc is rescaled (skipped when no row of the warp found a larger maximum: then
+  // every factor is exactly 1).
+  __device__ __forceinline__ void softmax_update(float (&s)[kSTiles][4], float scale_log2) {
     float alpha[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // h = 0: row group, h = 1: row group + 8
@@ -144,15 +149,15 @@ struct TileAttention {
       for (int i = 0; i < kSTiles; ++i) mx = fmaxf(mx, fmaxf(s[i][2 * h], s[i][2 * h + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m[h], mx);
+      const float m_new = fmaxf(m[h], mx * scale_log2);
       // A row with no key so far keeps m = -inf; exponents then use 0 so that exp2(-inf) = 0.
       const float m_use = m_new == kNegInf ? 0.f : m_new;
-      alpha[h] = exp2f(m[h] - m_use);
+      alpha[h] = fast_exp2(m[h] - m_use);
       float sum = 0.f;
 #pragma unroll
       for (int i = 0; i < kSTiles; ++i) {
-        s[i][2 * h] = exp2f(s[i][2 * h] - m_use);
-        s[i][2 * h + 1] = exp2f(s[i][2 * h + 1] - m_use);
+        s[i][2 * h] = fast_exp2(fmaf(s[i][2 * h], scale_log2, -m_use));
+        s[i][2 * h + 1] = fast_exp2(fmaf(s[i][2 * h + 1], scale_log2, -m_use));
         sum += s[i][2 * h] + s[i][2 * h + 1];
       }
       lsum[h] = lsum[h] * alpha[h] + sum;

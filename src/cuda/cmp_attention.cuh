@@ -131,14 +131,14 @@ __global__ void __launch_bounds__(kThreads) cmp_attention_kernel(const CmpAttnPa
       Tile::template load_rows<kDv>(sv + buf * kKeyChunk * Tile::kVStride, vbase + first * p.vc_st, p.vc_st, count);
     cp_async_commit();
   };
-  // Masked, log2-scaled scores of chunk c.
+  // Masked raw scores Q K^T of chunk c (-inf past a row's visible blocks).
   auto masked_scores = [&](float (&s)[Tile::kSTiles][4], int c, int buf) {
     tile_state.scores(s, sk + buf * kKeyChunk * Tile::kKStride);
     const int lo[2] = {0, 0};
     int hi[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) hi[h] = static_cast<int>(max64(0, min64(kKeyChunk, visible[h] - int64_t(c) * kKeyChunk)));
-    tile_state.scale_and_mask(s, lo, hi, p.scale_log2);
+    tile_state.mask(s, lo, hi);
   };
 
   // ---- Pass 1: o_cmp and lse ----
@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(kThreads) cmp_attention_kernel(const CmpAttnPa
     if (c + 1 < num_chunks) load_chunk(c + 1, (c + 1) & 1, true);
     float s[Tile::kSTiles][4];
     masked_scores(s, c, c & 1);
-    tile_state.softmax_update(s);
+    tile_state.softmax_update(s, p.scale_log2);
     tile_state.accumulate_pv(s, sv + (c & 1) * kKeyChunk * Tile::kVStride);
   }
   float lse2[2];
@@ -177,6 +177,9 @@ __global__ void __launch_bounds__(kThreads) cmp_attention_kernel(const CmpAttnPa
   if (p.scores == nullptr) return;
 
   // ---- Pass 2: selection scores S ----
+  // p_cmp = exp2(s * scale_log2 - lse2); a row without visible keys (lse2 = -inf) has only masked
+  // scores, and exp2(-inf - 0) = 0 gives it zeros.
+  const float lse_use[2] = {lse2[0] == kNegInf ? 0.f : lse2[0], lse2[1] == kNegInf ? 0.f : lse2[1]};
   __syncthreads();  // every warp is done with pass 1's K/V buffers (pg and acc reuse V's space)
   const int R = p.lp / p.d;  // stride pieces per selection block
   const int L = p.l / p.d;   // stride pieces per compressed block
@@ -203,7 +206,7 @@ __global__ void __launch_bounds__(kThreads) cmp_attention_kernel(const CmpAttnPa
 #pragma unroll
     for (int i = 0; i < Tile::kSTiles; ++i)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[i][e] = s[i][e] == kNegInf ? 0.f : exp2f(s[i][e] - lse2[e >> 1]);
+      for (int e = 0; e < 4; ++e) s[i][e] = fast_exp2(fmaf(s[i][e], p.scale_log2, -lse_use[e >> 1]));
     switch (p.log2_group) {
       case 0: store_head_sums<0, false>(s, s_pg, warp, p.log2_group); break;
       case 1: store_head_sums<1, false>(s, s_pg, warp, p.log2_group); break;

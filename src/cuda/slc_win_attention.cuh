@@ -277,8 +277,8 @@ __global__ void __launch_bounds__(kSlcThreads) slc_win_attention_kernel(const Sl
         hi[h] = row_on[h] ? static_cast<int>(min64(count, t_row[h] - first + 1)) : 0;
         lo[h] = block < 0 ? static_cast<int>(max64(0, min64(kChunk, t_row[h] - p.window + 1 - first))) : 0;
       }
-      st.scale_and_mask(s, lo, hi, p.scale_log2);
-      st.softmax_update(s);
+      st.mask(s, lo, hi);
+      st.softmax_update(s, p.scale_log2);
       st.accumulate_pv(s, sk + kKTile);
     }
     // Leave the stage (every lane's shared reads are done: their values fed the mma above). The
