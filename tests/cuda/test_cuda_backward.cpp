@@ -289,4 +289,22 @@ TEST(CudaBackwardErrors, UnsupportedHeadDimNamesTheValue) {
   }
 }
 
+// The dq kernel keeps each token's selected blocks in shared memory (8 bytes per entry of the
+// row tile's Tq x n indices): an n that does not fit is an nsa::Error naming it, not a failed
+// launch. G = 1 (Tq = 64) and n = 400: 200 KB of tables next to the 55 KB of tiles at D = 64.
+TEST(CudaBackwardErrors, SelectionTablesTooLargeNameN) {
+  NSA_REQUIRE_GPU();
+  BwdCase c{"x", DType::bf16, 64, 64, 1, 1, {40}, 32, 16, 64, 400, 1, 1, 16, PhiKind::mean, false};
+  const Config cfg = config_of(c);
+  Twin t = make_twin(c, 1);
+  forward(ctx_of(Backend::reference), cfg, t.ref.inputs(), t.ref.outputs());
+  DeviceLayer dev(t.low, 40);
+  try {
+    backward(ctx_of(Backend::cuda), cfg, dev.in, dev.saved, dev.d_o.view(), dev.grads);
+    FAIL() << "expected nsa::Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("400"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace

@@ -29,6 +29,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include "cuda/common/check.h"
@@ -36,6 +37,7 @@
 #include "cuda/common/mma.h"
 #include "nsa/api.h"
 #include "nsa/blocks.h"
+#include "nsa/error.h"
 
 namespace nsa::cuda_bwd {
 
@@ -904,6 +906,12 @@ void launch_attention(const BwdArgs& a, cudaStream_t s, int phase) {
   if (phase == 0) {
     using Lq = DqSmem<E, DQK, DV>;
     const size_t smem = Lq::bytes(tq, a.n, a.n_slc_max);
+    // The selection tables grow with Tq * n (8 bytes per entry) and n_slc_max: fail with the
+    // values, not with a launch error, when they do not fit next to the tiles.
+    constexpr size_t kMaxSmem = 227 * 1024;  // opt-in shared memory per block on sm_90
+    if (smem > kMaxSmem)
+      throw Error("n_selected and max_seqlen", std::to_string(a.n) + " and " + std::to_string(a.max_seqlen),
+                  "need more shared memory (" + std::to_string(smem) + " bytes) than the cuda backward's dq kernel has");
     allow_smem(dq_kernel<E, DQK, DV>, smem);
     const int64_t tiles = a.B * ((a.max_seqlen + tq - 1) / tq);
     if (tiles == 0) return;
