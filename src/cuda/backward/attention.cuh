@@ -157,6 +157,27 @@ __device__ __forceinline__ void copy_rows(E* dst, RowPtr row_ptr, bool vec, cons
   }
 }
 
+// The same for one warp and kSub rows (count of them from src + r * stride, the rest zeros).
+template <typename E, int D>
+__device__ __forceinline__ void warp_copy_rows(E* dst, const E* src, int64_t stride, int count, bool vec,
+                                               const E* any) {
+  constexpr int kLd = D + kPad;
+  const int lane = threadIdx.x % 32;
+  if (vec) {
+    constexpr int kChunks = D / 8;
+    for (int e = lane; e < kSub * kChunks; e += 32) {
+      const int r = e / kChunks, c = (e % kChunks) * 8;
+      const bool valid = r < count;
+      cuda::cp_async_16(dst + r * kLd + c, valid ? src + r * stride + c : any, valid);
+    }
+  } else {
+    for (int e = lane; e < kSub * D; e += 32) {
+      const int r = e / D, c = e % D;
+      dst[r * kLd + c] = r < count ? src[r * stride + c] : from_float<E>(0.f);
+    }
+  }
+}
+
 template <typename E>
 constexpr bool kIsBf16 = cuda::StorageTraits<E>::is_bf16;
 
@@ -239,11 +260,12 @@ struct DqSmem {
   static constexpr int kV = kK + 2 * tile_bytes<DQK>();    // [2][kKeys][DV + kPad]
   static constexpr int kQ = kV + 2 * tile_bytes<DV>();     // [kRows][DQK + kPad]
   static constexpr int kDo = kQ + tile_bytes<DQK>();       // [kRows][DV + kPad]
-  // Then: sel [Tq][n] ints (each token's blocks), blocks [Tq * n] ints (their union, ascending),
-  // the union's bitmap words, and the union's size.
+  // Then ints: sel [Tq][n] (each token's blocks), blocks [Tq * n] (their union, ascending),
+  // wlist [Tq * n] (per warp, the union of its own tokens' blocks, ascending; G >= 8), the union's
+  // size and 3 spare, then the union's bitmap words.
   static constexpr int kSel = kDo + tile_bytes<DV>();
   static size_t bytes(int tq, int n, int n_slc_max) {
-    return size_t(kSel) + size_t(tq) * n * 8 + size_t((n_slc_max + 31) / 32) * 4 + 16;
+    return size_t(kSel) + size_t(tq) * n * 12 + 16 + size_t((n_slc_max + 31) / 32) * 4;
   }
 };
 
@@ -288,9 +310,10 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
   const int tq = kRows / a.G;
   int* sel = reinterpret_cast<int*>(smem + L::kSel);
   int* blocks = sel + tq * a.n;
-  unsigned* bitmap = reinterpret_cast<unsigned*>(blocks + tq * a.n);
+  int* wlist = blocks + tq * a.n;
+  int* nblocks = wlist + tq * a.n;
+  unsigned* bitmap = reinterpret_cast<unsigned*>(nblocks + 4);
   const int words = (a.n_slc_max + 31) / 32;
-  int* nblocks = reinterpret_cast<int*>(bitmap + words);
 
   const int tiles_per_seq = int((a.max_seqlen + tq - 1) / tq);
   const int b = blockIdx.x / tiles_per_seq;
@@ -311,6 +334,28 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
   auto row_head = [&](int r) { return hk * a.G + r % a.G; };
 
   if (a.n > 0) build_union(a, hk, s0, u0, ntok, sel, blocks, bitmap, words, nblocks);
+  // G >= 8: a warp's 16 rows are one or two tokens, so each warp walks only the blocks its own
+  // tokens selected (their union, ascending) through its own slice of the K/V buffers, 32 keys
+  // at a time, instead of the block walking the union of all Tq tokens' blocks (~55 at G = 16 on
+  // random scores for the 16 each token needs). Smaller groups keep the block-wide union: their
+  // warps hold 4 or more tokens, whose unions are close to the block's.
+  const bool warp_sel = a.n > 0 && a.G >= 8;
+  int wcount = 0;  // length of this warp's list (the same in every lane)
+  int* wl = wlist + (row0 / 16) * (16 / max(a.G, 1)) * a.n;
+  if (warp_sel) {
+    const int ncand = (16 / a.G) * a.n;          // the warp's tokens' entries of sel
+    const int* cand = sel + (row0 / a.G) * a.n;  // (tokens past the sequence hold -1)
+    for (int bi = 0; bi < *nblocks; ++bi) {
+      const int j = blocks[bi];
+      bool hit = false;
+      for (int e = lane; e < ncand; e += 32) hit |= cand[e] == j;
+      if (__any_sync(0xffffffffu, hit)) {
+        if (lane == 0) wl[wcount] = j;
+        ++wcount;
+      }
+    }
+    __syncwarp();
+  }
   const E* qb = static_cast<const E*>(a.q.p);
   const E* dob = static_cast<const E*>(a.d_o.p);
   copy_rows<E, DQK>(sQ, [&](int r) -> const E* {
@@ -329,11 +374,13 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
   const int p0 = int(window_start(t_first, a.w));
   const int n_win = a.w > 0 ? (t_last - p0 + kKeys) / kKeys : 0;
   const int chunks = (a.lp + kKeys - 1) / kKeys;  // key tiles per selection block
-  const int n_slc = a.n > 0 ? *nblocks * chunks : 0;
+  const int n_slc = a.n > 0 && !warp_sel ? *nblocks * chunks : 0;  // in the block-wide stream
   const int n_tiles = n_cmp + n_win + n_slc;
-  // In branch-index order (kCmp, kSlc, kWin): sweep() enters the branches in ascending order.
-  static_assert(kCmp == 0 && kSlc == 1 && kWin == 2, "tile order follows the branch indices");
+  // Stages of a sweep: compressed, then selection and window in the stream's order (per-warp
+  // selection runs after the block-wide stream, so it is the last stage).
   auto branch_of = [&](int i) { return i < n_cmp ? int(kCmp) : i < n_cmp + n_slc ? int(kSlc) : int(kWin); };
+  auto branch_at = [&](int stage) { return stage == 0 ? int(kCmp) : (stage == 1) == warp_sel ? int(kWin) : int(kSlc); };
+  auto stage_of = [&](int branch) { return branch == kCmp ? 0 : (branch == kWin) == warp_sel ? 1 : 2; };
   // Tile i: its keys' geometry and the rows of its first key (key c at kb + c * ks, vb + c * vs).
   auto tile_at = [&](int i, const E*& kb, int64_t& ks, const E*& vb, int64_t& vs) -> KeyTile {
     if (i < n_cmp) {
@@ -438,10 +485,37 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
     }
   };
 
+  // The warp's own selection walk (warp_sel): each block's keys 32 at a time through the warp's
+  // slice of the K/V buffers (rows 32 w .. 32 w + 31 of the 128 the two buffers hold), copied by
+  // the warp alone; half(tk, tv, kt, 0) does the 32 keys.
+  auto warp_walk = [&](auto&& half) {
+    E* wk = sK + (row0 / 16) * kSub * kLdK;
+    E* wv = sV + (row0 / 16) * kSub * kLdV;
+    const Mat3& K = a.k[kSlc];
+    const Mat3& V = a.v[kSlc];
+    for (int bi = 0; bi < wcount; ++bi) {
+      const int j = wl[bi];
+      const int end = min((j + 1) * a.lp, t_last + 1);
+      for (int pos = j * a.lp; pos < end; pos += kSub) {
+        const KeyTile kt{min(kSub, end - pos), pos, 1, j};
+        if (!warp_takes(kt)) continue;  // e.g. keys past the warp's last token
+        const E* kb = static_cast<const E*>(K.p) + (s0 + pos) * K.s0 + hk * K.s1;
+        const E* vb = static_cast<const E*>(V.p) + (s0 + pos) * V.s0 + hk * V.s1;
+        warp_copy_rows<E, DQK>(wk, kb, K.s0, kt.nk, a.vec, qb);
+        warp_copy_rows<E, DV>(wv, vb, V.s0, kt.nk, a.vec, qb);
+        cuda::cp_async_commit();
+        cuda::cp_async_wait<0>();
+        __syncwarp();  // the lanes' copies are visible to the whole warp
+        half(wk, wv, kt, 0);
+        __syncwarp();  // every lane is done reading before the next copy
+      }
+    }
+  };
+
   // One sweep over all key tiles, two-stage: tile i + 1's copy goes out before tile i is computed.
-  // enter(branch) runs (block-uniformly) before the first tile of each branch and once at the end
-  // with branch 3; compute(tk, tv, kt) does the tile in K/V buffer tk, tv.
-  auto sweep = [&](auto&& enter, auto&& compute) {
+  // enter(prev, next) runs (block-uniformly) between stages (prev = -1 first, next = 3 last);
+  // half(tk, tv, kt, c0) does keys c0 .. c0 + 31 of a tile in K/V buffers tk, tv.
+  auto sweep = [&](auto&& enter, auto&& half) {
     int cur = -1;
     if (n_tiles > 0) issue(0, 0);
     cuda::cp_async_commit();
@@ -450,25 +524,35 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
       cuda::cp_async_commit();
       cuda::cp_async_wait<1>();
       __syncthreads();
-      const int branch = branch_of(i);
-      while (cur < branch) enter(++cur);
+      const int stage = stage_of(branch_of(i));
+      for (; cur < stage; ++cur) enter(cur, cur + 1);
       const E* kb;
       const E* vb;
       int64_t ks, vs;
-      compute(sK + (i & 1) * kKeys * kLdK, sV + (i & 1) * kKeys * kLdV, tile_at(i, kb, ks, vb, vs));
+      const KeyTile kt = tile_at(i, kb, ks, vb, vs);
+      if (warp_takes(kt)) {
+#pragma unroll 1
+        for (int c0 = 0; c0 < kKeys; c0 += kSub) half(sK + (i & 1) * kKeys * kLdK, sV + (i & 1) * kKeys * kLdV, kt, c0);
+      }
       __syncthreads();
     }
     cuda::cp_async_wait<0>();
     __syncthreads();
-    while (cur < 3) enter(++cur);
+    for (; cur < 2; ++cur) enter(cur, cur + 1);
+    if (warp_sel) {
+      warp_walk(half);
+      __syncthreads();  // the K/V buffers are the block's again
+    }
+    enter(2, 3);
   };
 
   // ---- pass 1: each branch's output o_b = P V from the saved lse, then dg_b = <dO, o_b>
   float acc_o[DV / 8][4];
   zero(acc_o);
   sweep(
-      [&](int branch) {
-        if (branch > 0) {
+      [&](int prev, int next) {
+        if (prev >= 0) {
+          const int branch = branch_at(prev);
           // dg of the thread's rows: its columns of o_b times dO, then the quad's partial sums.
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
@@ -481,49 +565,41 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
             part += __shfl_xor_sync(0xffffffffu, part, 2);
             if (quad == 0 && rtok[h] >= 0) {
               const int64_t tok = rtok[h];
-              a.dg32[(tok * a.hq + rhead[h]) * 3 + branch - 1] = part;
-              static_cast<E*>(a.dg.p)[tok * a.dg.s0 + rhead[h] * a.dg.s1 + branch - 1] = from_float<E>(part);
+              a.dg32[(tok * a.hq + rhead[h]) * 3 + branch] = part;
+              static_cast<E*>(a.dg.p)[tok * a.dg.s0 + rhead[h] * a.dg.s1 + branch] = from_float<E>(part);
             }
           }
           zero(acc_o);
         }
-        if (branch < 3) set_branch(branch, false);
+        if (next < 3) set_branch(branch_at(next), false);
       },
-      [&](const E* tk, const E* tv, const KeyTile& kt) {
-        if (!warp_takes(kt)) return;
-#pragma unroll 1
-        for (int c0 = 0; c0 < kKeys; c0 += kSub) {
-          float s[kSubTiles][4];
-          mma_abt<E, DQK, kSubTiles>(s, sQ + row0 * kLdK, tk + c0 * kLdK);
-          probabilities(s, kt, c0);
-          uint32_t pf[kSubTiles / 2][4];
-          to_operand<E, kSubTiles>(s, pf);
-          mma_ab<E, DV, kSubTiles / 2>(acc_o, pf, tv + c0 * kLdV);
-        }
+      [&](const E* tk, const E* tv, const KeyTile& kt, int c0) {
+        float s[kSubTiles][4];
+        mma_abt<E, DQK, kSubTiles>(s, sQ + row0 * kLdK, tk + c0 * kLdK);
+        probabilities(s, kt, c0);
+        uint32_t pf[kSubTiles / 2][4];
+        to_operand<E, kSubTiles>(s, pf);
+        mma_ab<E, DV, kSubTiles / 2>(acc_o, pf, tv + c0 * kLdV);
       });
   __syncthreads();  // dg32 of this tile's rows is written (read back below by the same block)
 
   // ---- pass 2: dQ = scale * sum_b dS_b K_b, summed in registers over the three branches
   float acc_q[DQK / 8][4];
   zero(acc_q);
-  sweep([&](int branch) { if (branch < 3) set_branch(branch, true); },
-        [&](const E* tk, const E* tv, const KeyTile& kt) {
-          if (!warp_takes(kt)) return;
-#pragma unroll 1
-          for (int c0 = 0; c0 < kKeys; c0 += kSub) {
-            float s[kSubTiles][4], dp[kSubTiles][4];
-            mma_abt<E, DQK, kSubTiles>(s, sQ + row0 * kLdK, tk + c0 * kLdK);
-            mma_abt<E, DV, kSubTiles>(dp, sDo + row0 * kLdV, tv + c0 * kLdV);
-            probabilities(s, kt, c0);
+  sweep([&](int, int next) { if (next < 3) set_branch(branch_at(next), true); },
+        [&](const E* tk, const E* tv, const KeyTile& kt, int c0) {
+          float s[kSubTiles][4], dp[kSubTiles][4];
+          mma_abt<E, DQK, kSubTiles>(s, sQ + row0 * kLdK, tk + c0 * kLdK);
+          mma_abt<E, DV, kSubTiles>(dp, sDo + row0 * kLdV, tv + c0 * kLdV);
+          probabilities(s, kt, c0);
 #pragma unroll
-            for (int nt = 0; nt < kSubTiles; ++nt)
+          for (int nt = 0; nt < kSubTiles; ++nt)
 #pragma unroll
-              for (int e = 0; e < 4; ++e)
-                s[nt][e] = a.scale * gate[e >> 1] * s[nt][e] * (dp[nt][e] - dgr[e >> 1]);
-            uint32_t df[kSubTiles / 2][4];
-            to_operand<E, kSubTiles>(s, df);
-            mma_ab<E, DQK, kSubTiles / 2>(acc_q, df, tk + c0 * kLdK);
-          }
+            for (int e = 0; e < 4; ++e)
+              s[nt][e] = a.scale * gate[e >> 1] * s[nt][e] * (dp[nt][e] - dgr[e >> 1]);
+          uint32_t df[kSubTiles / 2][4];
+          to_operand<E, kSubTiles>(s, df);
+          mma_ab<E, DQK, kSubTiles / 2>(acc_q, df, tk + c0 * kLdK);
         });
   E* dqb = static_cast<E*>(a.dq.p);
 #pragma unroll
@@ -906,7 +982,7 @@ void launch_attention(const BwdArgs& a, cudaStream_t s, int phase) {
   if (phase == 0) {
     using Lq = DqSmem<E, DQK, DV>;
     const size_t smem = Lq::bytes(tq, a.n, a.n_slc_max);
-    // The selection tables grow with Tq * n (8 bytes per entry) and n_slc_max: fail with the
+    // The selection tables grow with Tq * n (12 bytes per entry) and n_slc_max: fail with the
     // values, not with a launch error, when they do not fit next to the tiles.
     constexpr size_t kMaxSmem = 227 * 1024;  // opt-in shared memory per block on sm_90
     if (smem > kMaxSmem)

@@ -302,6 +302,17 @@ __global__ void segment_offsets_kernel(const uint32_t* keys, int64_t n, int64_t 
   offsets[key] = int32_t(lo);
 }
 
+// cu [B+1] int32 from host values passed by value (up to kInlineCu entries: 256 bytes of
+// kernel arguments), so that no host buffer has to outlive an asynchronous copy.
+constexpr int kInlineCu = 64;
+struct InlineCu {
+  int32_t v[kInlineCu];
+};
+__global__ void set_cu_kernel(InlineCu c, int n, int32_t* dst) {
+  const int i = threadIdx.x;
+  if (i < n) dst[i] = c.v[i];
+}
+
 // cu [B+1] int32 from a device tensor with any stride.
 __global__ void copy_cu_kernel(const int32_t* src, int64_t stride, int n, int32_t* dst) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -557,6 +568,13 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
   if (p.cu_seqlens.defined() && p.cu_seqlens.device == Device::cuda) {
     copy_cu_kernel<<<blocks_for(p.B + 1), 256, 0, s>>>(static_cast<const int32_t*>(p.cu_seqlens.data),
                                                       p.cu_seqlens.stride[0], int(p.B + 1), L.cu);
+    NSA_CUDA_CHECK_LAUNCH();
+  } else if (p.cu.size() <= size_t(kInlineCu)) {
+    // Absent (one sequence: {0, T}) or a short host table: the offsets travel as a kernel
+    // argument, so the call neither copies from host memory nor waits for the stream.
+    InlineCu c{};
+    for (size_t i = 0; i < p.cu.size(); ++i) c.v[i] = int32_t(p.cu[i]);
+    set_cu_kernel<<<1, kInlineCu, 0, s>>>(c, int(p.cu.size()), L.cu);
     NSA_CUDA_CHECK_LAUNCH();
   } else {
     std::vector<int32_t> cu(p.cu.begin(), p.cu.end());
