@@ -242,6 +242,10 @@ inline void transpose_keys(const float* nat, int64_t ld, int64_t dim, float* dst
 
 // The layouts of one chunk a pass needs.
 enum Need : unsigned { kNeedKt = 1, kNeedKn = 2, kNeedVt = 4, kNeedVn = 8 };
+// The layouts each pass reads: the forward K^T (S = Q K^T) and V; the backward also K (dq) and
+// V^T (dP).
+constexpr unsigned kForwardNeeds = kNeedKt | kNeedVn;
+constexpr unsigned kBackwardNeeds = kNeedKt | kNeedKn | kNeedVt;
 
 struct ChunkData {
   const float *kt = nullptr, *kn = nullptr, *vt = nullptr, *vn = nullptr;
@@ -353,7 +357,7 @@ inline void flash_chunks(const Dims& d, const Branch& br, const Seq& s, int64_t 
   const int64_t G = d.G, M = nt * G;
   for (int64_t ci = 0; ci < count; ++ci) {
     const Chunk& c = chunks[ci];
-    const ChunkData cd = chunk_data(d, br, s, hk, c, kNeedKt | kNeedVn, sc);
+    const ChunkData cd = chunk_data(d, br, s, hk, c, kForwardNeeds, sc);
     K.gemm(M, kChunk, d.dqk, q, d.dqkp, cd.kt, kChunk, sc.s, kChunk, false);
     for (int64_t i = 0; i < nt; ++i) {
       const Interval iv = keys_of(br, s, hk, tokens[i], c, true);
@@ -548,7 +552,7 @@ inline void attend_dq(const Dims& d, const Branch& br, const Seq& s, int64_t hk,
   }
   for (int64_t ci = 0; ci < nchunks; ++ci) {
     const Chunk& c = sc.chunks[ci];
-    const ChunkData cd = chunk_data(d, br, s, hk, c, kNeedKt | kNeedKn | kNeedVt, sc);
+    const ChunkData cd = chunk_data(d, br, s, hk, c, kBackwardNeeds, sc);
     K.gemm(M, kChunk, d.dqk, q, d.dqkp, cd.kt, kChunk, sc.s, kChunk, false);
     for (int64_t i = 0; i < nt; ++i) {
       const Interval iv = keys_of(br, s, hk, tokens[i], c, true);

@@ -185,24 +185,6 @@ size_t phi_backward_shared(const Config& cfg, const Problem& pr, size_t* slot) {
   return std::max(shared_k.bytes, shared_v.bytes);
 }
 
-// The chunk layouts the backward reads: K^T and V^T (S, dP in both passes), K (dq).
-constexpr unsigned kBackwardNeeds = kNeedKt | kNeedKn | kNeedVt;
-
-bool backward_packs(const Config& cfg, Kind kind) {
-  switch (kind) {
-    case Kind::slc: return cfg.n_selected > 0 && cfg.slc_block_len % kChunk == 0;
-    case Kind::win: return cfg.window > 0;
-    default: return true;
-  }
-}
-
-size_t backward_pack_bytes(const Config& cfg, const Problem& pr, const Dims& d, Kind kind) {
-  if (!backward_packs(cfg, kind)) return 0;
-  Sizer s;
-  layout_pack(s, cfg, pr.total_tokens, pr.batch, pr.hkv, d, kind == Kind::cmp, kBackwardNeeds);
-  return s.bytes;
-}
-
 // A [T, Hq, Dv] slice b of o_branch [3, T, Hq, Dv].
 TensorView branch_slice(const TensorView& all, int b) {
   TensorView s = all;
@@ -279,7 +261,7 @@ void backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, cons
   {
     Arena packs_area = shared;
     for (int b = 0; b < 3; ++b)
-      if (backward_packs(p.cfg, br[b].kind)) prepack(p, d, br[b], kBackwardNeeds, packs_area, slots);
+      if (branch_packs(p.cfg, br[b].kind)) prepack(p, d, br[b], kBackwardNeeds, packs_area, slots);
   }
   const Rows qrows = Rows::of(in.q), dorows = Rows::of(d_o);
   const float* lse_all = static_cast<const float*>(saved.lse.data);
@@ -502,7 +484,7 @@ WsSizes backward_sizes(Op op, const Config& cfg, const Problem& pr) {
     case Op::dense_attention_bwd: {
       Sizer shared;
       shared.take<float>(pr.total_tokens * pr.hq);
-      w.shared = shared.bytes + backward_pack_bytes(cfg, pr, d, Kind::dense);
+      w.shared = shared.bytes + pack_bytes(cfg, pr, d, Kind::dense, kBackwardNeeds);
       w.slot = attention_slot_bytes(cfg, d);
       return w;
     }
@@ -510,8 +492,7 @@ WsSizes backward_sizes(Op op, const Config& cfg, const Problem& pr) {
       Sizer shared;
       layout_backward(shared, cfg, pr.total_tokens, pr.batch, pr.hq, pr.hkv, pr.dqk, pr.dv);
       size_t phi_slot = 0;
-      const size_t packed = backward_pack_bytes(cfg, pr, d, Kind::cmp) + backward_pack_bytes(cfg, pr, d, Kind::slc) +
-                            backward_pack_bytes(cfg, pr, d, Kind::win);
+      const size_t packed = layer_pack_bytes(cfg, pr, d, kBackwardNeeds);
       w.shared = shared.bytes + std::max(phi_backward_shared(cfg, pr, &phi_slot), packed);
       w.slot = std::max(attention_slot_bytes(cfg, d), phi_slot);
       return w;

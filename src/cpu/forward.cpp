@@ -41,22 +41,6 @@ void store_tile(const Dims& d, const Seq& s, int64_t hk, const int32_t* tokens, 
     }
 }
 
-// Whether the forward pre-packs a branch (selection only when its blocks are whole chunks).
-bool packs(const Config& cfg, Kind kind) {
-  switch (kind) {
-    case Kind::slc: return cfg.n_selected > 0 && cfg.slc_block_len % kChunk == 0;
-    case Kind::win: return cfg.window > 0;
-    default: return true;
-  }
-}
-
-size_t pack_bytes(const Config& cfg, const Problem& pr, const Dims& d, Kind kind) {
-  if (!packs(cfg, kind)) return 0;
-  Sizer s;
-  layout_pack(s, cfg, pr.total_tokens, pr.batch, pr.hkv, d, kind == Kind::cmp, kNeedKt | kNeedVn);
-  return s.bytes;
-}
-
 Problem problem_of_plan(const Plan& p) {
   return Problem{p.T, p.B, p.max_seqlen, p.hq, p.hkv, p.dqk, p.dv, std::max(p.phi_hidden_k, p.phi_hidden_v),
                  p.dtype, p.device};
@@ -66,11 +50,11 @@ Problem problem_of_plan(const Plan& p) {
 void branch_op(const Plan& p, Branch br, const TensorView& q, const TensorView& o,
                const TensorView& lse, Workspace ws) {
   const Dims d = dims_of(p);
-  const size_t shared_bytes = pack_bytes(p.cfg, problem_of_plan(p), d, br.kind);
+  const size_t shared_bytes = pack_bytes(p.cfg, problem_of_plan(p), d, br.kind, kForwardNeeds);
   const Slots slots = carve_slots(p, ws, shared_bytes, attention_slot_bytes(p.cfg, d));
-  if (packs(p.cfg, br.kind)) {
+  if (branch_packs(p.cfg, br.kind)) {
     Arena shared(ws.data, shared_bytes);
-    prepack(p, d, br, kNeedKt | kNeedVn, shared, slots);
+    prepack(p, d, br, kForwardNeeds, shared, slots);
   }
   const Rows qrows = Rows::of(q);
   for_each_tile(p, d.tile_tokens, p.hkv, slots, [&](const Seq& s, int64_t t0, int64_t nt, int64_t hk, Arena arena) {
@@ -88,12 +72,12 @@ void compressed_attention_fwd(const Plan& p, const TensorView& q, const TensorVi
                               const TensorView& vc, const TensorView& o, const TensorView& lse,
                               const TensorView& scores, Workspace ws) {
   const Dims d = dims_of(p);
-  const size_t shared_bytes = pack_bytes(p.cfg, problem_of_plan(p), d, Kind::cmp);
+  const size_t shared_bytes = pack_bytes(p.cfg, problem_of_plan(p), d, Kind::cmp, kForwardNeeds);
   const Slots slots = carve_slots(p, ws, shared_bytes, attention_slot_bytes(p.cfg, d));
   Branch br = make_branch(p, Kind::cmp, kc, vc);
   {
     Arena shared(ws.data, shared_bytes);
-    prepack(p, d, br, kNeedKt | kNeedVn, shared, slots);
+    prepack(p, d, br, kForwardNeeds, shared, slots);
   }
   const Rows qrows = Rows::of(q);
   const int64_t ns_out = scores.defined() ? scores.shape[2] : 0;
@@ -207,9 +191,9 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
   // Every branch's keys/values converted once (after phi, whose scratch they overwrite).
   {
     Arena packs_area = shared;
-    prepack(p, d, br_cmp, kNeedKt | kNeedVn, packs_area, slots);
-    if (packs(p.cfg, Kind::slc)) prepack(p, d, br_slc, kNeedKt | kNeedVn, packs_area, slots);
-    if (packs(p.cfg, Kind::win)) prepack(p, d, br_win, kNeedKt | kNeedVn, packs_area, slots);
+    prepack(p, d, br_cmp, kForwardNeeds, packs_area, slots);
+    if (branch_packs(p.cfg, Kind::slc)) prepack(p, d, br_slc, kForwardNeeds, packs_area, slots);
+    if (branch_packs(p.cfg, Kind::win)) prepack(p, d, br_win, kForwardNeeds, packs_area, slots);
   }
   const Rows qrows = Rows::of(in.q);
   const int64_t n = p.cfg.n_selected;
@@ -278,7 +262,7 @@ WsSizes forward_sizes(Op op, const Config& cfg, const Problem& pr) {
                         : op == Op::selected_attention_fwd ? Kind::slc
                         : op == Op::window_attention_fwd   ? Kind::win
                                                            : Kind::dense;
-      w.shared = pack_bytes(cfg, pr, d, kind);
+      w.shared = pack_bytes(cfg, pr, d, kind, kForwardNeeds);
       w.slot = attention_slot_bytes(cfg, d);
       return w;
     }
@@ -289,8 +273,7 @@ WsSizes forward_sizes(Op op, const Config& cfg, const Problem& pr) {
       Sizer s;
       layout_forward_shared(s, pr.total_tokens, cfg.cmp_stride, pr.hkv, pr.dqk, pr.dv);
       size_t phi_slot = 0;
-      const size_t packed = pack_bytes(cfg, pr, d, Kind::cmp) + pack_bytes(cfg, pr, d, Kind::slc) +
-                            pack_bytes(cfg, pr, d, Kind::win);
+      const size_t packed = layer_pack_bytes(cfg, pr, d, kForwardNeeds);
       // phi's scratch and the packed keys/values share the space after kc/vc (one after the other).
       w.shared = s.bytes + std::max(phi_shared_bytes(cfg, pr, false, &phi_slot), packed);
       w.slot = std::max(attention_slot_bytes(cfg, d), phi_slot);

@@ -108,6 +108,30 @@ PackBuffers layout_pack(A& a, const Config& cfg, int64_t T, int64_t B, int64_t h
   return pb;
 }
 
+// Whether a branch's keys/values are packed once per call (selection only when its blocks are
+// whole chunks; otherwise they are packed per tile).
+inline bool branch_packs(const Config& cfg, Kind kind) {
+  switch (kind) {
+    case Kind::slc: return cfg.n_selected > 0 && cfg.slc_block_len % kChunk == 0;
+    case Kind::win: return cfg.window > 0;
+    default: return true;
+  }
+}
+
+// Shared bytes of a branch's packed keys/values in the layouts of `need` (0 if not packed).
+inline size_t pack_bytes(const Config& cfg, const Problem& pr, const Dims& d, Kind kind, unsigned need) {
+  if (!branch_packs(cfg, kind)) return 0;
+  Sizer s;
+  layout_pack(s, cfg, pr.total_tokens, pr.batch, pr.hkv, d, kind == Kind::cmp, need);
+  return s.bytes;
+}
+
+// The same for the three branches of a layer call.
+inline size_t layer_pack_bytes(const Config& cfg, const Problem& pr, const Dims& d, unsigned need) {
+  return pack_bytes(cfg, pr, d, Kind::cmp, need) + pack_bytes(cfg, pr, d, Kind::slc, need) +
+         pack_bytes(cfg, pr, d, Kind::win, need);
+}
+
 // Converts a branch's keys/values once into the layouts of `need` (carved from `shared`) and
 // points br.pk at them. Every chunk is written by one work item.
 inline void prepack(const Plan& p, const Dims& d, Branch& br, unsigned need, Arena& shared, const Slots& slots) {
