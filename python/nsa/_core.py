@@ -392,10 +392,11 @@ def select_topn(fw, cfg: Config, scores, cu_seqlens=None, max_seqlen=None, backe
     return idx
 
 
-def selected_attention(fw, cfg: Config, q, k, v, indices, cu_seqlens=None, max_seqlen=None,
-                       backend="auto", num_threads=0):
-    """(o [T, Hq, Dv], lse [T, Hq] f32): attention over the blocks in indices [T, Hkv, n]."""
-    q, k, v, indices = fw.prepare(q), fw.prepare(k), fw.prepare(v), fw.prepare(indices)
+def _branch_attention(fw, op: str, cfg: Config, q, k, v, indices, cu_seqlens, max_seqlen, backend,
+                      num_threads):
+    """(o, lse) of one branch through the native op `op`; indices only for the selection branch."""
+    q, k, v = fw.prepare(q), fw.prepare(k), fw.prepare(v)
+    extra = () if indices is None else (fw.prepare(indices),)
     T, Hq, Dqk = dims(q, "q", 3, "[T, Hq, Dqk]")
     Hkv = dims(k, "k", 3, "[T, Hkv, Dqk]")[1]
     Dv = dims(v, "v", 3, "[T, Hkv, Dv]")[2]
@@ -403,27 +404,24 @@ def selected_attention(fw, cfg: Config, q, k, v, indices, cu_seqlens=None, max_s
     c = cfg.native()
     o = fw.empty((T, Hq, Dv), q.dtype, q)
     lse = fw.empty((T, Hq), fw.f32, q)
-    ws = call.workspace("selected_attention_fwd", c, T, Hq, Hkv, Dqk, Dv)
+    ws = call.workspace(op, c, T, Hq, Hkv, Dqk, Dv)
     with fw.device_guard(q):
-        _nsa.selected_attention_fwd(*call.ctx, c, q, k, v, indices, call.cu, call.max_seqlen, o, lse, ws)
+        getattr(_nsa, op)(*call.ctx, c, q, k, v, *extra, call.cu, call.max_seqlen, o, lse, ws)
     return o, lse
+
+
+def selected_attention(fw, cfg: Config, q, k, v, indices, cu_seqlens=None, max_seqlen=None,
+                       backend="auto", num_threads=0):
+    """(o [T, Hq, Dv], lse [T, Hq] f32): attention over the blocks in indices [T, Hkv, n]."""
+    return _branch_attention(fw, "selected_attention_fwd", cfg, q, k, v, indices, cu_seqlens, max_seqlen,
+                             backend, num_threads)
 
 
 def window_attention(fw, cfg: Config, q, k, v, cu_seqlens=None, max_seqlen=None, backend="auto",
                      num_threads=0):
     """(o [T, Hq, Dv], lse [T, Hq] f32): sliding-window attention over the last w positions."""
-    q, k, v = fw.prepare(q), fw.prepare(k), fw.prepare(v)
-    T, Hq, Dqk = dims(q, "q", 3, "[T, Hq, Dqk]")
-    Hkv = dims(k, "k", 3, "[T, Hkv, Dqk]")[1]
-    Dv = dims(v, "v", 3, "[T, Hkv, Dv]")[2]
-    call = Call(fw, q, backend, num_threads, cu_seqlens, max_seqlen)
-    c = cfg.native()
-    o = fw.empty((T, Hq, Dv), q.dtype, q)
-    lse = fw.empty((T, Hq), fw.f32, q)
-    ws = call.workspace("window_attention_fwd", c, T, Hq, Hkv, Dqk, Dv)
-    with fw.device_guard(q):
-        _nsa.window_attention_fwd(*call.ctx, c, q, k, v, call.cu, call.max_seqlen, o, lse, ws)
-    return o, lse
+    return _branch_attention(fw, "window_attention_fwd", cfg, q, k, v, None, cu_seqlens, max_seqlen, backend,
+                             num_threads)
 
 
 def split_kv(k, v):

@@ -161,6 +161,20 @@ void kv_views(Arrays& arrays, nb::handle kv, nsa::KV out[3], const char* const n
   }
 }
 
+// The layer's inputs (nsa::forward and nsa::backward take the same ones).
+nsa::Inputs layer_inputs(Arrays& arrays, nb::handle q, nb::handle kv, nb::handle g, nb::handle phi_k,
+                         nb::handle phi_v, nb::handle cu_seqlens, int64_t max_seqlen) {
+  static const char* const kKvNames[6] = {"k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win"};
+  nsa::Inputs in;
+  in.q = arrays.in(q, "q");
+  kv_views(arrays, kv, in.kv, kKvNames);
+  in.g = arrays.in(g, "g");
+  in.phi_k = phi_views(arrays, phi_k, "phi_k");
+  in.phi_v = phi_views(arrays, phi_v, "phi_v");
+  in.seqs = sequences(arrays, cu_seqlens, max_seqlen);
+  return in;
+}
+
 nsa::Op parse_op(const std::string& name) {
   static const std::pair<const char*, nsa::Op> kOps[] = {
       {"compress_fwd", nsa::Op::compress_fwd},
@@ -386,7 +400,6 @@ NB_MODULE(_nsa, m) {
       nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("o"), nb::arg("lse").none(),
       nb::arg("workspace").none());
 
-  static const char* const kKvNames[6] = {"k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win"};
   static const char* const kDkvNames[6] = {"dk_cmp", "dv_cmp", "dk_slc", "dv_slc", "dk_win", "dv_win"};
 
   m.def(
@@ -397,13 +410,7 @@ NB_MODULE(_nsa, m) {
          nb::handle indices, nb::handle o_branch, nb::handle workspace) {
         Arrays a;
         const nsa::Context ctx = make_context(backend, stream, threads, det);
-        nsa::Inputs in;
-        in.q = a.in(q, "q");
-        kv_views(a, kv, in.kv, kKvNames);
-        in.g = a.in(g, "g");
-        in.phi_k = phi_views(a, phi_k, "phi_k");
-        in.phi_v = phi_views(a, phi_v, "phi_v");
-        in.seqs = sequences(a, cu_seqlens, max_seqlen);
+        const nsa::Inputs in = layer_inputs(a, q, kv, g, phi_k, phi_v, cu_seqlens, max_seqlen);
         nsa::ForwardOutputs out;
         out.o = a.out(o, "o");
         out.lse = a.out(lse, "lse");
@@ -427,13 +434,7 @@ NB_MODULE(_nsa, m) {
          nb::handle dphi_k, nb::handle dphi_v, nb::handle workspace) {
         Arrays a;
         const nsa::Context ctx = make_context(backend, stream, threads, det);
-        nsa::Inputs in;
-        in.q = a.in(q, "q");
-        kv_views(a, kv, in.kv, kKvNames);
-        in.g = a.in(g, "g");
-        in.phi_k = phi_views(a, phi_k, "phi_k");
-        in.phi_v = phi_views(a, phi_v, "phi_v");
-        in.seqs = sequences(a, cu_seqlens, max_seqlen);
+        const nsa::Inputs in = layer_inputs(a, q, kv, g, phi_k, phi_v, cu_seqlens, max_seqlen);
         nsa::ForwardOutputs saved;
         saved.o = a.in(o, "o");
         saved.lse = a.in(lse, "lse");
