@@ -100,6 +100,14 @@ struct Sizes {
 };
 
 // A Config from the spec's symbols, for tables of test cases.
+// A context for backend b (the other fields at their defaults).
+inline Context context_of(Backend b, int num_threads = 0) {
+  Context c;
+  c.backend = b;
+  c.num_threads = num_threads;
+  return c;
+}
+
 inline Config make_config(int64_t l, int64_t d, int64_t lp, int64_t n, int64_t n_init, int64_t n_local,
                           int64_t w, PhiKind phi, bool shared_kv = false) {
   Config c;

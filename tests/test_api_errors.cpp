@@ -11,12 +11,6 @@
 namespace nsa::test {
 namespace {
 
-Context reference_ctx() {
-  Context ctx;
-  ctx.backend = Backend::reference;
-  return ctx;
-}
-
 Config small_config() {
   Config c;
   c.cmp_block_len = 8;
@@ -131,7 +125,7 @@ TEST_P(BadInput, IsAnErrorNamingTheParameter) {
   const BadCase& bc = GetParam();
   LayerProblem p = valid_problem();
   Config cfg = p.cfg;
-  Context ctx = reference_ctx();
+  Context ctx = context_of(Backend::reference);
   Inputs in = p.inputs();
   ForwardOutputs out = p.outputs();
   // The unspoiled problem is valid: the error below is caused by the spoiling alone.
@@ -167,42 +161,42 @@ TEST(BadInputStages, PhiParametersMustMatchTheKind) {
   LayerProblem p = valid_problem(PhiKind::mlp);
   Config cfg = p.cfg;
   cfg.phi = PhiKind::mean;
-  expect_error("phi_k.w1", [&] { forward(reference_ctx(), cfg, p.inputs(), p.outputs()); });
+  expect_error("phi_k.w1", [&] { forward(context_of(Backend::reference), cfg, p.inputs(), p.outputs()); });
   cfg.phi = PhiKind::linear;  // linear reads w1 [D, l*D]: mlp's w1 [F, l*D] has the wrong rows
-  expect_error("phi_k.w1.shape[0]", [&] { forward(reference_ctx(), cfg, p.inputs(), p.outputs()); });
+  expect_error("phi_k.w1.shape[0]", [&] { forward(context_of(Backend::reference), cfg, p.inputs(), p.outputs()); });
 }
 
 TEST(BadInputStages, SharedKvTakesOneKv) {
   LayerProblem p = valid_problem(PhiKind::mlp, /*shared=*/false);
   Config cfg = p.cfg;
   cfg.shared_kv = true;
-  expect_error("k_slc", [&] { forward(reference_ctx(), cfg, p.inputs(), p.outputs()); });
+  expect_error("k_slc", [&] { forward(context_of(Backend::reference), cfg, p.inputs(), p.outputs()); });
 }
 
 TEST(BadInputStages, BackwardGradientShapes) {
   LayerProblem p = valid_problem();
-  forward(reference_ctx(), p.cfg, p.inputs(), p.outputs());
+  forward(context_of(Backend::reference), p.cfg, p.inputs(), p.outputs());
   Gradients g = p.gradients();
   g.dkv[kSlc].v.shape[1] = 3;
-  expect_error("dv_slc.shape[1]", [&] { backward(reference_ctx(), p.cfg, p.inputs(), p.outputs(), p.d_o.view(), g); });
+  expect_error("dv_slc.shape[1]", [&] { backward(context_of(Backend::reference), p.cfg, p.inputs(), p.outputs(), p.d_o.view(), g); });
   g = p.gradients();
   g.dphi_v.b2 = TensorView();
-  expect_error("dphi_v.b2", [&] { backward(reference_ctx(), p.cfg, p.inputs(), p.outputs(), p.d_o.view(), g); });
-  expect_error("d_o", [&] { backward(reference_ctx(), p.cfg, p.inputs(), p.outputs(), TensorView(), p.gradients()); });
+  expect_error("dphi_v.b2", [&] { backward(context_of(Backend::reference), p.cfg, p.inputs(), p.outputs(), p.d_o.view(), g); });
+  expect_error("d_o", [&] { backward(context_of(Backend::reference), p.cfg, p.inputs(), p.outputs(), TensorView(), p.gradients()); });
 }
 
 TEST(BadInputStages, StageShapes) {
   Config mean = small_config();
   mean.phi = PhiKind::mean;
   HostTensor x(DType::f32, {30, 2, 4}), xc(DType::f32, {30 / 4 + 1, 2, 4});
-  expect_error("xc.shape[0]", [&] { compress_fwd(reference_ctx(), mean, {}, x.view(), {}, xc.view()); });
-  expect_error("phi.w1", [&] { compress_fwd(reference_ctx(), small_config(), {}, x.view(), {}, xc.view()); });
+  expect_error("xc.shape[0]", [&] { compress_fwd(context_of(Backend::reference), mean, {}, x.view(), {}, xc.view()); });
+  expect_error("phi.w1", [&] { compress_fwd(context_of(Backend::reference), small_config(), {}, x.view(), {}, xc.view()); });
   HostTensor scores(DType::f32, {30, 2, 1}), idx(DType::i32, {30, 2, 3});
-  expect_error("scores.shape[2]", [&] { select_topn(reference_ctx(), mean, scores.view(), {}, idx.view()); });
+  expect_error("scores.shape[2]", [&] { select_topn(context_of(Backend::reference), mean, scores.view(), {}, idx.view()); });
   HostTensor scores_f64(DType::f64, {30, 2, 2});
-  expect_error("scores.dtype", [&] { select_topn(reference_ctx(), mean, scores_f64.view(), {}, idx.view()); });
+  expect_error("scores.dtype", [&] { select_topn(context_of(Backend::reference), mean, scores_f64.view(), {}, idx.view()); });
   HostTensor q(DType::f32, {30, 4, 4}), o(DType::f32, {30, 4, 4});
-  expect_error("scale", [&] { dense_attention_fwd(reference_ctx(), -1.0, q.view(), x.view(), x.view(), {}, o.view(), {}); });
+  expect_error("scale", [&] { dense_attention_fwd(context_of(Backend::reference), -1.0, q.view(), x.view(), x.view(), {}, o.view(), {}); });
   expect_error("phi", [&] { parse_phi_kind("gated"); });
   expect_error("backend", [&] { parse_backend("tpu"); });
 }
@@ -210,7 +204,7 @@ TEST(BadInputStages, StageShapes) {
 TEST(BadInputStages, ViewsWithStridesAreAccepted) {
   // Outer strides are the caller's business: q may be a slice of a fused [T, (Hq + 2 Hkv) * D] tensor.
   LayerProblem p = valid_problem();
-  forward(reference_ctx(), p.cfg, p.inputs(), p.outputs());
+  forward(context_of(Backend::reference), p.cfg, p.inputs(), p.outputs());
   const auto want = p.o.values();
   const int64_t T = p.T, Hq = p.sizes.hq, D = p.sizes.dqk;
   HostTensor fused(p.sizes.dtype, {T, Hq + 3, D});  // 3 heads of padding per token
@@ -220,7 +214,7 @@ TEST(BadInputStages, ViewsWithStridesAreAccepted) {
   in.q = fused.view();
   in.q.shape[1] = Hq;  // same strides, fewer heads
   p.o.poison();
-  forward(reference_ctx(), p.cfg, in, p.outputs());
+  forward(context_of(Backend::reference), p.cfg, in, p.outputs());
   EXPECT_EQ(max_abs_diff(p.o.values(), want), 0.0);
 }
 

@@ -64,8 +64,7 @@ TEST_P(CpuBackward, LayerGradientsMatchReference) {
     s.dtype = dtype;
     LayerProblem cpu = make_problem(c.cfg, s, seed++);
     LayerProblem truth = to_f64(cpu);
-    Context ref;
-    ref.backend = Backend::reference;
+    Context ref = context_of(Backend::reference);
     forward(ref, c.cfg, truth.inputs(), truth.outputs());  // lse and indices every run uses
     LayerProblem rounded = cpu;
     take_saved(cpu, truth);
@@ -73,8 +72,7 @@ TEST_P(CpuBackward, LayerGradientsMatchReference) {
     cpu.o_branch = HostTensor();  // absent: the backward recomputes the branch outputs
     backward(ref, c.cfg, truth.inputs(), truth.outputs(), truth.d_o.view(), truth.gradients());
     backward(ref, c.cfg, rounded.inputs(), rounded.outputs(), rounded.d_o.view(), rounded.gradients());
-    Context ctx;
-    ctx.backend = Backend::cpu;
+    Context ctx = context_of(Backend::cpu);
     const Problem pr = problem_of(c.cfg, cpu.inputs());
     OwnedWorkspace ws = cpu_workspace(Op::backward, c.cfg, pr);
     backward(ctx, c.cfg, cpu.inputs(), cpu.outputs(), cpu.d_o.view(), cpu.gradients(), ws.ws);
@@ -104,8 +102,7 @@ TEST_P(CpuBackward, DenseGradientsMatchReference) {
     HostTensor q64 = convert(p.q, DType::f64), k64 = convert(p.k[0], DType::f64), v64 = convert(p.v[0], DType::f64);
     HostTensor do64 = convert(p.d_o, DType::f64);
     HostTensor o64(DType::f64, {T, s.hq, s.dv}), lse(DType::f32, {T, s.hq});
-    Context ref;
-    ref.backend = Backend::reference;
+    Context ref = context_of(Backend::reference);
     dense_attention_fwd(ref, 0.0, q64.view(), k64.view(), v64.view(), seqs, o64.view(), lse.view());
     HostTensor o = convert(o64, dtype);
     auto grads = [&](DType dt) {
@@ -119,8 +116,7 @@ TEST_P(CpuBackward, DenseGradientsMatchReference) {
                         truth[0].view(), truth[1].view(), truth[2].view());
     dense_attention_bwd(ref, 0.0, p.q.view(), p.k[0].view(), p.v[0].view(), seqs, o.view(), lse.view(), p.d_o.view(),
                         rounded[0].view(), rounded[1].view(), rounded[2].view());
-    Context ctx;
-    ctx.backend = Backend::cpu;
+    Context ctx = context_of(Backend::cpu);
     const Problem pr = problem_of(c.cfg, p.inputs());
     OwnedWorkspace ws = cpu_workspace(Op::dense_attention_bwd, c.cfg, pr);
     dense_attention_bwd(ctx, 0.0, p.q.view(), p.k[0].view(), p.v[0].view(), seqs, o.view(), lse.view(), p.d_o.view(),
@@ -145,10 +141,8 @@ TEST_P(CpuBackward, CompressBackwardMatchesReference) {
     std::mt19937_64 rng(seed);
     dxc.fill_uniform(rng, -1, 1);
     HostTensor dxc64 = convert(dxc, DType::f64);
-    Context ref;
-    ref.backend = Backend::reference;
-    Context ctx;
-    ctx.backend = Backend::cpu;
+    Context ref = context_of(Backend::reference);
+    Context ctx = context_of(Backend::cpu);
     HostTensor dx_truth(DType::f64, {T, s.hkv, s.dqk}), dx_round(dtype, {T, s.hkv, s.dqk}), dx_cpu(dtype, {T, s.hkv, s.dqk});
     for (HostTensor* t : {&dx_truth, &dx_round, &dx_cpu}) t->poison();
     compress_bwd(ref, c.cfg, LayerProblem::params(p64.phi_k), p64.k[0].view(), seqs, dxc64.view(), dx_truth.view(),
@@ -184,8 +178,7 @@ TEST(CpuDeterminism, ThreadCountDoesNotChangeBits) {
     std::vector<std::vector<unsigned char>> first;
     for (int threads : {1, 2, 3}) {
       LayerProblem p = base;
-      Context ctx;
-      ctx.backend = Backend::cpu;
+      Context ctx = context_of(Backend::cpu);
       ctx.num_threads = threads;
       const Problem pr = problem_of(c.cfg, p.inputs());
       OwnedWorkspace wf = cpu_workspace(Op::forward, c.cfg, pr, threads);
@@ -224,8 +217,7 @@ TEST(CpuWorkspace, SizedForTheCallsThreads) {
   s.dtype = DType::f32;
   LayerProblem p = make_problem(cfg, s, 5);
   const Problem pr = problem_of(cfg, p.inputs());
-  Context ctx;
-  ctx.backend = Backend::cpu;
+  Context ctx = context_of(Backend::cpu);
   ctx.num_threads = 1;
   OwnedWorkspace one = cpu_workspace(Op::forward, cfg, pr, 1);
   ctx.num_threads = 5;
@@ -257,8 +249,7 @@ TEST(CpuEdges, EmptyBatchRuns) {
   Sizes s = make_sizes({0, 0}, 4, 2, 8, 8);
   s.dtype = DType::bf16;
   LayerProblem p = make_problem(cfg, s, 3);
-  Context ctx;
-  ctx.backend = Backend::cpu;
+  Context ctx = context_of(Backend::cpu);
   const Problem pr = problem_of(cfg, p.inputs());
   OwnedWorkspace wf = cpu_workspace(Op::forward, cfg, pr);
   forward(ctx, cfg, p.inputs(), p.outputs(), wf.ws);
@@ -296,8 +287,7 @@ TEST(CpuEdges, StridedInputsGiveTheSameBits) {
   in_b.q = padded_copy(b.q, qs, 3);
   in_b.kv[kSlc].k = padded_copy(b.k[kSlc], ks, 5);
   in_b.kv[kWin].v = padded_copy(b.v[kWin], vs, 1);
-  Context ctx;
-  ctx.backend = Backend::cpu;
+  Context ctx = context_of(Backend::cpu);
   const Problem pr = problem_of(cfg, a.inputs());
   OwnedWorkspace wf = cpu_workspace(Op::forward, cfg, pr);
   forward(ctx, cfg, a.inputs(), a.outputs(), wf.ws);

@@ -75,12 +75,10 @@ TEST_P(CpuForward, LayerMatchesReference) {
     LayerProblem cpu = make_problem(c.cfg, s, seed++);
     LayerProblem rounded = cpu;          // reference, outputs rounded to the storage dtype
     LayerProblem truth = to_f64(cpu);    // reference in fp64 on the same values
-    Context ref;
-    ref.backend = Backend::reference;
+    Context ref = context_of(Backend::reference);
     forward(ref, c.cfg, truth.inputs(), truth.outputs());
     forward(ref, c.cfg, rounded.inputs(), rounded.outputs());
-    Context ctx;
-    ctx.backend = Backend::cpu;
+    Context ctx = context_of(Backend::cpu);
     const Problem pr = problem_of(c.cfg, cpu.inputs());
     OwnedWorkspace ws = cpu_workspace(Op::forward, c.cfg, pr);
     forward(ctx, c.cfg, cpu.inputs(), cpu.outputs(), ws.ws);
@@ -122,10 +120,8 @@ TEST_P(CpuStages, StagesMatchReference) {
     s.dtype = dtype;
     LayerProblem p = make_problem(c.cfg, s, seed++);
     const int64_t T = p.T, d = c.cfg.cmp_stride, rows = T / d;
-    Context ref;
-    ref.backend = Backend::reference;
-    Context cpu;
-    cpu.backend = Backend::cpu;
+    Context ref = context_of(Backend::reference);
+    Context cpu = context_of(Backend::cpu);
     Sequences seqs = p.inputs().seqs;
     const Problem pr = problem_of(c.cfg, p.inputs());
     Problem prc = pr;  // compress_* see one head group: hq = hkv and D = Dqk

@@ -63,8 +63,7 @@ struct OwnedWorkspace {
 
 // Workspace of `op` for `threads` threads (0: the default) on the cpu backend.
 inline OwnedWorkspace cpu_workspace(Op op, const Config& cfg, const Problem& pr, int threads = 0) {
-  Context ctx;
-  ctx.backend = Backend::cpu;
+  Context ctx = context_of(Backend::cpu);
   ctx.num_threads = threads;
   return OwnedWorkspace(workspace_size(ctx, op, cfg, pr));
 }

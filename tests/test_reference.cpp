@@ -12,12 +12,6 @@
 namespace nsa::test {
 namespace {
 
-Context reference_ctx() {
-  Context ctx;
-  ctx.backend = Backend::reference;
-  return ctx;
-}
-
 Config small_paper_config() {  // the paper's l=32, d=16, l'=64 scaled down by 4
   Config c;
   c.cmp_block_len = 8;
@@ -31,7 +25,7 @@ Config small_paper_config() {  // the paper's l=32, d=16, l'=64 scaled down by 4
   return c;
 }
 
-void run_forward(LayerProblem& p) { forward(reference_ctx(), p.cfg, p.inputs(), p.outputs()); }
+void run_forward(LayerProblem& p) { forward(context_of(Backend::reference), p.cfg, p.inputs(), p.outputs()); }
 
 // sum(o * d_o): a scalar loss whose gradient wrt o is d_o.
 double loss(LayerProblem& p) {
@@ -129,7 +123,7 @@ TEST_P(FiniteDifference, EveryInputAndPhiParameter) {
   const FdCase& c = GetParam();
   LayerProblem p = make_problem(c.cfg, c.sizes, 1234);
   run_forward(p);
-  backward(reference_ctx(), p.cfg, p.inputs(), p.outputs(), p.d_o.view(), p.gradients());
+  backward(context_of(Backend::reference), p.cfg, p.inputs(), p.outputs(), p.d_o.view(), p.gradients());
   std::mt19937_64 rng(99);
   check_tensor_gradient(p, p.q, p.dq, "q", rng);
   check_tensor_gradient(p, p.g, p.dg, "g", rng);
@@ -163,11 +157,11 @@ TEST(FiniteDifferenceStages, CompressBackward) {
     make_phi(cfg, D, F, DType::f64, dphi, nullptr);
     HostTensor dx(DType::f64, {T, H, D});
     dx.poison();
-    compress_bwd(reference_ctx(), cfg, LayerProblem::params(phi), x.view(), {}, dxc.view(), dx.view(),
+    compress_bwd(context_of(Backend::reference), cfg, LayerProblem::params(phi), x.view(), {}, dxc.view(), dx.view(),
                  LayerProblem::params(dphi));
     auto compressed_loss = [&]() {
       HostTensor xc(DType::f64, {T / cfg.cmp_stride, H, D});
-      compress_fwd(reference_ctx(), cfg, LayerProblem::params(phi), x.view(), {}, xc.view());
+      compress_fwd(context_of(Backend::reference), cfg, LayerProblem::params(phi), x.view(), {}, xc.view());
       // Rows past N_c are untouched (zero here) and dxc there is ignored by the backward.
       const int64_t rows = num_cmp_blocks(T, cfg.cmp_block_len, cfg.cmp_stride) * H * D;
       double s = 0;
@@ -200,7 +194,7 @@ TEST(FiniteDifferenceStages, DenseAttentionBackward) {
   HostTensor o(DType::f64, {T, Hq, D}), lse(DType::f32, {T, Hq}), d_o(DType::f64, {T, Hq, D});
   HostTensor dq(DType::f64, {T, Hq, D}), dk(DType::f64, {T, Hkv, D}), dv(DType::f64, {T, Hkv, D});
   for (HostTensor* t : {&q, &k, &v, &d_o}) t->fill_uniform(rng, -1, 1);
-  const Context ctx = reference_ctx();
+  const Context ctx = context_of(Backend::reference);
   dense_attention_fwd(ctx, 0, q.view(), k.view(), v.view(), {}, o.view(), lse.view());
   dense_attention_bwd(ctx, 0, q.view(), k.view(), v.view(), {}, o.view(), lse.view(), d_o.view(), dq.view(),
                       dk.view(), dv.view());
@@ -232,7 +226,7 @@ std::vector<double> dense_output(LayerProblem& p, int branch) {
   Sequences seqs;
   if (p.sizes.seqlens.size() != 1) seqs.cu_seqlens = p.cu.view();
   const int b = p.cfg.shared_kv ? 0 : branch;
-  dense_attention_fwd(reference_ctx(), p.cfg.scale, p.q.view(), p.k[b].view(), p.v[b].view(), seqs, o.view(), {});
+  dense_attention_fwd(context_of(Backend::reference), p.cfg.scale, p.q.view(), p.k[b].view(), p.v[b].view(), seqs, o.view(), {});
   return o.values();
 }
 
@@ -320,7 +314,7 @@ TEST(Invariants, PackedBatchEqualsSequencesAlone) {
     s.hq = 4, s.hkv = 2;
     LayerProblem packed = make_problem(cfg, s, 15);
     run_forward(packed);
-    backward(reference_ctx(), cfg, packed.inputs(), packed.outputs(), packed.d_o.view(), packed.gradients());
+    backward(context_of(Backend::reference), cfg, packed.inputs(), packed.outputs(), packed.d_o.view(), packed.gradients());
     int64_t start = 0;
     for (int32_t len : s.seqlens) {
       Sizes one = s;
@@ -343,7 +337,7 @@ TEST(Invariants, PackedBatchEqualsSequencesAlone) {
         for (int64_t e = 0; e < packed.phi_v[i].numel(); ++e) alone.phi_v[i].set(e, packed.phi_v[i].get(e));
       }
       run_forward(alone);
-      backward(reference_ctx(), cfg, alone.inputs(), alone.outputs(), alone.d_o.view(), alone.gradients());
+      backward(context_of(Backend::reference), cfg, alone.inputs(), alone.outputs(), alone.d_o.view(), alone.gradients());
       auto expect_rows_equal = [&](HostTensor& whole, HostTensor& part, const char* what) {
         const int64_t row = whole.numel() / packed.T;
         for (int64_t i = 0; i < len * row; ++i)
@@ -398,7 +392,7 @@ std::vector<int32_t> topn(const Config& cfg, int64_t T, const std::vector<double
     for (int64_t j = 0; j < Ns; ++j) S.set(t * Ns + j, S_row[static_cast<size_t>(j)]);
   HostTensor idx(DType::i32, {T, 1, cfg.n_selected});
   idx.poison();
-  select_topn(reference_ctx(), cfg, S.view(), {}, idx.view());
+  select_topn(context_of(Backend::reference), cfg, S.view(), {}, idx.view());
   std::vector<int32_t> out;
   for (double v : idx.values()) out.push_back(static_cast<int32_t>(v));
   return out;
@@ -466,7 +460,7 @@ TEST(Selection, ShortSequencesAndEmptyCompression) {
     EXPECT_EQ(idx[static_cast<size_t>(r * 3 + 2)], -1);
   }
   // Gradients stay finite, and the compression branch (empty) gives phi no gradient.
-  backward(reference_ctx(), cfg, p.inputs(), p.outputs(), p.d_o.view(), p.gradients());
+  backward(context_of(Backend::reference), cfg, p.inputs(), p.outputs(), p.d_o.view(), p.gradients());
   for (double x : p.dq.values()) EXPECT_TRUE(std::isfinite(x));
   for (double x : p.dphi_k[0].values()) EXPECT_EQ(x, 0.0);
 }
@@ -517,7 +511,7 @@ TEST(Selection, ScoresMatchTheirDefinition) {
   const int64_t Ns = num_slc_blocks(T, cfg.slc_block_len);
   HostTensor o(DType::f64, {T, Hq, D}), lse(DType::f32, {T, Hq}), S(DType::f32, {T, Hkv, Ns});
   S.poison();
-  compressed_attention_fwd(reference_ctx(), cfg, q.view(), kc.view(), vc.view(), {}, o.view(), lse.view(), S.view());
+  compressed_attention_fwd(context_of(Backend::reference), cfg, q.view(), kc.view(), vc.view(), {}, o.view(), lse.view(), S.view());
   const double scale = 1 / std::sqrt(double(D));
   for (int64_t t = 0; t < T; ++t)
     for (int64_t hk = 0; hk < Hkv; ++hk)
@@ -558,7 +552,7 @@ TEST(Selection, SelectionOffAndWindowOffContributeZero) {
     EXPECT_TRUE(std::isinf(lse[r + 1]));
     EXPECT_TRUE(std::isinf(lse[r + 2]));
   }
-  backward(reference_ctx(), cfg, p.inputs(), p.outputs(), p.d_o.view(), p.gradients());
+  backward(context_of(Backend::reference), cfg, p.inputs(), p.outputs(), p.d_o.view(), p.gradients());
   for (double x : p.dk[kSlc].values()) EXPECT_EQ(x, 0.0);
   for (double x : p.dk[kWin].values()) EXPECT_EQ(x, 0.0);
 }
@@ -620,8 +614,7 @@ TEST(Selection, IndicesAreASet) {
       messy.set(t * 4 + i, rows_messy[i]);
     }
   }
-  Context ctx;
-  ctx.backend = Backend::reference;
+  Context ctx = context_of(Backend::reference);
   HostTensor o1(DType::f64, {T, H, D}), o2(DType::f64, {T, H, D});
   selected_attention_fwd(ctx, cfg, q.view(), k.view(), v.view(), plain.view(), {}, o1.view(), {});
   selected_attention_fwd(ctx, cfg, q.view(), k.view(), v.view(), messy.view(), {}, o2.view(), {});

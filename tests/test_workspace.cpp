@@ -22,8 +22,7 @@ TEST(Workspace, SizedForTheCallsThreadCount) {
   LayerProblem p = make_problem(cfg, s, 3);
   std::vector<double> first;
   for (int threads : {1, 7}) {  // 7: more threads than this machine's cores
-    Context ctx;
-    ctx.backend = Backend::cpu;
+    Context ctx = context_of(Backend::cpu);
     ctx.num_threads = threads;
     const size_t bytes = workspace_size(ctx, Op::forward, cfg, problem_of(cfg, p.inputs()));
     std::vector<Chunk> ws((bytes + 255) / 256);
