@@ -10,11 +10,7 @@ using namespace nsa::test;
 
 namespace {
 
-struct Case {
-  std::string name;
-  Config cfg;
-  Sizes sizes;
-};
+using Case = CpuCase;
 
 std::vector<Case> cases() {
   return {

@@ -10,11 +10,7 @@ using namespace nsa::test;
 
 namespace {
 
-struct Case {
-  std::string name;
-  Config cfg;
-  Sizes sizes;
-};
+using Case = CpuCase;
 
 // Awkward shapes on purpose: lengths not multiples of l, d, l', w; empty and one-token
 // sequences; n above the block count; G from 1 to 16; shared and independent K/V; each phi.

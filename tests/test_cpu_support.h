@@ -51,6 +51,13 @@ inline LayerProblem to_f64(const LayerProblem& p) {
 }
 
 // An owned, 256-byte aligned workspace.
+// A named layer problem of the CPU test tables.
+struct CpuCase {
+  std::string name;
+  Config cfg;
+  Sizes sizes;
+};
+
 struct OwnedWorkspace {
   std::vector<unsigned char> bytes;
   Workspace ws;
