@@ -4,6 +4,7 @@
 // caller's workspace, laid out by ForwardWorkspace (shared by workspace_size and forward).
 //
 // Layers: api.cpp (validation) -> this file (dispatch) -> launch_* (grid, shared memory) -> kernels.
+#include <cstdlib>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -102,8 +103,6 @@ int score_window(const Config& cfg) {
   return static_cast<int>((kKeyChunk + L - 2) / R + 2);
 }
 
-// Entries of the shared union-of-blocks list: at most every index of the tile's tokens, and at
-// most one per bit of the block bitmap (indices past it are ignored: they select no key).
 // The accumulator is a ring indexed by j mod score_ring: it must hold the W blocks one chunk
 // touches plus the blocks the previous chunk finished (flushed while the next chunk adds).
 int score_ring(const Config& cfg) {
@@ -114,10 +113,6 @@ int score_ring(const Config& cfg) {
   return ring;
 }
 
-int union_capacity(const Config& cfg, int64_t n_slc_max, int64_t group) {
-  const int64_t bitmap_bits = (n_slc_max + 31) / 32 * 32;
-  return static_cast<int>(std::min<int64_t>(bitmap_bits, (kSlcRows / group) * cfg.n_selected));
-}
 
 // ---- Workspace of forward() -----------------------------------------------------------------
 
@@ -127,6 +122,7 @@ struct ForwardWorkspace {
   float* hidden = nullptr;   // [T/d * Hkv, F] f32 (mlp)
   float* scores = nullptr;   // [T, Hkv, Ns] f32
   void* o_cmp = nullptr;     // [T, Hq, Dv] storage dtype (when o_branch is absent)
+  void* o_slc = nullptr;     // [T, Hq, Dv] storage dtype (when o_branch is absent and n > 0)
   size_t bytes = 0;
 
   ForwardWorkspace(const Config& cfg, const Problem& pr, void* base) {
@@ -139,6 +135,7 @@ struct ForwardWorkspace {
     hidden = w.take<float>(cfg.phi == PhiKind::mlp ? rows * pr.hkv * pr.phi_hidden : 0);
     scores = w.take<float>(cfg.n_selected > 0 ? pr.total_tokens * pr.hkv * ns : 0);
     o_cmp = w.take<char>(pr.total_tokens * pr.hq * pr.dv * es);
+    o_slc = w.take<char>(cfg.n_selected > 0 ? pr.total_tokens * pr.hq * pr.dv * es : 0);
     bytes = w.bytes();
   }
 };
@@ -270,8 +267,8 @@ void select_topn(const Plan& p, const TensorView& scores, const TensorView& indi
                      stream_of(p));
 }
 
-SlcWinParams slc_win_params(const Plan& p, const TensorView& q) {
-  SlcWinParams s{};
+BranchParams branch_params(const Plan& p, const TensorView& q) {
+  BranchParams s{};
   s.seqs = seq_params(p);
   s.q = q.data;
   s.q_st = q.stride[0];
@@ -283,8 +280,7 @@ SlcWinParams slc_win_params(const Plan& p, const TensorView& q) {
   s.lp = static_cast<int>(p.cfg.slc_block_len);
   s.n_sel = static_cast<int>(p.cfg.n_selected);
   s.window = static_cast<int>(p.cfg.window);
-  s.union_capacity = union_capacity(p.cfg, p.n_slc_max, p.group);
-  s.bitmap_words = static_cast<int>((p.n_slc_max + 31) / 32);
+  s.sort_capacity = slc_sort_capacity(s.group, s.n_sel);
   return s;
 }
 
@@ -298,62 +294,59 @@ void set_kv(const TensorView& k, const TensorView& v, const void*& kp, int64_t& 
   v_sh = v.stride[1];
 }
 
-void set_indices(SlcWinParams& s, const TensorView& indices) {
-  s.indices = static_cast<const int32_t*>(indices.data);
-  s.idx_st = indices.stride[0];
-  s.idx_sh = indices.stride[1];
+// Outputs of branch `b` (0 = slc, 1 = win): o [T, Hq, Dv] and lse [T, Hq], each with its token
+// and head strides (nullptr: not wanted).
+void set_branch_output(BranchParams& s, int b, void* o, int64_t o_st, int64_t o_sh, float* lse, int64_t lse_st,
+                       int64_t lse_sh) {
+  s.o_branch[b] = o;
+  s.ob_st[b] = o_st;
+  s.ob_sh[b] = o_sh;
+  s.lse[b] = lse;
+  s.lse_st[b] = lse_st;
+  s.lse_sh[b] = lse_sh;
+}
+void set_branch_output(BranchParams& s, int b, const TensorView& o, const TensorView& lse) {
+  set_branch_output(s, b, o.data, o.stride[0], o.stride[1], static_cast<float*>(lse.data),
+                    lse.defined() ? lse.stride[0] : 0, lse.defined() ? lse.stride[1] : 0);
 }
 
-void launch_slc_win(const Plan& p, const SlcWinParams& s) {
-  const size_t smem = slc_win_smem_bytes(static_cast<int>(p.dqk), static_cast<int>(p.dv), s.group, s.union_capacity,
-                                         s.bitmap_words, s.n_sel);
+// Selection (slc_attention.cuh): writes o_branch[0] and lse[0].
+void launch_slc(const Plan& p, const BranchParams& s) {
+  const size_t smem = slc_smem_bytes(static_cast<int>(p.dqk), static_cast<int>(p.dv), s.sort_capacity);
   if (smem > kMaxSmem)
-    throw Error("n_selected and max_seqlen", std::to_string(p.cfg.n_selected) + " and " + std::to_string(p.max_seqlen),
-                "need more shared memory (" + std::to_string(smem) + " bytes) than the cuda selection kernel has");
+    throw Error("n_selected (n)", std::to_string(p.cfg.n_selected),
+                "needs more shared memory (" + std::to_string(smem) + " bytes) than the cuda selection kernel has");
   dispatch(p.dtype, p.dqk, p.dv,
-           [&]<typename S, int kDqk, int kDv>() { launch_slc_win_attention<S, kDqk, kDv>(s, stream_of(p)); });
+           [&]<typename S, int kDqk, int kDv>() { launch_slc_attention<S, kDqk, kDv>(s, stream_of(p)); });
+}
+
+// Window, and the gated combine when s.combine (win_attention.cuh): writes o_branch[1], lse[1], o.
+void launch_win(const Plan& p, const BranchParams& s) {
+  dispatch(p.dtype, p.dqk, p.dv,
+           [&]<typename S, int kDqk, int kDv>() { launch_win_attention<S, kDqk, kDv>(s, stream_of(p)); });
 }
 
 void selected_attention_fwd(const Plan& p, const TensorView& q, const TensorView& k, const TensorView& v,
                             const TensorView& indices, const TensorView& o, const TensorView& lse, Workspace) {
   require_attention_shapes(p);
   for (auto [name, t] : {std::pair{"q", &q}, {"k", &k}, {"v", &v}, {"o", &o}}) require_rows_aligned(name, *t);
-  SlcWinParams s = slc_win_params(p, q);
+  BranchParams s = branch_params(p, q);
   set_kv(k, v, s.k_slc, s.ks_st, s.ks_sh, s.v_slc, s.vs_st, s.vs_sh);
-  set_kv(k, v, s.k_win, s.kw_st, s.kw_sh, s.v_win, s.vw_st, s.vw_sh);
-  set_indices(s, indices);
-  s.has_slc = true;
-  s.o_branch[0] = o.data;
-  s.ob_st[0] = o.stride[0];
-  s.ob_sh[0] = o.stride[1];
-  if (lse.defined()) {
-    s.lse[0] = static_cast<float*>(lse.data);
-    s.lse_st[0] = lse.stride[0];
-    s.lse_sh[0] = lse.stride[1];
-  }
-  launch_slc_win(p, s);
+  s.indices = static_cast<const int32_t*>(indices.data);
+  s.idx_st = indices.stride[0];
+  s.idx_sh = indices.stride[1];
+  set_branch_output(s, 0, o, lse);
+  launch_slc(p, s);
 }
 
 void window_attention_fwd(const Plan& p, const TensorView& q, const TensorView& k, const TensorView& v,
                           const TensorView& o, const TensorView& lse, Workspace) {
   require_attention_shapes(p);
   for (auto [name, t] : {std::pair{"q", &q}, {"k", &k}, {"v", &v}, {"o", &o}}) require_rows_aligned(name, *t);
-  SlcWinParams s = slc_win_params(p, q);
-  set_kv(k, v, s.k_slc, s.ks_st, s.ks_sh, s.v_slc, s.vs_st, s.vs_sh);
+  BranchParams s = branch_params(p, q);
   set_kv(k, v, s.k_win, s.kw_st, s.kw_sh, s.v_win, s.vw_st, s.vw_sh);
-  s.n_sel = 0;  // no selection: the kernel's union is empty
-  s.union_capacity = 0;
-  s.bitmap_words = 0;
-  s.has_win = true;
-  s.o_branch[1] = o.data;
-  s.ob_st[1] = o.stride[0];
-  s.ob_sh[1] = o.stride[1];
-  if (lse.defined()) {
-    s.lse[1] = static_cast<float*>(lse.data);
-    s.lse_st[1] = lse.stride[0];
-    s.lse_sh[1] = lse.stride[1];
-  }
-  launch_slc_win(p, s);
+  set_branch_output(s, 1, o, lse);
+  launch_win(p, s);
 }
 
 // Spec §2-§7: phi, compressed attention + S, top-n, then selection + window + gated combine.
@@ -420,24 +413,30 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
   // §4: top-n.
   if (p.cfg.n_selected > 0) launch_select_topn(topn_params(p, w.scores, p.hkv * ns, ns, out.indices), stream);
 
-  // §5-§7: selection, window and the gated combine.
-  SlcWinParams s = slc_win_params(p, in.q);
+  // §5: selection, into o_branch[kSlc] or the workspace; §6-§7: window and the gated combine, which
+  // reads o_cmp and o_slc back.
+  BranchParams s = branch_params(p, in.q);
   const KV& slc = detail::branch_kv(p.cfg, in, kSlc);
   const KV& win = detail::branch_kv(p.cfg, in, kWin);
   set_kv(slc.k, slc.v, s.k_slc, s.ks_st, s.ks_sh, s.v_slc, s.vs_st, s.vs_sh);
   set_kv(win.k, win.v, s.k_win, s.kw_st, s.kw_sh, s.v_win, s.vw_st, s.vw_sh);
-  set_indices(s, out.indices);
-  s.has_slc = p.cfg.n_selected > 0;
-  s.has_win = p.cfg.window > 0;
+  s.indices = static_cast<const int32_t*>(out.indices.data);
+  s.idx_st = out.indices.stride[0];
+  s.idx_sh = out.indices.stride[1];
   for (int b = 0; b < 2; ++b) {
-    s.lse[b] = static_cast<float*>(out.lse.data) + (kSlc + b) * out.lse.stride[2];
-    s.lse_st[b] = out.lse.stride[0];
-    s.lse_sh[b] = out.lse.stride[1];
-    if (out.o_branch.defined()) {
-      s.o_branch[b] = static_cast<char*>(out.o_branch.data) + (kSlc + b) * out.o_branch.stride[0] * es;
-      s.ob_st[b] = out.o_branch.stride[1];
-      s.ob_sh[b] = out.o_branch.stride[2];
-    }
+    float* lse = static_cast<float*>(out.lse.data) + (kSlc + b) * out.lse.stride[2];
+    if (out.o_branch.defined())
+      set_branch_output(s, b, static_cast<char*>(out.o_branch.data) + (kSlc + b) * out.o_branch.stride[0] * es,
+                        out.o_branch.stride[1], out.o_branch.stride[2], lse, out.lse.stride[0], out.lse.stride[1]);
+    else  // o_slc in the workspace (none when n = 0), o_win only in the combine
+      set_branch_output(s, b, b == 0 && p.cfg.n_selected > 0 ? w.o_slc : nullptr, p.hq * p.dv, p.dv, lse, out.lse.stride[0], out.lse.stride[1]);
+  }
+  // Also at n = 0: the kernel then writes lse_slc = -inf and o_slc = 0 (if wanted).
+  launch_slc(p, s);
+  if (p.cfg.n_selected > 0) {
+    s.o_slc = s.o_branch[0];
+    s.os_st = s.ob_st[0];
+    s.os_sh = s.ob_sh[0];
   }
   s.combine = true;
   s.g = in.g.data;
@@ -449,7 +448,7 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
   s.o = out.o.data;
   s.o_st = out.o.stride[0];
   s.o_sh = out.o.stride[1];
-  launch_slc_win(p, s);
+  launch_win(p, s);
 }
 
 const detail::BackendOps kOps = {
@@ -479,13 +478,6 @@ size_t cmp_attention_smem_bytes(int dqk, int dv, int group, int score_ring, bool
   const size_t v = 2 * size_t(kKeyChunk) * (dv + 8) * es;
   const size_t scores = with_scores ? tokens * (kKeyChunk + score_ring) * sizeof(float) : 0;
   return q + k + std::max(v, scores);
-}
-
-size_t slc_win_smem_bytes(int dqk, int dv, int group, int union_capacity, int bitmap_words, int n_sel) {
-  const size_t tokens = kSlcRows / group;
-  // The ring of chunk buffers; the Q tile borrows its last stages (slc_win_attention.cuh).
-  const size_t ring = size_t(slc_win_stages(dqk, dv)) * slc_win_stage_bytes(dqk, dv);
-  return ring + (tokens * n_sel + bitmap_words + union_capacity) * sizeof(int32_t);
 }
 
 }  // namespace nsa::cuda

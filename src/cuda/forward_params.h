@@ -16,11 +16,10 @@ namespace nsa::cuda {
 inline constexpr int kTileRows = 64;
 // Keys per step of the compressed attention loop.
 inline constexpr int kKeyChunk = 64;
-// The selection + window kernel: a tile of 64 rows (4 warps), keys in chunks of 64 (one block at
-// l' = 64) streamed through a ring of shared buffers that each warp waits on by itself
-// (slc_win_attention.cuh).
-inline constexpr int kSlcRows = 64;
-inline constexpr int kSlcChunk = 64;
+// The window kernel: a tile of 64 rows (4 warps), keys in chunks of 64 streamed through a ring
+// of shared buffers that each warp waits on by itself (win_attention.cuh).
+inline constexpr int kWinRows = 64;
+inline constexpr int kWinChunk = 64;
 
 // Packed sequences: cu_seqlens [B+1] on the device, or nullptr for one sequence of T tokens.
 struct SeqParams {
@@ -54,9 +53,10 @@ struct CmpAttnParams {
   int score_ring;    // columns of the ring accumulator: a power of two >= W + blocks per chunk
 };
 
-// Selection (spec §5) and sliding-window (spec §6) attention of one query tile, fused with the
-// gated combine of spec §7 when `combine` is set.
-struct SlcWinParams {
+// Selection (spec §5, slc_attention.cuh) and sliding-window attention (spec §6,
+// win_attention.cuh, fused with the gated combine of spec §7 when `combine` is set). Each kernel
+// reads the fields of its branch.
+struct BranchParams {
   SeqParams seqs;
   const void* q;  // [T, Hq, Dqk]
   int64_t q_st, q_sh;
@@ -68,14 +68,13 @@ struct SlcWinParams {
   int64_t kw_st, kw_sh;
   const void* v_win;  // [T, Hkv, Dv]
   int64_t vw_st, vw_sh;
-  const int32_t* indices;  // [T, Hkv, n] ascending, -1 padded
+  const int32_t* indices;  // [T, Hkv, n]: a set of blocks per row, -1 padded
   int64_t idx_st, idx_sh;
   // Per-branch outputs before gating (storage dtype), index 0 = slc, 1 = win; nullptr: not wanted.
   void* o_branch[2];  // [T, Hq, Dv]
   int64_t ob_st[2], ob_sh[2];
   float* lse[2];  // [T, Hq] f32 with strides; nullptr: not wanted
   int64_t lse_st[2], lse_sh[2];
-  bool has_slc, has_win;
   // Gated combine: o = g0 * o_cmp + g1 * o_slc + g2 * o_win.
   bool combine;
   const void* g;  // [T, Hq, 3]
@@ -87,36 +86,63 @@ struct SlcWinParams {
   int hkv, group, log2_group;
   float scale_log2;
   int lp, n_sel, window;
-  int union_capacity;  // entries of the shared union-of-blocks list
-  int bitmap_words;    // 32-bit words of the shared block bitmap: ceil(Ns / 32)
+  // The selection kernel (slc_attention.cuh): entries of a warp's sort of (block, token) pairs, a
+  // power of two >= (16 / G) * n.
+  int sort_capacity;
+  // o_slc for the window kernel's combine, written by the selection kernel (nullptr: no
+  // selection branch, o_slc = 0).
+  const void* o_slc;
+  int64_t os_st, os_sh;
 };
+
+// The selection kernel (slc_attention.cuh): CTAs of kSlcWarps independent warps, each owning 16
+// query rows; slc_min_ctas CTAs per SM bound its registers (the kernel keeps no K/V in shared memory).
+inline constexpr int kSlcWarps = 4;
+// 3 CTAs (12 warps) per SM fit without spills up to Dqk = 128; Dqk = 192 takes 2.
+constexpr int slc_min_ctas(int dqk) { return dqk > 128 ? 2 : 3; }
+constexpr int slc_sort_capacity(int group, int n_sel) {
+  int need = (16 / group) * n_sel, cap = 1;
+  while (cap < need) cap *= 2;
+  return cap;
+}
+// Bytes of one warp's shared region: its sort (keys, union blocks, union masks: 3 ints per entry)
+// or, at the end, its 16 x Dv output rows (2-byte storage).
+__host__ __device__ constexpr size_t slc_warp_smem_bytes(int dv, int sort_capacity) {
+  const size_t sort = size_t(sort_capacity) * 3 * 4, out = size_t(16) * dv * 2;
+  return sort > out ? sort : out;
+}
+// Per CTA: the warps' regions, then each warp's Q fragments (16 rows x Dqk, 2-byte storage).
+__host__ __device__ constexpr size_t slc_smem_bytes(int dqk, int dv, int sort_capacity) {
+  return kSlcWarps * (slc_warp_smem_bytes(dv, sort_capacity) + size_t(16) * dqk * 2);
+}
 
 // Launchers, one explicit instantiation per (storage, Dqk, Dv) in instantiations/.
 template <typename Storage, int kDqk, int kDv>
 void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream);
 template <typename Storage, int kDqk, int kDv>
-void launch_slc_win_attention(const SlcWinParams& p, cudaStream_t stream);
+void launch_win_attention(const BranchParams& p, cudaStream_t stream);
+template <typename Storage, int kDqk, int kDv>
+void launch_slc_attention(const BranchParams& p, cudaStream_t stream);
 
-// The ring of K/V chunk buffers of the selection + window kernel: as many stages of kSlcChunk
-// keys as fit in 108 KB (two CTAs per SM), at most 8: 3 at 128/128, 2 at 192/128. Up to
-// stages - 1 chunks are in flight while one is multiplied; the selection branch is bound by the
-// bytes in flight (L2 latency x bandwidth), so the ring takes nearly all the shared memory.
-inline constexpr size_t kSlcWinStageBudget = 108 * 1024;
-inline constexpr int kSlcWinMaxStages = 8;
-constexpr size_t slc_win_stage_bytes(int dqk, int dv) { return size_t(kSlcChunk) * ((dqk + 8) + (dv + 8)) * 2; }
-constexpr int slc_win_stages(int dqk, int dv) {
-  const size_t n = kSlcWinStageBudget / slc_win_stage_bytes(dqk, dv);
-  return n > size_t(kSlcWinMaxStages) ? kSlcWinMaxStages : static_cast<int>(n);
+// The ring of K/V chunk buffers of the window kernel: as many stages of kWinChunk keys as fit in
+// 108 KB (two CTAs per SM), at most 8: 3 at 128/128, 2 at 192/128. Up to stages - 1 chunks are in
+// flight while one is multiplied.
+inline constexpr size_t kWinStageBudget = 108 * 1024;
+inline constexpr int kWinMaxStages = 8;
+constexpr size_t win_stage_bytes(int dqk, int dv) { return size_t(kWinChunk) * ((dqk + 8) + (dv + 8)) * 2; }
+constexpr int win_stages(int dqk, int dv) {
+  const size_t n = kWinStageBudget / win_stage_bytes(dqk, dv);
+  return n > size_t(kWinMaxStages) ? kWinMaxStages : static_cast<int>(n);
 }
 // Stages the Q tile (64 rows) borrows at the start: it is needed only until its fragments are in
 // registers, so it sits in the last stages of the ring before their first chunks are loaded.
-constexpr int slc_win_q_stages(int dqk, int dv) {
-  const size_t q = size_t(kSlcRows) * (dqk + 8) * 2, stage = slc_win_stage_bytes(dqk, dv);
+constexpr int win_q_stages(int dqk, int dv) {
+  const size_t q = size_t(kWinRows) * (dqk + 8) * 2, stage = win_stage_bytes(dqk, dv);
   return static_cast<int>((q + stage - 1) / stage);
 }
 
 // Shared-memory bytes of the kernels (used by the launchers and to check limits up front).
 size_t cmp_attention_smem_bytes(int dqk, int dv, int group, int score_ring, bool with_scores);
-size_t slc_win_smem_bytes(int dqk, int dv, int group, int union_capacity, int bitmap_words, int n_sel);
+constexpr size_t win_smem_bytes(int dqk, int dv) { return size_t(win_stages(dqk, dv)) * win_stage_bytes(dqk, dv); }
 
 }  // namespace nsa::cuda

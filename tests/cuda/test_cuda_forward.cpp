@@ -459,4 +459,29 @@ TEST(CudaForwardErrors, UnsupportedShapesNameTheValue) {
   }
 }
 
+// The selection kernel sorts each warp's (16 / G) * n picks in shared memory: an n too large for
+// it is an error naming n, not a launch failure or a silent truncation.
+TEST(CudaForwardErrors, SelectionTooManyBlocksNamesN) {
+  NSA_REQUIRE_GPU();
+  Config cfg;
+  cfg.window = 16;
+  cfg.n_selected = 8192;
+  cfg.n_local = 1;
+  cfg.phi = PhiKind::mean;
+  Case c{"x", DType::bf16, 64, 64, 1, 1, {40}, 32, 16, 64, 8192, 1, 1, 16, PhiKind::mean, false};
+  LayerProblem p = make_problem(cfg, sizes_of(c), 1);
+  DeviceTensor q(p.q), k(p.k[0]), v(p.v[0]);
+  HostTensor idx(DType::i32, {p.T, 1, cfg.n_selected});
+  for (int64_t i = 0; i < idx.numel(); ++i) idx.set(i, -1);
+  HostTensor oo(DType::bf16, {p.T, 1, 64});
+  DeviceTensor di(idx), out(oo);
+  try {
+    selected_attention_fwd(cuda_ctx(), cfg, q.view(), k.view(), v.view(), di.view(), Sequences(), out.view(),
+                           TensorView());
+    ADD_FAILURE() << "expected an error for n_selected = 8192";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.parameter(), "n_selected (n)") << e.what();
+  }
+}
+
 }  // namespace

@@ -1,8 +1,10 @@
 // One explicit instantiation of the forward attention kernels: bf16, Dqk = 192, Dv = 128.
 #include "cuda/cmp_attention.cuh"
-#include "cuda/slc_win_attention.cuh"
+#include "cuda/slc_attention.cuh"
+#include "cuda/win_attention.cuh"
 
 namespace nsa::cuda {
 template void launch_cmp_attention<__nv_bfloat16, 192, 128>(const CmpAttnParams&, cudaStream_t);
-template void launch_slc_win_attention<__nv_bfloat16, 192, 128>(const SlcWinParams&, cudaStream_t);
+template void launch_win_attention<__nv_bfloat16, 192, 128>(const BranchParams&, cudaStream_t);
+template void launch_slc_attention<__nv_bfloat16, 192, 128>(const BranchParams&, cudaStream_t);
 }  // namespace nsa::cuda

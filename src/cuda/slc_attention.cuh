@@ -1,0 +1,346 @@
+// Selection attention (spec §5): one warp per 16 query rows, K and V straight from L2 into
+// registers, no shared-memory staging and no barriers.
+//
+// Why: a token picks its own n blocks, and with scores that differ from token to token
+// (random inputs, and real ones away from the forced blocks) neighbouring tokens share few of
+// them. A CTA that streams the union of its tokens' blocks through shared memory (the design
+// before this one, measured in docs/cuda.md) then waits on ~3.4x more chunks than each warp
+// multiplies (55 union blocks for 4 tokens x 16 at G = 16), and issues a cp.async per 16 bytes.
+// Here each warp owns 16 rows = 16/G tokens x the G heads of one KV head and walks only the
+// union of ITS tokens' blocks (one token at G = 16: exactly its n blocks), 16 keys per step.
+//
+// Operands without shared memory. mma.m16n8k16 wants, per lane (group g = lane/4, quad q):
+//   S = Q K^T: B = K^T, lane holds K[key g][d pairs 2q, 2q+8 of the k16 step]. The reduction
+//     index d may be permuted freely if Q's A fragments use the same permutation: k16 steps
+//     2p and 2p+1 read d in [32p, 32p+32), lane (g, q) holding d 32p + 8q .. +7 (one 16-byte
+//     load per key and 32 columns; four lanes read a key's 64 contiguous bytes).
+//   O += P V: B = V, lane holds V[keys 2q, 2q+1 | 2q+8, 2q+9][column n = g]. The output column
+//     index may be permuted as well (undone when O is written): column n of n8 tile 8v + e is
+//     dv = 64v + 8n + e, so lane g loads V[key][64v + 8g .. +7] (16 bytes) for its four keys, and
+//     two byte permutes (prmt) turn two rows' words into the key pairs of two n8 tiles.
+// P comes from the S accumulator in registers as in TileAttention (keys are not permuted).
+//
+// Registers: O (Dv/2 fp32), Q fragments (Dqk/4), one step of K (Dqk/4) and V (Dv/4) in flight,
+// the step's scores. K of step i+1 is loaded while step i's softmax and P V run, V of step i
+// while its Q K^T runs; the other warps of the SM cover the rest of the L2 latency.
+//
+// The union of the warp's tokens' blocks: their (block, token) pairs are sorted in shared memory
+// (bitonic, by the warp), duplicates and blocks after a token merge, and each union block keeps
+// the mask of tokens that picked it. Index rows are sets (api.h): order, repeats and -1 padding
+// do not matter. Blocks whose first key is after the token select nothing and are dropped.
+#pragma once
+
+#include <climits>
+
+#include "cuda/attention_tile.cuh"
+#include "cuda/common/check.h"
+
+namespace nsa::cuda {
+
+inline constexpr int kSlcWarpThreads = kSlcWarps * 32;
+
+__device__ __forceinline__ uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t selector) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(selector));
+  return r;
+}
+
+// A 16-byte shared load the compiler may not hoist out of the loop (it would hold Q in registers).
+__device__ __forceinline__ void ld_shared_16(uint32_t (&r)[4], const void* p) {
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_address(p)));
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4& x, int i) {
+  return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w;
+}
+
+template <typename Storage, int kDqk, int kDv>
+__global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_attention_kernel(const BranchParams p) {
+  using Traits = StorageTraits<Storage>;
+  constexpr bool kBf16 = Traits::is_bf16;
+  constexpr int kQPieces = kDqk / 32;  // 16-byte pieces of a Q/K row per lane
+  constexpr int kVPieces = kDv / 64;   // 16-byte pieces of a V row per lane
+  constexpr int kOTiles = kDv / 8;
+  static_assert(kDqk % 32 == 0 && kDv % 64 == 0, "head dims of the selection kernel");
+  extern __shared__ __align__(16) unsigned char smem[];
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, quad = lane % 4;
+  const int tokens_per_warp = 16 >> p.log2_group;
+  const int tokens_per_cta = tokens_per_warp * kSlcWarps;
+  const int64_t tiles_per_seq = (p.seqs.max_seqlen + tokens_per_cta - 1) / tokens_per_cta;
+  const int b = static_cast<int>(blockIdx.x / tiles_per_seq);
+  const int64_t tile = blockIdx.x % tiles_per_seq;
+  const int hk = blockIdx.y;
+  int64_t s0, len;
+  sequence_bounds(p.seqs, b, s0, len);
+  const int64_t t0 = tile * tokens_per_cta + warp * tokens_per_warp;  // the warp's first token
+  if (t0 >= len) return;  // warps never wait for each other: a warp may leave alone
+  const int tokens_valid = static_cast<int>(min64(tokens_per_warp, len - t0));
+  const int64_t t_max = t0 + tokens_valid - 1;
+
+  const int cap = p.sort_capacity;
+  int32_t* keys = reinterpret_cast<int32_t*>(smem + warp * slc_warp_smem_bytes(kDv, cap));
+  int32_t* ublk = keys + cap;
+  int32_t* umask = ublk + cap;
+
+  // ---- The union of the warp's tokens' blocks ----
+  const int entries = tokens_valid * p.n_sel;
+  for (int e = lane; e < cap; e += 32) {
+    int32_t key = INT_MAX;
+    if (e < entries) {
+      const int tok = e / p.n_sel, k = e % p.n_sel;
+      const int64_t t = t0 + tok;
+      const int32_t j = p.indices[(s0 + t) * p.idx_st + hk * p.idx_sh + k];
+      if (j >= 0 && int64_t(j) * p.lp <= t) key = (j << 4) | tok;
+    }
+    keys[e] = key;
+  }
+  __syncwarp();
+  for (int k = 2; k <= cap; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int i = lane; i < cap; i += 32) {
+        const int other = i ^ j;
+        if (other > i) {
+          const int32_t a = keys[i], c = keys[other];
+          if ((a > c) == ((i & k) == 0)) {
+            keys[i] = c;
+            keys[other] = a;
+          }
+        }
+      }
+      __syncwarp();
+    }
+  }
+  int num_blocks = 0;
+  for (int base = 0; base < cap; base += 32) {
+    const int i = base + lane;
+    const int32_t key = i < cap ? keys[i] : INT_MAX;
+    const int32_t blk = key >> 4;
+    const bool first = key != INT_MAX && (i == 0 || (keys[i - 1] >> 4) != blk);
+    uint32_t mask = 0;
+    if (first)
+      for (int e = i; e < cap && keys[e] != INT_MAX && (keys[e] >> 4) == blk; ++e) mask |= 1u << (keys[e] & 15);
+    const uint32_t ballot = __ballot_sync(0xffffffffu, first);
+    if (first) {
+      const int pos = num_blocks + __popc(ballot & ((1u << lane) - 1u));
+      ublk[pos] = blk;
+      umask[pos] = static_cast<int32_t>(mask);
+    }
+    num_blocks += __popc(ballot);
+  }
+  __syncwarp();
+
+  // ---- This lane's rows (g and g + 8) and its Q fragments ----
+  int tok[2], head[2];
+  int64_t t_row[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = g + 8 * h;
+    tok[h] = row >> p.log2_group;
+    head[h] = hk * p.group + (row & (p.group - 1));
+    t_row[h] = tok[h] < tokens_valid ? t0 + tok[h] : -1;  // -1: a padding row sees no key
+  }
+  // Q's A fragments, in this warp's shared region in lane order (conflict-free 16-byte reads):
+  // held in registers they would cost Dqk / 4 more per thread and one CTA per SM.
+  uint4* qs = reinterpret_cast<uint4*>(smem + kSlcWarps * slc_warp_smem_bytes(kDv, cap)) + warp * (kDqk / 16) * 32;
+  {
+    const Storage* q = static_cast<const Storage*>(p.q);
+    uint32_t qf[kDqk / 16][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const Storage* qrow = q + (s0 + max64(t_row[h], 0)) * p.q_st + int64_t(head[h]) * p.q_sh + 8 * quad;
+#pragma unroll
+      for (int pp = 0; pp < kQPieces; ++pp) {
+        uint4 x = make_uint4(0u, 0u, 0u, 0u);
+        if (t_row[h] >= 0) x = *reinterpret_cast<const uint4*>(qrow + 32 * pp);
+        qf[2 * pp][h] = x.x;
+        qf[2 * pp][2 + h] = x.y;
+        qf[2 * pp + 1][h] = x.z;
+        qf[2 * pp + 1][2 + h] = x.w;
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < kDqk / 16; ++kk) qs[kk * 32 + lane] = make_uint4(qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3]);
+    __syncwarp();
+  }
+
+  const Storage* ks = static_cast<const Storage*>(p.k_slc) + s0 * p.ks_st + int64_t(hk) * p.ks_sh;
+  const Storage* vs = static_cast<const Storage*>(p.v_slc) + s0 * p.vs_st + int64_t(hk) * p.vs_sh;
+  const int steps_per_block = (p.lp + 15) / 16;
+  const int steps = num_blocks * steps_per_block;
+  // Step i: keys [first, first + 16) of union block ublk[i / steps_per_block]; loads stop at
+  // `end` (the block's end, or after the warp's last token), masks per row below.
+  auto step_range = [&](int i, int64_t& first, int64_t& end, int& u) {
+    u = i / steps_per_block;
+    const int64_t blk_first = int64_t(ublk[u]) * p.lp;
+    first = blk_first + int64_t(i % steps_per_block) * 16;
+    end = min64(blk_first + p.lp, t_max + 1);
+  };
+  uint4 kr[2][kQPieces];  // keys first + g and first + 8 + g
+  auto load_k = [&](int i) {
+    int64_t first, end;
+    int u;
+    step_range(i, first, end, u);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int64_t key = first + 8 * nt + g;
+      const Storage* row = ks + key * p.ks_st + 8 * quad;
+#pragma unroll
+      for (int pp = 0; pp < kQPieces; ++pp)
+        kr[nt][pp] = key < end ? *reinterpret_cast<const uint4*>(row + 32 * pp) : make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
+  uint4 vr[4][kVPieces];  // keys first + {2q, 2q+1, 2q+8, 2q+9}
+  auto load_v = [&](int i) {
+    int64_t first, end;
+    int u;
+    step_range(i, first, end, u);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int64_t key = first + 2 * quad + (r & 1) + 8 * (r >> 1);
+      const Storage* row = vs + key * p.vs_st + 8 * g;
+#pragma unroll
+      for (int vp = 0; vp < kVPieces; ++vp)
+        vr[r][vp] = key < end ? *reinterpret_cast<const uint4*>(row + 64 * vp) : make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
+
+  float acc[kOTiles][4];
+#pragma unroll
+  for (int i = 0; i < kOTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  float m[2] = {kNegInf, kNegInf}, lsum[2] = {0.f, 0.f};
+
+  if (steps > 0) load_k(0);
+  for (int i = 0; i < steps; ++i) {
+    load_v(i);
+    float s[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kDqk / 16; ++kk) {
+      const int pp = kk / 2, w = 2 * (kk % 2);
+      uint32_t qa[4];
+      ld_shared_16(qa, qs + kk * 32 + lane);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) mma_16816<kBf16>(s[nt], qa, word_of(kr[nt][pp], w), word_of(kr[nt][pp], w + 1));
+    }
+    int64_t first, end;
+    int u;
+    step_range(i, first, end, u);
+    if (i + 1 < steps) load_k(i + 1);
+
+    // Row h keeps keys [first, first + hi[h]): picked by its token, in the block, not after it.
+    const uint32_t picked = static_cast<uint32_t>(umask[u]);
+    const int64_t blk_end = int64_t(ublk[u]) * p.lp + p.lp;
+    int hi[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      hi[h] = t_row[h] >= 0 && ((picked >> tok[h]) & 1u)
+                  ? static_cast<int>(max64(0, min64(16, min64(blk_end, t_row[h] + 1) - first)))
+                  : 0;
+    if (!__all_sync(0xffffffffu, hi[0] >= 16 && hi[1] >= 16)) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (nt * 8 + 2 * quad + (e & 1) >= hi[e >> 1]) s[nt][e] = kNegInf;
+    }
+
+    // Online softmax, as TileAttention::softmax_update (log2 units, rescale skipped when no max moved).
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[h], mx * p.scale_log2);
+      const float m_use = m_new == kNegInf ? 0.f : m_new;
+      alpha[h] = fast_exp2(m[h] - m_use);
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        s[nt][2 * h] = fast_exp2(fmaf(s[nt][2 * h], p.scale_log2, -m_use));
+        s[nt][2 * h + 1] = fast_exp2(fmaf(s[nt][2 * h + 1], p.scale_log2, -m_use));
+        sum += s[nt][2 * h] + s[nt][2 * h + 1];
+      }
+      lsum[h] = lsum[h] * alpha[h] + sum;
+      m[h] = m_new;
+    }
+    if (!__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) {
+#pragma unroll
+      for (int t = 0; t < kOTiles; ++t) {
+        acc[t][0] *= alpha[0];
+        acc[t][1] *= alpha[0];
+        acc[t][2] *= alpha[1];
+        acc[t][3] *= alpha[1];
+      }
+    }
+
+    // O += P V: tile 8v + 2w (+1) takes the low (high) halves of word w of two rows' pieces.
+    uint32_t a[4];
+    a[0] = Traits::pack(s[0][0], s[0][1]);
+    a[1] = Traits::pack(s[0][2], s[0][3]);
+    a[2] = Traits::pack(s[1][0], s[1][1]);
+    a[3] = Traits::pack(s[1][2], s[1][3]);
+#pragma unroll
+    for (int vp = 0; vp < kVPieces; ++vp)
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const uint32_t r0 = word_of(vr[0][vp], w), r1 = word_of(vr[1][vp], w);
+        const uint32_t r2 = word_of(vr[2][vp], w), r3 = word_of(vr[3][vp], w);
+        mma_16816<kBf16>(acc[8 * vp + 2 * w], a, byte_perm(r0, r1, 0x5410u), byte_perm(r2, r3, 0x5410u));
+        mma_16816<kBf16>(acc[8 * vp + 2 * w + 1], a, byte_perm(r0, r1, 0x7632u), byte_perm(r2, r3, 0x7632u));
+      }
+  }
+
+  // ---- Epilogue: normalise, undo the column permutation in shared memory, write rows ----
+  __syncwarp();  // every lane is done with the union lists: the region now holds the output
+  Storage* so = reinterpret_cast<Storage*>(keys);  // [16][kDv]
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = lsum[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float lse2 = l > 0.f ? m[h] + __log2f(l) : kNegInf;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    if (t_row[h] >= 0 && quad == 0 && p.lse[0] != nullptr)
+      p.lse[0][(s0 + t_row[h]) * p.lse_st[0] + head[h] * p.lse_sh[0]] = lse2 == kNegInf ? kNegInf : lse2 * kLn2;
+    Storage* orow = so + (g + 8 * h) * kDv;
+#pragma unroll
+    for (int t = 0; t < kOTiles; ++t) {
+      const int col = 64 * (t / 8) + 16 * quad + t % 8;
+      orow[col] = from_float<Storage>(acc[t][2 * h] * inv);
+      orow[col + 8] = from_float<Storage>(acc[t][2 * h + 1] * inv);
+    }
+  }
+  __syncwarp();
+  constexpr int kRowPieces = kDv / 8;
+  Storage* out = static_cast<Storage*>(p.o_branch[0]);  // nullptr: o_slc not wanted (n = 0 in forward)
+  if (out == nullptr) return;
+  for (int e = lane; e < 16 * kRowPieces; e += 32) {
+    const int row = e / kRowPieces, piece = e % kRowPieces;
+    const int rtok = row >> p.log2_group;
+    if (rtok >= tokens_valid) continue;
+    const int rhead = hk * p.group + (row & (p.group - 1));
+    *reinterpret_cast<uint4*>(out + (s0 + t0 + rtok) * p.ob_st[0] + int64_t(rhead) * p.ob_sh[0] + 8 * piece) =
+        *reinterpret_cast<const uint4*>(so + row * kDv + 8 * piece);
+  }
+}
+
+template <typename Storage, int kDqk, int kDv>
+void launch_slc_attention(const BranchParams& p, cudaStream_t stream) {
+  const size_t smem = slc_smem_bytes(kDqk, kDv, p.sort_capacity);
+  const auto kernel = slc_attention_kernel<Storage, kDqk, kDv>;
+  NSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  const int tokens_per_cta = (16 / p.group) * kSlcWarps;
+  const int64_t tiles = (p.seqs.max_seqlen + tokens_per_cta - 1) / tokens_per_cta;
+  const dim3 grid(static_cast<unsigned>(tiles * p.seqs.batch), static_cast<unsigned>(p.hkv));
+  if (grid.x == 0) return;
+  kernel<<<grid, kSlcWarpThreads, smem, stream>>>(p);
+  NSA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace nsa::cuda

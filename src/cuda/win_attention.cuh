@@ -1,0 +1,221 @@
+// Sliding-window attention (spec §6) of one query tile, with the gated combine of spec §7 in the
+// epilogue. The selection branch (spec §5) runs before it in its own kernel (slc_attention.cuh),
+// which leaves o_slc in memory for the combine.
+//
+// One CTA (4 warps) owns kWinRows = 64 query rows: 64/G neighbouring tokens x the G heads of one
+// KV head; each warp owns 16 rows. The window keys [t0 - w + 1, t_last] of the tile stream in
+// chunks of kWinChunk = 64 keys through a ring of shared buffers.
+//
+// No CTA-wide barrier in the loop: each warp waits by itself on the mbarrier of the chunk it
+// needs (completed by the cp.async copies that fill it), multiplies it, and then counts itself
+// off the buffer; the last of the four warps to leave a buffer refills it with the chunk `stages`
+// places ahead. Warps thus drift apart by up to a ring's length, and up to stages - 1 chunks are
+// in flight per CTA (one barrier per chunk, the version before, stalled 37.5% of the time there).
+// Rows are masked to [t - w + 1, t]. o = g_cmp o_cmp + g_slc o_slc + g_win o_win is formed in
+// registers (o_cmp and o_slc as stored, rounded to the storage type; o_win in fp32) and written once.
+#pragma once
+
+#include "cuda/attention_tile.cuh"
+#include "cuda/common/check.h"
+#include "nsa/blocks.h"
+
+namespace nsa::cuda {
+
+template <typename Storage>
+__device__ __forceinline__ float2 unpack_pair(uint32_t packed) {
+  if constexpr (StorageTraits<Storage>::is_bf16) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed));
+  } else {
+    return __half22float2(*reinterpret_cast<const __half2*>(&packed));
+  }
+}
+
+inline constexpr int kWinThreads = kWinRows / 16 * 32;
+
+template <typename Storage, int kDqk, int kDv>
+__global__ void __launch_bounds__(kWinThreads) win_attention_kernel(const BranchParams p) {
+  using Tile = TileAttention<Storage, kDqk, kDv, kWinRows, kWinChunk>;
+  using Traits = StorageTraits<Storage>;
+  static_assert(Tile::kCtaThreads == kWinThreads, "one thread count for the kernel and its tile");
+  constexpr int kChunk = kWinChunk;
+  constexpr int kWarpsPerCta = kWinThreads / 32;
+  constexpr int kStages = win_stages(kDqk, kDv);
+  constexpr int kQStages = win_q_stages(kDqk, kDv);
+  static_assert(kQStages < kStages, "the Q tile borrows some stages of the ring, not all");
+  constexpr size_t kKTile = size_t(kChunk) * Tile::kKStride;  // elements of one K buffer
+  constexpr size_t kVTile = size_t(kChunk) * Tile::kVStride;
+  constexpr size_t kStageElems = kKTile + kVTile;  // a stage: K [kChunk][Dqk+8], then V [kChunk][Dv+8]
+  static_assert(kStageElems * sizeof(Storage) == win_stage_bytes(kDqk, kDv), "one stage size");
+  extern __shared__ __align__(16) unsigned char smem[];
+  Storage* ring = reinterpret_cast<Storage*>(smem);        // [kStages][kStageElems]
+  Storage* sq = ring + (kStages - kQStages) * kStageElems;  // the Q tile, at first
+  // full[s]: completes when the copies of the chunk in stage s have landed (one arrival per lane
+  // of the warp that issued them). left[s]: warps that have finished with stage s, counted up
+  // forever: the use k of stage s ends at 4k + 4.
+  __shared__ __align__(8) uint64_t s_full[kStages];
+  __shared__ int s_left[kStages];
+
+  const int tokens_per_tile = kWinRows >> p.log2_group;
+  const int64_t tiles_per_seq = (p.seqs.max_seqlen + tokens_per_tile - 1) / tokens_per_tile;
+  const int b = static_cast<int>(blockIdx.x / tiles_per_seq);
+  const int64_t tile = tiles_per_seq - 1 - blockIdx.x % tiles_per_seq;
+  const int hk = blockIdx.y;
+  int64_t s0, len;
+  sequence_bounds(p.seqs, b, s0, len);
+  const int64_t t0 = tile * tokens_per_tile;
+  if (t0 >= len) return;
+  const int tokens_valid = static_cast<int>(min64(tokens_per_tile, len - t0));
+  const int64_t t_last = t0 + tokens_valid - 1;
+
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      mbarrier_init(&s_full[i], 32);
+      s_left[i] = 0;
+    }
+  }
+  load_q_tile<Storage, kDqk, kWinRows>(sq, static_cast<const Storage*>(p.q), p.q_st, p.q_sh, s0 + t0, tokens_valid,
+                                       hk * p.group, p.log2_group);
+  cp_async_commit();
+
+  __syncthreads();  // the barriers are initialised
+
+  const int64_t win_lo = p.window > 0 ? window_start(t0, p.window) : 0;
+  const int num_chunks = p.window > 0 ? static_cast<int>((t_last - win_lo + kChunk) / kChunk) : 0;
+  const Storage* kw = static_cast<const Storage*>(p.k_win) + s0 * p.kw_st + hk * p.kw_sh;
+  const Storage* vw = static_cast<const Storage*>(p.v_win) + s0 * p.vw_st + hk * p.vw_sh;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // Issued by the 32 lanes of one warp: chunk c into its stage, then one arrival per lane on the
+  // stage's full barrier when the lane's copies have landed. Rows past the chunk are zero-filled.
+  auto issue_chunk = [&](int c) {
+    const int64_t first = win_lo + int64_t(c) * kChunk;
+    const int count = static_cast<int>(min64(kChunk, t_last + 1 - first));
+    Storage* sk = ring + (c % kStages) * kStageElems;
+    Storage* sv = sk + kKTile;
+    const Storage* kbase = kw + first * p.kw_st;
+    const Storage* vbase = vw + first * p.vw_st;
+    constexpr int kKPieces = kDqk / 8, kVPieces = kDv / 8;  // 16-byte pieces of a row
+    for (int e = lane; e < kChunk * kKPieces; e += 32) {
+      const int r = e / kKPieces, piece = e % kKPieces;
+      cp_async_16(sk + r * Tile::kKStride + piece * 8, r < count ? kbase + r * p.kw_st + piece * 8 : kbase, r < count);
+    }
+    for (int e = lane; e < kChunk * kVPieces; e += 32) {
+      const int r = e / kVPieces, piece = e % kVPieces;
+      cp_async_16(sv + r * Tile::kVStride + piece * 8, r < count ? vbase + r * p.vw_st + piece * 8 : vbase, r < count);
+    }
+    cp_async_arrive_noinc(&s_full[c % kStages]);
+  };
+  const int group_id = lane / 4, quad = lane % 4;
+  int row[2], head[2];
+  int64_t t_row[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row[h] = warp * 16 + group_id + 8 * h;
+    const int tok = row[h] >> p.log2_group;
+    head[h] = hk * p.group + (row[h] & (p.group - 1));
+    t_row[h] = tok < tokens_valid ? t0 + tok : -1;  // -1: a padding row sees no key
+  }
+
+  Tile st;
+  st.reset();
+
+  // Prologue: warp 0 fills the stages Q does not occupy, then every warp takes its Q fragments,
+  // then warp 0 fills the stages Q occupied.
+  if (warp == 0)
+    for (int c = 0; c < min(kStages - kQStages, num_chunks); ++c) issue_chunk(c);
+  cp_async_wait<0>();  // the Q tile's group (the chunk copies belong to no group)
+  __syncthreads();
+  st.load_q_fragments(sq);
+  __syncthreads();  // Q's stages are free once every warp holds its fragments
+  if (warp == 0)
+    for (int c = kStages - kQStages; c < min(kStages, num_chunks); ++c) issue_chunk(c);
+
+  for (int c = 0; c < num_chunks; ++c) {
+    const int stage = c % kStages, use = c / kStages;
+    mbarrier_wait_parity(&s_full[stage], use & 1);
+    const int64_t first = win_lo + int64_t(c) * kChunk;
+    const int count = static_cast<int>(min64(kChunk, t_last + 1 - first));
+    // A warp whose 16 rows all precede the chunk, or whose windows all end before it, skips it.
+    bool row_on[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) row_on[h] = t_row[h] >= first && t_row[h] - p.window + 1 < first + kChunk;
+    if (__any_sync(0xffffffffu, row_on[0] || row_on[1])) {
+      const Storage* sk = ring + stage * kStageElems;
+      float s[Tile::kSTiles][4];
+      st.scores(s, sk);
+      // Row h keeps the chunk's keys [lo, hi): loaded, not after its token, in its window.
+      int lo[2], hi[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        hi[h] = row_on[h] ? static_cast<int>(min64(count, t_row[h] - first + 1)) : 0;
+        lo[h] = static_cast<int>(max64(0, min64(kChunk, t_row[h] - p.window + 1 - first)));
+      }
+      st.mask(s, lo, hi);
+      st.softmax_update(s, p.scale_log2);
+      st.accumulate_pv(s, sk + kKTile);
+    }
+    // Leave the stage (every lane's shared reads are done: their values fed the mma above). The
+    // last warp to leave refills it with chunk c + kStages.
+    __syncwarp();
+    int last = 0;
+    if (lane == 0) {
+      __threadfence_block();
+      last = atomicAdd(&s_left[stage], 1) == kWarpsPerCta * use + kWarpsPerCta - 1;
+    }
+    last = __shfl_sync(0xffffffffu, last, 0);
+    if (last && c + kStages < num_chunks) issue_chunk(c + kStages);
+  }
+
+  // Normalise, write o_win and lse_win if wanted, then o = g_cmp o_cmp + g_slc o_slc + g_win o_win.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float lse2, inv;
+    st.finish_row(h, lse2, inv);
+    if (t_row[h] < 0) continue;
+    const int64_t t = s0 + t_row[h];
+    if (p.lse[1] != nullptr && quad == 0)
+      p.lse[1][t * p.lse_st[1] + head[h] * p.lse_sh[1]] = lse2 == kNegInf ? kNegInf : lse2 * kLn2;
+    if (p.o_branch[1] != nullptr) {
+      Storage* orow = static_cast<Storage*>(p.o_branch[1]) + t * p.ob_st[1] + head[h] * p.ob_sh[1];
+#pragma unroll
+      for (int i = 0; i < Tile::kOTiles; ++i)
+        *reinterpret_cast<uint32_t*>(orow + i * 8 + 2 * quad) =
+            Traits::pack(st.acc[i][2 * h] * inv, st.acc[i][2 * h + 1] * inv);
+    }
+    if (!p.combine) continue;
+    const Storage* g = static_cast<const Storage*>(p.g) + t * p.g_st + head[h] * p.g_sh;
+    const float g_cmp = to_float(g[0]), g_slc = to_float(g[1]), g_win = to_float(g[2]);
+    const Storage* oc = static_cast<const Storage*>(p.o_cmp) + t * p.oc_st + head[h] * p.oc_sh;
+    const Storage* os = p.o_slc != nullptr ? static_cast<const Storage*>(p.o_slc) + t * p.os_st + head[h] * p.os_sh
+                                           : nullptr;  // no selection branch: o_slc = 0
+    Storage* orow = static_cast<Storage*>(p.o) + t * p.o_st + head[h] * p.o_sh;
+#pragma unroll
+    for (int i = 0; i < Tile::kOTiles; ++i) {
+      const int col = i * 8 + 2 * quad;
+      const float2 o_win = make_float2(st.acc[i][2 * h] * inv, st.acc[i][2 * h + 1] * inv);
+      const float2 o_slc = os != nullptr ? unpack_pair<Storage>(*reinterpret_cast<const uint32_t*>(os + col))
+                                         : make_float2(0.f, 0.f);
+      const float lo = g_slc * o_slc.x + g_win * o_win.x + g_cmp * to_float(oc[col]);
+      const float hi = g_slc * o_slc.y + g_win * o_win.y + g_cmp * to_float(oc[col + 1]);
+      *reinterpret_cast<uint32_t*>(orow + col) = Traits::pack(lo, hi);
+    }
+  }
+}
+
+template <typename Storage, int kDqk, int kDv>
+void launch_win_attention(const BranchParams& p, cudaStream_t stream) {
+  const size_t smem = win_smem_bytes(kDqk, kDv);
+  const auto kernel = win_attention_kernel<Storage, kDqk, kDv>;
+  NSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  // The whole unified L1/shared array as shared memory: as many CTAs per SM as fit (left to the
+  // driver, the carve-out can be chosen smaller).
+  NSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                      static_cast<int>(cudaSharedmemCarveoutMaxShared)));
+  const int tokens_per_tile = kWinRows / p.group;
+  const int64_t tiles = (p.seqs.max_seqlen + tokens_per_tile - 1) / tokens_per_tile;
+  const dim3 grid(static_cast<unsigned>(tiles * p.seqs.batch), static_cast<unsigned>(p.hkv));
+  if (grid.x == 0) return;
+  kernel<<<grid, kWinThreads, smem, stream>>>(p);
+  NSA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace nsa::cuda
