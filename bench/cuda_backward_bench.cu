@@ -106,12 +106,14 @@ int main(int argc, char** argv) {
         const char* name;
         int64_t n, w;
         nsa::PhiKind phi;
+        bool o_branch;  // the forward keeps each branch's output, the backward takes dg from it
       };
-      std::vector<Variant> variants = {{"full", 16, 512, nsa::PhiKind::mean}};
+      std::vector<Variant> variants = {{"full", 16, 512, nsa::PhiKind::mean, false},
+                                       {"saved_o_branch", 16, 512, nsa::PhiKind::mean, true}};
       if (s.hq == 64 && (T == 65536 || T == 8192)) {
-        variants.push_back({"no_window", 16, 0, nsa::PhiKind::mean});
-        variants.push_back({"no_selection", 0, 512, nsa::PhiKind::mean});
-        if (T == 65536) variants.push_back({"phi_mlp_F4D", 16, 512, nsa::PhiKind::mlp});
+        variants.push_back({"no_window", 16, 0, nsa::PhiKind::mean, false});
+        variants.push_back({"no_selection", 0, 512, nsa::PhiKind::mean, false});
+        if (T == 65536) variants.push_back({"phi_mlp_F4D", 16, 512, nsa::PhiKind::mlp, false});
       }
       Tensor q(bf16, {T, s.hq, s.d}, 1);
       std::unique_ptr<Tensor> k[3], v[3], dk[3], dv[3];
@@ -160,7 +162,9 @@ int main(int argc, char** argv) {
         in.g = g.view;
         in.phi_k = phik;
         in.phi_v = phiv;
-        const nsa::ForwardOutputs out{o.view, lse.view, idx.view, nsa::TensorView()};
+        std::unique_ptr<Tensor> ob;
+        if (var.o_branch) ob = std::make_unique<Tensor>(bf16, std::initializer_list<int64_t>{3, T, s.hq, s.d});
+        const nsa::ForwardOutputs out{o.view, lse.view, idx.view, ob ? ob->view : nsa::TensorView()};
         nsa::Gradients grads;
         grads.dq = dq.view;
         for (int b = 0; b < 3; ++b) grads.dkv[b] = {dk[b]->view, dv[b]->view};

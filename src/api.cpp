@@ -495,6 +495,7 @@ void backward(const Context& ctx, const Config& cfg, const Inputs& in, const For
   const Checker chk(p.dtype, p.device, in.q.device_index);
   check_saved(p, chk, saved, /*need_o=*/false);
   chk.optional_floats("o", saved.o, "[T, Hq, Dv]", {p.T, p.hq, p.dv});
+  chk.optional_floats("o_branch", saved.o_branch, "[3, T, Hq, Dv]", {3, p.T, p.hq, p.dv});
   chk.floats("d_o", d_o, "[T, Hq, Dv]", {p.T, p.hq, p.dv});
   chk.floats("dq", grads.dq, "[T, Hq, Dqk]", {p.T, p.hq, p.dqk});
   static const char* kNames[3][2] = {{"dk_cmp", "dv_cmp"}, {"dk_slc", "dv_slc"}, {"dk_win", "dv_win"}};

@@ -168,7 +168,10 @@ void forward(const Context& ctx, const Config& cfg, const Inputs& in, const Forw
              Workspace ws = {});
 
 // Spec §8: gradients of a loss with respect to every input, given d_o = dLoss/do [T, Hq, Dv] and
-// what forward() saved (lse and indices are read; o and o_branch are not needed).
+// what forward() saved: lse and indices are read; o is not needed. o_branch is optional: when
+// given (as forward() wrote it), the cuda backend takes dg_b = <d_o, o_b> from it instead of
+// recomputing every branch's output (two of the nine products per query and key); the other
+// backends ignore it.
 // Selection is a constant. Every gradient is written (not accumulated).
 void backward(const Context& ctx, const Config& cfg, const Inputs& in, const ForwardOutputs& saved,
               const TensorView& d_o, const Gradients& grads, Workspace ws = {});

@@ -208,9 +208,10 @@ auto grad_tol(DType dtype, double vmax) {
 
 class CudaBackward : public ::testing::TestWithParam<BwdCase> {};
 
-TEST_P(CudaBackward, EveryGradientMatchesReference) {
-  NSA_REQUIRE_GPU();
-  const BwdCase& c = GetParam();
+// Every gradient of the CUDA backward against the fp64 reference. with_o_branch: the backward
+// also gets the forward's branch outputs (rounded to the storage dtype, as forward() writes
+// them) and takes dg from them instead of recomputing each branch's output.
+void check_against_reference(const BwdCase& c, bool with_o_branch) {
   const Config cfg = config_of(c);
   Twin t = make_twin(c, 101);
   // Saved state from the reference forward (fp64): lse and indices, shared by both backwards.
@@ -221,6 +222,12 @@ TEST_P(CudaBackward, EveryGradientMatchesReference) {
 
   const int64_t longest = *std::max_element(c.seqlens.begin(), c.seqlens.end());
   DeviceLayer dev(t.low, longest);
+  DeviceTensor o_branch;
+  if (with_o_branch) {
+    copy_values(t.ref.o_branch, t.low.o_branch);
+    o_branch = DeviceTensor(t.low.o_branch);
+    dev.saved.o_branch = o_branch.view();
+  }
   dev.run(cfg);
   const auto grads = dev.download(t.low);
   // phi's parameter gradients are all sums over the same compressed rows of dy (or dpre) times
@@ -243,6 +250,16 @@ TEST_P(CudaBackward, EveryGradientMatchesReference) {
     EXPECT_TRUE(result) << name;
     std::printf("  %-14s max|ref| %.3g  %s\n", name.c_str(), max_abs(w), result.message());
   }
+}
+
+TEST_P(CudaBackward, EveryGradientMatchesReference) {
+  NSA_REQUIRE_GPU();
+  check_against_reference(GetParam(), false);
+}
+
+TEST_P(CudaBackward, SavedBranchOutputsGiveTheSameGradients) {
+  NSA_REQUIRE_GPU();
+  check_against_reference(GetParam(), true);
 }
 
 TEST_P(CudaBackward, BitwiseDeterministic) {

@@ -93,6 +93,7 @@ struct BwdArgs {
   const void* kc = nullptr;  // [Rc, Hkv, Dqk] 16-bit, contiguous
   const void* vc = nullptr;  // [Rc, Hkv, Dv]
   float* dg32 = nullptr;     // [T, Hq, 3] dg in fp32 (read by dkv_kernel)
+  bool dg_ready = false;     // dg32 and dg already hold <dO, o_b> (from the saved o_branch)
   OutMat3 dq, dg;
   OutMat3 grad_k[3], grad_v[3];      // raw gradients (cmp entry: written only in shared mode)
   // Inverted selection index: for key (hk * B + b) * n_slc_max + j, the packed tokens that
@@ -547,9 +548,10 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
   };
 
   // ---- pass 1: each branch's output o_b = P V from the saved lse, then dg_b = <dO, o_b>
+  // (skipped when the forward's o_branch gave dg already: a.dg_ready is the same for every block)
   float acc_o[DV / 8][4];
   zero(acc_o);
-  sweep(
+  if (!a.dg_ready) sweep(
       [&](int prev, int next) {
         if (prev >= 0) {
           const int branch = branch_at(prev);

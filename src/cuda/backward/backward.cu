@@ -320,6 +320,29 @@ __global__ void copy_cu_kernel(const int32_t* src, int64_t stride, int n, int32_
 }
 
 // Sum of the per-split partials of the compressed dk/dv: dkc[i] = sum_z part[z][i].
+// dg_b = <dO, o_b> for every (token, head, branch) from the forward's saved o_branch
+// [3, T, Hq, Dv]: one warp per (token, head), the lanes' partial sums added by a fixed butterfly.
+template <typename E>
+__global__ void dg_from_branches_kernel(Mat3 d_o, const E* ob, int64_t ob_sb, int64_t ob_st, int64_t ob_sh,
+                                        int64_t rows, int hq, int dv, float* dg32, OutMat3 dg) {
+  const int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (r >= rows) return;
+  const int64_t t = r / hq;
+  const int h = int(r % hq);
+  const E* dorow = static_cast<const E*>(d_o.p) + t * d_o.s0 + h * d_o.s1;
+  for (int b = 0; b < 3; ++b) {
+    const E* orow = ob + b * ob_sb + t * ob_st + h * ob_sh;
+    float part = 0.f;
+    for (int c = lane; c < dv; c += 32) part += to_float(dorow[c]) * to_float(orow[c]);
+    for (int off = 16; off > 0; off /= 2) part += __shfl_xor_sync(0xffffffffu, part, off);
+    if (lane == 0) {
+      dg32[r * 3 + b] = part;
+      static_cast<E*>(dg.p)[t * dg.s0 + h * dg.s1 + b] = from_float<E>(part);
+    }
+  }
+}
+
 __global__ void reduce_f32_kernel(const float* part, int splits, int64_t n, float* out) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i >= n) return;
@@ -664,7 +687,16 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
     a.sel_tokens = vb.Current();
   }
 
-  // 3. dq and dg.
+  // 3. dq and dg (dg from the saved branch outputs when the caller kept them: dq_kernel then
+  //    skips its recompute of each branch's output).
+  if (saved.o_branch.defined() && p.T > 0) {
+    const TensorView& ob = saved.o_branch;
+    dg_from_branches_kernel<E><<<blocks_for(p.T * p.hq * 32), 256, 0, s>>>(
+        a.d_o, static_cast<const E*>(ob.data), ob.stride[0], ob.stride[1], ob.stride[2], p.T * p.hq, int(p.hq),
+        int(p.dv), a.dg32, a.dg);
+    NSA_CUDA_CHECK_LAUNCH();
+    a.dg_ready = true;
+  }
   dispatch_dims<E>(a, s, 0);
 
   // 4. Compressed branch dk/dv (fp32, per query split), reduced in split order.
