@@ -37,20 +37,23 @@ def _torch_ops():
 
 def attention(q, k, v, g, phi_k=None, phi_v=None, *, cu_seqlens=None, max_seqlen=None,
               config: Optional[Config] = None, backend: str = "auto", num_threads: int = 0,
-              return_aux: bool = False, **config_fields):
+              return_aux: bool = False, save_branch_outputs: bool = False, **config_fields):
     """Native Sparse Attention (spec §2-§7): o [T, Hq, Dv] = sum_b g[..., b] * o_b.
 
     k, v: one array each, shared by the three branches, or a (cmp, slc, win) tuple each for
     independent K/V per branch (the paper's choice). phi_k, phi_v: the compression functions'
     parameters (``nsa.Phi``); None for mean pooling. With ``return_aux`` the result is
-    ``(o, AttentionAux(lse, indices))``.
+    ``(o, AttentionAux(lse, indices))``. ``save_branch_outputs`` (torch autograd only): keep each
+    branch's output o_b [3, T, Hq, Dv] for the backward, which on CUDA then takes dg from it
+    instead of recomputing the three branches (about a quarter of the backward's time, for three
+    times o's memory until the backward runs).
     """
     cfg = make_config(config, config_fields)
     phi_k, phi_v = as_phi(phi_k, "phi_k"), as_phi(phi_v, "phi_v")
     kv6, _ = split_kv(k, v)
     if is_torch(q):
         o, lse, idx = _torch_ops().attention(q, kv6, g, phi_k, phi_v, cfg, cu_seqlens, max_seqlen,
-                                              backend, num_threads)
+                                              backend, num_threads, save_branch_outputs)
     else:
         o, lse, idx, _ = _core.forward(arrays_for(q), cfg, q, kv6, g, phi_k, phi_v, cu_seqlens,
                                        max_seqlen, backend, num_threads)

@@ -73,6 +73,8 @@ class NativeSparseAttention(nn.Module):
         rotary: apply rotary position embeddings to q and keys; rope_theta: their base.
         bias: biases in the q/k/v/output projections.
         backend, num_threads: where the library runs ('auto', 'reference', 'cpu', 'cuda').
+        save_branch_outputs: keep each branch's output for the backward when training (3x the
+            attention output's memory per layer; the CUDA backward is then about 25% faster).
 
     forward(x, cu_seqlens=None, max_seqlen=None, cache=None):
         x [T, hidden] (packed sequences, cu_seqlens [B+1]) or [B, S, hidden] (B sequences of S).
@@ -85,7 +87,7 @@ class NativeSparseAttention(nn.Module):
                  config: Optional[Config] = None, phi: str = "mlp", phi_hidden: Optional[int] = None,
                  shared_kv: bool = False, gate_hidden: Optional[int] = None, rotary: bool = True,
                  rope_theta: float = 10000.0, bias: bool = False, backend: str = "auto", num_threads: int = 0,
-                 device=None, dtype=None):
+                 save_branch_outputs: bool = False, device=None, dtype=None):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -105,6 +107,7 @@ class NativeSparseAttention(nn.Module):
         self.head_dim, self.v_head_dim = head_dim, v_head_dim
         self.phi, self.shared_kv, self.rotary, self.rope_theta = phi, shared_kv, rotary, rope_theta
         self.backend, self.num_threads = backend, num_threads
+        self.save_branch_outputs = save_branch_outputs
         self.num_kv_sets = 1 if shared_kv else 3  # K/V sets: one shared, or (cmp, slc, win)
 
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias, **factory)
@@ -199,7 +202,8 @@ class NativeSparseAttention(nn.Module):
         v = vs[0] if self.shared_kv else tuple(vs)
         kv6 = (k, v, None, None, None, None) if self.shared_kv else (k[0], v[0], k[1], v[1], k[2], v[2])
         o, _, _ = torch_ops.attention(q, kv6, g, self._phi(self.phi_k), self._phi(self.phi_v), self.config,
-                                      cu_seqlens, max_seqlen, self.backend, self.num_threads)
+                                      cu_seqlens, max_seqlen, self.backend, self.num_threads,
+                                      self.save_branch_outputs and torch.is_grad_enabled())
         return o
 
     # ---- forward ---------------------------------------------------------------------------

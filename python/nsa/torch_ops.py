@@ -63,22 +63,24 @@ def forward_op(
     phi_v_w1: Optional[Tensor], phi_v_b1: Optional[Tensor], phi_v_w2: Optional[Tensor],
     phi_v_b2: Optional[Tensor], phi_v_pe: Optional[Tensor],
     cu_seqlens: Optional[Tensor], max_seqlen: int, config: List[int], scale: float, backend: str,
-    num_threads: int,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """o [T, Hq, Dv], lse [T, Hq, 3] f32, indices [T, Hkv, n] int32."""
+    num_threads: int, save_branches: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """o [T, Hq, Dv], lse [T, Hq, 3] f32, indices [T, Hkv, n] int32, and o_branch [3, T, Hq, Dv]
+    (each branch's output, kept for the backward) if save_branches, else an empty tensor."""
     r = _core.forward(_fw, _cfg(config, scale), q, (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win), g,
                       _phi(phi_k_w1, phi_k_b1, phi_k_w2, phi_k_b2, phi_k_pe),
                       _phi(phi_v_w1, phi_v_b1, phi_v_w2, phi_v_b2, phi_v_pe),
-                      cu_seqlens, max_seqlen, backend, num_threads)
-    return r.o, r.lse, r.indices
+                      cu_seqlens, max_seqlen, backend, num_threads, branches=save_branches)
+    return r.o, r.lse, r.indices, (r.o_branch if save_branches else q.new_empty((0,)))
 
 
 @forward_op.register_fake
 def _forward_fake(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, g, *rest):
-    config = rest[2 * _N_PHI + 2]
-    T, Hq = q.shape[0], q.shape[1]
-    return (q.new_empty((T, Hq, v_cmp.shape[2])), q.new_empty((T, Hq, 3), dtype=torch.float32),
-            q.new_empty((T, k_cmp.shape[1], config[3]), dtype=torch.int32))
+    config, save_branches = rest[2 * _N_PHI + 2], rest[2 * _N_PHI + 6]
+    T, Hq, Dv = q.shape[0], q.shape[1], v_cmp.shape[2]
+    return (q.new_empty((T, Hq, Dv)), q.new_empty((T, Hq, 3), dtype=torch.float32),
+            q.new_empty((T, k_cmp.shape[1], config[3]), dtype=torch.int32),
+            q.new_empty((3, T, Hq, Dv) if save_branches else (0,)))
 
 
 @torch.library.custom_op("nsa::backward", mutates_args=())
@@ -90,14 +92,15 @@ def backward_op(
     phi_v_w1: Optional[Tensor], phi_v_b1: Optional[Tensor], phi_v_w2: Optional[Tensor],
     phi_v_b2: Optional[Tensor], phi_v_pe: Optional[Tensor],
     cu_seqlens: Optional[Tensor], max_seqlen: int, config: List[int], scale: float, backend: str,
-    num_threads: int, lse: Tensor, indices: Tensor, d_o: Tensor,
+    num_threads: int, lse: Tensor, indices: Tensor, o_branch: Optional[Tensor], d_o: Tensor,
 ) -> List[Tensor]:
     """The 18 gradients in the order of nsa::forward's tensor inputs; empty where an input was None
-    (shared K/V: the sum over branches is in dk_cmp, dv_cmp)."""
+    (shared K/V: the sum over branches is in dk_cmp, dv_cmp). o_branch: the forward's kept branch
+    outputs, or None (the CUDA backward then recomputes them)."""
     phi_k = _phi(phi_k_w1, phi_k_b1, phi_k_w2, phi_k_b2, phi_k_pe)
     phi_v = _phi(phi_v_w1, phi_v_b1, phi_v_w2, phi_v_b2, phi_v_pe)
     r = _core.backward(_fw, _cfg(config, scale), q, (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win), g, phi_k,
-                       phi_v, lse, indices, d_o, cu_seqlens, max_seqlen, backend, num_threads)
+                       phi_v, lse, indices, d_o, cu_seqlens, max_seqlen, backend, num_threads, o_branch=o_branch)
     grads = [r.dq, *r.dkv, r.dg, *_phi_args(r.dphi_k), *_phi_args(r.dphi_v)]
     return [x if x is not None else _empty_grad(q) for x in grads]
 
@@ -112,19 +115,21 @@ def _backward_fake(*args):
 def _forward_setup(ctx, inputs, output):
     tensors = inputs[: 8 + 2 * _N_PHI + 1]  # the differentiable inputs and cu_seqlens
     ctx.present = [x is not None for x in tensors]
-    ctx.statics = inputs[8 + 2 * _N_PHI + 1:]  # max_seqlen, config, scale, backend, num_threads
-    _, lse, indices = output
-    ctx.mark_non_differentiable(lse, indices)
-    ctx.save_for_backward(*tensors, lse, indices)
+    # max_seqlen, config, scale, backend, num_threads (the backward's statics), save_branches
+    ctx.statics = inputs[8 + 2 * _N_PHI + 1:-1]
+    _, lse, indices, o_branch = output
+    ctx.mark_non_differentiable(lse, indices, o_branch)
+    ctx.save_for_backward(*tensors, lse, indices, o_branch)
 
 
-def _forward_backward(ctx, d_o, _d_lse, _d_indices):
+def _forward_backward(ctx, d_o, _d_lse, _d_indices, _d_o_branch):
     saved = ctx.saved_tensors
-    tensors, lse, indices = saved[:-2], saved[-2], saved[-1]
-    grads = torch.ops.nsa.backward(*tensors, *ctx.statics, lse, indices, d_o.contiguous())
+    tensors, lse, indices, o_branch = saved[:-3], saved[-3], saved[-2], saved[-1]
+    o_branch = o_branch if o_branch.numel() > 0 else None
+    grads = torch.ops.nsa.backward(*tensors, *ctx.statics, lse, indices, o_branch, d_o.contiguous())
     n_grad = 8 + 2 * _N_PHI
     out = [grad if present else None for grad, present in zip(grads, ctx.present[:n_grad])]
-    return (*out, None, None, None, None, None, None)  # cu_seqlens and the 5 statics
+    return (*out, None, None, None, None, None, None, None)  # cu_seqlens and the 6 statics
 
 
 forward_op.register_autograd(_forward_backward, setup_context=_forward_setup)
@@ -323,10 +328,14 @@ def sequences(cu_seqlens, max_seqlen, like: Tensor):
     return cu_seqlens, ms
 
 
-def attention(q, kv6, g, phi_k, phi_v, cfg: Config, cu_seqlens, max_seqlen, backend, num_threads):
+def attention(q, kv6, g, phi_k, phi_v, cfg: Config, cu_seqlens, max_seqlen, backend, num_threads,
+              save_branches: bool = False):
+    """(o, lse, indices); save_branches keeps each branch's output for the backward (see
+    nsa.attention's save_branch_outputs)."""
     cu, ms = sequences(cu_seqlens, max_seqlen, q)
-    return torch.ops.nsa.forward(q, *kv6, g, *_phi_args(phi_k), *_phi_args(phi_v), cu, ms, cfg.ints(),
-                                 float(cfg.scale), backend, int(num_threads))
+    o, lse, idx, _ = torch.ops.nsa.forward(q, *kv6, g, *_phi_args(phi_k), *_phi_args(phi_v), cu, ms, cfg.ints(),
+                                           float(cfg.scale), backend, int(num_threads), bool(save_branches))
+    return o, lse, idx
 
 
 def compress(x, phi, cfg: Config, cu_seqlens, max_seqlen, backend, num_threads):

@@ -430,7 +430,7 @@ NB_MODULE(_nsa, m) {
       [](const std::string& backend, uintptr_t stream, int threads, bool det, const nsa::Config& cfg,
          nb::handle q, nb::handle kv, nb::handle g, nb::handle phi_k, nb::handle phi_v,
          nb::handle cu_seqlens, int64_t max_seqlen, nb::handle o, nb::handle lse,
-         nb::handle indices, nb::handle d_o, nb::handle dq, nb::handle dkv, nb::handle dg,
+         nb::handle indices, nb::handle o_branch, nb::handle d_o, nb::handle dq, nb::handle dkv, nb::handle dg,
          nb::handle dphi_k, nb::handle dphi_v, nb::handle workspace) {
         Arrays a;
         const nsa::Context ctx = make_context(backend, stream, threads, det);
@@ -439,6 +439,7 @@ NB_MODULE(_nsa, m) {
         saved.o = a.in(o, "o");
         saved.lse = a.in(lse, "lse");
         saved.indices = a.in(indices, "indices");
+        saved.o_branch = a.in(o_branch, "o_branch");
         const nsa::TensorView vdo = a.in(d_o, "d_o");
         nsa::Gradients grads;
         grads.dq = a.out(dq, "dq");
@@ -453,7 +454,7 @@ NB_MODULE(_nsa, m) {
       NSA_CONTEXT_ARGS, nb::arg("cfg"), nb::arg("q"), nb::arg("kv"), nb::arg("g"),
       nb::arg("phi_k").none(), nb::arg("phi_v").none(), nb::arg("cu_seqlens").none(),
       nb::arg("max_seqlen"), nb::arg("o").none(), nb::arg("lse"), nb::arg("indices"),
-      nb::arg("d_o"), nb::arg("dq"), nb::arg("dkv"), nb::arg("dg"), nb::arg("dphi_k").none(),
+      nb::arg("o_branch").none(), nb::arg("d_o"), nb::arg("dq"), nb::arg("dkv"), nb::arg("dg"), nb::arg("dphi_k").none(),
       nb::arg("dphi_v").none(), nb::arg("workspace").none());
 
   m.def(

@@ -88,13 +88,16 @@ def test_forward_against_reference(dtype, phi):
     assert err <= 2 * err_cpu + floor, (err, err_cpu, floor)
 
 
-def test_backward_against_reference():
+@pytest.mark.parametrize("save_branch_outputs", [False, True])
+def test_backward_against_reference(save_branch_outputs):
+    # save_branch_outputs: the backward takes dg from the kept branch outputs instead of
+    # recomputing them.
     dtype = torch.bfloat16
     q, kv, g, pk, pv, cu = problem(dtype, seqlens=(200, 90))
     leaves = [q, *kv, g, *pk, *pv]
     for x in leaves:
         x.requires_grad_()
-    o, aux = run(q, kv, g, pk, pv, cu)
+    o, aux = run(q, kv, g, pk, pv, cu, save_branch_outputs=save_branch_outputs)
     d_o = torch.randn_like(o)
     o.backward(d_o)
     # The reference's gradients for the same selected blocks.

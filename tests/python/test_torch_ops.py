@@ -157,6 +157,24 @@ def test_empty_batch_forward_and_backward():
     assert q.grad.shape == q.shape and phi_k.w1.grad.abs().sum() == 0
 
 
+def test_saved_branch_outputs_give_the_same_gradients():
+    # The CPU backends ignore the kept branch outputs: the gradients must be identical, and the
+    # operator must return them with their shape.
+    p = make_problem(seed=41, seqlens=(9, 13), phi="mlp")
+    grads = []
+    for save in (False, True):
+        q, kv6, g, phi_k, phi_v, cu = to_torch(p, requires_grad=True)
+        k, v = split(kv6)
+        nsa.attention(q, k, v, g, phi_k, phi_v, cu_seqlens=cu, config=SMALL,
+                      save_branch_outputs=save).square().sum().backward()
+        grads.append([x.grad for x in (q, *[x for x in kv6 if x is not None], g, *phi_k, *phi_v)])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    q, kv6, g, phi_k, phi_v, cu = to_torch(p)
+    outs = torch.ops.nsa.forward(q, *kv6, g, *phi_k, *phi_v, cu, 0, SMALL.ints(), 0.0, "auto", 0, True)
+    assert outs[3].shape == (3, q.shape[0], q.shape[1], kv6[1].shape[2])
+
+
 def test_lse_and_indices_are_not_differentiable():
     p = make_problem(seed=36, seqlens=(20,), phi="mean")
     q, kv6, g, _, _, _ = to_torch(p, requires_grad=True)
@@ -168,12 +186,13 @@ def test_lse_and_indices_are_not_differentiable():
 def _opcheck_args(p, cfg):
     q, kv6, g, phi_k, phi_v, cu = to_torch(p, requires_grad=True)
     phi = lambda x: list(x) if x is not None else [None] * 5  # noqa: E731
-    return (q, *kv6, g, *phi(phi_k), *phi(phi_v), cu, 0, cfg.ints(), 0.0, "auto", 0)
+    return (q, *kv6, g, *phi(phi_k), *phi(phi_v), cu, 0, cfg.ints(), 0.0, "auto", 0, False)
 
 
 def test_opcheck_forward():
     p = make_problem(seed=37, cfg=TINY, seqlens=(9, 6), hq=2, hkv=1, dqk=3, dv=2, hidden=3)
     torch.library.opcheck(torch.ops.nsa.forward.default, _opcheck_args(p, TINY))
+    torch.library.opcheck(torch.ops.nsa.forward.default, _opcheck_args(p, TINY)[:-1] + (True,))
     p = make_problem(seed=38, cfg=TINY, seqlens=(11,), hq=2, hkv=1, dqk=3, dv=2, phi="mean", shared=True)
     torch.library.opcheck(torch.ops.nsa.forward.default, _opcheck_args(p, TINY))
 
