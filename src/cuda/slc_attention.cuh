@@ -24,37 +24,16 @@
 // the step's scores. K of step i+1 is loaded while step i's softmax and P V run, V of step i
 // while its Q K^T runs; the other warps of the SM cover the rest of the L2 latency.
 //
-// The union of the warp's tokens' blocks: their (block, token) pairs are sorted in shared memory
-// (bitonic, by the warp), duplicates and blocks after a token merge, and each union block keeps
-// the mask of tokens that picked it. Index rows are sets (api.h): order, repeats and -1 padding
-// do not matter. Blocks whose first key is after the token select nothing and are dropped.
+// The union of the warp's tokens' blocks, with the mask of tokens that picked each: slc_union.cuh.
 #pragma once
-
-#include <climits>
 
 #include "cuda/attention_tile.cuh"
 #include "cuda/common/check.h"
+#include "cuda/slc_union.cuh"
 
 namespace nsa::cuda {
 
 inline constexpr int kSlcWarpThreads = kSlcWarps * 32;
-
-__device__ __forceinline__ uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t selector) {
-  uint32_t r;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(selector));
-  return r;
-}
-
-// A 16-byte shared load the compiler may not hoist out of the loop (it would hold Q in registers).
-__device__ __forceinline__ void ld_shared_16(uint32_t (&r)[4], const void* p) {
-  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_address(p)));
-}
-
-__device__ __forceinline__ uint32_t word_of(const uint4& x, int i) {
-  return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w;
-}
 
 template <typename Storage, int kDqk, int kDv>
 __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_attention_kernel(const BranchParams p) {
@@ -86,52 +65,9 @@ __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_atten
   int32_t* ublk = keys + cap;
   int32_t* umask = ublk + cap;
 
-  // ---- The union of the warp's tokens' blocks ----
-  const int entries = tokens_valid * p.n_sel;
-  for (int e = lane; e < cap; e += 32) {
-    int32_t key = INT_MAX;
-    if (e < entries) {
-      const int tok = e / p.n_sel, k = e % p.n_sel;
-      const int64_t t = t0 + tok;
-      const int32_t j = p.indices[(s0 + t) * p.idx_st + hk * p.idx_sh + k];
-      if (j >= 0 && int64_t(j) * p.lp <= t) key = (j << 4) | tok;
-    }
-    keys[e] = key;
-  }
-  __syncwarp();
-  for (int k = 2; k <= cap; k <<= 1) {
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      for (int i = lane; i < cap; i += 32) {
-        const int other = i ^ j;
-        if (other > i) {
-          const int32_t a = keys[i], c = keys[other];
-          if ((a > c) == ((i & k) == 0)) {
-            keys[i] = c;
-            keys[other] = a;
-          }
-        }
-      }
-      __syncwarp();
-    }
-  }
-  int num_blocks = 0;
-  for (int base = 0; base < cap; base += 32) {
-    const int i = base + lane;
-    const int32_t key = i < cap ? keys[i] : INT_MAX;
-    const int32_t blk = key >> 4;
-    const bool first = key != INT_MAX && (i == 0 || (keys[i - 1] >> 4) != blk);
-    uint32_t mask = 0;
-    if (first)
-      for (int e = i; e < cap && keys[e] != INT_MAX && (keys[e] >> 4) == blk; ++e) mask |= 1u << (keys[e] & 15);
-    const uint32_t ballot = __ballot_sync(0xffffffffu, first);
-    if (first) {
-      const int pos = num_blocks + __popc(ballot & ((1u << lane) - 1u));
-      ublk[pos] = blk;
-      umask[pos] = static_cast<int32_t>(mask);
-    }
-    num_blocks += __popc(ballot);
-  }
-  __syncwarp();
+  // ---- The union of the warp's tokens' blocks (slc_union.cuh) ----
+  const int num_blocks = warp_block_union(p.indices + (s0 + t0) * p.idx_st + int64_t(hk) * p.idx_sh, p.idx_st,
+                                          p.n_sel, p.lp, t0, tokens_valid, cap, keys, ublk, umask);
 
   // ---- This lane's rows (g and g + 8) and its Q fragments ----
   int tok[2], head[2];

@@ -966,7 +966,13 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
   }
 }
 
-// ---- launch: phase 0 = dq_kernel, 1 = dkv_kernel<cmp>, 2 = <raw>, 3 = <slc_forced> ----------
+}  // namespace nsa::cuda_bwd
+
+#include "cuda/backward/slc_dq.cuh"
+
+namespace nsa::cuda_bwd {
+
+// ---- launch: phase 0 = dq_kernel, 1 = dkv_kernel<cmp>, 2 = <raw>, 3 = <slc_forced>, 4 = slc_dq --
 // Explicitly instantiated once per dtype and Dqk (attention_<dtype>_hdim<Dqk>.cu).
 
 // Dynamic shared memory above 48 KB must be allowed per kernel; the carveout hint asks for the
@@ -981,6 +987,19 @@ void allow_smem(Kernel* kernel, size_t bytes) {
 template <typename E, int DQK, int DV>
 void launch_attention(const BwdArgs& a, cudaStream_t s, int phase) {
   const int tq = kRows / a.G;
+  if (phase == 4) {  // the selection branch's dq (and dg), after dq_kernel ran without it
+    const int cap = slc_dq_capacity(a.G, a.n);
+    const size_t smem = slc_dq_smem_bytes(DQK, DV, cap);
+    // No carve-out hint: the kernel reads each K row twice, the second time from L1.
+    NSA_CUDA_CHECK(cudaFuncSetAttribute(slc_dq_kernel<E, DQK, DV>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        int(smem)));
+    const int tokens_per_cta = (16 / a.G) * kSlcDqWarps;
+    const int64_t tiles = a.B * ((a.max_seqlen + tokens_per_cta - 1) / tokens_per_cta);
+    if (tiles == 0) return;
+    slc_dq_kernel<E, DQK, DV><<<dim3(unsigned(tiles), unsigned(a.hkv)), kSlcDqWarps * 32, smem, s>>>(a, cap);
+    NSA_CUDA_CHECK_LAUNCH();
+    return;
+  }
   if (phase == 0) {
     using Lq = DqSmem<E, DQK, DV>;
     const size_t smem = Lq::bytes(tq, a.n, a.n_slc_max);

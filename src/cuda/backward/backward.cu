@@ -574,6 +574,14 @@ template <typename E>
 void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, const TensorView& d_o,
                   const Gradients& grads, Workspace ws) {
   cudaStream_t s = cuda::stream_of(p);
+  if (p.cfg.n_selected > 0) {  // the selection dq kernel's per-warp union scratch must fit
+    const size_t smem = slc_dq_smem_bytes(int(p.dqk), int(p.dv), slc_dq_capacity(int(p.group), int(p.cfg.n_selected)));
+    if (smem > 227 * 1024)
+      throw Error("n_selected (n)", std::to_string(p.cfg.n_selected),
+                  "needs more shared memory (" + std::to_string(smem) + " bytes) than the cuda backward's selection "
+                  "kernel has at G = " + std::to_string(p.group));
+  }
+
   Problem prob;
   prob.total_tokens = p.T;
   prob.batch = p.B;
@@ -688,7 +696,8 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
   }
 
   // 3. dq and dg (dg from the saved branch outputs when the caller kept them: dq_kernel then
-  //    skips its recompute of each branch's output).
+  //    skips its recompute of each branch's output). dq_kernel does the compressed and window
+  //    branches; slc_dq_kernel then adds the selection's dq (and writes its dg).
   if (saved.o_branch.defined() && p.T > 0) {
     const TensorView& ob = saved.o_branch;
     dg_from_branches_kernel<E><<<blocks_for(p.T * p.hq * 32), 256, 0, s>>>(
@@ -697,7 +706,10 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
     NSA_CUDA_CHECK_LAUNCH();
     a.dg_ready = true;
   }
-  dispatch_dims<E>(a, s, 0);
+  BwdArgs a_dq = a;
+  a_dq.n = 0;
+  dispatch_dims<E>(a_dq, s, 0);
+  if (a.n > 0) dispatch_dims<E>(a, s, 4);
 
   // 4. Compressed branch dk/dv (fp32, per query split), reduced in split order.
   if (rc > 0) {

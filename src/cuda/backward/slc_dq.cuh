@@ -1,0 +1,307 @@
+// dq of the selection branch (and its dg when the forward's o_branch was not kept): one warp per
+// 16 query rows, K and V straight from L2 into registers, as the forward's selection kernel
+// (src/cuda/slc_attention.cuh, whose header explains the operand layouts).
+//
+// dq_kernel (attention.cuh) runs first with the selection branch off and writes dq of the
+// compressed and window branches; this kernel then adds the selection's part:
+//   pass 1 (skipped when a.dg_ready): o_slc = sum_j P_j V_j with P = exp(scale s - lse_slc), and
+//           dg_slc = <dO, o_slc>, written to dg32 / dg (dq_kernel wrote 0 there);
+//   pass 2: dS = scale g P (dP - dg) with dP = dO V^T, and dq += dS K.
+// Per 16-key step a warp loads K twice, in the two layouts of its two products (Q K^T: lane holds
+// key g, d-permuted; dS K: keys 2q.., output columns permuted), the second from L1; V once
+// (d-permuted for dO V^T) or, in pass 1, in the P V layout. Q's and dO's A fragments sit in the
+// warp's shared slice in lane order. Deterministic: every sum in a fixed order, no atomics.
+#pragma once
+
+#include "cuda/slc_union.cuh"
+
+namespace nsa::cuda_bwd {
+
+constexpr int kSlcDqWarps = 4;
+
+// Shared bytes per CTA: per warp the union scratch (3 ints per entry) and Q's and dO's fragments.
+constexpr size_t slc_dq_smem_bytes(int dqk, int dv, int cap) {
+  return size_t(kSlcDqWarps) * (size_t(cap) * 12 + size_t(dqk / 16 + dv / 16) * 32 * 16);
+}
+inline int slc_dq_capacity(int group, int n) {
+  int need = (16 / group) * n, cap = 1;
+  while (cap < need) cap *= 2;
+  return cap;
+}
+
+// The warp's 16 rows as A fragments of k16 steps whose reduction index is permuted (step 2p + u
+// holds columns 32p + 8q + 4u .. +3 of lane quad q), stored in lane order: frag[kk * 32 + lane].
+template <typename E, int D>
+__device__ __forceinline__ void store_permuted_fragments(uint4* frag, const E* row_g, const E* row_g8) {
+  const int lane = threadIdx.x % 32, quad = lane % 4;
+  uint32_t f[D / 16][4];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const E* row = h == 0 ? row_g : row_g8;
+#pragma unroll
+    for (int pp = 0; pp < D / 32; ++pp) {
+      uint4 x = make_uint4(0u, 0u, 0u, 0u);
+      if (row != nullptr) x = *reinterpret_cast<const uint4*>(row + 32 * pp + 8 * quad);
+      f[2 * pp][h] = x.x;
+      f[2 * pp][2 + h] = x.y;
+      f[2 * pp + 1][h] = x.z;
+      f[2 * pp + 1][2 + h] = x.w;
+    }
+  }
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) frag[kk * 32 + lane] = make_uint4(f[kk][0], f[kk][1], f[kk][2], f[kk][3]);
+}
+
+template <typename E, int DQK, int DV>
+__global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdArgs a, int cap) {
+  constexpr bool kBf16 = std::is_same<E, __nv_bfloat16>::value;
+  using Traits = cuda::StorageTraits<E>;
+  constexpr int kKA = DQK / 32;  // 16-byte pieces per K row, Q K^T layout (d-permuted)
+  constexpr int kVA = DV / 32;   // per V row, dO V^T layout
+  constexpr int kKB = DQK / 64;  // per K row, dS K layout (output columns permuted)
+  constexpr int kVB = DV / 64;   // per V row, P V layout
+  extern __shared__ __align__(16) unsigned char smem[];
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, quad = lane % 4;
+  const int tpw = 16 / a.G;  // tokens per warp
+  const int tokens_per_cta = tpw * kSlcDqWarps;
+  const int64_t tiles_per_seq = (a.max_seqlen + tokens_per_cta - 1) / tokens_per_cta;
+  const int b = int(blockIdx.x / tiles_per_seq);
+  const int64_t tile = blockIdx.x % tiles_per_seq;
+  const int hk = blockIdx.y;
+  const int64_t s0 = seq_start(a.cu, b);
+  const int64_t len = seq_start(a.cu, b + 1) - s0;
+  const int64_t t0 = tile * tokens_per_cta + int64_t(warp) * tpw;
+  if (t0 >= len) return;  // no CTA barrier anywhere: a warp may leave alone
+  const int tokens_valid = int(min(int64_t(tpw), len - t0));
+  const int64_t t_max = t0 + tokens_valid - 1;
+
+  unsigned char* mine = smem + warp * (size_t(cap) * 12 + size_t(DQK / 16 + DV / 16) * 32 * 16);
+  int32_t* keys = reinterpret_cast<int32_t*>(mine);
+  int32_t* ublk = keys + cap;
+  int32_t* umask = ublk + cap;
+  uint4* qs = reinterpret_cast<uint4*>(mine + size_t(cap) * 12);
+  uint4* dos = qs + (DQK / 16) * 32;
+
+  const int32_t* idx = static_cast<const int32_t*>(a.indices.p) + (s0 + t0) * a.indices.s0 + int64_t(hk) * a.indices.s1;
+  const int num_blocks = cuda::warp_block_union(idx, a.indices.s0, a.n, a.lp, t0, tokens_valid, cap, keys, ublk, umask);
+
+  // This lane's rows g and g + 8: token, head, lse of the selection branch (log2 units), gate.
+  int tok[2], head[2];
+  int64_t t_row[2];
+  float lse2[2], gate[2], dg[2] = {0.f, 0.f};
+  const E* qrow[2];
+  const E* dorow[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = g + 8 * h;
+    tok[h] = row / a.G;
+    head[h] = hk * a.G + row % a.G;
+    t_row[h] = tok[h] < tokens_valid ? t0 + tok[h] : -1;
+    lse2[h] = gate[h] = 0.f;
+    qrow[h] = dorow[h] = nullptr;
+    if (t_row[h] < 0) continue;
+    const int64_t t = s0 + t_row[h];
+    lse2[h] = static_cast<const float*>(a.lse.p)[t * a.lse.s0 + head[h] * a.lse.s1 + kSlc] * kLog2e;
+    gate[h] = load_f32<E>(a.g.p, t * a.g.s0 + head[h] * a.g.s1 + kSlc);
+    qrow[h] = static_cast<const E*>(a.q.p) + t * a.q.s0 + int64_t(head[h]) * a.q.s1;
+    dorow[h] = static_cast<const E*>(a.d_o.p) + t * a.d_o.s0 + int64_t(head[h]) * a.d_o.s1;
+    if (a.dg_ready) dg[h] = a.dg32[(t * a.hq + head[h]) * 3 + kSlc];
+  }
+  store_permuted_fragments<E, DQK>(qs, qrow[0], qrow[1]);
+  store_permuted_fragments<E, DV>(dos, dorow[0], dorow[1]);
+  __syncwarp();
+
+  const E* kbase = static_cast<const E*>(a.k[kSlc].p) + s0 * a.k[kSlc].s0 + int64_t(hk) * a.k[kSlc].s1;
+  const E* vbase = static_cast<const E*>(a.v[kSlc].p) + s0 * a.v[kSlc].s0 + int64_t(hk) * a.v[kSlc].s1;
+  const int64_t kst = a.k[kSlc].s0, vst = a.v[kSlc].s0;
+  const int steps_per_block = (a.lp + 15) / 16;
+  const int steps = num_blocks * steps_per_block;
+  const float scale_log2 = a.scale * kLog2e;
+  auto step_range = [&](int i, int64_t& first, int64_t& end, int& u) {
+    u = i / steps_per_block;
+    const int64_t blk_first = int64_t(ublk[u]) * a.lp;
+    first = blk_first + int64_t(i % steps_per_block) * 16;
+    end = min(blk_first + a.lp, t_max + 1);
+  };
+  // Loads of one step. "A" layout (the operand of a product reducing over d): lane holds key
+  // first + 8 nt + g, pieces at d = 32 p + 8 q. "B" layout (the operand of a product reducing over
+  // keys): lane holds keys first + {2q, 2q+1, 2q+8, 2q+9}, pieces at column 64 v + 8 g.
+  auto load_a = [&](uint4 (&r)[2][kKA > kVA ? kKA : kVA], const E* base, int64_t st, int pieces, int64_t first,
+                    int64_t end) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int64_t key = first + 8 * nt + g;
+      const E* row = base + key * st + 8 * quad;
+#pragma unroll
+      for (int pp = 0; pp < (kKA > kVA ? kKA : kVA); ++pp)
+        if (pp < pieces)
+          r[nt][pp] = key < end ? *reinterpret_cast<const uint4*>(row + 32 * pp) : make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
+  auto load_b = [&](uint4 (&r)[4][kKB > kVB ? kKB : kVB], const E* base, int64_t st, int pieces, int64_t first,
+                    int64_t end) {
+#pragma unroll
+    for (int rr = 0; rr < 4; ++rr) {
+      const int64_t key = first + 2 * quad + (rr & 1) + 8 * (rr >> 1);
+      const E* row = base + key * st + 8 * g;
+#pragma unroll
+      for (int v = 0; v < (kKB > kVB ? kKB : kVB); ++v)
+        if (v < pieces)
+          r[rr][v] = key < end ? *reinterpret_cast<const uint4*>(row + 64 * v) : make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
+  constexpr int kPA = kKA > kVA ? kKA : kVA, kPB = kKB > kVB ? kKB : kVB;
+  // s = (A fragments in `frag`) x (A-layout rows in r)^T over D columns: two n8 tiles of 16 x 8.
+  auto product_a = [&](float (&s)[2][4], const uint4* frag, const uint4 (&r)[2][kPA], int D) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < 2 * kPA; ++kk) {
+      if (kk >= D / 16) break;
+      uint32_t fa[4];
+      cuda::ld_shared_16(fa, frag + kk * 32 + lane);
+      const int pp = kk / 2, w = 2 * (kk % 2);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+        cuda::mma_16816<kBf16>(s[nt], fa, cuda::word_of(r[nt][pp], w), cuda::word_of(r[nt][pp], w + 1));
+    }
+  };
+  // acc (16 x 64 pieces x 8 columns, permuted) += p (16 x 16 keys) x (B-layout rows in r).
+  auto product_b = [&](float (*acc)[4], const float (&p)[2][4], const uint4 (&r)[4][kPB], int pieces) {
+    uint32_t fa[4];
+    fa[0] = Traits::pack(p[0][0], p[0][1]);
+    fa[1] = Traits::pack(p[0][2], p[0][3]);
+    fa[2] = Traits::pack(p[1][0], p[1][1]);
+    fa[3] = Traits::pack(p[1][2], p[1][3]);
+#pragma unroll
+    for (int v = 0; v < kPB; ++v) {
+      if (v >= pieces) break;
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const uint32_t r0 = cuda::word_of(r[0][v], w), r1 = cuda::word_of(r[1][v], w);
+        const uint32_t r2 = cuda::word_of(r[2][v], w), r3 = cuda::word_of(r[3][v], w);
+        cuda::mma_16816<kBf16>(acc[8 * v + 2 * w], fa, cuda::byte_perm(r0, r1, 0x5410u), cuda::byte_perm(r2, r3, 0x5410u));
+        cuda::mma_16816<kBf16>(acc[8 * v + 2 * w + 1], fa, cuda::byte_perm(r0, r1, 0x7632u),
+                               cuda::byte_perm(r2, r3, 0x7632u));
+      }
+    }
+  };
+  // s (raw scores) -> P = exp2(s scale_log2 - lse2), 0 where row h may not see the key.
+  auto probabilities = [&](float (&s)[2][4], int u, int64_t first) {
+    const uint32_t picked = static_cast<uint32_t>(umask[u]);
+    const int64_t blk_end = int64_t(ublk[u]) * a.lp + a.lp;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int hi = t_row[h] >= 0 && ((picked >> tok[h]) & 1u)
+                         ? int(max(int64_t(0), min(int64_t(16), min(blk_end, t_row[h] + 1) - first)))
+                         : 0;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int col = nt * 8 + 2 * quad + c;
+          s[nt][2 * h + c] = col < hi ? exp2f(s[nt][2 * h + c] * scale_log2 - lse2[h]) : 0.f;
+        }
+    }
+  };
+  // Output column of accumulator tile t, element c (0, 1) of this lane: 64 (t / 8) + 16 q + t % 8 (+ 8).
+  auto column = [&](int t, int c) { return 64 * (t / 8) + 16 * quad + t % 8 + 8 * c; };
+
+  uint4 ka[2][kPA];
+  // ---- pass 1: o_slc and dg_slc = <dO, o_slc> ----
+  if (!a.dg_ready) {
+    float acc_o[DV / 8][4];
+#pragma unroll
+    for (int t = 0; t < DV / 8; ++t) acc_o[t][0] = acc_o[t][1] = acc_o[t][2] = acc_o[t][3] = 0.f;
+    int64_t first, end;
+    int u;
+    if (steps > 0) {
+      step_range(0, first, end, u);
+      load_a(ka, kbase, kst, kKA, first, end);
+    }
+    for (int i = 0; i < steps; ++i) {
+      step_range(i, first, end, u);
+      uint4 vb[4][kPB];
+      load_b(vb, vbase, vst, kVB, first, end);
+      float s[2][4];
+      product_a(s, qs, ka, DQK);
+      if (i + 1 < steps) {
+        int64_t f2, e2;
+        int u2;
+        step_range(i + 1, f2, e2, u2);
+        load_a(ka, kbase, kst, kKA, f2, e2);
+      }
+      probabilities(s, u, first);
+      product_b(acc_o, s, vb, kVB);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float part = 0.f;
+      if (dorow[h] != nullptr) {
+#pragma unroll
+        for (int t = 0; t < DV / 8; ++t)
+          part += acc_o[t][2 * h] * to_float(dorow[h][column(t, 0)]) + acc_o[t][2 * h + 1] * to_float(dorow[h][column(t, 1)]);
+      }
+      part += __shfl_xor_sync(0xffffffffu, part, 1);
+      part += __shfl_xor_sync(0xffffffffu, part, 2);
+      dg[h] = part;
+      if (quad == 0 && t_row[h] >= 0) {
+        const int64_t t = s0 + t_row[h];
+        a.dg32[(t * a.hq + head[h]) * 3 + kSlc] = part;
+        static_cast<E*>(a.dg.p)[t * a.dg.s0 + head[h] * a.dg.s1 + kSlc] = from_float<E>(part);
+      }
+    }
+  }
+
+  // ---- pass 2: dq += scale g P (dP - dg) K ----
+  float acc_q[DQK / 8][4];
+#pragma unroll
+  for (int t = 0; t < DQK / 8; ++t) acc_q[t][0] = acc_q[t][1] = acc_q[t][2] = acc_q[t][3] = 0.f;
+  {
+    int64_t first, end;
+    int u;
+    if (steps > 0) {
+      step_range(0, first, end, u);
+      load_a(ka, kbase, kst, kKA, first, end);
+    }
+    for (int i = 0; i < steps; ++i) {
+      step_range(i, first, end, u);
+      uint4 va[2][kPA];
+      load_a(va, vbase, vst, kVA, first, end);
+      float s[2][4], dp[2][4];
+      product_a(s, qs, ka, DQK);
+      uint4 kb[4][kPB];
+      load_b(kb, kbase, kst, kKB, first, end);  // the rows just read for Q K^T: mostly L1 hits
+      if (i + 1 < steps) {
+        int64_t f2, e2;
+        int u2;
+        step_range(i + 1, f2, e2, u2);
+        load_a(ka, kbase, kst, kKA, f2, e2);
+      }
+      product_a(dp, dos, va, DV);
+      probabilities(s, u, first);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] = a.scale * gate[e >> 1] * s[nt][e] * (dp[nt][e] - dg[e >> 1]);
+      product_b(acc_q, s, kb, kKB);
+    }
+  }
+  // dq (written by dq_kernel with the other branches) += this branch's part, rounded once more.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (t_row[h] < 0) continue;
+    E* out = static_cast<E*>(a.dq.p) + (s0 + t_row[h]) * a.dq.s0 + int64_t(head[h]) * a.dq.s1;
+#pragma unroll
+    for (int t = 0; t < DQK / 8; ++t)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        E& x = out[column(t, c)];
+        x = from_float<E>(to_float(x) + acc_q[t][2 * h + c]);
+      }
+  }
+}
+
+}  // namespace nsa::cuda_bwd
