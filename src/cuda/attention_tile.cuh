@@ -16,6 +16,7 @@
 
 #include "cuda/common/dtype.h"
 #include "cuda/common/mma.h"
+#include "cuda/common/wgmma.h"
 #include "cuda/forward_params.h"
 
 namespace nsa::cuda {
@@ -192,6 +193,70 @@ struct TileAttention {
         mma_16816<kBf16>(acc[2 * dp + 1], a, b[2], b[3]);
       }
     }
+  }
+
+  // ---- sm_90a: the same products with wgmma (common/wgmma.h); only kRows = 64 (one warpgroup) ----
+  // K and V chunks are stored in the 128-byte swizzle layout (no padding), double-buffered.
+  static constexpr int kKSwTile = kChunk * kDqk;  // elements of one K buffer
+  static constexpr int kVSwTile = kChunk * kDv;
+  static constexpr size_t kKSwBytes = size_t(2) * kKSwTile * sizeof(Storage);
+  static constexpr size_t kVSwBytes = size_t(2) * kVSwTile * sizeof(Storage);
+
+  // load_rows into a 128-byte-swizzled tile of kChunk rows (1024-byte aligned).
+  template <int kD>
+  static __device__ __forceinline__ void load_rows_sw128(Storage* tile, const Storage* base, int64_t row_stride,
+                                                         int count) {
+    static_assert(kD % 64 == 0, "swizzled tiles are made of 64-column blocks");
+    constexpr int kPieces = kD / 8;
+    unsigned char* bytes = reinterpret_cast<unsigned char*>(tile);
+    for (int e = threadIdx.x; e < kChunk * kPieces; e += kCtaThreads) {
+      const int row = e / kPieces, piece = e % kPieces;
+      const bool valid = row < count;
+      const Storage* src = valid ? base + row * row_stride + piece * 8 : base;
+      cp_async_16(bytes + sw128_offset(kChunk, row, piece * 8), src, valid);
+    }
+  }
+
+  // scores() with one m64n64k16 wgmma per 16 head dims: A = the Q fragments, B = the swizzled
+  // K chunk in `sk` (K-major). Every thread of the warpgroup must call it.
+  __device__ __forceinline__ void scores_wgmma(float (&s)[kSTiles][4], const Storage* sk) const {
+    static_assert(kRows == 64 && kChunk == 64, "one warpgroup, one n64 product per k16 step");
+#pragma unroll
+    for (int i = 0; i < kSTiles; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+    wgmma_fence_operands(s);
+    wgmma_fence();
+    const uint32_t base = smem_address(sk);
+#pragma unroll
+    for (int kk = 0; kk < kDqk / 16; ++kk) {
+      const uint32_t addr = base + (kk >> 2) * (kChunk * 128) + (kk & 3) * 32;
+      wgmma_rs<kChunk, kBf16, 0>(s, qf[kk], wgmma_desc_sw128(addr, 16, 1024), 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(s);
+  }
+
+  // accumulate_pv() with one m64n{Dv}k16 wgmma per 16 keys: A = P packed from registers, B = the
+  // swizzled V chunk in `sv` (MN-major, transposed operand).
+  __device__ __forceinline__ void accumulate_pv_wgmma(const float (&p)[kSTiles][4], const Storage* sv) {
+    static_assert(kRows == 64 && (kDv == 64 || kDv == 128), "one warpgroup, N = Dv in one product");
+    uint32_t a[kChunk / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kChunk / 16; ++kk) {
+      a[kk][0] = Traits::pack(p[2 * kk][0], p[2 * kk][1]);
+      a[kk][1] = Traits::pack(p[2 * kk][2], p[2 * kk][3]);
+      a[kk][2] = Traits::pack(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+      a[kk][3] = Traits::pack(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+    }
+    wgmma_fence_operands(acc);
+    wgmma_fence();
+    const uint32_t base = smem_address(sv);
+#pragma unroll
+    for (int kk = 0; kk < kChunk / 16; ++kk)
+      wgmma_rs<kDv, kBf16, 1>(acc, a[kk], wgmma_desc_sw128(base + kk * 16 * 128, kChunk * 128, 1024), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(acc);
   }
 
   // Row sums over the quad; returns the log-sum-exp in log2 units (-inf for an empty row) and

@@ -80,10 +80,19 @@ __device__ __forceinline__ void store_head_sums(const float (&p)[kKeyChunk / 8][
 template <typename Storage, int kDqk, int kDv>
 __global__ void __launch_bounds__(kThreads) cmp_attention_kernel(const CmpAttnParams p) {
   using Tile = TileAttention<Storage, kDqk, kDv>;
-  extern __shared__ __align__(16) unsigned char smem[];
+  // sm_90a: Q K^T and P V with wgmma, K/V chunks in the 128-byte swizzle layout (unpadded, from a
+  // 1024-byte boundary: the padding saved pays for the alignment, cmp_attention_smem_bytes still
+  // bounds it). Elsewhere mma.sync on padded rows.
+  constexpr bool kWgmma = kWgmmaCompiled;
+  static_assert(Tile::kQBytes % 1024 == 0, "the K tile after Q starts on a 1024-byte boundary");
+  constexpr int kKTile = kWgmma ? Tile::kKSwTile : kKeyChunk * Tile::kKStride;  // elements of a K buffer
+  constexpr int kVTile = kWgmma ? Tile::kVSwTile : kKeyChunk * Tile::kVStride;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw;
+  if constexpr (kWgmma) smem += (1024u - (smem_address(smem_raw) & 1023u)) & 1023u;
   Storage* sq = reinterpret_cast<Storage*>(smem);
   Storage* sk = reinterpret_cast<Storage*>(smem + Tile::kQBytes);
-  Storage* sv = reinterpret_cast<Storage*>(smem + Tile::kQBytes + Tile::kKBytes);
+  Storage* sv = sk + 2 * kKTile;
   // Pass 2 needs no V: its score buffers reuse the V tiles' space.
   float* s_pg = reinterpret_cast<float*>(sv);  // [tokens][kKeyChunk]
 
@@ -126,14 +135,27 @@ __global__ void __launch_bounds__(kThreads) cmp_attention_kernel(const CmpAttnPa
   auto load_chunk = [&](int c, int buf, bool with_v) {
     const int64_t first = int64_t(c) * kKeyChunk;
     const int count = static_cast<int>(min64(kKeyChunk, num_keys - first));
-    Tile::template load_rows<kDqk>(sk + buf * kKeyChunk * Tile::kKStride, kbase + first * p.kc_st, p.kc_st, count);
-    if (with_v)
-      Tile::template load_rows<kDv>(sv + buf * kKeyChunk * Tile::kVStride, vbase + first * p.vc_st, p.vc_st, count);
+    if constexpr (kWgmma) {
+      Tile::template load_rows_sw128<kDqk>(sk + buf * kKTile, kbase + first * p.kc_st, p.kc_st, count);
+      if (with_v) Tile::template load_rows_sw128<kDv>(sv + buf * kVTile, vbase + first * p.vc_st, p.vc_st, count);
+    } else {
+      Tile::template load_rows<kDqk>(sk + buf * kKTile, kbase + first * p.kc_st, p.kc_st, count);
+      if (with_v) Tile::template load_rows<kDv>(sv + buf * kVTile, vbase + first * p.vc_st, p.vc_st, count);
+    }
     cp_async_commit();
+  };
+  // This thread's copies have landed; with wgmma they are also made visible to the async proxy
+  // (the CTA barrier that follows publishes them).
+  auto wait_chunk = [] {
+    cp_async_wait<0>();
+    if constexpr (kWgmma) fence_proxy_async();
   };
   // Masked raw scores Q K^T of chunk c (-inf past a row's visible blocks).
   auto masked_scores = [&](float (&s)[Tile::kSTiles][4], int c, int buf) {
-    tile_state.scores(s, sk + buf * kKeyChunk * Tile::kKStride);
+    if constexpr (kWgmma)
+      tile_state.scores_wgmma(s, sk + buf * kKTile);
+    else
+      tile_state.scores(s, sk + buf * kKTile);
     const int lo[2] = {0, 0};
     int hi[2];
 #pragma unroll
@@ -145,17 +167,20 @@ __global__ void __launch_bounds__(kThreads) cmp_attention_kernel(const CmpAttnPa
   // One barrier per chunk: after it chunk c has landed for everyone and every warp is done with
   // chunk c - 1, whose buffer then receives chunk c + 1 while chunk c is multiplied.
   if (num_chunks > 0) load_chunk(0, 0, true);
-  cp_async_wait<0>();
+  wait_chunk();
   __syncthreads();
   tile_state.load_q_fragments(sq);
   for (int c = 0; c < num_chunks; ++c) {
-    cp_async_wait<0>();
+    wait_chunk();
     __syncthreads();
     if (c + 1 < num_chunks) load_chunk(c + 1, (c + 1) & 1, true);
     float s[Tile::kSTiles][4];
     masked_scores(s, c, c & 1);
     tile_state.softmax_update(s, p.scale_log2);
-    tile_state.accumulate_pv(s, sv + (c & 1) * kKeyChunk * Tile::kVStride);
+    if constexpr (kWgmma)
+      tile_state.accumulate_pv_wgmma(s, sv + (c & 1) * kVTile);
+    else
+      tile_state.accumulate_pv(s, sv + (c & 1) * kVTile);
   }
   float lse2[2];
   Storage* o = static_cast<Storage*>(p.o);
@@ -198,7 +223,7 @@ __global__ void __launch_bounds__(kThreads) cmp_attention_kernel(const CmpAttnPa
   int64_t jbase = 0;
   if (num_chunks > 0) load_chunk(0, 0, false);
   for (int c = 0; c < num_chunks; ++c) {
-    cp_async_wait<0>();
+    wait_chunk();
     __syncthreads();  // chunk c has landed; every warp is done with chunk c - 1's K buffer
     if (c + 1 < num_chunks) load_chunk(c + 1, (c + 1) & 1, false);
     float s[Tile::kSTiles][4];

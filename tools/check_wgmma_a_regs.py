@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""Checks the SASS of sm_90a kernels for wgmma A-operand registers that a loop clobbers.
+
+A wgmma with A in registers (HGMMA Rd, Ra, gdesc...) reads Ra..Ra+3. When those registers hold
+values loaded before a loop (the Q fragments of the attention kernels) and the HGMMA sits in the
+loop, they must stay intact for the next iteration. ptxas (CUDA 13.0) was seen to give them to
+other values inside the loop when the loop was their last use (docs/cuda.md, "wgmma"): every
+iteration after the first then multiplied garbage. This script reports, per kernel, each K-major
+HGMMA (no .tnspB: Q K^T) whose A registers are not redefined in the loop before it but are written
+after it within the loop.
+
+    cuobjdump -sass file.cubin > file.sass      (or: nvcc -cubin ... ; cuobjdump -sass ...)
+    tools/check_wgmma_a_regs.py file.sass       exit status 1 when a kernel is clobbered
+
+Heuristic: destinations are the first operand (stores, branches and barriers skipped); widths from
+.64/.128/WIDE/LDSM .4 suffixes; loops are backward branches.
+"""
+import re
+import sys
+
+SKIP = ("ST", "RED", "ATOM", "BRA", "BAR", "ISETP", "FSETP", "DEPBAR", "WARPGROUP", "EXIT", "BSYNC", "BSSY",
+        "WARPSYNC", "LDGSTS", "CALL", "RET", "NOP", "YIELD", "SYNCS", "FENCE", "MEMBAR", "PLOP3")
+
+
+def instructions(body):
+    return [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", body)]
+
+
+def destination(text):
+    op = text.split()
+    if op and op[0].startswith("@"):
+        op = op[1:]
+    if len(op) < 2 or op[0].startswith(SKIP) or op[0].startswith("HGMMA"):
+        return None
+    m = re.match(r"R(\d+)", op[1])
+    if not m:
+        return None
+    width = 4 if ".128" in op[0] or (op[0].startswith("LDSM") and ".4" in op[0]) else 2 if (".64" in op[0] or "WIDE" in op[0]) else 1
+    return set(range(int(m.group(1)), int(m.group(1)) + width))
+
+
+def check(name, ins):
+    back = []
+    for a, s in ins:
+        m = re.search(r"BRA 0x([0-9a-f]+)", s)
+        if m and int(m.group(1), 16) < a:
+            back.append((int(m.group(1), 16), a))
+    bad = []
+    for h, s in ins:
+        if not s.startswith("HGMMA") or "tnspB" in s:
+            continue
+        first = int(re.search(r"HGMMA\S*\s+R\d+,\s*R(\d+)", s).group(1))
+        regs = set(range(first, first + 4))
+        for t, b in (lb for lb in back if lb[0] <= h <= lb[1]):
+            defs = [(a, r) for a, s2 in ins if t <= a <= b for r in (destination(s2) or set()) & regs]
+            for r in regs:
+                if not any(a < h for a, rr in defs if rr == r) and any(a > h for a, rr in defs if rr == r):
+                    bad.append("HGMMA at %#x: R%d written later in the loop [%#x, %#x]" % (h, r, t, b))
+    return bad
+
+
+def main(path):
+    text = open(path).read()
+    failed = False
+    for body in re.split(r"\n\s*Function : ", text)[1:]:
+        name = body.split("\n", 1)[0].strip()
+        bad = check(name, instructions(body))
+        failed |= bool(bad)
+        print(("CLOBBERED " if bad else "ok        ") + name + ("\n    " + bad[0] if bad else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
