@@ -115,6 +115,10 @@ const std::vector<Case>& cases() {
       {"f16_d128_G4_lp128", DType::f16, 128, 128, 8, 2, {333}, 16, 16, 128, 2, 1, 1, 200, PhiKind::mean, false},
       // The paper's settings at a length where n = 16 blocks and the whole window w = 512 are in use.
       {"bf16_d64_G16_paper_T1500", DType::bf16, 64, 64, 16, 1, {1500}, 32, 16, 64, 16, 1, 2, 512, PhiKind::mean, false},
+      // Three and more chunks of 64 compressed keys (T > 128 d + l): every K/V buffer of the
+      // compressed kernel is reused at least once.
+      {"bf16_d128_G16_paper_T2300", DType::bf16, 128, 128, 16, 1, {2300}, 32, 16, 64, 16, 1, 2, 512, PhiKind::mean, false},
+      {"f16_d64_G4_linear_T2200", DType::f16, 64, 64, 8, 2, {2200, 97}, 32, 16, 64, 8, 1, 2, 256, PhiKind::linear, false},
   };
   return all;
 }
