@@ -4,7 +4,6 @@
 // caller's workspace, laid out by ForwardWorkspace (shared by workspace_size and forward).
 //
 // Layers: api.cpp (validation) -> this file (dispatch) -> launch_* (grid, shared memory) -> kernels.
-#include <cstdlib>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
