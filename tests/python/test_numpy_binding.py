@@ -133,6 +133,23 @@ def test_gradients_match_finite_differences():
     np.testing.assert_array_equal(aux_moved.indices, aux.indices)
 
 
+def test_backward_takes_the_branch_outputs():
+    """attention_backward with the forward's branch outputs: the same gradients (the CPU backends
+    do not need them); a wrong shape is an error naming o_branch."""
+    p = make_problem(seed=8, seqlens=(21, 17), hq=2, hkv=1, dqk=4, dv=3, hidden=3)
+    kw = dict(cu_seqlens=p.cu, config=SMALL)
+    r = nsa.attention_branches(p.q, p.k, p.v, p.g, p.phi_k, p.phi_v, **kw)
+    d_o = np.random.default_rng(9).standard_normal(r.o.shape)
+    plain = nsa.attention_backward(p.q, p.k, p.v, p.g, p.phi_k, p.phi_v, r.lse, r.indices, d_o, **kw)
+    kept = nsa.attention_backward(p.q, p.k, p.v, p.g, p.phi_k, p.phi_v, r.lse, r.indices, d_o,
+                                  o_branch=r.o_branch, **kw)
+    np.testing.assert_array_equal(plain.dq, kept.dq)
+    np.testing.assert_array_equal(plain.dg, kept.dg)
+    with pytest.raises(nsa.Error, match="o_branch"):
+        nsa.attention_backward(p.q, p.k, p.v, p.g, p.phi_k, p.phi_v, r.lse, r.indices, d_o,
+                               o_branch=r.o_branch[:2], **kw)
+
+
 def test_dense_attention_and_its_gradient():
     p = make_problem(seed=7, seqlens=(12, 0, 9), hq=4, hkv=2, dqk=5, dv=5)
     k, v = p.kv6[0], p.kv6[1]
