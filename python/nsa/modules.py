@@ -203,7 +203,7 @@ class NativeSparseAttention(nn.Module):
         kv6 = (k, v, None, None, None, None) if self.shared_kv else (k[0], v[0], k[1], v[1], k[2], v[2])
         o, _, _ = torch_ops.attention(q, kv6, g, self._phi(self.phi_k), self._phi(self.phi_v), self.config,
                                       cu_seqlens, max_seqlen, self.backend, self.num_threads,
-                                      self.save_branch_outputs and torch.is_grad_enabled())
+                                      self.save_branch_outputs)
         return o
 
     # ---- forward ---------------------------------------------------------------------------

@@ -331,10 +331,11 @@ def sequences(cu_seqlens, max_seqlen, like: Tensor):
 def attention(q, kv6, g, phi_k, phi_v, cfg: Config, cu_seqlens, max_seqlen, backend, num_threads,
               save_branches: bool = False):
     """(o, lse, indices); save_branches keeps each branch's output for the backward (see
-    nsa.attention's save_branch_outputs)."""
+    nsa.attention's save_branch_outputs): only when autograd records, since nothing else reads it."""
     cu, ms = sequences(cu_seqlens, max_seqlen, q)
+    save = bool(save_branches) and torch.is_grad_enabled()
     o, lse, idx, _ = torch.ops.nsa.forward(q, *kv6, g, *_phi_args(phi_k), *_phi_args(phi_v), cu, ms, cfg.ints(),
-                                           float(cfg.scale), backend, int(num_threads), bool(save_branches))
+                                           float(cfg.scale), backend, int(num_threads), save)
     return o, lse, idx
 
 
