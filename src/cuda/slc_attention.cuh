@@ -84,22 +84,11 @@ __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_atten
   uint4* qs = reinterpret_cast<uint4*>(smem + kSlcWarps * slc_warp_smem_bytes(kDv, cap)) + warp * (kDqk / 16) * 32;
   {
     const Storage* q = static_cast<const Storage*>(p.q);
-    uint32_t qf[kDqk / 16][4];
+    const Storage* qrow[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const Storage* qrow = q + (s0 + max64(t_row[h], 0)) * p.q_st + int64_t(head[h]) * p.q_sh + 8 * quad;
-#pragma unroll
-      for (int pp = 0; pp < kQPieces; ++pp) {
-        uint4 x = make_uint4(0u, 0u, 0u, 0u);
-        if (t_row[h] >= 0) x = *reinterpret_cast<const uint4*>(qrow + 32 * pp);
-        qf[2 * pp][h] = x.x;
-        qf[2 * pp][2 + h] = x.y;
-        qf[2 * pp + 1][h] = x.z;
-        qf[2 * pp + 1][2 + h] = x.w;
-      }
-    }
-#pragma unroll
-    for (int kk = 0; kk < kDqk / 16; ++kk) qs[kk * 32 + lane] = make_uint4(qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3]);
+    for (int h = 0; h < 2; ++h)
+      qrow[h] = t_row[h] >= 0 ? q + (s0 + t_row[h]) * p.q_st + int64_t(head[h]) * p.q_sh : nullptr;
+    store_permuted_fragments<Storage, kDqk>(qs, qrow[0], qrow[1]);
     __syncwarp();
   }
 
@@ -270,10 +259,8 @@ template <typename Storage, int kDqk, int kDv>
 void launch_slc_attention(const BranchParams& p, cudaStream_t stream) {
   const size_t smem = slc_smem_bytes(kDqk, kDv, p.sort_capacity);
   const auto kernel = slc_attention_kernel<Storage, kDqk, kDv>;
-  NSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  const int tokens_per_cta = (16 / p.group) * kSlcWarps;
-  const int64_t tiles = (p.seqs.max_seqlen + tokens_per_cta - 1) / tokens_per_cta;
-  const dim3 grid(static_cast<unsigned>(tiles * p.seqs.batch), static_cast<unsigned>(p.hkv));
+  allow_smem(kernel, smem, /*max_carveout=*/false);  // neighbouring warps' K/V rows hit in L1
+  const dim3 grid = row_tile_grid(p.seqs.max_seqlen, p.seqs.batch, (16 / p.group) * kSlcWarps, p.hkv);
   if (grid.x == 0) return;
   kernel<<<grid, kSlcWarpThreads, smem, stream>>>(p);
   NSA_CUDA_CHECK_LAUNCH();

@@ -1,5 +1,8 @@
-// The union of the selected blocks of a warp's tokens (spec §5), shared by the selection kernels
-// of the forward (slc_attention.cuh) and the backward (backward/slc_dq.cuh).
+// What the selection kernels of the forward (slc_attention.cuh) and the backward
+// (backward/slc_dq.cuh) share: the union of the selected blocks of a warp's tokens (spec §5), the
+// operand helpers, and the A fragments of 16 rows with a permuted reduction index.
+//
+// The union:
 //
 // A warp owns 16 query rows = `tokens` (<= 16) consecutive tokens x the G heads of one KV head.
 // Their (block, token) pairs go to the warp's shared scratch `keys` (a power of two `cap` >=
@@ -84,6 +87,29 @@ __device__ __forceinline__ void ld_shared_16(uint32_t (&r)[4], const void* p) {
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
+}
+
+// The warp's 16 rows as A fragments of k16 steps whose reduction index is permuted (step 2p + u
+// holds columns 32p + 8q + 4u .. +3 of lane quad q), stored in lane order: frag[kk * 32 + lane].
+template <typename E, int D>
+__device__ __forceinline__ void store_permuted_fragments(uint4* frag, const E* row_g, const E* row_g8) {
+  const int lane = threadIdx.x % 32, quad = lane % 4;
+  uint32_t f[D / 16][4];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const E* row = h == 0 ? row_g : row_g8;
+#pragma unroll
+    for (int pp = 0; pp < D / 32; ++pp) {
+      uint4 x = make_uint4(0u, 0u, 0u, 0u);
+      if (row != nullptr) x = *reinterpret_cast<const uint4*>(row + 32 * pp + 8 * quad);
+      f[2 * pp][h] = x.x;
+      f[2 * pp][2 + h] = x.y;
+      f[2 * pp + 1][h] = x.z;
+      f[2 * pp + 1][2 + h] = x.w;
+    }
+  }
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) frag[kk * 32 + lane] = make_uint4(f[kk][0], f[kk][1], f[kk][2], f[kk][3]);
 }
 
 }  // namespace nsa::cuda

@@ -306,9 +306,9 @@ TEST(CudaBackwardErrors, UnsupportedHeadDimNamesTheValue) {
   }
 }
 
-// The dq kernel keeps each token's selected blocks in shared memory (8 bytes per entry of the
-// row tile's Tq x n indices): an n that does not fit is an nsa::Error naming it, not a failed
-// launch. G = 1 (Tq = 64) and n = 400: 200 KB of tables next to the 55 KB of tiles at D = 64.
+// The selection dq kernel sorts each warp's (16 / G) x n picks in shared memory (12 bytes per
+// entry, rounded up to a power of two, four warps): an n that does not fit is an nsa::Error naming
+// it, not a failed launch. G = 1 and n = 400: 4 x 8192 x 12 B = 384 KB.
 TEST(CudaBackwardErrors, SelectionTablesTooLargeNameN) {
   NSA_REQUIRE_GPU();
   BwdCase c{"x", DType::bf16, 64, 64, 1, 1, {40}, 32, 16, 64, 400, 1, 1, 16, PhiKind::mean, false};

@@ -29,29 +29,6 @@ inline int slc_dq_capacity(int group, int n) {
   return cap;
 }
 
-// The warp's 16 rows as A fragments of k16 steps whose reduction index is permuted (step 2p + u
-// holds columns 32p + 8q + 4u .. +3 of lane quad q), stored in lane order: frag[kk * 32 + lane].
-template <typename E, int D>
-__device__ __forceinline__ void store_permuted_fragments(uint4* frag, const E* row_g, const E* row_g8) {
-  const int lane = threadIdx.x % 32, quad = lane % 4;
-  uint32_t f[D / 16][4];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const E* row = h == 0 ? row_g : row_g8;
-#pragma unroll
-    for (int pp = 0; pp < D / 32; ++pp) {
-      uint4 x = make_uint4(0u, 0u, 0u, 0u);
-      if (row != nullptr) x = *reinterpret_cast<const uint4*>(row + 32 * pp + 8 * quad);
-      f[2 * pp][h] = x.x;
-      f[2 * pp][2 + h] = x.y;
-      f[2 * pp + 1][h] = x.z;
-      f[2 * pp + 1][2 + h] = x.w;
-    }
-  }
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) frag[kk * 32 + lane] = make_uint4(f[kk][0], f[kk][1], f[kk][2], f[kk][3]);
-}
-
 template <typename E, int DQK, int DV>
 __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdArgs a, int cap) {
   constexpr bool kBf16 = std::is_same<E, __nv_bfloat16>::value;
@@ -109,8 +86,8 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
     dorow[h] = static_cast<const E*>(a.d_o.p) + t * a.d_o.s0 + int64_t(head[h]) * a.d_o.s1;
     if (a.dg_ready) dg[h] = a.dg32[(t * a.hq + head[h]) * 3 + kSlc];
   }
-  store_permuted_fragments<E, DQK>(qs, qrow[0], qrow[1]);
-  store_permuted_fragments<E, DV>(dos, dorow[0], dorow[1]);
+  cuda::store_permuted_fragments<E, DQK>(qs, qrow[0], qrow[1]);
+  cuda::store_permuted_fragments<E, DV>(dos, dorow[0], dorow[1]);
   __syncwarp();
 
   const E* kbase = static_cast<const E*>(a.k[kSlc].p) + s0 * a.k[kSlc].s0 + int64_t(hk) * a.k[kSlc].s1;
@@ -210,6 +187,13 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
   auto column = [&](int t, int c) { return 64 * (t / 8) + 16 * quad + t % 8 + 8 * c; };
 
   uint4 ka[2][kPA];
+  // K of step i in the Q K^T layout (both passes load step 0 first, then step i + 1 during step i).
+  auto load_k_step = [&](int i) {
+    int64_t first, end;
+    int u;
+    step_range(i, first, end, u);
+    load_a(ka, kbase, kst, kKA, first, end);
+  };
   // ---- pass 1: o_slc and dg_slc = <dO, o_slc> ----
   if (!a.dg_ready) {
     float acc_o[DV / 8][4];
@@ -217,22 +201,14 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
     for (int t = 0; t < DV / 8; ++t) acc_o[t][0] = acc_o[t][1] = acc_o[t][2] = acc_o[t][3] = 0.f;
     int64_t first, end;
     int u;
-    if (steps > 0) {
-      step_range(0, first, end, u);
-      load_a(ka, kbase, kst, kKA, first, end);
-    }
+    if (steps > 0) load_k_step(0);
     for (int i = 0; i < steps; ++i) {
       step_range(i, first, end, u);
       uint4 vb[4][kPB];
       load_b(vb, vbase, vst, kVB, first, end);
       float s[2][4];
       product_a(s, qs, ka, DQK);
-      if (i + 1 < steps) {
-        int64_t f2, e2;
-        int u2;
-        step_range(i + 1, f2, e2, u2);
-        load_a(ka, kbase, kst, kKA, f2, e2);
-      }
+      if (i + 1 < steps) load_k_step(i + 1);
       probabilities(s, u, first);
       product_b(acc_o, s, vb, kVB);
     }
@@ -262,10 +238,7 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
   {
     int64_t first, end;
     int u;
-    if (steps > 0) {
-      step_range(0, first, end, u);
-      load_a(ka, kbase, kst, kKA, first, end);
-    }
+    if (steps > 0) load_k_step(0);
     for (int i = 0; i < steps; ++i) {
       step_range(i, first, end, u);
       uint4 va[2][kPA];
@@ -274,12 +247,7 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
       product_a(s, qs, ka, DQK);
       uint4 kb[4][kPB];
       load_b(kb, kbase, kst, kKB, first, end);  // the rows just read for Q K^T: mostly L1 hits
-      if (i + 1 < steps) {
-        int64_t f2, e2;
-        int u2;
-        step_range(i + 1, f2, e2, u2);
-        load_a(ka, kbase, kst, kKA, f2, e2);
-      }
+      if (i + 1 < steps) load_k_step(i + 1);
       product_a(dp, dos, va, DV);
       probabilities(s, u, first);
 #pragma unroll
