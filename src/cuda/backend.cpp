@@ -293,6 +293,12 @@ void set_kv(const TensorView& k, const TensorView& v, const void*& kp, int64_t& 
   v_sh = v.stride[1];
 }
 
+void set_indices(BranchParams& s, const TensorView& indices) {
+  s.indices = static_cast<const int32_t*>(indices.data);
+  s.idx_st = indices.stride[0];
+  s.idx_sh = indices.stride[1];
+}
+
 // Outputs of branch `b` (0 = slc, 1 = win): o [T, Hq, Dv] and lse [T, Hq], each with its token
 // and head strides (nullptr: not wanted).
 void set_branch_output(BranchParams& s, int b, void* o, int64_t o_st, int64_t o_sh, float* lse, int64_t lse_st,
@@ -331,9 +337,7 @@ void selected_attention_fwd(const Plan& p, const TensorView& q, const TensorView
   for (auto [name, t] : {std::pair{"q", &q}, {"k", &k}, {"v", &v}, {"o", &o}}) require_rows_aligned(name, *t);
   BranchParams s = branch_params(p, q);
   set_kv(k, v, s.k_slc, s.ks_st, s.ks_sh, s.v_slc, s.vs_st, s.vs_sh);
-  s.indices = static_cast<const int32_t*>(indices.data);
-  s.idx_st = indices.stride[0];
-  s.idx_sh = indices.stride[1];
+  set_indices(s, indices);
   set_branch_output(s, 0, o, lse);
   launch_slc(p, s);
 }
@@ -419,9 +423,7 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
   const KV& win = detail::branch_kv(p.cfg, in, kWin);
   set_kv(slc.k, slc.v, s.k_slc, s.ks_st, s.ks_sh, s.v_slc, s.vs_st, s.vs_sh);
   set_kv(win.k, win.v, s.k_win, s.kw_st, s.kw_sh, s.v_win, s.vw_st, s.vw_sh);
-  s.indices = static_cast<const int32_t*>(out.indices.data);
-  s.idx_st = out.indices.stride[0];
-  s.idx_sh = out.indices.stride[1];
+  set_indices(s, out.indices);
   for (int b = 0; b < 2; ++b) {
     float* lse = static_cast<float*>(out.lse.data) + (kSlc + b) * out.lse.stride[2];
     if (out.o_branch.defined())

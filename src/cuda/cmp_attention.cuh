@@ -283,14 +283,8 @@ void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream) {
   using Tile = TileAttention<Storage, kDqk, kDv>;
   const size_t smem = cmp_attention_smem_bytes(kDqk, kDv, p.group, p.score_ring, p.scores != nullptr);
   const auto kernel = cmp_attention_kernel<Storage, kDqk, kDv>;
-  NSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  // The whole unified L1/shared array as shared memory: two CTAs per SM need it (left to the
-  // driver, the carve-out can be chosen smaller).
-  NSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                      static_cast<int>(cudaSharedmemCarveoutMaxShared)));
-  const int tokens_per_tile = kTileRows / p.group;
-  const int64_t tiles = (p.seqs.max_seqlen + tokens_per_tile - 1) / tokens_per_tile;
-  const dim3 grid(static_cast<unsigned>(tiles * p.seqs.batch), static_cast<unsigned>(p.hkv));
+  allow_smem(kernel, smem, /*max_carveout=*/true);  // two CTAs per SM need the whole array
+  const dim3 grid = row_tile_grid(p.seqs.max_seqlen, p.seqs.batch, kTileRows / p.group, p.hkv);
   if (grid.x == 0) return;
   kernel<<<grid, kThreads, smem, stream>>>(p);
   NSA_CUDA_CHECK_LAUNCH();

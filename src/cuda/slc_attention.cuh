@@ -37,8 +37,6 @@ inline constexpr int kSlcWarpThreads = kSlcWarps * 32;
 
 template <typename Storage, int kDqk, int kDv>
 __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_attention_kernel(const BranchParams p) {
-  using Traits = StorageTraits<Storage>;
-  constexpr bool kBf16 = Traits::is_bf16;
   constexpr int kQPieces = kDqk / 32;  // 16-byte pieces of a Q/K row per lane
   constexpr int kVPieces = kDv / 64;   // 16-byte pieces of a V row per lane
   constexpr int kOTiles = kDv / 8;
@@ -84,64 +82,25 @@ __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_atten
   uint4* qs = reinterpret_cast<uint4*>(smem + kSlcWarps * slc_warp_smem_bytes(kDv, cap)) + warp * (kDqk / 16) * 32;
   {
     const Storage* q = static_cast<const Storage*>(p.q);
-    uint32_t qf[kDqk / 16][4];
+    const Storage* qrow[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const Storage* qrow = q + (s0 + max64(t_row[h], 0)) * p.q_st + int64_t(head[h]) * p.q_sh + 8 * quad;
-#pragma unroll
-      for (int pp = 0; pp < kQPieces; ++pp) {
-        uint4 x = make_uint4(0u, 0u, 0u, 0u);
-        if (t_row[h] >= 0) x = *reinterpret_cast<const uint4*>(qrow + 32 * pp);
-        qf[2 * pp][h] = x.x;
-        qf[2 * pp][2 + h] = x.y;
-        qf[2 * pp + 1][h] = x.z;
-        qf[2 * pp + 1][2 + h] = x.w;
-      }
-    }
-#pragma unroll
-    for (int kk = 0; kk < kDqk / 16; ++kk) qs[kk * 32 + lane] = make_uint4(qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3]);
+    for (int h = 0; h < 2; ++h)
+      qrow[h] = t_row[h] >= 0 ? q + (s0 + t_row[h]) * p.q_st + int64_t(head[h]) * p.q_sh : nullptr;
+    store_permuted_fragments<Storage, kDqk>(qs, qrow[0], qrow[1]);
     __syncwarp();
   }
 
   const Storage* ks = static_cast<const Storage*>(p.k_slc) + s0 * p.ks_st + int64_t(hk) * p.ks_sh;
   const Storage* vs = static_cast<const Storage*>(p.v_slc) + s0 * p.vs_st + int64_t(hk) * p.vs_sh;
-  const int steps_per_block = (p.lp + 15) / 16;
-  const int steps = num_blocks * steps_per_block;
-  // Step i: keys [first, first + 16) of union block ublk[i / steps_per_block]; loads stop at
-  // `end` (the block's end, or after the warp's last token), masks per row below.
-  auto step_range = [&](int i, int64_t& first, int64_t& end, int& u) {
-    u = i / steps_per_block;
-    const int64_t blk_first = int64_t(ublk[u]) * p.lp;
-    first = blk_first + int64_t(i % steps_per_block) * 16;
-    end = min64(blk_first + p.lp, t_max + 1);
-  };
-  uint4 kr[2][kQPieces];  // keys first + g and first + 8 + g
+  const SlcWalk walk{ublk, umask, p.lp, (p.lp + 15) / 16, t_max};
+  const int steps = num_blocks * walk.per_block;
+  uint4 kr[2][kQPieces];  // K of a step, A layout (slc_union.cuh)
+  uint4 vr[4][kVPieces];  // V of a step, B layout
   auto load_k = [&](int i) {
     int64_t first, end;
     int u;
-    step_range(i, first, end, u);
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const int64_t key = first + 8 * nt + g;
-      const Storage* row = ks + key * p.ks_st + 8 * quad;
-#pragma unroll
-      for (int pp = 0; pp < kQPieces; ++pp)
-        kr[nt][pp] = key < end ? *reinterpret_cast<const uint4*>(row + 32 * pp) : make_uint4(0u, 0u, 0u, 0u);
-    }
-  };
-  uint4 vr[4][kVPieces];  // keys first + {2q, 2q+1, 2q+8, 2q+9}
-  auto load_v = [&](int i) {
-    int64_t first, end;
-    int u;
-    step_range(i, first, end, u);
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int64_t key = first + 2 * quad + (r & 1) + 8 * (r >> 1);
-      const Storage* row = vs + key * p.vs_st + 8 * g;
-#pragma unroll
-      for (int vp = 0; vp < kVPieces; ++vp)
-        vr[r][vp] = key < end ? *reinterpret_cast<const uint4*>(row + 64 * vp) : make_uint4(0u, 0u, 0u, 0u);
-    }
+    walk.step(i, first, end, u);
+    load_rows_a<Storage, kQPieces>(kr, ks, p.ks_st, first, end);
   };
 
   float acc[kOTiles][4];
@@ -151,32 +110,18 @@ __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_atten
 
   if (steps > 0) load_k(0);
   for (int i = 0; i < steps; ++i) {
-    load_v(i);
-    float s[2][4];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < kDqk / 16; ++kk) {
-      const int pp = kk / 2, w = 2 * (kk % 2);
-      uint32_t qa[4];
-      ld_shared_16(qa, qs + kk * 32 + lane);
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) mma_16816<kBf16>(s[nt], qa, word_of(kr[nt][pp], w), word_of(kr[nt][pp], w + 1));
-    }
     int64_t first, end;
     int u;
-    step_range(i, first, end, u);
+    walk.step(i, first, end, u);
+    load_rows_b<Storage, kVPieces>(vr, vs, p.vs_st, first, end);
+    float s[2][4];
+    mma_frags_rows_a<Storage, kQPieces>(s, qs, kr);
     if (i + 1 < steps) load_k(i + 1);
 
     // Row h keeps keys [first, first + hi[h]): picked by its token, in the block, not after it.
-    const uint32_t picked = static_cast<uint32_t>(umask[u]);
-    const int64_t blk_end = int64_t(ublk[u]) * p.lp + p.lp;
     int hi[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
-      hi[h] = t_row[h] >= 0 && ((picked >> tok[h]) & 1u)
-                  ? static_cast<int>(max64(0, min64(16, min64(blk_end, t_row[h] + 1) - first)))
-                  : 0;
+    for (int h = 0; h < 2; ++h) hi[h] = walk.visible(u, first, t_row[h], tok[h]);
     if (!__all_sync(0xffffffffu, hi[0] >= 16 && hi[1] >= 16)) {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
@@ -215,21 +160,7 @@ __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_atten
       }
     }
 
-    // O += P V: tile 8v + 2w (+1) takes the low (high) halves of word w of two rows' pieces.
-    uint32_t a[4];
-    a[0] = Traits::pack(s[0][0], s[0][1]);
-    a[1] = Traits::pack(s[0][2], s[0][3]);
-    a[2] = Traits::pack(s[1][0], s[1][1]);
-    a[3] = Traits::pack(s[1][2], s[1][3]);
-#pragma unroll
-    for (int vp = 0; vp < kVPieces; ++vp)
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const uint32_t r0 = word_of(vr[0][vp], w), r1 = word_of(vr[1][vp], w);
-        const uint32_t r2 = word_of(vr[2][vp], w), r3 = word_of(vr[3][vp], w);
-        mma_16816<kBf16>(acc[8 * vp + 2 * w], a, byte_perm(r0, r1, 0x5410u), byte_perm(r2, r3, 0x5410u));
-        mma_16816<kBf16>(acc[8 * vp + 2 * w + 1], a, byte_perm(r0, r1, 0x7632u), byte_perm(r2, r3, 0x7632u));
-      }
+    mma_p_rows_b<Storage, kVPieces>(acc, s, vr);  // O += P V
   }
 
   // ---- Epilogue: normalise, undo the column permutation in shared memory, write rows ----
@@ -270,10 +201,8 @@ template <typename Storage, int kDqk, int kDv>
 void launch_slc_attention(const BranchParams& p, cudaStream_t stream) {
   const size_t smem = slc_smem_bytes(kDqk, kDv, p.sort_capacity);
   const auto kernel = slc_attention_kernel<Storage, kDqk, kDv>;
-  NSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  const int tokens_per_cta = (16 / p.group) * kSlcWarps;
-  const int64_t tiles = (p.seqs.max_seqlen + tokens_per_cta - 1) / tokens_per_cta;
-  const dim3 grid(static_cast<unsigned>(tiles * p.seqs.batch), static_cast<unsigned>(p.hkv));
+  allow_smem(kernel, smem, /*max_carveout=*/false);  // neighbouring warps' K/V rows hit in L1
+  const dim3 grid = row_tile_grid(p.seqs.max_seqlen, p.seqs.batch, (16 / p.group) * kSlcWarps, p.hkv);
   if (grid.x == 0) return;
   kernel<<<grid, kSlcWarpThreads, smem, stream>>>(p);
   NSA_CUDA_CHECK_LAUNCH();

@@ -1,5 +1,8 @@
-// The union of the selected blocks of a warp's tokens (spec §5), shared by the selection kernels
-// of the forward (slc_attention.cuh) and the backward (backward/slc_dq.cuh).
+// What the selection kernels of the forward (slc_attention.cuh) and the backward
+// (backward/slc_dq.cuh) share: the union of the selected blocks of a warp's tokens (spec §5), the
+// operand helpers, and the A fragments of 16 rows with a permuted reduction index.
+//
+// The union:
 //
 // A warp owns 16 query rows = `tokens` (<= 16) consecutive tokens x the G heads of one KV head.
 // Their (block, token) pairs go to the warp's shared scratch `keys` (a power of two `cap` >=
@@ -11,6 +14,9 @@
 
 #include <climits>
 #include <cstdint>
+
+#include "cuda/common/dtype.h"
+#include "cuda/common/mma.h"
 
 namespace nsa::cuda {
 
@@ -84,6 +90,128 @@ __device__ __forceinline__ void ld_shared_16(uint32_t (&r)[4], const void* p) {
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
+}
+
+// The warp's 16 rows as A fragments of k16 steps whose reduction index is permuted (step 2p + u
+// holds columns 32p + 8q + 4u .. +3 of lane quad q), stored in lane order: frag[kk * 32 + lane].
+template <typename E, int D>
+__device__ __forceinline__ void store_permuted_fragments(uint4* frag, const E* row_g, const E* row_g8) {
+  const int lane = threadIdx.x % 32, quad = lane % 4;
+  uint32_t f[D / 16][4];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const E* row = h == 0 ? row_g : row_g8;
+#pragma unroll
+    for (int pp = 0; pp < D / 32; ++pp) {
+      uint4 x = make_uint4(0u, 0u, 0u, 0u);
+      if (row != nullptr) x = *reinterpret_cast<const uint4*>(row + 32 * pp + 8 * quad);
+      f[2 * pp][h] = x.x;
+      f[2 * pp][2 + h] = x.y;
+      f[2 * pp + 1][h] = x.z;
+      f[2 * pp + 1][2 + h] = x.w;
+    }
+  }
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) frag[kk * 32 + lane] = make_uint4(f[kk][0], f[kk][1], f[kk][2], f[kk][3]);
+}
+
+
+// The steps of a warp's walk over its union blocks: step i is 16 keys of block ublk[i / per_block].
+struct SlcWalk {
+  const int32_t* ublk;
+  const int32_t* umask;
+  int lp;         // l'
+  int per_block;  // steps per block, ceil(l' / 16)
+  int64_t t_max;  // the warp's last token
+
+  // Keys [first, first + 16) of union entry u; loads stop at `end` (the block's end, or after the
+  // warp's last token).
+  __device__ __forceinline__ void step(int i, int64_t& first, int64_t& end, int& u) const {
+    u = i / per_block;
+    const int64_t blk_first = int64_t(ublk[u]) * lp;
+    first = blk_first + int64_t(i % per_block) * 16;
+    end = min(blk_first + lp, t_max + 1);
+  }
+  // How many keys of the step (from `first`) a row may see: its token `tok` picked the block, the
+  // keys are in the block and not after the row's position t (-1: a padding row, none).
+  __device__ __forceinline__ int visible(int u, int64_t first, int64_t t, int tok) const {
+    if (t < 0 || !((static_cast<uint32_t>(umask[u]) >> tok) & 1u)) return 0;
+    const int64_t stop = min(int64_t(ublk[u]) * lp + lp, t + 1);
+    return int(max(int64_t(0), min(int64_t(16), stop - first)));
+  }
+};
+
+// The two register layouts of a step's K or V rows (P 16-byte pieces per row and lane):
+// "A" (the B operand of a product reducing over the head dim: Q K^T, dO V^T): lane (g, q) holds
+//   keys first + g and first + 8 + g, pieces at columns 32 p + 8 q;
+// "B" (the B operand of a product reducing over the keys: P V, dS K): lane holds keys first +
+//   {2q, 2q+1, 2q+8, 2q+9}, pieces at columns 64 v + 8 g.
+// Rows at or past `end` are zeros.
+template <typename E, int P>
+__device__ __forceinline__ void load_rows_a(uint4 (&r)[2][P], const E* base, int64_t row_stride, int64_t first,
+                                            int64_t end) {
+  const int lane = threadIdx.x % 32, g = lane / 4, quad = lane % 4;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const int64_t key = first + 8 * nt + g;
+    const E* row = base + key * row_stride + 8 * quad;
+#pragma unroll
+    for (int pp = 0; pp < P; ++pp)
+      r[nt][pp] = key < end ? *reinterpret_cast<const uint4*>(row + 32 * pp) : make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+template <typename E, int P>
+__device__ __forceinline__ void load_rows_b(uint4 (&r)[4][P], const E* base, int64_t row_stride, int64_t first,
+                                            int64_t end) {
+  const int lane = threadIdx.x % 32, g = lane / 4, quad = lane % 4;
+#pragma unroll
+  for (int rr = 0; rr < 4; ++rr) {
+    const int64_t key = first + 2 * quad + (rr & 1) + 8 * (rr >> 1);
+    const E* row = base + key * row_stride + 8 * g;
+#pragma unroll
+    for (int v = 0; v < P; ++v)
+      r[rr][v] = key < end ? *reinterpret_cast<const uint4*>(row + 64 * v) : make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// s = (16 rows' A fragments in `frag`, store_permuted_fragments) x (A-layout rows r)^T over 32 P
+// columns: two n8 tiles of 16 x 8.
+template <typename E, int P>
+__device__ __forceinline__ void mma_frags_rows_a(float (&s)[2][4], const uint4* frag, const uint4 (&r)[2][P]) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < 2 * P; ++kk) {
+    uint32_t fa[4];
+    ld_shared_16(fa, frag + kk * 32 + lane);
+    const int pp = kk / 2, w = 2 * (kk % 2);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+      mma_16816<StorageTraits<E>::is_bf16>(s[nt], fa, word_of(r[nt][pp], w), word_of(r[nt][pp], w + 1));
+  }
+}
+
+// acc (8 P n8 tiles, output columns permuted: column n of tile 8 v + e is 64 v + 8 n + e) +=
+// p (16 rows x the step's 16 keys, accumulator layout) x (B-layout rows r). Tile 8 v + 2 w (+1)
+// takes the low (high) halves of word w of two rows' pieces, paired by a byte permute.
+template <typename E, int P>
+__device__ __forceinline__ void mma_p_rows_b(float (*acc)[4], const float (&p)[2][4], const uint4 (&r)[4][P]) {
+  using Traits = StorageTraits<E>;
+  uint32_t fa[4];
+  fa[0] = Traits::pack(p[0][0], p[0][1]);
+  fa[1] = Traits::pack(p[0][2], p[0][3]);
+  fa[2] = Traits::pack(p[1][0], p[1][1]);
+  fa[3] = Traits::pack(p[1][2], p[1][3]);
+#pragma unroll
+  for (int v = 0; v < P; ++v)
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const uint32_t r0 = word_of(r[0][v], w), r1 = word_of(r[1][v], w);
+      const uint32_t r2 = word_of(r[2][v], w), r3 = word_of(r[3][v], w);
+      mma_16816<Traits::is_bf16>(acc[8 * v + 2 * w], fa, byte_perm(r0, r1, 0x5410u), byte_perm(r2, r3, 0x5410u));
+      mma_16816<Traits::is_bf16>(acc[8 * v + 2 * w + 1], fa, byte_perm(r0, r1, 0x7632u), byte_perm(r2, r3, 0x7632u));
+    }
 }
 
 }  // namespace nsa::cuda

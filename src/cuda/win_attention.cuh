@@ -205,14 +205,8 @@ template <typename Storage, int kDqk, int kDv>
 void launch_win_attention(const BranchParams& p, cudaStream_t stream) {
   const size_t smem = win_smem_bytes(kDqk, kDv);
   const auto kernel = win_attention_kernel<Storage, kDqk, kDv>;
-  NSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  // The whole unified L1/shared array as shared memory: as many CTAs per SM as fit (left to the
-  // driver, the carve-out can be chosen smaller).
-  NSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                      static_cast<int>(cudaSharedmemCarveoutMaxShared)));
-  const int tokens_per_tile = kWinRows / p.group;
-  const int64_t tiles = (p.seqs.max_seqlen + tokens_per_tile - 1) / tokens_per_tile;
-  const dim3 grid(static_cast<unsigned>(tiles * p.seqs.batch), static_cast<unsigned>(p.hkv));
+  allow_smem(kernel, smem, /*max_carveout=*/true);  // as many 108 KB rings per SM as fit
+  const dim3 grid = row_tile_grid(p.seqs.max_seqlen, p.seqs.batch, kWinRows / p.group, p.hkv);
   if (grid.x == 0) return;
   kernel<<<grid, kWinThreads, smem, stream>>>(p);
   NSA_CUDA_CHECK_LAUNCH();

@@ -68,6 +68,8 @@ const std::vector<BwdCase>& bwd_cases() {
       {"f16_d128_G4_lp128_shared", DType::f16, 128, 128, 8, 2, {333}, 16, 16, 128, 2, 1, 1, 200, PhiKind::mean, true},
       {"bf16_d64_G1_long_splits", DType::bf16, 64, 64, 1, 1, {1500, 3}, 32, 16, 64, 4, 1, 2, 96, PhiKind::mlp, false},
       {"bf16_d64_G2_shorter_than_l", DType::bf16, 64, 64, 2, 1, {20, 1, 31}, 32, 16, 64, 2, 1, 1, 8, PhiKind::linear, true},
+      // l' = 24: selection blocks that end inside a 16-key step of the selection dq kernel.
+      {"bf16_d64x128_G8_lp24", DType::bf16, 64, 128, 8, 1, {333, 50}, 16, 8, 24, 5, 1, 1, 50, PhiKind::mean, false},
   };
   return all;
 }

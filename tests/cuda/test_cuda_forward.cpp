@@ -119,6 +119,8 @@ const std::vector<Case>& cases() {
       // compressed kernel is reused at least once.
       {"bf16_d128_G16_paper_T2300", DType::bf16, 128, 128, 16, 1, {2300}, 32, 16, 64, 16, 1, 2, 512, PhiKind::mean, false},
       {"f16_d64_G4_linear_T2200", DType::f16, 64, 64, 8, 2, {2200, 97}, 32, 16, 64, 8, 1, 2, 256, PhiKind::linear, false},
+      // l' = 24: selection blocks that end inside a 16-key step of the selection kernels.
+      {"bf16_d64x128_G8_lp24", DType::bf16, 64, 128, 8, 1, {333, 50}, 16, 8, 24, 5, 1, 1, 50, PhiKind::mean, false},
   };
   return all;
 }

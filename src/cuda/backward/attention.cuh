@@ -13,11 +13,14 @@
 // cp.async: the copy of the next tile runs under the products of the current one.
 //
 // A row tile holds kRows = 64 rows: kRows / G consecutive query tokens of one sequence times the
-// G query heads of one KV head, so every key row loaded serves G heads. Two kernels, neither with
+// G query heads of one KV head, so every key row loaded serves G heads. Three kernels, none with
 // floating-point atomics:
-//   dq_kernel        query-centric, each warp owns 16 rows: per row tile, (1) recompute each
-//                    branch's output from lse to get dg, (2) sum the three branches' dQ in
-//                    registers, write dq once.
+//   dq_kernel        query-centric, each warp owns 16 rows, compressed and window branches: per
+//                    row tile, (1) recompute each branch's output from lse to get dg (skipped
+//                    when dg came from the saved o_branch), (2) sum the two branches' dQ in
+//                    registers, write dq.
+//   slc_dq_kernel    (slc_dq.cuh) the selection branch's dg and dQ, one warp per 16 rows with
+//                    K/V from L2 into registers; adds its dQ to dq.
 //   dkv_kernel       key-centric, each warp owns 16 keys (it computes S^T and dP^T, so P^T and
 //                    dS^T are its A operands): per key tile, loop over the query tiles that see
 //                    it; raw keys (window + selection, the latter through the inverted index) or
@@ -246,11 +249,10 @@ __device__ __forceinline__ void zero(float (&acc)[N][4]) {
 
 // Key geometry of one key tile: key c (< nk) has "visibility position" kp0 + c * kstep: a row at
 // position t with window start lo sees it when lo <= pos <= t (compressed keys: the last token of
-// the block). blk >= 0: a selection tile of block blk, seen only by rows that selected blk.
+// the block).
 struct KeyTile {
   int nk;
   int kp0, kstep;
-  int blk;
 };
 
 // ---- dq_kernel ---------------------------------------------------------------------------
@@ -261,43 +263,8 @@ struct DqSmem {
   static constexpr int kV = kK + 2 * tile_bytes<DQK>();    // [2][kKeys][DV + kPad]
   static constexpr int kQ = kV + 2 * tile_bytes<DV>();     // [kRows][DQK + kPad]
   static constexpr int kDo = kQ + tile_bytes<DQK>();       // [kRows][DV + kPad]
-  // Then ints: sel [Tq][n] (each token's blocks), blocks [Tq * n] (their union, ascending),
-  // wlist [Tq * n] (per warp, the union of its own tokens' blocks, ascending; G >= 8), the union's
-  // size and 3 spare, then the union's bitmap words.
-  static constexpr int kSel = kDo + tile_bytes<DV>();
-  static size_t bytes(int tq, int n, int n_slc_max) {
-    return size_t(kSel) + size_t(tq) * n * 12 + 16 + size_t((n_slc_max + 31) / 32) * 4;
-  }
+  static constexpr size_t kEnd = size_t(kDo) + tile_bytes<DV>();
 };
-
-// The selected blocks of the row tile: sel[u * n + k] (or -1) per token, and their union as an
-// ascending list blocks[0 .. *nblocks), built through a bitmap over blocks (shared memory).
-__device__ __forceinline__ void build_union(const BwdArgs& a, int hk, int64_t s0, int u0, int ntok,
-                                            int* sel, int* blocks, unsigned* bitmap, int words,
-                                            int* nblocks) {
-  for (int i = threadIdx.x; i < words; i += kThreads) bitmap[i] = 0u;
-  __syncthreads();
-  const int tq = kRows / a.G;
-  for (int e = threadIdx.x; e < tq * a.n; e += kThreads) {
-    const int u = e / a.n, k = e % a.n;
-    int j = -1;
-    if (u < ntok) {
-      const int t = u0 + u;
-      j = static_cast<const int32_t*>(a.indices.p)[(s0 + t) * a.indices.s0 + hk * a.indices.s1 + k];
-      if (j < 0 || int64_t(j) * a.lp > t) j = -1;  // padding (or a block that has not started)
-    }
-    sel[e] = j;
-    if (j >= 0) atomicOr(&bitmap[j >> 5], 1u << (j & 31));  // integer: order-independent
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {  // at most Tq * n entries, a few hundred: one thread is enough
-    int count = 0;
-    for (int wi = 0; wi < words; ++wi)
-      for (unsigned word = bitmap[wi]; word != 0u; word &= word - 1u) blocks[count++] = wi * 32 + __ffs(word) - 1;
-    *nblocks = count;
-  }
-  __syncthreads();
-}
 
 template <typename E, int DQK, int DV>
 __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
@@ -309,12 +276,6 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
   E* sQ = reinterpret_cast<E*>(smem + L::kQ);
   E* sDo = reinterpret_cast<E*>(smem + L::kDo);
   const int tq = kRows / a.G;
-  int* sel = reinterpret_cast<int*>(smem + L::kSel);
-  int* blocks = sel + tq * a.n;
-  int* wlist = blocks + tq * a.n;
-  int* nblocks = wlist + tq * a.n;
-  unsigned* bitmap = reinterpret_cast<unsigned*>(nblocks + 4);
-  const int words = (a.n_slc_max + 31) / 32;
 
   const int tiles_per_seq = int((a.max_seqlen + tq - 1) / tq);
   const int b = blockIdx.x / tiles_per_seq;
@@ -334,29 +295,6 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
   auto row_token = [&](int r) { return r / a.G < ntok ? int(s0 + u0 + r / a.G) : -1; };
   auto row_head = [&](int r) { return hk * a.G + r % a.G; };
 
-  if (a.n > 0) build_union(a, hk, s0, u0, ntok, sel, blocks, bitmap, words, nblocks);
-  // G >= 8: a warp's 16 rows are one or two tokens, so each warp walks only the blocks its own
-  // tokens selected (their union, ascending) through its own slice of the K/V buffers, 32 keys
-  // at a time, instead of the block walking the union of all Tq tokens' blocks (~55 at G = 16 on
-  // random scores for the 16 each token needs). Smaller groups keep the block-wide union: their
-  // warps hold 4 or more tokens, whose unions are close to the block's.
-  const bool warp_sel = a.n > 0 && a.G >= 8;
-  int wcount = 0;  // length of this warp's list (the same in every lane)
-  int* wl = wlist + (row0 / 16) * (16 / max(a.G, 1)) * a.n;
-  if (warp_sel) {
-    const int ncand = (16 / a.G) * a.n;          // the warp's tokens' entries of sel
-    const int* cand = sel + (row0 / a.G) * a.n;  // (tokens past the sequence hold -1)
-    for (int bi = 0; bi < *nblocks; ++bi) {
-      const int j = blocks[bi];
-      bool hit = false;
-      for (int e = lane; e < ncand; e += 32) hit |= cand[e] == j;
-      if (__any_sync(0xffffffffu, hit)) {
-        if (lane == 0) wl[wcount] = j;
-        ++wcount;
-      }
-    }
-    __syncwarp();
-  }
   const E* qb = static_cast<const E*>(a.q.p);
   const E* dob = static_cast<const E*>(a.d_o.p);
   copy_rows<E, DQK>(sQ, [&](int r) -> const E* {
@@ -369,19 +307,18 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
   }, a.vec, dob);
   cuda::cp_async_commit();  // completes with the first key tile's group
 
-  // The key tiles of all three branches as one sequence: compressed, selection, window.
+  // The key tiles of the compressed and window branches as one sequence. The selection branch
+  // is slc_dq_kernel's (slc_dq.cuh): here it is a stage without tiles, whose dg (pass 1) is 0
+  // until that kernel writes it.
   const int nc = int(visible_cmp_blocks(t_last, a.l, a.d));
   const int n_cmp = (nc + kKeys - 1) / kKeys;
   const int p0 = int(window_start(t_first, a.w));
   const int n_win = a.w > 0 ? (t_last - p0 + kKeys) / kKeys : 0;
-  const int chunks = (a.lp + kKeys - 1) / kKeys;  // key tiles per selection block
-  const int n_slc = a.n > 0 && !warp_sel ? *nblocks * chunks : 0;  // in the block-wide stream
-  const int n_tiles = n_cmp + n_win + n_slc;
-  // Stages of a sweep: compressed, then selection and window in the stream's order (per-warp
-  // selection runs after the block-wide stream, so it is the last stage).
-  auto branch_of = [&](int i) { return i < n_cmp ? int(kCmp) : i < n_cmp + n_slc ? int(kSlc) : int(kWin); };
-  auto branch_at = [&](int stage) { return stage == 0 ? int(kCmp) : (stage == 1) == warp_sel ? int(kWin) : int(kSlc); };
-  auto stage_of = [&](int branch) { return branch == kCmp ? 0 : (branch == kWin) == warp_sel ? 1 : 2; };
+  const int n_tiles = n_cmp + n_win;
+  // Stages of a sweep: the branches in index order (kCmp = 0, kSlc = 1, kWin = 2).
+  auto branch_of = [&](int i) { return i < n_cmp ? int(kCmp) : int(kWin); };
+  auto branch_at = [&](int stage) { return stage; };
+  auto stage_of = [&](int branch) { return branch; };
   // Tile i: its keys' geometry and the rows of its first key (key c at kb + c * ks, vb + c * vs).
   auto tile_at = [&](int i, const E*& kb, int64_t& ks, const E*& vb, int64_t& vs) -> KeyTile {
     if (i < n_cmp) {
@@ -391,26 +328,16 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
       vs = int64_t(a.hkv) * DV;
       kb = static_cast<const E*>(a.kc) + (crow * a.hkv + hk) * DQK;
       vb = static_cast<const E*>(a.vc) + (crow * a.hkv + hk) * DV;
-      return KeyTile{min(kKeys, nc - i0), i0 * a.d + a.l - 1, a.d, -1};
+      return KeyTile{min(kKeys, nc - i0), i0 * a.d + a.l - 1, a.d};
     }
-    const bool win = i >= n_cmp + n_slc;
-    int pos, end, blk = -1;
-    if (win) {
-      pos = p0 + (i - n_cmp - n_slc) * kKeys;
-      end = t_last + 1;
-    } else {
-      const int idx = i - n_cmp;
-      blk = blocks[idx / chunks];
-      pos = blk * a.lp + (idx % chunks) * kKeys;
-      end = min((blk + 1) * a.lp, t_last + 1);  // a chunk past t_last is empty (all masked)
-    }
-    const Mat3& K = a.k[win ? kWin : kSlc];
-    const Mat3& V = a.v[win ? kWin : kSlc];
+    const int pos = p0 + (i - n_cmp) * kKeys, end = t_last + 1;
+    const Mat3& K = a.k[kWin];
+    const Mat3& V = a.v[kWin];
     ks = K.s0;
     vs = V.s0;
     kb = static_cast<const E*>(K.p) + (s0 + pos) * K.s0 + hk * K.s1;
     vb = static_cast<const E*>(V.p) + (s0 + pos) * V.s0 + hk * V.s1;
-    return KeyTile{max(0, min(kKeys, end - pos)), pos, 1, blk};
+    return KeyTile{max(0, min(kKeys, end - pos)), pos, 1};
   };
   auto issue = [&](int i, int buf) {
     const E* kb;
@@ -425,14 +352,13 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
   };
 
   // This thread's two rows of the warp's 16: group (h = 0) and group + 8 (h = 1).
-  int rtok[2], rhead[2], rt[2], ru[2];
+  int rtok[2], rhead[2], rt[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = row0 + group + 8 * h;
     rtok[h] = row_token(r);
     rhead[h] = row_head(r);
     rt[h] = rtok[h] >= 0 ? int(rtok[h] - s0) : -1;
-    ru[h] = r / a.G;
   }
   // Per-branch state of the two rows: lse in log2 units, gate, dg, visible positions [lo, hi].
   float lse2[2], gate[2], dgr[2];
@@ -452,23 +378,17 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
       hi[h] = rt[h];
     }
   };
-  // Which of the thread's rows take part in tile kt (selection tiles: rows whose token selected
-  // the block), and whether any row of the warp sees any of its keys. A warp that has nothing to
-  // do skips the tile: at G = 16 a warp is one token, so the selection tiles of the row tile's
-  // union that its token did not choose (about 3/4 of them on random scores) cost it nothing.
+  // Which of the thread's rows see keys of tile kt, and whether any row of the warp does: a warp
+  // with nothing to do (a window tile before its rows' windows, a compressed tile after them)
+  // skips the tile.
   bool chose[2];
   auto warp_takes = [&](const KeyTile& kt) {
     const int first = kt.kp0, last = kt.kp0 + (kt.nk - 1) * kt.kstep;
     bool any = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      bool hit = kt.nk > 0 && rtok[h] >= 0 && hi[h] >= first && lo[h] <= last;
-      if (hit && kt.blk >= 0) {
-        hit = false;
-        for (int k = 0; k < a.n; ++k) hit |= sel[ru[h] * a.n + k] == kt.blk;
-      }
-      chose[h] = hit;
-      any |= hit;
+      chose[h] = kt.nk > 0 && rtok[h] >= 0 && hi[h] >= first && lo[h] <= last;
+      any |= chose[h];
     }
     return __any_sync(0xffffffffu, any);
   };
@@ -482,33 +402,6 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
         const int pos = kt.kp0 + c * kt.kstep;
         const bool vis = chose[h] && c < kt.nk && pos >= lo[h] && pos <= hi[h];
         s[nt][e] = vis ? exp2f(s[nt][e] * scale_log2 - lse2[h]) : 0.f;
-      }
-    }
-  };
-
-  // The warp's own selection walk (warp_sel): each block's keys 32 at a time through the warp's
-  // slice of the K/V buffers (rows 32 w .. 32 w + 31 of the 128 the two buffers hold), copied by
-  // the warp alone; half(tk, tv, kt, 0) does the 32 keys.
-  auto warp_walk = [&](auto&& half) {
-    E* wk = sK + (row0 / 16) * kSub * kLdK;
-    E* wv = sV + (row0 / 16) * kSub * kLdV;
-    const Mat3& K = a.k[kSlc];
-    const Mat3& V = a.v[kSlc];
-    for (int bi = 0; bi < wcount; ++bi) {
-      const int j = wl[bi];
-      const int end = min((j + 1) * a.lp, t_last + 1);
-      for (int pos = j * a.lp; pos < end; pos += kSub) {
-        const KeyTile kt{min(kSub, end - pos), pos, 1, j};
-        if (!warp_takes(kt)) continue;  // e.g. keys past the warp's last token
-        const E* kb = static_cast<const E*>(K.p) + (s0 + pos) * K.s0 + hk * K.s1;
-        const E* vb = static_cast<const E*>(V.p) + (s0 + pos) * V.s0 + hk * V.s1;
-        warp_copy_rows<E, DQK>(wk, kb, K.s0, kt.nk, a.vec, qb);
-        warp_copy_rows<E, DV>(wv, vb, V.s0, kt.nk, a.vec, qb);
-        cuda::cp_async_commit();
-        cuda::cp_async_wait<0>();
-        __syncwarp();  // the lanes' copies are visible to the whole warp
-        half(wk, wv, kt, 0);
-        __syncwarp();  // every lane is done reading before the next copy
       }
     }
   };
@@ -540,10 +433,6 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
     cuda::cp_async_wait<0>();
     __syncthreads();
     for (; cur < 2; ++cur) enter(cur, cur + 1);
-    if (warp_sel) {
-      warp_walk(half);
-      __syncthreads();  // the K/V buffers are the block's again
-    }
     enter(2, 3);
   };
 
@@ -711,8 +600,8 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
     if (key0 >= nc) return;
     nk = min(kKeys, nc - key0);
   }
-  const KeyTile kt = kSet != KeySet::cmp ? KeyTile{nk, key0, 1, -1}
-                                         : KeyTile{nk, key0 * a.d + a.l - 1, a.d, -1};
+  const KeyTile kt = kSet != KeySet::cmp ? KeyTile{nk, key0, 1}
+                                         : KeyTile{nk, key0 * a.d + a.l - 1, a.d};
   // This thread's two keys of the warp's 16: group (h = 0) and group + 8 (h = 1).
   int kpos[2];
   bool kin[2];
@@ -975,13 +864,10 @@ namespace nsa::cuda_bwd {
 // ---- launch: phase 0 = dq_kernel, 1 = dkv_kernel<cmp>, 2 = <raw>, 3 = <slc_forced>, 4 = slc_dq --
 // Explicitly instantiated once per dtype and Dqk (attention_<dtype>_hdim<Dqk>.cu).
 
-// Dynamic shared memory above 48 KB must be allowed per kernel; the carveout hint asks for the
-// largest shared-memory split so that two ~105 KB blocks fit on one SM (Dqk, Dv <= 128).
+// Two ~105 KB blocks per SM (Dqk, Dv <= 128) need the largest shared-memory carve-out.
 template <typename Kernel>
 void allow_smem(Kernel* kernel, size_t bytes) {
-  NSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-  NSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                      static_cast<int>(cudaSharedmemCarveoutMaxShared)));
+  cuda::allow_smem(kernel, bytes, /*max_carveout=*/true);
 }
 
 template <typename E, int DQK, int DV>
@@ -991,28 +877,19 @@ void launch_attention(const BwdArgs& a, cudaStream_t s, int phase) {
     const int cap = slc_dq_capacity(a.G, a.n);
     const size_t smem = slc_dq_smem_bytes(DQK, DV, cap);
     // No carve-out hint: the kernel reads each K row twice, the second time from L1.
-    NSA_CUDA_CHECK(cudaFuncSetAttribute(slc_dq_kernel<E, DQK, DV>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        int(smem)));
-    const int tokens_per_cta = (16 / a.G) * kSlcDqWarps;
-    const int64_t tiles = a.B * ((a.max_seqlen + tokens_per_cta - 1) / tokens_per_cta);
-    if (tiles == 0) return;
-    slc_dq_kernel<E, DQK, DV><<<dim3(unsigned(tiles), unsigned(a.hkv)), kSlcDqWarps * 32, smem, s>>>(a, cap);
+    cuda::allow_smem(slc_dq_kernel<E, DQK, DV>, smem, /*max_carveout=*/false);
+    const dim3 grid = cuda::row_tile_grid(a.max_seqlen, a.B, (16 / a.G) * kSlcDqWarps, a.hkv);
+    if (grid.x == 0) return;
+    slc_dq_kernel<E, DQK, DV><<<grid, kSlcDqWarps * 32, smem, s>>>(a, cap);
     NSA_CUDA_CHECK_LAUNCH();
     return;
   }
-  if (phase == 0) {
-    using Lq = DqSmem<E, DQK, DV>;
-    const size_t smem = Lq::bytes(tq, a.n, a.n_slc_max);
-    // The selection tables grow with Tq * n (12 bytes per entry) and n_slc_max: fail with the
-    // values, not with a launch error, when they do not fit next to the tiles.
-    constexpr size_t kMaxSmem = 227 * 1024;  // opt-in shared memory per block on sm_90
-    if (smem > kMaxSmem)
-      throw Error("n_selected and max_seqlen", std::to_string(a.n) + " and " + std::to_string(a.max_seqlen),
-                  "need more shared memory (" + std::to_string(smem) + " bytes) than the cuda backward's dq kernel has");
+  if (phase == 0) {  // the compressed and window branches (the selection's is phase 4)
+    const size_t smem = DqSmem<E, DQK, DV>::kEnd;
     allow_smem(dq_kernel<E, DQK, DV>, smem);
-    const int64_t tiles = a.B * ((a.max_seqlen + tq - 1) / tq);
-    if (tiles == 0) return;
-    dq_kernel<E, DQK, DV><<<dim3(unsigned(tiles), unsigned(a.hkv)), kThreads, smem, s>>>(a);
+    const dim3 grid = cuda::row_tile_grid(a.max_seqlen, a.B, tq, a.hkv);
+    if (grid.x == 0) return;
+    dq_kernel<E, DQK, DV><<<grid, kThreads, smem, s>>>(a);
     NSA_CUDA_CHECK_LAUNCH();
     return;
   }

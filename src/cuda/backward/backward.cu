@@ -706,9 +706,7 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
     NSA_CUDA_CHECK_LAUNCH();
     a.dg_ready = true;
   }
-  BwdArgs a_dq = a;
-  a_dq.n = 0;
-  dispatch_dims<E>(a_dq, s, 0);
+  dispatch_dims<E>(a, s, 0);
   if (a.n > 0) dispatch_dims<E>(a, s, 4);
 
   // 4. Compressed branch dk/dv (fp32, per query split), reduced in split order.

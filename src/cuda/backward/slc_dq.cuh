@@ -29,33 +29,8 @@ inline int slc_dq_capacity(int group, int n) {
   return cap;
 }
 
-// The warp's 16 rows as A fragments of k16 steps whose reduction index is permuted (step 2p + u
-// holds columns 32p + 8q + 4u .. +3 of lane quad q), stored in lane order: frag[kk * 32 + lane].
-template <typename E, int D>
-__device__ __forceinline__ void store_permuted_fragments(uint4* frag, const E* row_g, const E* row_g8) {
-  const int lane = threadIdx.x % 32, quad = lane % 4;
-  uint32_t f[D / 16][4];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const E* row = h == 0 ? row_g : row_g8;
-#pragma unroll
-    for (int pp = 0; pp < D / 32; ++pp) {
-      uint4 x = make_uint4(0u, 0u, 0u, 0u);
-      if (row != nullptr) x = *reinterpret_cast<const uint4*>(row + 32 * pp + 8 * quad);
-      f[2 * pp][h] = x.x;
-      f[2 * pp][2 + h] = x.y;
-      f[2 * pp + 1][h] = x.z;
-      f[2 * pp + 1][2 + h] = x.w;
-    }
-  }
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) frag[kk * 32 + lane] = make_uint4(f[kk][0], f[kk][1], f[kk][2], f[kk][3]);
-}
-
 template <typename E, int DQK, int DV>
 __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdArgs a, int cap) {
-  constexpr bool kBf16 = std::is_same<E, __nv_bfloat16>::value;
-  using Traits = cuda::StorageTraits<E>;
   constexpr int kKA = DQK / 32;  // 16-byte pieces per K row, Q K^T layout (d-permuted)
   constexpr int kVA = DV / 32;   // per V row, dO V^T layout
   constexpr int kKB = DQK / 64;  // per K row, dS K layout (output columns permuted)
@@ -109,94 +84,21 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
     dorow[h] = static_cast<const E*>(a.d_o.p) + t * a.d_o.s0 + int64_t(head[h]) * a.d_o.s1;
     if (a.dg_ready) dg[h] = a.dg32[(t * a.hq + head[h]) * 3 + kSlc];
   }
-  store_permuted_fragments<E, DQK>(qs, qrow[0], qrow[1]);
-  store_permuted_fragments<E, DV>(dos, dorow[0], dorow[1]);
+  cuda::store_permuted_fragments<E, DQK>(qs, qrow[0], qrow[1]);
+  cuda::store_permuted_fragments<E, DV>(dos, dorow[0], dorow[1]);
   __syncwarp();
 
   const E* kbase = static_cast<const E*>(a.k[kSlc].p) + s0 * a.k[kSlc].s0 + int64_t(hk) * a.k[kSlc].s1;
   const E* vbase = static_cast<const E*>(a.v[kSlc].p) + s0 * a.v[kSlc].s0 + int64_t(hk) * a.v[kSlc].s1;
   const int64_t kst = a.k[kSlc].s0, vst = a.v[kSlc].s0;
-  const int steps_per_block = (a.lp + 15) / 16;
-  const int steps = num_blocks * steps_per_block;
+  const cuda::SlcWalk walk{ublk, umask, a.lp, (a.lp + 15) / 16, t_max};
+  const int steps = num_blocks * walk.per_block;
   const float scale_log2 = a.scale * kLog2e;
-  auto step_range = [&](int i, int64_t& first, int64_t& end, int& u) {
-    u = i / steps_per_block;
-    const int64_t blk_first = int64_t(ublk[u]) * a.lp;
-    first = blk_first + int64_t(i % steps_per_block) * 16;
-    end = min(blk_first + a.lp, t_max + 1);
-  };
-  // Loads of one step. "A" layout (the operand of a product reducing over d): lane holds key
-  // first + 8 nt + g, pieces at d = 32 p + 8 q. "B" layout (the operand of a product reducing over
-  // keys): lane holds keys first + {2q, 2q+1, 2q+8, 2q+9}, pieces at column 64 v + 8 g.
-  auto load_a = [&](uint4 (&r)[2][kKA > kVA ? kKA : kVA], const E* base, int64_t st, int pieces, int64_t first,
-                    int64_t end) {
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const int64_t key = first + 8 * nt + g;
-      const E* row = base + key * st + 8 * quad;
-#pragma unroll
-      for (int pp = 0; pp < (kKA > kVA ? kKA : kVA); ++pp)
-        if (pp < pieces)
-          r[nt][pp] = key < end ? *reinterpret_cast<const uint4*>(row + 32 * pp) : make_uint4(0u, 0u, 0u, 0u);
-    }
-  };
-  auto load_b = [&](uint4 (&r)[4][kKB > kVB ? kKB : kVB], const E* base, int64_t st, int pieces, int64_t first,
-                    int64_t end) {
-#pragma unroll
-    for (int rr = 0; rr < 4; ++rr) {
-      const int64_t key = first + 2 * quad + (rr & 1) + 8 * (rr >> 1);
-      const E* row = base + key * st + 8 * g;
-#pragma unroll
-      for (int v = 0; v < (kKB > kVB ? kKB : kVB); ++v)
-        if (v < pieces)
-          r[rr][v] = key < end ? *reinterpret_cast<const uint4*>(row + 64 * v) : make_uint4(0u, 0u, 0u, 0u);
-    }
-  };
-  constexpr int kPA = kKA > kVA ? kKA : kVA, kPB = kKB > kVB ? kKB : kVB;
-  // s = (A fragments in `frag`) x (A-layout rows in r)^T over D columns: two n8 tiles of 16 x 8.
-  auto product_a = [&](float (&s)[2][4], const uint4* frag, const uint4 (&r)[2][kPA], int D) {
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < 2 * kPA; ++kk) {
-      if (kk >= D / 16) break;
-      uint32_t fa[4];
-      cuda::ld_shared_16(fa, frag + kk * 32 + lane);
-      const int pp = kk / 2, w = 2 * (kk % 2);
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-        cuda::mma_16816<kBf16>(s[nt], fa, cuda::word_of(r[nt][pp], w), cuda::word_of(r[nt][pp], w + 1));
-    }
-  };
-  // acc (16 x 64 pieces x 8 columns, permuted) += p (16 x 16 keys) x (B-layout rows in r).
-  auto product_b = [&](float (*acc)[4], const float (&p)[2][4], const uint4 (&r)[4][kPB], int pieces) {
-    uint32_t fa[4];
-    fa[0] = Traits::pack(p[0][0], p[0][1]);
-    fa[1] = Traits::pack(p[0][2], p[0][3]);
-    fa[2] = Traits::pack(p[1][0], p[1][1]);
-    fa[3] = Traits::pack(p[1][2], p[1][3]);
-#pragma unroll
-    for (int v = 0; v < kPB; ++v) {
-      if (v >= pieces) break;
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const uint32_t r0 = cuda::word_of(r[0][v], w), r1 = cuda::word_of(r[1][v], w);
-        const uint32_t r2 = cuda::word_of(r[2][v], w), r3 = cuda::word_of(r[3][v], w);
-        cuda::mma_16816<kBf16>(acc[8 * v + 2 * w], fa, cuda::byte_perm(r0, r1, 0x5410u), cuda::byte_perm(r2, r3, 0x5410u));
-        cuda::mma_16816<kBf16>(acc[8 * v + 2 * w + 1], fa, cuda::byte_perm(r0, r1, 0x7632u),
-                               cuda::byte_perm(r2, r3, 0x7632u));
-      }
-    }
-  };
-  // s (raw scores) -> P = exp2(s scale_log2 - lse2), 0 where row h may not see the key.
+  // s (raw scores of a step) -> P = exp2(s scale_log2 - lse2), 0 where row h may not see the key.
   auto probabilities = [&](float (&s)[2][4], int u, int64_t first) {
-    const uint32_t picked = static_cast<uint32_t>(umask[u]);
-    const int64_t blk_end = int64_t(ublk[u]) * a.lp + a.lp;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int hi = t_row[h] >= 0 && ((picked >> tok[h]) & 1u)
-                         ? int(max(int64_t(0), min(int64_t(16), min(blk_end, t_row[h] + 1) - first)))
-                         : 0;
+      const int hi = walk.visible(u, first, t_row[h], tok[h]);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -209,7 +111,16 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
   // Output column of accumulator tile t, element c (0, 1) of this lane: 64 (t / 8) + 16 q + t % 8 (+ 8).
   auto column = [&](int t, int c) { return 64 * (t / 8) + 16 * quad + t % 8 + 8 * c; };
 
-  uint4 ka[2][kPA];
+  // Register layouts of a step's rows (slc_union.cuh): K and V in the A layout for Q K^T and
+  // dO V^T, K and V in the B layout for dS K and P V.
+  uint4 ka[2][kKA];
+  // K of step i in the A layout (both passes load step 0 first, then step i + 1 during step i).
+  auto load_k_step = [&](int i) {
+    int64_t first, end;
+    int u;
+    walk.step(i, first, end, u);
+    cuda::load_rows_a<E, kKA>(ka, kbase, kst, first, end);
+  };
   // ---- pass 1: o_slc and dg_slc = <dO, o_slc> ----
   if (!a.dg_ready) {
     float acc_o[DV / 8][4];
@@ -217,24 +128,16 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
     for (int t = 0; t < DV / 8; ++t) acc_o[t][0] = acc_o[t][1] = acc_o[t][2] = acc_o[t][3] = 0.f;
     int64_t first, end;
     int u;
-    if (steps > 0) {
-      step_range(0, first, end, u);
-      load_a(ka, kbase, kst, kKA, first, end);
-    }
+    if (steps > 0) load_k_step(0);
     for (int i = 0; i < steps; ++i) {
-      step_range(i, first, end, u);
-      uint4 vb[4][kPB];
-      load_b(vb, vbase, vst, kVB, first, end);
+      walk.step(i, first, end, u);
+      uint4 vb[4][kVB];
+      cuda::load_rows_b<E, kVB>(vb, vbase, vst, first, end);
       float s[2][4];
-      product_a(s, qs, ka, DQK);
-      if (i + 1 < steps) {
-        int64_t f2, e2;
-        int u2;
-        step_range(i + 1, f2, e2, u2);
-        load_a(ka, kbase, kst, kKA, f2, e2);
-      }
+      cuda::mma_frags_rows_a<E, kKA>(s, qs, ka);
+      if (i + 1 < steps) load_k_step(i + 1);
       probabilities(s, u, first);
-      product_b(acc_o, s, vb, kVB);
+      cuda::mma_p_rows_b<E, kVB>(acc_o, s, vb);
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -262,31 +165,23 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
   {
     int64_t first, end;
     int u;
-    if (steps > 0) {
-      step_range(0, first, end, u);
-      load_a(ka, kbase, kst, kKA, first, end);
-    }
+    if (steps > 0) load_k_step(0);
     for (int i = 0; i < steps; ++i) {
-      step_range(i, first, end, u);
-      uint4 va[2][kPA];
-      load_a(va, vbase, vst, kVA, first, end);
+      walk.step(i, first, end, u);
+      uint4 va[2][kVA];
+      cuda::load_rows_a<E, kVA>(va, vbase, vst, first, end);
       float s[2][4], dp[2][4];
-      product_a(s, qs, ka, DQK);
-      uint4 kb[4][kPB];
-      load_b(kb, kbase, kst, kKB, first, end);  // the rows just read for Q K^T: mostly L1 hits
-      if (i + 1 < steps) {
-        int64_t f2, e2;
-        int u2;
-        step_range(i + 1, f2, e2, u2);
-        load_a(ka, kbase, kst, kKA, f2, e2);
-      }
-      product_a(dp, dos, va, DV);
+      cuda::mma_frags_rows_a<E, kKA>(s, qs, ka);
+      uint4 kb[4][kKB];
+      cuda::load_rows_b<E, kKB>(kb, kbase, kst, first, end);  // the rows just read for Q K^T: mostly L1 hits
+      if (i + 1 < steps) load_k_step(i + 1);
+      cuda::mma_frags_rows_a<E, kVA>(dp, dos, va);
       probabilities(s, u, first);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[nt][e] = a.scale * gate[e >> 1] * s[nt][e] * (dp[nt][e] - dg[e >> 1]);
-      product_b(acc_q, s, kb, kKB);
+      cuda::mma_p_rows_b<E, kKB>(acc_q, s, kb);
     }
   }
   // dq (written by dq_kernel with the other branches) += this branch's part, rounded once more.

@@ -28,3 +28,25 @@ namespace nsa::cuda {
 
 // After a <<<...>>> launch: catches bad launch configurations (the kernel runs asynchronously).
 #define NSA_CUDA_CHECK_LAUNCH() NSA_CUDA_CHECK(cudaGetLastError())
+
+namespace nsa::cuda {
+
+// Dynamic shared memory above 48 KB must be allowed per kernel. max_carveout: also ask for the
+// largest shared-memory split of the unified L1/shared array (kernels that need two ~105 KB
+// blocks per SM); without it the driver keeps the L1 that kernels reading through L1 want.
+template <typename Kernel>
+void allow_smem(Kernel* kernel, size_t bytes, bool max_carveout) {
+  NSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  if (max_carveout)
+    NSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        static_cast<int>(cudaSharedmemCarveoutMaxShared)));
+}
+
+// The grid of the row-tile kernels: x = the tiles of `tokens_per_tile` tokens of every sequence
+// (max_seqlen bounds them; a tile past its sequence's end returns at once), y = KV heads.
+inline dim3 row_tile_grid(int64_t max_seqlen, int64_t batch, int tokens_per_tile, int hkv) {
+  const int64_t tiles = (max_seqlen + tokens_per_tile - 1) / tokens_per_tile;
+  return dim3(static_cast<unsigned>(tiles * batch), static_cast<unsigned>(hkv));
+}
+
+}  // namespace nsa::cuda
