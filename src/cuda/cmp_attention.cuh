@@ -140,8 +140,6 @@ struct CmpSmem {
   static_assert(Tile::kQBytes % 1024 == 0, "the K tile after Q starts on a 1024-byte boundary");
   static constexpr int kKTile = kWgmma ? Tile::kKSwTile : kKeyChunk * Tile::kKStride;  // elements of a K buffer
   static constexpr int kVTile = kWgmma ? Tile::kVSwTile : kKeyChunk * Tile::kVStride;
-  // The Q tile's space holds one K buffer once every warp has its Q fragments (pass 2's third).
-  static_assert(Tile::kQBytes >= kKTile * sizeof(Storage), "Q tile space fits a K chunk");
   Storage* sq;
   Storage* sk;
   Storage* sv;
@@ -152,8 +150,6 @@ struct CmpSmem {
     sk = reinterpret_cast<Storage*>(base + Tile::kQBytes);
     sv = sk + kStages * kKTile;
   }
-  // K buffer i of pass 2's ring of three: the two K buffers, then the Q tile's space.
-  __device__ __forceinline__ Storage* k_ring(int i) const { return i < 2 ? sk + i * kKTile : sq; }
   static __device__ __forceinline__ void load_k(Storage* dst, const Storage* src, int64_t st, int count) {
     if constexpr (kWgmma)
       Tile::template load_rows_sw128<kDqk>(dst, src, st, count);
@@ -198,14 +194,13 @@ inline size_t cmp_smem_bytes(int rows, int stages, int dqk, int dv, int group, i
   return 1024 + q + k + std::max(v, scores);
 }
 
-// Pass 2: the selection scores S of the tile from the final log-sum-exps lse2 (log2 units) and the
-// Q fragments in `tile`. K chunks stream through a ring of three buffers (the two K buffers and
-// the Q tile's space, free once every warp holds its Q fragments: the caller has passed a CTA
-// barrier after load_q_fragments), two chunks in flight. s_pg: [tokens][kKeyChunk] +
-// [tokens][score_ring] floats of shared memory.
+// Pass 2: the selection scores S of the tile from the final log-sum-exps lse2 (log2 units). K
+// chunks are double-buffered (one chunk in flight). With wgmma the Q fragments are reloaded from
+// the Q tile (which must stay in shared memory) for every chunk: see "ptxas and Q fragments" at
+// the kernel below. s_pg: [tokens][kKeyChunk] + [tokens][score_ring] floats of shared memory.
 template <typename Storage, int kDqk, int kDv, int kRows>
 __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const CmpTileInfo<kRows>& ti,
-                                                const TileAttention<Storage, kDqk, kDv, kRows>& tile_state,
+                                                TileAttention<Storage, kDqk, kDv, kRows>& tile_state,
                                                 const CmpSmem<Storage, kDqk, kDv, kRows>& sm, float* s_pg,
                                                 const float (&lse2)[2]) {
   using Tile = TileAttention<Storage, kDqk, kDv, kRows>;
@@ -236,23 +231,20 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
   const int num_chunks = ti.num_chunks;
   auto load_chunk = [&](int c) {
     const int64_t first = int64_t(c) * kKeyChunk;
-    Smem::load_k(sm.k_ring(c % 3), kbase + first * p.kc_st, p.kc_st,
+    Smem::load_k(sm.sk + (c & 1) * Smem::kKTile, kbase + first * p.kc_st, p.kc_st,
                  static_cast<int>(min64(kKeyChunk, ti.num_keys - first)));
     cp_async_commit();
   };
   int64_t jbase = 0;
   if (num_chunks > 0) load_chunk(0);
-  if (num_chunks > 1) load_chunk(1);
   for (int c = 0; c < num_chunks; ++c) {
-    // Chunk c has landed for everyone; every warp is done with chunk c - 1 (its buffer takes c + 2).
-    if (c + 1 < num_chunks)
-      Smem::template wait_copies<1>();
-    else
-      Smem::template wait_copies<0>();
+    // Chunk c has landed for everyone; every warp is done with chunk c - 1 (its buffer takes c + 1).
+    Smem::template wait_copies<0>();
     __syncthreads();
-    if (c + 2 < num_chunks) load_chunk(c + 2);
+    if (c + 1 < num_chunks) load_chunk(c + 1);
+    if constexpr (Smem::kWgmma) tile_state.load_q_fragments(sm.sq);
     float s[Tile::kSTiles][4];
-    Smem::scores(tile_state, s, sm.k_ring(c % 3));
+    Smem::scores(tile_state, s, sm.sk + (c & 1) * Smem::kKTile);
     int lo[2], hi[2];
     ti.chunk_limits(c, lo, hi);
     tile_state.mask(s, lo, hi);
@@ -306,6 +298,12 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
   }
 }
 
+// ptxas and Q fragments: with wgmma the Q fragments are reloaded from the Q tile (ldmatrix, Dqk/16
+// per warp) for every chunk instead of being held in registers across the chunk loop. Held, ptxas
+// (CUDA 13.0) gave their registers to other values inside the loop in the kernels whose loop was
+// the fragments' last use (the split pass-1 kernels: every chunk after the first multiplied
+// garbage), while the fused kernel, which uses them again after the loop, was right. Reloaded,
+// they are never live across a loop iteration.
 // Pass 1 (o_cmp and lse) of a tile of kRows rows, K/V chunks through kStages buffers (kStages - 1
 // chunks in flight); with kFusedScores also pass 2 in the same CTA (the Q fragments stay in
 // registers), else cmp_scores_kernel does it afterwards.
@@ -352,12 +350,13 @@ __global__ void __launch_bounds__(kRows / 16 * 32) cmp_attention_kernel(const Cm
   for (int c = 0; c < kStages - 1 && c < num_chunks; ++c) load_chunk(c, c);
   wait_for_chunk(0);
   __syncthreads();
-  tile_state.load_q_fragments(sm.sq);
+  if constexpr (!Smem::kWgmma) tile_state.load_q_fragments(sm.sq);
   for (int c = 0; c < num_chunks; ++c) {
     wait_for_chunk(c);
     __syncthreads();
     if (c + kStages - 1 < num_chunks) load_chunk(c + kStages - 1, (c + kStages - 1) % kStages);
     const int buf = c % kStages;
+    if constexpr (Smem::kWgmma) tile_state.load_q_fragments(sm.sq);
     float s[Tile::kSTiles][4];
     Smem::scores(tile_state, s, sm.sk + buf * Smem::kKTile);
     int lo[2], hi[2];
@@ -386,7 +385,7 @@ __global__ void __launch_bounds__(kRows / 16 * 32) cmp_attention_kernel(const Cm
   if constexpr (kFusedScores) {
     if (p.scores == nullptr) return;
     __syncthreads();  // every warp is done with pass 1's buffers (pass 2's scores reuse V's space)
-    static_assert(!kFusedScores || kStages == 2, "pass 2's ring is the two K buffers and the Q tile");
+    static_assert(!kFusedScores || kStages == 2, "pass 2 uses the first two K buffers and the V space");
     cmp_scores_pass<Storage, kDqk, kDv, kRows>(p, ti, tile_state, sm, reinterpret_cast<float*>(sm.sv), lse2);
   }
 }
@@ -417,8 +416,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) cmp_scores_kernel(const Cm
   Tile tile_state;
   Smem::template wait_copies<0>();
   __syncthreads();
-  tile_state.load_q_fragments(sm.sq);
-  __syncthreads();  // the Q tile's space becomes the third K buffer
+  if constexpr (!Smem::kWgmma) tile_state.load_q_fragments(sm.sq);
   cmp_scores_pass<Storage, kDqk, kDv, kTileRows>(p, ti, tile_state, sm, reinterpret_cast<float*>(sm.sk + 2 * Smem::kKTile),
                                                  lse2);
 }
