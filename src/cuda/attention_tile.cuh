@@ -195,7 +195,7 @@ struct TileAttention {
     }
   }
 
-  // ---- sm_90a: the same products with wgmma (common/wgmma.h); only kRows = 64 (one warpgroup) ----
+  // ---- sm_90a: the same products with wgmma (common/wgmma.h); each warpgroup (64 rows) on its own ----
   // K and V chunks are stored in the 128-byte swizzle layout (no padding), double-buffered.
   static constexpr int kKSwTile = kChunk * kDqk;  // elements of one K buffer
   static constexpr int kVSwTile = kChunk * kDv;
@@ -220,7 +220,7 @@ struct TileAttention {
   // scores() with one m64n64k16 wgmma per 16 head dims: A = the Q fragments, B = the swizzled
   // K chunk in `sk` (K-major). Every thread of the warpgroup must call it.
   __device__ __forceinline__ void scores_wgmma(float (&s)[kSTiles][4], const Storage* sk) const {
-    static_assert(kRows == 64 && kChunk == 64, "one warpgroup, one n64 product per k16 step");
+    static_assert(kRows % 64 == 0 && kChunk == 64, "whole warpgroups, one n64 product per k16 step");
 #pragma unroll
     for (int i = 0; i < kSTiles; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
     wgmma_fence_operands(s);
@@ -239,7 +239,7 @@ struct TileAttention {
   // accumulate_pv() with one m64n{Dv}k16 wgmma per 16 keys: A = P packed from registers, B = the
   // swizzled V chunk in `sv` (MN-major, transposed operand).
   __device__ __forceinline__ void accumulate_pv_wgmma(const float (&p)[kSTiles][4], const Storage* sv) {
-    static_assert(kRows == 64 && (kDv == 64 || kDv == 128), "one warpgroup, N = Dv in one product");
+    static_assert(kRows % 64 == 0 && (kDv == 64 || kDv == 128), "whole warpgroups, N = Dv in one product");
     uint32_t a[kChunk / 16][4];
 #pragma unroll
     for (int kk = 0; kk < kChunk / 16; ++kk) {

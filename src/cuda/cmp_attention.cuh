@@ -15,6 +15,10 @@
 // p_cmp is never rounded (fp32 all the way), and the order of additions is fixed (deterministic).
 #pragma once
 
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
 #include "cuda/attention_tile.cuh"
 #include "cuda/common/check.h"
 #include "nsa/blocks.h"
@@ -77,157 +81,173 @@ __device__ __forceinline__ void store_head_sums(const float (&p)[kKeyChunk / 8][
   }
 }
 
-template <typename Storage, int kDqk, int kDv>
-__global__ void __launch_bounds__(kThreads) cmp_attention_kernel(const CmpAttnParams p) {
-  using Tile = TileAttention<Storage, kDqk, kDv>;
-  // sm_90a: Q K^T and P V with wgmma, K/V chunks in the 128-byte swizzle layout (unpadded, from a
-  // 1024-byte boundary: the padding saved pays for the alignment, cmp_attention_smem_bytes still
-  // bounds it). Elsewhere mma.sync on padded rows.
-  constexpr bool kWgmma = kWgmmaCompiled;
-  static_assert(Tile::kQBytes % 1024 == 0, "the K tile after Q starts on a 1024-byte boundary");
-  constexpr int kKTile = kWgmma ? Tile::kKSwTile : kKeyChunk * Tile::kKStride;  // elements of a K buffer
-  constexpr int kVTile = kWgmma ? Tile::kVSwTile : kKeyChunk * Tile::kVStride;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  unsigned char* smem = smem_raw;
-  if constexpr (kWgmma) smem += (1024u - (smem_address(smem_raw) & 1023u)) & 1023u;
-  Storage* sq = reinterpret_cast<Storage*>(smem);
-  Storage* sk = reinterpret_cast<Storage*>(smem + Tile::kQBytes);
-  Storage* sv = sk + 2 * kKTile;
-  // Pass 2 needs no V: its score buffers reuse the V tiles' space.
-  float* s_pg = reinterpret_cast<float*>(sv);  // [tokens][kKeyChunk]
+inline constexpr float kCmpLog2e = 1.4426950408889634f;
 
-  const int tokens_per_tile = kTileRows >> p.log2_group;
-  const int64_t tiles_per_seq = (p.seqs.max_seqlen + tokens_per_tile - 1) / tokens_per_tile;
-  const int b = static_cast<int>(blockIdx.x / tiles_per_seq);
-  // Later tiles have more keys: start them first so the tail of the grid is short.
-  const int64_t tile = tiles_per_seq - 1 - blockIdx.x % tiles_per_seq;
-  const int hk = blockIdx.y;
-  int64_t s0, len;
-  sequence_bounds(p.seqs, b, s0, len);
-  const int64_t t0 = tile * tokens_per_tile;
-  if (t0 >= len) return;
-  const int tokens_valid = static_cast<int>(min64(tokens_per_tile, len - t0));
-  float* s_acc = s_pg + tokens_per_tile * kKeyChunk;  // [tokens][score_ring]
-
-  const Storage* q = static_cast<const Storage*>(p.q);
-  const Storage* kbase = static_cast<const Storage*>(p.kc) + cmp_row_offset(s0, p.d) * p.kc_st + hk * p.kc_sh;
-  const Storage* vbase = static_cast<const Storage*>(p.vc) + cmp_row_offset(s0, p.d) * p.vc_st + hk * p.vc_sh;
-
-  load_q_tile<Storage, kDqk>(sq, q, p.q_st, p.q_sh, s0 + t0, tokens_valid, hk * p.group, p.log2_group);
-  cp_async_commit();
-
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int group_id = lane / 4, quad = lane % 4;
+// What a CTA knows about its tile: kRows rows = tokens_per_tile tokens x G heads of KV head hk,
+// and this thread's two rows (group, group + 8 of its warp's m16 slice).
+template <int kRows>
+struct CmpTileInfo {
+  int b, hk, tokens_per_tile, tokens_valid;
+  int64_t s0, len, t0;
   int row[2], tok[2];
-  int64_t t_row[2], visible[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    row[h] = warp * 16 + group_id + 8 * h;
-    tok[h] = row[h] >> p.log2_group;
-    t_row[h] = t0 + tok[h];
-    visible[h] = tok[h] < tokens_valid ? visible_cmp_blocks(t_row[h], p.l, p.d) : 0;
-  }
-  const int64_t num_keys = visible_cmp_blocks(t0 + tokens_valid - 1, p.l, p.d);  // C of the last token
-  const int num_chunks = static_cast<int>((num_keys + kKeyChunk - 1) / kKeyChunk);
+  int64_t t_row[2], visible[2];  // keys i < visible[h] are seen by row h (0 for rows past the sequence)
+  int64_t num_keys;              // C of the tile's last token: the keys streamed
+  int num_chunks;
 
-  Tile tile_state;
-  tile_state.reset();
-  auto load_chunk = [&](int c, int buf, bool with_v) {
-    const int64_t first = int64_t(c) * kKeyChunk;
-    const int count = static_cast<int>(min64(kKeyChunk, num_keys - first));
-    if constexpr (kWgmma) {
-      Tile::template load_rows_sw128<kDqk>(sk + buf * kKTile, kbase + first * p.kc_st, p.kc_st, count);
-      if (with_v) Tile::template load_rows_sw128<kDv>(sv + buf * kVTile, vbase + first * p.vc_st, p.vc_st, count);
-    } else {
-      Tile::template load_rows<kDqk>(sk + buf * kKTile, kbase + first * p.kc_st, p.kc_st, count);
-      if (with_v) Tile::template load_rows<kDv>(sv + buf * kVTile, vbase + first * p.vc_st, p.vc_st, count);
+  // False when the tile lies past its sequence (the CTA has nothing to do).
+  __device__ __forceinline__ bool init(const CmpAttnParams& p) {
+    tokens_per_tile = kRows >> p.log2_group;
+    const int64_t tiles_per_seq = (p.seqs.max_seqlen + tokens_per_tile - 1) / tokens_per_tile;
+    b = static_cast<int>(blockIdx.x / tiles_per_seq);
+    // Later tiles have more keys: start them first so the tail of the grid is short.
+    const int64_t tile = tiles_per_seq - 1 - blockIdx.x % tiles_per_seq;
+    hk = blockIdx.y;
+    sequence_bounds(p.seqs, b, s0, len);
+    t0 = tile * tokens_per_tile;
+    if (t0 >= len) return false;
+    tokens_valid = static_cast<int>(min64(tokens_per_tile, len - t0));
+    const int warp = threadIdx.x / 32, group_id = threadIdx.x % 32 / 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      row[h] = warp * 16 + group_id + 8 * h;
+      tok[h] = row[h] >> p.log2_group;
+      t_row[h] = t0 + tok[h];
+      visible[h] = tok[h] < tokens_valid ? visible_cmp_blocks(t_row[h], p.l, p.d) : 0;
     }
-    cp_async_commit();
-  };
+    num_keys = visible_cmp_blocks(t0 + tokens_valid - 1, p.l, p.d);
+    num_chunks = static_cast<int>((num_keys + kKeyChunk - 1) / kKeyChunk);
+    return true;
+  }
+  // Chunk c's key range of row h: [0, hi) (visible keys only).
+  __device__ __forceinline__ void chunk_limits(int c, int (&lo)[2], int (&hi)[2]) const {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      lo[h] = 0;
+      hi[h] = static_cast<int>(max64(0, min64(kKeyChunk, visible[h] - int64_t(c) * kKeyChunk)));
+    }
+  }
+};
+
+// Shared-memory plan of the kernels: [Q tile | kStages K buffers | kStages V buffers or the
+// score buffers].
+// sm_90a (wgmma): K/V in the 128-byte swizzle layout without padding, from a 1024-byte boundary;
+// elsewhere padded rows for ldmatrix. The host sizes it with the padded layout plus the alignment
+// slack (cmp_smem_bytes), which covers both.
+template <typename Storage, int kDqk, int kDv, int kRows, int kStages = 2>
+struct CmpSmem {
+  using Tile = TileAttention<Storage, kDqk, kDv, kRows>;
+  static constexpr bool kWgmma = kWgmmaCompiled;
+  static_assert(Tile::kQBytes % 1024 == 0, "the K tile after Q starts on a 1024-byte boundary");
+  static constexpr int kKTile = kWgmma ? Tile::kKSwTile : kKeyChunk * Tile::kKStride;  // elements of a K buffer
+  static constexpr int kVTile = kWgmma ? Tile::kVSwTile : kKeyChunk * Tile::kVStride;
+  Storage* sq;
+  Storage* sk;
+  Storage* sv;
+  __device__ __forceinline__ explicit CmpSmem(unsigned char* raw) {
+    unsigned char* base = raw;
+    if constexpr (kWgmma) base += (1024u - (smem_address(raw) & 1023u)) & 1023u;
+    sq = reinterpret_cast<Storage*>(base);
+    sk = reinterpret_cast<Storage*>(base + Tile::kQBytes);
+    sv = sk + kStages * kKTile;
+  }
+  static __device__ __forceinline__ void load_k(Storage* dst, const Storage* src, int64_t st, int count) {
+    if constexpr (kWgmma)
+      Tile::template load_rows_sw128<kDqk>(dst, src, st, count);
+    else
+      Tile::template load_rows<kDqk>(dst, src, st, count);
+  }
+  static __device__ __forceinline__ void load_v(Storage* dst, const Storage* src, int64_t st, int count) {
+    if constexpr (kWgmma)
+      Tile::template load_rows_sw128<kDv>(dst, src, st, count);
+    else
+      Tile::template load_rows<kDv>(dst, src, st, count);
+  }
   // This thread's copies have landed; with wgmma they are also made visible to the async proxy
-  // (the CTA barrier that follows publishes them).
-  auto wait_chunk = [] {
-    cp_async_wait<0>();
+  // (the CTA barrier that follows publishes them to every warp).
+  template <int kPending>
+  static __device__ __forceinline__ void wait_copies() {
+    cp_async_wait<kPending>();
     if constexpr (kWgmma) fence_proxy_async();
-  };
-  // Masked raw scores Q K^T of chunk c (-inf past a row's visible blocks).
-  auto masked_scores = [&](float (&s)[Tile::kSTiles][4], int c, int buf) {
-    if constexpr (kWgmma)
-      tile_state.scores_wgmma(s, sk + buf * kKTile);
-    else
-      tile_state.scores(s, sk + buf * kKTile);
-    const int lo[2] = {0, 0};
-    int hi[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) hi[h] = static_cast<int>(max64(0, min64(kKeyChunk, visible[h] - int64_t(c) * kKeyChunk)));
-    tile_state.mask(s, lo, hi);
-  };
-
-  // ---- Pass 1: o_cmp and lse ----
-  // One barrier per chunk: after it chunk c has landed for everyone and every warp is done with
-  // chunk c - 1, whose buffer then receives chunk c + 1 while chunk c is multiplied.
-  if (num_chunks > 0) load_chunk(0, 0, true);
-  wait_chunk();
-  __syncthreads();
-  tile_state.load_q_fragments(sq);
-  for (int c = 0; c < num_chunks; ++c) {
-    wait_chunk();
-    __syncthreads();
-    if (c + 1 < num_chunks) load_chunk(c + 1, (c + 1) & 1, true);
-    float s[Tile::kSTiles][4];
-    masked_scores(s, c, c & 1);
-    tile_state.softmax_update(s, p.scale_log2);
-    if constexpr (kWgmma)
-      tile_state.accumulate_pv_wgmma(s, sv + (c & 1) * kVTile);
-    else
-      tile_state.accumulate_pv(s, sv + (c & 1) * kVTile);
   }
-  float lse2[2];
-  Storage* o = static_cast<Storage*>(p.o);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float inv;
-    tile_state.finish_row(h, lse2[h], inv);
-    if (tok[h] >= tokens_valid) continue;
-    const int head = hk * p.group + (row[h] & (p.group - 1));
-    const int64_t t = s0 + t_row[h];
-    if (quad == 0) p.lse[t * p.lse_st + head * p.lse_sh] = lse2[h] == kNegInf ? kNegInf : lse2[h] * kLn2;
-    Storage* orow = o + t * p.o_st + head * p.o_sh;
-#pragma unroll
-    for (int i = 0; i < Tile::kOTiles; ++i) {
-      const uint32_t packed = StorageTraits<Storage>::pack(tile_state.acc[i][2 * h] * inv, tile_state.acc[i][2 * h + 1] * inv);
-      *reinterpret_cast<uint32_t*>(orow + i * 8 + 2 * quad) = packed;
-    }
+  static __device__ __forceinline__ void scores(const Tile& t, float (&s)[Tile::kSTiles][4], const Storage* k) {
+    if constexpr (kWgmma)
+      t.scores_wgmma(s, k);
+    else
+      t.scores(s, k);
   }
-  if (p.scores == nullptr) return;
+  static __device__ __forceinline__ void accumulate_pv(Tile& t, const float (&s)[Tile::kSTiles][4], const Storage* v) {
+    if constexpr (kWgmma)
+      t.accumulate_pv_wgmma(s, v);
+    else
+      t.accumulate_pv(s, v);
+  }
+};
 
-  // ---- Pass 2: selection scores S ----
+// Host side: dynamic shared memory of a CTA of kRows rows (padded layout + 1024 bytes of
+// alignment slack: enough for either layout).
+inline size_t cmp_smem_bytes(int rows, int stages, int dqk, int dv, int group, int score_ring, bool with_v,
+                             bool with_scores) {
+  const size_t es = 2, tokens = size_t(rows) / group;
+  const size_t q = size_t(rows) * (dqk + 8) * es, k = stages * size_t(kKeyChunk) * (dqk + 8) * es;
+  const size_t v = with_v ? stages * size_t(kKeyChunk) * (dv + 8) * es : 0;
+  const size_t scores = with_scores ? tokens * (kKeyChunk + score_ring) * sizeof(float) : 0;
+  return 1024 + q + k + std::max(v, scores);
+}
+
+// Pass 2: the selection scores S of the tile from the final log-sum-exps lse2 (log2 units). K
+// chunks are double-buffered (one chunk in flight). With wgmma the Q fragments are reloaded from
+// the Q tile (which must stay in shared memory) for every chunk: see "ptxas and Q fragments" at
+// the kernel below. s_pg: [tokens][kKeyChunk] + [tokens][score_ring] floats of shared memory.
+template <typename Storage, int kDqk, int kDv, int kRows>
+__device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const CmpTileInfo<kRows>& ti,
+                                                TileAttention<Storage, kDqk, kDv, kRows>& tile_state,
+                                                const CmpSmem<Storage, kDqk, kDv, kRows>& sm, float* s_pg,
+                                                const float (&lse2)[2]) {
+  using Tile = TileAttention<Storage, kDqk, kDv, kRows>;
+  using Smem = CmpSmem<Storage, kDqk, kDv, kRows>;
+  constexpr int kCta = kRows / 16 * 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // p_cmp = exp2(s * scale_log2 - lse2); a row without visible keys (lse2 = -inf) has only masked
   // scores, and exp2(-inf - 0) = 0 gives it zeros.
   const float lse_use[2] = {lse2[0] == kNegInf ? 0.f : lse2[0], lse2[1] == kNegInf ? 0.f : lse2[1]};
-  __syncthreads();  // every warp is done with pass 1's K/V buffers (pg and acc reuse V's space)
+  const int tokens_per_tile = ti.tokens_per_tile, tokens_valid = ti.tokens_valid;
+  float* s_acc = s_pg + tokens_per_tile * kKeyChunk;  // [tokens][score_ring]
   const int R = p.lp / p.d;  // stride pieces per selection block
   const int L = p.l / p.d;   // stride pieces per compressed block
   const int W = p.score_window;
   const int ring = p.score_ring, ring_mask = ring - 1;
-  for (int e = threadIdx.x; e < tokens_per_tile * ring; e += kThreads) s_acc[e] = 0.f;
+  for (int e = threadIdx.x; e < tokens_per_tile * ring; e += kCta) s_acc[e] = 0.f;
   // This warp's tokens: its 16 rows are tokens_per_warp whole tokens (G divides 16).
   const int tokens_per_warp = 16 >> p.log2_group;
   const int warp_token0 = warp * tokens_per_warp;
+  const int64_t t0 = ti.t0, s0 = ti.s0;
   // Columns a token writes: all of them for the public op, else the admissible ones (top-n reads those).
   auto column_limit = [&](int token) -> int64_t {
     const int64_t t = t0 + token;
     return p.scores_zero_fill ? p.scores_width : min64(p.scores_width, last_slc_block(t, p.lp) + 1);
   };
-  auto score_row = [&](int token) { return p.scores + (s0 + t0 + token) * p.s_st + hk * p.s_sh; };
+  auto score_row = [&](int token) { return p.scores + (s0 + t0 + token) * p.s_st + ti.hk * p.s_sh; };
+  const Storage* kbase = static_cast<const Storage*>(p.kc) + cmp_row_offset(s0, p.d) * p.kc_st + ti.hk * p.kc_sh;
+  const int num_chunks = ti.num_chunks;
+  auto load_chunk = [&](int c) {
+    const int64_t first = int64_t(c) * kKeyChunk;
+    Smem::load_k(sm.sk + (c & 1) * Smem::kKTile, kbase + first * p.kc_st, p.kc_st,
+                 static_cast<int>(min64(kKeyChunk, ti.num_keys - first)));
+    cp_async_commit();
+  };
   int64_t jbase = 0;
-  if (num_chunks > 0) load_chunk(0, 0, false);
+  if (num_chunks > 0) load_chunk(0);
   for (int c = 0; c < num_chunks; ++c) {
-    wait_chunk();
-    __syncthreads();  // chunk c has landed; every warp is done with chunk c - 1's K buffer
-    if (c + 1 < num_chunks) load_chunk(c + 1, (c + 1) & 1, false);
+    // Chunk c has landed for everyone; every warp is done with chunk c - 1 (its buffer takes c + 1).
+    Smem::template wait_copies<0>();
+    __syncthreads();
+    if (c + 1 < num_chunks) load_chunk(c + 1);
+    if constexpr (Smem::kWgmma) tile_state.load_q_fragments(sm.sq);
     float s[Tile::kSTiles][4];
-    masked_scores(s, c, c & 1);
+    Smem::scores(tile_state, s, sm.sk + (c & 1) * Smem::kKTile);
+    int lo[2], hi[2];
+    ti.chunk_limits(c, lo, hi);
+    tile_state.mask(s, lo, hi);
 #pragma unroll
     for (int i = 0; i < Tile::kSTiles; ++i)
 #pragma unroll
@@ -273,21 +293,191 @@ __global__ void __launch_bounds__(kThreads) cmp_attention_kernel(const CmpAttnPa
   for (int token = 0; token < tokens_valid; ++token) {
     float* srow = score_row(token);
     const int64_t limit = column_limit(token);
-    for (int64_t j = jbase + threadIdx.x; j < limit; j += kThreads)
+    for (int64_t j = jbase + threadIdx.x; j < limit; j += kCta)
       srow[j] = j - jbase < W ? s_acc[token * ring + (j & ring_mask)] : 0.f;
   }
 }
 
+// ptxas and Q fragments: with wgmma the Q fragments are reloaded from the Q tile (ldmatrix, Dqk/16
+// per warp) for every chunk instead of being held in registers across the chunk loop. Held, ptxas
+// (CUDA 13.0) gave their registers to other values inside the loop in the kernels whose loop was
+// the fragments' last use (the split pass-1 kernels: every chunk after the first multiplied
+// garbage), while the fused kernel, which uses them again after the loop, was right. Reloaded,
+// they are never live across a loop iteration.
+// Pass 1 (o_cmp and lse) of a tile of kRows rows, K/V chunks through kStages buffers (kStages - 1
+// chunks in flight); with kFusedScores also pass 2 in the same CTA (the Q fragments stay in
+// registers), else cmp_scores_kernel does it afterwards.
+template <typename Storage, int kDqk, int kDv, int kRows, bool kFusedScores, int kStages>
+__global__ void __launch_bounds__(kRows / 16 * 32) cmp_attention_kernel(const CmpAttnParams p) {
+  static_assert(kStages == 2 || kStages == 3, "two or three K/V buffers");
+  using Tile = TileAttention<Storage, kDqk, kDv, kRows>;
+  using Smem = CmpSmem<Storage, kDqk, kDv, kRows, kStages>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const Smem sm(smem_raw);
+  CmpTileInfo<kRows> ti;
+  if (!ti.init(p)) return;
+
+  const Storage* q = static_cast<const Storage*>(p.q);
+  const Storage* kbase = static_cast<const Storage*>(p.kc) + cmp_row_offset(ti.s0, p.d) * p.kc_st + ti.hk * p.kc_sh;
+  const Storage* vbase = static_cast<const Storage*>(p.vc) + cmp_row_offset(ti.s0, p.d) * p.vc_st + ti.hk * p.vc_sh;
+  load_q_tile<Storage, kDqk, kRows>(sm.sq, q, p.q_st, p.q_sh, ti.s0 + ti.t0, ti.tokens_valid, ti.hk * p.group,
+                                    p.log2_group);
+  cp_async_commit();
+
+  const int quad = threadIdx.x % 4;
+  const int num_chunks = ti.num_chunks;
+  Tile tile_state;
+  tile_state.reset();
+  auto load_chunk = [&](int c, int buf) {
+    const int64_t first = int64_t(c) * kKeyChunk;
+    const int count = static_cast<int>(min64(kKeyChunk, ti.num_keys - first));
+    Smem::load_k(sm.sk + buf * Smem::kKTile, kbase + first * p.kc_st, p.kc_st, count);
+    Smem::load_v(sm.sv + buf * Smem::kVTile, vbase + first * p.vc_st, p.vc_st, count);
+    cp_async_commit();
+  };
+
+  // One barrier per chunk: after it chunk c has landed for everyone and every warp is done with
+  // chunk c - 1, whose buffer then receives chunk c + kStages - 1 while chunk c is multiplied.
+  auto wait_for_chunk = [&](int c) {  // the Q tile and chunk c have landed (later chunks may not have)
+    if constexpr (kStages == 3) {
+      if (c + 1 < num_chunks) {
+        Smem::template wait_copies<1>();
+        return;
+      }
+    }
+    Smem::template wait_copies<0>();
+  };
+  for (int c = 0; c < kStages - 1 && c < num_chunks; ++c) load_chunk(c, c);
+  wait_for_chunk(0);
+  __syncthreads();
+  if constexpr (!Smem::kWgmma) tile_state.load_q_fragments(sm.sq);
+  for (int c = 0; c < num_chunks; ++c) {
+    wait_for_chunk(c);
+    __syncthreads();
+    if (c + kStages - 1 < num_chunks) load_chunk(c + kStages - 1, (c + kStages - 1) % kStages);
+    const int buf = c % kStages;
+    if constexpr (Smem::kWgmma) tile_state.load_q_fragments(sm.sq);
+    float s[Tile::kSTiles][4];
+    Smem::scores(tile_state, s, sm.sk + buf * Smem::kKTile);
+    int lo[2], hi[2];
+    ti.chunk_limits(c, lo, hi);
+    tile_state.mask(s, lo, hi);
+    tile_state.softmax_update(s, p.scale_log2);
+    Smem::accumulate_pv(tile_state, s, sm.sv + buf * Smem::kVTile);
+  }
+  float lse2[2];
+  Storage* o = static_cast<Storage*>(p.o);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float inv;
+    tile_state.finish_row(h, lse2[h], inv);
+    if (ti.tok[h] >= ti.tokens_valid) continue;
+    const int head = ti.hk * p.group + (ti.row[h] & (p.group - 1));
+    const int64_t t = ti.s0 + ti.t_row[h];
+    if (quad == 0) p.lse[t * p.lse_st + head * p.lse_sh] = lse2[h] == kNegInf ? kNegInf : lse2[h] * kLn2;
+    Storage* orow = o + t * p.o_st + head * p.o_sh;
+#pragma unroll
+    for (int i = 0; i < Tile::kOTiles; ++i) {
+      const uint32_t packed = StorageTraits<Storage>::pack(tile_state.acc[i][2 * h] * inv, tile_state.acc[i][2 * h + 1] * inv);
+      *reinterpret_cast<uint32_t*>(orow + i * 8 + 2 * quad) = packed;
+    }
+  }
+  if constexpr (kFusedScores) {
+    if (p.scores == nullptr) return;
+    __syncthreads();  // every warp is done with pass 1's buffers (pass 2's scores reuse V's space)
+    static_assert(!kFusedScores || kStages == 2, "pass 2 uses the first two K buffers and the V space");
+    cmp_scores_pass<Storage, kDqk, kDv, kRows>(p, ti, tile_state, sm, reinterpret_cast<float*>(sm.sv), lse2);
+  }
+}
+
+// Pass 2 on its own, after cmp_attention_kernel<..., false> on the same stream: reads that
+// kernel's lse back (natural log -> log2 units) and recomputes Q K^T. Without the 16 x Dv
+// accumulator it needs far fewer registers, so kMinCtas (3 or 4) CTAs share an SM.
+template <typename Storage, int kDqk, int kDv, int kMinCtas>
+__global__ void __launch_bounds__(kThreads, kMinCtas) cmp_scores_kernel(const CmpAttnParams p) {
+  using Tile = TileAttention<Storage, kDqk, kDv, kTileRows>;
+  using Smem = CmpSmem<Storage, kDqk, kDv, kTileRows>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const Smem sm(smem_raw);
+  CmpTileInfo<kTileRows> ti;
+  if (!ti.init(p)) return;
+  load_q_tile<Storage, kDqk, kTileRows>(sm.sq, static_cast<const Storage*>(p.q), p.q_st, p.q_sh, ti.s0 + ti.t0,
+                                        ti.tokens_valid, ti.hk * p.group, p.log2_group);
+  cp_async_commit();
+  float lse2[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    lse2[h] = kNegInf;
+    if (ti.tok[h] < ti.tokens_valid) {
+      const int head = ti.hk * p.group + (ti.row[h] & (p.group - 1));
+      lse2[h] = p.lse[(ti.s0 + ti.t_row[h]) * p.lse_st + head * p.lse_sh] * kCmpLog2e;
+    }
+  }
+  Tile tile_state;
+  Smem::template wait_copies<0>();
+  __syncthreads();
+  if constexpr (!Smem::kWgmma) tile_state.load_q_fragments(sm.sq);
+  cmp_scores_pass<Storage, kDqk, kDv, kTileRows>(p, ti, tile_state, sm, reinterpret_cast<float*>(sm.sk + 2 * Smem::kKTile),
+                                                 lse2);
+}
+
+// Variants (measurement): fused64 = one kernel of 64-row tiles for both passes; split64 / split128
+// = pass 1 in 64- or 128-row tiles (128: two warpgroups share each K/V chunk, half the L2 reads),
+// then cmp_scores_kernel; split128s3: the same with three K/V buffers. NSA_CMP_VARIANT picks one;
+// the default is split128 where the wgmma code runs (sm_90a), else fused64.
+enum class CmpVariant { fused64, split64, split128, split128s3 };
+
+template <typename Kernel>
+inline bool cmp_runs_wgmma(Kernel kernel) {
+  cudaFuncAttributes a{};
+  NSA_CUDA_CHECK(cudaFuncGetAttributes(&a, kernel));
+  return a.binaryVersion == 90;  // the only 9.x code built is sm_90a, which has the wgmma path
+}
+
+template <typename Kernel>
+inline void cmp_launch(Kernel kernel, int rows, size_t smem, const CmpAttnParams& p, cudaStream_t stream) {
+  allow_smem(kernel, smem, /*max_carveout=*/true);  // several CTAs per SM need the whole array
+  const dim3 grid = row_tile_grid(p.seqs.max_seqlen, p.seqs.batch, rows / p.group, p.hkv);
+  if (grid.x == 0) return;
+  kernel<<<grid, rows / 16 * 32, smem, stream>>>(p);
+  NSA_CUDA_CHECK_LAUNCH();
+}
+
 template <typename Storage, int kDqk, int kDv>
 void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream) {
-  using Tile = TileAttention<Storage, kDqk, kDv>;
-  const size_t smem = cmp_attention_smem_bytes(kDqk, kDv, p.group, p.score_ring, p.scores != nullptr);
-  const auto kernel = cmp_attention_kernel<Storage, kDqk, kDv>;
-  allow_smem(kernel, smem, /*max_carveout=*/true);  // two CTAs per SM need the whole array
-  const dim3 grid = row_tile_grid(p.seqs.max_seqlen, p.seqs.batch, kTileRows / p.group, p.hkv);
-  if (grid.x == 0) return;
-  kernel<<<grid, kThreads, smem, stream>>>(p);
-  NSA_CUDA_CHECK_LAUNCH();
+  const auto fused64 = cmp_attention_kernel<Storage, kDqk, kDv, kTileRows, true, 2>;
+  const auto split64 = cmp_attention_kernel<Storage, kDqk, kDv, kTileRows, false, 2>;
+  const auto split128 = cmp_attention_kernel<Storage, kDqk, kDv, 2 * kTileRows, false, 2>;
+  const auto split128s3 = cmp_attention_kernel<Storage, kDqk, kDv, 2 * kTileRows, false, 3>;
+  CmpVariant v = cmp_runs_wgmma(split128) ? CmpVariant::split128 : CmpVariant::fused64;
+  if (const char* env = std::getenv("NSA_CMP_VARIANT")) {
+    if (std::strcmp(env, "fused64") == 0) v = CmpVariant::fused64;
+    if (std::strcmp(env, "split64") == 0) v = CmpVariant::split64;
+    if (std::strcmp(env, "split128") == 0) v = CmpVariant::split128;
+    if (std::strcmp(env, "split128s3") == 0) v = CmpVariant::split128s3;
+  }
+  const bool scores = p.scores != nullptr;
+  if (v == CmpVariant::fused64) {
+    cmp_launch(fused64, kTileRows, cmp_smem_bytes(kTileRows, 2, kDqk, kDv, p.group, p.score_ring, true, scores), p,
+               stream);
+    return;
+  }
+  if (v == CmpVariant::split64)
+    cmp_launch(split64, kTileRows, cmp_smem_bytes(kTileRows, 2, kDqk, kDv, p.group, p.score_ring, true, false), p,
+               stream);
+  else if (v == CmpVariant::split128)
+    cmp_launch(split128, 2 * kTileRows, cmp_smem_bytes(2 * kTileRows, 2, kDqk, kDv, p.group, p.score_ring, true, false),
+               p, stream);
+  else
+    cmp_launch(split128s3, 2 * kTileRows,
+               cmp_smem_bytes(2 * kTileRows, 3, kDqk, kDv, p.group, p.score_ring, true, false), p, stream);
+  if (!scores) return;
+  const size_t smem = cmp_smem_bytes(kTileRows, 2, kDqk, kDv, p.group, p.score_ring, false, true);
+  const char* ctas = std::getenv("NSA_CMP_SCORES_CTAS");
+  if (ctas != nullptr && std::strcmp(ctas, "4") == 0)
+    cmp_launch(cmp_scores_kernel<Storage, kDqk, kDv, 4>, kTileRows, smem, p, stream);
+  else
+    cmp_launch(cmp_scores_kernel<Storage, kDqk, kDv, 3>, kTileRows, smem, p, stream);
 }
 
 }  // namespace nsa::cuda
