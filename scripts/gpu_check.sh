@@ -7,7 +7,8 @@
 #
 # Environment: OUT (log folder), BUILD_DIR (default /tmp/nsa-gpu-build), JOBS (default 16),
 # SKIP="host_tests cuda_tests memcheck cli_bench bench bench_backward python_tests" (any subset), BENCH_ARGS (e.g. --quick),
-# CUDA_TEST_FILTER (a --gtest_filter for cuda_tests, e.g. '*CudaBackward*').
+# CUDA_TEST_FILTER (a --gtest_filter for cuda_tests, e.g. '*CudaBackward*'), BREAK_TESTS=1 (last step:
+# scripts/break_tests.sh, the GPU tests must catch the bugs planted by tests/cuda/breaks/*.patch).
 # To add a step: write a function and call `step NAME function` below; its output lands in
 # $OUT/NAME.log and its status in $OUT/summary.txt.
 set -u -o pipefail
@@ -101,5 +102,7 @@ step cli_bench cli_bench
 step bench bench
 step bench_backward bench_backward
 step python_tests python_tests
+# Last: it rebuilds the GPU tests with the planted bugs (the source tree is restored).
+[[ "${BREAK_TESTS:-0}" == 1 ]] && step break_tests "$SRC/scripts/break_tests.sh" "$BUILD_DIR" "$SRC"
 cat "$SUMMARY"
 exit $FAILED
