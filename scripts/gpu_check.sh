@@ -6,7 +6,7 @@
 #   scripts/gpu_check.sh [SOURCE_DIR]        (default: this repository)
 #
 # Environment: OUT (log folder), BUILD_DIR (default /tmp/nsa-gpu-build), JOBS (default 16),
-# SKIP="host_tests cuda_tests memcheck cli_bench bench bench_backward python_tests" (any subset), BENCH_ARGS (e.g. --quick),
+# SKIP="sass_check host_tests cuda_tests memcheck cli_bench bench bench_backward python_tests" (any subset), BENCH_ARGS (e.g. --quick),
 # CUDA_TEST_FILTER (a --gtest_filter for cuda_tests, e.g. '*CudaBackward*'), BREAK_TESTS=1 (last step:
 # scripts/break_tests.sh, the GPU tests must catch the bugs planted by tests/cuda/breaks/*.patch).
 # To add a step: write a function and call `step NAME function` below; its output lands in
@@ -72,6 +72,17 @@ bin() {
   return 1
 }
 
+# The wgmma register-clobbering hazard (docs/cuda.md, "Compressed attention on sm_90a"): every sm_90a
+# kernel's SASS, checked by tools/check_wgmma_a_regs.py.
+sass_check() {
+  local lib; lib="$(find "$BUILD_DIR" -name libnsa.a | head -1)"
+  cuobjdump -sass "$lib" > "$BUILD_DIR/libnsa.sass" || return 1
+  python3 "$SRC/tools/check_wgmma_a_regs.py" "$BUILD_DIR/libnsa.sass" > "$OUT/sass_check_kernels.txt"
+  local rc=$?
+  echo "$(grep -c '^ok' "$OUT/sass_check_kernels.txt") kernels ok, $(grep -c '^CLOBBERED' "$OUT/sass_check_kernels.txt") clobbered"
+  grep -A1 '^CLOBBERED' "$OUT/sass_check_kernels.txt" | head -20
+  return $rc
+}
 host_tests() { "$(bin nsa_tests)" --gtest_brief=1; }
 cuda_tests() { "$(bin nsa_cuda_tests)" ${CUDA_TEST_FILTER:+--gtest_filter=$CUDA_TEST_FILTER}; }
 memcheck() {
@@ -95,6 +106,7 @@ bench_backward() {  # issue 5: forward+backward against SDPA forward+backward, s
 python_tests() { NSA_PY_BUILD=cmake NSA_PY_CUDA=ON PYTHON=python3 "$SRC/scripts/test_python.sh"; }
 
 step build build || { echo "build failed: see $OUT/build.log"; tail -40 "$OUT/build.log"; exit 1; }
+step sass_check sass_check
 step host_tests host_tests
 step cuda_tests cuda_tests
 step memcheck memcheck

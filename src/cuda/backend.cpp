@@ -473,14 +473,6 @@ const detail::BackendOps kOps = {
 
 }  // namespace
 
-size_t cmp_attention_smem_bytes(int dqk, int dv, int group, int score_ring, bool with_scores) {
-  const size_t es = 2, tokens = kTileRows / group;
-  const size_t q = size_t(kTileRows) * (dqk + 8) * es, k = 2 * size_t(kKeyChunk) * (dqk + 8) * es;
-  const size_t v = 2 * size_t(kKeyChunk) * (dv + 8) * es;
-  const size_t scores = with_scores ? tokens * (kKeyChunk + score_ring) * sizeof(float) : 0;
-  return q + k + std::max(v, scores);
-}
-
 }  // namespace nsa::cuda
 
 namespace nsa::detail {

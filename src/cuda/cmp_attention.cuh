@@ -15,10 +15,6 @@
 // p_cmp is never rounded (fp32 all the way), and the order of additions is fixed (deterministic).
 #pragma once
 
-#include <algorithm>
-#include <cstdlib>
-#include <cstring>
-
 #include "cuda/attention_tile.cuh"
 #include "cuda/common/check.h"
 #include "nsa/blocks.h"
@@ -128,12 +124,11 @@ struct CmpTileInfo {
   }
 };
 
-// Shared-memory plan of the kernels: [Q tile | kStages K buffers | kStages V buffers or the
-// score buffers].
+// Shared-memory plan of the kernels: [Q tile | 2 K buffers | 2 V buffers or the score buffers].
 // sm_90a (wgmma): K/V in the 128-byte swizzle layout without padding, from a 1024-byte boundary;
 // elsewhere padded rows for ldmatrix. The host sizes it with the padded layout plus the alignment
 // slack (cmp_smem_bytes), which covers both.
-template <typename Storage, int kDqk, int kDv, int kRows, int kStages = 2>
+template <typename Storage, int kDqk, int kDv, int kRows>
 struct CmpSmem {
   using Tile = TileAttention<Storage, kDqk, kDv, kRows>;
   static constexpr bool kWgmma = kWgmmaCompiled;
@@ -148,7 +143,7 @@ struct CmpSmem {
     if constexpr (kWgmma) base += (1024u - (smem_address(raw) & 1023u)) & 1023u;
     sq = reinterpret_cast<Storage*>(base);
     sk = reinterpret_cast<Storage*>(base + Tile::kQBytes);
-    sv = sk + kStages * kKTile;
+    sv = sk + 2 * kKTile;
   }
   static __device__ __forceinline__ void load_k(Storage* dst, const Storage* src, int64_t st, int count) {
     if constexpr (kWgmma)
@@ -182,17 +177,6 @@ struct CmpSmem {
       t.accumulate_pv(s, v);
   }
 };
-
-// Host side: dynamic shared memory of a CTA of kRows rows (padded layout + 1024 bytes of
-// alignment slack: enough for either layout).
-inline size_t cmp_smem_bytes(int rows, int stages, int dqk, int dv, int group, int score_ring, bool with_v,
-                             bool with_scores) {
-  const size_t es = 2, tokens = size_t(rows) / group;
-  const size_t q = size_t(rows) * (dqk + 8) * es, k = stages * size_t(kKeyChunk) * (dqk + 8) * es;
-  const size_t v = with_v ? stages * size_t(kKeyChunk) * (dv + 8) * es : 0;
-  const size_t scores = with_scores ? tokens * (kKeyChunk + score_ring) * sizeof(float) : 0;
-  return 1024 + q + k + std::max(v, scores);
-}
 
 // Pass 2: the selection scores S of the tile from the final log-sum-exps lse2 (log2 units). K
 // chunks are double-buffered (one chunk in flight). With wgmma the Q fragments are reloaded from
@@ -304,89 +288,84 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
 // the fragments' last use (the split pass-1 kernels: every chunk after the first multiplied
 // garbage), while the fused kernel, which uses them again after the loop, was right. Reloaded,
 // they are never live across a loop iteration.
-// Pass 1 (o_cmp and lse) of a tile of kRows rows, K/V chunks through kStages buffers (kStages - 1
-// chunks in flight); with kFusedScores also pass 2 in the same CTA (the Q fragments stay in
-// registers), else cmp_scores_kernel does it afterwards.
-template <typename Storage, int kDqk, int kDv, int kRows, bool kFusedScores, int kStages>
+// Pass 1 (o_cmp and lse) of a tile of kRows rows, K/V chunks double-buffered (one chunk in
+// flight); with kFusedScores also pass 2 in the same CTA, else cmp_scores_kernel does it
+// afterwards. Which runs where (launch_cmp_attention): sm_90a, the split kernels (pass 1 in
+// 128-row tiles: two warpgroups share every K/V chunk, half the L2 reads); elsewhere the fused
+// 64-row kernel. The body of the variant a target never runs is not compiled for it.
+template <typename Storage, int kDqk, int kDv, int kRows, bool kFusedScores>
 __global__ void __launch_bounds__(kRows / 16 * 32) cmp_attention_kernel(const CmpAttnParams p) {
-  static_assert(kStages == 2 || kStages == 3, "two or three K/V buffers");
-  using Tile = TileAttention<Storage, kDqk, kDv, kRows>;
-  using Smem = CmpSmem<Storage, kDqk, kDv, kRows, kStages>;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const Smem sm(smem_raw);
-  CmpTileInfo<kRows> ti;
-  if (!ti.init(p)) return;
+  if constexpr (kFusedScores == kWgmmaCompiled) {
+    __trap();  // not launched on this target
+  } else {
+    using Tile = TileAttention<Storage, kDqk, kDv, kRows>;
+    using Smem = CmpSmem<Storage, kDqk, kDv, kRows>;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const Smem sm(smem_raw);
+    CmpTileInfo<kRows> ti;
+    if (!ti.init(p)) return;
 
-  const Storage* q = static_cast<const Storage*>(p.q);
-  const Storage* kbase = static_cast<const Storage*>(p.kc) + cmp_row_offset(ti.s0, p.d) * p.kc_st + ti.hk * p.kc_sh;
-  const Storage* vbase = static_cast<const Storage*>(p.vc) + cmp_row_offset(ti.s0, p.d) * p.vc_st + ti.hk * p.vc_sh;
-  load_q_tile<Storage, kDqk, kRows>(sm.sq, q, p.q_st, p.q_sh, ti.s0 + ti.t0, ti.tokens_valid, ti.hk * p.group,
-                                    p.log2_group);
-  cp_async_commit();
-
-  const int quad = threadIdx.x % 4;
-  const int num_chunks = ti.num_chunks;
-  Tile tile_state;
-  tile_state.reset();
-  auto load_chunk = [&](int c, int buf) {
-    const int64_t first = int64_t(c) * kKeyChunk;
-    const int count = static_cast<int>(min64(kKeyChunk, ti.num_keys - first));
-    Smem::load_k(sm.sk + buf * Smem::kKTile, kbase + first * p.kc_st, p.kc_st, count);
-    Smem::load_v(sm.sv + buf * Smem::kVTile, vbase + first * p.vc_st, p.vc_st, count);
+    const Storage* q = static_cast<const Storage*>(p.q);
+    const Storage* kbase = static_cast<const Storage*>(p.kc) + cmp_row_offset(ti.s0, p.d) * p.kc_st + ti.hk * p.kc_sh;
+    const Storage* vbase = static_cast<const Storage*>(p.vc) + cmp_row_offset(ti.s0, p.d) * p.vc_st + ti.hk * p.vc_sh;
+    load_q_tile<Storage, kDqk, kRows>(sm.sq, q, p.q_st, p.q_sh, ti.s0 + ti.t0, ti.tokens_valid, ti.hk * p.group,
+                                      p.log2_group);
     cp_async_commit();
-  };
 
-  // One barrier per chunk: after it chunk c has landed for everyone and every warp is done with
-  // chunk c - 1, whose buffer then receives chunk c + kStages - 1 while chunk c is multiplied.
-  auto wait_for_chunk = [&](int c) {  // the Q tile and chunk c have landed (later chunks may not have)
-    if constexpr (kStages == 3) {
-      if (c + 1 < num_chunks) {
-        Smem::template wait_copies<1>();
-        return;
+    const int quad = threadIdx.x % 4;
+    const int num_chunks = ti.num_chunks;
+    Tile tile_state;
+    tile_state.reset();
+    auto load_chunk = [&](int c, int buf) {
+      const int64_t first = int64_t(c) * kKeyChunk;
+      const int count = static_cast<int>(min64(kKeyChunk, ti.num_keys - first));
+      Smem::load_k(sm.sk + buf * Smem::kKTile, kbase + first * p.kc_st, p.kc_st, count);
+      Smem::load_v(sm.sv + buf * Smem::kVTile, vbase + first * p.vc_st, p.vc_st, count);
+      cp_async_commit();
+    };
+
+    // One barrier per chunk: after it chunk c (and the Q tile) has landed for everyone and every
+    // warp is done with chunk c - 1, whose buffer then receives chunk c + 1 while c is multiplied.
+    if (num_chunks > 0) load_chunk(0, 0);
+    Smem::template wait_copies<0>();
+    __syncthreads();
+    if constexpr (!Smem::kWgmma) tile_state.load_q_fragments(sm.sq);
+    for (int c = 0; c < num_chunks; ++c) {
+      Smem::template wait_copies<0>();
+      __syncthreads();
+      if (c + 1 < num_chunks) load_chunk(c + 1, (c + 1) & 1);
+      const int buf = c & 1;
+      if constexpr (Smem::kWgmma) tile_state.load_q_fragments(sm.sq);
+      float s[Tile::kSTiles][4];
+      Smem::scores(tile_state, s, sm.sk + buf * Smem::kKTile);
+      int lo[2], hi[2];
+      ti.chunk_limits(c, lo, hi);
+      tile_state.mask(s, lo, hi);
+      tile_state.softmax_update(s, p.scale_log2);
+      Smem::accumulate_pv(tile_state, s, sm.sv + buf * Smem::kVTile);
+    }
+    float lse2[2];
+    Storage* o = static_cast<Storage*>(p.o);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float inv;
+      tile_state.finish_row(h, lse2[h], inv);
+      if (ti.tok[h] >= ti.tokens_valid) continue;
+      const int head = ti.hk * p.group + (ti.row[h] & (p.group - 1));
+      const int64_t t = ti.s0 + ti.t_row[h];
+      if (quad == 0) p.lse[t * p.lse_st + head * p.lse_sh] = lse2[h] == kNegInf ? kNegInf : lse2[h] * kLn2;
+      Storage* orow = o + t * p.o_st + head * p.o_sh;
+#pragma unroll
+      for (int i = 0; i < Tile::kOTiles; ++i) {
+        const uint32_t packed = StorageTraits<Storage>::pack(tile_state.acc[i][2 * h] * inv, tile_state.acc[i][2 * h + 1] * inv);
+        *reinterpret_cast<uint32_t*>(orow + i * 8 + 2 * quad) = packed;
       }
     }
-    Smem::template wait_copies<0>();
-  };
-  for (int c = 0; c < kStages - 1 && c < num_chunks; ++c) load_chunk(c, c);
-  wait_for_chunk(0);
-  __syncthreads();
-  if constexpr (!Smem::kWgmma) tile_state.load_q_fragments(sm.sq);
-  for (int c = 0; c < num_chunks; ++c) {
-    wait_for_chunk(c);
-    __syncthreads();
-    if (c + kStages - 1 < num_chunks) load_chunk(c + kStages - 1, (c + kStages - 1) % kStages);
-    const int buf = c % kStages;
-    if constexpr (Smem::kWgmma) tile_state.load_q_fragments(sm.sq);
-    float s[Tile::kSTiles][4];
-    Smem::scores(tile_state, s, sm.sk + buf * Smem::kKTile);
-    int lo[2], hi[2];
-    ti.chunk_limits(c, lo, hi);
-    tile_state.mask(s, lo, hi);
-    tile_state.softmax_update(s, p.scale_log2);
-    Smem::accumulate_pv(tile_state, s, sm.sv + buf * Smem::kVTile);
-  }
-  float lse2[2];
-  Storage* o = static_cast<Storage*>(p.o);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float inv;
-    tile_state.finish_row(h, lse2[h], inv);
-    if (ti.tok[h] >= ti.tokens_valid) continue;
-    const int head = ti.hk * p.group + (ti.row[h] & (p.group - 1));
-    const int64_t t = ti.s0 + ti.t_row[h];
-    if (quad == 0) p.lse[t * p.lse_st + head * p.lse_sh] = lse2[h] == kNegInf ? kNegInf : lse2[h] * kLn2;
-    Storage* orow = o + t * p.o_st + head * p.o_sh;
-#pragma unroll
-    for (int i = 0; i < Tile::kOTiles; ++i) {
-      const uint32_t packed = StorageTraits<Storage>::pack(tile_state.acc[i][2 * h] * inv, tile_state.acc[i][2 * h + 1] * inv);
-      *reinterpret_cast<uint32_t*>(orow + i * 8 + 2 * quad) = packed;
+    if constexpr (kFusedScores) {
+      if (p.scores == nullptr) return;
+      __syncthreads();  // every warp is done with pass 1's buffers (pass 2's scores reuse V's space)
+      cmp_scores_pass<Storage, kDqk, kDv, kRows>(p, ti, tile_state, sm, reinterpret_cast<float*>(sm.sv), lse2);
     }
-  }
-  if constexpr (kFusedScores) {
-    if (p.scores == nullptr) return;
-    __syncthreads();  // every warp is done with pass 1's buffers (pass 2's scores reuse V's space)
-    static_assert(!kFusedScores || kStages == 2, "pass 2 uses the first two K buffers and the V space");
-    cmp_scores_pass<Storage, kDqk, kDv, kRows>(p, ti, tile_state, sm, reinterpret_cast<float*>(sm.sv), lse2);
   }
 }
 
@@ -395,37 +374,35 @@ __global__ void __launch_bounds__(kRows / 16 * 32) cmp_attention_kernel(const Cm
 // accumulator it needs far fewer registers, so kMinCtas (3 or 4) CTAs share an SM.
 template <typename Storage, int kDqk, int kDv, int kMinCtas>
 __global__ void __launch_bounds__(kThreads, kMinCtas) cmp_scores_kernel(const CmpAttnParams p) {
-  using Tile = TileAttention<Storage, kDqk, kDv, kTileRows>;
-  using Smem = CmpSmem<Storage, kDqk, kDv, kTileRows>;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const Smem sm(smem_raw);
-  CmpTileInfo<kTileRows> ti;
-  if (!ti.init(p)) return;
-  load_q_tile<Storage, kDqk, kTileRows>(sm.sq, static_cast<const Storage*>(p.q), p.q_st, p.q_sh, ti.s0 + ti.t0,
-                                        ti.tokens_valid, ti.hk * p.group, p.log2_group);
-  cp_async_commit();
-  float lse2[2];
+  if constexpr (!kWgmmaCompiled) {
+    __trap();  // launched only where the wgmma body runs (sm_90a)
+  } else {
+    using Tile = TileAttention<Storage, kDqk, kDv, kTileRows>;
+    using Smem = CmpSmem<Storage, kDqk, kDv, kTileRows>;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const Smem sm(smem_raw);
+    CmpTileInfo<kTileRows> ti;
+    if (!ti.init(p)) return;
+    load_q_tile<Storage, kDqk, kTileRows>(sm.sq, static_cast<const Storage*>(p.q), p.q_st, p.q_sh, ti.s0 + ti.t0,
+                                          ti.tokens_valid, ti.hk * p.group, p.log2_group);
+    cp_async_commit();
+    float lse2[2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    lse2[h] = kNegInf;
-    if (ti.tok[h] < ti.tokens_valid) {
-      const int head = ti.hk * p.group + (ti.row[h] & (p.group - 1));
-      lse2[h] = p.lse[(ti.s0 + ti.t_row[h]) * p.lse_st + head * p.lse_sh] * kCmpLog2e;
+    for (int h = 0; h < 2; ++h) {
+      lse2[h] = kNegInf;
+      if (ti.tok[h] < ti.tokens_valid) {
+        const int head = ti.hk * p.group + (ti.row[h] & (p.group - 1));
+        lse2[h] = p.lse[(ti.s0 + ti.t_row[h]) * p.lse_st + head * p.lse_sh] * kCmpLog2e;
+      }
     }
+    Tile tile_state;
+    Smem::template wait_copies<0>();
+    __syncthreads();
+    if constexpr (!Smem::kWgmma) tile_state.load_q_fragments(sm.sq);
+    cmp_scores_pass<Storage, kDqk, kDv, kTileRows>(p, ti, tile_state, sm, reinterpret_cast<float*>(sm.sk + 2 * Smem::kKTile),
+                                                   lse2);
   }
-  Tile tile_state;
-  Smem::template wait_copies<0>();
-  __syncthreads();
-  if constexpr (!Smem::kWgmma) tile_state.load_q_fragments(sm.sq);
-  cmp_scores_pass<Storage, kDqk, kDv, kTileRows>(p, ti, tile_state, sm, reinterpret_cast<float*>(sm.sk + 2 * Smem::kKTile),
-                                                 lse2);
 }
-
-// Variants (measurement): fused64 = one kernel of 64-row tiles for both passes; split64 / split128
-// = pass 1 in 64- or 128-row tiles (128: two warpgroups share each K/V chunk, half the L2 reads),
-// then cmp_scores_kernel; split128s3: the same with three K/V buffers. NSA_CMP_VARIANT picks one;
-// the default is split128 where the wgmma code runs (sm_90a), else fused64.
-enum class CmpVariant { fused64, split64, split128, split128s3 };
 
 template <typename Kernel>
 inline bool cmp_runs_wgmma(Kernel kernel) {
@@ -443,41 +420,23 @@ inline void cmp_launch(Kernel kernel, int rows, size_t smem, const CmpAttnParams
   NSA_CUDA_CHECK_LAUNCH();
 }
 
+// sm_90a: pass 1 in 128-row tiles, then the S pass as its own kernel at 4 CTAs per SM (3 at
+// Dqk = 192, where 4 measured slower). Elsewhere (sm_80 and the compute_80 PTX): the fused 64-row
+// kernel. H200, 64K, Hq 64 / Hkv 4, D 128 (docs/cuda.md): cmp + S 27.7 ms split, 32.7 fused.
 template <typename Storage, int kDqk, int kDv>
 void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream) {
-  const auto fused64 = cmp_attention_kernel<Storage, kDqk, kDv, kTileRows, true, 2>;
-  const auto split64 = cmp_attention_kernel<Storage, kDqk, kDv, kTileRows, false, 2>;
-  const auto split128 = cmp_attention_kernel<Storage, kDqk, kDv, 2 * kTileRows, false, 2>;
-  const auto split128s3 = cmp_attention_kernel<Storage, kDqk, kDv, 2 * kTileRows, false, 3>;
-  CmpVariant v = cmp_runs_wgmma(split128) ? CmpVariant::split128 : CmpVariant::fused64;
-  if (const char* env = std::getenv("NSA_CMP_VARIANT")) {
-    if (std::strcmp(env, "fused64") == 0) v = CmpVariant::fused64;
-    if (std::strcmp(env, "split64") == 0) v = CmpVariant::split64;
-    if (std::strcmp(env, "split128") == 0) v = CmpVariant::split128;
-    if (std::strcmp(env, "split128s3") == 0) v = CmpVariant::split128s3;
-  }
-  const bool scores = p.scores != nullptr;
-  if (v == CmpVariant::fused64) {
-    cmp_launch(fused64, kTileRows, cmp_smem_bytes(kTileRows, 2, kDqk, kDv, p.group, p.score_ring, true, scores), p,
-               stream);
+  constexpr int kScoresCtas = kDqk <= 128 ? 4 : 3;
+  const auto pass1 = cmp_attention_kernel<Storage, kDqk, kDv, 2 * kTileRows, false>;
+  if (!cmp_runs_wgmma(pass1)) {
+    cmp_launch(cmp_attention_kernel<Storage, kDqk, kDv, kTileRows, true>, kTileRows,
+               cmp_smem_bytes(kTileRows, kDqk, kDv, p.group, p.score_ring, true, p.scores != nullptr), p, stream);
     return;
   }
-  if (v == CmpVariant::split64)
-    cmp_launch(split64, kTileRows, cmp_smem_bytes(kTileRows, 2, kDqk, kDv, p.group, p.score_ring, true, false), p,
-               stream);
-  else if (v == CmpVariant::split128)
-    cmp_launch(split128, 2 * kTileRows, cmp_smem_bytes(2 * kTileRows, 2, kDqk, kDv, p.group, p.score_ring, true, false),
-               p, stream);
-  else
-    cmp_launch(split128s3, 2 * kTileRows,
-               cmp_smem_bytes(2 * kTileRows, 3, kDqk, kDv, p.group, p.score_ring, true, false), p, stream);
-  if (!scores) return;
-  const size_t smem = cmp_smem_bytes(kTileRows, 2, kDqk, kDv, p.group, p.score_ring, false, true);
-  const char* ctas = std::getenv("NSA_CMP_SCORES_CTAS");
-  if (ctas != nullptr && std::strcmp(ctas, "4") == 0)
-    cmp_launch(cmp_scores_kernel<Storage, kDqk, kDv, 4>, kTileRows, smem, p, stream);
-  else
-    cmp_launch(cmp_scores_kernel<Storage, kDqk, kDv, 3>, kTileRows, smem, p, stream);
+  cmp_launch(pass1, 2 * kTileRows, cmp_smem_bytes(2 * kTileRows, kDqk, kDv, p.group, p.score_ring, true, false), p,
+             stream);
+  if (p.scores != nullptr)
+    cmp_launch(cmp_scores_kernel<Storage, kDqk, kDv, kScoresCtas>, kTileRows,
+               cmp_smem_bytes(kTileRows, kDqk, kDv, p.group, p.score_ring, false, true), p, stream);
 }
 
 }  // namespace nsa::cuda

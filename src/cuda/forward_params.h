@@ -142,7 +142,25 @@ constexpr int win_q_stages(int dqk, int dv) {
 }
 
 // Shared-memory bytes of the kernels (used by the launchers and to check limits up front).
-size_t cmp_attention_smem_bytes(int dqk, int dv, int group, int score_ring, bool with_scores);
+// Compressed attention, a CTA of `rows` rows: Q tile + 2 K buffers + the larger of 2 V buffers
+// (pass 1) and the score buffers (pass 2), in the padded layout, plus 1024 bytes of alignment
+// slack for the swizzled layout of sm_90a (which needs no more than the padded one).
+constexpr size_t cmp_smem_bytes(int rows, int dqk, int dv, int group, int score_ring, bool with_v, bool with_scores) {
+  const size_t es = 2, tokens = size_t(rows) / group;
+  const size_t q = size_t(rows) * (dqk + 8) * es, k = 2 * size_t(kKeyChunk) * (dqk + 8) * es;
+  const size_t v = with_v ? 2 * size_t(kKeyChunk) * (dv + 8) * es : 0;
+  const size_t scores = with_scores ? tokens * (kKeyChunk + score_ring) * sizeof(float) : 0;
+  return 1024 + q + k + (v > scores ? v : scores);
+}
+// The most any of its kernels takes: the fused 64-row kernel (sm_80), or the 128-row pass 1 and
+// the 64-row S pass (sm_90a).
+constexpr size_t cmp_attention_smem_bytes(int dqk, int dv, int group, int score_ring, bool with_scores) {
+  const size_t fused = cmp_smem_bytes(kTileRows, dqk, dv, group, score_ring, true, with_scores);
+  const size_t pass1 = cmp_smem_bytes(2 * kTileRows, dqk, dv, group, score_ring, true, false);
+  const size_t pass2 = with_scores ? cmp_smem_bytes(kTileRows, dqk, dv, group, score_ring, false, true) : 0;
+  const size_t split = pass1 > pass2 ? pass1 : pass2;
+  return fused > split ? fused : split;
+}
 constexpr size_t win_smem_bytes(int dqk, int dv) { return size_t(win_stages(dqk, dv)) * win_stage_bytes(dqk, dv); }
 
 }  // namespace nsa::cuda
