@@ -389,7 +389,9 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
   // Per-branch state of the two rows: lse in log2 units, gate, dg, visible positions [lo, hi].
   float lse2[2], gate[2], dgr[2];
   int lo[2], hi[2];
+  int cur_branch = kCmp;  // the branch of set_branch's state
   auto set_branch = [&](int branch, bool with_dg) {
+    cur_branch = branch;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       lse2[h] = gate[h] = dgr[h] = 0.f;
@@ -406,7 +408,9 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
   };
   // Which of the thread's rows see keys of tile kt, and whether any row of the warp does: a warp
   // with nothing to do (a window tile before its rows' windows, a compressed tile after them)
-  // skips the tile. wgmma: whether any row of the CTA does (the warpgroup multiplies together).
+  // skips the tile. wgmma: whether any row of the CTA does (the warpgroup multiplies together):
+  // its rows are every head of tokens t_first..t_last, so some row sees a key at position p when
+  // p <= t_last and (window) p >= t_first - w + 1; from the tile's first and last key, no barrier.
   bool chose[2];
   auto warp_takes = [&](const KeyTile& kt) {
     const int first = kt.kp0, last = kt.kp0 + (kt.nk - 1) * kt.kstep;
@@ -417,22 +421,44 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
       any |= chose[h];
     }
     if constexpr (kWg)
-      return __syncthreads_or(any) != 0;
+      return kt.nk > 0 && first <= t_last && (cur_branch != kWin || last >= t_first - a.w + 1);
     else
       return __any_sync(0xffffffffu, any);
   };
-  // s (scores of the warp's rows x keys c0 .. c0 + 31; wgmma: 0 .. 63) -> P = exp(scale s - lse),
-  // 0 where masked.
-  auto probabilities = [&](auto& s, const KeyTile& kt, int c0) {
-    constexpr int kNt = int(std::extent_v<std::remove_reference_t<decltype(s)>>);
+  // s (scores of the warp's rows x keys c0 .. c0 + 31) -> P = exp(scale s - lse), 0 where masked.
+  auto probabilities = [&](float (&s)[kSubTiles][4], const KeyTile& kt, int c0) {
 #pragma unroll
-    for (int nt = 0; nt < kNt; ++nt) {
+    for (int nt = 0; nt < kSubTiles; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int h = e >> 1, c = c0 + nt * 8 + 2 * quad + (e & 1);
         const int pos = kt.kp0 + c * kt.kstep;
         const bool vis = chose[h] && c < kt.nk && pos >= lo[h] && pos <= hi[h];
         s[nt][e] = vis ? exp2f(s[nt][e] * scale_log2 - lse2[h]) : 0.f;
+      }
+    }
+  };
+  // wgmma: the same for the whole tile (keys 0 .. 63), with ex2.approx; when every key of the tile
+  // is visible to every row of the warp (most tiles), without the per-key mask.
+  auto probabilities_wg = [&](float (&s)[kKeys / 8][4], const KeyTile& kt) {
+    bool whole = kt.nk == kKeys;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) whole = whole && chose[h] && lo[h] <= kt.kp0 && hi[h] >= kt.kp0 + (kKeys - 1) * kt.kstep;
+    if (__all_sync(0xffffffffu, whole)) {
+#pragma unroll
+      for (int nt = 0; nt < kKeys / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] = dq_exp2(fmaf(s[nt][e], scale_log2, -lse2[e >> 1]));
+      return;
+    }
+#pragma unroll
+    for (int nt = 0; nt < kKeys / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int h = e >> 1, c = nt * 8 + 2 * quad + (e & 1);
+        const int pos = kt.kp0 + c * kt.kstep;
+        const bool vis = chose[h] && c < kt.nk && pos >= lo[h] && pos <= hi[h];
+        s[nt][e] = vis ? dq_exp2(fmaf(s[nt][e], scale_log2, -lse2[h])) : 0.f;
       }
     }
   };
@@ -509,7 +535,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
           cuda::wgmma_commit();
           cuda::wgmma_wait<0>();
           cuda::wgmma_fence_operands(s);
-          probabilities(s, kt, 0);
+          probabilities_wg(s, kt);
           uint32_t pf[kKeys / 16][4];
           to_operand<E, kKeys / 8>(s, pf);
           cuda::wgmma_fence_operands(acc_o);
@@ -535,10 +561,25 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
   sweep([&](int, int next) { if (next < 3) set_branch(branch_at(next), true); },
         [&](const E* tk, const E* tv, const KeyTile& kt, int c0) {
           if constexpr (kWg) {  // S = Q K^T, dP = dO V^T, then dQ += dS K, 64 keys
-            // One batch per product: the A fragments of one only are live (registers).
             float s[kKeys / 8][4], dp[kKeys / 8][4];
             zero(s);
-            {
+            zero(dp);
+            // S and dP in one batch where the registers allow it (ptxas: Dqk 128 with Dv 64 spilled a
+            // register, Dqk 192 more), else one batch per product (one product's A fragments live).
+            if constexpr (DQK == 64 || (DQK == 128 && DV == 128)) {
+              uint32_t qf[DQK / 16][4], of[DV / 16][4];
+              load_a_frags<E, DQK>(qf, sQ + row0 * kLdK);
+              load_a_frags<E, DV>(of, sDo + row0 * kLdV);
+              cuda::wgmma_fence_operands(s);
+              cuda::wgmma_fence_operands(dp);
+              cuda::wgmma_fence();
+              wgmma_abt_issue<E, DQK>(s, qf, cuda::smem_address(tk));
+              wgmma_abt_issue<E, DV>(dp, of, cuda::smem_address(tv));
+              cuda::wgmma_commit();
+              cuda::wgmma_wait<0>();
+              cuda::wgmma_fence_operands(s);
+              cuda::wgmma_fence_operands(dp);
+            } else {
               uint32_t qf[DQK / 16][4];
               load_a_frags<E, DQK>(qf, sQ + row0 * kLdK);
               cuda::wgmma_fence_operands(s);
@@ -547,9 +588,6 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
               cuda::wgmma_commit();
               cuda::wgmma_wait<0>();
               cuda::wgmma_fence_operands(s);
-            }
-            zero(dp);
-            {
               uint32_t of[DV / 16][4];
               load_a_frags<E, DV>(of, sDo + row0 * kLdV);
               cuda::wgmma_fence_operands(dp);
@@ -559,7 +597,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
               cuda::wgmma_wait<0>();
               cuda::wgmma_fence_operands(dp);
             }
-            probabilities(s, kt, 0);
+            probabilities_wg(s, kt);
 #pragma unroll
             for (int nt = 0; nt < kKeys / 8; ++nt)
 #pragma unroll

@@ -30,6 +30,14 @@ namespace nsa::cuda_bwd {
 
 constexpr bool kDqWgmma = cuda::kWgmmaCompiled;
 
+// 2^x on the special-function unit, subnormal results flushed to zero (a probability below 2^-126
+// adds nothing a float sum keeps): exp2f adds a range fix-up around the same instruction.
+__device__ __forceinline__ float dq_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Bytes of one swizzled tile of kKeys rows x D 16-bit columns (no padding).
 template <int D>
 constexpr int sw_tile_bytes() {
