@@ -22,6 +22,23 @@
 // Each batch is wgmma_fence / issue / commit / wait<0>, accumulators fenced on both sides
 // (wgmma_fence_operands); every thread fences its landed copies to the async proxy before the
 // tile's barrier (fence_proxy_async). Deterministic: the same fixed order of products every run.
+// S and dP go out as one batch where the registers allow (Dqk 64; Dqk 128 with Dv 128), else one
+// batch each (Dqk 128 with Dv 64 spilled a register, Dqk 192 more). P uses ex2.approx (flushes
+// below 2^-126), and a tile that every row of the warp sees whole skips the per-key mask.
+// Shared memory: the host's DqSmem::kEnd (padded layout) also holds the swizzled one after the
+// 1024-byte alignment (static_assert in DqSmem), so the launch is unchanged.
+//
+// ptxas (CUDA 13.0, sm_90a): 128x128 255 registers, 128x64 240, 192x128 / 192x64 255, 64x128 255, 64x64
+// 185, no spills (the mma.sync body: 228 / 221 at 128); 2 CTAs per SM as before (registers and
+// shared memory both allow 2). tools/check_wgmma_a_regs.py: clean.
+// H200 (one run, bf16, Hq 64 / Hkv 4, D 128, paper settings, sm_90a build): dq_kernel at 64K
+// 94.4 -> 65.8 ms (ncu); backward 64K 214.3 -> 193.6 ms (G = 4: 79.6 -> 73.9), saved o_branch
+// 166.8 -> 155.1; fwd+bwd 271.3 -> 250.8. ncu at 64K: 2 warps per scheduler, 0.46 instructions
+// issued per cycle, SM throughput 46%, L2 21%: bound by latency and instruction issue (the
+// copies' address arithmetic, masks and exponentials between dependent wgmma batches), not by
+// the tensor cores. Next steps: fewer instructions per tile (TMA for the K/V tiles, one
+// descriptor-built copy), overlapping tile i + 1's S / dP with tile i's softmax work, and 128-row
+// tiles (two warpgroups on one K/V tile: half the L2 reads per row).
 #pragma once
 
 #include "cuda/common/wgmma.h"
