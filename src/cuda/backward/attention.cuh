@@ -255,6 +255,12 @@ struct KeyTile {
   int kp0, kstep;
 };
 
+}  // namespace nsa::cuda_bwd
+
+#include "cuda/backward/dq_wgmma.cuh"
+
+namespace nsa::cuda_bwd {
+
 // ---- dq_kernel ---------------------------------------------------------------------------
 
 template <typename E, int DQK, int DV>
@@ -264,6 +270,13 @@ struct DqSmem {
   static constexpr int kQ = kV + 2 * tile_bytes<DV>();     // [kRows][DQK + kPad]
   static constexpr int kDo = kQ + tile_bytes<DQK>();       // [kRows][DV + kPad]
   static constexpr size_t kEnd = size_t(kDo) + tile_bytes<DV>();
+  // sm_90a (dq_wgmma.cuh): from the first 1024-byte boundary, K [2][kKeys][DQK] and V [2][kKeys][DV]
+  // 128-byte swizzled without padding, then Q and dO padded as above. The padding saved pays for
+  // the alignment, so kEnd (what the host asks for) serves both layouts.
+  static constexpr int kSwV = 2 * sw_tile_bytes<DQK>();
+  static constexpr int kSwQ = kSwV + 2 * sw_tile_bytes<DV>();
+  static constexpr int kSwDo = kSwQ + tile_bytes<DQK>();
+  static_assert(1023 + size_t(kSwDo) + tile_bytes<DV>() <= kEnd, "the swizzled layout fits after alignment");
 };
 
 template <typename E, int DQK, int DV>
@@ -271,10 +284,16 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
   using L = DqSmem<E, DQK, DV>;
   constexpr int kLdK = DQK + kPad, kLdV = DV + kPad;
   extern __shared__ __align__(128) unsigned char smem[];
-  E* sK = reinterpret_cast<E*>(smem + L::kK);
-  E* sV = reinterpret_cast<E*>(smem + L::kV);
-  E* sQ = reinterpret_cast<E*>(smem + L::kQ);
-  E* sDo = reinterpret_cast<E*>(smem + L::kDo);
+  // sm_90a: the wgmma body (dq_wgmma.cuh), K/V tiles swizzled from a 1024-byte boundary.
+  constexpr bool kWg = kDqWgmma;
+  unsigned char* base = smem;
+  if constexpr (kWg) base += (1024u - (cuda::smem_address(smem) & 1023u)) & 1023u;
+  E* sK = reinterpret_cast<E*>(base + (kWg ? 0 : L::kK));
+  E* sV = reinterpret_cast<E*>(base + (kWg ? L::kSwV : L::kV));
+  E* sQ = reinterpret_cast<E*>(base + (kWg ? L::kSwQ : L::kQ));
+  E* sDo = reinterpret_cast<E*>(base + (kWg ? L::kSwDo : L::kDo));
+  constexpr int kKBuf = kWg ? kKeys * DQK : kKeys * kLdK;  // elements of one K (V) buffer
+  constexpr int kVBuf = kWg ? kKeys * DV : kKeys * kLdV;
   const int tq = kRows / a.G;
 
   const int tiles_per_seq = int((a.max_seqlen + tq - 1) / tq);
@@ -345,10 +364,17 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
     int64_t ks, vs;
     const KeyTile kt = tile_at(i, kb, ks, vb, vs);
     // (kb may point past the tensor for an empty chunk: zero-filled rows take qb as their address)
-    copy_rows<E, DQK>(sK + buf * kKeys * kLdK, [&](int c) -> const E* { return c < kt.nk ? kb + c * ks : nullptr; },
-                      a.vec, qb);
-    copy_rows<E, DV>(sV + buf * kKeys * kLdV, [&](int c) -> const E* { return c < kt.nk ? vb + c * vs : nullptr; },
-                     a.vec, qb);
+    if constexpr (kWg) {
+      copy_rows_sw128<E, DQK>(sK + buf * kKBuf, [&](int c) -> const E* { return c < kt.nk ? kb + c * ks : nullptr; },
+                              a.vec, qb);
+      copy_rows_sw128<E, DV>(sV + buf * kVBuf, [&](int c) -> const E* { return c < kt.nk ? vb + c * vs : nullptr; },
+                             a.vec, qb);
+    } else {
+      copy_rows<E, DQK>(sK + buf * kKBuf, [&](int c) -> const E* { return c < kt.nk ? kb + c * ks : nullptr; },
+                        a.vec, qb);
+      copy_rows<E, DV>(sV + buf * kVBuf, [&](int c) -> const E* { return c < kt.nk ? vb + c * vs : nullptr; },
+                       a.vec, qb);
+    }
   };
 
   // This thread's two rows of the warp's 16: group (h = 0) and group + 8 (h = 1).
@@ -363,7 +389,9 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
   // Per-branch state of the two rows: lse in log2 units, gate, dg, visible positions [lo, hi].
   float lse2[2], gate[2], dgr[2];
   int lo[2], hi[2];
+  int cur_branch = kCmp;  // the branch of set_branch's state
   auto set_branch = [&](int branch, bool with_dg) {
+    cur_branch = branch;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       lse2[h] = gate[h] = dgr[h] = 0.f;
@@ -380,7 +408,9 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
   };
   // Which of the thread's rows see keys of tile kt, and whether any row of the warp does: a warp
   // with nothing to do (a window tile before its rows' windows, a compressed tile after them)
-  // skips the tile.
+  // skips the tile. wgmma: whether any row of the CTA does (the warpgroup multiplies together):
+  // its rows are every head of tokens t_first..t_last, so some row sees a key at position p when
+  // p <= t_last and (window) p >= t_first - w + 1; from the tile's first and last key, no barrier.
   bool chose[2];
   auto warp_takes = [&](const KeyTile& kt) {
     const int first = kt.kp0, last = kt.kp0 + (kt.nk - 1) * kt.kstep;
@@ -390,7 +420,10 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
       chose[h] = kt.nk > 0 && rtok[h] >= 0 && hi[h] >= first && lo[h] <= last;
       any |= chose[h];
     }
-    return __any_sync(0xffffffffu, any);
+    if constexpr (kWg)
+      return kt.nk > 0 && first <= t_last && (cur_branch != kWin || last >= t_first - a.w + 1);
+    else
+      return __any_sync(0xffffffffu, any);
   };
   // s (scores of the warp's rows x keys c0 .. c0 + 31) -> P = exp(scale s - lse), 0 where masked.
   auto probabilities = [&](float (&s)[kSubTiles][4], const KeyTile& kt, int c0) {
@@ -402,6 +435,30 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
         const int pos = kt.kp0 + c * kt.kstep;
         const bool vis = chose[h] && c < kt.nk && pos >= lo[h] && pos <= hi[h];
         s[nt][e] = vis ? exp2f(s[nt][e] * scale_log2 - lse2[h]) : 0.f;
+      }
+    }
+  };
+  // wgmma: the same for the whole tile (keys 0 .. 63), with ex2.approx; when every key of the tile
+  // is visible to every row of the warp (most tiles), without the per-key mask.
+  auto probabilities_wg = [&](float (&s)[kKeys / 8][4], const KeyTile& kt) {
+    bool whole = kt.nk == kKeys;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) whole = whole && chose[h] && lo[h] <= kt.kp0 && hi[h] >= kt.kp0 + (kKeys - 1) * kt.kstep;
+    if (__all_sync(0xffffffffu, whole)) {
+#pragma unroll
+      for (int nt = 0; nt < kKeys / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] = dq_exp2(fmaf(s[nt][e], scale_log2, -lse2[e >> 1]));
+      return;
+    }
+#pragma unroll
+    for (int nt = 0; nt < kKeys / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int h = e >> 1, c = nt * 8 + 2 * quad + (e & 1);
+        const int pos = kt.kp0 + c * kt.kstep;
+        const bool vis = chose[h] && c < kt.nk && pos >= lo[h] && pos <= hi[h];
+        s[nt][e] = vis ? dq_exp2(fmaf(s[nt][e], scale_log2, -lse2[h])) : 0.f;
       }
     }
   };
@@ -417,6 +474,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
       if (i + 1 < n_tiles) issue(i + 1, (i + 1) & 1);  // its buffer's last reader (tile i-1) is done
       cuda::cp_async_commit();
       cuda::cp_async_wait<1>();
+      if constexpr (kWg) cuda::fence_proxy_async();  // the landed K/V copies, for wgmma
       __syncthreads();
       const int stage = stage_of(branch_of(i));
       for (; cur < stage; ++cur) enter(cur, cur + 1);
@@ -425,8 +483,9 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
       int64_t ks, vs;
       const KeyTile kt = tile_at(i, kb, ks, vb, vs);
       if (warp_takes(kt)) {
+        constexpr int kStep = kWg ? kKeys : kSub;  // wgmma: the whole tile at once
 #pragma unroll 1
-        for (int c0 = 0; c0 < kKeys; c0 += kSub) half(sK + (i & 1) * kKeys * kLdK, sV + (i & 1) * kKeys * kLdV, kt, c0);
+        for (int c0 = 0; c0 < kKeys; c0 += kStep) half(sK + (i & 1) * kKBuf, sV + (i & 1) * kVBuf, kt, c0);
       }
       __syncthreads();
     }
@@ -465,12 +524,34 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
         if (next < 3) set_branch(branch_at(next), false);
       },
       [&](const E* tk, const E* tv, const KeyTile& kt, int c0) {
-        float s[kSubTiles][4];
-        mma_abt<E, DQK, kSubTiles>(s, sQ + row0 * kLdK, tk + c0 * kLdK);
-        probabilities(s, kt, c0);
-        uint32_t pf[kSubTiles / 2][4];
-        to_operand<E, kSubTiles>(s, pf);
-        mma_ab<E, DV, kSubTiles / 2>(acc_o, pf, tv + c0 * kLdV);
+        if constexpr (kWg) {  // S = Q K^T, then O += P V, 64 keys
+          float s[kKeys / 8][4];
+          zero(s);
+          uint32_t qf[DQK / 16][4];
+          load_a_frags<E, DQK>(qf, sQ + row0 * kLdK);
+          cuda::wgmma_fence_operands(s);
+          cuda::wgmma_fence();
+          wgmma_abt_issue<E, DQK>(s, qf, cuda::smem_address(tk));
+          cuda::wgmma_commit();
+          cuda::wgmma_wait<0>();
+          cuda::wgmma_fence_operands(s);
+          probabilities_wg(s, kt);
+          uint32_t pf[kKeys / 16][4];
+          to_operand<E, kKeys / 8>(s, pf);
+          cuda::wgmma_fence_operands(acc_o);
+          cuda::wgmma_fence();
+          wgmma_ab_issue<E, DV>(acc_o, pf, cuda::smem_address(tv));
+          cuda::wgmma_commit();
+          cuda::wgmma_wait<0>();
+          cuda::wgmma_fence_operands(acc_o);
+        } else {
+          float s[kSubTiles][4];
+          mma_abt<E, DQK, kSubTiles>(s, sQ + row0 * kLdK, tk + c0 * kLdK);
+          probabilities(s, kt, c0);
+          uint32_t pf[kSubTiles / 2][4];
+          to_operand<E, kSubTiles>(s, pf);
+          mma_ab<E, DV, kSubTiles / 2>(acc_o, pf, tv + c0 * kLdV);
+        }
       });
   __syncthreads();  // dg32 of this tile's rows is written (read back below by the same block)
 
@@ -479,18 +560,71 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
   zero(acc_q);
   sweep([&](int, int next) { if (next < 3) set_branch(branch_at(next), true); },
         [&](const E* tk, const E* tv, const KeyTile& kt, int c0) {
-          float s[kSubTiles][4], dp[kSubTiles][4];
-          mma_abt<E, DQK, kSubTiles>(s, sQ + row0 * kLdK, tk + c0 * kLdK);
-          mma_abt<E, DV, kSubTiles>(dp, sDo + row0 * kLdV, tv + c0 * kLdV);
-          probabilities(s, kt, c0);
+          if constexpr (kWg) {  // S = Q K^T, dP = dO V^T, then dQ += dS K, 64 keys
+            float s[kKeys / 8][4], dp[kKeys / 8][4];
+            zero(s);
+            zero(dp);
+            // S and dP in one batch where the registers allow it (ptxas: Dqk 128 with Dv 64 spilled a
+            // register, Dqk 192 more), else one batch per product (one product's A fragments live).
+            if constexpr (DQK == 64 || (DQK == 128 && DV == 128)) {
+              uint32_t qf[DQK / 16][4], of[DV / 16][4];
+              load_a_frags<E, DQK>(qf, sQ + row0 * kLdK);
+              load_a_frags<E, DV>(of, sDo + row0 * kLdV);
+              cuda::wgmma_fence_operands(s);
+              cuda::wgmma_fence_operands(dp);
+              cuda::wgmma_fence();
+              wgmma_abt_issue<E, DQK>(s, qf, cuda::smem_address(tk));
+              wgmma_abt_issue<E, DV>(dp, of, cuda::smem_address(tv));
+              cuda::wgmma_commit();
+              cuda::wgmma_wait<0>();
+              cuda::wgmma_fence_operands(s);
+              cuda::wgmma_fence_operands(dp);
+            } else {
+              uint32_t qf[DQK / 16][4];
+              load_a_frags<E, DQK>(qf, sQ + row0 * kLdK);
+              cuda::wgmma_fence_operands(s);
+              cuda::wgmma_fence();
+              wgmma_abt_issue<E, DQK>(s, qf, cuda::smem_address(tk));
+              cuda::wgmma_commit();
+              cuda::wgmma_wait<0>();
+              cuda::wgmma_fence_operands(s);
+              uint32_t of[DV / 16][4];
+              load_a_frags<E, DV>(of, sDo + row0 * kLdV);
+              cuda::wgmma_fence_operands(dp);
+              cuda::wgmma_fence();
+              wgmma_abt_issue<E, DV>(dp, of, cuda::smem_address(tv));
+              cuda::wgmma_commit();
+              cuda::wgmma_wait<0>();
+              cuda::wgmma_fence_operands(dp);
+            }
+            probabilities_wg(s, kt);
 #pragma unroll
-          for (int nt = 0; nt < kSubTiles; ++nt)
+            for (int nt = 0; nt < kKeys / 8; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-              s[nt][e] = a.scale * gate[e >> 1] * s[nt][e] * (dp[nt][e] - dgr[e >> 1]);
-          uint32_t df[kSubTiles / 2][4];
-          to_operand<E, kSubTiles>(s, df);
-          mma_ab<E, DQK, kSubTiles / 2>(acc_q, df, tk + c0 * kLdK);
+              for (int e = 0; e < 4; ++e)
+                s[nt][e] = a.scale * gate[e >> 1] * s[nt][e] * (dp[nt][e] - dgr[e >> 1]);
+            uint32_t df[kKeys / 16][4];
+            to_operand<E, kKeys / 8>(s, df);
+            cuda::wgmma_fence_operands(acc_q);
+            cuda::wgmma_fence();
+            wgmma_ab_issue<E, DQK>(acc_q, df, cuda::smem_address(tk));
+            cuda::wgmma_commit();
+            cuda::wgmma_wait<0>();
+            cuda::wgmma_fence_operands(acc_q);
+          } else {
+            float s[kSubTiles][4], dp[kSubTiles][4];
+            mma_abt<E, DQK, kSubTiles>(s, sQ + row0 * kLdK, tk + c0 * kLdK);
+            mma_abt<E, DV, kSubTiles>(dp, sDo + row0 * kLdV, tv + c0 * kLdV);
+            probabilities(s, kt, c0);
+#pragma unroll
+            for (int nt = 0; nt < kSubTiles; ++nt)
+#pragma unroll
+              for (int e = 0; e < 4; ++e)
+                s[nt][e] = a.scale * gate[e >> 1] * s[nt][e] * (dp[nt][e] - dgr[e >> 1]);
+            uint32_t df[kSubTiles / 2][4];
+            to_operand<E, kSubTiles>(s, df);
+            mma_ab<E, DQK, kSubTiles / 2>(acc_q, df, tk + c0 * kLdK);
+          }
         });
   E* dqb = static_cast<E*>(a.dq.p);
 #pragma unroll
