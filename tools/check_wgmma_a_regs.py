@@ -11,12 +11,16 @@ after it within the loop.
 
     cuobjdump -sass file.cubin > file.sass      (or: nvcc -cubin ... ; cuobjdump -sass ...)
     tools/check_wgmma_a_regs.py file.sass       exit status 1 when a kernel is clobbered
+    tools/check_wgmma_a_regs.py --all file.sass the MN-major (.tnspB) ones too; HGMMAs with A from
+                                                shared memory (gdesc) have no A registers: skipped
 
 Heuristic: destinations are the first operand (stores, branches and barriers skipped); widths from
 .64/.128/WIDE/LDSM .4 suffixes; loops are backward branches.
 """
 import re
 import sys
+
+ALL = False
 
 SKIP = ("ST", "RED", "ATOM", "BRA", "BAR", "ISETP", "FSETP", "DEPBAR", "WARPGROUP", "EXIT", "BSYNC", "BSSY",
         "WARPSYNC", "LDGSTS", "CALL", "RET", "NOP", "YIELD", "SYNCS", "FENCE", "MEMBAR", "PLOP3")
@@ -47,9 +51,12 @@ def check(name, ins):
             back.append((int(m.group(1), 16), a))
     bad = []
     for h, s in ins:
-        if not s.startswith("HGMMA") or "tnspB" in s:
+        if not s.startswith("HGMMA") or ("tnspB" in s and not ALL):
             continue
-        first = int(re.search(r"HGMMA\S*\s+R\d+,\s*R(\d+)", s).group(1))
+        m = re.search(r"HGMMA\S*\s+R\d+,\s*R(\d+)", s)
+        if not m:  # A from shared memory (gdesc): no registers to clobber
+            continue
+        first = int(m.group(1))
         regs = set(range(first, first + 4))
         for t, b in (lb for lb in back if lb[0] <= h <= lb[1]):
             defs = [(a, r) for a, s2 in ins if t <= a <= b for r in (destination(s2) or set()) & regs]
@@ -71,4 +78,6 @@ def main(path):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    # --all: also the MN-major (.tnspB) HGMMAs with register A (P V, and the backward's P^T dO, dS^T Q)
+    ALL = "--all" in sys.argv[1:]
+    sys.exit(main([x for x in sys.argv[1:] if x != "--all"][0]))

@@ -26,6 +26,26 @@
 //                    it; raw keys (window + selection, the latter through the inverted index) or
 //                    compressed keys (split over query ranges, partial sums reduced in a fixed
 //                    order later).
+//
+// dkv_kernel on sm_90a (wgmma, common/wgmma.h; compiled only where __CUDA_ARCH_FEAT_SM90_ALL is
+// defined, like the forward's compressed kernel: sm_80 and the compute_80 PTX keep the mma.sync
+// body). The CTA is one warpgroup (warp w owns keys 16w..16w+15, as before) and every product of
+// a query tile is a warpgroup MMA, in the same two halves of 32 rows:
+//   S^T  = K Q^T      m64n32k16 x Dqk/16, A = the resident K tile, B = the Q rows, both from
+//                     shared memory through K-major descriptors (wgmma_ss);
+//   dP^T = V dO^T     m64n32k16 x Dv/16, A = the V tile, B = the dO rows (wgmma_ss);
+//   dV  += (g P)^T dO m64n{Dv}k16 x 2, A = P^T packed from this half's S^T accumulator (registers),
+//                     B = the dO rows MN-major (wgmma_rs, transposed B);
+//   dK  += dS^T Q     m64n{Dqk}k16 x 2 (Dqk = 192: one n192 product), A = dS^T from registers,
+//                     B = the Q rows MN-major.
+// The register A operands are packed in the iteration that uses them (never live across the loop:
+// the ptxas hazard of docs/cuda.md), K and V are never in registers. The accumulators are the
+// mma.sync ones (the wgmma D layout is the m16n8 C fragment layout per warp), so masking, P, dS
+// and the epilogue are shared with the sm_80 body. Tiles are stored unpadded in the 128-byte
+// swizzle layout from a 1024-byte boundary (DkvSmem::kSw*; the launch asks for the larger of the
+// two layouts); each thread fences its landed copies to the async proxy before the barrier that
+// publishes them. Each batch is fence / issue / commit / wait 0, so the accumulation order is
+// fixed and the result deterministic (it differs in rounding from the sm_80 body's).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -38,6 +58,7 @@
 #include "cuda/common/check.h"
 #include "cuda/common/dtype.h"
 #include "cuda/common/mma.h"
+#include "cuda/common/wgmma.h"
 #include "nsa/api.h"
 #include "nsa/blocks.h"
 #include "nsa/error.h"
@@ -664,9 +685,41 @@ struct DkvSmem {
   static constexpr int kQ = kV + tile_bytes<DV>();         // [2][kRows][DQK + kPad], double-buffered
   static constexpr int kDo = kQ + 2 * tile_bytes<DQK>();   // [2][kRows][DV + kPad]
   static constexpr int kRi = kDo + 2 * tile_bytes<DV>();   // [2] RowTile
-  static constexpr int kEnd = kRi + 2 * int(sizeof(RowTile));
+  static constexpr int kPaddedEnd = kRi + 2 * int(sizeof(RowTile));
   static_assert(kRi % 16 == 0, "RowTile holds float4");
+  // sm_90a (wgmma): the same tiles unpadded in the 128-byte swizzle layout (common/wgmma.h), from
+  // a 1024-byte boundary of the dynamic shared memory (the host adds 1024 bytes of slack).
+  static constexpr int kSwK = 0;                              // [kKeys][DQK], resident
+  static constexpr int kSwV = kSwK + kKeys * DQK * 2;         // [kKeys][DV]
+  static constexpr int kSwQ = kSwV + kKeys * DV * 2;          // [2][kRows][DQK]
+  static constexpr int kSwDo = kSwQ + 2 * kRows * DQK * 2;    // [2][kRows][DV]
+  static constexpr int kSwRi = kSwDo + 2 * kRows * DV * 2;    // [2] RowTile
+  static constexpr int kSwEnd = kSwRi + 2 * int(sizeof(RowTile));
+  static_assert(DQK % 64 == 0 && DV % 64 == 0, "swizzled tiles are whole 64-column blocks");
+  // Bytes the launch asks for: enough for either layout (the device picks one per target).
+  static constexpr int kEnd = kPaddedEnd > kSwEnd + 1024 ? kPaddedEnd : kSwEnd + 1024;
 };
+
+// copy_rows into a tile of kRows rows in the 128-byte swizzle layout (sm_90a: wgmma operands).
+template <typename E, int D, typename RowPtr>
+__device__ __forceinline__ void copy_rows_sw128(E* dst, RowPtr row_ptr, bool vec, const E* any) {
+  unsigned char* bytes = reinterpret_cast<unsigned char*>(dst);
+  if (vec) {
+    constexpr int kChunks = D / 8;
+    for (int e = threadIdx.x; e < kRows * kChunks; e += kThreads) {
+      const int r = e / kChunks, c = (e % kChunks) * 8;
+      const E* src = row_ptr(r);
+      cuda::cp_async_16(bytes + cuda::sw128_offset(kRows, r, c), src != nullptr ? src + c : any, src != nullptr);
+    }
+  } else {
+    for (int e = threadIdx.x; e < kRows * D; e += kThreads) {
+      const int r = e / D, c = e % D;
+      const E* src = row_ptr(r);
+      *reinterpret_cast<E*>(bytes + cuda::sw128_offset(kRows, r, c & ~7) + (c & 7) * 2) =
+          src != nullptr ? src[c] : from_float<E>(0.f);
+    }
+  }
+}
 
 template <typename E>
 __device__ __forceinline__ float phi_dx(const PhiDxArgs& P, const BwdArgs& a, int D, int64_t s0,
@@ -696,12 +749,28 @@ template <typename E, int DQK, int DV, KeySet kSet>
 __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
   using L = DkvSmem<E, DQK, DV>;
   constexpr int kLdK = DQK + kPad, kLdV = DV + kPad;
-  extern __shared__ __align__(128) unsigned char smem[];
-  E* sK = reinterpret_cast<E*>(smem + L::kK);
-  E* sV = reinterpret_cast<E*>(smem + L::kV);
-  E* sQ = reinterpret_cast<E*>(smem + L::kQ);
-  E* sDo = reinterpret_cast<E*>(smem + L::kDo);
-  RowTile* ri = reinterpret_cast<RowTile*>(smem + L::kRi);
+  // sm_90a: the four products on wgmma, tiles in the swizzle layout (compute below).
+  constexpr bool kWg = cuda::kWgmmaCompiled;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw;
+  if constexpr (kWg) smem += (1024u - (cuda::smem_address(smem_raw) & 1023u)) & 1023u;
+  E* sK = reinterpret_cast<E*>(smem + (kWg ? L::kSwK : L::kK));
+  E* sV = reinterpret_cast<E*>(smem + (kWg ? L::kSwV : L::kV));
+  E* sQ = reinterpret_cast<E*>(smem + (kWg ? L::kSwQ : L::kQ));
+  E* sDo = reinterpret_cast<E*>(smem + (kWg ? L::kSwDo : L::kDo));
+  RowTile* ri = reinterpret_cast<RowTile*>(smem + (kWg ? L::kSwRi : L::kRi));
+  constexpr int kQBuf = kWg ? kRows * DQK : kRows * kLdK;  // elements of one Q / dO buffer
+  constexpr int kDoBuf = kWg ? kRows * DV : kRows * kLdV;
+  // copy_rows into the layout of this target.
+  auto copy_tile = [&](auto dim, E* dst, auto row_ptr, const E* any) {
+    constexpr int D = decltype(dim)::value;
+    if constexpr (kWg)
+      copy_rows_sw128<E, D>(dst, row_ptr, a.vec, any);
+    else
+      copy_rows<E, D>(dst, row_ptr, a.vec, any);
+  };
+  using DimK = std::integral_constant<int, DQK>;
+  using DimV = std::integral_constant<int, DV>;
   const int tq = kRows / a.G;
   const int hk = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -800,8 +869,8 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
       ks = K.s0;
       vs = V.s0;
     }
-    copy_rows<E, DQK>(sK, [&](int c) -> const E* { return c < nk ? kb + c * ks : nullptr; }, a.vec, qb);
-    copy_rows<E, DV>(sV, [&](int c) -> const E* { return c < nk ? vb + c * vs : nullptr; }, a.vec, qb);
+    copy_tile(DimK{}, sK, [&](int c) -> const E* { return c < nk ? kb + c * ks : nullptr; }, qb);
+    copy_tile(DimV{}, sV, [&](int c) -> const E* { return c < nk ? vb + c * vs : nullptr; }, qb);
   };
 
   // Fills RowTile `buf` for query tile i of the sequence and starts copying its Q and dO rows into
@@ -840,17 +909,68 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
       R.vis[r] = make_int2(branch == kWin ? t - a.w + 1 : INT32_MIN, t);
     }
     __syncthreads();  // tokens and heads are in place for the copies
-    copy_rows<E, DQK>(sQ + buf * kRows * kLdK, [&](int r) -> const E* {
+    copy_tile(DimK{}, sQ + buf * kQBuf, [&](int r) -> const E* {
       return R.tok[r] < 0 ? nullptr : qb + R.tok[r] * a.q.s0 + R.head[r] * a.q.s1;
-    }, a.vec, qb);
-    copy_rows<E, DV>(sDo + buf * kRows * kLdV, [&](int r) -> const E* {
+    }, qb);
+    copy_tile(DimV{}, sDo + buf * kDoBuf, [&](int r) -> const E* {
       return R.tok[r] < 0 ? nullptr : dob + R.tok[r] * a.d_o.s0 + R.head[r] * a.d_o.s1;
-    }, a.vec, dob);
+    }, dob);
   };
 
   float acc_k[DQK / 8][4], acc_v[DV / 8][4];
   zero(acc_k);
   zero(acc_v);
+
+  // sm_90a: the products of one half (rows r0 .. r0 + 31 of query buffer `buf`) as warpgroup MMAs.
+  // The K and V tiles are A operands read from shared memory (K-major descriptors, never held in
+  // registers); P^T and dS^T are register A operands packed from this half's accumulators.
+  constexpr int kSwBlock = kRows * 128;  // bytes of one 64-column block of a 64-row swizzled tile
+  auto sw_desc = [](uint32_t addr, uint32_t lbo) { return cuda::wgmma_desc_sw128(addr, lbo, 1024); };
+  // S^T = K Q^T and dP^T = V dO^T (64 keys x 32 rows each): m64n32k16, A and B both K-major.
+  auto wg_scores = [&](float (&s)[kSubTiles][4], float (&dp)[kSubTiles][4], int buf, int r0) {
+    const uint32_t k_base = cuda::smem_address(sK), v_base = cuda::smem_address(sV);
+    const uint32_t q_base = cuda::smem_address(sQ + buf * kQBuf) + r0 * 128;
+    const uint32_t do_base = cuda::smem_address(sDo + buf * kDoBuf) + r0 * 128;
+    zero(s);
+    zero(dp);
+    cuda::wgmma_fence_operands(s);
+    cuda::wgmma_fence_operands(dp);
+    cuda::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < DQK / 16; ++kk) {
+      const uint32_t off = (kk >> 2) * kSwBlock + (kk & 3) * 32;
+      cuda::wgmma_ss<kSub, kIsBf16<E>, 0>(s, sw_desc(k_base + off, 16), sw_desc(q_base + off, 16), 1);
+    }
+#pragma unroll
+    for (int kk = 0; kk < DV / 16; ++kk) {
+      const uint32_t off = (kk >> 2) * kSwBlock + (kk & 3) * 32;
+      cuda::wgmma_ss<kSub, kIsBf16<E>, 0>(dp, sw_desc(v_base + off, 16), sw_desc(do_base + off, 16), 1);
+    }
+    cuda::wgmma_commit();
+    cuda::wgmma_wait<0>();
+    cuda::wgmma_fence_operands(s);
+    cuda::wgmma_fence_operands(dp);
+  };
+  // dV += (g P)^T dO and dK += scale dS^T Q: m64n{Dv}k16 and m64n{Dqk}k16, two k16 steps (the
+  // half's 32 rows) each, B = the same Q / dO buffers read MN-major (LBO: the next 64 columns).
+  auto wg_accumulate = [&](const uint32_t (&pf)[kSubTiles / 2][4], const uint32_t (&df)[kSubTiles / 2][4], int buf,
+                           int r0) {
+    const uint32_t q_base = cuda::smem_address(sQ + buf * kQBuf) + r0 * 128;
+    const uint32_t do_base = cuda::smem_address(sDo + buf * kDoBuf) + r0 * 128;
+    cuda::wgmma_fence_operands(acc_v);
+    cuda::wgmma_fence_operands(acc_k);
+    cuda::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kSubTiles / 2; ++kk)
+      cuda::wgmma_rs<DV, kIsBf16<E>, 1>(acc_v, pf[kk], sw_desc(do_base + kk * 16 * 128, kSwBlock), 1);
+#pragma unroll
+    for (int kk = 0; kk < kSubTiles / 2; ++kk)
+      cuda::wgmma_rs<DQK, kIsBf16<E>, 1>(acc_k, df[kk], sw_desc(q_base + kk * 16 * 128, kSwBlock), 1);
+    cuda::wgmma_commit();
+    cuda::wgmma_wait<0>();
+    cuda::wgmma_fence_operands(acc_v);
+    cuda::wgmma_fence_operands(acc_k);
+  };
 
   // One query tile (buffer `buf`) against the resident key tile: this warp's 16 keys, the tile's
   // rows in two halves of 32.
@@ -858,11 +978,15 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
     const RowTile& R = ri[buf];
 #pragma unroll 1
     for (int r0 = 0; r0 < kRows; r0 += kSub) {
-      const E* q = sQ + (buf * kRows + r0) * kLdK;
-      const E* dO = sDo + (buf * kRows + r0) * kLdV;
       float s[kSubTiles][4], dp[kSubTiles][4];
-      mma_abt<E, DQK, kSubTiles>(s, sK + key_w * kLdK, q);   // S^T: keys x rows
-      mma_abt<E, DV, kSubTiles>(dp, sV + key_w * kLdV, dO);  // dP^T
+      if constexpr (kWg) {
+        wg_scores(s, dp, buf, r0);
+      } else {
+        const E* q = sQ + (buf * kRows + r0) * kLdK;
+        const E* dO = sDo + (buf * kRows + r0) * kLdV;
+        mma_abt<E, DQK, kSubTiles>(s, sK + key_w * kLdK, q);   // S^T: keys x rows
+        mma_abt<E, DV, kSubTiles>(dp, sV + key_w * kLdV, dO);  // dP^T
+      }
 #pragma unroll
       for (int nt = 0; nt < kSubTiles; ++nt) {
 #pragma unroll
@@ -882,8 +1006,14 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
       uint32_t pf[kSubTiles / 2][4], df[kSubTiles / 2][4];
       to_operand<E, kSubTiles>(s, pf);
       to_operand<E, kSubTiles>(dp, df);
-      mma_ab<E, DV, kSubTiles / 2>(acc_v, pf, dO);  // dV += (g P)^T dO
-      mma_ab<E, DQK, kSubTiles / 2>(acc_k, df, q);  // dK += scale dS^T Q
+      if constexpr (kWg) {
+        wg_accumulate(pf, df, buf, r0);
+      } else {
+        const E* q = sQ + (buf * kRows + r0) * kLdK;
+        const E* dO = sDo + (buf * kRows + r0) * kLdV;
+        mma_ab<E, DV, kSubTiles / 2>(acc_v, pf, dO);  // dV += (g P)^T dO
+        mma_ab<E, DQK, kSubTiles / 2>(acc_k, df, q);  // dK += scale dS^T Q
+      }
     }
   };
 
@@ -895,6 +1025,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
   float* scratch = reinterpret_cast<float*>(smem + L::kK);
   constexpr int kLdS = kSub + 4;
   static_assert(kKeys * kLdS * 4 <= tile_bytes<64>(), "the scratch fits the K tile");
+  static_assert(kKeys * kLdS * 4 <= L::kSwQ, "swizzled: the scratch fits the K and V tiles (both reloaded after)");
   auto forced_row = [&](int c) -> int64_t {  // forced-block partial slot of key c of this tile
     return (int64_t(b) * a.n_init + j) * a.lp_pad + (key0 - j * a.lp) + c;
   };
@@ -956,6 +1087,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
     if (i + 1 < n_tiles) prefetch(i + 1, (i + 1) & 1);  // its buffer's last reader (tile i-1) is done
     cuda::cp_async_commit();
     cuda::cp_async_wait<1>();
+    if constexpr (kWg) cuda::fence_proxy_async();  // landed copies (and plain stores) -> wgmma
     __syncthreads();
     if (kSet == KeySet::raw && i == n0 && i > 0) {
       // Window done, selection next: independent K/V write the window's gradient now; the
@@ -965,6 +1097,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
       load_kv(1);
       cuda::cp_async_commit();
       cuda::cp_async_wait<0>();
+      if constexpr (kWg) cuda::fence_proxy_async();
       __syncthreads();
     }
     compute(i & 1);
