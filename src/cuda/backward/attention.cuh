@@ -700,27 +700,6 @@ struct DkvSmem {
   static constexpr int kEnd = kPaddedEnd > kSwEnd + 1024 ? kPaddedEnd : kSwEnd + 1024;
 };
 
-// copy_rows into a tile of kRows rows in the 128-byte swizzle layout (sm_90a: wgmma operands).
-template <typename E, int D, typename RowPtr>
-__device__ __forceinline__ void copy_rows_sw128(E* dst, RowPtr row_ptr, bool vec, const E* any) {
-  unsigned char* bytes = reinterpret_cast<unsigned char*>(dst);
-  if (vec) {
-    constexpr int kChunks = D / 8;
-    for (int e = threadIdx.x; e < kRows * kChunks; e += kThreads) {
-      const int r = e / kChunks, c = (e % kChunks) * 8;
-      const E* src = row_ptr(r);
-      cuda::cp_async_16(bytes + cuda::sw128_offset(kRows, r, c), src != nullptr ? src + c : any, src != nullptr);
-    }
-  } else {
-    for (int e = threadIdx.x; e < kRows * D; e += kThreads) {
-      const int r = e / D, c = e % D;
-      const E* src = row_ptr(r);
-      *reinterpret_cast<E*>(bytes + cuda::sw128_offset(kRows, r, c & ~7) + (c & 7) * 2) =
-          src != nullptr ? src[c] : from_float<E>(0.f);
-    }
-  }
-}
-
 template <typename E>
 __device__ __forceinline__ float phi_dx(const PhiDxArgs& P, const BwdArgs& a, int D, int64_t s0,
                                         int len, int p, int hk, int c) {
@@ -761,7 +740,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
   RowTile* ri = reinterpret_cast<RowTile*>(smem + (kWg ? L::kSwRi : L::kRi));
   constexpr int kQBuf = kWg ? kRows * DQK : kRows * kLdK;  // elements of one Q / dO buffer
   constexpr int kDoBuf = kWg ? kRows * DV : kRows * kLdV;
-  // copy_rows into the layout of this target.
+  // copy_rows into the layout of this target (copy_rows_sw128: dq_wgmma.cuh, kKeys = kRows rows).
   auto copy_tile = [&](auto dim, E* dst, auto row_ptr, const E* any) {
     constexpr int D = decltype(dim)::value;
     if constexpr (kWg)
