@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# On the GPU machine, after scripts/gpu_check.sh built $BUILD_DIR: Nsight Compute on one forward
+# and one backward (nsa_cuda_backward_bench --once: every kernel of both runs exactly once).
+#
+#   scripts/profile_gpu.sh [KERNEL_REGEX]
+#
+# Always: the time of every kernel (ncu gpu__time_duration, clocks not locked) -> $OUT/kernel_times.txt.
+# With KERNEL_REGEX (e.g. 'dkv_kernel|dq_kernel'): the first launch of each matching kernel with
+# the sections that say what bounds it (throughput, warp stalls, scheduler issue, occupancy) ->
+# $OUT/kernel_detail.txt.
+# Environment: OUT (default ./out), BUILD_DIR (default /tmp/nsa-gpu-build), T (default 65536),
+# BENCH_FLAGS (default --g16-only: Hq 64 / Hkv 4, D 128; empty for every shape's first length).
+set -u -o pipefail
+OUT="${OUT:-./out}"
+mkdir -p "$OUT"
+BUILD_DIR="${BUILD_DIR:-/tmp/nsa-gpu-build}"
+BENCH="$BUILD_DIR/bin/nsa_cuda_backward_bench"
+[[ -x "$BENCH" ]] || { echo "no $BENCH: run scripts/gpu_check.sh first"; exit 1; }
+command -v ncu >/dev/null || { echo "ncu (Nsight Compute) is not installed here"; exit 1; }
+ARGS=(--once --lengths "${T:-65536}" ${BENCH_FLAGS---g16-only} --out /tmp/profile_bench.csv)
+
+ncu --clock-control none --metrics gpu__time_duration.sum "$BENCH" "${ARGS[@]}" > "$OUT/ncu_times.log" 2>&1 || {
+  tail -20 "$OUT/ncu_times.log"; exit 1; }
+# "  void name<...>(...) (grid)x(block), ..." followed by "gpu__time_duration.sum  ms  12.34"
+awk '/^  [a-zA-Z_].*\(.*\)x\(/ { name = $0; sub(/^  (void )?/, "", name); sub(/\(.*/, "", name) }
+     /gpu__time_duration.sum/ { unit = $2; v = $3; if (unit == "us") v /= 1000; if (unit == "ns") v /= 1e6;
+                                printf "%10.3f ms  %s\n", v, name }' "$OUT/ncu_times.log" > "$OUT/kernel_times.txt"
+echo "kernel times (ms), in launch order:"
+cat "$OUT/kernel_times.txt"
+
+if [[ $# -ge 1 && -n "$1" ]]; then
+  ncu --clock-control none -k "regex:$1" --launch-count 8 --section SpeedOfLight --section WarpStateStats \
+    --section SchedulerStats --section Occupancy --section LaunchStats "$BENCH" "${ARGS[@]}" > "$OUT/kernel_detail.txt" 2>&1
+  echo "details of '$1': $OUT/kernel_detail.txt (rc=$?)"
+fi
