@@ -223,17 +223,14 @@ struct TileAttention {
     static_assert(kRows % 64 == 0 && kChunk == 64, "whole warpgroups, one n64 product per k16 step");
 #pragma unroll
     for (int i = 0; i < kSTiles; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-    wgmma_fence_operands(s);
-    wgmma_fence();
-    const uint32_t base = smem_address(sk);
+    wgmma_batch([&] {
+      const uint32_t base = smem_address(sk);
 #pragma unroll
-    for (int kk = 0; kk < kDqk / 16; ++kk) {
-      const uint32_t addr = base + (kk >> 2) * (kChunk * 128) + (kk & 3) * 32;
-      wgmma_rs<kChunk, kBf16, 0>(s, qf[kk], wgmma_desc_sw128(addr, 16, 1024), 1);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_operands(s);
+      for (int kk = 0; kk < kDqk / 16; ++kk) {
+        const uint32_t addr = base + (kk >> 2) * (kChunk * 128) + (kk & 3) * 32;
+        wgmma_rs<kChunk, kBf16, 0>(s, qf[kk], wgmma_desc_sw128(addr, 16, 1024), 1);
+      }
+    }, s);
   }
 
   // accumulate_pv() with one m64n{Dv}k16 wgmma per 16 keys: A = P packed from registers, B = the
@@ -248,15 +245,12 @@ struct TileAttention {
       a[kk][2] = Traits::pack(p[2 * kk + 1][0], p[2 * kk + 1][1]);
       a[kk][3] = Traits::pack(p[2 * kk + 1][2], p[2 * kk + 1][3]);
     }
-    wgmma_fence_operands(acc);
-    wgmma_fence();
-    const uint32_t base = smem_address(sv);
+    wgmma_batch([&] {
+      const uint32_t base = smem_address(sv);
 #pragma unroll
-    for (int kk = 0; kk < kChunk / 16; ++kk)
-      wgmma_rs<kDv, kBf16, 1>(acc, a[kk], wgmma_desc_sw128(base + kk * 16 * 128, kChunk * 128, 1024), 1);
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_operands(acc);
+      for (int kk = 0; kk < kChunk / 16; ++kk)
+        wgmma_rs<kDv, kBf16, 1>(acc, a[kk], wgmma_desc_sw128(base + kk * 16 * 128, kChunk * 128, 1024), 1);
+    }, acc);
   }
 
   // Row sums over the quad; returns the log-sum-exp in log2 units (-inf for an empty row) and

@@ -550,21 +550,11 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
           zero(s);
           uint32_t qf[DQK / 16][4];
           load_a_frags<E, DQK>(qf, sQ + row0 * kLdK);
-          cuda::wgmma_fence_operands(s);
-          cuda::wgmma_fence();
-          wgmma_abt_issue<E, DQK>(s, qf, cuda::smem_address(tk));
-          cuda::wgmma_commit();
-          cuda::wgmma_wait<0>();
-          cuda::wgmma_fence_operands(s);
+          cuda::wgmma_batch([&] { wgmma_abt_issue<E, DQK>(s, qf, cuda::smem_address(tk)); }, s);
           probabilities_wg(s, kt);
           uint32_t pf[kKeys / 16][4];
           to_operand<E, kKeys / 8>(s, pf);
-          cuda::wgmma_fence_operands(acc_o);
-          cuda::wgmma_fence();
-          wgmma_ab_issue<E, DV>(acc_o, pf, cuda::smem_address(tv));
-          cuda::wgmma_commit();
-          cuda::wgmma_wait<0>();
-          cuda::wgmma_fence_operands(acc_o);
+          cuda::wgmma_batch([&] { wgmma_ab_issue<E, DV>(acc_o, pf, cuda::smem_address(tv)); }, acc_o);
         } else {
           float s[kSubTiles][4];
           mma_abt<E, DQK, kSubTiles>(s, sQ + row0 * kLdK, tk + c0 * kLdK);
@@ -591,32 +581,17 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
               uint32_t qf[DQK / 16][4], of[DV / 16][4];
               load_a_frags<E, DQK>(qf, sQ + row0 * kLdK);
               load_a_frags<E, DV>(of, sDo + row0 * kLdV);
-              cuda::wgmma_fence_operands(s);
-              cuda::wgmma_fence_operands(dp);
-              cuda::wgmma_fence();
-              wgmma_abt_issue<E, DQK>(s, qf, cuda::smem_address(tk));
-              wgmma_abt_issue<E, DV>(dp, of, cuda::smem_address(tv));
-              cuda::wgmma_commit();
-              cuda::wgmma_wait<0>();
-              cuda::wgmma_fence_operands(s);
-              cuda::wgmma_fence_operands(dp);
+              cuda::wgmma_batch([&] {
+                wgmma_abt_issue<E, DQK>(s, qf, cuda::smem_address(tk));
+                wgmma_abt_issue<E, DV>(dp, of, cuda::smem_address(tv));
+              }, s, dp);
             } else {
               uint32_t qf[DQK / 16][4];
               load_a_frags<E, DQK>(qf, sQ + row0 * kLdK);
-              cuda::wgmma_fence_operands(s);
-              cuda::wgmma_fence();
-              wgmma_abt_issue<E, DQK>(s, qf, cuda::smem_address(tk));
-              cuda::wgmma_commit();
-              cuda::wgmma_wait<0>();
-              cuda::wgmma_fence_operands(s);
+              cuda::wgmma_batch([&] { wgmma_abt_issue<E, DQK>(s, qf, cuda::smem_address(tk)); }, s);
               uint32_t of[DV / 16][4];
               load_a_frags<E, DV>(of, sDo + row0 * kLdV);
-              cuda::wgmma_fence_operands(dp);
-              cuda::wgmma_fence();
-              wgmma_abt_issue<E, DV>(dp, of, cuda::smem_address(tv));
-              cuda::wgmma_commit();
-              cuda::wgmma_wait<0>();
-              cuda::wgmma_fence_operands(dp);
+              cuda::wgmma_batch([&] { wgmma_abt_issue<E, DV>(dp, of, cuda::smem_address(tv)); }, dp);
             }
             probabilities_wg(s, kt);
 #pragma unroll
@@ -626,12 +601,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
                 s[nt][e] = a.scale * gate[e >> 1] * s[nt][e] * (dp[nt][e] - dgr[e >> 1]);
             uint32_t df[kKeys / 16][4];
             to_operand<E, kKeys / 8>(s, df);
-            cuda::wgmma_fence_operands(acc_q);
-            cuda::wgmma_fence();
-            wgmma_ab_issue<E, DQK>(acc_q, df, cuda::smem_address(tk));
-            cuda::wgmma_commit();
-            cuda::wgmma_wait<0>();
-            cuda::wgmma_fence_operands(acc_q);
+            cuda::wgmma_batch([&] { wgmma_ab_issue<E, DQK>(acc_q, df, cuda::smem_address(tk)); }, acc_q);
           } else {
             float s[kSubTiles][4], dp[kSubTiles][4];
             mma_abt<E, DQK, kSubTiles>(s, sQ + row0 * kLdK, tk + c0 * kLdK);
@@ -912,23 +882,18 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
     const uint32_t do_base = cuda::smem_address(sDo + buf * kDoBuf) + r0 * 128;
     zero(s);
     zero(dp);
-    cuda::wgmma_fence_operands(s);
-    cuda::wgmma_fence_operands(dp);
-    cuda::wgmma_fence();
+    cuda::wgmma_batch([&] {
 #pragma unroll
-    for (int kk = 0; kk < DQK / 16; ++kk) {
-      const uint32_t off = (kk >> 2) * kSwBlock + (kk & 3) * 32;
-      cuda::wgmma_ss<kSub, kIsBf16<E>, 0>(s, sw_desc(k_base + off, 16), sw_desc(q_base + off, 16), 1);
-    }
+      for (int kk = 0; kk < DQK / 16; ++kk) {
+        const uint32_t off = (kk >> 2) * kSwBlock + (kk & 3) * 32;
+        cuda::wgmma_ss<kSub, kIsBf16<E>, 0>(s, sw_desc(k_base + off, 16), sw_desc(q_base + off, 16), 1);
+      }
 #pragma unroll
-    for (int kk = 0; kk < DV / 16; ++kk) {
-      const uint32_t off = (kk >> 2) * kSwBlock + (kk & 3) * 32;
-      cuda::wgmma_ss<kSub, kIsBf16<E>, 0>(dp, sw_desc(v_base + off, 16), sw_desc(do_base + off, 16), 1);
-    }
-    cuda::wgmma_commit();
-    cuda::wgmma_wait<0>();
-    cuda::wgmma_fence_operands(s);
-    cuda::wgmma_fence_operands(dp);
+      for (int kk = 0; kk < DV / 16; ++kk) {
+        const uint32_t off = (kk >> 2) * kSwBlock + (kk & 3) * 32;
+        cuda::wgmma_ss<kSub, kIsBf16<E>, 0>(dp, sw_desc(v_base + off, 16), sw_desc(do_base + off, 16), 1);
+      }
+    }, s, dp);
   };
   // dV += (g P)^T dO and dK += scale dS^T Q: m64n{Dv}k16 and m64n{Dqk}k16, two k16 steps (the
   // half's 32 rows) each, B = the same Q / dO buffers read MN-major (LBO: the next 64 columns).
@@ -936,19 +901,14 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
                            int r0) {
     const uint32_t q_base = cuda::smem_address(sQ + buf * kQBuf) + r0 * 128;
     const uint32_t do_base = cuda::smem_address(sDo + buf * kDoBuf) + r0 * 128;
-    cuda::wgmma_fence_operands(acc_v);
-    cuda::wgmma_fence_operands(acc_k);
-    cuda::wgmma_fence();
+    cuda::wgmma_batch([&] {
 #pragma unroll
-    for (int kk = 0; kk < kSubTiles / 2; ++kk)
-      cuda::wgmma_rs<DV, kIsBf16<E>, 1>(acc_v, pf[kk], sw_desc(do_base + kk * 16 * 128, kSwBlock), 1);
+      for (int kk = 0; kk < kSubTiles / 2; ++kk)
+        cuda::wgmma_rs<DV, kIsBf16<E>, 1>(acc_v, pf[kk], sw_desc(do_base + kk * 16 * 128, kSwBlock), 1);
 #pragma unroll
-    for (int kk = 0; kk < kSubTiles / 2; ++kk)
-      cuda::wgmma_rs<DQK, kIsBf16<E>, 1>(acc_k, df[kk], sw_desc(q_base + kk * 16 * 128, kSwBlock), 1);
-    cuda::wgmma_commit();
-    cuda::wgmma_wait<0>();
-    cuda::wgmma_fence_operands(acc_v);
-    cuda::wgmma_fence_operands(acc_k);
+      for (int kk = 0; kk < kSubTiles / 2; ++kk)
+        cuda::wgmma_rs<DQK, kIsBf16<E>, 1>(acc_k, df[kk], sw_desc(q_base + kk * 16 * 128, kSwBlock), 1);
+    }, acc_v, acc_k);
   };
 
   // One query tile (buffer `buf`) against the resident key tile: this warp's 16 keys, the tile's

@@ -19,7 +19,7 @@
 // zero-filled by the same copies, so the products there are 0 (and masked anyway).
 // Descriptors as the forward's (docs/cuda.md): K-major SBO = 1024, k16 step +32 B within a 64-column
 // block, +8 KB to the next block; MN-major SBO = 1024, LBO = 8 KB (next 64 columns), k16 step +2 KB.
-// Each batch is wgmma_fence / issue / commit / wait<0>, accumulators fenced on both sides
+// Each batch is wgmma_fence / issue / commit / wait<0> (cuda::wgmma_batch), accumulators fenced on both sides
 // (wgmma_fence_operands); every thread fences its landed copies to the async proxy before the
 // tile's barrier (fence_proxy_async). Deterministic: the same fixed order of products every run.
 // S and dP go out as one batch where the registers allow (Dqk 64; Dqk 128 with Dv 128), else one

@@ -101,6 +101,19 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[kTiles][4]) {
     for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(d[i][j])::"memory");
 }
 
+// One synchronous batch of warpgroup MMAs: fences the accumulators `acc` and the warpgroup, runs
+// `issue` (the wgmma instructions, in its order), commits the batch, waits for it and fences the
+// accumulators again. Every thread of the warpgroup calls it.
+template <typename Issue, typename... Acc>
+__device__ __forceinline__ void wgmma_batch(Issue&& issue, Acc&... acc) {
+  (wgmma_fence_operands(acc), ...);
+  wgmma_fence();
+  issue();
+  wgmma_commit();
+  wgmma_wait<0>();
+  (wgmma_fence_operands(acc), ...);
+}
+
 // D (64 x kN, fp32) = A (64 x 16, registers) * B (16 x kN, descriptor) + (scale_d ? D : 0).
 // kTransB = 0: B is K-major (rows of B^T contiguous); 1: B is MN-major.
 template <int kN, bool kBf16>
