@@ -397,8 +397,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) cmp_scores_kernel(const Cm
     }
     Tile tile_state;
     Smem::template wait_copies<0>();
-    __syncthreads();
-    if constexpr (!Smem::kWgmma) tile_state.load_q_fragments(sm.sq);
+    __syncthreads();  // (the pass loads the Q fragments per chunk: this kernel runs only with wgmma)
     cmp_scores_pass<Storage, kDqk, kDv, kTileRows>(p, ti, tile_state, sm, reinterpret_cast<float*>(sm.sk + 2 * Smem::kKTile),
                                                    lse2);
   }
