@@ -35,7 +35,6 @@ namespace {
 using detail::Plan;
 
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr size_t kMaxSmem = 227 * 1024;  // opt-in shared memory per block on sm_80 / sm_90 (A100: 163 KB)
 
 int log2_exact(int64_t v) {
   int r = 0;
@@ -111,7 +110,6 @@ int score_ring(const Config& cfg) {
   while (ring < need) ring *= 2;
   return ring;
 }
-
 
 // ---- Workspace of forward() -----------------------------------------------------------------
 

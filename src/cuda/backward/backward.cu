@@ -319,7 +319,6 @@ __global__ void copy_cu_kernel(const int32_t* src, int64_t stride, int n, int32_
   if (i < n) dst[i] = src[i * stride];
 }
 
-// Sum of the per-split partials of the compressed dk/dv: dkc[i] = sum_z part[z][i].
 // dg_b = <dO, o_b> for every (token, head, branch) from the forward's saved o_branch
 // [3, T, Hq, Dv]: one warp per (token, head), the lanes' partial sums added by a fixed butterfly.
 template <typename E>
@@ -343,6 +342,7 @@ __global__ void dg_from_branches_kernel(Mat3 d_o, const E* ob, int64_t ob_sb, in
   }
 }
 
+// Sum of the per-split partials of the compressed dk/dv: dkc[i] = sum_z part[z][i].
 __global__ void reduce_f32_kernel(const float* part, int splits, int64_t n, float* out) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i >= n) return;
@@ -576,7 +576,7 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
   cudaStream_t s = cuda::stream_of(p);
   if (p.cfg.n_selected > 0) {  // the selection dq kernel's per-warp union scratch must fit
     const size_t smem = slc_dq_smem_bytes(int(p.dqk), int(p.dv), slc_dq_capacity(int(p.group), int(p.cfg.n_selected)));
-    if (smem > 227 * 1024)
+    if (smem > cuda::kMaxSmem)
       throw Error("n_selected (n)", std::to_string(p.cfg.n_selected),
                   "needs more shared memory (" + std::to_string(smem) + " bytes) than the cuda backward's selection "
                   "kernel has at G = " + std::to_string(p.group));

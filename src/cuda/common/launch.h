@@ -15,6 +15,10 @@ namespace nsa::cuda {
 
 inline cudaStream_t stream_of(const detail::Plan& p) { return static_cast<cudaStream_t>(p.ctx.stream); }
 
+// Opt-in dynamic shared memory per block on sm_90 (the host checks kernels' needs against it up
+// front, so that a too-large configuration is an nsa::Error naming the value; A100: 163 KB).
+inline constexpr size_t kMaxSmem = 227 * 1024;
+
 inline constexpr size_t kWorkspaceAlign = 256;
 inline constexpr size_t align_up(size_t bytes) { return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
 
