@@ -423,42 +423,68 @@ Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
   L.dkc = w.take<float>(size_t(rows * z.dqk));
   L.dvc = w.take<float>(size_t(rows * z.dv));
   L.cmp_splits = int(std::clamp<int64_t>((z.max_seqlen + kCmpSplitTokens - 1) / kCmpSplitTokens, 1, kMaxCmpSplits));
-  L.dkc_part = w.take<float>(size_t(L.cmp_splits * rows * z.dqk));
-  L.dvc_part = w.take<float>(size_t(L.cmp_splits * rows * z.dv));
   L.dg32 = w.take<float>(size_t(z.T * z.hq * 3));
   const int64_t pairs = z.T * z.hkv * z.n;
-  if (pairs > 0) {
-    for (int i = 0; i < 2; ++i) {
-      L.keys[i] = w.take<uint32_t>(size_t(pairs));
-      L.tokens[i] = w.take<int32_t>(size_t(pairs));
-    }
-    cub::DoubleBuffer<uint32_t> kb(L.keys[0], L.keys[1]);
-    cub::DoubleBuffer<int32_t> vb(L.tokens[0], L.tokens[1]);
-    NSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, L.sort_temp_bytes, kb, vb, int(pairs), 0, 32, stream));
-    L.sort_temp = w.take<unsigned char>(L.sort_temp_bytes);
-  }
+  if (pairs > 0) L.tokens[0] = w.take<int32_t>(size_t(pairs));  // the inverted index's token lists
   L.offsets = w.take<int32_t>(size_t(z.hkv * z.B * n_slc_max + 1));
-  L.lp_pad = int((z.lp + kKeys - 1) / kKeys * kKeys);
-  if (z.n > 0 && z.n_init > 0) {
-    const int64_t rows_forced = z.B * z.n_init * L.lp_pad * z.hkv;
-    const int64_t by_len = (z.max_seqlen + kForcedSplitTokens - 1) / kForcedSplitTokens;
-    const int64_t by_bytes = kMaxForcedPartialBytes / std::max<int64_t>(1, rows_forced * (z.dqk + z.dv) * 4);
-    const int64_t splits = std::min<int64_t>({by_len, by_bytes, kMaxForcedSplits});
-    if (splits >= 2) {
-      L.slc_splits = int(splits);
-      L.slc_part_k = w.take<float>(size_t(splits * rows_forced * z.dqk));
-      L.slc_part_v = w.take<float>(size_t(splits * rows_forced * z.dv));
-    }
-  }
   const int64_t D = std::max(z.dqk, z.dv);
-  if (z.has_params) {  // split-K partials of phi's parameter gradients, capped in bytes
-    const int64_t param = std::max({z.F * z.l * D, D * z.F, D * z.l * D});
-    const int64_t by_rows = (rows + kRowsPerSplit - 1) / kRowsPerSplit;
-    const int64_t by_bytes = kMaxPartialBytes / (param * int64_t(sizeof(float)));
-    L.row_splits = int(std::clamp<int64_t>(std::min(by_rows, by_bytes), 1, kMaxSplits));
-    L.gemm_part = w.take<float>(size_t(L.row_splits * param));
-  }
   L.colsum = w.take<float>(size_t(std::max<int64_t>(z.F, D)));
+
+  // One scratch region for the pieces of phases that never overlap on the stream; each phase
+  // carves its own from the region's start (run_backward's step numbers):
+  //   2. the index sort: both key buffers, the tokens' second buffer and CUB's scratch (the
+  //      sorted tokens end in tokens[0], copied there when the sort leaves them in tokens[1]);
+  //   4. the compressed branch's per-split partials (reduced into dkc / dvc);
+  //   5. phi's split-K parameter partials;
+  //   6. the forced initial blocks' per-split partials.
+  auto carve_scratch = [&](unsigned char* region) {
+    size_t most = 0;
+    {  // 2.
+      WorkspaceCarver c(region);
+      if (pairs > 0) {
+        L.keys[0] = c.take<uint32_t>(size_t(pairs));
+        L.keys[1] = c.take<uint32_t>(size_t(pairs));
+        L.tokens[1] = c.take<int32_t>(size_t(pairs));
+        cub::DoubleBuffer<uint32_t> kb(L.keys[0], L.keys[1]);
+        cub::DoubleBuffer<int32_t> vb(L.tokens[0], L.tokens[1]);
+        NSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, L.sort_temp_bytes, kb, vb, int(pairs), 0, 32, stream));
+        L.sort_temp = c.take<unsigned char>(L.sort_temp_bytes);
+      }
+      most = std::max(most, c.bytes());
+    }
+    {  // 4.
+      WorkspaceCarver c(region);
+      L.dkc_part = c.take<float>(size_t(L.cmp_splits * rows * z.dqk));
+      L.dvc_part = c.take<float>(size_t(L.cmp_splits * rows * z.dv));
+      most = std::max(most, c.bytes());
+    }
+    if (z.has_params) {  // 5. split-K partials of phi's parameter gradients, capped in bytes
+      WorkspaceCarver c(region);
+      const int64_t param = std::max({z.F * z.l * D, D * z.F, D * z.l * D});
+      const int64_t by_rows = (rows + kRowsPerSplit - 1) / kRowsPerSplit;
+      const int64_t by_bytes = kMaxPartialBytes / (param * int64_t(sizeof(float)));
+      L.row_splits = int(std::clamp<int64_t>(std::min(by_rows, by_bytes), 1, kMaxSplits));
+      L.gemm_part = c.take<float>(size_t(L.row_splits * param));
+      most = std::max(most, c.bytes());
+    }
+    L.lp_pad = int((z.lp + kKeys - 1) / kKeys * kKeys);
+    if (z.n > 0 && z.n_init > 0) {  // 6.
+      WorkspaceCarver c(region);
+      const int64_t rows_forced = z.B * z.n_init * L.lp_pad * z.hkv;
+      const int64_t by_len = (z.max_seqlen + kForcedSplitTokens - 1) / kForcedSplitTokens;
+      const int64_t by_bytes = kMaxForcedPartialBytes / std::max<int64_t>(1, rows_forced * (z.dqk + z.dv) * 4);
+      const int64_t splits = std::min<int64_t>({by_len, by_bytes, kMaxForcedSplits});
+      if (splits >= 2) {
+        L.slc_splits = int(splits);
+        L.slc_part_k = c.take<float>(size_t(splits * rows_forced * z.dqk));
+        L.slc_part_v = c.take<float>(size_t(splits * rows_forced * z.dv));
+      }
+      most = std::max(most, c.bytes());
+    }
+    return most;
+  };
+  const size_t scratch_bytes = carve_scratch(nullptr);  // the sizes
+  if (unsigned char* region = w.take<unsigned char>(scratch_bytes)) carve_scratch(region);
   L.bytes = w.bytes();
   return L;
 }
@@ -692,7 +718,11 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
     NSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(L.sort_temp, temp, kb, vb, int(pairs), 0, end_bit, s));
     segment_offsets_kernel<<<blocks_for(nkeys + 1), 256, 0, s>>>(kb.Current(), pairs, nkeys, L.offsets);
     NSA_CUDA_CHECK_LAUNCH();
-    a.sel_tokens = vb.Current();
+    // The token lists outlive the sort's scratch (which later phases reuse): keep them in tokens[0].
+    if (vb.Current() != L.tokens[0])
+      NSA_CUDA_CHECK(cudaMemcpyAsync(L.tokens[0], vb.Current(), sizeof(int32_t) * size_t(pairs),
+                                     cudaMemcpyDeviceToDevice, s));
+    a.sel_tokens = L.tokens[0];
   }
 
   // 3. dq and dg (dg from the saved branch outputs when the caller kept them: dq_kernel then
