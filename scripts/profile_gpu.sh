@@ -9,7 +9,8 @@
 # the sections that say what bounds it (throughput, warp stalls, scheduler issue, occupancy) ->
 # $OUT/kernel_detail.txt.
 # Environment: OUT (default ./out), BUILD_DIR (default /tmp/nsa-gpu-build), T (default 65536),
-# BENCH_FLAGS (default --g16-only: Hq 64 / Hkv 4, D 128; empty for every shape's first length).
+# BENCH_FLAGS (default --g16-only: Hq 64 / Hkv 4, D 128; empty for every shape's first length),
+# LAUNCHES (default 8: how many matching launches get the detail sections).
 set -u -o pipefail
 OUT="${OUT:-./out}"
 mkdir -p "$OUT"
@@ -29,7 +30,9 @@ echo "kernel times (ms), in launch order:"
 cat "$OUT/kernel_times.txt"
 
 if [[ $# -ge 1 && -n "$1" ]]; then
-  ncu --clock-control none -k "regex:$1" --launch-count 8 --section SpeedOfLight --section WarpStateStats \
-    --section SchedulerStats --section Occupancy --section LaunchStats "$BENCH" "${ARGS[@]}" > "$OUT/kernel_detail.txt" 2>&1
+  # SourceCounters: the SASS lines where the warps stall most (sampled), and uncoalesced accesses.
+  ncu --clock-control none -k "regex:$1" --launch-count "${LAUNCHES:-8}" --section SpeedOfLight --section WarpStateStats \
+    --section SchedulerStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+    --section SourceCounters "$BENCH" "${ARGS[@]}" > "$OUT/kernel_detail.txt" 2>&1
   echo "details of '$1': $OUT/kernel_detail.txt (rc=$?)"
 fi
