@@ -10,7 +10,7 @@
 # $OUT/kernel_detail.txt.
 # Environment: OUT (default ./out), BUILD_DIR (default /tmp/nsa-gpu-build), T (default 65536),
 # BENCH_FLAGS (default --g16-only: Hq 64 / Hkv 4, D 128; empty for every shape's first length),
-# LAUNCHES (default 8: how many matching launches get the detail sections).
+# LAUNCHES (default 8: how many matching launches get the detail sections), SOURCE_REGEX (below).
 set -u -o pipefail
 OUT="${OUT:-./out}"
 mkdir -p "$OUT"
@@ -35,4 +35,14 @@ if [[ $# -ge 1 && -n "$1" ]]; then
     --section SchedulerStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
     --section SourceCounters "$BENCH" "${ARGS[@]}" > "$OUT/kernel_detail.txt" 2>&1
   echo "details of '$1': $OUT/kernel_detail.txt (rc=$?)"
+fi
+
+# SOURCE_REGEX (e.g. 'dkv_kernel'): per-SASS-instruction counters (instructions executed, sampled
+# warp stalls) of the first SOURCE_LAUNCHES (default 1) matching launches -> $OUT/source.csv.gz
+# (one row per instruction; tools/sass_hotspots.py summarises it).
+if [[ -n "${SOURCE_REGEX:-}" ]]; then
+  ncu --clock-control none -k "regex:$SOURCE_REGEX" --launch-count "${SOURCE_LAUNCHES:-1}" --section SourceCounters \
+    --section WarpStateStats --import-source no -f -o /tmp/nsa_source "$BENCH" "${ARGS[@]}" > "$OUT/source_run.log" 2>&1
+  ncu -i /tmp/nsa_source.ncu-rep --page source --csv --print-source sass 2> "$OUT/source_page.err" | gzip > "$OUT/source.csv.gz"
+  echo "per-instruction counters of '$SOURCE_REGEX': $OUT/source.csv.gz ($(zcat "$OUT/source.csv.gz" | wc -l) lines)"
 fi

@@ -227,8 +227,8 @@ struct TileAttention {
       const uint32_t base = smem_address(sk);
 #pragma unroll
       for (int kk = 0; kk < kDqk / 16; ++kk) {
-        const uint32_t addr = base + (kk >> 2) * (kChunk * 128) + (kk & 3) * 32;
-        wgmma_rs<kChunk, kBf16, 0>(s, qf[kk], wgmma_desc_sw128(addr, 16, 1024), 1);
+        const uint32_t off = (kk >> 2) * (kChunk * 128) + (kk & 3) * 32;
+        wgmma_rs<kChunk, kBf16, 0>(s, qf[kk], wgmma_desc_sw128(base, off, 16, 1024), 1);
       }
     }, s);
   }
@@ -249,7 +249,7 @@ struct TileAttention {
       const uint32_t base = smem_address(sv);
 #pragma unroll
       for (int kk = 0; kk < kChunk / 16; ++kk)
-        wgmma_rs<kDv, kBf16, 1>(acc, a[kk], wgmma_desc_sw128(base + kk * 16 * 128, kChunk * 128, 1024), 1);
+        wgmma_rs<kDv, kBf16, 1>(acc, a[kk], wgmma_desc_sw128(base, kk * 16 * 128, kChunk * 128, 1024), 1);
     }, acc);
   }
 

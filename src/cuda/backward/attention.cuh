@@ -642,8 +642,8 @@ __device__ __forceinline__ bool forced_split(const BwdArgs& a, int j, int len, i
 
 // One query tile of the key-centric kernel (one per pipeline buffer).
 struct RowTile {
-  int tok[kRows];     // packed token (or -1: padding row)
-  int head[kRows];    // query head
+  const void* q[kRows];   // the row's Q and dO (nullptr: padding row, zero-filled)
+  const void* dO[kRows];
   float4 st[kRows];   // (lse * log2 e, gate, dg, unused) of the current branch
   int2 vis[kRows];    // visible key positions [lo, hi]; hi = -1 for a padding row
 };
@@ -823,7 +823,12 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
   };
 
   // Fills RowTile `buf` for query tile i of the sequence and starts copying its Q and dO rows into
-  // buffer `buf`. Nothing reads this buffer before the pipeline's next barrier.
+  // buffer `buf`. Nothing reads this buffer before the pipeline's next barrier. Bit `buf` of
+  // `whole` says whether every row of the tile sees every key of the key tile (padding rows count
+  // as seeing them: their zero Q and dO rows and zero gate give P = dS = 0 anyway); then compute()
+  // skips the per-key mask.
+  const int first_pos = kt.kp0, last_pos = kt.kp0 + (nk - 1) * kt.kstep;
+  int whole = 0;
   auto prefetch = [&](int i, int buf) {
     RowTile& R = ri[buf];
     const bool list = kSet == KeySet::slc_forced || (kSet == KeySet::raw && i >= n0);
@@ -839,31 +844,33 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
       t0 = key0 * a.d + a.l - 1 + (ti0 + i) * tq;
       ntok = min(tq, len - t0);
     }
+    bool sees_all = true;
     for (int r = threadIdx.x; r < kRows; r += kThreads) {
       const int u = r / a.G;
       const int tok = u >= ntok ? -1 : list ? a.sel_tokens[i0 + u] : int(s0 + t0 + u);
       const int h = hk * a.G + r % a.G;
-      R.tok[r] = tok;
-      R.head[r] = h;
       if (tok < 0) {
+        R.q[r] = R.dO[r] = nullptr;
         R.st[r] = make_float4(0.f, 0.f, 0.f, 0.f);
         R.vis[r] = make_int2(0, -1);
         continue;
       }
+      R.q[r] = qb + int64_t(tok) * a.q.s0 + int64_t(h) * a.q.s1;
+      R.dO[r] = dob + int64_t(tok) * a.d_o.s0 + int64_t(h) * a.d_o.s1;
       const int t = int(tok - s0);
       const float lse = static_cast<const float*>(a.lse.p)[tok * a.lse.s0 + h * a.lse.s1 + branch];
       const float g = load_f32<E>(a.g.p, tok * a.g.s0 + h * a.g.s1 + branch);
       const float dg = a.dg32[(int64_t(tok) * a.hq + h) * 3 + branch];
       R.st[r] = make_float4(lse * kLog2e, g, dg, 0.f);
-      R.vis[r] = make_int2(branch == kWin ? t - a.w + 1 : INT32_MIN, t);
+      const int lo = branch == kWin ? t - a.w + 1 : INT32_MIN;
+      R.vis[r] = make_int2(lo, t);
+      sees_all = sees_all && lo <= first_pos && t >= last_pos;
     }
-    __syncthreads();  // tokens and heads are in place for the copies
-    copy_tile(DimK{}, sQ + buf * kQBuf, [&](int r) -> const E* {
-      return R.tok[r] < 0 ? nullptr : qb + R.tok[r] * a.q.s0 + R.head[r] * a.q.s1;
-    }, qb);
-    copy_tile(DimV{}, sDo + buf * kDoBuf, [&](int r) -> const E* {
-      return R.tok[r] < 0 ? nullptr : dob + R.tok[r] * a.d_o.s0 + R.head[r] * a.d_o.s1;
-    }, dob);
+    // the row pointers are in place for the copies; every thread learns the tile's flag
+    const int all = __syncthreads_and(sees_all);
+    whole = (whole & ~(1 << buf)) | (all ? 1 << buf : 0);
+    copy_tile(DimK{}, sQ + buf * kQBuf, [&](int r) { return static_cast<const E*>(R.q[r]); }, qb);
+    copy_tile(DimV{}, sDo + buf * kDoBuf, [&](int r) { return static_cast<const E*>(R.dO[r]); }, dob);
   };
 
   float acc_k[DQK / 8][4], acc_v[DV / 8][4];
@@ -874,7 +881,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
   // The K and V tiles are A operands read from shared memory (K-major descriptors, never held in
   // registers); P^T and dS^T are register A operands packed from this half's accumulators.
   constexpr int kSwBlock = kRows * 128;  // bytes of one 64-column block of a 64-row swizzled tile
-  auto sw_desc = [](uint32_t addr, uint32_t lbo) { return cuda::wgmma_desc_sw128(addr, lbo, 1024); };
+  auto sw_desc = [](uint32_t base, uint32_t off, uint32_t lbo) { return cuda::wgmma_desc_sw128(base, off, lbo, 1024); };
   // S^T = K Q^T and dP^T = V dO^T (64 keys x 32 rows each): m64n32k16, A and B both K-major.
   auto wg_scores = [&](float (&s)[kSubTiles][4], float (&dp)[kSubTiles][4], int buf, int r0) {
     const uint32_t k_base = cuda::smem_address(sK), v_base = cuda::smem_address(sV);
@@ -886,12 +893,12 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
 #pragma unroll
       for (int kk = 0; kk < DQK / 16; ++kk) {
         const uint32_t off = (kk >> 2) * kSwBlock + (kk & 3) * 32;
-        cuda::wgmma_ss<kSub, kIsBf16<E>, 0>(s, sw_desc(k_base + off, 16), sw_desc(q_base + off, 16), 1);
+        cuda::wgmma_ss<kSub, kIsBf16<E>, 0>(s, sw_desc(k_base, off, 16), sw_desc(q_base, off, 16), 1);
       }
 #pragma unroll
       for (int kk = 0; kk < DV / 16; ++kk) {
         const uint32_t off = (kk >> 2) * kSwBlock + (kk & 3) * 32;
-        cuda::wgmma_ss<kSub, kIsBf16<E>, 0>(dp, sw_desc(v_base + off, 16), sw_desc(do_base + off, 16), 1);
+        cuda::wgmma_ss<kSub, kIsBf16<E>, 0>(dp, sw_desc(v_base, off, 16), sw_desc(do_base, off, 16), 1);
       }
     }, s, dp);
   };
@@ -904,10 +911,10 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
     cuda::wgmma_batch([&] {
 #pragma unroll
       for (int kk = 0; kk < kSubTiles / 2; ++kk)
-        cuda::wgmma_rs<DV, kIsBf16<E>, 1>(acc_v, pf[kk], sw_desc(do_base + kk * 16 * 128, kSwBlock), 1);
+        cuda::wgmma_rs<DV, kIsBf16<E>, 1>(acc_v, pf[kk], sw_desc(do_base, kk * 16 * 128, kSwBlock), 1);
 #pragma unroll
       for (int kk = 0; kk < kSubTiles / 2; ++kk)
-        cuda::wgmma_rs<DQK, kIsBf16<E>, 1>(acc_k, df[kk], sw_desc(q_base + kk * 16 * 128, kSwBlock), 1);
+        cuda::wgmma_rs<DQK, kIsBf16<E>, 1>(acc_k, df[kk], sw_desc(q_base, kk * 16 * 128, kSwBlock), 1);
     }, acc_v, acc_k);
   };
 
@@ -926,19 +933,38 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
         mma_abt<E, DQK, kSubTiles>(s, sK + key_w * kLdK, q);   // S^T: keys x rows
         mma_abt<E, DV, kSubTiles>(dp, sV + key_w * kLdV, dO);  // dP^T
       }
+      // g P = g exp2(scale S log2 e - lse log2 e) and dS = scale g P (dP - dg); P uses ex2.approx
+      // (dq_exp2: probabilities below 2^-126 flush to 0). Keys past the tile's nk (zero rows) need
+      // no mask: their dK / dV rows are never written.
+      if (whole >> buf & 1) {
 #pragma unroll
-      for (int nt = 0; nt < kSubTiles; ++nt) {
+        for (int nt = 0; nt < kSubTiles; ++nt) {
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const int r = r0 + nt * 8 + 2 * quad + i;
-          const float4 st = R.st[r];
-          const int2 vis = R.vis[r];
+          for (int i = 0; i < 2; ++i) {
+            const float4 st = R.st[r0 + nt * 8 + 2 * quad + i];
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const bool v = kin[h] && kpos[h] >= vis.x && kpos[h] <= vis.y;
-            float& x = s[nt][2 * h + i];
-            x = v ? st.y * exp2f(x * scale_log2 - st.x) : 0.f;  // g P
-            dp[nt][2 * h + i] = a.scale * x * (dp[nt][2 * h + i] - st.z);  // dS
+            for (int h = 0; h < 2; ++h) {
+              float& x = s[nt][2 * h + i];
+              x = st.y * dq_exp2(fmaf(x, scale_log2, -st.x));
+              dp[nt][2 * h + i] = a.scale * x * (dp[nt][2 * h + i] - st.z);
+            }
+          }
+        }
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < kSubTiles; ++nt) {
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const int r = r0 + nt * 8 + 2 * quad + i;
+            const float4 st = R.st[r];
+            const int2 vis = R.vis[r];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const bool v = kin[h] && kpos[h] >= vis.x && kpos[h] <= vis.y;
+              float& x = s[nt][2 * h + i];
+              x = v ? st.y * dq_exp2(fmaf(x, scale_log2, -st.x)) : 0.f;
+              dp[nt][2 * h + i] = a.scale * x * (dp[nt][2 * h + i] - st.z);
+            }
           }
         }
       }

@@ -67,6 +67,16 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t smem_addr, uint32_
   return d;
 }
 
+// The descriptor of shared address base + offset (offset a multiple of 16): base's descriptor with
+// offset / 16 added to the start-address field in its low word. Every shared address is below 2^18,
+// so the 14-bit field does not carry into LBO. An unrolled loop over constant offsets then builds
+// the base descriptor once and adds a constant per product (about 3 instructions instead of 12).
+__device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t base, uint32_t offset, uint32_t lbo_bytes,
+                                                     uint32_t sbo_bytes) {
+  const uint64_t d = wgmma_desc_sw128(base, lbo_bytes, sbo_bytes);
+  return (d & ~uint64_t(0xFFFFFFFFu)) | uint32_t(uint32_t(d) + (offset >> 4));
+}
+
 __device__ __forceinline__ void wgmma_fence() {
 #if NSA_WGMMA_AVAILABLE
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
