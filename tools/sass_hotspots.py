@@ -37,18 +37,18 @@ def find(header, *needles, exclude=()):
 
 
 def sections(lines):
-    """Splits the file into (title, rows) per kernel: ncu prints a kernel line before each table."""
-    title, block = "kernel", []
-    for line in lines:
-        if line.startswith('"'):
-            block.append(line)
-        else:
-            if block:
+    """Splits the file into (title, rows) per kernel: ncu prints a "Kernel Name" row before each
+    table (and may print a kernel's table twice: only its first is kept)."""
+    title, block, seen = "kernel", [], set()
+    for line in lines + ['"Kernel Name","end"']:
+        if line.startswith('"Kernel Name"'):
+            if block and title not in seen:
+                seen.add(title)
                 yield title, block
-                block = []
-            title = line.strip() or title
-    if block:
-        yield title, block
+            block = []
+            title = next(csv.reader([line]))[1]
+        else:
+            block.append(line)
 
 
 def summarise(title, block, top):
@@ -78,6 +78,11 @@ def summarise(title, block, top):
         op = op.split(".")[0]
         by_op[op][0] += number(r[execd]) if execd is not None else 0.0
         by_op[op][1] += number(r[stall]) if stall is not None else 0.0
+    reasons = [(i, name) for i, name in enumerate(header) if name.startswith("stall_") and "(" not in name]
+    if reasons:
+        totals = sorted(((sum(number(r[i]) for r in body), name[6:]) for i, name in reasons), reverse=True)
+        print("   stall reasons (% of samples):",
+              ", ".join(f"{name} {100 * v / max(total_s, 1):.1f}" for v, name in totals if v > 0.005 * total_s))
     print("   by opcode (executed %, stall samples %):")
     for op, (e, s) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:25]:
         print(f"     {op:12s} {100 * e / max(total_e, 1):6.2f}%  {100 * s / max(total_s, 1):6.2f}%")
