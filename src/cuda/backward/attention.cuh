@@ -829,73 +829,50 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
   // `whole` says whether every row of the tile sees every key of the key tile (padding rows count
   // as seeing them: their zero Q and dO rows and zero gate give P = dS = 0 anyway); then compute()
   // skips the per-key mask.
-  //
-  // The row statistics come from global memory through registers, two tiles ahead so that their
-  // latency hides under the products of the tile being computed: when prefetch(i) runs, tile i's
-  // (tok_b, lse_b, g_b, dg_b) were loaded one tile earlier, and it then starts the loads of tile
-  // i + 1's statistics (its token tok_a was loaded one tile earlier still) and of tile i + 2's token.
-  // Thread r < kRows holds row r; the others hold none.
   const int first_pos = kt.kp0, last_pos = kt.kp0 + (nk - 1) * kt.kstep;
   int whole = 0;
-  static_assert(kThreads >= kRows, "one thread per row of a query tile");
-  const int n_tiles = n0 + n1;
-  auto tile_branch = [&](int i) {
-    return kSet == KeySet::cmp ? int(kCmp) : (kSet == KeySet::slc_forced || i >= n0) ? int(kSlc) : int(kWin);
-  };
-  auto tile_token = [&](int i) -> int {  // this thread's row's token in query tile i (-1: none)
-    if (threadIdx.x >= kRows || i >= n_tiles) return -1;
-    const bool list = kSet == KeySet::slc_forced || (kSet == KeySet::raw && i >= n0);
-    const int u = threadIdx.x / a.G;
-    if (list) {  // tokens from the inverted index
-      const int i0 = first + (kSet == KeySet::raw ? i - n0 : ti0 + i) * tq;
-      return u < min(tq, last - i0) ? a.sel_tokens[i0 + u] : -1;
-    }
-    if (kSet == KeySet::raw) {  // window: consecutive tokens from key0
-      const int t0 = key0 + i * tq;
-      return u < min(tq, t_end - t0 + 1) ? int(s0 + t0 + u) : -1;
-    }
-    const int t0 = key0 * a.d + a.l - 1 + (ti0 + i) * tq;  // compressed: from the block's first viewer
-    return u < min(tq, len - t0) ? int(s0 + t0 + u) : -1;
-  };
-  const int my_head = hk * a.G + int(threadIdx.x) % a.G;
-  int tok_a = -1, tok_b = -1;
-  float lse_b = 0.f, g_b = 0.f, dg_b = 0.f;
-  auto advance = [&](int i) {  // (b) <- tile i's statistics (token from a), a <- tile i + 1's token
-    tok_b = tok_a;
-    if (tok_b >= 0) {
-      const int branch = tile_branch(i);
-      const int64_t tok = tok_b;
-      lse_b = static_cast<const float*>(a.lse.p)[tok * a.lse.s0 + my_head * a.lse.s1 + branch];
-      g_b = load_f32<E>(a.g.p, tok * a.g.s0 + my_head * a.g.s1 + branch);
-      dg_b = a.dg32[(tok * a.hq + my_head) * 3 + branch];
-    }
-    tok_a = tile_token(i + 1);
-  };
   auto prefetch = [&](int i, int buf) {
     RowTile& R = ri[buf];
+    const bool list = kSet == KeySet::slc_forced || (kSet == KeySet::raw && i >= n0);
+    const int branch = kSet == KeySet::cmp ? kCmp : list ? kSlc : kWin;
+    int t0 = 0, i0 = 0, ntok;
+    if (list) {  // tokens from the inverted index
+      i0 = first + (kSet == KeySet::raw ? i - n0 : ti0 + i) * tq;
+      ntok = min(tq, last - i0);
+    } else if (kSet == KeySet::raw) {  // window: consecutive tokens from key0
+      t0 = key0 + i * tq;
+      ntok = min(tq, t_end - t0 + 1);
+    } else {  // compressed: consecutive tokens from the block's first viewer
+      t0 = key0 * a.d + a.l - 1 + (ti0 + i) * tq;
+      ntok = min(tq, len - t0);
+    }
     bool sees_all = true;
-    if (threadIdx.x < kRows) {
-      const int r = threadIdx.x;
-      if (tok_b < 0) {
+    for (int r = threadIdx.x; r < kRows; r += kThreads) {
+      const int u = r / a.G;
+      const int tok = u >= ntok ? -1 : list ? a.sel_tokens[i0 + u] : int(s0 + t0 + u);
+      const int h = hk * a.G + r % a.G;
+      if (tok < 0) {
         R.q[r] = R.dO[r] = nullptr;
         R.st[r] = make_float4(0.f, 0.f, 0.f, 0.f);
         R.vis[r] = make_int2(0, -1);
-      } else {
-        R.q[r] = qb + int64_t(tok_b) * a.q.s0 + int64_t(my_head) * a.q.s1;
-        R.dO[r] = dob + int64_t(tok_b) * a.d_o.s0 + int64_t(my_head) * a.d_o.s1;
-        const int t = int(tok_b - s0);
-        R.st[r] = make_float4(lse_b * kLog2e, g_b, dg_b, 0.f);
-        const int lo = tile_branch(i) == kWin ? t - a.w + 1 : INT32_MIN;
-        R.vis[r] = make_int2(lo, t);
-        sees_all = lo <= first_pos && t >= last_pos;
+        continue;
       }
+      R.q[r] = qb + int64_t(tok) * a.q.s0 + int64_t(h) * a.q.s1;
+      R.dO[r] = dob + int64_t(tok) * a.d_o.s0 + int64_t(h) * a.d_o.s1;
+      const int t = int(tok - s0);
+      const float lse = static_cast<const float*>(a.lse.p)[tok * a.lse.s0 + h * a.lse.s1 + branch];
+      const float g = load_f32<E>(a.g.p, tok * a.g.s0 + h * a.g.s1 + branch);
+      const float dg = a.dg32[(int64_t(tok) * a.hq + h) * 3 + branch];
+      R.st[r] = make_float4(lse * kLog2e, g, dg, 0.f);
+      const int lo = branch == kWin ? t - a.w + 1 : INT32_MIN;
+      R.vis[r] = make_int2(lo, t);
+      sees_all = sees_all && lo <= first_pos && t >= last_pos;
     }
     // the row pointers are in place for the copies; every thread learns the tile's flag
     const int all = __syncthreads_and(sees_all);
     whole = (whole & ~(1 << buf)) | (all ? 1 << buf : 0);
     copy_tile(DimK{}, sQ + buf * kQBuf, [&](int r) { return static_cast<const E*>(R.q[r]); }, qb);
     copy_tile(DimV{}, sDo + buf * kDoBuf, [&](int r) { return static_cast<const E*>(R.dO[r]); }, dob);
-    advance(i + 1);
   };
 
   float acc_k[DQK / 8][4], acc_v[DV / 8][4];
@@ -1065,12 +1042,11 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
   };
 
   // The two-stage pipeline: query tile i + 1's rows and copies go out before tile i is computed.
+  const int n_tiles = n0 + n1;
   if (kSet == KeySet::raw && !a.shared_kv && n0 == 0)
     epilogue(a.grad_k[kWin], a.grad_v[kWin], false, false, nullptr, nullptr);  // no window: zeros
   if (n_tiles > 0) {
     load_kv(n0 > 0 ? 0 : 1);
-    tok_a = tile_token(0);
-    advance(0);
     prefetch(0, 0);
   }
   cuda::cp_async_commit();
