@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# A/B of prepared branches on the GPU machine in one device call: each branch is a snapshot of its
+# sources (git archive, ~1 MB) built, tested and benchmarked side by side, so that kernels written
+# without a GPU get checked and measured against the same run's baseline.
+#
+# Here (with git):    scripts/ab_branches.sh prepare main fwd-copy-pieces win-wgmma
+#                     -> .snap/<branch>/ for each (ignored by git; carry ".snap" and ".gtest")
+# There (no git):     scripts/ab_branches.sh run [NAME...]
+#                     -> for each .snap/<branch> (or only the NAMEs given): build (Release, CUDA, sm_90a only), nsa_cuda_tests,
+#                        then the forward and backward benchmarks at AB_LENGTHS; logs in $OUT/<branch>/
+#                        and one table of the benchmark lines in $OUT/ab_summary.txt.
+# Environment: OUT (default ./out), AB_LENGTHS (default 65536), AB_STEPS (default "build tests bench
+# bench_backward"), AB_TEST_FILTER (a --gtest_filter), JOBS (default 16), AB_ARCH (default 90a).
+# Time on the H200 per snapshot, roughly: build 35 s (sm_90a only), tests 45-60 s, benchmarks at 64K
+# 30-40 s; four snapshots do not fit in one 600 s call: split them with NAMEs.
+set -u -o pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cmd="${1:-}"
+shift || true
+
+if [[ "$cmd" == prepare ]]; then
+  [[ $# -gt 0 ]] || { echo "usage: $0 prepare BRANCH..."; exit 2; }
+  rm -rf "$ROOT/.snap"
+  for b in "$@"; do
+    git -C "$ROOT" rev-parse --verify --quiet "$b^{commit}" >/dev/null || { echo "no branch or commit '$b'"; exit 2; }
+    dir="$ROOT/.snap/${b//\//_}"
+    mkdir -p "$dir"
+    git -C "$ROOT" archive "$b" | tar -x -C "$dir"
+    git -C "$ROOT" rev-parse --short "$b" > "$dir/.commit"
+    echo "$b -> .snap/${b//\//_} ($(cat "$dir/.commit"))"
+  done
+  echo "carry: [\".snap\", \".gtest\"]; command: scripts/ab_branches.sh run"
+  exit 0
+fi
+
+[[ "$cmd" == run ]] || { echo "usage: $0 prepare BRANCH... | $0 run [NAME...]"; exit 2; }
+OUT="${OUT:-./out}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+JOBS="${JOBS:-16}"
+STEPS="${AB_STEPS:-build tests bench bench_backward}"
+LENGTHS="${AB_LENGTHS:-65536}"
+SUMMARY="$OUT/ab_summary.txt"
+: > "$SUMMARY"
+[[ -d "$ROOT/.snap" ]] || { echo "no .snap/: run '$0 prepare BRANCH...' here first and carry .snap"; exit 1; }
+
+# GoogleTest from the carried sources, built once for all snapshots.
+GTEST_PREFIX=""
+if [[ -f "$ROOT/.gtest/CMakeLists.txt" ]]; then
+  cmake -S "$ROOT/.gtest" -B /tmp/ab-gtest-build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_INSTALL_PREFIX=/tmp/ab-gtest-install -DBUILD_GMOCK=OFF > /dev/null &&
+    cmake --build /tmp/ab-gtest-build -j "$JOBS" > /dev/null && cmake --install /tmp/ab-gtest-build > /dev/null &&
+    GTEST_PREFIX=/tmp/ab-gtest-install
+fi
+
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+rc_all=0
+dirs=()
+if [[ $# -gt 0 ]]; then
+  for n in "$@"; do [[ -d "$ROOT/.snap/$n" ]] && dirs+=("$ROOT/.snap/$n/") || { echo "no .snap/$n"; exit 1; }; done
+else
+  dirs=("$ROOT"/.snap/*/)
+fi
+for dir in "${dirs[@]}"; do
+  name="$(basename "$dir")"
+  log="$OUT/$name"
+  mkdir -p "$log"
+  build="/tmp/ab-build-$name"
+  echo "== $name ($(cat "$dir/.commit" 2>/dev/null))" | tee -a "$SUMMARY"
+  if has build; then
+    t0=$SECONDS
+    if ! { cmake -S "$dir" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNSA_CUDA=ON \
+             -DNSA_CUDA_ARCHITECTURES="${AB_ARCH:-90a}" ${GTEST_PREFIX:+-DCMAKE_PREFIX_PATH=$GTEST_PREFIX} &&
+           cmake --build "$build" -j "$JOBS"; } > "$log/build.log" 2>&1; then
+      echo "  build FAILED (see $name/build.log)" | tee -a "$SUMMARY"
+      tail -20 "$log/build.log"
+      rc_all=1
+      continue
+    fi
+    echo "  build: $((SECONDS - t0)) s" | tee -a "$SUMMARY"
+  fi
+  if has tests; then
+    "$build/bin/nsa_cuda_tests" ${AB_TEST_FILTER:+--gtest_filter=$AB_TEST_FILTER} --gtest_brief=1 > "$log/cuda_tests.log" 2>&1
+    rc=$?
+    echo "  nsa_cuda_tests: rc=$rc, $(grep -o '[0-9]* tests\? from .* ran' "$log/cuda_tests.log" | head -1)," \
+      "$(grep -c '^\[  FAILED  \] .*(' "$log/cuda_tests.log") failed" | tee -a "$SUMMARY"
+    [[ $rc -eq 0 ]] || rc_all=1
+  fi
+  if has bench; then
+    "$build/bin/nsa_cuda_bench" --out "$log/nsa_bench.csv" --lengths "$LENGTHS" --no-locality > "$log/bench.log" 2>&1 ||
+      { echo "  bench FAILED" | tee -a "$SUMMARY"; rc_all=1; }
+    sed 's/^/  fwd: /' "$log/nsa_bench.csv" | head -12 >> "$SUMMARY"
+  fi
+  if has bench_backward; then
+    "$build/bin/nsa_cuda_backward_bench" --out "$log/nsa_backward_bench.csv" --lengths "$LENGTHS" \
+      > "$log/bench_backward.log" 2>&1 || { echo "  bench_backward FAILED" | tee -a "$SUMMARY"; rc_all=1; }
+    sed 's/^/  bwd: /' "$log/nsa_backward_bench.csv" | head -20 >> "$SUMMARY"
+  fi
+done
+cat "$SUMMARY"
+exit $rc_all
