@@ -46,7 +46,7 @@ SUMMARY="$OUT/ab_summary.txt"
 
 # GoogleTest from the carried sources, built once for all snapshots.
 GTEST_PREFIX=""
-if [[ -f "$ROOT/.gtest/CMakeLists.txt" ]]; then
+if [[ " $STEPS " == *" build "* && -f "$ROOT/.gtest/CMakeLists.txt" ]]; then
   cmake -S "$ROOT/.gtest" -B /tmp/ab-gtest-build -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_INSTALL_PREFIX=/tmp/ab-gtest-install -DBUILD_GMOCK=OFF > /dev/null &&
     cmake --build /tmp/ab-gtest-build -j "$JOBS" > /dev/null && cmake --install /tmp/ab-gtest-build > /dev/null &&
