@@ -71,9 +71,9 @@ __device__ __forceinline__ void copy_rows_sw128(E* dst, RowPtr row_ptr, bool vec
   static_assert(D % 64 == 0, "swizzled tiles are made of 64-column blocks");
   unsigned char* bytes = reinterpret_cast<unsigned char*>(dst);
   constexpr int kChunks = D / 8;
-  if constexpr (kThreads % kChunks == 0 && (kThreads / kChunks) % 8 == 0) {
-    if (vec) {
-      constexpr int kStep = kThreads / kChunks;
+  constexpr int kStep = kThreads / kChunks;
+  if (vec) {
+    if constexpr (kThreads % kChunks == 0 && kStep % 8 == 0) {
       const int piece = threadIdx.x % kChunks, r0 = threadIdx.x / kChunks;
       unsigned char* d0 = bytes + cuda::sw128_offset(kKeys, r0, piece * 8);
 #pragma unroll
@@ -81,14 +81,12 @@ __device__ __forceinline__ void copy_rows_sw128(E* dst, RowPtr row_ptr, bool vec
         const E* src = row_ptr(r0 + k * kStep);
         cuda::cp_async_16(d0 + k * kStep * 128, src != nullptr ? src + piece * 8 : any, src != nullptr);
       }
-      return;
-    }
-  }
-  if (vec) {
-    for (int e = threadIdx.x; e < kKeys * kChunks; e += kThreads) {
-      const int r = e / kChunks, c = (e % kChunks) * 8;
-      const E* src = row_ptr(r);
-      cuda::cp_async_16(bytes + cuda::sw128_offset(kKeys, r, c), src != nullptr ? src + c : any, src != nullptr);
+    } else {
+      for (int e = threadIdx.x; e < kKeys * kChunks; e += kThreads) {
+        const int r = e / kChunks, c = (e % kChunks) * 8;
+        const E* src = row_ptr(r);
+        cuda::cp_async_16(bytes + cuda::sw128_offset(kKeys, r, c), src != nullptr ? src + c : any, src != nullptr);
+      }
     }
   } else {
     for (int e = threadIdx.x; e < kKeys * D; e += kThreads) {
