@@ -77,6 +77,7 @@ constexpr int kSubTiles = kSub / 8;
 // the one before, so the 8 rows one ldmatrix reads hit 8 different bank groups.
 constexpr int kPad = 8;
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kMaxCmpSplits = 4;  // query splits of the compressed dk/dv (cmp_split_of)
 static_assert(kRows == kKeys && kKeys == 2 * kSub, "a score block is two halves, both ways");
 
 // A [N, H, D] tensor with a contiguous last dimension (element strides of the first two).
@@ -124,10 +125,15 @@ struct BwdArgs {
   // selected block j of sequence b for KV head hk are sel_tokens[sel_offsets[key] .. [key+1]).
   const int32_t* sel_tokens = nullptr;
   const int32_t* sel_offsets = nullptr;
-  // Compressed branch: partial dkc/dvc per query split, [splits][Rc, Hkv, D] fp32.
+  // Compressed branch (cmp_split_of): the split holding a sequence's last query writes dkc / dvc
+  // [Rc, Hkv, D] fp32 itself; each earlier split z writes partials for its first rows: split z's
+  // partial holds cmp_part_rows[z] rows [Rc', Hkv, D] from dkc_part / dvc_part, one after another.
+  float* dkc = nullptr;
+  float* dvc = nullptr;
   float* dkc_part = nullptr;
   float* dvc_part = nullptr;
   int cmp_splits = 1;
+  int64_t cmp_part_rows[kMaxCmpSplits] = {};
   // Forced initial blocks (j < n_init) are selected by every later query: one block's list is
   // as long as the sequence, a serial tail for the one block that owns it. When the list is
   // exactly that range, its query tiles are split over slc_splits blocks (0: off) whose fp32
@@ -275,6 +281,28 @@ struct KeyTile {
   int nk;
   int kp0, kstep;
 };
+
+// Query splits of the compressed dK/dV (dkv_kernel<cmp>, blockIdx.z = z): split z of a sequence of
+// len tokens takes the query positions [z S, (z + 1) S), S = ceil(len / splits). Split `last`
+// (the one holding position len - 1) sees every compressed block and writes dkc / dvc itself;
+// an earlier split z sees only the blocks i with i d + l - 1 < (z + 1) S, the sequence's first
+// cmp_split_rows(z) blocks, and writes fp32 partials for those, which reduce_cmp_parts_kernel adds
+// in split order. Only what a split can see is stored: 1.5 instead of 4 copies of the rows at 4
+// splits.
+struct CmpSplit {
+  int64_t S;
+  int last;
+};
+NSA_HOST_DEVICE CmpSplit cmp_split_of(int64_t len, int splits) {
+  const int64_t S = (len + splits - 1) / splits;
+  return CmpSplit{S, len > 0 ? int((len - 1) / S) : 0};
+}
+NSA_HOST_DEVICE int64_t cmp_split_rows(int64_t len, int z, const CmpSplit& cs, int64_t l, int64_t d) {
+  const int64_t lim = (z + 1) * cs.S - l + 1;  // blocks i with i d < lim
+  const int64_t r = lim <= 0 ? 0 : (lim + d - 1) / d;
+  const int64_t nc = num_cmp_blocks(len, l, d);
+  return r < nc ? r : nc;
+}
 
 }  // namespace nsa::cuda_bwd
 
@@ -769,6 +797,8 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
   // The query tiles of this block, as one sequence: phase 0 (raw: window; cmp: one query split;
   // slc_forced: one split of the block's list) then phase 1 (raw only: the selection list).
   int n0 = 0, n1 = 0, t_end = 0, first = 0, last = 0, ti0 = 0;
+  int cmp_q0 = 0, cmp_q1 = 0;  // compressed: this split's query positions [cmp_q0, cmp_q1)
+  int nk_emit = nk;            // keys of the tile whose dK / dV rows this block writes
   bool forced = false;
   if constexpr (kSet == KeySet::raw) {
     if (a.w > 0) {
@@ -793,11 +823,17 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
     ti0 = blockIdx.z * per_split;
     n0 = max(0, min(ntiles, ti0 + per_split) - ti0);
   } else {
-    // Compressed keys: queries t >= key0 * d + l - 1, split in a.cmp_splits ranges (blockIdx.z).
-    const int ntiles = (len - (key0 * a.d + a.l - 1) + tq - 1) / tq;
-    const int per_split = (ntiles + a.cmp_splits - 1) / a.cmp_splits;
-    ti0 = blockIdx.z * per_split;
-    n0 = max(0, min(ntiles, ti0 + per_split) - ti0);
+    // Compressed keys: the queries t >= key0 * d + l - 1 of split z = blockIdx.z (cmp_split_of).
+    // A split before `last` that sees none of the tile's blocks has nothing to write.
+    const CmpSplit cs = cmp_split_of(len, a.cmp_splits);
+    const int z = blockIdx.z;
+    if (z > cs.last) return;
+    const int t_first = key0 * a.d + a.l - 1;
+    cmp_q0 = max(t_first, int(z * cs.S));
+    cmp_q1 = z == cs.last ? len : int(min(int64_t(len), (z + 1) * cs.S));
+    if (cmp_q0 >= cmp_q1) return;
+    n0 = (cmp_q1 - cmp_q0 + tq - 1) / tq;
+    if (z < cs.last) nk_emit = int(min(int64_t(nk), cmp_split_rows(len, z, cs, a.l, a.d) - key0));
   }
 
   // Starts copying the key tile of `phase` (raw: window or selection keys; else the only one).
@@ -842,9 +878,9 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
     } else if (kSet == KeySet::raw) {  // window: consecutive tokens from key0
       t0 = key0 + i * tq;
       ntok = min(tq, t_end - t0 + 1);
-    } else {  // compressed: consecutive tokens from the block's first viewer
-      t0 = key0 * a.d + a.l - 1 + (ti0 + i) * tq;
-      ntok = min(tq, len - t0);
+    } else {  // compressed: consecutive tokens of this split's range
+      t0 = cmp_q0 + i * tq;
+      ntok = min(tq, cmp_q1 - t0);
     }
     bool sees_all = true;
     for (int r = threadIdx.x; r < kRows; r += kThreads) {
@@ -999,7 +1035,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
   auto emit_column_block = [&](int which, int D, int col0, OutMat3 out, bool add_phi, bool add_forced,
                                float* part) {
     __syncthreads();
-    for (int e = threadIdx.x; e < nk * kSub; e += kThreads) {
+    for (int e = threadIdx.x; e < nk_emit * kSub; e += kThreads) {
       const int c = e / kSub, col = col0 + e % kSub;
       float val = scratch[c * kLdS + e % kSub];
       if constexpr (kSet == KeySet::raw) {
@@ -1083,9 +1119,16 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
     epilogue(OutMat3{}, OutMat3{}, false, false, a.slc_part_k + blockIdx.z * plane_k,
              a.slc_part_v + blockIdx.z * plane_v);
   } else {
-    const int64_t part_elems_k = a.rc * a.hkv * DQK, part_elems_v = a.rc * a.hkv * DV;
-    epilogue(OutMat3{}, OutMat3{}, false, false, a.dkc_part + blockIdx.z * part_elems_k,
-             a.dvc_part + blockIdx.z * part_elems_v);
+    // The last split writes dkc / dvc; split z < last its partial (rows before it: earlier splits).
+    float* part_k = a.dkc;
+    float* part_v = a.dvc;
+    if (int(blockIdx.z) < cmp_split_of(len, a.cmp_splits).last) {
+      int64_t rows_before = 0;
+      for (int z = 0; z < int(blockIdx.z); ++z) rows_before += a.cmp_part_rows[z];
+      part_k = a.dkc_part + rows_before * a.hkv * DQK;
+      part_v = a.dvc_part + rows_before * a.hkv * DV;
+    }
+    epilogue(OutMat3{}, OutMat3{}, false, false, part_k, part_v);
   }
 }
 

@@ -49,7 +49,6 @@ constexpr int kGemmThreads = 256; // 16 x 16 threads, 4 x 4 outputs each
 constexpr int kRowsPerSplit = 512;  // rows per partial sum of a reduction over compressed rows
 constexpr int kMaxSplits = 8;
 constexpr int64_t kMaxPartialBytes = int64_t(32) << 20;  // keeps mlp's dW1 partials at 32 MB
-constexpr int kMaxCmpSplits = 4;    // query-range splits of the compressed dk/dv (memory: see docs)
 constexpr int kCmpSplitTokens = 1024;
 constexpr int kMaxForcedSplits = 16;       // splits of a forced initial block's query list
 constexpr int kForcedSplitTokens = 1024;   // one more split per this many tokens of max_seqlen
@@ -290,16 +289,43 @@ __global__ void selection_pairs_kernel(BwdArgs a, uint32_t sentinel, uint32_t* k
   tokens[i] = int32_t(tok);
 }
 
-// offsets[key] = first position of key in the sorted keys (lower bound), key in [0, nkeys].
-__global__ void segment_offsets_kernel(const uint32_t* keys, int64_t n, int64_t nkeys, int32_t* offsets) {
+// The same pairs packed into one 32-bit key, key << shift | token (shift = the token bits): sorting
+// them sorts by key and, within a key, by token, which is the stable pair sort's order.
+__global__ void selection_packed_kernel(BwdArgs a, uint32_t sentinel, int shift, uint32_t* packed) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= a.T * a.hkv * a.n) return;
+  const int k = int(i % a.n);
+  const int hk = int((i / a.n) % a.hkv);
+  const int64_t tok = i / (int64_t(a.n) * a.hkv);
+  int lo = 0, hi = a.B - 1, b = 0;
+  while (lo <= hi) {
+    const int mid = (lo + hi) / 2;
+    if (a.cu[mid] <= tok) { b = mid; lo = mid + 1; } else { hi = mid - 1; }
+  }
+  const int t = int(tok - a.cu[b]);
+  const int j = static_cast<const int32_t*>(a.indices.p)[tok * a.indices.s0 + hk * a.indices.s1 + k];
+  const bool valid = j >= 0 && int64_t(j) * a.lp <= t;
+  const uint32_t key = valid ? uint32_t((int64_t(hk) * a.B + b) * a.n_slc_max + j) : sentinel;
+  packed[i] = key << shift | uint32_t(tok);
+}
+
+// offsets[key] = first position of key in the sorted keys (lower bound; a sorted key's key is its
+// bits from `shift` up), key in [0, nkeys].
+__global__ void segment_offsets_kernel(const uint32_t* keys, int shift, int64_t n, int64_t nkeys, int32_t* offsets) {
   const int64_t key = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (key > nkeys) return;
   int64_t lo = 0, hi = n;
   while (lo < hi) {
     const int64_t mid = (lo + hi) / 2;
-    if (keys[mid] < uint32_t(key)) lo = mid + 1; else hi = mid;
+    if ((keys[mid] >> shift) < uint32_t(key)) lo = mid + 1; else hi = mid;
   }
   offsets[key] = int32_t(lo);
+}
+
+// The tokens of sorted packed keys (in place when src == dst: each thread reads its element first).
+__global__ void unpack_tokens_kernel(const uint32_t* src, int64_t n, uint32_t mask, int32_t* dst) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i < n) dst[i] = int32_t(src[i] & mask);
 }
 
 // cu [B+1] int32 from host values passed by value (up to kInlineCu entries: 256 bytes of
@@ -342,13 +368,32 @@ __global__ void dg_from_branches_kernel(Mat3 d_o, const E* ob, int64_t ob_sb, in
   }
 }
 
-// Sum of the per-split partials of the compressed dk/dv: dkc[i] = sum_z part[z][i].
-__global__ void reduce_f32_kernel(const float* part, int splits, int64_t n, float* out) {
-  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (i >= n) return;
+// The compressed dk (or dv) of element e of [Rc, Hkv, D]: the partials of the splits before the
+// last that see its block, in split order, then the last split's value already in out[e]
+// (cmp_split_of). Rows of no block (between sequences, or past the last block) stay as they are.
+__global__ void reduce_cmp_parts_kernel(BwdArgs a, const float* part, const int32_t* crow_token, int D,
+                                        float* out) {
+  const int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int64_t per_row = int64_t(a.hkv) * D;
+  if (e >= a.rc * per_row) return;
+  const int64_t crow = e / per_row;
+  const int32_t tok = crow_token[crow];
+  if (tok < 0) return;
+  int lo = 0, hi = a.B - 1, b = 0;  // sequence of tok
+  while (lo <= hi) {
+    const int mid = (lo + hi) / 2;
+    if (a.cu[mid] <= tok) { b = mid; lo = mid + 1; } else { hi = mid - 1; }
+  }
+  const int64_t len = a.cu[b + 1] - a.cu[b];
+  const int64_t i = crow - cmp_row_offset(a.cu[b], a.d);  // the block's index in its sequence
+  const CmpSplit cs = cmp_split_of(len, a.cmp_splits);
   float acc = 0.f;
-  for (int z = 0; z < splits; ++z) acc += part[z * n + i];
-  out[i] = acc;
+  int64_t rows_before = 0;
+  for (int z = 0; z < cs.last; ++z) {
+    if (i < cmp_split_rows(len, z, cs, a.l, a.d)) acc += part[rows_before * per_row + e];
+    rows_before += a.cmp_part_rows[z];
+  }
+  out[e] = acc + out[e];
 }
 
 // Independent K/V: dk_cmp/dv_cmp = phi's gradient alone.
@@ -382,10 +427,14 @@ struct Layout {
   float* pre_v = nullptr;
   float* dkc = nullptr;    // [Rc*Hkv, Dqk]
   float* dvc = nullptr;
-  float* dkc_part = nullptr;  // [splits][Rc*Hkv, Dqk]
+  float* dkc_part = nullptr;  // the splits' partials (cmp_part_rows[z] rows each) [.., Hkv, Dqk]
   float* dvc_part = nullptr;
+  int64_t cmp_part_rows[kMaxCmpSplits] = {};
+  bool packed_sort = false;   // the index sort on 32-bit (key, token) keys (sort_bits of them)
+  int key_shift = 0;          // bits of the token in a packed key
+  int sort_bits = 0;
   float* dg32 = nullptr;      // [T, Hq, 3]
-  uint32_t* keys[2] = {};     // radix-sort double buffers [T*Hkv*n]
+  uint32_t* keys[2] = {};     // radix-sort double buffers [T*Hkv*n] (packed: keys[1] only)
   int32_t* tokens[2] = {};
   int32_t* offsets = nullptr; // [Hkv*B*n_slc_max + 1]
   void* sort_temp = nullptr;
@@ -423,6 +472,18 @@ Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
   L.dkc = w.take<float>(size_t(rows * z.dqk));
   L.dvc = w.take<float>(size_t(rows * z.dv));
   L.cmp_splits = int(std::clamp<int64_t>((z.max_seqlen + kCmpSplitTokens - 1) / kCmpSplitTokens, 1, kMaxCmpSplits));
+  // Rows of each split's partial: with one sequence the blocks its queries see; with several (whose
+  // lengths the host does not know) every row, indexed as dkc.
+  int64_t part_rows = 0;
+  for (int zz = 0; zz + 1 < L.cmp_splits; ++zz) {
+    if (z.B == 1) {
+      const CmpSplit cs = cmp_split_of(z.T, L.cmp_splits);
+      L.cmp_part_rows[zz] = zz < cs.last ? cmp_split_rows(z.T, zz, cs, z.l, z.d) : 0;
+    } else {
+      L.cmp_part_rows[zz] = rc;
+    }
+    part_rows += L.cmp_part_rows[zz];
+  }
   L.dg32 = w.take<float>(size_t(z.T * z.hq * 3));
   const int64_t pairs = z.T * z.hkv * z.n;
   if (pairs > 0) L.tokens[0] = w.take<int32_t>(size_t(pairs));  // the inverted index's token lists
@@ -442,20 +503,39 @@ Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
     {  // 2.
       WorkspaceCarver c(region);
       if (pairs > 0) {
-        L.keys[0] = c.take<uint32_t>(size_t(pairs));
-        L.keys[1] = c.take<uint32_t>(size_t(pairs));
-        L.tokens[1] = c.take<int32_t>(size_t(pairs));
-        cub::DoubleBuffer<uint32_t> kb(L.keys[0], L.keys[1]);
-        cub::DoubleBuffer<int32_t> vb(L.tokens[0], L.tokens[1]);
-        NSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, L.sort_temp_bytes, kb, vb, int(pairs), 0, 32, stream));
+        // Key bits (keys 0..nkeys, nkeys the sentinel) and token bits (0..T-1): when both fit in 32,
+        // the sort runs on packed keys, key << token bits | token, one buffer of its two being the
+        // persistent tokens[0]; else on (key, token) pairs.
+        const int64_t nkeys = z.hkv * z.B * n_slc_max;
+        int kbits = 1, tbits = 0;
+        while ((int64_t(1) << kbits) <= nkeys) ++kbits;
+        while ((int64_t(1) << tbits) < z.T) ++tbits;
+        L.packed_sort = kbits + tbits <= 32;
+        if (L.packed_sort) {
+          L.key_shift = tbits;
+          L.sort_bits = kbits + tbits;
+          L.keys[1] = c.take<uint32_t>(size_t(pairs));
+          cub::DoubleBuffer<uint32_t> kb(reinterpret_cast<uint32_t*>(L.tokens[0]), L.keys[1]);
+          NSA_CUDA_CHECK(cub::DeviceRadixSort::SortKeys(nullptr, L.sort_temp_bytes, kb, int(pairs), 0, L.sort_bits,
+                                                        stream));
+        } else {
+          L.sort_bits = kbits;
+          L.keys[0] = c.take<uint32_t>(size_t(pairs));
+          L.keys[1] = c.take<uint32_t>(size_t(pairs));
+          L.tokens[1] = c.take<int32_t>(size_t(pairs));
+          cub::DoubleBuffer<uint32_t> kb(L.keys[0], L.keys[1]);
+          cub::DoubleBuffer<int32_t> vb(L.tokens[0], L.tokens[1]);
+          NSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, L.sort_temp_bytes, kb, vb, int(pairs), 0,
+                                                         L.sort_bits, stream));
+        }
         L.sort_temp = c.take<unsigned char>(L.sort_temp_bytes);
       }
       most = std::max(most, c.bytes());
     }
     {  // 4.
       WorkspaceCarver c(region);
-      L.dkc_part = c.take<float>(size_t(L.cmp_splits * rows * z.dqk));
-      L.dvc_part = c.take<float>(size_t(L.cmp_splits * rows * z.dv));
+      L.dkc_part = c.take<float>(size_t(part_rows * z.hkv * z.dqk));
+      L.dvc_part = c.take<float>(size_t(part_rows * z.hkv * z.dv));
       most = std::max(most, c.bytes());
     }
     if (z.has_params) {  // 5. split-K partials of phi's parameter gradients, capped in bytes
@@ -684,9 +764,12 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
   a.dg = out3(grads.dg);
   a.sel_tokens = L.tokens[0];
   a.sel_offsets = L.offsets;
+  a.dkc = L.dkc;
+  a.dvc = L.dvc;
   a.dkc_part = L.dkc_part;
   a.dvc_part = L.dvc_part;
   a.cmp_splits = L.cmp_splits;
+  for (int z = 0; z < kMaxCmpSplits; ++z) a.cmp_part_rows[z] = L.cmp_part_rows[z];
   a.slc_part_k = L.slc_part_k;
   a.slc_part_v = L.slc_part_v;
   a.slc_splits = L.slc_splits;
@@ -708,20 +791,32 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
   if (pairs > 0) {
     if (pairs > INT32_MAX || nkeys >= INT32_MAX)
       throw Error("T * Hkv * n_selected", std::to_string(pairs), "must be < 2^31 for the cuda backward");
-    selection_pairs_kernel<<<blocks_for(pairs), 256, 0, s>>>(a, uint32_t(nkeys), L.keys[0], L.tokens[0]);
-    NSA_CUDA_CHECK_LAUNCH();
-    cub::DoubleBuffer<uint32_t> kb(L.keys[0], L.keys[1]);
-    cub::DoubleBuffer<int32_t> vb(L.tokens[0], L.tokens[1]);
-    int end_bit = 1;
-    while ((uint64_t(1) << end_bit) <= uint64_t(nkeys)) ++end_bit;
     size_t temp = L.sort_temp_bytes;
-    NSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(L.sort_temp, temp, kb, vb, int(pairs), 0, end_bit, s));
-    segment_offsets_kernel<<<blocks_for(nkeys + 1), 256, 0, s>>>(kb.Current(), pairs, nkeys, L.offsets);
-    NSA_CUDA_CHECK_LAUNCH();
-    // The token lists outlive the sort's scratch (which later phases reuse): keep them in tokens[0].
-    if (vb.Current() != L.tokens[0])
-      NSA_CUDA_CHECK(cudaMemcpyAsync(L.tokens[0], vb.Current(), sizeof(int32_t) * size_t(pairs),
-                                     cudaMemcpyDeviceToDevice, s));
+    if (L.packed_sort) {  // (carve: key and token bits fit in 32)
+      uint32_t* packed = reinterpret_cast<uint32_t*>(L.tokens[0]);
+      selection_packed_kernel<<<blocks_for(pairs), 256, 0, s>>>(a, uint32_t(nkeys), L.key_shift, packed);
+      NSA_CUDA_CHECK_LAUNCH();
+      cub::DoubleBuffer<uint32_t> kb(packed, L.keys[1]);
+      NSA_CUDA_CHECK(cub::DeviceRadixSort::SortKeys(L.sort_temp, temp, kb, int(pairs), 0, L.sort_bits, s));
+      segment_offsets_kernel<<<blocks_for(nkeys + 1), 256, 0, s>>>(kb.Current(), L.key_shift, pairs, nkeys, L.offsets);
+      NSA_CUDA_CHECK_LAUNCH();
+      // The token lists outlive the sort's scratch (which later phases reuse): into tokens[0].
+      unpack_tokens_kernel<<<blocks_for(pairs), 256, 0, s>>>(kb.Current(), pairs, (uint32_t(1) << L.key_shift) - 1u,
+                                                             L.tokens[0]);
+      NSA_CUDA_CHECK_LAUNCH();
+    } else {
+      selection_pairs_kernel<<<blocks_for(pairs), 256, 0, s>>>(a, uint32_t(nkeys), L.keys[0], L.tokens[0]);
+      NSA_CUDA_CHECK_LAUNCH();
+      cub::DoubleBuffer<uint32_t> kb(L.keys[0], L.keys[1]);
+      cub::DoubleBuffer<int32_t> vb(L.tokens[0], L.tokens[1]);
+      NSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(L.sort_temp, temp, kb, vb, int(pairs), 0, L.sort_bits, s));
+      segment_offsets_kernel<<<blocks_for(nkeys + 1), 256, 0, s>>>(kb.Current(), 0, pairs, nkeys, L.offsets);
+      NSA_CUDA_CHECK_LAUNCH();
+      // The token lists outlive the sort's scratch (which later phases reuse): keep them in tokens[0].
+      if (vb.Current() != L.tokens[0])
+        NSA_CUDA_CHECK(cudaMemcpyAsync(L.tokens[0], vb.Current(), sizeof(int32_t) * size_t(pairs),
+                                       cudaMemcpyDeviceToDevice, s));
+    }
     a.sel_tokens = L.tokens[0];
   }
 
@@ -739,15 +834,20 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
   dispatch_dims<E>(a, s, 0);
   if (a.n > 0) dispatch_dims<E>(a, s, 4);
 
-  // 4. Compressed branch dk/dv (fp32, per query split), reduced in split order.
+  // 4. Compressed branch dk/dv (fp32): the last query split of each sequence writes dkc / dvc,
+  //    the earlier ones partials, added in split order (cmp_split_of). Rows of no block stay 0.
   if (rc > 0) {
-    NSA_CUDA_CHECK(cudaMemsetAsync(L.dkc_part, 0, sizeof(float) * size_t(L.cmp_splits * rc * p.hkv * p.dqk), s));
-    NSA_CUDA_CHECK(cudaMemsetAsync(L.dvc_part, 0, sizeof(float) * size_t(L.cmp_splits * rc * p.hkv * p.dv), s));
+    NSA_CUDA_CHECK(cudaMemsetAsync(L.dkc, 0, sizeof(float) * size_t(rc * p.hkv * p.dqk), s));
+    NSA_CUDA_CHECK(cudaMemsetAsync(L.dvc, 0, sizeof(float) * size_t(rc * p.hkv * p.dv), s));
     dispatch_dims<E>(a, s, 1);
-    reduce_f32_kernel<<<blocks_for(rc * p.hkv * p.dqk), 256, 0, s>>>(L.dkc_part, L.cmp_splits, rc * p.hkv * p.dqk, L.dkc);
-    NSA_CUDA_CHECK_LAUNCH();
-    reduce_f32_kernel<<<blocks_for(rc * p.hkv * p.dv), 256, 0, s>>>(L.dvc_part, L.cmp_splits, rc * p.hkv * p.dv, L.dvc);
-    NSA_CUDA_CHECK_LAUNCH();
+    if (L.cmp_splits > 1) {
+      reduce_cmp_parts_kernel<<<blocks_for(rc * p.hkv * p.dqk), 256, 0, s>>>(a, L.dkc_part, L.crow_token, int(p.dqk),
+                                                                            L.dkc);
+      NSA_CUDA_CHECK_LAUNCH();
+      reduce_cmp_parts_kernel<<<blocks_for(rc * p.hkv * p.dv), 256, 0, s>>>(a, L.dvc_part, L.crow_token, int(p.dv),
+                                                                           L.dvc);
+      NSA_CUDA_CHECK_LAUNCH();
+    }
     // 5. phi's parameter gradients (and dpre for the raw keys).
     phi_backward_params<E>(p, s, in.phi_k, in.kv[kCmp].k, a.dqk, L, L.dkc, L.pre_k, grads.dphi_k);
     phi_backward_params<E>(p, s, in.phi_v, in.kv[kCmp].v, a.dv, L, L.dvc, L.pre_v, grads.dphi_v);
