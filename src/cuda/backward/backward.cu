@@ -270,13 +270,12 @@ __global__ void crow_token_kernel(const int32_t* cu, int B, int64_t rc, int l, i
   crow_token[crow] = tok;
 }
 
-// (key, token) pairs of the selection: key = (hk * B + b) * n_slc_max + j, or `sentinel`.
-__global__ void selection_pairs_kernel(BwdArgs a, uint32_t sentinel, uint32_t* keys, int32_t* tokens) {
-  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (i >= a.T * a.hkv * a.n) return;
+// Pair i (< T * Hkv * n, in token order) of the selection: its token, and its key
+// (hk * B + b) * n_slc_max + j, or `sentinel` for a padding or not admissible entry.
+__device__ __forceinline__ uint32_t selection_pair(const BwdArgs& a, int64_t i, uint32_t sentinel, int64_t& tok) {
   const int k = int(i % a.n);
   const int hk = int((i / a.n) % a.hkv);
-  const int64_t tok = i / (int64_t(a.n) * a.hkv);
+  tok = i / (int64_t(a.n) * a.hkv);
   int lo = 0, hi = a.B - 1, b = 0;  // sequence of tok: the last b with cu[b] <= tok < cu[b+1]
   while (lo <= hi) {
     const int mid = (lo + hi) / 2;
@@ -285,7 +284,15 @@ __global__ void selection_pairs_kernel(BwdArgs a, uint32_t sentinel, uint32_t* k
   const int t = int(tok - a.cu[b]);
   const int j = static_cast<const int32_t*>(a.indices.p)[tok * a.indices.s0 + hk * a.indices.s1 + k];
   const bool valid = j >= 0 && int64_t(j) * a.lp <= t;
-  keys[i] = valid ? uint32_t((int64_t(hk) * a.B + b) * a.n_slc_max + j) : sentinel;
+  return valid ? uint32_t((int64_t(hk) * a.B + b) * a.n_slc_max + j) : sentinel;
+}
+
+// The pairs as (key, token) arrays for the pair sort.
+__global__ void selection_pairs_kernel(BwdArgs a, uint32_t sentinel, uint32_t* keys, int32_t* tokens) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= a.T * a.hkv * a.n) return;
+  int64_t tok;
+  keys[i] = selection_pair(a, i, sentinel, tok);
   tokens[i] = int32_t(tok);
 }
 
@@ -294,18 +301,8 @@ __global__ void selection_pairs_kernel(BwdArgs a, uint32_t sentinel, uint32_t* k
 __global__ void selection_packed_kernel(BwdArgs a, uint32_t sentinel, int shift, uint32_t* packed) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i >= a.T * a.hkv * a.n) return;
-  const int k = int(i % a.n);
-  const int hk = int((i / a.n) % a.hkv);
-  const int64_t tok = i / (int64_t(a.n) * a.hkv);
-  int lo = 0, hi = a.B - 1, b = 0;
-  while (lo <= hi) {
-    const int mid = (lo + hi) / 2;
-    if (a.cu[mid] <= tok) { b = mid; lo = mid + 1; } else { hi = mid - 1; }
-  }
-  const int t = int(tok - a.cu[b]);
-  const int j = static_cast<const int32_t*>(a.indices.p)[tok * a.indices.s0 + hk * a.indices.s1 + k];
-  const bool valid = j >= 0 && int64_t(j) * a.lp <= t;
-  const uint32_t key = valid ? uint32_t((int64_t(hk) * a.B + b) * a.n_slc_max + j) : sentinel;
+  int64_t tok;
+  const uint32_t key = selection_pair(a, i, sentinel, tok);
   packed[i] = key << shift | uint32_t(tok);
 }
 
