@@ -55,6 +55,7 @@
 #include <string>
 #include <type_traits>
 
+#include "cuda/backward/cmp_split.h"
 #include "cuda/common/check.h"
 #include "cuda/common/dtype.h"
 #include "cuda/common/mma.h"
@@ -77,7 +78,6 @@ constexpr int kSubTiles = kSub / 8;
 // the one before, so the 8 rows one ldmatrix reads hit 8 different bank groups.
 constexpr int kPad = 8;
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr int kMaxCmpSplits = 4;  // query splits of the compressed dk/dv (cmp_split_of)
 static_assert(kRows == kKeys && kKeys == 2 * kSub, "a score block is two halves, both ways");
 
 // A [N, H, D] tensor with a contiguous last dimension (element strides of the first two).
@@ -281,28 +281,6 @@ struct KeyTile {
   int nk;
   int kp0, kstep;
 };
-
-// Query splits of the compressed dK/dV (dkv_kernel<cmp>, blockIdx.z = z): split z of a sequence of
-// len tokens takes the query positions [z S, (z + 1) S), S = ceil(len / splits). Split `last`
-// (the one holding position len - 1) sees every compressed block and writes dkc / dvc itself;
-// an earlier split z sees only the blocks i with i d + l - 1 < (z + 1) S, the sequence's first
-// cmp_split_rows(z) blocks, and writes fp32 partials for those, which reduce_cmp_parts_kernel adds
-// in split order. Only what a split can see is stored: 1.5 instead of 4 copies of the rows at 4
-// splits.
-struct CmpSplit {
-  int64_t S;
-  int last;
-};
-NSA_HOST_DEVICE CmpSplit cmp_split_of(int64_t len, int splits) {
-  const int64_t S = (len + splits - 1) / splits;
-  return CmpSplit{S, len > 0 ? int((len - 1) / S) : 0};
-}
-NSA_HOST_DEVICE int64_t cmp_split_rows(int64_t len, int z, const CmpSplit& cs, int64_t l, int64_t d) {
-  const int64_t lim = (z + 1) * cs.S - l + 1;  // blocks i with i d < lim
-  const int64_t r = lim <= 0 ? 0 : (lim + d - 1) / d;
-  const int64_t nc = num_cmp_blocks(len, l, d);
-  return r < nc ? r : nc;
-}
 
 }  // namespace nsa::cuda_bwd
 
