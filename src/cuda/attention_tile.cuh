@@ -209,6 +209,21 @@ struct TileAttention {
     static_assert(kD % 64 == 0, "swizzled tiles are made of 64-column blocks");
     constexpr int kPieces = kD / 8;
     unsigned char* bytes = reinterpret_cast<unsigned char*>(tile);
+    constexpr int kStep = kCtaThreads / kPieces;
+    if constexpr (kCtaThreads % kPieces == 0 && kStep % 8 == 0 && kChunk % kStep == 0) {
+      // Each thread copies one fixed 16-byte piece of rows r0, r0 + kStep, ...: rows 8 apart share
+      // the swizzle pattern, so the destination is one address plus a constant per row (as the
+      // backward's copy_rows_sw128). D = 192 (24 pieces) takes the general loop below.
+      const int piece = threadIdx.x % kPieces, r0 = threadIdx.x / kPieces;
+      unsigned char* d0 = bytes + sw128_offset(kChunk, r0, piece * 8);
+      const Storage* s0 = base + r0 * row_stride + piece * 8;
+#pragma unroll
+      for (int k = 0; k < kChunk / kStep; ++k) {
+        const bool valid = r0 + k * kStep < count;
+        cp_async_16(d0 + k * kStep * 128, valid ? s0 + k * kStep * row_stride : base, valid);
+      }
+      return;
+    }
     for (int e = threadIdx.x; e < kChunk * kPieces; e += kCtaThreads) {
       const int row = e / kPieces, piece = e % kPieces;
       const bool valid = row < count;
