@@ -222,13 +222,13 @@ struct TileAttention {
         const bool valid = r0 + k * kStep < count;
         cp_async_16(d0 + k * kStep * 128, valid ? s0 + k * kStep * row_stride : base, valid);
       }
-      return;
-    }
-    for (int e = threadIdx.x; e < kChunk * kPieces; e += kCtaThreads) {
-      const int row = e / kPieces, piece = e % kPieces;
-      const bool valid = row < count;
-      const Storage* src = valid ? base + row * row_stride + piece * 8 : base;
-      cp_async_16(bytes + sw128_offset(kChunk, row, piece * 8), src, valid);
+    } else {
+      for (int e = threadIdx.x; e < kChunk * kPieces; e += kCtaThreads) {
+        const int row = e / kPieces, piece = e % kPieces;
+        const bool valid = row < count;
+        const Storage* src = valid ? base + row * row_stride + piece * 8 : base;
+        cp_async_16(bytes + sw128_offset(kChunk, row, piece * 8), src, valid);
+      }
     }
   }
 
