@@ -214,13 +214,16 @@ struct TileAttention {
       // Each thread copies one fixed 16-byte piece of rows r0, r0 + kStep, ...: rows 8 apart share
       // the swizzle pattern, so the destination is one address plus a constant per row (as the
       // backward's copy_rows_sw128). D = 192 (24 pieces) takes the general loop below.
+      // Not unrolled: a running source and destination keep the registers of the S pass's kernel
+      // (128 per thread at 4 CTAs per SM) free; unrolled, it spilled.
       const int piece = threadIdx.x % kPieces, r0 = threadIdx.x / kPieces;
-      unsigned char* d0 = bytes + sw128_offset(kChunk, r0, piece * 8);
-      const Storage* s0 = base + r0 * row_stride + piece * 8;
-#pragma unroll
-      for (int k = 0; k < kChunk / kStep; ++k) {
-        const bool valid = r0 + k * kStep < count;
-        cp_async_16(d0 + k * kStep * 128, valid ? s0 + k * kStep * row_stride : base, valid);
+      unsigned char* dst = bytes + sw128_offset(kChunk, r0, piece * 8);
+      const Storage* src = base + r0 * row_stride + piece * 8;
+      const int64_t src_step = kStep * row_stride;
+#pragma unroll 1
+      for (int r = r0; r < kChunk; r += kStep, dst += kStep * 128, src += src_step) {
+        const bool valid = r < count;
+        cp_async_16(dst, valid ? src : base, valid);
       }
     } else {
       for (int e = threadIdx.x; e < kChunk * kPieces; e += kCtaThreads) {
