@@ -34,6 +34,26 @@ __device__ __forceinline__ float2 unpack_pair(uint32_t packed) {
 
 inline constexpr int kWinThreads = kWinRows / 16 * 32;
 
+// The query tile of a window CTA: rows / G tokens of one sequence x the G heads of KV head hk,
+// later tiles first (blockIdx.x counts down within a sequence). False: past its sequence.
+struct WinTile {
+  int hk, tokens_valid;
+  int64_t s0, len, t0, t_last;
+  __device__ __forceinline__ bool init(const BranchParams& p, int rows) {
+    const int tokens_per_tile = rows >> p.log2_group;
+    const int64_t tiles_per_seq = (p.seqs.max_seqlen + tokens_per_tile - 1) / tokens_per_tile;
+    const int b = static_cast<int>(blockIdx.x / tiles_per_seq);
+    const int64_t tile = tiles_per_seq - 1 - blockIdx.x % tiles_per_seq;
+    hk = blockIdx.y;
+    sequence_bounds(p.seqs, b, s0, len);
+    t0 = tile * tokens_per_tile;
+    if (t0 >= len) return false;
+    tokens_valid = static_cast<int>(min64(tokens_per_tile, len - t0));
+    t_last = t0 + tokens_valid - 1;
+    return true;
+  }
+};
+
 // Normalise, write o_win and lse_win if wanted, then o = g_cmp o_cmp + g_slc o_slc + g_win o_win:
 // the end of both window kernels, for this thread's rows h (t_row[h] < 0: a padding row).
 template <typename Storage, typename Tile>
@@ -101,17 +121,10 @@ __global__ void __launch_bounds__(kWinThreads) win_attention_kernel(const Branch
     __shared__ __align__(8) uint64_t s_full[kStages];
     __shared__ int s_left[kStages];
 
-    const int tokens_per_tile = kWinRows >> p.log2_group;
-    const int64_t tiles_per_seq = (p.seqs.max_seqlen + tokens_per_tile - 1) / tokens_per_tile;
-    const int b = static_cast<int>(blockIdx.x / tiles_per_seq);
-    const int64_t tile = tiles_per_seq - 1 - blockIdx.x % tiles_per_seq;
-    const int hk = blockIdx.y;
-    int64_t s0, len;
-    sequence_bounds(p.seqs, b, s0, len);
-    const int64_t t0 = tile * tokens_per_tile;
-    if (t0 >= len) return;
-    const int tokens_valid = static_cast<int>(min64(tokens_per_tile, len - t0));
-    const int64_t t_last = t0 + tokens_valid - 1;
+    WinTile wt;
+    if (!wt.init(p, kWinRows)) return;
+    const int hk = wt.hk, tokens_valid = wt.tokens_valid;
+    const int64_t s0 = wt.s0, t0 = wt.t0, t_last = wt.t_last;
 
     if (threadIdx.x == 0) {
       for (int i = 0; i < kStages; ++i) {
@@ -240,17 +253,10 @@ __global__ void __launch_bounds__(kWinWgRows / 16 * 32) win_attention_wgmma_kern
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const Smem sm(smem_raw);
 
-    const int tokens_per_tile = kRows >> p.log2_group;
-    const int64_t tiles_per_seq = (p.seqs.max_seqlen + tokens_per_tile - 1) / tokens_per_tile;
-    const int b = static_cast<int>(blockIdx.x / tiles_per_seq);
-    const int64_t tile = tiles_per_seq - 1 - blockIdx.x % tiles_per_seq;
-    const int hk = blockIdx.y;
-    int64_t s0, len;
-    sequence_bounds(p.seqs, b, s0, len);
-    const int64_t t0 = tile * tokens_per_tile;
-    if (t0 >= len) return;
-    const int tokens_valid = static_cast<int>(min64(tokens_per_tile, len - t0));
-    const int64_t t_last = t0 + tokens_valid - 1;
+    WinTile wt;
+    if (!wt.init(p, kRows)) return;
+    const int hk = wt.hk, tokens_valid = wt.tokens_valid;
+    const int64_t s0 = wt.s0, t0 = wt.t0, t_last = wt.t_last;
     load_q_tile<Storage, kDqk, kRows>(sm.sq, static_cast<const Storage*>(p.q), p.q_st, p.q_sh, s0 + t0, tokens_valid,
                                       hk * p.group, p.log2_group);
     cp_async_commit();
