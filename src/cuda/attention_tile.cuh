@@ -209,11 +209,29 @@ struct TileAttention {
     static_assert(kD % 64 == 0, "swizzled tiles are made of 64-column blocks");
     constexpr int kPieces = kD / 8;
     unsigned char* bytes = reinterpret_cast<unsigned char*>(tile);
-    for (int e = threadIdx.x; e < kChunk * kPieces; e += kCtaThreads) {
-      const int row = e / kPieces, piece = e % kPieces;
-      const bool valid = row < count;
-      const Storage* src = valid ? base + row * row_stride + piece * 8 : base;
-      cp_async_16(bytes + sw128_offset(kChunk, row, piece * 8), src, valid);
+    constexpr int kStep = kCtaThreads / kPieces;
+    if constexpr (kCtaThreads % kPieces == 0 && kStep % 8 == 0 && kChunk % kStep == 0) {
+      // Each thread copies one fixed 16-byte piece of rows r0, r0 + kStep, ...: rows 8 apart share
+      // the swizzle pattern, so the destination is one address plus a constant per row (as the
+      // backward's copy_rows_sw128). D = 192 (24 pieces) takes the general loop below.
+      // Not unrolled: a running source and destination keep the registers of the S pass's kernel
+      // (128 per thread at 4 CTAs per SM) free; unrolled, it spilled.
+      const int piece = threadIdx.x % kPieces, r0 = threadIdx.x / kPieces;
+      unsigned char* dst = bytes + sw128_offset(kChunk, r0, piece * 8);
+      const Storage* src = base + r0 * row_stride + piece * 8;
+      const int64_t src_step = kStep * row_stride;
+#pragma unroll 1
+      for (int r = r0; r < kChunk; r += kStep, dst += kStep * 128, src += src_step) {
+        const bool valid = r < count;
+        cp_async_16(dst, valid ? src : base, valid);
+      }
+    } else {
+      for (int e = threadIdx.x; e < kChunk * kPieces; e += kCtaThreads) {
+        const int row = e / kPieces, piece = e % kPieces;
+        const bool valid = row < count;
+        const Storage* src = valid ? base + row * row_stride + piece * 8 : base;
+        cp_async_16(bytes + sw128_offset(kChunk, row, piece * 8), src, valid);
+      }
     }
   }
 

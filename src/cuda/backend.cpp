@@ -146,6 +146,7 @@ size_t workspace_size(const Context&, Op op, const Config& cfg, const Problem& p
     case Op::forward: return ForwardWorkspace(cfg, pr, nullptr).bytes;
 #if NSA_CUDA_HAS_BACKWARD
     case Op::backward: return cuda_bwd::backward_workspace_size(cfg, pr);  // issue 5
+    case Op::compress_bwd: return cuda_bwd::compress_bwd_workspace_size(cfg, pr);
 #endif
     default: return 0;
   }
@@ -454,7 +455,11 @@ const detail::BackendOps kOps = {
     "cuda",
     workspace_size,
     compress_fwd,
-    nullptr,  // compress_bwd: the CUDA backward (issue 5)
+#if NSA_CUDA_HAS_BACKWARD
+    cuda_bwd::compress_bwd,
+#else
+    nullptr,
+#endif
     compressed_attention_fwd,
     select_topn,
     selected_attention_fwd,

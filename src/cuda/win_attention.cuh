@@ -16,7 +16,9 @@
 #pragma once
 
 #include "cuda/attention_tile.cuh"
+#include "cuda/cmp_attention.cuh"  // CmpSmem: the Q + double-buffered K/V plan the sm_90a kernel shares
 #include "cuda/common/check.h"
+#include "cuda/common/launch.h"
 #include "nsa/blocks.h"
 
 namespace nsa::cuda {
@@ -32,140 +34,33 @@ __device__ __forceinline__ float2 unpack_pair(uint32_t packed) {
 
 inline constexpr int kWinThreads = kWinRows / 16 * 32;
 
-template <typename Storage, int kDqk, int kDv>
-__global__ void __launch_bounds__(kWinThreads) win_attention_kernel(const BranchParams p) {
-  using Tile = TileAttention<Storage, kDqk, kDv, kWinRows, kWinChunk>;
+// The query tile of a window CTA: rows / G tokens of one sequence x the G heads of KV head hk,
+// later tiles first (blockIdx.x counts down within a sequence). False: past its sequence.
+struct WinTile {
+  int hk, tokens_valid;
+  int64_t s0, len, t0, t_last;
+  __device__ __forceinline__ bool init(const BranchParams& p, int rows) {
+    const int tokens_per_tile = rows >> p.log2_group;
+    const int64_t tiles_per_seq = (p.seqs.max_seqlen + tokens_per_tile - 1) / tokens_per_tile;
+    const int b = static_cast<int>(blockIdx.x / tiles_per_seq);
+    const int64_t tile = tiles_per_seq - 1 - blockIdx.x % tiles_per_seq;
+    hk = blockIdx.y;
+    sequence_bounds(p.seqs, b, s0, len);
+    t0 = tile * tokens_per_tile;
+    if (t0 >= len) return false;
+    tokens_valid = static_cast<int>(min64(tokens_per_tile, len - t0));
+    t_last = t0 + tokens_valid - 1;
+    return true;
+  }
+};
+
+// Normalise, write o_win and lse_win if wanted, then o = g_cmp o_cmp + g_slc o_slc + g_win o_win:
+// the end of both window kernels, for this thread's rows h (t_row[h] < 0: a padding row).
+template <typename Storage, typename Tile>
+__device__ __forceinline__ void win_epilogue(const BranchParams& p, const Tile& st, const int64_t (&t_row)[2],
+                                             const int (&head)[2], int64_t s0) {
   using Traits = StorageTraits<Storage>;
-  static_assert(Tile::kCtaThreads == kWinThreads, "one thread count for the kernel and its tile");
-  constexpr int kChunk = kWinChunk;
-  constexpr int kWarpsPerCta = kWinThreads / 32;
-  constexpr int kStages = win_stages(kDqk, kDv);
-  constexpr int kQStages = win_q_stages(kDqk, kDv);
-  static_assert(kQStages < kStages, "the Q tile borrows some stages of the ring, not all");
-  constexpr size_t kKTile = size_t(kChunk) * Tile::kKStride;  // elements of one K buffer
-  constexpr size_t kVTile = size_t(kChunk) * Tile::kVStride;
-  constexpr size_t kStageElems = kKTile + kVTile;  // a stage: K [kChunk][Dqk+8], then V [kChunk][Dv+8]
-  static_assert(kStageElems * sizeof(Storage) == win_stage_bytes(kDqk, kDv), "one stage size");
-  extern __shared__ __align__(16) unsigned char smem[];
-  Storage* ring = reinterpret_cast<Storage*>(smem);        // [kStages][kStageElems]
-  Storage* sq = ring + (kStages - kQStages) * kStageElems;  // the Q tile, at first
-  // full[s]: completes when the copies of the chunk in stage s have landed (one arrival per lane
-  // of the warp that issued them). left[s]: warps that have finished with stage s, counted up
-  // forever: the use k of stage s ends at 4k + 4.
-  __shared__ __align__(8) uint64_t s_full[kStages];
-  __shared__ int s_left[kStages];
-
-  const int tokens_per_tile = kWinRows >> p.log2_group;
-  const int64_t tiles_per_seq = (p.seqs.max_seqlen + tokens_per_tile - 1) / tokens_per_tile;
-  const int b = static_cast<int>(blockIdx.x / tiles_per_seq);
-  const int64_t tile = tiles_per_seq - 1 - blockIdx.x % tiles_per_seq;
-  const int hk = blockIdx.y;
-  int64_t s0, len;
-  sequence_bounds(p.seqs, b, s0, len);
-  const int64_t t0 = tile * tokens_per_tile;
-  if (t0 >= len) return;
-  const int tokens_valid = static_cast<int>(min64(tokens_per_tile, len - t0));
-  const int64_t t_last = t0 + tokens_valid - 1;
-
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < kStages; ++i) {
-      mbarrier_init(&s_full[i], 32);
-      s_left[i] = 0;
-    }
-  }
-  load_q_tile<Storage, kDqk, kWinRows>(sq, static_cast<const Storage*>(p.q), p.q_st, p.q_sh, s0 + t0, tokens_valid,
-                                       hk * p.group, p.log2_group);
-  cp_async_commit();
-
-  __syncthreads();  // the barriers are initialised
-
-  const int64_t win_lo = p.window > 0 ? window_start(t0, p.window) : 0;
-  const int num_chunks = p.window > 0 ? static_cast<int>((t_last - win_lo + kChunk) / kChunk) : 0;
-  const Storage* kw = static_cast<const Storage*>(p.k_win) + s0 * p.kw_st + hk * p.kw_sh;
-  const Storage* vw = static_cast<const Storage*>(p.v_win) + s0 * p.vw_st + hk * p.vw_sh;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  // Issued by the 32 lanes of one warp: chunk c into its stage, then one arrival per lane on the
-  // stage's full barrier when the lane's copies have landed. Rows past the chunk are zero-filled.
-  auto issue_chunk = [&](int c) {
-    const int64_t first = win_lo + int64_t(c) * kChunk;
-    const int count = static_cast<int>(min64(kChunk, t_last + 1 - first));
-    Storage* sk = ring + (c % kStages) * kStageElems;
-    Storage* sv = sk + kKTile;
-    const Storage* kbase = kw + first * p.kw_st;
-    const Storage* vbase = vw + first * p.vw_st;
-    constexpr int kKPieces = kDqk / 8, kVPieces = kDv / 8;  // 16-byte pieces of a row
-    for (int e = lane; e < kChunk * kKPieces; e += 32) {
-      const int r = e / kKPieces, piece = e % kKPieces;
-      cp_async_16(sk + r * Tile::kKStride + piece * 8, r < count ? kbase + r * p.kw_st + piece * 8 : kbase, r < count);
-    }
-    for (int e = lane; e < kChunk * kVPieces; e += 32) {
-      const int r = e / kVPieces, piece = e % kVPieces;
-      cp_async_16(sv + r * Tile::kVStride + piece * 8, r < count ? vbase + r * p.vw_st + piece * 8 : vbase, r < count);
-    }
-    cp_async_arrive_noinc(&s_full[c % kStages]);
-  };
-  const int group_id = lane / 4, quad = lane % 4;
-  int row[2], head[2];
-  int64_t t_row[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    row[h] = warp * 16 + group_id + 8 * h;
-    const int tok = row[h] >> p.log2_group;
-    head[h] = hk * p.group + (row[h] & (p.group - 1));
-    t_row[h] = tok < tokens_valid ? t0 + tok : -1;  // -1: a padding row sees no key
-  }
-
-  Tile st;
-  st.reset();
-
-  // Prologue: warp 0 fills the stages Q does not occupy, then every warp takes its Q fragments,
-  // then warp 0 fills the stages Q occupied.
-  if (warp == 0)
-    for (int c = 0; c < min(kStages - kQStages, num_chunks); ++c) issue_chunk(c);
-  cp_async_wait<0>();  // the Q tile's group (the chunk copies belong to no group)
-  __syncthreads();
-  st.load_q_fragments(sq);
-  __syncthreads();  // Q's stages are free once every warp holds its fragments
-  if (warp == 0)
-    for (int c = kStages - kQStages; c < min(kStages, num_chunks); ++c) issue_chunk(c);
-
-  for (int c = 0; c < num_chunks; ++c) {
-    const int stage = c % kStages, use = c / kStages;
-    mbarrier_wait_parity(&s_full[stage], use & 1);
-    const int64_t first = win_lo + int64_t(c) * kChunk;
-    const int count = static_cast<int>(min64(kChunk, t_last + 1 - first));
-    // A warp whose 16 rows all precede the chunk, or whose windows all end before it, skips it.
-    bool row_on[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) row_on[h] = t_row[h] >= first && t_row[h] - p.window + 1 < first + kChunk;
-    if (__any_sync(0xffffffffu, row_on[0] || row_on[1])) {
-      const Storage* sk = ring + stage * kStageElems;
-      float s[Tile::kSTiles][4];
-      st.scores(s, sk);
-      // Row h keeps the chunk's keys [lo, hi): loaded, not after its token, in its window.
-      int lo[2], hi[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        hi[h] = row_on[h] ? static_cast<int>(min64(count, t_row[h] - first + 1)) : 0;
-        lo[h] = static_cast<int>(max64(0, min64(kChunk, t_row[h] - p.window + 1 - first)));
-      }
-      st.mask(s, lo, hi);
-      st.softmax_update(s, p.scale_log2);
-      st.accumulate_pv(s, sk + kKTile);
-    }
-    // Leave the stage (every lane's shared reads are done: their values fed the mma above). The
-    // last warp to leave refills it with chunk c + kStages.
-    __syncwarp();
-    int last = 0;
-    if (lane == 0) {
-      __threadfence_block();
-      last = atomicAdd(&s_left[stage], 1) == kWarpsPerCta * use + kWarpsPerCta - 1;
-    }
-    last = __shfl_sync(0xffffffffu, last, 0);
-    if (last && c + kStages < num_chunks) issue_chunk(c + kStages);
-  }
-
-  // Normalise, write o_win and lse_win if wanted, then o = g_cmp o_cmp + g_slc o_slc + g_win o_win.
+  const int quad = threadIdx.x % 4;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float lse2, inv;
@@ -202,7 +97,238 @@ __global__ void __launch_bounds__(kWinThreads) win_attention_kernel(const Branch
 }
 
 template <typename Storage, int kDqk, int kDv>
+__global__ void __launch_bounds__(kWinThreads) win_attention_kernel(const BranchParams p) {
+  if constexpr (kWgmmaCompiled) {
+    __trap();  // sm_90a runs win_attention_wgmma_kernel below
+  } else {
+    using Tile = TileAttention<Storage, kDqk, kDv, kWinRows, kWinChunk>;
+    static_assert(Tile::kCtaThreads == kWinThreads, "one thread count for the kernel and its tile");
+    constexpr int kChunk = kWinChunk;
+    constexpr int kWarpsPerCta = kWinThreads / 32;
+    constexpr int kStages = win_stages(kDqk, kDv);
+    constexpr int kQStages = win_q_stages(kDqk, kDv);
+    static_assert(kQStages < kStages, "the Q tile borrows some stages of the ring, not all");
+    constexpr size_t kKTile = size_t(kChunk) * Tile::kKStride;  // elements of one K buffer
+    constexpr size_t kVTile = size_t(kChunk) * Tile::kVStride;
+    constexpr size_t kStageElems = kKTile + kVTile;  // a stage: K [kChunk][Dqk+8], then V [kChunk][Dv+8]
+    static_assert(kStageElems * sizeof(Storage) == win_stage_bytes(kDqk, kDv), "one stage size");
+    extern __shared__ __align__(16) unsigned char smem[];
+    Storage* ring = reinterpret_cast<Storage*>(smem);        // [kStages][kStageElems]
+    Storage* sq = ring + (kStages - kQStages) * kStageElems;  // the Q tile, at first
+    // full[s]: completes when the copies of the chunk in stage s have landed (one arrival per lane
+    // of the warp that issued them). left[s]: warps that have finished with stage s, counted up
+    // forever: the use k of stage s ends at 4k + 4.
+    __shared__ __align__(8) uint64_t s_full[kStages];
+    __shared__ int s_left[kStages];
+
+    WinTile wt;
+    if (!wt.init(p, kWinRows)) return;
+    const int hk = wt.hk, tokens_valid = wt.tokens_valid;
+    const int64_t s0 = wt.s0, t0 = wt.t0, t_last = wt.t_last;
+
+    if (threadIdx.x == 0) {
+      for (int i = 0; i < kStages; ++i) {
+        mbarrier_init(&s_full[i], 32);
+        s_left[i] = 0;
+      }
+    }
+    load_q_tile<Storage, kDqk, kWinRows>(sq, static_cast<const Storage*>(p.q), p.q_st, p.q_sh, s0 + t0, tokens_valid,
+                                         hk * p.group, p.log2_group);
+    cp_async_commit();
+
+    __syncthreads();  // the barriers are initialised
+
+    const int64_t win_lo = p.window > 0 ? window_start(t0, p.window) : 0;
+    const int num_chunks = p.window > 0 ? static_cast<int>((t_last - win_lo + kChunk) / kChunk) : 0;
+    const Storage* kw = static_cast<const Storage*>(p.k_win) + s0 * p.kw_st + hk * p.kw_sh;
+    const Storage* vw = static_cast<const Storage*>(p.v_win) + s0 * p.vw_st + hk * p.vw_sh;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // Issued by the 32 lanes of one warp: chunk c into its stage, then one arrival per lane on the
+    // stage's full barrier when the lane's copies have landed. Rows past the chunk are zero-filled.
+    auto issue_chunk = [&](int c) {
+      const int64_t first = win_lo + int64_t(c) * kChunk;
+      const int count = static_cast<int>(min64(kChunk, t_last + 1 - first));
+      Storage* sk = ring + (c % kStages) * kStageElems;
+      Storage* sv = sk + kKTile;
+      const Storage* kbase = kw + first * p.kw_st;
+      const Storage* vbase = vw + first * p.vw_st;
+      constexpr int kKPieces = kDqk / 8, kVPieces = kDv / 8;  // 16-byte pieces of a row
+      for (int e = lane; e < kChunk * kKPieces; e += 32) {
+        const int r = e / kKPieces, piece = e % kKPieces;
+        cp_async_16(sk + r * Tile::kKStride + piece * 8, r < count ? kbase + r * p.kw_st + piece * 8 : kbase, r < count);
+      }
+      for (int e = lane; e < kChunk * kVPieces; e += 32) {
+        const int r = e / kVPieces, piece = e % kVPieces;
+        cp_async_16(sv + r * Tile::kVStride + piece * 8, r < count ? vbase + r * p.vw_st + piece * 8 : vbase, r < count);
+      }
+      cp_async_arrive_noinc(&s_full[c % kStages]);
+    };
+    const int group_id = lane / 4;
+    int row[2], head[2];
+    int64_t t_row[2];
+  #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      row[h] = warp * 16 + group_id + 8 * h;
+      const int tok = row[h] >> p.log2_group;
+      head[h] = hk * p.group + (row[h] & (p.group - 1));
+      t_row[h] = tok < tokens_valid ? t0 + tok : -1;  // -1: a padding row sees no key
+    }
+
+    Tile st;
+    st.reset();
+
+    // Prologue: warp 0 fills the stages Q does not occupy, then every warp takes its Q fragments,
+    // then warp 0 fills the stages Q occupied.
+    if (warp == 0)
+      for (int c = 0; c < min(kStages - kQStages, num_chunks); ++c) issue_chunk(c);
+    cp_async_wait<0>();  // the Q tile's group (the chunk copies belong to no group)
+    __syncthreads();
+    st.load_q_fragments(sq);
+    __syncthreads();  // Q's stages are free once every warp holds its fragments
+    if (warp == 0)
+      for (int c = kStages - kQStages; c < min(kStages, num_chunks); ++c) issue_chunk(c);
+
+    for (int c = 0; c < num_chunks; ++c) {
+      const int stage = c % kStages, use = c / kStages;
+      mbarrier_wait_parity(&s_full[stage], use & 1);
+      const int64_t first = win_lo + int64_t(c) * kChunk;
+      const int count = static_cast<int>(min64(kChunk, t_last + 1 - first));
+      // A warp whose 16 rows all precede the chunk, or whose windows all end before it, skips it.
+      bool row_on[2];
+  #pragma unroll
+      for (int h = 0; h < 2; ++h) row_on[h] = t_row[h] >= first && t_row[h] - p.window + 1 < first + kChunk;
+      if (__any_sync(0xffffffffu, row_on[0] || row_on[1])) {
+        const Storage* sk = ring + stage * kStageElems;
+        float s[Tile::kSTiles][4];
+        st.scores(s, sk);
+        // Row h keeps the chunk's keys [lo, hi): loaded, not after its token, in its window.
+        int lo[2], hi[2];
+  #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          hi[h] = row_on[h] ? static_cast<int>(min64(count, t_row[h] - first + 1)) : 0;
+          lo[h] = static_cast<int>(max64(0, min64(kChunk, t_row[h] - p.window + 1 - first)));
+        }
+        st.mask(s, lo, hi);
+        st.softmax_update(s, p.scale_log2);
+        st.accumulate_pv(s, sk + kKTile);
+      }
+      // Leave the stage (every lane's shared reads are done: their values fed the mma above). The
+      // last warp to leave refills it with chunk c + kStages.
+      __syncwarp();
+      int last = 0;
+      if (lane == 0) {
+        __threadfence_block();
+        last = atomicAdd(&s_left[stage], 1) == kWarpsPerCta * use + kWarpsPerCta - 1;
+      }
+      last = __shfl_sync(0xffffffffu, last, 0);
+      if (last && c + kStages < num_chunks) issue_chunk(c + kStages);
+    }
+
+    win_epilogue<Storage>(p, st, t_row, head, s0);
+  }
+}
+
+// sm_90a: the window in tiles of kWinWgRows = 128 rows (two warpgroups share every K/V chunk: half
+// the L2 reads per row of the 64-row kernel), scores and P V as warpgroup MMAs
+// (TileAttention::scores_wgmma / accumulate_pv_wgmma), K/V chunks of 64 keys double-buffered with
+// one CTA barrier per chunk: the loop of the compressed branch's pass 1 (cmp_attention.cuh) over
+// the keys [t0 - w + 1, t_last] of the tile, each row masked to [t - w + 1, t], and the same
+// epilogue as win_attention_kernel. The Q fragments are reloaded from the Q tile for every chunk
+// (never live across the loop: the ptxas hazard of docs/cuda.md). Not compiled for other targets.
+inline constexpr int kWinWgRows = 2 * kWinRows;
+constexpr size_t win_wgmma_smem_bytes(int dqk, int dv) {
+  return cmp_smem_bytes(kWinWgRows, dqk, dv, 1, 0, /*with_v=*/true, /*with_scores=*/false);
+}
+
+template <typename Storage, int kDqk, int kDv>
+__global__ void __launch_bounds__(kWinWgRows / 16 * 32) win_attention_wgmma_kernel(const BranchParams p) {
+  if constexpr (!kWgmmaCompiled) {
+    __trap();  // launched only where the wgmma body runs (sm_90a)
+  } else {
+    constexpr int kRows = kWinWgRows;
+    constexpr int kChunk = kKeyChunk;
+    using Tile = TileAttention<Storage, kDqk, kDv, kRows>;
+    using Smem = CmpSmem<Storage, kDqk, kDv, kRows>;
+    static_assert(kChunk == kWinChunk && Smem::kWgmma, "the pass-1 plan with 64-key chunks, swizzled");
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const Smem sm(smem_raw);
+
+    WinTile wt;
+    if (!wt.init(p, kRows)) return;
+    const int hk = wt.hk, tokens_valid = wt.tokens_valid;
+    const int64_t s0 = wt.s0, t0 = wt.t0, t_last = wt.t_last;
+    load_q_tile<Storage, kDqk, kRows>(sm.sq, static_cast<const Storage*>(p.q), p.q_st, p.q_sh, s0 + t0, tokens_valid,
+                                      hk * p.group, p.log2_group);
+    cp_async_commit();
+
+    const int64_t win_lo = p.window > 0 ? window_start(t0, p.window) : 0;
+    const int num_chunks = p.window > 0 ? static_cast<int>((t_last - win_lo + kChunk) / kChunk) : 0;
+    const Storage* kw = static_cast<const Storage*>(p.k_win) + s0 * p.kw_st + hk * p.kw_sh;
+    const Storage* vw = static_cast<const Storage*>(p.v_win) + s0 * p.vw_st + hk * p.vw_sh;
+    const int warp = threadIdx.x / 32, group_id = threadIdx.x % 32 / 4;
+    int head[2];
+    int64_t t_row[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = warp * 16 + group_id + 8 * h;
+      const int tok = row >> p.log2_group;
+      head[h] = hk * p.group + (row & (p.group - 1));
+      t_row[h] = tok < tokens_valid ? t0 + tok : -1;  // -1: a padding row sees no key
+    }
+    auto load_chunk = [&](int c, int buf) {
+      const int64_t first = win_lo + int64_t(c) * kChunk;
+      const int count = static_cast<int>(min64(kChunk, t_last + 1 - first));
+      Smem::load_k(sm.sk + buf * Smem::kKTile, kw + first * p.kw_st, p.kw_st, count);
+      Smem::load_v(sm.sv + buf * Smem::kVTile, vw + first * p.vw_st, p.vw_st, count);
+      cp_async_commit();
+    };
+
+    Tile st;
+    st.reset();
+    // One barrier per chunk: after it chunk c (and the Q tile) has landed for everyone and every
+    // warp is done with chunk c - 1, whose buffer then receives chunk c + 1 while c is multiplied.
+    if (num_chunks > 0) load_chunk(0, 0);
+    for (int c = 0; c < num_chunks; ++c) {
+      Smem::template wait_copies<0>();
+      __syncthreads();
+      if (c + 1 < num_chunks) load_chunk(c + 1, (c + 1) & 1);
+      const int buf = c & 1;
+      const int64_t first = win_lo + int64_t(c) * kChunk;
+      const int count = static_cast<int>(min64(kChunk, t_last + 1 - first));
+      st.load_q_fragments(sm.sq);
+      float s[Tile::kSTiles][4];
+      Smem::scores(st, s, sm.sk + buf * Smem::kKTile);
+      // Row h keeps the chunk's keys [lo, hi): loaded, not after its token, in its window.
+      int lo[2], hi[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        hi[h] = t_row[h] >= first ? static_cast<int>(min64(count, t_row[h] - first + 1)) : 0;
+        lo[h] = static_cast<int>(max64(0, min64(kChunk, t_row[h] - p.window + 1 - first)));
+      }
+      st.mask(s, lo, hi);
+      st.softmax_update(s, p.scale_log2);
+      Smem::accumulate_pv(st, s, sm.sv + buf * Smem::kVTile);
+    }
+    if (num_chunks == 0) cp_async_wait<0>();  // (w = 0: only the Q tile was copied)
+    win_epilogue<Storage>(p, st, t_row, head, s0);
+  }
+}
+
+// sm_90a: the wgmma kernel in 128-row tiles; elsewhere (sm_80 and the compute_80 PTX) the 64-row
+// mma.sync kernel with its ring of stages.
+template <typename Storage, int kDqk, int kDv>
 void launch_win_attention(const BranchParams& p, cudaStream_t stream) {
+  const auto wg = win_attention_wgmma_kernel<Storage, kDqk, kDv>;
+  if (cmp_runs_wgmma(wg)) {
+    const size_t smem = win_wgmma_smem_bytes(kDqk, kDv);
+    static_assert(win_wgmma_smem_bytes(kDqk, kDv) <= kMaxSmem, "the sm_90a window tile fits in shared memory");
+    allow_smem(wg, smem, /*max_carveout=*/true);
+    const dim3 grid = row_tile_grid(p.seqs.max_seqlen, p.seqs.batch, kWinWgRows / p.group, p.hkv);
+    if (grid.x == 0) return;
+    wg<<<grid, kWinWgRows / 16 * 32, smem, stream>>>(p);
+    NSA_CUDA_CHECK_LAUNCH();
+    return;
+  }
   const size_t smem = win_smem_bytes(kDqk, kDv);
   const auto kernel = win_attention_kernel<Storage, kDqk, kDv>;
   allow_smem(kernel, smem, /*max_carveout=*/true);  // as many 108 KB rings per SM as fit

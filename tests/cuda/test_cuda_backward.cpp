@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -292,6 +293,67 @@ TEST_P(CudaBackward, BitwiseDeterministic) {
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackward, ::testing::ValuesIn(bwd_cases()),
                          [](const ::testing::TestParamInfo<BwdCase>& info) { return info.param.name; });
+
+// compress_bwd on the GPU (the stage op: phi's backward alone) against the fp64 reference: dx and
+// phi's parameter gradients from a random dxc, outputs poisoned, workspace poisoned, over the
+// backward cases (their phi kinds, dtypes, head dims and packed batches), phi of the keys.
+TEST_P(CudaBackward, CompressBackwardMatchesReference) {
+  NSA_REQUIRE_GPU();
+  const BwdCase& c = GetParam();
+  const Config cfg = config_of(c);
+  Twin t = make_twin(c, 303);
+  const int64_t T = t.low.T, H = c.hkv, D = c.dqk, rows = T / c.d;
+  std::mt19937_64 rng(17);
+  HostTensor dxc(c.dtype, {rows, H, D}), dxc64(DType::f64, {rows, H, D});
+  dxc.fill_uniform(rng, -1, 1);
+  copy_values(dxc, dxc64);
+  HostTensor dx_ref(DType::f64, {T, H, D}), dx(c.dtype, {T, H, D});
+  dx.poison();
+  const Sequences seqs_ref = t.ref.inputs().seqs;
+  compress_bwd(ctx_of(Backend::reference), cfg, LayerProblem::params(t.ref.phi_k), t.ref.k[kCmp].view(), seqs_ref,
+               dxc64.view(), dx_ref.view(), LayerProblem::params(t.ref.dphi_k));
+
+  DeviceTensor x(t.low.k[kCmp]), d_xc(dxc), d_dx(dx), cu(t.low.cu), phi[5], dphi[5];
+  for (int i = 0; i < 5; ++i) {
+    phi[i] = DeviceTensor(t.low.phi_k[i]);
+    dphi[i] = DeviceTensor(t.low.dphi_k[i]);  // poisoned by make_problem
+  }
+  auto params = [](DeviceTensor* d) { return PhiParams{d[0].view(), d[1].view(), d[2].view(), d[3].view(), d[4].view()}; };
+  Sequences seqs;
+  if (c.seqlens.size() != 1) seqs.cu_seqlens = cu.view();
+  seqs.max_seqlen = *std::max_element(c.seqlens.begin(), c.seqlens.end());
+  const Context ctx = ctx_of(Backend::cuda);
+  Problem pr = problem_of(cfg, t.low.inputs());
+  pr.hq = pr.hkv;
+  pr.dv = pr.dqk;
+  const size_t bytes = workspace_size(ctx, Op::compress_bwd, cfg, pr);
+  void* ws = nullptr;
+  if (bytes) {
+    ASSERT_EQ(cudaMalloc(&ws, bytes), cudaSuccess);
+    ASSERT_EQ(cudaMemset(ws, 0xff, bytes), cudaSuccess);
+  }
+  compress_bwd(ctx, cfg, params(phi), x.view(), seqs, d_xc.view(), d_dx.view(), params(dphi), Workspace{ws, bytes});
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  if (ws) cudaFree(ws);
+
+  HostTensor got_dx(c.dtype, {T, H, D});
+  d_dx.download(got_dx);
+  const auto rdx = close(got_dx.values(), dx_ref.values(), grad_tol(c.dtype, max_abs(dx_ref.values())));
+  EXPECT_TRUE(rdx) << "dx";
+  std::printf("  compress dx     %s\n", rdx.message());
+  double scale = 0;  // one scale for all of phi's parameters (check_against_reference says why)
+  for (int i = 0; i < 5; ++i)
+    if (t.ref.dphi_k[i].defined()) scale = std::max(scale, max_abs(t.ref.dphi_k[i].values()));
+  static const char* kParam[5] = {"w1", "b1", "w2", "b2", "pe"};
+  for (int i = 0; i < 5; ++i) {
+    if (!t.low.dphi_k[i].defined()) continue;
+    HostTensor got(t.low.dphi_k[i].dtype(), t.low.dphi_k[i].shape());
+    dphi[i].download(got);
+    const auto r = close(got.values(), t.ref.dphi_k[i].values(), grad_tol(c.dtype, scale));
+    EXPECT_TRUE(r) << "dphi." << kParam[i];
+    std::printf("  compress dphi.%s %s\n", kParam[i], r.message());
+  }
+}
 
 TEST(CudaBackwardErrors, UnsupportedHeadDimNamesTheValue) {
   NSA_REQUIRE_GPU();

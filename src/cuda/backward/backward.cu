@@ -452,6 +452,16 @@ struct Sizes {
   bool has_params;  // phi = linear or mlp
 };
 
+// Split-K partials of phi's parameter gradients (linear / mlp), capped in bytes.
+void carve_phi_partials(const Sizes& z, int64_t rows, WorkspaceCarver& c, Layout& L) {
+  const int64_t D = std::max(z.dqk, z.dv);
+  const int64_t param = std::max({z.F * z.l * D, D * z.F, D * z.l * D});
+  const int64_t by_rows = (rows + kRowsPerSplit - 1) / kRowsPerSplit;
+  const int64_t by_bytes = kMaxPartialBytes / (param * int64_t(sizeof(float)));
+  L.row_splits = int(std::clamp<int64_t>(std::min(by_rows, by_bytes), 1, kMaxSplits));
+  L.gemm_part = c.take<float>(size_t(L.row_splits * param));
+}
+
 Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
   WorkspaceCarver w(base);
   Layout L;
@@ -537,11 +547,7 @@ Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
     }
     if (z.has_params) {  // 5. split-K partials of phi's parameter gradients, capped in bytes
       WorkspaceCarver c(region);
-      const int64_t param = std::max({z.F * z.l * D, D * z.F, D * z.l * D});
-      const int64_t by_rows = (rows + kRowsPerSplit - 1) / kRowsPerSplit;
-      const int64_t by_bytes = kMaxPartialBytes / (param * int64_t(sizeof(float)));
-      L.row_splits = int(std::clamp<int64_t>(std::min(by_rows, by_bytes), 1, kMaxSplits));
-      L.gemm_part = c.take<float>(size_t(L.row_splits * param));
+      carve_phi_partials(z, rows, c, L);
       most = std::max(most, c.bytes());
     }
     L.lp_pad = int((z.lp + kKeys - 1) / kKeys * kKeys);
@@ -673,6 +679,42 @@ void dispatch_dims(const BwdArgs& a, cudaStream_t s, int phase) {
 
 int64_t phi_hidden(const Plan& p) { return std::max(p.phi_hidden_k, p.phi_hidden_v); }
 
+// The Problem a plan describes (what workspace_size was asked with).
+Problem problem_of_plan(const Plan& p) {
+  Problem prob;
+  prob.total_tokens = p.T;
+  prob.batch = p.B;
+  prob.max_seqlen = p.max_seqlen;
+  prob.hq = p.hq;
+  prob.hkv = p.hkv;
+  prob.dqk = p.dqk;
+  prob.dv = p.dv;
+  prob.phi_hidden = phi_hidden(p);
+  prob.dtype = p.dtype;
+  prob.device = p.device;
+  return prob;
+}
+
+// The sequence table cu [B+1] on the device, from a device tensor, or from the host table.
+void upload_cu(const Plan& p, int32_t* dst, cudaStream_t s) {
+  if (p.cu_seqlens.defined() && p.cu_seqlens.device == Device::cuda) {
+    copy_cu_kernel<<<blocks_for(p.B + 1), 256, 0, s>>>(static_cast<const int32_t*>(p.cu_seqlens.data),
+                                                      p.cu_seqlens.stride[0], int(p.B + 1), dst);
+    NSA_CUDA_CHECK_LAUNCH();
+  } else if (p.cu.size() <= size_t(kInlineCu)) {
+    // Absent (one sequence: {0, T}) or a short host table: the offsets travel as a kernel
+    // argument, so the call neither copies from host memory nor waits for the stream.
+    InlineCu c{};
+    for (size_t i = 0; i < p.cu.size(); ++i) c.v[i] = int32_t(p.cu[i]);
+    set_cu_kernel<<<1, kInlineCu, 0, s>>>(c, int(p.cu.size()), dst);
+    NSA_CUDA_CHECK_LAUNCH();
+  } else {
+    std::vector<int32_t> cu(p.cu.begin(), p.cu.end());
+    NSA_CUDA_CHECK(cudaMemcpyAsync(dst, cu.data(), cu.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
+    NSA_CUDA_CHECK(cudaStreamSynchronize(s));  // `cu` is a local: it must outlive the copy
+  }
+}
+
 template <typename E>
 void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, const TensorView& d_o,
                   const Gradients& grads, Workspace ws) {
@@ -685,36 +727,13 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
                   "kernel has at G = " + std::to_string(p.group));
   }
 
-  Problem prob;
-  prob.total_tokens = p.T;
-  prob.batch = p.B;
-  prob.max_seqlen = p.max_seqlen;
-  prob.hq = p.hq;
-  prob.hkv = p.hkv;
-  prob.dqk = p.dqk;
-  prob.dv = p.dv;
-  prob.phi_hidden = phi_hidden(p);
+  const Problem prob = problem_of_plan(p);
   const Layout L = carve(sizes_of(p.cfg, prob, p.cfg.phi == PhiKind::mlp ? phi_hidden(p) : 0), ws.data, s);
   if (p.T == 0) return;
   const int64_t rc = cmp_rows(p.T, p.cfg.cmp_stride);
 
   // 1. Sequence table on the device.
-  if (p.cu_seqlens.defined() && p.cu_seqlens.device == Device::cuda) {
-    copy_cu_kernel<<<blocks_for(p.B + 1), 256, 0, s>>>(static_cast<const int32_t*>(p.cu_seqlens.data),
-                                                      p.cu_seqlens.stride[0], int(p.B + 1), L.cu);
-    NSA_CUDA_CHECK_LAUNCH();
-  } else if (p.cu.size() <= size_t(kInlineCu)) {
-    // Absent (one sequence: {0, T}) or a short host table: the offsets travel as a kernel
-    // argument, so the call neither copies from host memory nor waits for the stream.
-    InlineCu c{};
-    for (size_t i = 0; i < p.cu.size(); ++i) c.v[i] = int32_t(p.cu[i]);
-    set_cu_kernel<<<1, kInlineCu, 0, s>>>(c, int(p.cu.size()), L.cu);
-    NSA_CUDA_CHECK_LAUNCH();
-  } else {
-    std::vector<int32_t> cu(p.cu.begin(), p.cu.end());
-    NSA_CUDA_CHECK(cudaMemcpyAsync(L.cu, cu.data(), cu.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
-    NSA_CUDA_CHECK(cudaStreamSynchronize(s));  // `cu` is a local: it must outlive the copy
-  }
+  upload_cu(p, L.cu, s);
 
   BwdArgs a;
   a.dtype = p.dtype == DType::bf16 ? 0 : 1;
@@ -902,23 +921,122 @@ size_t backward_workspace_size(const Config& cfg, const Problem& problem) {
 
 void backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, const TensorView& d_o,
               const Gradients& grads, Workspace ws) {
-  Problem prob;
-  prob.total_tokens = p.T;
-  prob.batch = p.B;
-  prob.max_seqlen = p.max_seqlen;
-  prob.hq = p.hq;
-  prob.hkv = p.hkv;
-  prob.dqk = p.dqk;
-  prob.dv = p.dv;
-  prob.phi_hidden = phi_hidden(p);
-  prob.dtype = p.dtype;
-  prob.device = p.device;
+  const Problem prob = problem_of_plan(p);
   check_supported(p.cfg, prob);
   if (p.cfg.phi != PhiKind::mean && (in.phi_k.pe.stride[0] != p.dqk || in.phi_v.pe.stride[0] != p.dv ||
                                       grads.dphi_k.pe.stride[0] != p.dqk || grads.dphi_v.pe.stride[0] != p.dv))
     throw Error("phi.pe / dphi.pe", "strided", "must be contiguous [l, D] for the cuda backward");
   if (p.dtype == DType::bf16) run_backward<__nv_bfloat16>(p, in, saved, d_o, grads, ws);
   else run_backward<__half>(p, in, saved, d_o, grads, ws);
+}
+
+namespace {
+
+// ---- compress_bwd: phi's backward as a stage op ---------------------------------------------
+// The layer backward's phi pieces on their own: dxc (storage type) -> dy in fp32 (rows of no
+// block: 0, as the layer backward's dkc there), phi's forward again for mlp's hidden layer, the
+// parameter gradients (split-K partials added in a fixed order), then dx for every raw token.
+
+// dy [Rc * Hkv, D] fp32 from dxc [Rc, Hkv, D] (any strides); rows of no compressed block are 0.
+template <typename E>
+__global__ void dy_from_dxc_kernel(const E* dxc, int64_t s0, int64_t s1, int64_t s2, int64_t rc, int hkv, int D,
+                                   const int32_t* crow_token, float* dy) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= rc * hkv * D) return;
+  const int c = int(i % D);
+  const int hk = int((i / D) % hkv);
+  const int64_t crow = i / (int64_t(D) * hkv);
+  dy[i] = crow_token[crow] < 0 ? 0.f : to_float(dxc[crow * s0 + hk * s1 + c * s2]);
+}
+
+Layout carve_compress(const Sizes& z, void* base) {
+  WorkspaceCarver w(base);
+  Layout L;
+  const int64_t rc = cmp_rows(z.T, z.d), rows = rc * z.hkv;
+  L.cu = w.take<int32_t>(size_t(z.B + 1));
+  L.crow_token = w.take<int32_t>(size_t(std::max<int64_t>(rc, 1)));
+  L.dkc = w.take<float>(size_t(rows * z.dqk));  // dy
+  if (z.F > 0) {  // mlp: phi's forward again for the hidden layer (its output unused)
+    L.kc = w.take<uint16_t>(size_t(rows * z.dqk));
+    L.pre_k = w.take<float>(size_t(rows * z.F));
+  }
+  L.colsum = w.take<float>(size_t(std::max(z.F, z.dqk)));
+  if (z.has_params) carve_phi_partials(z, rows, w, L);
+  L.bytes = w.bytes();
+  return L;
+}
+
+void check_compress_supported(const Config& cfg, const Problem& p) {
+  cuda::require_storage_dtype(p.dtype);
+  if (p.dqk != 64 && p.dqk != 128 && p.dqk != 192)  // the key head dims of the layer backward
+    throw Error("D", std::to_string(p.dqk), "is not supported by the cuda compress_bwd (supported: 64, 128, 192)");
+  if (p.total_tokens > INT32_MAX / 2)
+    throw Error("T (total tokens)", std::to_string(p.total_tokens), "must be < 2^30 for the cuda compress_bwd");
+  (void)cfg;
+}
+
+template <typename E>
+void run_compress_bwd(const Plan& p, const PhiParams& phi, const TensorView& x, const TensorView& dxc,
+                      const TensorView& dx, const PhiParams& dphi, Workspace ws) {
+  cudaStream_t s = cuda::stream_of(p);
+  Problem prob = problem_of_plan(p);  // (a compress plan: one phi, x [T, Hkv, D])
+  prob.hq = p.hkv;
+  prob.dv = p.dqk;
+  const int64_t F = p.cfg.phi == PhiKind::mlp ? p.phi_hidden_k : 0;
+  const Layout L = carve_compress(sizes_of(p.cfg, prob, F), ws.data);
+  if (p.T == 0) return;
+  const int64_t rc = cmp_rows(p.T, p.cfg.cmp_stride);
+  const int D = int(p.dqk);
+  upload_cu(p, L.cu, s);
+  BwdArgs a;
+  a.T = p.T;
+  a.max_seqlen = p.max_seqlen;
+  a.B = int(p.B);
+  a.cu = L.cu;
+  a.hq = a.hkv = int(p.hkv);
+  a.dqk = a.dv = D;
+  a.l = int(p.cfg.cmp_block_len);
+  a.d = int(p.cfg.cmp_stride);
+  a.rc = rc;
+  if (rc > 0) {
+    crow_token_kernel<<<blocks_for(rc), 256, 0, s>>>(L.cu, a.B, rc, a.l, a.d, L.crow_token);
+    NSA_CUDA_CHECK_LAUNCH();
+    dy_from_dxc_kernel<E><<<blocks_for(rc * p.hkv * D), 256, 0, s>>>(
+        static_cast<const E*>(dxc.data), dxc.stride[0], dxc.stride[1], dxc.stride[2], rc, int(p.hkv), D,
+        L.crow_token, L.dkc);
+    NSA_CUDA_CHECK_LAUNCH();
+    if (p.cfg.phi == PhiKind::mlp) phi_forward<E>(p, s, phi, x, D, L, L.kc, L.pre_k);
+    phi_backward_params<E>(p, s, phi, x, D, L, L.dkc, L.pre_k, dphi);
+  } else {
+    // No compressed block: phi's parameters get no gradient.
+    for (const TensorView* t : {&dphi.w1, &dphi.b1, &dphi.w2, &dphi.b2, &dphi.pe}) {
+      if (!t->defined()) continue;
+      for (int64_t r = 0; r < (t->ndim == 1 ? 1 : t->shape[0]); ++r)
+        NSA_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(t->data) + r * t->stride[0] * 2, 0,
+                                       size_t(t->shape[t->ndim - 1]) * 2, s));
+    }
+  }
+  PhiDxArgs P{int(p.cfg.phi), L.dkc, L.pre_k, phi.w1.data, phi.w1.defined() ? phi.w1.stride[0] : 0, int(F)};
+  if (rc == 0) P.kind = 0;  // phi_dx then reads no row
+  phi_dx_kernel<E><<<blocks_for(p.T * p.hkv * D), 256, 0, s>>>(a, P, D, out3(dx));
+  NSA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+size_t compress_bwd_workspace_size(const Config& cfg, const Problem& problem) {
+  check_compress_supported(cfg, problem);
+  const int64_t F = cfg.phi == PhiKind::mlp ? problem.phi_hidden : 0;
+  return carve_compress(sizes_of(cfg, problem, F), nullptr).bytes;
+}
+
+void compress_bwd(const Plan& p, const PhiParams& phi, const TensorView& x, const TensorView& dxc,
+                  const TensorView& dx, const PhiParams& dphi, Workspace ws) {
+  check_compress_supported(p.cfg, problem_of_plan(p));
+  if (p.cfg.phi != PhiKind::mean && (phi.pe.stride[0] != p.dqk || dphi.pe.stride[0] != p.dqk))
+    throw Error("phi.pe / dphi.pe", "strided", "must be contiguous [l, D] for the cuda compress_bwd");
+  if (p.dtype == DType::bf16) run_compress_bwd<__nv_bfloat16>(p, phi, x, dxc, dx, dphi, ws);
+  else run_compress_bwd<__half>(p, phi, x, dxc, dx, dphi, ws);
 }
 
 }  // namespace nsa::cuda_bwd

@@ -21,4 +21,13 @@ size_t backward_workspace_size(const Config& cfg, const Problem& problem);
 void backward(const detail::Plan& plan, const Inputs& in, const ForwardOutputs& saved,
               const TensorView& d_o, const Gradients& grads, Workspace ws);
 
+// Bytes of workspace compress_bwd() needs (the sequence table, dy in fp32, mlp's hidden layer, the
+// parameter gradients' split partials).
+size_t compress_bwd_workspace_size(const Config& cfg, const Problem& problem);
+
+// compress_fwd's gradients on the GPU: dx (written for every token) and dphi (written; absent
+// for mean) from dxc; rows of dxc without a compressed block are ignored. Deterministic.
+void compress_bwd(const detail::Plan& plan, const PhiParams& phi, const TensorView& x, const TensorView& dxc,
+                  const TensorView& dx, const PhiParams& dphi, Workspace ws);
+
 }  // namespace nsa::cuda_bwd
