@@ -323,7 +323,8 @@ TEST_P(CudaBackward, CompressBackwardMatchesReference) {
   if (c.seqlens.size() != 1) seqs.cu_seqlens = cu.view();
   seqs.max_seqlen = *std::max_element(c.seqlens.begin(), c.seqlens.end());
   const Context ctx = ctx_of(Backend::cuda);
-  Problem pr = problem_of(cfg, t.low.inputs());
+  Problem pr = problem_of(cfg, t.low.inputs());  // sizes from the host twin; the tensors run on the GPU
+  pr.device = Device::cuda;
   pr.hq = pr.hkv;
   pr.dv = pr.dqk;
   const size_t bytes = workspace_size(ctx, Op::compress_bwd, cfg, pr);

@@ -125,6 +125,35 @@ def test_backward_against_reference(save_branch_outputs):
         assert err <= 0.02 * scale + 1e-4, (name, err, scale)
 
 
+@pytest.mark.parametrize("phi", ["mlp", "linear", "mean"])
+def test_compress_autograd_against_reference(phi):
+    """nsa.compress on CUDA tensors through autograd (the CUDA compress_bwd: dx and phi's gradients)
+    against the same on the fp64 reference."""
+    dtype = torch.bfloat16
+    _, kv, _, pk, _, cu = problem(dtype, seqlens=(200, 0, 90), phi="mean" if phi == "mean" else "mlp")
+    if phi == "linear":  # w1 = W [D, l * D] and pe only
+        D, ld = kv[0].shape[2], CFG.cmp_block_len * kv[0].shape[2]
+        w = torch.randn(D, ld, generator=torch.Generator().manual_seed(5), dtype=torch.float64) * ld ** -0.5
+        pk = nsa.Phi(w1=w.to(dtype).cuda(), b1=None, w2=None, b2=None, pe=pk.pe)
+    x = kv[0].clone().requires_grad_()
+    params = [] if pk is None else [p.requires_grad_() for p in pk if p is not None]
+    xc = nsa.compress(x, pk, cu_seqlens=cu, config=CFG)
+    dxc = torch.randn_like(xc)
+    xc.backward(dxc)
+    hx = host(x).requires_grad_()
+    hpk = host(pk)
+    hparams = [] if hpk is None else [p.requires_grad_() for p in hpk if p is not None]
+    ref = nsa.compress(hx, hpk, cu_seqlens=cu, config=CFG)
+    ref.backward(host(dxc))
+    assert xc.is_cuda and xc.dtype == dtype
+    for name, got, want in [("xc", xc, ref), ("dx", x.grad, hx.grad)] + \
+            [(f"dphi[{i}]", p.grad, h.grad) for i, (p, h) in enumerate(zip(params, hparams))]:
+        assert got is not None and want is not None, name
+        err = (got.detach().double().cpu() - want.detach()).abs().max().item()
+        scale = want.abs().max().item()
+        assert err <= 0.02 * scale + 1e-4, (name, err, scale)
+
+
 def test_streams_and_device_offsets():
     """The library runs on the current stream; device cu_seqlens need max_seqlen; host ones are moved."""
     q, kv, g, pk, pv, cu = problem(torch.bfloat16)
