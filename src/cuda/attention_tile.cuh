@@ -251,6 +251,26 @@ struct TileAttention {
     }, s);
   }
 
+  // The same products with A from shared memory: this warpgroup's 64 rows of the Q tile `sq`
+  // (kRows rows in the 128-byte swizzle layout, load_q_tile_sw128), K-major like the K chunk.
+  // No Q fragments in registers (32 of them at Dqk = 128) and no ldmatrix per chunk.
+  __device__ __forceinline__ void scores_wgmma_sq(float (&s)[kSTiles][4], const Storage* sq,
+                                                  const Storage* sk) const {
+    static_assert(kRows % 64 == 0 && kChunk == 64, "whole warpgroups, one n64 product per k16 step");
+#pragma unroll
+    for (int i = 0; i < kSTiles; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+    wgmma_batch([&] {
+      const uint32_t a_base = smem_address(sq) + (threadIdx.x / 128) * (64 * 128);
+      const uint32_t b_base = smem_address(sk);
+#pragma unroll
+      for (int kk = 0; kk < kDqk / 16; ++kk) {
+        const uint32_t in_block = (kk & 3) * 32;
+        wgmma_ss<kChunk, kBf16, 0>(s, wgmma_desc_sw128(a_base, (kk >> 2) * (kRows * 128) + in_block, 16, 1024),
+                                   wgmma_desc_sw128(b_base, (kk >> 2) * (kChunk * 128) + in_block, 16, 1024), 1);
+      }
+    }, s);
+  }
+
   // accumulate_pv() with one m64n{Dv}k16 wgmma per 16 keys: A = P packed from registers, B = the
   // swizzled V chunk in `sv` (MN-major, transposed operand).
   __device__ __forceinline__ void accumulate_pv_wgmma(const float (&p)[kSTiles][4], const Storage* sv) {
@@ -296,6 +316,25 @@ __device__ __forceinline__ void load_q_tile(Storage* sq, const Storage* q, int64
     const Storage* src =
         valid ? q + (first_token + token) * q_st + int64_t(head0 + (row & group_mask)) * q_sh + piece * 8 : q;
     cp_async_16(sq + row * (kDqk + kSmemPad) + piece * 8, src, valid);
+  }
+}
+
+// load_q_tile into the 128-byte swizzle layout (sm_90a: the A operand of scores_wgmma_sq); sq
+// 1024-byte aligned.
+template <typename Storage, int kDqk, int kRows>
+__device__ __forceinline__ void load_q_tile_sw128(Storage* sq, const Storage* q, int64_t q_st, int64_t q_sh,
+                                                  int64_t first_token, int tokens_valid, int head0, int log2_group) {
+  constexpr int kPieces = kDqk / 8;
+  constexpr int kCtaThreads = kRows / 16 * 32;
+  const int group_mask = (1 << log2_group) - 1;
+  unsigned char* bytes = reinterpret_cast<unsigned char*>(sq);
+  for (int e = threadIdx.x; e < kRows * kPieces; e += kCtaThreads) {
+    const int row = e / kPieces, piece = e % kPieces;
+    const int token = row >> log2_group;
+    const bool valid = token < tokens_valid;
+    const Storage* src =
+        valid ? q + (first_token + token) * q_st + int64_t(head0 + (row & group_mask)) * q_sh + piece * 8 : q;
+    cp_async_16(bytes + sw128_offset(kRows, row, piece * 8), src, valid);
   }
 }
 

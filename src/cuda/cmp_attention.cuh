@@ -164,9 +164,20 @@ struct CmpSmem {
     cp_async_wait<kPending>();
     if constexpr (kWgmma) fence_proxy_async();
   }
-  static __device__ __forceinline__ void scores(const Tile& t, float (&s)[Tile::kSTiles][4], const Storage* k) {
+  // The Q tile: swizzled with wgmma (the A operand of the score products), else padded rows for
+  // ldmatrix (the fragments are loaded once and held).
+  __device__ __forceinline__ void load_q(const Storage* q, int64_t q_st, int64_t q_sh, int64_t first_token,
+                                         int tokens_valid, int head0, int log2_group) const {
     if constexpr (kWgmma)
-      t.scores_wgmma(s, k);
+      load_q_tile_sw128<Storage, kDqk, kRows>(sq, q, q_st, q_sh, first_token, tokens_valid, head0, log2_group);
+    else
+      load_q_tile<Storage, kDqk, kRows>(sq, q, q_st, q_sh, first_token, tokens_valid, head0, log2_group);
+  }
+  // S = Q K^T of the chunk in k: with wgmma from the Q tile in shared memory, else from the
+  // fragments in t.
+  __device__ __forceinline__ void scores(const Tile& t, float (&s)[Tile::kSTiles][4], const Storage* k) const {
+    if constexpr (kWgmma)
+      t.scores_wgmma_sq(s, sq, k);
     else
       t.scores(s, k);
   }
@@ -179,9 +190,8 @@ struct CmpSmem {
 };
 
 // Pass 2: the selection scores S of the tile from the final log-sum-exps lse2 (log2 units). K
-// chunks are double-buffered (one chunk in flight). With wgmma the Q fragments are reloaded from
-// the Q tile (which must stay in shared memory) for every chunk: see "ptxas and Q fragments" at
-// the kernel below. s_pg: [tokens][kKeyChunk] + [tokens][score_ring] floats of shared memory.
+// chunks are double-buffered (one chunk in flight). With wgmma the score products read Q from the
+// swizzled Q tile, which must stay in shared memory ("Q on sm_90a" at the kernel below). s_pg: [tokens][kKeyChunk] + [tokens][score_ring] floats of shared memory.
 template <typename Storage, int kDqk, int kDv, int kRows>
 __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const CmpTileInfo<kRows>& ti,
                                                 TileAttention<Storage, kDqk, kDv, kRows>& tile_state,
@@ -226,9 +236,8 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
     Smem::template wait_copies<0>();
     __syncthreads();
     if (c + 1 < num_chunks) load_chunk(c + 1);
-    if constexpr (Smem::kWgmma) tile_state.load_q_fragments(sm.sq);
     float s[Tile::kSTiles][4];
-    Smem::scores(tile_state, s, sm.sk + (c & 1) * Smem::kKTile);
+    sm.scores(tile_state, s, sm.sk + (c & 1) * Smem::kKTile);
     int lo[2], hi[2];
     ti.chunk_limits(c, lo, hi);
     tile_state.mask(s, lo, hi);
@@ -282,12 +291,11 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
   }
 }
 
-// ptxas and Q fragments: with wgmma the Q fragments are reloaded from the Q tile (ldmatrix, Dqk/16
-// per warp) for every chunk instead of being held in registers across the chunk loop. Held, ptxas
-// (CUDA 13.0) gave their registers to other values inside the loop in the kernels whose loop was
-// the fragments' last use (the split pass-1 kernels: every chunk after the first multiplied
-// garbage), while the fused kernel, which uses them again after the loop, was right. Reloaded,
-// they are never live across a loop iteration.
+// Q on sm_90a: the score wgmma takes A (Q) from the swizzled Q tile in shared memory
+// (scores_wgmma_sq), not from fragment registers: no registers held for Q and no ldmatrix per
+// chunk. (Held in registers across the chunk loop, ptxas 13.0 gave the fragments' registers to
+// other values inside the loop where the loop was their last use, and every chunk after the
+// first multiplied garbage; the registers were then reloaded per chunk until session 6.)
 // Pass 1 (o_cmp and lse) of a tile of kRows rows, K/V chunks double-buffered (one chunk in
 // flight); with kFusedScores also pass 2 in the same CTA, else cmp_scores_kernel does it
 // afterwards. Which runs where (launch_cmp_attention): sm_90a, the split kernels (pass 1 in
@@ -308,7 +316,7 @@ __global__ void __launch_bounds__(kRows / 16 * 32) cmp_attention_kernel(const Cm
     const Storage* q = static_cast<const Storage*>(p.q);
     const Storage* kbase = static_cast<const Storage*>(p.kc) + cmp_row_offset(ti.s0, p.d) * p.kc_st + ti.hk * p.kc_sh;
     const Storage* vbase = static_cast<const Storage*>(p.vc) + cmp_row_offset(ti.s0, p.d) * p.vc_st + ti.hk * p.vc_sh;
-    load_q_tile<Storage, kDqk, kRows>(sm.sq, q, p.q_st, p.q_sh, ti.s0 + ti.t0, ti.tokens_valid, ti.hk * p.group,
+    sm.load_q(q, p.q_st, p.q_sh, ti.s0 + ti.t0, ti.tokens_valid, ti.hk * p.group,
                                       p.log2_group);
     cp_async_commit();
 
@@ -329,15 +337,14 @@ __global__ void __launch_bounds__(kRows / 16 * 32) cmp_attention_kernel(const Cm
     if (num_chunks > 0) load_chunk(0, 0);
     Smem::template wait_copies<0>();
     __syncthreads();
-    if constexpr (!Smem::kWgmma) tile_state.load_q_fragments(sm.sq);
+    if constexpr (!Smem::kWgmma) tile_state.load_q_fragments(sm.sq);  // held (wgmma reads the Q tile)
     for (int c = 0; c < num_chunks; ++c) {
       Smem::template wait_copies<0>();
       __syncthreads();
       if (c + 1 < num_chunks) load_chunk(c + 1, (c + 1) & 1);
       const int buf = c & 1;
-      if constexpr (Smem::kWgmma) tile_state.load_q_fragments(sm.sq);
       float s[Tile::kSTiles][4];
-      Smem::scores(tile_state, s, sm.sk + buf * Smem::kKTile);
+      sm.scores(tile_state, s, sm.sk + buf * Smem::kKTile);
       int lo[2], hi[2];
       ti.chunk_limits(c, lo, hi);
       tile_state.mask(s, lo, hi);
@@ -383,8 +390,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) cmp_scores_kernel(const Cm
     const Smem sm(smem_raw);
     CmpTileInfo<kTileRows> ti;
     if (!ti.init(p)) return;
-    load_q_tile<Storage, kDqk, kTileRows>(sm.sq, static_cast<const Storage*>(p.q), p.q_st, p.q_sh, ti.s0 + ti.t0,
-                                          ti.tokens_valid, ti.hk * p.group, p.log2_group);
+    sm.load_q(static_cast<const Storage*>(p.q), p.q_st, p.q_sh, ti.s0 + ti.t0, ti.tokens_valid, ti.hk * p.group,
+              p.log2_group);
     cp_async_commit();
     float lse2[2];
 #pragma unroll
@@ -397,7 +404,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) cmp_scores_kernel(const Cm
     }
     Tile tile_state;
     Smem::template wait_copies<0>();
-    __syncthreads();  // (the pass loads the Q fragments per chunk: this kernel runs only with wgmma)
+    __syncthreads();  // the Q tile (read by every score product: this kernel runs only with wgmma)
     cmp_scores_pass<Storage, kDqk, kDv, kTileRows>(p, ti, tile_state, sm, reinterpret_cast<float*>(sm.sk + 2 * Smem::kKTile),
                                                    lse2);
   }

@@ -233,8 +233,8 @@ __global__ void __launch_bounds__(kWinThreads) win_attention_kernel(const Branch
 // (TileAttention::scores_wgmma / accumulate_pv_wgmma), K/V chunks of 64 keys double-buffered with
 // one CTA barrier per chunk: the loop of the compressed branch's pass 1 (cmp_attention.cuh) over
 // the keys [t0 - w + 1, t_last] of the tile, each row masked to [t - w + 1, t], and the same
-// epilogue as win_attention_kernel. The Q fragments are reloaded from the Q tile for every chunk
-// (never live across the loop: the ptxas hazard of docs/cuda.md). Not compiled for other targets.
+// epilogue as win_attention_kernel. Q is read by the score products from the swizzled Q tile
+// (scores_wgmma_sq). Not compiled for other targets.
 inline constexpr int kWinWgRows = 2 * kWinRows;
 constexpr size_t win_wgmma_smem_bytes(int dqk, int dv) {
   return cmp_smem_bytes(kWinWgRows, dqk, dv, 1, 0, /*with_v=*/true, /*with_scores=*/false);
@@ -257,8 +257,7 @@ __global__ void __launch_bounds__(kWinWgRows / 16 * 32) win_attention_wgmma_kern
     if (!wt.init(p, kRows)) return;
     const int hk = wt.hk, tokens_valid = wt.tokens_valid;
     const int64_t s0 = wt.s0, t0 = wt.t0, t_last = wt.t_last;
-    load_q_tile<Storage, kDqk, kRows>(sm.sq, static_cast<const Storage*>(p.q), p.q_st, p.q_sh, s0 + t0, tokens_valid,
-                                      hk * p.group, p.log2_group);
+    sm.load_q(static_cast<const Storage*>(p.q), p.q_st, p.q_sh, s0 + t0, tokens_valid, hk * p.group, p.log2_group);
     cp_async_commit();
 
     const int64_t win_lo = p.window > 0 ? window_start(t0, p.window) : 0;
@@ -295,9 +294,8 @@ __global__ void __launch_bounds__(kWinWgRows / 16 * 32) win_attention_wgmma_kern
       const int buf = c & 1;
       const int64_t first = win_lo + int64_t(c) * kChunk;
       const int count = static_cast<int>(min64(kChunk, t_last + 1 - first));
-      st.load_q_fragments(sm.sq);
       float s[Tile::kSTiles][4];
-      Smem::scores(st, s, sm.sk + buf * Smem::kKTile);
+      sm.scores(st, s, sm.sk + buf * Smem::kKTile);
       // Row h keeps the chunk's keys [lo, hi): loaded, not after its token, in its window.
       int lo[2], hi[2];
 #pragma unroll
