@@ -209,13 +209,20 @@ struct TileAttention {
     static_assert(kD % 64 == 0, "swizzled tiles are made of 64-column blocks");
     constexpr int kPieces = kD / 8;
     unsigned char* bytes = reinterpret_cast<unsigned char*>(tile);
-    constexpr int kStep = kCtaThreads / kPieces;
-    if constexpr (kCtaThreads % kPieces == 0 && kStep % 8 == 0 && kChunk % kStep == 0) {
+    // The fixed-piece copy needs a thread count whose rows step by a multiple of 8 and divide the
+    // chunk: the CTA's, else (three warpgroups at D = 64, 128) its first 256 threads.
+    constexpr auto fits = [](int threads) {
+      return threads % kPieces == 0 && (threads / kPieces) % 8 == 0 && kChunk % (threads / kPieces) == 0;
+    };
+    constexpr int kCopy = fits(kCtaThreads) ? kCtaThreads : kCtaThreads > 256 && fits(256) ? 256 : 0;
+    if constexpr (kCopy > 0) {
       // Each thread copies one fixed 16-byte piece of rows r0, r0 + kStep, ...: rows 8 apart share
       // the swizzle pattern, so the destination is one address plus a constant per row (as the
-      // backward's copy_rows_sw128). D = 192 (24 pieces) takes the general loop below.
+      // backward's copy_rows_sw128). D = 192 with 4 warps (24 pieces) takes the general loop below.
       // Not unrolled: a running source and destination keep the registers of the S pass's kernel
       // (128 per thread at 4 CTAs per SM) free; unrolled, it spilled.
+      constexpr int kStep = kCopy / kPieces;
+      if (kCopy < kCtaThreads && threadIdx.x >= kCopy) return;
       const int piece = threadIdx.x % kPieces, r0 = threadIdx.x / kPieces;
       unsigned char* dst = bytes + sw128_offset(kChunk, r0, piece * 8);
       const Storage* src = base + r0 * row_stride + piece * 8;

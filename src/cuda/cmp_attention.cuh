@@ -299,8 +299,9 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
 // Pass 1 (o_cmp and lse) of a tile of kRows rows, K/V chunks double-buffered (one chunk in
 // flight); with kFusedScores also pass 2 in the same CTA, else cmp_scores_kernel does it
 // afterwards. Which runs where (launch_cmp_attention): sm_90a, the split kernels (pass 1 in
-// 128-row tiles: two warpgroups share every K/V chunk, half the L2 reads); elsewhere the fused
-// 64-row kernel. The body of the variant a target never runs is not compiled for it.
+// kWgRows = 192-row tiles: three warpgroups share every K/V chunk, a third of the L2 reads per row
+// of a 64-row tile); elsewhere the fused 64-row kernel. The body of the variant a target never
+// runs is not compiled for it.
 template <typename Storage, int kDqk, int kDv, int kRows, bool kFusedScores>
 __global__ void __launch_bounds__(kRows / 16 * 32) cmp_attention_kernel(const CmpAttnParams p) {
   if constexpr (kFusedScores == kWgmmaCompiled) {
@@ -426,19 +427,19 @@ inline void cmp_launch(Kernel kernel, int rows, size_t smem, const CmpAttnParams
   NSA_CUDA_CHECK_LAUNCH();
 }
 
-// sm_90a: pass 1 in 128-row tiles, then the S pass as its own kernel at 4 CTAs per SM (3 at
+// sm_90a: pass 1 in 192-row tiles (kWgRows), then the S pass as its own kernel at 4 CTAs per SM (3 at
 // Dqk = 192, where 4 measured slower). Elsewhere (sm_80 and the compute_80 PTX): the fused 64-row
 // kernel. H200, 64K, Hq 64 / Hkv 4, D 128 (docs/cuda.md): cmp + S 27.7 ms split, 32.7 fused.
 template <typename Storage, int kDqk, int kDv>
 void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream) {
   constexpr int kScoresCtas = kDqk <= 128 ? 4 : 3;
-  const auto pass1 = cmp_attention_kernel<Storage, kDqk, kDv, 2 * kTileRows, false>;
+  const auto pass1 = cmp_attention_kernel<Storage, kDqk, kDv, kWgRows, false>;
   if (!cmp_runs_wgmma(pass1)) {
     cmp_launch(cmp_attention_kernel<Storage, kDqk, kDv, kTileRows, true>, kTileRows,
                cmp_smem_bytes(kTileRows, kDqk, kDv, p.group, p.score_ring, true, p.scores != nullptr), p, stream);
     return;
   }
-  cmp_launch(pass1, 2 * kTileRows, cmp_smem_bytes(2 * kTileRows, kDqk, kDv, p.group, p.score_ring, true, false), p,
+  cmp_launch(pass1, kWgRows, cmp_smem_bytes(kWgRows, kDqk, kDv, p.group, p.score_ring, true, false), p,
              stream);
   if (p.scores != nullptr)
     cmp_launch(cmp_scores_kernel<Storage, kDqk, kDv, kScoresCtas>, kTileRows,

@@ -14,6 +14,9 @@ namespace nsa::cuda {
 // Rows of the attention tile: 64 query rows = (64 / G) tokens x the G heads of one KV head, so
 // every tensor-core instruction has M = 64 rows whatever G is (performance.md).
 inline constexpr int kTileRows = 64;
+// sm_90a: the compressed pass 1 and the window take tiles of kWgRows rows, three warpgroups that
+// share every K/V chunk (cmp_attention.cuh, win_attention.cuh).
+inline constexpr int kWgRows = 3 * kTileRows;
 // Keys per step of the compressed attention loop.
 inline constexpr int kKeyChunk = 64;
 // The window kernel: a tile of 64 rows (4 warps), keys in chunks of 64 streamed through a ring
@@ -156,7 +159,7 @@ constexpr size_t cmp_smem_bytes(int rows, int dqk, int dv, int group, int score_
 // the 64-row S pass (sm_90a).
 constexpr size_t cmp_attention_smem_bytes(int dqk, int dv, int group, int score_ring, bool with_scores) {
   const size_t fused = cmp_smem_bytes(kTileRows, dqk, dv, group, score_ring, true, with_scores);
-  const size_t pass1 = cmp_smem_bytes(2 * kTileRows, dqk, dv, group, score_ring, true, false);
+  const size_t pass1 = cmp_smem_bytes(kWgRows, dqk, dv, group, score_ring, true, false);
   const size_t pass2 = with_scores ? cmp_smem_bytes(kTileRows, dqk, dv, group, score_ring, false, true) : 0;
   const size_t split = pass1 > pass2 ? pass1 : pass2;
   return fused > split ? fused : split;

@@ -228,14 +228,14 @@ __global__ void __launch_bounds__(kWinThreads) win_attention_kernel(const Branch
   }
 }
 
-// sm_90a: the window in tiles of kWinWgRows = 128 rows (two warpgroups share every K/V chunk: half
-// the L2 reads per row of the 64-row kernel), scores and P V as warpgroup MMAs
+// sm_90a: the window in tiles of kWinWgRows = kWgRows = 192 rows (three warpgroups share every K/V
+// chunk: a third of the L2 reads per row of the 64-row kernel), scores and P V as warpgroup MMAs
 // (TileAttention::scores_wgmma / accumulate_pv_wgmma), K/V chunks of 64 keys double-buffered with
 // one CTA barrier per chunk: the loop of the compressed branch's pass 1 (cmp_attention.cuh) over
 // the keys [t0 - w + 1, t_last] of the tile, each row masked to [t - w + 1, t], and the same
 // epilogue as win_attention_kernel. Q is read by the score products from the swizzled Q tile
 // (scores_wgmma_sq). Not compiled for other targets.
-inline constexpr int kWinWgRows = 2 * kWinRows;
+inline constexpr int kWinWgRows = kWgRows;
 constexpr size_t win_wgmma_smem_bytes(int dqk, int dv) {
   return cmp_smem_bytes(kWinWgRows, dqk, dv, 1, 0, /*with_v=*/true, /*with_scores=*/false);
 }
@@ -312,7 +312,7 @@ __global__ void __launch_bounds__(kWinWgRows / 16 * 32) win_attention_wgmma_kern
   }
 }
 
-// sm_90a: the wgmma kernel in 128-row tiles; elsewhere (sm_80 and the compute_80 PTX) the 64-row
+// sm_90a: the wgmma kernel in 192-row tiles; elsewhere (sm_80 and the compute_80 PTX) the 64-row
 // mma.sync kernel with its ring of stages.
 template <typename Storage, int kDqk, int kDv>
 void launch_win_attention(const BranchParams& p, cudaStream_t stream) {
