@@ -259,7 +259,7 @@ struct TileAttention {
   }
 
   // The same products with A from shared memory: this warpgroup's 64 rows of the Q tile `sq`
-  // (kRows rows in the 128-byte swizzle layout, load_q_tile_sw128), K-major like the K chunk.
+  // (kRows rows in the 128-byte swizzle layout, load_q_tile<..., true>), K-major like the K chunk.
   // No Q fragments in registers (32 of them at Dqk = 128) and no ldmatrix per chunk.
   __device__ __forceinline__ void scores_wgmma_sq(float (&s)[kSTiles][4], const Storage* sq,
                                                   const Storage* sk) const {
@@ -310,7 +310,9 @@ struct TileAttention {
 };
 
 // Loads the Q tile: row r is token t0 + r/G, head hk*G + r%G; rows past the sequence are zero.
-template <typename Storage, int kDqk, int kRows = kTileRows>
+// kSw128: in the 128-byte swizzle layout (sm_90a: the A operand of scores_wgmma_sq; sq 1024-byte
+// aligned), else padded rows for ldmatrix.
+template <typename Storage, int kDqk, int kRows = kTileRows, bool kSw128 = false>
 __device__ __forceinline__ void load_q_tile(Storage* sq, const Storage* q, int64_t q_st, int64_t q_sh,
                                             int64_t first_token, int tokens_valid, int head0, int log2_group) {
   constexpr int kPieces = kDqk / 8;
@@ -322,27 +324,32 @@ __device__ __forceinline__ void load_q_tile(Storage* sq, const Storage* q, int64
     const bool valid = token < tokens_valid;
     const Storage* src =
         valid ? q + (first_token + token) * q_st + int64_t(head0 + (row & group_mask)) * q_sh + piece * 8 : q;
-    cp_async_16(sq + row * (kDqk + kSmemPad) + piece * 8, src, valid);
+    if constexpr (kSw128)
+      cp_async_16(reinterpret_cast<unsigned char*>(sq) + sw128_offset(kRows, row, piece * 8), src, valid);
+    else
+      cp_async_16(sq + row * (kDqk + kSmemPad) + piece * 8, src, valid);
   }
 }
 
-// load_q_tile into the 128-byte swizzle layout (sm_90a: the A operand of scores_wgmma_sq); sq
-// 1024-byte aligned.
-template <typename Storage, int kDqk, int kRows>
-__device__ __forceinline__ void load_q_tile_sw128(Storage* sq, const Storage* q, int64_t q_st, int64_t q_sh,
-                                                  int64_t first_token, int tokens_valid, int head0, int log2_group) {
-  constexpr int kPieces = kDqk / 8;
-  constexpr int kCtaThreads = kRows / 16 * 32;
-  const int group_mask = (1 << log2_group) - 1;
-  unsigned char* bytes = reinterpret_cast<unsigned char*>(sq);
-  for (int e = threadIdx.x; e < kRows * kPieces; e += kCtaThreads) {
-    const int row = e / kPieces, piece = e % kPieces;
-    const int token = row >> log2_group;
-    const bool valid = token < tokens_valid;
-    const Storage* src =
-        valid ? q + (first_token + token) * q_st + int64_t(head0 + (row & group_mask)) * q_sh + piece * 8 : q;
-    cp_async_16(bytes + sw128_offset(kRows, row, piece * 8), src, valid);
+// The tile of `rows` query rows this CTA owns: rows / G neighbouring tokens of sequence b x the G
+// heads of KV head hk = blockIdx.y. Later tiles (more keys) get the lower block indices, so they
+// start first and the tail of the grid is short.
+struct SeqRowTile {
+  int b, hk, tokens_per_tile, tokens_valid;
+  int64_t s0, len, t0;
+  // False when the tile lies past its sequence (the CTA has nothing to do).
+  __device__ __forceinline__ bool init(const SeqParams& seqs, int log2_group, int rows) {
+    tokens_per_tile = rows >> log2_group;
+    const int64_t tiles_per_seq = (seqs.max_seqlen + tokens_per_tile - 1) / tokens_per_tile;
+    b = static_cast<int>(blockIdx.x / tiles_per_seq);
+    const int64_t tile = tiles_per_seq - 1 - blockIdx.x % tiles_per_seq;
+    hk = blockIdx.y;
+    sequence_bounds(seqs, b, s0, len);
+    t0 = tile * tokens_per_tile;
+    if (t0 >= len) return false;
+    tokens_valid = static_cast<int>(min64(tokens_per_tile, len - t0));
+    return true;
   }
-}
+};
 
 }  // namespace nsa::cuda

@@ -82,9 +82,7 @@ inline constexpr float kCmpLog2e = 1.4426950408889634f;
 // What a CTA knows about its tile: kRows rows = tokens_per_tile tokens x G heads of KV head hk,
 // and this thread's two rows (group, group + 8 of its warp's m16 slice).
 template <int kRows>
-struct CmpTileInfo {
-  int b, hk, tokens_per_tile, tokens_valid;
-  int64_t s0, len, t0;
+struct CmpTileInfo : SeqRowTile {
   int row[2], tok[2];
   int64_t t_row[2], visible[2];  // keys i < visible[h] are seen by row h (0 for rows past the sequence)
   int64_t num_keys;              // C of the tile's last token: the keys streamed
@@ -92,16 +90,7 @@ struct CmpTileInfo {
 
   // False when the tile lies past its sequence (the CTA has nothing to do).
   __device__ __forceinline__ bool init(const CmpAttnParams& p) {
-    tokens_per_tile = kRows >> p.log2_group;
-    const int64_t tiles_per_seq = (p.seqs.max_seqlen + tokens_per_tile - 1) / tokens_per_tile;
-    b = static_cast<int>(blockIdx.x / tiles_per_seq);
-    // Later tiles have more keys: start them first so the tail of the grid is short.
-    const int64_t tile = tiles_per_seq - 1 - blockIdx.x % tiles_per_seq;
-    hk = blockIdx.y;
-    sequence_bounds(p.seqs, b, s0, len);
-    t0 = tile * tokens_per_tile;
-    if (t0 >= len) return false;
-    tokens_valid = static_cast<int>(min64(tokens_per_tile, len - t0));
+    if (!SeqRowTile::init(p.seqs, p.log2_group, kRows)) return false;
     const int warp = threadIdx.x / 32, group_id = threadIdx.x % 32 / 4;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -169,7 +158,7 @@ struct CmpSmem {
   __device__ __forceinline__ void load_q(const Storage* q, int64_t q_st, int64_t q_sh, int64_t first_token,
                                          int tokens_valid, int head0, int log2_group) const {
     if constexpr (kWgmma)
-      load_q_tile_sw128<Storage, kDqk, kRows>(sq, q, q_st, q_sh, first_token, tokens_valid, head0, log2_group);
+      load_q_tile<Storage, kDqk, kRows, true>(sq, q, q_st, q_sh, first_token, tokens_valid, head0, log2_group);
     else
       load_q_tile<Storage, kDqk, kRows>(sq, q, q_st, q_sh, first_token, tokens_valid, head0, log2_group);
   }

@@ -36,19 +36,10 @@ inline constexpr int kWinThreads = kWinRows / 16 * 32;
 
 // The query tile of a window CTA: rows / G tokens of one sequence x the G heads of KV head hk,
 // later tiles first (blockIdx.x counts down within a sequence). False: past its sequence.
-struct WinTile {
-  int hk, tokens_valid;
-  int64_t s0, len, t0, t_last;
+struct WinTile : SeqRowTile {
+  int64_t t_last;  // the tile's last token
   __device__ __forceinline__ bool init(const BranchParams& p, int rows) {
-    const int tokens_per_tile = rows >> p.log2_group;
-    const int64_t tiles_per_seq = (p.seqs.max_seqlen + tokens_per_tile - 1) / tokens_per_tile;
-    const int b = static_cast<int>(blockIdx.x / tiles_per_seq);
-    const int64_t tile = tiles_per_seq - 1 - blockIdx.x % tiles_per_seq;
-    hk = blockIdx.y;
-    sequence_bounds(p.seqs, b, s0, len);
-    t0 = tile * tokens_per_tile;
-    if (t0 >= len) return false;
-    tokens_valid = static_cast<int>(min64(tokens_per_tile, len - t0));
+    if (!SeqRowTile::init(p.seqs, p.log2_group, rows)) return false;
     t_last = t0 + tokens_valid - 1;
     return true;
   }
