@@ -247,21 +247,6 @@ void check_workspace(const BackendOps& ops, const Plan& p, Op op, const Problem&
     throw Error("workspace.data", "misaligned", "must be 256-byte aligned");
 }
 
-Problem problem_from(const Plan& p) {
-  Problem pr;
-  pr.total_tokens = p.T;
-  pr.batch = p.B;
-  pr.max_seqlen = p.max_seqlen;
-  pr.hq = p.hq;
-  pr.hkv = p.hkv;
-  pr.dqk = p.dqk;
-  pr.dv = p.dv;
-  pr.phi_hidden = std::max(p.phi_hidden_k, p.phi_hidden_v);
-  pr.dtype = p.dtype;
-  pr.device = p.device;
-  return pr;
-}
-
 // Everything forward() and backward() share: q, the branch K/V, g, phi, sequences.
 Plan plan_layer(const Context& ctx, const Config& cfg, const Inputs& in, const BackendOps*& ops) {
   Plan p = start_plan(ctx, cfg, in.q, "q", ops);
@@ -356,7 +341,7 @@ Problem problem_of(const Config& cfg, const Inputs& in) {
   p.phi_hidden_k = check_phi(cfg, chk, "phi_k", in.phi_k, p.dqk);
   p.phi_hidden_v = check_phi(cfg, chk, "phi_v", in.phi_v, p.dv);
   fill_sequences(p, in.seqs, in.q.shape[0], chk);
-  return problem_from(p);
+  return detail::problem_of(p);
 }
 
 size_t workspace_size(const Context& ctx, Op op, const Config& cfg, const Problem& problem) {
@@ -376,7 +361,7 @@ void compress_fwd(const Context& ctx, const Config& cfg, const PhiParams& phi, c
   Plan p = plan_compress(ctx, cfg, phi, x, seqs, ops);
   const Checker chk(p.dtype, p.device, x.device_index);
   chk.floats("xc", xc, "[T/d, Hkv, D]", {cmp_rows(p.T, cfg.cmp_stride), p.hkv, p.dqk});
-  check_workspace(*ops, p, Op::compress_fwd, problem_from(p), ws);
+  check_workspace(*ops, p, Op::compress_fwd, detail::problem_of(p), ws);
   require_op(*ops, ops->compress_fwd, "compress_fwd")(p, phi, x, xc, ws);
 }
 
@@ -391,7 +376,7 @@ void compress_bwd(const Context& ctx, const Config& cfg, const PhiParams& phi, c
     throw Error("dphi.w1.shape[0]", str(dphi.w1.shape[0]), "must equal phi.w1.shape[0] = " + str(p.phi_hidden_k));
   chk.floats("dxc", dxc, "[T/d, Hkv, D]", {cmp_rows(p.T, cfg.cmp_stride), p.hkv, p.dqk});
   chk.floats("dx", dx, "[T, Hkv, D]", {p.T, p.hkv, p.dqk});
-  check_workspace(*ops, p, Op::compress_bwd, problem_from(p), ws);
+  check_workspace(*ops, p, Op::compress_bwd, detail::problem_of(p), ws);
   require_op(*ops, ops->compress_bwd, "compress_bwd")(p, phi, x, dxc, dx, dphi, ws);
 }
 
@@ -417,7 +402,7 @@ void compressed_attention_fwd(const Context& ctx, const Config& cfg, const Tenso
       throw Error("scores.shape[2]", str(scores.shape[2]),
                   "must be >= ceil(max_seqlen / l') = " + str(p.n_slc_max));
   }
-  check_workspace(*ops, p, Op::compressed_attention_fwd, problem_from(p), ws);
+  check_workspace(*ops, p, Op::compressed_attention_fwd, detail::problem_of(p), ws);
   require_op(*ops, ops->compressed_attention_fwd, "compressed_attention_fwd")(p, q, kc, vc, o, lse, scores, ws);
 }
 
@@ -435,7 +420,7 @@ void select_topn(const Context& ctx, const Config& cfg, const TensorView& scores
   if (scores.shape[2] < p.n_slc_max)
     throw Error("scores.shape[2]", str(scores.shape[2]), "must be >= ceil(max_seqlen / l') = " + str(p.n_slc_max));
   chk.tensor("indices", indices, "[T, Hkv, n]", {p.T, p.hkv, cfg.n_selected}, DType::i32);
-  check_workspace(*ops, p, Op::select_topn, problem_from(p), ws);
+  check_workspace(*ops, p, Op::select_topn, detail::problem_of(p), ws);
   require_op(*ops, ops->select_topn, "select_topn")(p, scores, indices, ws);
 }
 
@@ -455,7 +440,7 @@ void selected_attention_fwd(const Context& ctx, const Config& cfg, const TensorV
   chk.tensor("indices", indices, "[T, Hkv, n]", {T, p.hkv, cfg.n_selected}, DType::i32);
   chk.floats("o", o, "[T, Hq, Dv]", {T, p.hq, p.dv});
   if (lse.defined()) chk.tensor("lse", lse, "[T, Hq]", {T, p.hq}, DType::f32);
-  check_workspace(*ops, p, Op::selected_attention_fwd, problem_from(p), ws);
+  check_workspace(*ops, p, Op::selected_attention_fwd, detail::problem_of(p), ws);
   require_op(*ops, ops->selected_attention_fwd, "selected_attention_fwd")(p, q, k, v, indices, o, lse, ws);
 }
 
@@ -473,7 +458,7 @@ void window_attention_fwd(const Context& ctx, const Config& cfg, const TensorVie
   fill_sequences(p, seqs, T, chk);
   chk.floats("o", o, "[T, Hq, Dv]", {T, p.hq, p.dv});
   if (lse.defined()) chk.tensor("lse", lse, "[T, Hq]", {T, p.hq}, DType::f32);
-  check_workspace(*ops, p, Op::window_attention_fwd, problem_from(p), ws);
+  check_workspace(*ops, p, Op::window_attention_fwd, detail::problem_of(p), ws);
   require_op(*ops, ops->window_attention_fwd, "window_attention_fwd")(p, q, k, v, o, lse, ws);
 }
 
@@ -484,7 +469,7 @@ void forward(const Context& ctx, const Config& cfg, const Inputs& in, const Forw
   const Checker chk(p.dtype, p.device, in.q.device_index);
   check_saved(p, chk, out, /*need_o=*/true);
   chk.optional_floats("o_branch", out.o_branch, "[3, T, Hq, Dv]", {3, p.T, p.hq, p.dv});
-  check_workspace(*ops, p, Op::forward, problem_from(p), ws);
+  check_workspace(*ops, p, Op::forward, detail::problem_of(p), ws);
   require_op(*ops, ops->forward, "forward")(p, in, out, ws);
 }
 
@@ -517,7 +502,7 @@ void backward(const Context& ctx, const Config& cfg, const Inputs& in, const For
     if (grads.dphi_v.w1.shape[0] != p.phi_hidden_v)
       throw Error("dphi_v.w1.shape[0]", str(grads.dphi_v.w1.shape[0]), "must equal phi_v.w1.shape[0] = " + str(p.phi_hidden_v));
   }
-  check_workspace(*ops, p, Op::backward, problem_from(p), ws);
+  check_workspace(*ops, p, Op::backward, detail::problem_of(p), ws);
   require_op(*ops, ops->backward, "backward")(p, in, saved, d_o, grads, ws);
 }
 
@@ -548,7 +533,7 @@ void dense_attention_fwd(const Context& ctx, double scale, const TensorView& q, 
   const Checker chk(p.dtype, p.device, q.device_index);
   chk.floats("o", o, "[T, Hq, Dv]", {p.T, p.hq, p.dv});
   if (lse.defined()) chk.tensor("lse", lse, "[T, Hq]", {p.T, p.hq}, DType::f32);
-  check_workspace(*ops, p, Op::dense_attention_fwd, problem_from(p), ws);
+  check_workspace(*ops, p, Op::dense_attention_fwd, detail::problem_of(p), ws);
   require_op(*ops, ops->dense_attention_fwd, "dense_attention_fwd")(p, q, k, v, o, lse, ws);
 }
 
@@ -565,7 +550,7 @@ void dense_attention_bwd(const Context& ctx, double scale, const TensorView& q, 
   chk.floats("dq", dq, "[T, Hq, Dqk]", {p.T, p.hq, p.dqk});
   chk.floats("dk", dk, "[T, Hkv, Dqk]", {p.T, p.hkv, p.dqk});
   chk.floats("dv", dv, "[T, Hkv, Dv]", {p.T, p.hkv, p.dv});
-  check_workspace(*ops, p, Op::dense_attention_bwd, problem_from(p), ws);
+  check_workspace(*ops, p, Op::dense_attention_bwd, detail::problem_of(p), ws);
   require_op(*ops, ops->dense_attention_bwd, "dense_attention_bwd")(p, q, k, v, o, lse, d_o, dq, dk, dv, ws);
 }
 

@@ -77,5 +77,20 @@ bool cuda_device_present();
 inline const KV& branch_kv(const Config& cfg, const Inputs& in, int branch) {
   return cfg.shared_kv ? in.kv[kCmp] : in.kv[branch];
 }
+// The Problem a plan describes (what workspace_size is asked with for its call).
+inline Problem problem_of(const Plan& p) {
+  Problem pr;
+  pr.total_tokens = p.T;
+  pr.batch = p.B;
+  pr.max_seqlen = p.max_seqlen;
+  pr.hq = p.hq;
+  pr.hkv = p.hkv;
+  pr.dqk = p.dqk;
+  pr.dv = p.dv;
+  pr.phi_hidden = p.phi_hidden_k > p.phi_hidden_v ? p.phi_hidden_k : p.phi_hidden_v;
+  pr.dtype = p.dtype;
+  pr.device = p.device;
+  return pr;
+}
 
 }  // namespace nsa::detail

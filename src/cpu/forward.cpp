@@ -41,16 +41,11 @@ void store_tile(const Dims& d, const Seq& s, int64_t hk, const int32_t* tokens, 
     }
 }
 
-Problem problem_of_plan(const Plan& p) {
-  return Problem{p.T, p.B, p.max_seqlen, p.hq, p.hkv, p.dqk, p.dv, std::max(p.phi_hidden_k, p.phi_hidden_v),
-                 p.dtype, p.device};
-}
-
 // One branch over all tiles: the three single-branch attention ops and dense attention.
 void branch_op(const Plan& p, Branch br, const TensorView& q, const TensorView& o,
                const TensorView& lse, Workspace ws) {
   const Dims d = dims_of(p);
-  const size_t shared_bytes = pack_bytes(p.cfg, problem_of_plan(p), d, br.kind, kForwardNeeds);
+  const size_t shared_bytes = pack_bytes(p.cfg, problem_of(p), d, br.kind, kForwardNeeds);
   const Slots slots = carve_slots(p, ws, shared_bytes, attention_slot_bytes(p.cfg, d));
   if (branch_packs(p.cfg, br.kind)) {
     Arena shared(ws.data, shared_bytes);
@@ -72,7 +67,7 @@ void compressed_attention_fwd(const Plan& p, const TensorView& q, const TensorVi
                               const TensorView& vc, const TensorView& o, const TensorView& lse,
                               const TensorView& scores, Workspace ws) {
   const Dims d = dims_of(p);
-  const size_t shared_bytes = pack_bytes(p.cfg, problem_of_plan(p), d, Kind::cmp, kForwardNeeds);
+  const size_t shared_bytes = pack_bytes(p.cfg, problem_of(p), d, Kind::cmp, kForwardNeeds);
   const Slots slots = carve_slots(p, ws, shared_bytes, attention_slot_bytes(p.cfg, d));
   Branch br = make_branch(p, Kind::cmp, kc, vc);
   {
@@ -163,7 +158,7 @@ size_t phi_shared_bytes(const Config& cfg, const Problem& pr, bool backward, siz
 
 void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspace ws) {
   const Dims d = dims_of(p);
-  const WsSizes sizes = forward_sizes(Op::forward, p.cfg, problem_of_plan(p));
+  const WsSizes sizes = forward_sizes(Op::forward, p.cfg, problem_of(p));
   const Slots slots = carve_slots(p, ws, sizes.shared, sizes.slot);
   Arena shared(ws.data, sizes.shared);
   const ForwardShared fs = layout_forward_shared(shared, p.T, p.cfg.cmp_stride, p.hkv, p.dqk, p.dv);

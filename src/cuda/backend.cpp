@@ -362,18 +362,7 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
     require_rows_aligned("k", kv.k);
     require_rows_aligned("v", kv.v);
   }
-  Problem pr;
-  pr.total_tokens = p.T;
-  pr.batch = p.B;
-  pr.max_seqlen = p.max_seqlen;
-  pr.hq = p.hq;
-  pr.hkv = p.hkv;
-  pr.dqk = p.dqk;
-  pr.dv = p.dv;
-  pr.phi_hidden = std::max(p.phi_hidden_k, p.phi_hidden_v);
-  pr.dtype = p.dtype;
-  pr.device = p.device;
-  const ForwardWorkspace w(p.cfg, pr, ws.data);
+  const ForwardWorkspace w(p.cfg, detail::problem_of(p), ws.data);
   const cudaStream_t stream = stream_of(p);
   const size_t es = dtype_size(p.dtype);
   const int64_t rows = cmp_rows(p.T, p.cfg.cmp_stride);

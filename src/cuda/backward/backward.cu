@@ -679,22 +679,6 @@ void dispatch_dims(const BwdArgs& a, cudaStream_t s, int phase) {
 
 int64_t phi_hidden(const Plan& p) { return std::max(p.phi_hidden_k, p.phi_hidden_v); }
 
-// The Problem a plan describes (what workspace_size was asked with).
-Problem problem_of_plan(const Plan& p) {
-  Problem prob;
-  prob.total_tokens = p.T;
-  prob.batch = p.B;
-  prob.max_seqlen = p.max_seqlen;
-  prob.hq = p.hq;
-  prob.hkv = p.hkv;
-  prob.dqk = p.dqk;
-  prob.dv = p.dv;
-  prob.phi_hidden = phi_hidden(p);
-  prob.dtype = p.dtype;
-  prob.device = p.device;
-  return prob;
-}
-
 // The sequence table cu [B+1] on the device, from a device tensor, or from the host table.
 void upload_cu(const Plan& p, int32_t* dst, cudaStream_t s) {
   if (p.cu_seqlens.defined() && p.cu_seqlens.device == Device::cuda) {
@@ -727,7 +711,7 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
                   "kernel has at G = " + std::to_string(p.group));
   }
 
-  const Problem prob = problem_of_plan(p);
+  const Problem prob = problem_of(p);
   const Layout L = carve(sizes_of(p.cfg, prob, p.cfg.phi == PhiKind::mlp ? phi_hidden(p) : 0), ws.data, s);
   if (p.T == 0) return;
   const int64_t rc = cmp_rows(p.T, p.cfg.cmp_stride);
@@ -921,7 +905,7 @@ size_t backward_workspace_size(const Config& cfg, const Problem& problem) {
 
 void backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, const TensorView& d_o,
               const Gradients& grads, Workspace ws) {
-  const Problem prob = problem_of_plan(p);
+  const Problem prob = problem_of(p);
   check_supported(p.cfg, prob);
   if (p.cfg.phi != PhiKind::mean && (in.phi_k.pe.stride[0] != p.dqk || in.phi_v.pe.stride[0] != p.dv ||
                                       grads.dphi_k.pe.stride[0] != p.dqk || grads.dphi_v.pe.stride[0] != p.dv))
@@ -979,7 +963,7 @@ template <typename E>
 void run_compress_bwd(const Plan& p, const PhiParams& phi, const TensorView& x, const TensorView& dxc,
                       const TensorView& dx, const PhiParams& dphi, Workspace ws) {
   cudaStream_t s = cuda::stream_of(p);
-  Problem prob = problem_of_plan(p);  // (a compress plan: one phi, x [T, Hkv, D])
+  Problem prob = problem_of(p);  // (a compress plan: one phi, x [T, Hkv, D])
   prob.hq = p.hkv;
   prob.dv = p.dqk;
   const int64_t F = p.cfg.phi == PhiKind::mlp ? p.phi_hidden_k : 0;
@@ -1032,7 +1016,7 @@ size_t compress_bwd_workspace_size(const Config& cfg, const Problem& problem) {
 
 void compress_bwd(const Plan& p, const PhiParams& phi, const TensorView& x, const TensorView& dxc,
                   const TensorView& dx, const PhiParams& dphi, Workspace ws) {
-  check_compress_supported(p.cfg, problem_of_plan(p));
+  check_compress_supported(p.cfg, problem_of(p));
   if (p.cfg.phi != PhiKind::mean && (phi.pe.stride[0] != p.dqk || dphi.pe.stride[0] != p.dqk))
     throw Error("phi.pe / dphi.pe", "strided", "must be contiguous [l, D] for the cuda compress_bwd");
   if (p.dtype == DType::bf16) run_compress_bwd<__nv_bfloat16>(p, phi, x, dxc, dx, dphi, ws);
