@@ -242,25 +242,11 @@ struct TileAttention {
     }
   }
 
-  // scores() with one m64n64k16 wgmma per 16 head dims: A = the Q fragments, B = the swizzled
-  // K chunk in `sk` (K-major). Every thread of the warpgroup must call it.
-  __device__ __forceinline__ void scores_wgmma(float (&s)[kSTiles][4], const Storage* sk) const {
-    static_assert(kRows % 64 == 0 && kChunk == 64, "whole warpgroups, one n64 product per k16 step");
-#pragma unroll
-    for (int i = 0; i < kSTiles; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-    wgmma_batch([&] {
-      const uint32_t base = smem_address(sk);
-#pragma unroll
-      for (int kk = 0; kk < kDqk / 16; ++kk) {
-        const uint32_t off = (kk >> 2) * (kChunk * 128) + (kk & 3) * 32;
-        wgmma_rs<kChunk, kBf16, 0>(s, qf[kk], wgmma_desc_sw128(base, off, 16, 1024), 1);
-      }
-    }, s);
-  }
-
-  // The same products with A from shared memory: this warpgroup's 64 rows of the Q tile `sq`
-  // (kRows rows in the 128-byte swizzle layout, load_q_tile<..., true>), K-major like the K chunk.
-  // No Q fragments in registers (32 of them at Dqk = 128) and no ldmatrix per chunk.
+  // scores() on sm_90a: one m64n64k16 wgmma per 16 head dims with both operands in shared memory:
+  // A = this warpgroup's 64 rows of the Q tile `sq` (kRows rows in the 128-byte swizzle layout,
+  // load_q_tile<..., true>), B = the swizzled K chunk in `sk`, both K-major. No Q fragments in
+  // registers (32 of them at Dqk = 128) and no ldmatrix per chunk. Every thread of the warpgroup
+  // must call it.
   __device__ __forceinline__ void scores_wgmma_sq(float (&s)[kSTiles][4], const Storage* sq,
                                                   const Storage* sk) const {
     static_assert(kRows % 64 == 0 && kChunk == 64, "whole warpgroups, one n64 product per k16 step");

@@ -43,6 +43,18 @@ struct WinTile : SeqRowTile {
     t_last = t0 + tokens_valid - 1;
     return true;
   }
+  // This thread's two rows (group and group + 8 of its warp's 16): query head, and token in the
+  // sequence (-1: a padding row, which sees no key).
+  __device__ __forceinline__ void thread_rows(const BranchParams& p, int (&head)[2], int64_t (&t_row)[2]) const {
+    const int warp = threadIdx.x / 32, group_id = threadIdx.x % 32 / 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = warp * 16 + group_id + 8 * h;
+      const int tok = row >> p.log2_group;
+      head[h] = hk * p.group + (row & (p.group - 1));
+      t_row[h] = tok < tokens_valid ? t0 + tok : -1;
+    }
+  }
 };
 
 // Normalise, write o_win and lse_win if wanted, then o = g_cmp o_cmp + g_slc o_slc + g_win o_win:
@@ -154,16 +166,9 @@ __global__ void __launch_bounds__(kWinThreads) win_attention_kernel(const Branch
       }
       cp_async_arrive_noinc(&s_full[c % kStages]);
     };
-    const int group_id = lane / 4;
-    int row[2], head[2];
+    int head[2];
     int64_t t_row[2];
-  #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      row[h] = warp * 16 + group_id + 8 * h;
-      const int tok = row[h] >> p.log2_group;
-      head[h] = hk * p.group + (row[h] & (p.group - 1));
-      t_row[h] = tok < tokens_valid ? t0 + tok : -1;  // -1: a padding row sees no key
-    }
+    wt.thread_rows(p, head, t_row);
 
     Tile st;
     st.reset();
@@ -186,7 +191,7 @@ __global__ void __launch_bounds__(kWinThreads) win_attention_kernel(const Branch
       const int count = static_cast<int>(min64(kChunk, t_last + 1 - first));
       // A warp whose 16 rows all precede the chunk, or whose windows all end before it, skips it.
       bool row_on[2];
-  #pragma unroll
+#pragma unroll
       for (int h = 0; h < 2; ++h) row_on[h] = t_row[h] >= first && t_row[h] - p.window + 1 < first + kChunk;
       if (__any_sync(0xffffffffu, row_on[0] || row_on[1])) {
         const Storage* sk = ring + stage * kStageElems;
@@ -194,7 +199,7 @@ __global__ void __launch_bounds__(kWinThreads) win_attention_kernel(const Branch
         st.scores(s, sk);
         // Row h keeps the chunk's keys [lo, hi): loaded, not after its token, in its window.
         int lo[2], hi[2];
-  #pragma unroll
+#pragma unroll
         for (int h = 0; h < 2; ++h) {
           hi[h] = row_on[h] ? static_cast<int>(min64(count, t_row[h] - first + 1)) : 0;
           lo[h] = static_cast<int>(max64(0, min64(kChunk, t_row[h] - p.window + 1 - first)));
@@ -221,7 +226,7 @@ __global__ void __launch_bounds__(kWinThreads) win_attention_kernel(const Branch
 
 // sm_90a: the window in tiles of kWinWgRows = kWgRows = 192 rows (three warpgroups share every K/V
 // chunk: a third of the L2 reads per row of the 64-row kernel), scores and P V as warpgroup MMAs
-// (TileAttention::scores_wgmma / accumulate_pv_wgmma), K/V chunks of 64 keys double-buffered with
+// (TileAttention::scores_wgmma_sq / accumulate_pv_wgmma), K/V chunks of 64 keys double-buffered with
 // one CTA barrier per chunk: the loop of the compressed branch's pass 1 (cmp_attention.cuh) over
 // the keys [t0 - w + 1, t_last] of the tile, each row masked to [t - w + 1, t], and the same
 // epilogue as win_attention_kernel. Q is read by the score products from the swizzled Q tile
@@ -255,16 +260,9 @@ __global__ void __launch_bounds__(kWinWgRows / 16 * 32) win_attention_wgmma_kern
     const int num_chunks = p.window > 0 ? static_cast<int>((t_last - win_lo + kChunk) / kChunk) : 0;
     const Storage* kw = static_cast<const Storage*>(p.k_win) + s0 * p.kw_st + hk * p.kw_sh;
     const Storage* vw = static_cast<const Storage*>(p.v_win) + s0 * p.vw_st + hk * p.vw_sh;
-    const int warp = threadIdx.x / 32, group_id = threadIdx.x % 32 / 4;
     int head[2];
     int64_t t_row[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = warp * 16 + group_id + 8 * h;
-      const int tok = row >> p.log2_group;
-      head[h] = hk * p.group + (row & (p.group - 1));
-      t_row[h] = tok < tokens_valid ? t0 + tok : -1;  // -1: a padding row sees no key
-    }
+    wt.thread_rows(p, head, t_row);
     auto load_chunk = [&](int c, int buf) {
       const int64_t first = win_lo + int64_t(c) * kChunk;
       const int count = static_cast<int>(min64(kChunk, t_last + 1 - first));

@@ -252,6 +252,16 @@ __global__ void phi_mean_kernel(const E* x, int64_t s0, int64_t s1, const int32_
   xc[i] = cuda::from_float<E>(acc / float(l));
 }
 
+// The sequence of packed token tok: the last b with cu[b] <= tok (< cu[b + 1]).
+__device__ __forceinline__ int seq_of_token(const BwdArgs& a, int64_t tok) {
+  int lo = 0, hi = a.B - 1, b = 0;
+  while (lo <= hi) {
+    const int mid = (lo + hi) / 2;
+    if (a.cu[mid] <= tok) { b = mid; lo = mid + 1; } else { hi = mid - 1; }
+  }
+  return b;
+}
+
 // crow_token[crow] = packed first token of compressed row crow, or -1 when no block uses it.
 __global__ void crow_token_kernel(const int32_t* cu, int B, int64_t rc, int l, int d, int32_t* crow_token) {
   const int64_t crow = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
@@ -276,11 +286,7 @@ __device__ __forceinline__ uint32_t selection_pair(const BwdArgs& a, int64_t i, 
   const int k = int(i % a.n);
   const int hk = int((i / a.n) % a.hkv);
   tok = i / (int64_t(a.n) * a.hkv);
-  int lo = 0, hi = a.B - 1, b = 0;  // sequence of tok: the last b with cu[b] <= tok < cu[b+1]
-  while (lo <= hi) {
-    const int mid = (lo + hi) / 2;
-    if (a.cu[mid] <= tok) { b = mid; lo = mid + 1; } else { hi = mid - 1; }
-  }
+  const int b = seq_of_token(a, tok);
   const int t = int(tok - a.cu[b]);
   const int j = static_cast<const int32_t*>(a.indices.p)[tok * a.indices.s0 + hk * a.indices.s1 + k];
   const bool valid = j >= 0 && int64_t(j) * a.lp <= t;
@@ -376,11 +382,7 @@ __global__ void reduce_cmp_parts_kernel(BwdArgs a, const float* part, const int3
   const int64_t crow = e / per_row;
   const int32_t tok = crow_token[crow];
   if (tok < 0) return;
-  int lo = 0, hi = a.B - 1, b = 0;  // sequence of tok
-  while (lo <= hi) {
-    const int mid = (lo + hi) / 2;
-    if (a.cu[mid] <= tok) { b = mid; lo = mid + 1; } else { hi = mid - 1; }
-  }
+  const int b = seq_of_token(a, tok);
   const int64_t len = a.cu[b + 1] - a.cu[b];
   const int64_t i = crow - cmp_row_offset(a.cu[b], a.d);  // the block's index in its sequence
   const CmpSplit cs = cmp_split_of(len, a.cmp_splits);
@@ -401,11 +403,7 @@ __global__ void phi_dx_kernel(BwdArgs a, PhiDxArgs P, int D, OutMat3 out) {
   const int c = int(i % D);
   const int hk = int((i / D) % a.hkv);
   const int64_t tok = i / (int64_t(D) * a.hkv);
-  int lo = 0, hi = a.B - 1, b = 0;
-  while (lo <= hi) {
-    const int mid = (lo + hi) / 2;
-    if (a.cu[mid] <= tok) { b = mid; lo = mid + 1; } else { hi = mid - 1; }
-  }
+  const int b = seq_of_token(a, tok);
   const int64_t s0 = a.cu[b];
   const float v = phi_dx<E>(P, a, D, s0, int(a.cu[b + 1] - s0), int(tok - s0), hk, c);
   static_cast<E*>(out.p)[tok * out.s0 + hk * out.s1 + c] = cuda::from_float<E>(v);
@@ -950,13 +948,12 @@ Layout carve_compress(const Sizes& z, void* base) {
   return L;
 }
 
-void check_compress_supported(const Config& cfg, const Problem& p) {
+void check_compress_supported(const Problem& p) {
   cuda::require_storage_dtype(p.dtype);
   if (p.dqk != 64 && p.dqk != 128 && p.dqk != 192)  // the key head dims of the layer backward
     throw Error("D", std::to_string(p.dqk), "is not supported by the cuda compress_bwd (supported: 64, 128, 192)");
   if (p.total_tokens > INT32_MAX / 2)
     throw Error("T (total tokens)", std::to_string(p.total_tokens), "must be < 2^30 for the cuda compress_bwd");
-  (void)cfg;
 }
 
 template <typename E>
@@ -1009,14 +1006,14 @@ void run_compress_bwd(const Plan& p, const PhiParams& phi, const TensorView& x, 
 }  // namespace
 
 size_t compress_bwd_workspace_size(const Config& cfg, const Problem& problem) {
-  check_compress_supported(cfg, problem);
+  check_compress_supported(problem);
   const int64_t F = cfg.phi == PhiKind::mlp ? problem.phi_hidden : 0;
   return carve_compress(sizes_of(cfg, problem, F), nullptr).bytes;
 }
 
 void compress_bwd(const Plan& p, const PhiParams& phi, const TensorView& x, const TensorView& dxc,
                   const TensorView& dx, const PhiParams& dphi, Workspace ws) {
-  check_compress_supported(p.cfg, problem_of(p));
+  check_compress_supported(problem_of(p));
   if (p.cfg.phi != PhiKind::mean && (phi.pe.stride[0] != p.dqk || dphi.pe.stride[0] != p.dqk))
     throw Error("phi.pe / dphi.pe", "strided", "must be contiguous [l, D] for the cuda compress_bwd");
   if (p.dtype == DType::bf16) run_compress_bwd<__nv_bfloat16>(p, phi, x, dxc, dx, dphi, ws);
