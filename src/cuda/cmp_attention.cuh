@@ -180,7 +180,8 @@ struct CmpSmem {
 
 // Pass 2: the selection scores S of the tile from the final log-sum-exps lse2 (log2 units). K
 // chunks are double-buffered (one chunk in flight). With wgmma the score products read Q from the
-// swizzled Q tile, which must stay in shared memory ("Q on sm_90a" at the kernel below). s_pg: [tokens][kKeyChunk] + [tokens][score_ring] floats of shared memory.
+// swizzled Q tile, which must stay in shared memory ("Q on sm_90a" at the kernel below).
+// s_pg: [tokens][kKeyChunk] + [tokens][score_ring] floats of shared memory.
 template <typename Storage, int kDqk, int kDv, int kRows>
 __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const CmpTileInfo<kRows>& ti,
                                                 TileAttention<Storage, kDqk, kDv, kRows>& tile_state,
@@ -306,8 +307,7 @@ __global__ void __launch_bounds__(kRows / 16 * 32) cmp_attention_kernel(const Cm
     const Storage* q = static_cast<const Storage*>(p.q);
     const Storage* kbase = static_cast<const Storage*>(p.kc) + cmp_row_offset(ti.s0, p.d) * p.kc_st + ti.hk * p.kc_sh;
     const Storage* vbase = static_cast<const Storage*>(p.vc) + cmp_row_offset(ti.s0, p.d) * p.vc_st + ti.hk * p.vc_sh;
-    sm.load_q(q, p.q_st, p.q_sh, ti.s0 + ti.t0, ti.tokens_valid, ti.hk * p.group,
-                                      p.log2_group);
+    sm.load_q(q, p.q_st, p.q_sh, ti.s0 + ti.t0, ti.tokens_valid, ti.hk * p.group, p.log2_group);
     cp_async_commit();
 
     const int quad = threadIdx.x % 4;
@@ -416,8 +416,8 @@ inline void cmp_launch(Kernel kernel, int rows, size_t smem, const CmpAttnParams
   NSA_CUDA_CHECK_LAUNCH();
 }
 
-// sm_90a: pass 1 in 192-row tiles (kWgRows), then the S pass as its own kernel at 4 CTAs per SM (3 at
-// Dqk = 192, where 4 measured slower). Elsewhere (sm_80 and the compute_80 PTX): the fused 64-row
+// sm_90a: pass 1 in 192-row tiles (kWgRows), then the S pass as its own kernel at 4 CTAs per SM
+// (3 at Dqk = 192, where 4 measured slower). Elsewhere (sm_80 and the compute_80 PTX): the fused 64-row
 // kernel. H200, 64K, Hq 64 / Hkv 4, D 128 (docs/cuda.md): cmp + S 27.7 ms split, 32.7 fused.
 template <typename Storage, int kDqk, int kDv>
 void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream) {
@@ -428,8 +428,7 @@ void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream) {
                cmp_smem_bytes(kTileRows, kDqk, kDv, p.group, p.score_ring, true, p.scores != nullptr), p, stream);
     return;
   }
-  cmp_launch(pass1, kWgRows, cmp_smem_bytes(kWgRows, kDqk, kDv, p.group, p.score_ring, true, false), p,
-             stream);
+  cmp_launch(pass1, kWgRows, cmp_smem_bytes(kWgRows, kDqk, kDv, p.group, p.score_ring, true, false), p, stream);
   if (p.scores != nullptr)
     cmp_launch(cmp_scores_kernel<Storage, kDqk, kDv, kScoresCtas>, kTileRows,
                cmp_smem_bytes(kTileRows, kDqk, kDv, p.group, p.score_ring, false, true), p, stream);

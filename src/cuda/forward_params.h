@@ -155,8 +155,8 @@ constexpr size_t cmp_smem_bytes(int rows, int dqk, int dv, int group, int score_
   const size_t scores = with_scores ? tokens * (kKeyChunk + score_ring) * sizeof(float) : 0;
   return 1024 + q + k + (v > scores ? v : scores);
 }
-// The most any of its kernels takes: the fused 64-row kernel (sm_80), or the 128-row pass 1 and
-// the 64-row S pass (sm_90a).
+// The most any of its kernels takes: the fused 64-row kernel (sm_80), or the kWgRows-row pass 1
+// and the 64-row S pass (sm_90a).
 constexpr size_t cmp_attention_smem_bytes(int dqk, int dv, int group, int score_ring, bool with_scores) {
   const size_t fused = cmp_smem_bytes(kTileRows, dqk, dv, group, score_ring, true, with_scores);
   const size_t pass1 = cmp_smem_bytes(kWgRows, dqk, dv, group, score_ring, true, false);
