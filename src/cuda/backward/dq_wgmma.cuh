@@ -1,8 +1,8 @@
 // sm_90a building blocks of dq_kernel (attention.cuh, which includes this header after its
 // constants and helpers): warpgroup MMAs (common/wgmma.h) instead of mma.sync.
 //
-// The CTA of dq_kernel is one warpgroup: 4 warps, kRows = 64 query rows, warp w owning rows
-// 16w..16w+15 in both bodies. The wgmma register layouts are the mma.sync ones (an m64nN fp32
+// The CTA of dq_kernel is two warpgroups: 8 warps, kDqRows = 128 query rows, warp w owning rows
+// 16w..16w+15 in both bodies; each warpgroup multiplies its 64 rows against the same K/V tile. The wgmma register layouts are the mma.sync ones (an m64nN fp32
 // accumulator is, per warp, N/8 m16n8 C fragments of its 16 rows; a register A operand is the
 // m16n8k16 A fragment), so masking, probabilities, dS and the dg / dq epilogues are the same code.
 // Per 64-key tile (all four warps together: a tile is skipped only when no row of the CTA sees it):
@@ -66,14 +66,15 @@ constexpr int sw_tile_bytes() {
 // each thread copies one fixed piece of rows r0, r0 + kStep, ...: those rows share one swizzle
 // pattern, so the destination is one address plus a constant per row, and row_ptr runs once per
 // row and piece (about 7 instructions a copy instead of 35).
-template <typename E, int D, typename RowPtr>
+// kT: the CTA's threads (default kThreads).
+template <typename E, int D, int kT = kThreads, typename RowPtr>
 __device__ __forceinline__ void copy_rows_sw128(E* dst, RowPtr row_ptr, bool vec, const E* any) {
   static_assert(D % 64 == 0, "swizzled tiles are made of 64-column blocks");
   unsigned char* bytes = reinterpret_cast<unsigned char*>(dst);
   constexpr int kChunks = D / 8;
-  constexpr int kStep = kThreads / kChunks;
+  constexpr int kStep = kT / kChunks;
   if (vec) {
-    if constexpr (kThreads % kChunks == 0 && kStep % 8 == 0) {
+    if constexpr (kT % kChunks == 0 && kStep % 8 == 0 && kKeys % kStep == 0) {
       const int piece = threadIdx.x % kChunks, r0 = threadIdx.x / kChunks;
       unsigned char* d0 = bytes + cuda::sw128_offset(kKeys, r0, piece * 8);
 #pragma unroll
@@ -82,14 +83,14 @@ __device__ __forceinline__ void copy_rows_sw128(E* dst, RowPtr row_ptr, bool vec
         cuda::cp_async_16(d0 + k * kStep * 128, src != nullptr ? src + piece * 8 : any, src != nullptr);
       }
     } else {
-      for (int e = threadIdx.x; e < kKeys * kChunks; e += kThreads) {
+      for (int e = threadIdx.x; e < kKeys * kChunks; e += kT) {
         const int r = e / kChunks, c = (e % kChunks) * 8;
         const E* src = row_ptr(r);
         cuda::cp_async_16(bytes + cuda::sw128_offset(kKeys, r, c), src != nullptr ? src + c : any, src != nullptr);
       }
     }
   } else {
-    for (int e = threadIdx.x; e < kKeys * D; e += kThreads) {
+    for (int e = threadIdx.x; e < kKeys * D; e += kT) {
       const int r = e / D, c = e % D;
       const E* src = row_ptr(r);
       *reinterpret_cast<E*>(bytes + cuda::sw128_offset(kKeys, r, c & ~7) + (c & 7) * 2) =
