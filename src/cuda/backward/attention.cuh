@@ -12,7 +12,7 @@
 // (transposed where they are the k-major operand). The streamed tiles are double-buffered with
 // cp.async: the copy of the next tile runs under the products of the current one.
 //
-// A row tile holds kRows = 64 rows (dq_kernel: kDqRows = 128, two warpgroups sharing every K/V
+// A row tile holds kRows = 64 rows (dq_kernel: dq_rows() = 128, two warpgroups sharing every K/V
 // tile): rows / G consecutive query tokens of one sequence times the G query heads of one KV head,
 // so every key row loaded serves G heads. Three kernels, none with
 // floating-point atomics:
@@ -72,9 +72,16 @@ constexpr int kKeys = 64;            // keys per tile
 constexpr int kWarps = kRows / 16;   // each warp owns 16 rows (dq) or 16 keys (dk/dv)
 constexpr int kThreads = 32 * kWarps;
 // dq_kernel's row tile: two warpgroups (8 warps, 16 rows each) share every K/V tile, half the K/V
-// copies and L2 reads per row of a 64-row tile.
-constexpr int kDqRows = 2 * kRows;
-constexpr int kDqThreads = kDqRows / 16 * 32;
+// copies and L2 reads per row of a 64-row tile. (Three, at the 168 registers that 384 threads
+// leave, spilled ~300 bytes in the tile loop at Dqk = Dv = 128.)
+template <int DQK>
+constexpr int dq_rows() {
+  return 2 * kRows;
+}
+template <int DQK>
+constexpr int dq_threads() {
+  return dq_rows<DQK>() / 16 * 32;
+}
 // The warps work on 16 x 64 score blocks in two halves of 16 x 32 (kSubTiles n8 tiles): half the
 // live score registers, so dK and dV (or dQ) accumulators of a 128-wide head fit without spills.
 constexpr int kSub = 32;
@@ -298,23 +305,26 @@ namespace nsa::cuda_bwd {
 
 template <typename E, int DQK, int DV>
 struct DqSmem {
+  static constexpr int kR = dq_rows<DQK>();
   static constexpr int kK = 0;                             // [2][kKeys][DQK + kPad], double-buffered
   static constexpr int kV = kK + 2 * tile_bytes<DQK>();    // [2][kKeys][DV + kPad]
-  static constexpr int kQ = kV + 2 * tile_bytes<DV>();     // [kDqRows][DQK + kPad]
-  static constexpr int kDo = kQ + tile_bytes<DQK, kDqRows>();  // [kDqRows][DV + kPad]
-  static constexpr size_t kEnd = size_t(kDo) + tile_bytes<DV, kDqRows>();
-  // sm_90a (dq_wgmma.cuh): from the first 1024-byte boundary, K [2][kKeys][DQK] and V [2][kKeys][DV]
-  // 128-byte swizzled without padding, then Q and dO padded as above. The padding saved pays for
-  // the alignment, so kEnd (what the host asks for) serves both layouts.
+  static constexpr int kQ = kV + 2 * tile_bytes<DV>();     // [kR][DQK + kPad]
+  static constexpr int kDo = kQ + tile_bytes<DQK, kR>();   // [kR][DV + kPad]
+  static constexpr size_t kEnd = size_t(kDo) + tile_bytes<DV, kR>();
+  // sm_90a (dq_wgmma.cuh): from the first 1024-byte boundary, K [2][kKeys][DQK], V [2][kKeys][DV],
+  // Q [kR][DQK] and dO [kR][DV], all 128-byte swizzled without padding (Q and dO are the A
+  // operands of S and dP in shared memory). The padding saved pays for the alignment, so kEnd
+  // (what the host asks for) serves both layouts.
   static constexpr int kSwV = 2 * sw_tile_bytes<DQK>();
   static constexpr int kSwQ = kSwV + 2 * sw_tile_bytes<DV>();
-  static constexpr int kSwDo = kSwQ + tile_bytes<DQK, kDqRows>();
-  static_assert(1023 + size_t(kSwDo) + tile_bytes<DV, kDqRows>() <= kEnd, "the swizzled layout fits after alignment");
+  static constexpr int kSwDo = kSwQ + kR * DQK * 2;
+  static_assert(1023 + size_t(kSwDo) + kR * DV * 2 <= kEnd, "the swizzled layout fits after alignment");
 };
 
 template <typename E, int DQK, int DV>
-__global__ void __launch_bounds__(kDqThreads) dq_kernel(const BwdArgs a) {
+__global__ void __launch_bounds__(dq_threads<DQK>()) dq_kernel(const BwdArgs a) {
   using L = DqSmem<E, DQK, DV>;
+  constexpr int kDqRows = dq_rows<DQK>(), kDqThreads = dq_threads<DQK>();
   constexpr int kLdK = DQK + kPad, kLdV = DV + kPad;
   extern __shared__ __align__(128) unsigned char smem[];
   // sm_90a: the wgmma body (dq_wgmma.cuh), K/V tiles swizzled from a 1024-byte boundary.
@@ -349,14 +359,24 @@ __global__ void __launch_bounds__(kDqThreads) dq_kernel(const BwdArgs a) {
 
   const E* qb = static_cast<const E*>(a.q.p);
   const E* dob = static_cast<const E*>(a.d_o.p);
-  copy_rows<E, DQK, kDqRows, kDqThreads>(sQ, [&](int r) -> const E* {
+  auto q_row = [&](int r) -> const E* {
     const int tok = row_token(r);
     return tok < 0 ? nullptr : qb + tok * a.q.s0 + row_head(r) * a.q.s1;
-  }, a.vec, qb);
-  copy_rows<E, DV, kDqRows, kDqThreads>(sDo, [&](int r) -> const E* {
+  };
+  auto do_row = [&](int r) -> const E* {
     const int tok = row_token(r);
     return tok < 0 ? nullptr : dob + tok * a.d_o.s0 + row_head(r) * a.d_o.s1;
-  }, a.vec, dob);
+  };
+  if constexpr (kWg) {
+    copy_rows_sw128<E, DQK, kDqThreads, kDqRows>(sQ, q_row, a.vec, qb);
+    copy_rows_sw128<E, DV, kDqThreads, kDqRows>(sDo, do_row, a.vec, dob);
+  } else {
+    copy_rows<E, DQK, kDqRows, kDqThreads>(sQ, q_row, a.vec, qb);
+    copy_rows<E, DV, kDqRows, kDqThreads>(sDo, do_row, a.vec, dob);
+  }
+  // sm_90a: this warpgroup's 64 rows of the swizzled Q and dO tiles (the A operands of S and dP).
+  const uint32_t q_wg = cuda::smem_address(sQ) + (threadIdx.x / 128) * (64 * 128);
+  const uint32_t do_wg = cuda::smem_address(sDo) + (threadIdx.x / 128) * (64 * 128);
   cuda::cp_async_commit();  // completes with the first key tile's group
 
   // The key tiles of the compressed and window branches as one sequence. The selection branch
@@ -540,11 +560,17 @@ __global__ void __launch_bounds__(kDqThreads) dq_kernel(const BwdArgs a) {
           // dg of the thread's rows: its columns of o_b times dO, then the quad's partial sums.
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const E* dorow = sDo + (row0 + group + 8 * h) * kLdV + 2 * quad;
+            const int r = row0 + group + 8 * h;
+            const E* dorow = sDo + r * kLdV + 2 * quad;  // (padded layout)
+            const unsigned char* dosw = reinterpret_cast<const unsigned char*>(sDo) + 4 * quad;  // (swizzled)
             float part = 0.f;
 #pragma unroll
-            for (int nt = 0; nt < DV / 8; ++nt)
-              part += acc_o[nt][2 * h] * to_float(dorow[nt * 8]) + acc_o[nt][2 * h + 1] * to_float(dorow[nt * 8 + 1]);
+            for (int nt = 0; nt < DV / 8; ++nt) {
+              // dO[r][8 nt + 2 quad .. + 1]: in the swizzled tile the pair lies in the 16-byte piece
+              // of columns 8 nt .. 8 nt + 7 of row r.
+              const E* d = kWg ? reinterpret_cast<const E*>(dosw + cuda::sw128_offset(kDqRows, r, nt * 8)) : dorow + nt * 8;
+              part += acc_o[nt][2 * h] * to_float(d[0]) + acc_o[nt][2 * h + 1] * to_float(d[1]);
+            }
             part += __shfl_xor_sync(0xffffffffu, part, 1);
             part += __shfl_xor_sync(0xffffffffu, part, 2);
             if (quad == 0 && rtok[h] >= 0) {
@@ -561,9 +587,7 @@ __global__ void __launch_bounds__(kDqThreads) dq_kernel(const BwdArgs a) {
         if constexpr (kWg) {  // S = Q K^T, then O += P V, 64 keys
           float s[kKeys / 8][4];
           zero(s);
-          uint32_t qf[DQK / 16][4];
-          load_a_frags<E, DQK>(qf, sQ + row0 * kLdK);
-          cuda::wgmma_batch([&] { wgmma_abt_issue<E, DQK>(s, qf, cuda::smem_address(tk)); }, s);
+          cuda::wgmma_batch([&] { wgmma_abt_ss_issue<E, DQK, kDqRows>(s, q_wg, cuda::smem_address(tk)); }, s);
           probabilities_wg(s, kt);
           uint32_t pf[kKeys / 16][4];
           to_operand<E, kKeys / 8>(s, pf);
@@ -588,24 +612,11 @@ __global__ void __launch_bounds__(kDqThreads) dq_kernel(const BwdArgs a) {
             float s[kKeys / 8][4], dp[kKeys / 8][4];
             zero(s);
             zero(dp);
-            // S and dP in one batch where the registers allow it (ptxas: Dqk 128 with Dv 64 spilled a
-            // register, Dqk 192 more), else one batch per product (one product's A fragments live).
-            if constexpr (DQK == 64 || (DQK == 128 && DV == 128)) {
-              uint32_t qf[DQK / 16][4], of[DV / 16][4];
-              load_a_frags<E, DQK>(qf, sQ + row0 * kLdK);
-              load_a_frags<E, DV>(of, sDo + row0 * kLdV);
-              cuda::wgmma_batch([&] {
-                wgmma_abt_issue<E, DQK>(s, qf, cuda::smem_address(tk));
-                wgmma_abt_issue<E, DV>(dp, of, cuda::smem_address(tv));
-              }, s, dp);
-            } else {
-              uint32_t qf[DQK / 16][4];
-              load_a_frags<E, DQK>(qf, sQ + row0 * kLdK);
-              cuda::wgmma_batch([&] { wgmma_abt_issue<E, DQK>(s, qf, cuda::smem_address(tk)); }, s);
-              uint32_t of[DV / 16][4];
-              load_a_frags<E, DV>(of, sDo + row0 * kLdV);
-              cuda::wgmma_batch([&] { wgmma_abt_issue<E, DV>(dp, of, cuda::smem_address(tv)); }, dp);
-            }
+            // S and dP in one batch, both operands from shared memory (no A fragments in registers).
+            cuda::wgmma_batch([&] {
+              wgmma_abt_ss_issue<E, DQK, kDqRows>(s, q_wg, cuda::smem_address(tk));
+              wgmma_abt_ss_issue<E, DV, kDqRows>(dp, do_wg, cuda::smem_address(tv));
+            }, s, dp);
             probabilities_wg(s, kt);
 #pragma unroll
             for (int nt = 0; nt < kKeys / 8; ++nt)
@@ -1147,9 +1158,9 @@ void launch_attention(const BwdArgs& a, cudaStream_t s, int phase) {
   if (phase == 0) {  // the compressed and window branches (the selection's is phase 4)
     const size_t smem = DqSmem<E, DQK, DV>::kEnd;
     allow_smem(dq_kernel<E, DQK, DV>, smem);
-    const dim3 grid = cuda::row_tile_grid(a.max_seqlen, a.B, kDqRows / a.G, a.hkv);
+    const dim3 grid = cuda::row_tile_grid(a.max_seqlen, a.B, dq_rows<DQK>() / a.G, a.hkv);
     if (grid.x == 0) return;
-    dq_kernel<E, DQK, DV><<<grid, kDqThreads, smem, s>>>(a);
+    dq_kernel<E, DQK, DV><<<grid, dq_threads<DQK>(), smem, s>>>(a);
     NSA_CUDA_CHECK_LAUNCH();
     return;
   }
