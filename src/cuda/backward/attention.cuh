@@ -12,8 +12,7 @@
 // (transposed where they are the k-major operand). The streamed tiles are double-buffered with
 // cp.async: the copy of the next tile runs under the products of the current one.
 //
-// A row tile holds kRows = 64 rows (dq_kernel: dq_rows() = 128, two warpgroups sharing every K/V
-// tile): rows / G consecutive query tokens of one sequence times the G query heads of one KV head,
+// A row tile holds kRows = 64 rows: rows / G consecutive query tokens of one sequence times the G query heads of one KV head,
 // so every key row loaded serves G heads. Three kernels, none with
 // floating-point atomics:
 //   dq_kernel        query-centric, each warp owns 16 rows, compressed and window branches: per
@@ -71,12 +70,12 @@ constexpr int kRows = 64;            // query rows per tile (tokens x heads of o
 constexpr int kKeys = 64;            // keys per tile
 constexpr int kWarps = kRows / 16;   // each warp owns 16 rows (dq) or 16 keys (dk/dv)
 constexpr int kThreads = 32 * kWarps;
-// dq_kernel's row tile: two warpgroups (8 warps, 16 rows each) share every K/V tile, half the K/V
-// copies and L2 reads per row of a 64-row tile. (Three, at the 168 registers that 384 threads
-// leave, spilled ~300 bytes in the tile loop at Dqk = Dv = 128.)
+// dq_kernel's row tile: one warpgroup (4 warps, 16 rows each), 2 CTAs per SM. (Two warpgroups
+// with Q / dO fragments, 1 CTA per SM, measured slower in session 6; three, at the 168 registers
+// that 384 threads leave, spilled ~300 bytes in the tile loop at Dqk = Dv = 128.)
 template <int DQK>
 constexpr int dq_rows() {
-  return 2 * kRows;
+  return kRows;
 }
 template <int DQK>
 constexpr int dq_threads() {

@@ -34,7 +34,8 @@
 // CTAs per SM; H200 at 64K dq_kernel 94.4 -> 65.8 ms against the mma.sync body, 39.3 ms after
 // session 5's cheaper copies and descriptors. ncu then: 2 warps per scheduler, 0.46 instructions
 // issued per cycle, bound by latency and instruction issue, not by the tensor cores. Session 6
-// (prepared, not yet run on a GPU): Q and dO from shared memory, two warpgroups per CTA.
+// (prepared, not yet run on a GPU): Q and dO from shared memory; branch bwd-dq-q-smem: two
+// warpgroups per CTA, bwd-dq-q-smem-64: one.
 #pragma once
 
 #include "cuda/common/wgmma.h"
