@@ -1,44 +1,41 @@
 // sm_90a building blocks of dq_kernel (attention.cuh, which includes this header after its
 // constants and helpers): warpgroup MMAs (common/wgmma.h) instead of mma.sync.
 //
-// The CTA of dq_kernel is one warpgroup: 4 warps, kRows = 64 query rows, warp w owning rows
-// 16w..16w+15 in both bodies. The wgmma register layouts are the mma.sync ones (an m64nN fp32
-// accumulator is, per warp, N/8 m16n8 C fragments of its 16 rows; a register A operand is the
-// m16n8k16 A fragment), so masking, probabilities, dS and the dg / dq epilogues are the same code.
-// Per 64-key tile (all four warps together: a tile is skipped only when no row of the CTA sees it):
-//   S  = Q K^T     Dqk/16 x m64n64k16, A = Q fragments, B = the K tile (K-major)
-//   dP = dO V^T    Dv/16  x m64n64k16, A = dO fragments, B = the V tile (K-major)
+// The CTA of dq_kernel is dq_rows() / 64 warpgroups (dq_rows() query rows, warp w owning rows
+// 16w..16w+15 in both bodies); each warpgroup multiplies its 64 rows against the same K/V tile.
+// The wgmma register layouts are the mma.sync ones (an m64nN fp32 accumulator is, per warp, N/8
+// m16n8 C fragments of its 16 rows; a register A operand is the m16n8k16 A fragment), so masking,
+// probabilities, dS and the dg / dq epilogues are the same code.
+// Per 64-key tile (all warps together: a tile is skipped only when no row of the CTA sees it):
+//   S  = Q K^T     Dqk/16 x m64n64k16, A = the warpgroup's rows of the Q tile, B = the K tile,
+//                  both from shared memory (K-major)
+//   dP = dO V^T    Dv/16  x m64n64k16, A = its rows of the dO tile, B = the V tile (same)
 //   dQ += dS K     4 k16 steps of m64n{Dqk}k16 (Dqk = 192: n128 + n64), A = dS packed from the
 //                  scores, B = the K tile (MN-major)
 //   pass 1: O += P V   4 x m64n{Dv}k16, A = P, B = the V tile (MN-major)
-// Q and dO stay in their padded shared tiles (the dg epilogue reads dO there) and the warps load
-// their A fragments with ldmatrix right before each batch: no A operand is held in registers across
-// the tile loop (the ptxas hazard of docs/cuda.md, "wgmma"), and every A operand is built in the
-// iteration that uses it. K and V tiles are stored in the 128-byte swizzle layout (sw128_offset,
-// 64-column blocks of 64 keys x 128 bytes, 1024-byte aligned); their rows past the tile's keys are
+// Since session 6 Q and dO are stored 128-byte swizzled too and read by the products from shared
+// memory (before: padded tiles and ldmatrix fragments per batch, 32 + 32 registers at D = 128),
+// and the dg epilogue reads dO from the swizzled tile. No A operand is held in registers across
+// the tile loop (the ptxas hazard of docs/cuda.md, "wgmma"); dS and P are built in the iteration
+// that uses them. K and V tiles are stored in the 128-byte swizzle layout (sw128_offset, 64-column
+// blocks of 64 keys x 128 bytes, 1024-byte aligned); their rows past the tile's keys are
 // zero-filled by the same copies, so the products there are 0 (and masked anyway).
 // Descriptors as the forward's (docs/cuda.md): K-major SBO = 1024, k16 step +32 B within a 64-column
 // block, +8 KB to the next block; MN-major SBO = 1024, LBO = 8 KB (next 64 columns), k16 step +2 KB.
 // Each batch is wgmma_fence / issue / commit / wait<0> (cuda::wgmma_batch), accumulators fenced on both sides
 // (wgmma_fence_operands); every thread fences its landed copies to the async proxy before the
 // tile's barrier (fence_proxy_async). Deterministic: the same fixed order of products every run.
-// S and dP go out as one batch where the registers allow (Dqk 64; Dqk 128 with Dv 128), else one
-// batch each (Dqk 128 with Dv 64 spilled a register, Dqk 192 more). P uses ex2.approx (flushes
-// below 2^-126), and a tile that every row of the warp sees whole skips the per-key mask.
+// S and dP go out as one batch. P uses ex2.approx (flushes below 2^-126), and a tile that every
+// row of the warp sees whole skips the per-key mask.
 // Shared memory: the host's DqSmem::kEnd (padded layout) also holds the swizzled one after the
 // 1024-byte alignment (static_assert in DqSmem), so the launch is unchanged.
 //
-// ptxas (CUDA 13.0, sm_90a): 128x128 255 registers, 128x64 240, 192x128 / 192x64 255, 64x128 255, 64x64
-// 185, no spills (the mma.sync body: 228 / 221 at 128); 2 CTAs per SM as before (registers and
-// shared memory both allow 2). tools/check_wgmma_a_regs.py: clean.
-// H200 (one run, bf16, Hq 64 / Hkv 4, D 128, paper settings, sm_90a build): dq_kernel at 64K
-// 94.4 -> 65.8 ms (ncu); backward 64K 214.3 -> 193.6 ms (G = 4: 79.6 -> 73.9), saved o_branch
-// 166.8 -> 155.1; fwd+bwd 271.3 -> 250.8. ncu at 64K: 2 warps per scheduler, 0.46 instructions
-// issued per cycle, SM throughput 46%, L2 21%: bound by latency and instruction issue (the
-// copies' address arithmetic, masks and exponentials between dependent wgmma batches), not by
-// the tensor cores. Next steps: fewer instructions per tile (TMA for the K/V tiles, one
-// descriptor-built copy), overlapping tile i + 1's S / dP with tile i's softmax work, and 128-row
-// tiles (two warpgroups on one K/V tile: half the L2 reads per row).
+// History (sessions 4-5, 64-row tiles with Q / dO fragments): ptxas 255 registers at 128x128, 2
+// CTAs per SM; H200 at 64K dq_kernel 94.4 -> 65.8 ms against the mma.sync body, 39.3 ms after
+// session 5's cheaper copies and descriptors. ncu then: 2 warps per scheduler, 0.46 instructions
+// issued per cycle, bound by latency and instruction issue, not by the tensor cores. Session 6
+// (prepared, not yet run on a GPU): Q and dO from shared memory; branch bwd-dq-q-smem: two
+// warpgroups per CTA, bwd-dq-q-smem-64: one.
 #pragma once
 
 #include "cuda/common/wgmma.h"
@@ -61,61 +58,61 @@ constexpr int sw_tile_bytes() {
   return kKeys * D * 2;
 }
 
-// copy_rows into a 128-byte-swizzled tile of kKeys rows (dst 1024-byte aligned); same contract.
-// Where the CTA's threads divide into whole rows of 16-byte pieces 8 rows apart (D = 64, 128),
-// each thread copies one fixed piece of rows r0, r0 + kStep, ...: those rows share one swizzle
-// pattern, so the destination is one address plus a constant per row, and row_ptr runs once per
-// row and piece (about 7 instructions a copy instead of 35).
-template <typename E, int D, typename RowPtr>
+// copy_rows into a 128-byte-swizzled tile of kR rows (default kKeys; dst 1024-byte aligned); same
+// contract. Where the threads divide into whole rows of 16-byte pieces 8 rows apart (D = 64, 128;
+// with 384 threads and 64-row tiles only the first 256 of them), each copies one fixed piece of
+// rows r0, r0 + kStep, ...: those rows share one swizzle pattern, so the destination is one address
+// plus a constant per row, and row_ptr runs once per row and piece (about 7 instructions a copy
+// instead of 35). kT: the CTA's threads (default kThreads).
+template <typename E, int D, int kT = kThreads, int kR = kKeys, typename RowPtr>
 __device__ __forceinline__ void copy_rows_sw128(E* dst, RowPtr row_ptr, bool vec, const E* any) {
   static_assert(D % 64 == 0, "swizzled tiles are made of 64-column blocks");
   unsigned char* bytes = reinterpret_cast<unsigned char*>(dst);
   constexpr int kChunks = D / 8;
-  constexpr int kStep = kThreads / kChunks;
+  constexpr auto fits = [](int threads) {
+    return threads % kChunks == 0 && (threads / kChunks) % 8 == 0 && kR % (threads / kChunks) == 0;
+  };
+  constexpr int kCopy = fits(kT) ? kT : kT > 256 && fits(256) ? 256 : 0;
   if (vec) {
-    if constexpr (kThreads % kChunks == 0 && kStep % 8 == 0) {
+    if constexpr (kCopy > 0) {
+      constexpr int kStep = kCopy / kChunks;
+      if (kCopy < kT && threadIdx.x >= kCopy) return;
       const int piece = threadIdx.x % kChunks, r0 = threadIdx.x / kChunks;
-      unsigned char* d0 = bytes + cuda::sw128_offset(kKeys, r0, piece * 8);
+      unsigned char* d0 = bytes + cuda::sw128_offset(kR, r0, piece * 8);
 #pragma unroll
-      for (int k = 0; k < kKeys / kStep; ++k) {
+      for (int k = 0; k < kR / kStep; ++k) {
         const E* src = row_ptr(r0 + k * kStep);
         cuda::cp_async_16(d0 + k * kStep * 128, src != nullptr ? src + piece * 8 : any, src != nullptr);
       }
     } else {
-      for (int e = threadIdx.x; e < kKeys * kChunks; e += kThreads) {
+      for (int e = threadIdx.x; e < kR * kChunks; e += kT) {
         const int r = e / kChunks, c = (e % kChunks) * 8;
         const E* src = row_ptr(r);
-        cuda::cp_async_16(bytes + cuda::sw128_offset(kKeys, r, c), src != nullptr ? src + c : any, src != nullptr);
+        cuda::cp_async_16(bytes + cuda::sw128_offset(kR, r, c), src != nullptr ? src + c : any, src != nullptr);
       }
     }
   } else {
-    for (int e = threadIdx.x; e < kKeys * D; e += kThreads) {
+    for (int e = threadIdx.x; e < kR * D; e += kT) {
       const int r = e / D, c = e % D;
       const E* src = row_ptr(r);
-      *reinterpret_cast<E*>(bytes + cuda::sw128_offset(kKeys, r, c & ~7) + (c & 7) * 2) =
+      *reinterpret_cast<E*>(bytes + cuda::sw128_offset(kR, r, c & ~7) + (c & 7) * 2) =
           src != nullptr ? src[c] : from_float<E>(0.f);
     }
   }
 }
 
-// The A fragments (k16 steps of D) of this warp's 16 rows of a padded shared tile (rows from sA).
-template <typename E, int D>
-__device__ __forceinline__ void load_a_frags(uint32_t (&f)[D / 16][4], const E* sA) {
-  constexpr int kLd = D + kPad;
-  const int lane = threadIdx.x % 32;
-  const E* row = sA + ((lane & 7) + ((lane >> 3) & 1) * 8) * kLd + (lane >> 4) * 8;
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) cuda::ldmatrix_x4(f[kk], row + kk * 16);
-}
-
-// Issues acc (m64 x n64, scale_d 1) += A B^T over D: A = f (this iteration's fragments), B = the
-// kKeys x D swizzled tile at shared address b (K-major). No fence, commit or wait.
-template <typename E, int D>
-__device__ __forceinline__ void wgmma_abt_issue(float (&acc)[kKeys / 8][4], const uint32_t (&f)[D / 16][4], uint32_t b) {
+// Issues acc (m64 x n64, scale_d 1) += A B^T over D with both operands in shared memory: A = the
+// warpgroup's 64 rows from shared address a (a swizzled tile of kR rows, K-major: its 64-column
+// blocks kR x 128 bytes apart), B = the kKeys x D swizzled tile at b (K-major). No fence, commit
+// or wait.
+template <typename E, int D, int kR>
+__device__ __forceinline__ void wgmma_abt_ss_issue(float (&acc)[kKeys / 8][4], uint32_t a, uint32_t b) {
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
-    const uint32_t off = (kk >> 2) * sw_tile_bytes<64>() + (kk & 3) * 32;
-    cuda::wgmma_rs<kKeys, kIsBf16<E>, 0>(acc, f[kk], cuda::wgmma_desc_sw128(b, off, 16, 1024), 1);
+    const uint32_t in_block = (kk & 3) * 32;
+    cuda::wgmma_ss<kKeys, kIsBf16<E>, 0>(acc, cuda::wgmma_desc_sw128(a, (kk >> 2) * (kR * 128) + in_block, 16, 1024),
+                                         cuda::wgmma_desc_sw128(b, (kk >> 2) * sw_tile_bytes<64>() + in_block, 16, 1024),
+                                         1);
   }
 }
 
