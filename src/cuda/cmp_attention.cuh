@@ -17,6 +17,7 @@
 
 #include "cuda/attention_tile.cuh"
 #include "cuda/common/check.h"
+#include "cuda/common/launch.h"
 #include "nsa/blocks.h"
 
 namespace nsa::cuda {
@@ -368,17 +369,17 @@ __global__ void __launch_bounds__(kRows / 16 * 32) cmp_attention_kernel(const Cm
 
 // Pass 2 on its own, after cmp_attention_kernel<..., false> on the same stream: reads that
 // kernel's lse back (natural log -> log2 units) and recomputes Q K^T. Without the 16 x Dv
-// accumulator it needs far fewer registers, so kMinCtas (3 or 4) CTAs share an SM.
-template <typename Storage, int kDqk, int kDv, int kMinCtas>
-__global__ void __launch_bounds__(kThreads, kMinCtas) cmp_scores_kernel(const CmpAttnParams p) {
+// accumulator it needs far fewer registers, so kMinCtas CTAs of kRows rows share an SM.
+template <typename Storage, int kDqk, int kDv, int kRows, int kMinCtas>
+__global__ void __launch_bounds__(kRows / 16 * 32, kMinCtas) cmp_scores_kernel(const CmpAttnParams p) {
   if constexpr (!kWgmmaCompiled) {
     __trap();  // launched only where the wgmma body runs (sm_90a)
   } else {
-    using Tile = TileAttention<Storage, kDqk, kDv, kTileRows>;
-    using Smem = CmpSmem<Storage, kDqk, kDv, kTileRows>;
+    using Tile = TileAttention<Storage, kDqk, kDv, kRows>;
+    using Smem = CmpSmem<Storage, kDqk, kDv, kRows>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const Smem sm(smem_raw);
-    CmpTileInfo<kTileRows> ti;
+    CmpTileInfo<kRows> ti;
     if (!ti.init(p)) return;
     sm.load_q(static_cast<const Storage*>(p.q), p.q_st, p.q_sh, ti.s0 + ti.t0, ti.tokens_valid, ti.hk * p.group,
               p.log2_group);
@@ -395,8 +396,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) cmp_scores_kernel(const Cm
     Tile tile_state;
     Smem::template wait_copies<0>();
     __syncthreads();  // the Q tile (read by every score product: this kernel runs only with wgmma)
-    cmp_scores_pass<Storage, kDqk, kDv, kTileRows>(p, ti, tile_state, sm, reinterpret_cast<float*>(sm.sk + 2 * Smem::kKTile),
-                                                   lse2);
+    cmp_scores_pass<Storage, kDqk, kDv, kRows>(p, ti, tile_state, sm, reinterpret_cast<float*>(sm.sk + 2 * Smem::kKTile),
+                                               lse2);
   }
 }
 
@@ -416,12 +417,15 @@ inline void cmp_launch(Kernel kernel, int rows, size_t smem, const CmpAttnParams
   NSA_CUDA_CHECK_LAUNCH();
 }
 
-// sm_90a: pass 1 in 192-row tiles (kWgRows), then the S pass as its own kernel at 4 CTAs per SM
-// (3 at Dqk = 192, where 4 measured slower). Elsewhere (sm_80 and the compute_80 PTX): the fused 64-row
-// kernel. H200, 64K, Hq 64 / Hkv 4, D 128 (docs/cuda.md): cmp + S 27.7 ms split, 32.7 fused.
+// sm_90a: pass 1 in 192-row tiles (kWgRows), then the S pass as its own kernel in kScoresRows =
+// 128-row tiles (two warpgroups share every K chunk) at 2 CTAs per SM, or, where such a tile's
+// score rings do not fit in shared memory (G = 1 with long rings), in 64-row tiles at 4 CTAs per
+// SM (3 at Dqk = 192, where 4 measured slower), which was the only S pass until session 6.
+// Elsewhere (sm_80 and the compute_80 PTX): the fused 64-row kernel. H200, 64K, Hq 64 / Hkv 4,
+// D 128 (docs/cuda.md): cmp + S 27.7 ms split, 32.7 fused (session 4).
 template <typename Storage, int kDqk, int kDv>
 void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream) {
-  constexpr int kScoresCtas = kDqk <= 128 ? 4 : 3;
+  constexpr int kScoresCtas64 = kDqk <= 128 ? 4 : 3;
   const auto pass1 = cmp_attention_kernel<Storage, kDqk, kDv, kWgRows, false>;
   if (!cmp_runs_wgmma(pass1)) {
     cmp_launch(cmp_attention_kernel<Storage, kDqk, kDv, kTileRows, true>, kTileRows,
@@ -429,8 +433,12 @@ void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream) {
     return;
   }
   cmp_launch(pass1, kWgRows, cmp_smem_bytes(kWgRows, kDqk, kDv, p.group, p.score_ring, true, false), p, stream);
-  if (p.scores != nullptr)
-    cmp_launch(cmp_scores_kernel<Storage, kDqk, kDv, kScoresCtas>, kTileRows,
+  if (p.scores == nullptr) return;
+  if (scores_rows(kDqk, kDv, p.group, p.score_ring, kMaxSmem) == kScoresRows)
+    cmp_launch(cmp_scores_kernel<Storage, kDqk, kDv, kScoresRows, 2>, kScoresRows,
+               cmp_smem_bytes(kScoresRows, kDqk, kDv, p.group, p.score_ring, false, true), p, stream);
+  else
+    cmp_launch(cmp_scores_kernel<Storage, kDqk, kDv, kTileRows, kScoresCtas64>, kTileRows,
                cmp_smem_bytes(kTileRows, kDqk, kDv, p.group, p.score_ring, false, true), p, stream);
 }
 

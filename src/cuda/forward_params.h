@@ -17,6 +17,8 @@ inline constexpr int kTileRows = 64;
 // sm_90a: the compressed pass 1 and the window take tiles of kWgRows rows, three warpgroups that
 // share every K/V chunk (cmp_attention.cuh, win_attention.cuh).
 inline constexpr int kWgRows = 3 * kTileRows;
+// sm_90a: the S pass (cmp_scores_kernel) takes tiles of kScoresRows rows, two warpgroups.
+inline constexpr int kScoresRows = 2 * kTileRows;
 // Keys per step of the compressed attention loop.
 inline constexpr int kKeyChunk = 64;
 // The window kernel: a tile of 64 rows (4 warps), keys in chunks of 64 streamed through a ring
@@ -155,12 +157,20 @@ constexpr size_t cmp_smem_bytes(int rows, int dqk, int dv, int group, int score_
   const size_t scores = with_scores ? tokens * (kKeyChunk + score_ring) * sizeof(float) : 0;
   return 1024 + q + k + (v > scores ? v : scores);
 }
+// The S pass's tile rows on sm_90a: kScoresRows where that tile's shared memory fits in max_smem,
+// else kTileRows (at G = 1 a 128-row tile holds 128 tokens, each with a ring of scores).
+constexpr int scores_rows(int dqk, int dv, int group, int score_ring, size_t max_smem) {
+  return cmp_smem_bytes(kScoresRows, dqk, dv, group, score_ring, false, true) <= max_smem ? kScoresRows : kTileRows;
+}
 // The most any of its kernels takes: the fused 64-row kernel (sm_80), or the kWgRows-row pass 1
-// and the 64-row S pass (sm_90a).
-constexpr size_t cmp_attention_smem_bytes(int dqk, int dv, int group, int score_ring, bool with_scores) {
+// and the S pass in scores_rows() rows (sm_90a).
+constexpr size_t cmp_attention_smem_bytes(int dqk, int dv, int group, int score_ring, bool with_scores,
+                                          size_t max_smem) {
   const size_t fused = cmp_smem_bytes(kTileRows, dqk, dv, group, score_ring, true, with_scores);
   const size_t pass1 = cmp_smem_bytes(kWgRows, dqk, dv, group, score_ring, true, false);
-  const size_t pass2 = with_scores ? cmp_smem_bytes(kTileRows, dqk, dv, group, score_ring, false, true) : 0;
+  const size_t pass2 = with_scores ? cmp_smem_bytes(scores_rows(dqk, dv, group, score_ring, max_smem), dqk, dv, group,
+                                                    score_ring, false, true)
+                                   : 0;
   const size_t split = pass1 > pass2 ? pass1 : pass2;
   return fused > split ? fused : split;
 }

@@ -121,6 +121,9 @@ const std::vector<Case>& cases() {
       {"f16_d64_G4_linear_T2200", DType::f16, 64, 64, 8, 2, {2200, 97}, 32, 16, 64, 8, 1, 2, 256, PhiKind::linear, false},
       // l' = 24: selection blocks that end inside a 16-key step of the selection kernels.
       {"bf16_d64x128_G8_lp24", DType::bf16, 64, 128, 8, 1, {333, 50}, 16, 8, 24, 5, 1, 1, 50, PhiKind::mean, false},
+      // l' = d at G = 1: a score ring of 256 blocks per token, too large for the S pass's 128-row
+      // tile on sm_90a (128 tokens): the 64-row S pass runs instead (scores_rows).
+      {"bf16_d192x64_G1_lp16_ring", DType::bf16, 192, 64, 2, 2, {260}, 32, 16, 16, 4, 1, 1, 64, PhiKind::mean, false},
   };
   return all;
 }
