@@ -417,10 +417,10 @@ inline void cmp_launch(Kernel kernel, int rows, size_t smem, const CmpAttnParams
   NSA_CUDA_CHECK_LAUNCH();
 }
 
-// sm_90a: pass 1 in 192-row tiles (kWgRows), then the S pass as its own kernel in kScoresRows =
-// 128-row tiles (two warpgroups share every K chunk) at 2 CTAs per SM, or, where such a tile's
-// score rings do not fit in shared memory (G = 1 with long rings), in 64-row tiles at 4 CTAs per
-// SM (3 at Dqk = 192, where 4 measured slower), which was the only S pass until session 6.
+// sm_90a: pass 1 in 192-row tiles (kWgRows), then the S pass as its own kernel: at Dqk = 192 in
+// kScoresRows = 128-row tiles (two warpgroups share every K chunk) at 2 CTAs per SM, except where
+// such a tile's score rings do not fit in shared memory (G = 1 with long rings); otherwise in
+// 64-row tiles at 4 CTAs per SM (3 at Dqk = 192, where 4 measured slower). See scores_rows.
 // Elsewhere (sm_80 and the compute_80 PTX): the fused 64-row kernel. H200, 64K, Hq 64 / Hkv 4,
 // D 128 (docs/cuda.md): cmp + S 27.7 ms split, 32.7 fused (session 4).
 template <typename Storage, int kDqk, int kDv>
