@@ -11,7 +11,7 @@
 #                        and one table of the benchmark lines in $OUT/ab_summary.txt.
 # Environment: OUT (default ./out), AB_LENGTHS (default 65536), AB_STEPS (default "build tests bench
 # bench_backward"; add "profile" for every kernel's ncu time, scripts/profile_gpu.sh), AB_TEST_FILTER
-# (a --gtest_filter), JOBS (default 16), AB_ARCH (default 90a).
+# (a --gtest_filter; the parameterised suites are Cases/CudaForward.*, so write *CudaForward*), JOBS (default 16), AB_ARCH (default 90a).
 # Time on the H200 per snapshot, roughly: build 35 s (sm_90a only), tests 45-60 s, benchmarks at 64K
 # 30-40 s; four snapshots do not fit in one 600 s call: split them with NAMEs.
 set -u -o pipefail
