@@ -227,6 +227,13 @@ struct TileAttention {
       unsigned char* dst = bytes + sw128_offset(kChunk, r0, piece * 8);
       const Storage* src = base + r0 * row_stride + piece * 8;
       const int64_t src_step = kStep * row_stride;
+      if (count >= kChunk) {
+        // A whole chunk (every chunk but a sequence's last): no bounds test, the destinations
+        // are immediates off one address.
+#pragma unroll
+        for (int k = 0; k < kChunk / kStep; ++k, src += src_step) cp_async_16_full(dst + k * kStep * 128, src);
+        return;
+      }
 #pragma unroll 1
       for (int r = r0; r < kChunk; r += kStep, dst += kStep * 128, src += src_step) {
         const bool valid = r < count;

@@ -182,7 +182,15 @@ struct CmpSmem {
 // Pass 2: the selection scores S of the tile from the final log-sum-exps lse2 (log2 units). K
 // chunks are double-buffered (one chunk in flight). With wgmma the score products read Q from the
 // swizzled Q tile, which must stay in shared memory ("Q on sm_90a" at the kernel below).
-// s_pg: [tokens][kKeyChunk] + [tokens][score_ring] floats of shared memory.
+// s_pg: [tokens][kKeyChunk] + [tokens][score_ring] floats + [tokens] ints of shared memory
+// (cmp_smem_bytes).
+//
+// The bookkeeping per chunk (the ring update and the write-out of final blocks) walks (token,
+// block) pairs with the warp's lanes. It has no integer division in the loop: each lane's first
+// pair and the step of 32 pairs are divided out once per tile (or once per change of the number of
+// blocks a chunk completes), the column limit of every token is computed once per tile, and the
+// pairs advance by adding the step with a carry. (With a division per pair and per chunk the
+// bookkeeping was ~40% of the S pass's instructions: H200 ncu source counters, session 7.)
 template <typename Storage, int kDqk, int kDv, int kRows>
 __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const CmpTileInfo<kRows>& ti,
                                                 TileAttention<Storage, kDqk, kDv, kRows>& tile_state,
@@ -196,22 +204,26 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
   // scores, and exp2(-inf - 0) = 0 gives it zeros.
   const float lse_use[2] = {lse2[0] == kNegInf ? 0.f : lse2[0], lse2[1] == kNegInf ? 0.f : lse2[1]};
   const int tokens_per_tile = ti.tokens_per_tile, tokens_valid = ti.tokens_valid;
-  float* s_acc = s_pg + tokens_per_tile * kKeyChunk;  // [tokens][score_ring]
   const int R = p.lp / p.d;  // stride pieces per selection block
   const int L = p.l / p.d;   // stride pieces per compressed block
   const int W = p.score_window;
   const int ring = p.score_ring, ring_mask = ring - 1;
+  float* s_acc = s_pg + tokens_per_tile * kKeyChunk;                 // [tokens][score_ring]
+  int* s_limit = reinterpret_cast<int*>(s_acc + tokens_per_tile * ring);  // [tokens]
+  const int64_t t0 = ti.t0, s0 = ti.s0;
+  // Columns a token writes: all of them for the public op, else the admissible ones (top-n reads
+  // those); 0 for a token past the sequence.
   for (int e = threadIdx.x; e < tokens_per_tile * ring; e += kCta) s_acc[e] = 0.f;
+  for (int token = threadIdx.x; token < tokens_per_tile; token += kCta)
+    s_limit[token] = token >= tokens_valid ? 0
+                     : p.scores_zero_fill
+                         ? static_cast<int>(p.scores_width)
+                         : static_cast<int>(min64(p.scores_width, last_slc_block(t0 + token, p.lp) + 1));
+  // (Both are read after the CTA barrier that opens every chunk, or the one after the loop.)
   // This warp's tokens: its 16 rows are tokens_per_warp whole tokens (G divides 16).
   const int tokens_per_warp = 16 >> p.log2_group;
   const int warp_token0 = warp * tokens_per_warp;
-  const int64_t t0 = ti.t0, s0 = ti.s0;
-  // Columns a token writes: all of them for the public op, else the admissible ones (top-n reads those).
-  auto column_limit = [&](int token) -> int64_t {
-    const int64_t t = t0 + token;
-    return p.scores_zero_fill ? p.scores_width : min64(p.scores_width, last_slc_block(t, p.lp) + 1);
-  };
-  auto score_row = [&](int token) { return p.scores + (s0 + t0 + token) * p.s_st + ti.hk * p.s_sh; };
+  float* const srow0 = p.scores + (s0 + t0) * p.s_st + ti.hk * p.s_sh;  // token 0's row
   const Storage* kbase = static_cast<const Storage*>(p.kc) + cmp_row_offset(s0, p.d) * p.kc_st + ti.hk * p.kc_sh;
   const int num_chunks = ti.num_chunks;
   auto load_chunk = [&](int c) {
@@ -220,7 +232,13 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
                  static_cast<int>(min64(kKeyChunk, ti.num_keys - first)));
     cp_async_commit();
   };
-  int64_t jbase = 0;
+  // The ring update's (token, block) pairs: pair e = token * W + jj for e = lane, lane + 32, ...
+  const int acc_pairs = tokens_per_warp * W;
+  const int acc_tok0 = lane / W, acc_jj0 = lane % W, acc_tok_step = 32 / W, acc_jj_step = 32 % W;
+  // The write-out's pairs: token * shift + jj, shift = blocks the chunk completes (constant when R
+  // divides kKeyChunk); divided out again only when shift changes.
+  int shift_prev = -1, out_tok0 = 0, out_jj0 = 0, out_tok_step = 0, out_jj_step = 0;
+  int jbase = 0;
   if (num_chunks > 0) load_chunk(0);
   for (int c = 0; c < num_chunks; ++c) {
     // Chunk c has landed for everyone; every warp is done with chunk c - 1 (its buffer takes c + 1).
@@ -246,10 +264,9 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
     __syncwarp();  // this warp's pg rows are complete
     // S[token][j] += sum_i ov(i, j) * pg[token][i] over the chunk's compressed blocks i.
     const int i0 = c * kKeyChunk;
-    const int jb = static_cast<int>(jbase);
-    for (int e = lane; e < tokens_per_warp * W; e += 32) {
-      const int token = warp_token0 + e / W;
-      const int j = jb + e % W;
+    for (int e = lane, tk = acc_tok0, jj = acc_jj0; e < acc_pairs; e += 32) {
+      const int token = warp_token0 + tk;
+      const int j = jbase + jj;
       const int ilo = max(i0, j * R - L + 1), ihi = min(i0 + kKeyChunk - 1, (j + 1) * R - 1);
       float sum = 0.f;
       for (int i = ilo; i <= ihi; ++i) {
@@ -257,17 +274,27 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
         sum += static_cast<float>(ov) * s_pg[token * kKeyChunk + (i - i0)];
       }
       s_acc[token * ring + (j & ring_mask)] += sum;
+      tk += acc_tok_step;
+      jj += acc_jj_step;
+      if (jj >= W) jj -= W, ++tk;
     }
     __syncwarp();  // the sums are in acc; pg may be overwritten by the next chunk
     // Blocks below the next chunk's first block are final: write them and free their slots.
     const int jnext = (i0 + kKeyChunk) / R;
-    const int shift = jnext - jb;
-    for (int e = lane; e < tokens_per_warp * shift; e += 32) {
-      const int token = warp_token0 + e / shift;
-      const int j = jb + e % shift;
+    const int shift = jnext - jbase;
+    if (shift != shift_prev) {  // warp-uniform
+      shift_prev = shift;
+      if (shift > 0) out_tok0 = lane / shift, out_jj0 = lane % shift, out_tok_step = 32 / shift, out_jj_step = 32 % shift;
+    }
+    for (int e = lane, tk = out_tok0, jj = out_jj0; e < tokens_per_warp * shift; e += 32) {
+      const int token = warp_token0 + tk;
+      const int j = jbase + jj;
       float* slot = s_acc + token * ring + (j & ring_mask);
-      if (token < tokens_valid && j < column_limit(token)) score_row(token)[j] = *slot;
+      if (j < s_limit[token]) srow0[token * p.s_st + j] = *slot;
       *slot = 0.f;
+      tk += out_tok_step;
+      jj += out_jj_step;
+      if (jj >= shift) jj -= shift, ++tk;
     }
     __syncwarp();
     jbase = jnext;
@@ -275,9 +302,9 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
   __syncthreads();
   // The rest of each row: the accumulator's last W blocks, then zeros.
   for (int token = 0; token < tokens_valid; ++token) {
-    float* srow = score_row(token);
-    const int64_t limit = column_limit(token);
-    for (int64_t j = jbase + threadIdx.x; j < limit; j += kCta)
+    float* srow = srow0 + token * p.s_st;
+    const int limit = s_limit[token];
+    for (int j = jbase + threadIdx.x; j < limit; j += kCta)
       srow[j] = j - jbase < W ? s_acc[token * ring + (j & ring_mask)] : 0.f;
   }
 }
@@ -434,12 +461,15 @@ void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream) {
   }
   cmp_launch(pass1, kWgRows, cmp_smem_bytes(kWgRows, kDqk, kDv, p.group, p.score_ring, true, false), p, stream);
   if (p.scores == nullptr) return;
-  if (scores_rows(kDqk, kDv, p.group, p.score_ring, kMaxSmem) == kScoresRows)
-    cmp_launch(cmp_scores_kernel<Storage, kDqk, kDv, kScoresRows, 2>, kScoresRows,
-               cmp_smem_bytes(kScoresRows, kDqk, kDv, p.group, p.score_ring, false, true), p, stream);
-  else
-    cmp_launch(cmp_scores_kernel<Storage, kDqk, kDv, kTileRows, kScoresCtas64>, kTileRows,
-               cmp_smem_bytes(kTileRows, kDqk, kDv, p.group, p.score_ring, false, true), p, stream);
+  if constexpr (kDqk > 128) {  // the only head dim with 128-row S tiles (scores_rows): one instantiation less
+    if (scores_rows(kDqk, kDv, p.group, p.score_ring, kMaxSmem) == kScoresRows) {
+      cmp_launch(cmp_scores_kernel<Storage, kDqk, kDv, kScoresRows, 2>, kScoresRows,
+                 cmp_smem_bytes(kScoresRows, kDqk, kDv, p.group, p.score_ring, false, true), p, stream);
+      return;
+    }
+  }
+  cmp_launch(cmp_scores_kernel<Storage, kDqk, kDv, kTileRows, kScoresCtas64>, kTileRows,
+             cmp_smem_bytes(kTileRows, kDqk, kDv, p.group, p.score_ring, false, true), p, stream);
 }
 
 }  // namespace nsa::cuda

@@ -154,7 +154,7 @@ constexpr size_t cmp_smem_bytes(int rows, int dqk, int dv, int group, int score_
   const size_t es = 2, tokens = size_t(rows) / group;
   const size_t q = size_t(rows) * (dqk + 8) * es, k = 2 * size_t(kKeyChunk) * (dqk + 8) * es;
   const size_t v = with_v ? 2 * size_t(kKeyChunk) * (dv + 8) * es : 0;
-  const size_t scores = with_scores ? tokens * (kKeyChunk + score_ring) * sizeof(float) : 0;
+  const size_t scores = with_scores ? tokens * ((kKeyChunk + score_ring) * sizeof(float) + sizeof(int)) : 0;
   return 1024 + q + k + (v > scores ? v : scores);
 }
 // The S pass's tile rows on sm_90a: kScoresRows at Dqk > 128 where that tile's shared memory fits
