@@ -99,6 +99,100 @@ __device__ __forceinline__ void win_epilogue(const BranchParams& p, const Tile& 
   }
 }
 
+// The gated combine of the sm_90a kernel, staged through shared memory (the K/V buffers and the Q
+// tile are free after the loop): each thread normalises its rows of o_win into an fp32 tile
+// [kRows][kDv + 8] (and its rows' gates), then the CTA forms o = g_cmp o_cmp + g_slc o_slc +
+// g_win o_win in 16-byte pieces, consecutive threads on consecutive pieces of a row: o_cmp and
+// o_slc are read and o written in whole 128-byte lines, all of a thread's pieces in flight at
+// once. (Read in the accumulator layout, a warp's load touched 8 rows x 4 bytes per 32-byte
+// sector, two loads per column pair for o_cmp, and the CTA, alone on its SM, waited on them.)
+// The numbers are those of win_epilogue: o_win in fp32, the same expression per element.
+template <int kRows, int kDv>
+constexpr size_t win_staged_bytes() {
+  return size_t(kRows) * ((kDv + 8) + 4) * sizeof(float);
+}
+template <typename Storage, int kRows, int kDv, typename Tile>
+__device__ __forceinline__ void win_epilogue_staged(const BranchParams& p, const Tile& st, const WinTile& wt,
+                                                    const int64_t (&t_row)[2], const int (&head)[2],
+                                                    unsigned char* smem) {
+  using Traits = StorageTraits<Storage>;
+  constexpr int kThreads = kRows / 16 * 32;
+  constexpr int kStride = kDv + 8;  // floats per staged row: 8 rows of a warp on distinct banks
+  float* ow = reinterpret_cast<float*>(smem);  // [kRows][kStride]
+  float* gates = ow + kRows * kStride;         // [kRows][4]: g_cmp, g_slc, g_win
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane % 4;
+  __syncthreads();  // every warp is done with the K/V buffers and the Q tile
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float lse2, inv;
+    st.finish_row(h, lse2, inv);
+    const int row = warp * 16 + lane / 4 + 8 * h;
+    float* orow = ow + row * kStride;
+#pragma unroll
+    for (int i = 0; i < Tile::kOTiles; ++i)
+      *reinterpret_cast<float2*>(orow + i * 8 + 2 * quad) = make_float2(st.acc[i][2 * h] * inv, st.acc[i][2 * h + 1] * inv);
+    if (t_row[h] < 0) continue;
+    const int64_t t = wt.s0 + t_row[h];
+    if (p.lse[1] != nullptr && quad == 0)
+      p.lse[1][t * p.lse_st[1] + head[h] * p.lse_sh[1]] = lse2 == kNegInf ? kNegInf : lse2 * kLn2;
+    if (p.o_branch[1] != nullptr) {
+      Storage* ob = static_cast<Storage*>(p.o_branch[1]) + t * p.ob_st[1] + head[h] * p.ob_sh[1];
+#pragma unroll
+      for (int i = 0; i < Tile::kOTiles; ++i)
+        *reinterpret_cast<uint32_t*>(ob + i * 8 + 2 * quad) =
+            Traits::pack(st.acc[i][2 * h] * inv, st.acc[i][2 * h + 1] * inv);
+    }
+    if (quad < 3) {
+      const Storage* g = static_cast<const Storage*>(p.g) + t * p.g_st + head[h] * p.g_sh;
+      gates[row * 4 + quad] = to_float(g[quad]);
+    }
+  }
+  __syncthreads();
+  constexpr int kPieces = kDv / 8;  // 16-byte pieces of a row
+  constexpr int kIters = kRows * kPieces / kThreads;
+  static_assert(kRows * kPieces % kThreads == 0, "whole rounds of pieces");
+  // All loads first (o may alias nothing here, but the compiler cannot know: loads after a store
+  // would wait for it), then the sums and stores.
+  uint4 oc[kIters], os[kIters];
+#pragma unroll
+  for (int k = 0; k < kIters; ++k) {
+    const int e = threadIdx.x + k * kThreads;
+    const int row = e / kPieces, col = e % kPieces * 8;
+    const int tok = row >> p.log2_group;
+    oc[k] = os[k] = make_uint4(0u, 0u, 0u, 0u);  // no selection branch: o_slc = 0
+    if (tok >= wt.tokens_valid) continue;
+    const int64_t t = wt.s0 + wt.t0 + tok;
+    const int hq = wt.hk * p.group + (row & (p.group - 1));
+    oc[k] = *reinterpret_cast<const uint4*>(static_cast<const Storage*>(p.o_cmp) + t * p.oc_st + hq * p.oc_sh + col);
+    if (p.o_slc != nullptr)
+      os[k] = *reinterpret_cast<const uint4*>(static_cast<const Storage*>(p.o_slc) + t * p.os_st + hq * p.os_sh + col);
+  }
+#pragma unroll
+  for (int k = 0; k < kIters; ++k) {
+    const int e = threadIdx.x + k * kThreads;
+    const int row = e / kPieces, col = e % kPieces * 8;
+    const int tok = row >> p.log2_group;
+    if (tok >= wt.tokens_valid) continue;
+    const int64_t t = wt.s0 + wt.t0 + tok;
+    const int hq = wt.hk * p.group + (row & (p.group - 1));
+    const float g_cmp = gates[row * 4], g_slc = gates[row * 4 + 1], g_win = gates[row * 4 + 2];
+    const float4 w0 = *reinterpret_cast<const float4*>(ow + row * kStride + col);
+    const float4 w1 = *reinterpret_cast<const float4*>(ow + row * kStride + col + 4);
+    const float win[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+    const uint32_t ocw[4] = {oc[k].x, oc[k].y, oc[k].z, oc[k].w}, osw[4] = {os[k].x, os[k].y, os[k].z, os[k].w};
+    uint32_t out[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float2 c2 = unpack_pair<Storage>(ocw[q]), s2 = unpack_pair<Storage>(osw[q]);
+      const float lo = g_slc * s2.x + g_win * win[2 * q] + g_cmp * c2.x;
+      const float hi = g_slc * s2.y + g_win * win[2 * q + 1] + g_cmp * c2.y;
+      out[q] = Traits::pack(lo, hi);
+    }
+    *reinterpret_cast<uint4*>(static_cast<Storage*>(p.o) + t * p.o_st + hq * p.o_sh + col) =
+        make_uint4(out[0], out[1], out[2], out[3]);
+  }
+}
+
 template <typename Storage, int kDqk, int kDv>
 __global__ void __launch_bounds__(kWinThreads) win_attention_kernel(const BranchParams p) {
   if constexpr (kWgmmaCompiled) {
@@ -233,7 +327,9 @@ __global__ void __launch_bounds__(kWinThreads) win_attention_kernel(const Branch
 // (scores_wgmma_sq). Not compiled for other targets.
 inline constexpr int kWinWgRows = kWgRows;
 constexpr size_t win_wgmma_smem_bytes(int dqk, int dv) {
-  return cmp_smem_bytes(kWinWgRows, dqk, dv, 1, 0, /*with_v=*/true, /*with_scores=*/false);
+  const size_t loop = cmp_smem_bytes(kWinWgRows, dqk, dv, 1, 0, /*with_v=*/true, /*with_scores=*/false);
+  const size_t staged = dv == 64 ? win_staged_bytes<kWinWgRows, 64>() : win_staged_bytes<kWinWgRows, 128>();
+  return loop > staged ? loop : staged;  // the staged combine reuses the loop's buffers
 }
 
 template <typename Storage, int kDqk, int kDv>
@@ -297,7 +393,10 @@ __global__ void __launch_bounds__(kWinWgRows / 16 * 32) win_attention_wgmma_kern
       Smem::accumulate_pv(st, s, sm.sv + buf * Smem::kVTile);
     }
     if (num_chunks == 0) cp_async_wait<0>();  // (w = 0: only the Q tile was copied)
-    win_epilogue<Storage>(p, st, t_row, head, s0);
+    if (p.combine)
+      win_epilogue_staged<Storage, kRows, kDv>(p, st, wt, t_row, head, smem_raw);
+    else
+      win_epilogue<Storage>(p, st, t_row, head, s0);
   }
 }
 
