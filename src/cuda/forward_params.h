@@ -148,8 +148,9 @@ constexpr int win_q_stages(int dqk, int dv) {
 
 // Shared-memory bytes of the kernels (used by the launchers and to check limits up front).
 // Compressed attention, a CTA of `rows` rows: Q tile + 2 K buffers + the larger of 2 V buffers
-// (pass 1) and the score buffers (pass 2), in the padded layout, plus 1024 bytes of alignment
-// slack for the swizzled layout of sm_90a (which needs no more than the padded one).
+// (pass 1) and the score buffers (pass 2: per token kKeyChunk head sums, score_ring accumulator
+// slots and its column limit), in the padded layout, plus 1024 bytes of alignment slack for the
+// swizzled layout of sm_90a (which needs no more than the padded one).
 constexpr size_t cmp_smem_bytes(int rows, int dqk, int dv, int group, int score_ring, bool with_v, bool with_scores) {
   const size_t es = 2, tokens = size_t(rows) / group;
   const size_t q = size_t(rows) * (dqk + 8) * es, k = 2 * size_t(kKeyChunk) * (dqk + 8) * es;
