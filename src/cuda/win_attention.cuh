@@ -57,6 +57,23 @@ struct WinTile : SeqRowTile {
   }
 };
 
+// Row h's lse_win and normalised o_win (token t, query head `head`), where the caller asked for
+// them (the public window op; the forward that keeps its branch outputs for the backward).
+template <typename Storage, typename Tile>
+__device__ __forceinline__ void win_write_branch(const BranchParams& p, const Tile& st, int h, int64_t t, int head,
+                                                 float lse2, float inv) {
+  const int quad = threadIdx.x % 4;
+  if (p.lse[1] != nullptr && quad == 0)
+    p.lse[1][t * p.lse_st[1] + head * p.lse_sh[1]] = lse2 == kNegInf ? kNegInf : lse2 * kLn2;
+  if (p.o_branch[1] != nullptr) {
+    Storage* orow = static_cast<Storage*>(p.o_branch[1]) + t * p.ob_st[1] + head * p.ob_sh[1];
+#pragma unroll
+    for (int i = 0; i < Tile::kOTiles; ++i)
+      *reinterpret_cast<uint32_t*>(orow + i * 8 + 2 * quad) =
+          StorageTraits<Storage>::pack(st.acc[i][2 * h] * inv, st.acc[i][2 * h + 1] * inv);
+  }
+}
+
 // Normalise, write o_win and lse_win if wanted, then o = g_cmp o_cmp + g_slc o_slc + g_win o_win:
 // the end of both window kernels, for this thread's rows h (t_row[h] < 0: a padding row).
 template <typename Storage, typename Tile>
@@ -70,15 +87,7 @@ __device__ __forceinline__ void win_epilogue(const BranchParams& p, const Tile& 
     st.finish_row(h, lse2, inv);
     if (t_row[h] < 0) continue;
     const int64_t t = s0 + t_row[h];
-    if (p.lse[1] != nullptr && quad == 0)
-      p.lse[1][t * p.lse_st[1] + head[h] * p.lse_sh[1]] = lse2 == kNegInf ? kNegInf : lse2 * kLn2;
-    if (p.o_branch[1] != nullptr) {
-      Storage* orow = static_cast<Storage*>(p.o_branch[1]) + t * p.ob_st[1] + head[h] * p.ob_sh[1];
-#pragma unroll
-      for (int i = 0; i < Tile::kOTiles; ++i)
-        *reinterpret_cast<uint32_t*>(orow + i * 8 + 2 * quad) =
-            Traits::pack(st.acc[i][2 * h] * inv, st.acc[i][2 * h + 1] * inv);
-    }
+    win_write_branch<Storage>(p, st, h, t, head[h], lse2, inv);
     if (!p.combine) continue;
     const Storage* g = static_cast<const Storage*>(p.g) + t * p.g_st + head[h] * p.g_sh;
     const float g_cmp = to_float(g[0]), g_slc = to_float(g[1]), g_win = to_float(g[2]);
@@ -133,15 +142,7 @@ __device__ __forceinline__ void win_epilogue_staged(const BranchParams& p, const
       *reinterpret_cast<float2*>(orow + i * 8 + 2 * quad) = make_float2(st.acc[i][2 * h] * inv, st.acc[i][2 * h + 1] * inv);
     if (t_row[h] < 0) continue;
     const int64_t t = wt.s0 + t_row[h];
-    if (p.lse[1] != nullptr && quad == 0)
-      p.lse[1][t * p.lse_st[1] + head[h] * p.lse_sh[1]] = lse2 == kNegInf ? kNegInf : lse2 * kLn2;
-    if (p.o_branch[1] != nullptr) {
-      Storage* ob = static_cast<Storage*>(p.o_branch[1]) + t * p.ob_st[1] + head[h] * p.ob_sh[1];
-#pragma unroll
-      for (int i = 0; i < Tile::kOTiles; ++i)
-        *reinterpret_cast<uint32_t*>(ob + i * 8 + 2 * quad) =
-            Traits::pack(st.acc[i][2 * h] * inv, st.acc[i][2 * h + 1] * inv);
-    }
+    win_write_branch<Storage>(p, st, h, t, head[h], lse2, inv);
     if (quad < 3) {
       const Storage* g = static_cast<const Storage*>(p.g) + t * p.g_st + head[h] * p.g_sh;
       gates[row * 4 + quad] = to_float(g[quad]);
