@@ -6,7 +6,7 @@
 #   scripts/gpu_check.sh [SOURCE_DIR]        (default: this repository)
 #
 # Environment: OUT (log folder), BUILD_DIR (default /tmp/nsa-gpu-build), JOBS (default 16),
-# SKIP="sass_check host_tests cuda_tests memcheck cli_bench bench bench_backward python_tests" (any subset), BENCH_ARGS (e.g. --quick),
+# SKIP="sass_check host_tests cuda_tests memcheck cli_bench bench bench_backward gather_bench python_tests" (any subset), BENCH_ARGS (e.g. --quick),
 # CUDA_TEST_FILTER (a --gtest_filter for cuda_tests, e.g. '*CudaBackward*'), BREAK_TESTS=1 (last step:
 # scripts/break_tests.sh, the GPU tests must catch the bugs planted by tests/cuda/breaks/*.patch).
 # To add a step: write a function and call `step NAME function` below; its output lands in
@@ -96,6 +96,8 @@ bench() {
   PYTHONUNBUFFERED=1 python3 "$SRC/bench/sdpa_baseline.py" "$OUT/nsa_bench.csv" --markdown "$OUT/bench.md"
 }
 
+# The selection's gather patterns (bench/gather_patterns.cu, docs/cuda.md "Session 7"): a few seconds.
+gather_bench() { "$(bin nsa_gather_bench)"; }
 bench_backward() {  # issue 5: forward+backward against SDPA forward+backward, same run
   "$(bin nsa_cuda_backward_bench)" --out "$OUT/nsa_backward_bench.csv" ${BENCH_ARGS:-} || return 1
   PYTHONUNBUFFERED=1 python3 "$SRC/bench/sdpa_backward_baseline.py" "$OUT/nsa_backward_bench.csv" --markdown "$OUT/bench_backward.md"
@@ -113,6 +115,7 @@ step memcheck memcheck
 step cli_bench cli_bench
 step bench bench
 step bench_backward bench_backward
+step gather_bench gather_bench
 step python_tests python_tests
 # Last: it rebuilds the GPU tests with the planted bugs (the source tree is restored).
 [[ "${BREAK_TESTS:-0}" == 1 ]] && step break_tests "$SRC/scripts/break_tests.sh" "$BUILD_DIR" "$SRC"

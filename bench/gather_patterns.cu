@@ -1,0 +1,295 @@
+// How fast can an SM gather the selection branch's K/V blocks, by access pattern? A
+// microbenchmark for the question docs/cuda.md ("Session 7") leaves open: the selection kernel
+// (slc_attention.cuh) loads K straight into mma fragments, 8 rows x 64 bytes per warp load, and
+// Nsight Compute shows L1/TEX at 96% of its peak while L2 is at 62%. Is the per-row-segment pattern
+// what bounds it, and would a per-warp shared-memory ring filled by cp.async in whole 128-byte
+// lines (then ldmatrix) move the same bytes faster?
+//
+// Every pattern reads the same bytes: for each (token, KV head), n_sel = 16 blocks of 64 keys x
+// (K 128 + V 128) bf16 columns, block 0 and the token's two local blocks forced, the rest random
+// (the forward's access pattern on random data: 137 GB at 64K tokens, 4 KV heads). One warp per
+// token and KV head, 4 warps per CTA (consecutive tokens), as in slc_attention_kernel. Each lane
+// XORs what it read; the warp's XOR (over lanes) must agree between patterns (every byte read
+// once), which the program checks. Occupancy is pinned with dynamic shared memory (--ctas-per-sm,
+// default 3: slc_attention_kernel's 12 warps per SM).
+//
+//   nsa_gather_bench [--tokens T] [--ctas-per-sm N] [--reps R]
+//
+// Patterns:
+//   frag      LDG.128 into registers in the selection kernel's layouts (load_rows_a / load_rows_b):
+//             K 8 rows x 64 bytes per warp load, V 4 rows x 128 bytes;
+//   line      LDG.128 in whole lines: 2 rows x 256 bytes per warp load, K and V;
+//   ring_ca   cp.async.ca (L1-allocating) in whole lines into a 2-stage ring of 16-key steps per
+//             warp, then ldmatrix.x4 (K and V: 16 per step);
+//   ring_cg   the same with cp.async.cg (L2 only).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int kHkv = 4, kD = 128, kBlock = 64, kNSel = 16, kWarps = 4, kStep = 16;
+constexpr int kRowBytes = kD * 2;                   // 256
+constexpr int kPadRow = kRowBytes + 16;             // ring rows padded: ldmatrix without bank conflicts
+constexpr int kStageBytes = 2 * kStep * kPadRow;    // K and V of one 16-key step
+constexpr int kRingStages = 2;
+
+#define CHECK(x)                                                                              \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                           \
+    }                                                                                         \
+  } while (0)
+
+struct Args {
+  const uint4* k;      // [tokens][kHkv][kD] bf16 as 16-byte pieces
+  const uint4* v;
+  const int* idx;      // [tokens][kHkv][kNSel]
+  uint32_t* out;       // [tokens][kHkv]: the warp's XOR
+  int tokens;
+};
+
+__device__ __forceinline__ uint32_t xor4(uint4 a) { return a.x ^ a.y ^ a.z ^ a.w; }
+__device__ __forceinline__ const uint4* row_ptr(const uint4* base, int64_t key, int hk) {
+  return base + (key * kHkv + hk) * (kRowBytes / 16);
+}
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void finish(const Args& a, int token, int hk, uint32_t acc) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
+  if (threadIdx.x % 32 == 0) a.out[int64_t(token) * kHkv + hk] = acc;
+}
+
+// The selection kernel's register layouts (slc_union.cuh, load_rows_a / load_rows_b).
+__global__ void __launch_bounds__(kWarps * 32) gather_frag(Args a) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const int token = blockIdx.x * kWarps + warp, hk = blockIdx.y;
+  if (token >= a.tokens) return;
+  const int* idx = a.idx + (int64_t(token) * kHkv + hk) * kNSel;
+  uint32_t acc = 0;
+  for (int b = 0; b < kNSel; ++b) {
+    const int64_t key0 = int64_t(idx[b]) * kBlock;
+#pragma unroll 2
+    for (int s = 0; s < kBlock / kStep; ++s) {
+      const int64_t first = key0 + s * kStep;
+      uint4 kr[2][4], vr[4][2];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int pp = 0; pp < 4; ++pp) kr[nt][pp] = row_ptr(a.k, first + 8 * nt + g, hk)[4 * pp + q];
+#pragma unroll
+      for (int rr = 0; rr < 4; ++rr)
+#pragma unroll
+        for (int vv = 0; vv < 2; ++vv)
+          vr[rr][vv] = row_ptr(a.v, first + 2 * q + (rr & 1) + 8 * (rr >> 1), hk)[8 * vv + g];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc ^= xor4(kr[i / 4][i % 4]) ^ xor4(vr[i / 2][i % 2]);
+    }
+  }
+  finish(a, token, hk, acc);
+}
+
+// Whole lines: lane l reads piece l % 16 of row 2 i + l / 16 (two 256-byte rows per warp load).
+__global__ void __launch_bounds__(kWarps * 32) gather_line(Args a) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int token = blockIdx.x * kWarps + warp, hk = blockIdx.y;
+  if (token >= a.tokens) return;
+  const int* idx = a.idx + (int64_t(token) * kHkv + hk) * kNSel;
+  uint32_t acc = 0;
+  for (int b = 0; b < kNSel; ++b) {
+    const int64_t key0 = int64_t(idx[b]) * kBlock;
+#pragma unroll 2
+    for (int s = 0; s < kBlock / kStep; ++s) {
+      const int64_t first = key0 + s * kStep;
+      uint4 kr[8], vr[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        kr[i] = row_ptr(a.k, first + 2 * i + lane / 16, hk)[lane % 16];
+        vr[i] = row_ptr(a.v, first + 2 * i + lane / 16, hk)[lane % 16];
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc ^= xor4(kr[i]) ^ xor4(vr[i]);
+    }
+  }
+  finish(a, token, hk, acc);
+}
+
+template <bool kCa>
+__device__ __forceinline__ void cp16(uint32_t dst, const void* src) {
+  if constexpr (kCa)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+  else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+
+// A ring of kRingStages 16-key steps per warp, filled in whole lines by cp.async, read back with
+// ldmatrix.x4 (each lane gets 4 words of 4 rows' 16-byte pieces; all pieces read once).
+template <bool kCa>
+__global__ void __launch_bounds__(kWarps * 32) gather_ring(Args a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int token = blockIdx.x * kWarps + warp, hk = blockIdx.y;
+  if (token >= a.tokens) return;
+  const int* idx = a.idx + (int64_t(token) * kHkv + hk) * kNSel;
+  unsigned char* ring = smem + warp * kRingStages * kStageBytes;
+  constexpr int kSteps = kNSel * kBlock / kStep;
+  auto issue = [&](int step) {
+    const int64_t first = int64_t(idx[step / (kBlock / kStep)]) * kBlock + (step % (kBlock / kStep)) * kStep;
+    unsigned char* st = ring + (step % kRingStages) * kStageBytes;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int r = 2 * i + lane / 16, c = lane % 16;
+      cp16<kCa>(smem_u32(st + r * kPadRow + c * 16), row_ptr(a.k, first + r, hk) + c);
+      cp16<kCa>(smem_u32(st + (kStep + r) * kPadRow + c * 16), row_ptr(a.v, first + r, hk) + c);
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+  uint32_t acc = 0;
+  issue(0);
+  for (int s = 0; s < kSteps; ++s) {
+    if (s + 1 < kSteps) {
+      issue(s + 1);
+      asm volatile("cp.async.wait_group 1;\n" ::);
+    } else {
+      asm volatile("cp.async.wait_group 0;\n" ::);
+    }
+    __syncwarp();
+    const unsigned char* st = ring + (s % kRingStages) * kStageBytes;
+    // 32 rows (16 K, 16 V) x 16 pieces: each ldmatrix.x4 reads four 8 x 16-byte matrices, lanes
+    // 8m .. 8m + 7 giving the row addresses of matrix m: rows 8 j .. 8 j + 7, piece 4 p + m.
+#pragma unroll
+    for (int j = 0; j < 4; ++j)     // row groups of 8
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {  // 4 pieces per ldmatrix.x4: pieces 4p .. 4p + 3
+        const int row = 8 * j + lane % 8, piece = 4 * p + lane / 8;
+        uint32_t r0, r1, r2, r3;
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                     : "r"(smem_u32(st + row * kPadRow + piece * 16)));
+        acc ^= r0 ^ r1 ^ r2 ^ r3;
+      }
+    __syncwarp();  // the stage is read before the next issue overwrites it
+  }
+  finish(a, token, hk, acc);
+}
+
+__global__ void fill(uint4* p, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t x = uint32_t(i) * 2654435761u ^ seed;
+    x ^= x >> 13, x *= 0x5bd1e995u, x ^= x >> 15;
+    p[i] = make_uint4(x, x * 3u + 1u, x * 5u + 7u, x ^ 0xa5a5a5a5u);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int tokens = 65536, ctas_per_sm = 3, reps = 7;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string f = argv[i];
+    const int v = std::atoi(argv[i + 1]);
+    if (f == "--tokens") tokens = v;
+    else if (f == "--ctas-per-sm") ctas_per_sm = v;
+    else if (f == "--reps") reps = v;
+    else {
+      std::fprintf(stderr, "unknown option %s\n", argv[i]);
+      return 2;
+    }
+  }
+  if (tokens < kBlock * 3 || tokens % (kBlock * kWarps) != 0 || ctas_per_sm < 1 || reps < 1) {
+    std::fprintf(stderr, "--tokens: a multiple of %d, at least %d; --ctas-per-sm, --reps >= 1\n", kBlock * kWarps,
+                 kBlock * 3);
+    return 2;
+  }
+  cudaDeviceProp prop{};
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  const int blocks = tokens / kBlock;
+  // Indices as the forward picks on random data: block 0, the two local blocks, 13 random others.
+  std::vector<int> idx(size_t(tokens) * kHkv * kNSel);
+  std::mt19937 rng(1234);
+  for (int t = 0; t < tokens; ++t)
+    for (int h = 0; h < kHkv; ++h) {
+      int* row = &idx[(size_t(t) * kHkv + h) * kNSel];
+      const int jt = t / kBlock;
+      std::vector<int> pick = {0, jt, std::max(jt - 1, 0)};
+      while (int(pick.size()) < kNSel) pick.push_back(int(rng() % uint32_t(std::max(jt + 1, 1))));
+      std::copy(pick.begin(), pick.end(), row);  // repeats allowed: the same bytes for every pattern
+    }
+  const int64_t pieces = int64_t(blocks) * kBlock * kHkv * kRowBytes / 16;
+  uint4 *k, *v;
+  int* didx;
+  uint32_t* out[4];
+  CHECK(cudaMalloc(&k, pieces * 16));
+  CHECK(cudaMalloc(&v, pieces * 16));
+  CHECK(cudaMalloc(&didx, idx.size() * sizeof(int)));
+  for (auto& o : out) CHECK(cudaMalloc(&o, size_t(tokens) * kHkv * sizeof(uint32_t)));
+  fill<<<1024, 256>>>(k, pieces, 1u);
+  fill<<<1024, 256>>>(v, pieces, 2u);
+  CHECK(cudaMemcpy(didx, idx.data(), idx.size() * sizeof(int), cudaMemcpyHostToDevice));
+
+  // Pin the occupancy: each CTA takes this much shared memory (at least the ring's).
+  const size_t ring = size_t(kWarps) * kRingStages * kStageBytes;
+  const size_t per_sm = prop.sharedMemPerMultiprocessor;
+  size_t smem = per_sm / ctas_per_sm > 1024 ? per_sm / ctas_per_sm - 1024 : 0;
+  smem = std::min(std::max(smem, ring), size_t(prop.sharedMemPerBlockOptin));
+  using Kernel = void (*)(Args);
+  const Kernel kernels[4] = {gather_frag, gather_line, gather_ring<true>, gather_ring<false>};
+  const char* names[4] = {"frag", "line", "ring_ca", "ring_cg"};
+  for (Kernel kern : kernels) {
+    CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+  }
+  const double bytes = double(tokens) * kHkv * kNSel * kBlock * 2 * kRowBytes;
+  std::printf("device: %s, %d SMs; tokens %d, KV heads %d, %d blocks of %d keys per token and head, D %d;"
+              " %.1f GB per pass; %zu bytes of shared memory per CTA (%d CTAs of %d warps per SM asked)\n",
+              prop.name, prop.multiProcessorCount, tokens, kHkv, kNSel, kBlock, kD, bytes / 1e9, smem, ctas_per_sm,
+              kWarps);
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  const dim3 grid(tokens / kWarps, kHkv);
+  std::printf("pattern,ms,TB/s,ctas_per_sm_occupancy\n");
+  for (int i = 0; i < 4; ++i) {
+    int occ = 0;
+    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernels[i], kWarps * 32, smem));
+    Args a{k, v, didx, out[i], tokens};
+    std::vector<float> ms;
+    for (int r = 0; r < reps + 1; ++r) {
+      CHECK(cudaEventRecord(e0));
+      kernels[i]<<<grid, kWarps * 32, smem>>>(a);
+      CHECK(cudaEventRecord(e1));
+      CHECK(cudaEventSynchronize(e1));
+      CHECK(cudaGetLastError());
+      float t = 0;
+      CHECK(cudaEventElapsedTime(&t, e0, e1));
+      if (r > 0) ms.push_back(t);  // the first run warms up
+    }
+    std::sort(ms.begin(), ms.end());
+    const float med = ms[ms.size() / 2];
+    std::printf("%s,%.3f,%.2f,%d\n", names[i], med, bytes / (med * 1e-3) / 1e12, occ);
+  }
+  // Every pattern reads every byte once: the warps' XORs agree.
+  std::vector<uint32_t> h0(size_t(tokens) * kHkv), h(size_t(tokens) * kHkv);
+  CHECK(cudaMemcpy(h0.data(), out[0], h0.size() * 4, cudaMemcpyDeviceToHost));
+  bool same = true;
+  for (int i = 1; i < 4; ++i) {
+    CHECK(cudaMemcpy(h.data(), out[i], h.size() * 4, cudaMemcpyDeviceToHost));
+    if (std::memcmp(h.data(), h0.data(), h.size() * 4) != 0) {
+      std::printf("checksum of %s differs from frag's\n", names[i]);
+      same = false;
+    }
+  }
+  std::printf("checksums: %s\n", same ? "all patterns read the same bytes" : "MISMATCH");
+  return same ? 0 : 1;
+}
