@@ -10,7 +10,8 @@
 #                        then the forward and backward benchmarks at AB_LENGTHS; logs in $OUT/<branch>/
 #                        and one table of the benchmark lines in $OUT/ab_summary.txt.
 # Environment: OUT (default ./out), AB_LENGTHS (default 65536), AB_STEPS (default "build tests bench
-# bench_backward"; add "profile" for every kernel's ncu time, scripts/profile_gpu.sh), AB_TEST_FILTER
+# bench_backward"; add "profile" for every kernel's ncu time, scripts/profile_gpu.sh, and "gather" for
+# nsa_gather_bench), AB_TEST_FILTER
 # (a --gtest_filter; the parameterised suites are Cases/CudaForward.*, so write *CudaForward*), JOBS (default 16), AB_ARCH (default 90a).
 # Time on the H200 per snapshot, roughly: build 35 s (sm_90a only), tests 45-60 s, benchmarks at 64K
 # 30-40 s; four snapshots do not fit in one 600 s call: split them with NAMEs.
@@ -96,6 +97,10 @@ for dir in "${dirs[@]}"; do
     "$build/bin/nsa_cuda_backward_bench" --out "$log/nsa_backward_bench.csv" --lengths "$LENGTHS" \
       > "$log/bench_backward.log" 2>&1 || { echo "  bench_backward FAILED" | tee -a "$SUMMARY"; rc_all=1; }
     sed 's/^/  bwd: /' "$log/nsa_backward_bench.csv" | head -20 >> "$SUMMARY"
+  fi
+  if has gather; then  # bench/gather_patterns.cu: the selection's gather patterns (a few seconds)
+    "$build/bin/nsa_gather_bench" > "$log/gather.txt" 2>&1 || { echo "  gather FAILED" | tee -a "$SUMMARY"; rc_all=1; }
+    sed 's/^/  gather: /' "$log/gather.txt" | tail -6 >> "$SUMMARY"
   fi
   if has profile; then
     BUILD_DIR="$build" OUT="$log/profile" "$ROOT/scripts/profile_gpu.sh" > "$log/profile.log" 2>&1 ||
