@@ -71,58 +71,56 @@ __device__ __forceinline__ void finish(const Args& a, int token, int hk, uint32_
   if (threadIdx.x % 32 == 0) a.out[int64_t(token) * kHkv + hk] = acc;
 }
 
-// The selection kernel's register layouts (slc_union.cuh, load_rows_a / load_rows_b).
-__global__ void __launch_bounds__(kWarps * 32) gather_frag(Args a) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-  const int token = blockIdx.x * kWarps + warp, hk = blockIdx.y;
+// One warp per (token, KV head): step(first key, hk) returns the XOR of a 16-key step's K and V.
+template <typename Step>
+__device__ __forceinline__ void walk_steps(const Args& a, Step step) {
+  const int token = blockIdx.x * kWarps + threadIdx.x / 32, hk = blockIdx.y;
   if (token >= a.tokens) return;
   const int* idx = a.idx + (int64_t(token) * kHkv + hk) * kNSel;
   uint32_t acc = 0;
   for (int b = 0; b < kNSel; ++b) {
     const int64_t key0 = int64_t(idx[b]) * kBlock;
 #pragma unroll 2
-    for (int s = 0; s < kBlock / kStep; ++s) {
-      const int64_t first = key0 + s * kStep;
-      uint4 kr[2][4], vr[4][2];
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int pp = 0; pp < 4; ++pp) kr[nt][pp] = row_ptr(a.k, first + 8 * nt + g, hk)[4 * pp + q];
-#pragma unroll
-      for (int rr = 0; rr < 4; ++rr)
-#pragma unroll
-        for (int vv = 0; vv < 2; ++vv)
-          vr[rr][vv] = row_ptr(a.v, first + 2 * q + (rr & 1) + 8 * (rr >> 1), hk)[8 * vv + g];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc ^= xor4(kr[i / 4][i % 4]) ^ xor4(vr[i / 2][i % 2]);
-    }
+    for (int s = 0; s < kBlock / kStep; ++s) acc ^= step(key0 + s * kStep, hk);
   }
   finish(a, token, hk, acc);
 }
 
+// The selection kernel's register layouts (slc_union.cuh, load_rows_a / load_rows_b).
+__global__ void __launch_bounds__(kWarps * 32) gather_frag(Args a) {
+  const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  walk_steps(a, [&](int64_t first, int hk) {
+    uint4 kr[2][4], vr[4][2];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int pp = 0; pp < 4; ++pp) kr[nt][pp] = row_ptr(a.k, first + 8 * nt + g, hk)[4 * pp + q];
+#pragma unroll
+    for (int rr = 0; rr < 4; ++rr)
+#pragma unroll
+      for (int vv = 0; vv < 2; ++vv) vr[rr][vv] = row_ptr(a.v, first + 2 * q + (rr & 1) + 8 * (rr >> 1), hk)[8 * vv + g];
+    uint32_t x = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x ^= xor4(kr[i / 4][i % 4]) ^ xor4(vr[i / 2][i % 2]);
+    return x;
+  });
+}
+
 // Whole lines: lane l reads piece l % 16 of row 2 i + l / 16 (two 256-byte rows per warp load).
 __global__ void __launch_bounds__(kWarps * 32) gather_line(Args a) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int token = blockIdx.x * kWarps + warp, hk = blockIdx.y;
-  if (token >= a.tokens) return;
-  const int* idx = a.idx + (int64_t(token) * kHkv + hk) * kNSel;
-  uint32_t acc = 0;
-  for (int b = 0; b < kNSel; ++b) {
-    const int64_t key0 = int64_t(idx[b]) * kBlock;
-#pragma unroll 2
-    for (int s = 0; s < kBlock / kStep; ++s) {
-      const int64_t first = key0 + s * kStep;
-      uint4 kr[8], vr[8];
+  const int lane = threadIdx.x % 32;
+  walk_steps(a, [&](int64_t first, int hk) {
+    uint4 kr[8], vr[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        kr[i] = row_ptr(a.k, first + 2 * i + lane / 16, hk)[lane % 16];
-        vr[i] = row_ptr(a.v, first + 2 * i + lane / 16, hk)[lane % 16];
-      }
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc ^= xor4(kr[i]) ^ xor4(vr[i]);
+    for (int i = 0; i < 8; ++i) {
+      kr[i] = row_ptr(a.k, first + 2 * i + lane / 16, hk)[lane % 16];
+      vr[i] = row_ptr(a.v, first + 2 * i + lane / 16, hk)[lane % 16];
     }
-  }
-  finish(a, token, hk, acc);
+    uint32_t x = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x ^= xor4(kr[i]) ^ xor4(vr[i]);
+    return x;
+  });
 }
 
 template <bool kCa>
