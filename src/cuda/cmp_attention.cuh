@@ -461,7 +461,7 @@ void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream) {
   }
   cmp_launch(pass1, kWgRows, cmp_smem_bytes(kWgRows, kDqk, kDv, p.group, p.score_ring, true, false), p, stream);
   if (p.scores == nullptr) return;
-  if constexpr (kDqk > 128) {  // the only head dim with 128-row S tiles (scores_rows): one instantiation less
+  if constexpr (scores_wide_tiles(kDqk)) {  // else the 128-row S kernel is not instantiated
     if (scores_rows(kDqk, kDv, p.group, p.score_ring, kMaxSmem) == kScoresRows) {
       cmp_launch(cmp_scores_kernel<Storage, kDqk, kDv, kScoresRows, 2>, kScoresRows,
                  cmp_smem_bytes(kScoresRows, kDqk, kDv, p.group, p.score_ring, false, true), p, stream);

@@ -158,13 +158,17 @@ constexpr size_t cmp_smem_bytes(int rows, int dqk, int dv, int group, int score_
   const size_t scores = with_scores ? tokens * ((kKeyChunk + score_ring) * sizeof(float) + sizeof(int)) : 0;
   return 1024 + q + k + (v > scores ? v : scores);
 }
-// The S pass's tile rows on sm_90a: kScoresRows at Dqk > 128 where that tile's shared memory fits
-// in max_smem (at G = 1 a 128-row tile holds 128 tokens, each with a ring of scores), else
-// kTileRows. H200, 64K, Hq 64 / Hkv 4, same run (docs/benchmarks/h200.md, session 7): Dqk 192
-// 30.9 -> 24.5 ms for pass 1 + S with 128 rows; Dqk 128 20.9 -> 21.1 ms, so 64 rows stay there.
+// The head dims whose S pass may take kScoresRows-row tiles on sm_90a (the only ones for which that
+// kernel is instantiated). H200, 64K, Hq 64 / Hkv 4, same run (docs/benchmarks/h200.md, session 7):
+// Dqk 192 30.9 -> 24.5 ms for pass 1 + S with 128 rows; Dqk 128 20.9 -> 21.1 ms, so 64 rows stay there.
+constexpr bool scores_wide_tiles(int dqk) { return dqk > 128; }
+// The S pass's tile rows on sm_90a: kScoresRows where scores_wide_tiles and that tile's shared
+// memory fits in max_smem (at G = 1 a 128-row tile holds 128 tokens, each with a ring of scores),
+// else kTileRows.
 constexpr int scores_rows(int dqk, int dv, int group, int score_ring, size_t max_smem) {
-  return dqk > 128 && cmp_smem_bytes(kScoresRows, dqk, dv, group, score_ring, false, true) <= max_smem ? kScoresRows
-                                                                                                        : kTileRows;
+  return scores_wide_tiles(dqk) && cmp_smem_bytes(kScoresRows, dqk, dv, group, score_ring, false, true) <= max_smem
+             ? kScoresRows
+             : kTileRows;
 }
 // The most any of its kernels takes: the fused 64-row kernel (sm_80), or the kWgRows-row pass 1
 // and the S pass in scores_rows() rows (sm_90a).
