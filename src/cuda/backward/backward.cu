@@ -675,8 +675,6 @@ void dispatch_dims(const BwdArgs& a, cudaStream_t s, int phase) {
   cuda::require_supported_dims(a.dqk, a.dv);  // throws
 }
 
-int64_t phi_hidden(const Plan& p) { return std::max(p.phi_hidden_k, p.phi_hidden_v); }
-
 // The sequence table cu [B+1] on the device, from a device tensor, or from the host table.
 void upload_cu(const Plan& p, int32_t* dst, cudaStream_t s) {
   if (p.cu_seqlens.defined() && p.cu_seqlens.device == Device::cuda) {
@@ -710,7 +708,7 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
   }
 
   const Problem prob = problem_of(p);
-  const Layout L = carve(sizes_of(p.cfg, prob, p.cfg.phi == PhiKind::mlp ? phi_hidden(p) : 0), ws.data, s);
+  const Layout L = carve(sizes_of(p.cfg, prob, p.cfg.phi == PhiKind::mlp ? prob.phi_hidden : 0), ws.data, s);
   if (p.T == 0) return;
   const int64_t rc = cmp_rows(p.T, p.cfg.cmp_stride);
 
