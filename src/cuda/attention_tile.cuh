@@ -209,12 +209,7 @@ struct TileAttention {
     static_assert(kD % 64 == 0, "swizzled tiles are made of 64-column blocks");
     constexpr int kPieces = kD / 8;
     unsigned char* bytes = reinterpret_cast<unsigned char*>(tile);
-    // The fixed-piece copy needs a thread count whose rows step by a multiple of 8 and divide the
-    // chunk: the CTA's, else (three warpgroups at D = 64, 128) its first 256 threads.
-    constexpr auto fits = [](int threads) {
-      return threads % kPieces == 0 && (threads / kPieces) % 8 == 0 && kChunk % (threads / kPieces) == 0;
-    };
-    constexpr int kCopy = fits(kCtaThreads) ? kCtaThreads : kCtaThreads > 256 && fits(256) ? 256 : 0;
+    constexpr int kCopy = sw128_copy_threads(kCtaThreads, kPieces, kChunk);
     if constexpr (kCopy > 0) {
       // Each thread copies one fixed 16-byte piece of rows r0, r0 + kStep, ...: rows 8 apart share
       // the swizzle pattern, so the destination is one address plus a constant per row (as the
@@ -262,14 +257,8 @@ struct TileAttention {
 #pragma unroll
     for (int i = 0; i < kSTiles; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
     wgmma_batch([&] {
-      const uint32_t a_base = smem_address(sq) + (threadIdx.x / 128) * (64 * 128);
-      const uint32_t b_base = smem_address(sk);
-#pragma unroll
-      for (int kk = 0; kk < kDqk / 16; ++kk) {
-        const uint32_t in_block = (kk & 3) * 32;
-        wgmma_ss<kChunk, kBf16, 0>(s, wgmma_desc_sw128(a_base, (kk >> 2) * (kRows * 128) + in_block, 16, 1024),
-                                   wgmma_desc_sw128(b_base, (kk >> 2) * (kChunk * 128) + in_block, 16, 1024), 1);
-      }
+      wgmma_abt_ss_sw128<kChunk, kBf16, kDqk, kRows>(s, smem_address(sq) + (threadIdx.x / 128) * (64 * 128),
+                                                     smem_address(sk));
     }, s);
   }
 

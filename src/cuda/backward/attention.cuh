@@ -12,8 +12,8 @@
 // (transposed where they are the k-major operand). The streamed tiles are double-buffered with
 // cp.async: the copy of the next tile runs under the products of the current one.
 //
-// A row tile holds kRows = 64 rows: rows / G consecutive query tokens of one sequence times the G query heads of one KV head,
-// so every key row loaded serves G heads. Three kernels, none with
+// A row tile holds kRows = 64 rows: kRows / G consecutive query tokens of one sequence times the
+// G query heads of one KV head, so every key row loaded serves G heads. Three kernels, none with
 // floating-point atomics:
 //   dq_kernel        query-centric, each warp owns 16 rows, compressed and window branches: per
 //                    row tile, (1) recompute each branch's output from lse to get dg (skipped
@@ -70,17 +70,9 @@ constexpr int kRows = 64;            // query rows per tile (tokens x heads of o
 constexpr int kKeys = 64;            // keys per tile
 constexpr int kWarps = kRows / 16;   // each warp owns 16 rows (dq) or 16 keys (dk/dv)
 constexpr int kThreads = 32 * kWarps;
-// dq_kernel's row tile: one warpgroup (4 warps, 16 rows each), 2 CTAs per SM. (Two warpgroups
-// with Q / dO fragments, 1 CTA per SM, measured slower in session 6; three, at the 168 registers
-// that 384 threads leave, spilled ~300 bytes in the tile loop at Dqk = Dv = 128.)
-template <int DQK>
-constexpr int dq_rows() {
-  return kRows;
-}
-template <int DQK>
-constexpr int dq_threads() {
-  return dq_rows<DQK>() / 16 * 32;
-}
+// dq_kernel's row tile is kRows rows, one warpgroup, 2 CTAs per SM. (Two warpgroups, 1 CTA per
+// SM, measured slower in sessions 6 and 7, with Q / dO fragments and from shared memory; three,
+// at the 168 registers that 384 threads leave, spilled ~300 bytes in the tile loop at 128/128.)
 // The warps work on 16 x 64 score blocks in two halves of 16 x 32 (kSubTiles n8 tiles): half the
 // live score registers, so dK and dV (or dQ) accumulators of a 128-wide head fit without spills.
 constexpr int kSub = 32;
@@ -169,10 +161,10 @@ __device__ __forceinline__ float load_f32(const void* base, int64_t i) {
 
 __device__ __forceinline__ int64_t seq_start(const int32_t* cu, int b) { return cu[b]; }
 
-// Bytes of a shared tile of R (default kRows = kKeys) rows of D 16-bit elements, padded rows.
-template <int D, int R = kRows>
+// Bytes of a shared tile of kRows (= kKeys) rows of D 16-bit elements, padded rows.
+template <int D>
 constexpr int tile_bytes() {
-  return R * (D + kPad) * 2;
+  return kRows * (D + kPad) * 2;
 }
 
 // Starts copying kRows rows of D elements into a shared tile [kRows][D + kPad]; row r comes from
@@ -180,19 +172,18 @@ constexpr int tile_bytes() {
 // lands at the caller's next cp_async_wait; otherwise plain loads. Either way it is visible after
 // the caller's next barrier. `any` is a valid global address: cp.async needs one even for a
 // zero-filled row, whose bytes it does not read.
-// kR rows (default kRows) by a CTA of kT threads (default kThreads).
-template <typename E, int D, int kR = kRows, int kT = kThreads, typename RowPtr>
+template <typename E, int D, typename RowPtr>
 __device__ __forceinline__ void copy_rows(E* dst, RowPtr row_ptr, bool vec, const E* any) {
   constexpr int kLd = D + kPad;
   if (vec) {
     constexpr int kChunks = D / 8;
-    for (int e = threadIdx.x; e < kR * kChunks; e += kT) {
+    for (int e = threadIdx.x; e < kRows * kChunks; e += kThreads) {
       const int r = e / kChunks, c = (e % kChunks) * 8;
       const E* src = row_ptr(r);
       cuda::cp_async_16(dst + r * kLd + c, src != nullptr ? src + c : any, src != nullptr);
     }
   } else {
-    for (int e = threadIdx.x; e < kR * D; e += kT) {
+    for (int e = threadIdx.x; e < kRows * D; e += kThreads) {
       const int r = e / D, c = e % D;
       const E* src = row_ptr(r);
       dst[r * kLd + c] = src != nullptr ? src[c] : from_float<E>(0.f);
@@ -304,26 +295,24 @@ namespace nsa::cuda_bwd {
 
 template <typename E, int DQK, int DV>
 struct DqSmem {
-  static constexpr int kR = dq_rows<DQK>();
   static constexpr int kK = 0;                             // [2][kKeys][DQK + kPad], double-buffered
   static constexpr int kV = kK + 2 * tile_bytes<DQK>();    // [2][kKeys][DV + kPad]
-  static constexpr int kQ = kV + 2 * tile_bytes<DV>();     // [kR][DQK + kPad]
-  static constexpr int kDo = kQ + tile_bytes<DQK, kR>();   // [kR][DV + kPad]
-  static constexpr size_t kEnd = size_t(kDo) + tile_bytes<DV, kR>();
+  static constexpr int kQ = kV + 2 * tile_bytes<DV>();     // [kRows][DQK + kPad]
+  static constexpr int kDo = kQ + tile_bytes<DQK>();       // [kRows][DV + kPad]
+  static constexpr size_t kEnd = size_t(kDo) + tile_bytes<DV>();
   // sm_90a (dq_wgmma.cuh): from the first 1024-byte boundary, K [2][kKeys][DQK], V [2][kKeys][DV],
-  // Q [kR][DQK] and dO [kR][DV], all 128-byte swizzled without padding (Q and dO are the A
+  // Q [kRows][DQK] and dO [kRows][DV], all 128-byte swizzled without padding (Q and dO are the A
   // operands of S and dP in shared memory). The padding saved pays for the alignment, so kEnd
   // (what the host asks for) serves both layouts.
   static constexpr int kSwV = 2 * sw_tile_bytes<DQK>();
   static constexpr int kSwQ = kSwV + 2 * sw_tile_bytes<DV>();
-  static constexpr int kSwDo = kSwQ + kR * DQK * 2;
-  static_assert(1023 + size_t(kSwDo) + kR * DV * 2 <= kEnd, "the swizzled layout fits after alignment");
+  static constexpr int kSwDo = kSwQ + sw_tile_bytes<DQK>();
+  static_assert(1023 + size_t(kSwDo) + sw_tile_bytes<DV>() <= kEnd, "the swizzled layout fits after alignment");
 };
 
 template <typename E, int DQK, int DV>
-__global__ void __launch_bounds__(dq_threads<DQK>()) dq_kernel(const BwdArgs a) {
+__global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
   using L = DqSmem<E, DQK, DV>;
-  constexpr int kDqRows = dq_rows<DQK>(), kDqThreads = dq_threads<DQK>();
   constexpr int kLdK = DQK + kPad, kLdV = DV + kPad;
   extern __shared__ __align__(128) unsigned char smem[];
   // sm_90a: the wgmma body (dq_wgmma.cuh), K/V tiles swizzled from a 1024-byte boundary.
@@ -336,7 +325,7 @@ __global__ void __launch_bounds__(dq_threads<DQK>()) dq_kernel(const BwdArgs a) 
   E* sDo = reinterpret_cast<E*>(base + (kWg ? L::kSwDo : L::kDo));
   constexpr int kKBuf = kWg ? kKeys * DQK : kKeys * kLdK;  // elements of one K (V) buffer
   constexpr int kVBuf = kWg ? kKeys * DV : kKeys * kLdV;
-  const int tq = kDqRows / a.G;
+  const int tq = kRows / a.G;
 
   const int tiles_per_seq = int((a.max_seqlen + tq - 1) / tq);
   const int b = blockIdx.x / tiles_per_seq;
@@ -367,11 +356,11 @@ __global__ void __launch_bounds__(dq_threads<DQK>()) dq_kernel(const BwdArgs a) 
     return tok < 0 ? nullptr : dob + tok * a.d_o.s0 + row_head(r) * a.d_o.s1;
   };
   if constexpr (kWg) {
-    copy_rows_sw128<E, DQK, kDqThreads, kDqRows>(sQ, q_row, a.vec, qb);
-    copy_rows_sw128<E, DV, kDqThreads, kDqRows>(sDo, do_row, a.vec, dob);
+    copy_rows_sw128<E, DQK>(sQ, q_row, a.vec, qb);
+    copy_rows_sw128<E, DV>(sDo, do_row, a.vec, dob);
   } else {
-    copy_rows<E, DQK, kDqRows, kDqThreads>(sQ, q_row, a.vec, qb);
-    copy_rows<E, DV, kDqRows, kDqThreads>(sDo, do_row, a.vec, dob);
+    copy_rows<E, DQK>(sQ, q_row, a.vec, qb);
+    copy_rows<E, DV>(sDo, do_row, a.vec, dob);
   }
   // sm_90a: this warpgroup's 64 rows of the swizzled Q and dO tiles (the A operands of S and dP).
   const uint32_t q_wg = cuda::smem_address(sQ) + (threadIdx.x / 128) * (64 * 128);
@@ -418,15 +407,15 @@ __global__ void __launch_bounds__(dq_threads<DQK>()) dq_kernel(const BwdArgs a) 
     const KeyTile kt = tile_at(i, kb, ks, vb, vs);
     // (kb may point past the tensor for an empty chunk: zero-filled rows take qb as their address)
     if constexpr (kWg) {
-      copy_rows_sw128<E, DQK, kDqThreads>(sK + buf * kKBuf,
-                                          [&](int c) -> const E* { return c < kt.nk ? kb + c * ks : nullptr; }, a.vec, qb);
-      copy_rows_sw128<E, DV, kDqThreads>(sV + buf * kVBuf,
-                                         [&](int c) -> const E* { return c < kt.nk ? vb + c * vs : nullptr; }, a.vec, qb);
+      copy_rows_sw128<E, DQK>(sK + buf * kKBuf, [&](int c) -> const E* { return c < kt.nk ? kb + c * ks : nullptr; },
+                              a.vec, qb);
+      copy_rows_sw128<E, DV>(sV + buf * kVBuf, [&](int c) -> const E* { return c < kt.nk ? vb + c * vs : nullptr; },
+                             a.vec, qb);
     } else {
-      copy_rows<E, DQK, kKeys, kDqThreads>(sK + buf * kKBuf,
-                                           [&](int c) -> const E* { return c < kt.nk ? kb + c * ks : nullptr; }, a.vec, qb);
-      copy_rows<E, DV, kKeys, kDqThreads>(sV + buf * kVBuf,
-                                          [&](int c) -> const E* { return c < kt.nk ? vb + c * vs : nullptr; }, a.vec, qb);
+      copy_rows<E, DQK>(sK + buf * kKBuf, [&](int c) -> const E* { return c < kt.nk ? kb + c * ks : nullptr; },
+                        a.vec, qb);
+      copy_rows<E, DV>(sV + buf * kVBuf, [&](int c) -> const E* { return c < kt.nk ? vb + c * vs : nullptr; },
+                       a.vec, qb);
     }
   };
 
@@ -567,7 +556,7 @@ __global__ void __launch_bounds__(dq_threads<DQK>()) dq_kernel(const BwdArgs a) 
             for (int nt = 0; nt < DV / 8; ++nt) {
               // dO[r][8 nt + 2 quad .. + 1]: in the swizzled tile the pair lies in the 16-byte piece
               // of columns 8 nt .. 8 nt + 7 of row r.
-              const E* d = kWg ? reinterpret_cast<const E*>(dosw + cuda::sw128_offset(kDqRows, r, nt * 8)) : dorow + nt * 8;
+              const E* d = kWg ? reinterpret_cast<const E*>(dosw + cuda::sw128_offset(kRows, r, nt * 8)) : dorow + nt * 8;
               part += acc_o[nt][2 * h] * to_float(d[0]) + acc_o[nt][2 * h + 1] * to_float(d[1]);
             }
             part += __shfl_xor_sync(0xffffffffu, part, 1);
@@ -586,7 +575,7 @@ __global__ void __launch_bounds__(dq_threads<DQK>()) dq_kernel(const BwdArgs a) 
         if constexpr (kWg) {  // S = Q K^T, then O += P V, 64 keys
           float s[kKeys / 8][4];
           zero(s);
-          cuda::wgmma_batch([&] { wgmma_abt_ss_issue<E, DQK, kDqRows>(s, q_wg, cuda::smem_address(tk)); }, s);
+          cuda::wgmma_batch([&] { cuda::wgmma_abt_ss_sw128<kKeys, kIsBf16<E>, DQK, kRows>(s, q_wg, cuda::smem_address(tk)); }, s);
           probabilities_wg(s, kt);
           uint32_t pf[kKeys / 16][4];
           to_operand<E, kKeys / 8>(s, pf);
@@ -613,8 +602,8 @@ __global__ void __launch_bounds__(dq_threads<DQK>()) dq_kernel(const BwdArgs a) 
             zero(dp);
             // S and dP in one batch, both operands from shared memory (no A fragments in registers).
             cuda::wgmma_batch([&] {
-              wgmma_abt_ss_issue<E, DQK, kDqRows>(s, q_wg, cuda::smem_address(tk));
-              wgmma_abt_ss_issue<E, DV, kDqRows>(dp, do_wg, cuda::smem_address(tv));
+              cuda::wgmma_abt_ss_sw128<kKeys, kIsBf16<E>, DQK, kRows>(s, q_wg, cuda::smem_address(tk));
+              cuda::wgmma_abt_ss_sw128<kKeys, kIsBf16<E>, DV, kRows>(dp, do_wg, cuda::smem_address(tv));
             }, s, dp);
             probabilities_wg(s, kt);
 #pragma unroll
@@ -1157,9 +1146,9 @@ void launch_attention(const BwdArgs& a, cudaStream_t s, int phase) {
   if (phase == 0) {  // the compressed and window branches (the selection's is phase 4)
     const size_t smem = DqSmem<E, DQK, DV>::kEnd;
     allow_smem(dq_kernel<E, DQK, DV>, smem);
-    const dim3 grid = cuda::row_tile_grid(a.max_seqlen, a.B, dq_rows<DQK>() / a.G, a.hkv);
+    const dim3 grid = cuda::row_tile_grid(a.max_seqlen, a.B, kRows / a.G, a.hkv);
     if (grid.x == 0) return;
-    dq_kernel<E, DQK, DV><<<grid, dq_threads<DQK>(), smem, s>>>(a);
+    dq_kernel<E, DQK, DV><<<grid, kThreads, smem, s>>>(a);
     NSA_CUDA_CHECK_LAUNCH();
     return;
   }

@@ -1,8 +1,8 @@
 // sm_90a building blocks of dq_kernel (attention.cuh, which includes this header after its
 // constants and helpers): warpgroup MMAs (common/wgmma.h) instead of mma.sync.
 //
-// The CTA of dq_kernel is dq_rows() / 64 warpgroups (dq_rows() query rows, warp w owning rows
-// 16w..16w+15 in both bodies); each warpgroup multiplies its 64 rows against the same K/V tile.
+// The CTA of dq_kernel is one warpgroup: 4 warps, kRows = 64 query rows, warp w owning rows
+// 16w..16w+15 in both bodies.
 // The wgmma register layouts are the mma.sync ones (an m64nN fp32 accumulator is, per warp, N/8
 // m16n8 C fragments of its 16 rows; a register A operand is the m16n8k16 A fragment), so masking,
 // probabilities, dS and the dg / dq epilogues are the same code.
@@ -58,21 +58,18 @@ constexpr int sw_tile_bytes() {
   return kKeys * D * 2;
 }
 
-// copy_rows into a 128-byte-swizzled tile of kR rows (default kKeys; dst 1024-byte aligned); same
+// copy_rows into a 128-byte-swizzled tile of kKeys (= kRows) rows (dst 1024-byte aligned); same
 // contract. Where the threads divide into whole rows of 16-byte pieces 8 rows apart (D = 64, 128;
-// with 384 threads and 64-row tiles only the first 256 of them), each copies one fixed piece of
-// rows r0, r0 + kStep, ...: those rows share one swizzle pattern, so the destination is one address
-// plus a constant per row, and row_ptr runs once per row and piece (about 7 instructions a copy
-// instead of 35). kT: the CTA's threads (default kThreads).
-template <typename E, int D, int kT = kThreads, int kR = kKeys, typename RowPtr>
+// cuda::sw128_copy_threads), each copies one fixed piece of rows r0, r0 + kStep, ...: those rows
+// share one swizzle pattern, so the destination is one address plus a constant per row, and
+// row_ptr runs once per row and piece (about 7 instructions a copy instead of 35).
+template <typename E, int D, typename RowPtr>
 __device__ __forceinline__ void copy_rows_sw128(E* dst, RowPtr row_ptr, bool vec, const E* any) {
   static_assert(D % 64 == 0, "swizzled tiles are made of 64-column blocks");
+  constexpr int kT = kThreads, kR = kKeys;
   unsigned char* bytes = reinterpret_cast<unsigned char*>(dst);
   constexpr int kChunks = D / 8;
-  constexpr auto fits = [](int threads) {
-    return threads % kChunks == 0 && (threads / kChunks) % 8 == 0 && kR % (threads / kChunks) == 0;
-  };
-  constexpr int kCopy = fits(kT) ? kT : kT > 256 && fits(256) ? 256 : 0;
+  constexpr int kCopy = cuda::sw128_copy_threads(kT, kChunks, kR);
   if (vec) {
     if constexpr (kCopy > 0) {
       constexpr int kStep = kCopy / kChunks;
@@ -98,21 +95,6 @@ __device__ __forceinline__ void copy_rows_sw128(E* dst, RowPtr row_ptr, bool vec
       *reinterpret_cast<E*>(bytes + cuda::sw128_offset(kR, r, c & ~7) + (c & 7) * 2) =
           src != nullptr ? src[c] : from_float<E>(0.f);
     }
-  }
-}
-
-// Issues acc (m64 x n64, scale_d 1) += A B^T over D with both operands in shared memory: A = the
-// warpgroup's 64 rows from shared address a (a swizzled tile of kR rows, K-major: its 64-column
-// blocks kR x 128 bytes apart), B = the kKeys x D swizzled tile at b (K-major). No fence, commit
-// or wait.
-template <typename E, int D, int kR>
-__device__ __forceinline__ void wgmma_abt_ss_issue(float (&acc)[kKeys / 8][4], uint32_t a, uint32_t b) {
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    const uint32_t in_block = (kk & 3) * 32;
-    cuda::wgmma_ss<kKeys, kIsBf16<E>, 0>(acc, cuda::wgmma_desc_sw128(a, (kk >> 2) * (kR * 128) + in_block, 16, 1024),
-                                         cuda::wgmma_desc_sw128(b, (kk >> 2) * sw_tile_bytes<64>() + in_block, 16, 1024),
-                                         1);
   }
 }
 

@@ -59,6 +59,15 @@ __host__ __device__ __forceinline__ uint32_t sw128_offset(int rows, int row, int
   return static_cast<uint32_t>(block * rows * 128 + row * 128 + ((piece ^ (row & 7)) << 4));
 }
 
+// Threads that copy a 128-byte-swizzled tile of `rows` rows x `pieces` 16-byte pieces one fixed
+// piece each (rows r0, r0 + step, ...: rows 8 apart share the swizzle pattern, so a thread's
+// destinations are one address plus a constant per row): the CTA's `threads` where they divide the
+// tile so, else its first 256 (three warpgroups at D = 64, 128), else 0 (no fixed-piece copy).
+__host__ __device__ constexpr int sw128_copy_threads(int threads, int pieces, int rows) {
+  auto fits = [pieces, rows](int t) { return t % pieces == 0 && (t / pieces) % 8 == 0 && rows % (t / pieces) == 0; };
+  return fits(threads) ? threads : threads > 256 && fits(256) ? 256 : 0;
+}
+
 __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
   uint64_t d = uint64_t((smem_addr & 0x3FFFFu) >> 4);
   d |= uint64_t((lbo_bytes >> 4) & 0x3FFFu) << 16;
@@ -201,6 +210,20 @@ NSA_WGMMA_SS(64, false, "f16", "34", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %
 template <int kN, bool kBf16, int kTransB>
 __device__ __forceinline__ void wgmma_ss(float (&d)[kN / 8][4], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   WgmmaSs<kN, kBf16>::template run<kTransB>(d, desc_a, desc_b, scale_d);
+}
+
+// acc (m64 x kN, scale_d 1) += A B^T over D columns, both operands 128-byte-swizzled tiles in
+// shared memory, K-major: A = 64 rows at shared address a of a tile of kRowsA rows (its 64-column
+// blocks kRowsA x 128 bytes apart), B = the kN x D tile at b. One m64nNk16 product per 16 columns:
+// +32 bytes per k16 step inside a 64-column block. No fence, commit or wait (wgmma_batch).
+template <int kN, bool kBf16, int D, int kRowsA>
+__device__ __forceinline__ void wgmma_abt_ss_sw128(float (&acc)[kN / 8][4], uint32_t a, uint32_t b) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const uint32_t in_block = (kk & 3) * 32;
+    wgmma_ss<kN, kBf16, 0>(acc, wgmma_desc_sw128(a, (kk >> 2) * (kRowsA * 128) + in_block, 16, 1024),
+                           wgmma_desc_sw128(b, (kk >> 2) * (kN * 128) + in_block, 16, 1024), 1);
+  }
 }
 
 }  // namespace nsa::cuda
