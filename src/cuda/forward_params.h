@@ -111,9 +111,10 @@ constexpr int slc_sort_capacity(int group, int n_sel) {
   return cap;
 }
 // Bytes of one warp's shared region: its sort (keys, union blocks, union masks: 3 ints per entry)
-// or, at the end, its 16 x Dv output rows (2-byte storage).
+// or, at the end, its 16 output rows (2-byte storage, Dv + 8 columns: 16-byte stores without bank
+// conflicts, slc_attention.cuh).
 __host__ __device__ constexpr size_t slc_warp_smem_bytes(int dv, int sort_capacity) {
-  const size_t sort = size_t(sort_capacity) * 3 * 4, out = size_t(16) * dv * 2;
+  const size_t sort = size_t(sort_capacity) * 3 * 4, out = size_t(16) * (dv + 8) * 2;
   return sort > out ? sort : out;
 }
 // Per CTA: the warps' regions, then each warp's Q fragments (16 rows x Dqk, 2-byte storage).

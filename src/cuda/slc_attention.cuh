@@ -163,9 +163,17 @@ __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_atten
     mma_p_rows_b<Storage, kVPieces>(acc, s, vr);  // O += P V
   }
 
-  // ---- Epilogue: normalise, undo the column permutation in shared memory, write rows ----
+  // ---- Epilogue: normalise, undo the column permutation, write rows through shared memory ----
+  // Column n of n8 tile 8v + j is dv = 64 v + 8 n + j, and a lane holds n = 2 quad + e (e = 0, 1):
+  // its values acc[8v + j][2h + e], j = 0..7, are row g + 8h, columns 64 v + 16 quad + 8 e + j,
+  // one run of 8 consecutive columns per (h, v, e): one 16-byte store each. With rows of Dv + 8
+  // columns (68 words at Dv = 128, 36 at 64) the 8 lanes of a store phase (two rows g, quad 0..3)
+  // fall on 8 disjoint groups of 4 banks.
+  // (With 2-byte stores into unpadded rows the 8 rows of a store hit one bank: ncu counted 8x
+  // the ideal shared wavefronts there, ~18% of the kernel's shared-memory traffic, session 7.)
+  constexpr int kOStride = kDv + 8;
   __syncwarp();  // every lane is done with the union lists: the region now holds the output
-  Storage* so = reinterpret_cast<Storage*>(keys);  // [16][kDv]
+  Storage* so = reinterpret_cast<Storage*>(keys);  // [16][kOStride]
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float l = lsum[h];
@@ -175,13 +183,20 @@ __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_atten
     const float inv = l > 0.f ? 1.f / l : 0.f;
     if (t_row[h] >= 0 && quad == 0 && p.lse[0] != nullptr)
       p.lse[0][(s0 + t_row[h]) * p.lse_st[0] + head[h] * p.lse_sh[0]] = lse2 == kNegInf ? kNegInf : lse2 * kLn2;
-    Storage* orow = so + (g + 8 * h) * kDv;
+    Storage* orow = so + (g + 8 * h) * kOStride;
+    using Traits = StorageTraits<Storage>;
 #pragma unroll
-    for (int t = 0; t < kOTiles; ++t) {
-      const int col = 64 * (t / 8) + 16 * quad + t % 8;
-      orow[col] = from_float<Storage>(acc[t][2 * h] * inv);
-      orow[col + 8] = from_float<Storage>(acc[t][2 * h + 1] * inv);
-    }
+    for (int v = 0; v < kOTiles / 8; ++v)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float(&a)[kOTiles][4] = acc;
+        const int c = 2 * h + e;
+        *reinterpret_cast<uint4*>(orow + 64 * v + 16 * quad + 8 * e) =
+            make_uint4(Traits::pack(a[8 * v][c] * inv, a[8 * v + 1][c] * inv),
+                       Traits::pack(a[8 * v + 2][c] * inv, a[8 * v + 3][c] * inv),
+                       Traits::pack(a[8 * v + 4][c] * inv, a[8 * v + 5][c] * inv),
+                       Traits::pack(a[8 * v + 6][c] * inv, a[8 * v + 7][c] * inv));
+      }
   }
   __syncwarp();
   constexpr int kRowPieces = kDv / 8;
@@ -193,7 +208,7 @@ __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_atten
     if (rtok >= tokens_valid) continue;
     const int rhead = hk * p.group + (row & (p.group - 1));
     *reinterpret_cast<uint4*>(out + (s0 + t0 + rtok) * p.ob_st[0] + int64_t(rhead) * p.ob_sh[0] + 8 * piece) =
-        *reinterpret_cast<const uint4*>(so + row * kDv + 8 * piece);
+        *reinterpret_cast<const uint4*>(so + row * kOStride + 8 * piece);
   }
 }
 
