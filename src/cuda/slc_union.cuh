@@ -116,6 +116,79 @@ __device__ __forceinline__ void store_permuted_fragments(uint4* frag, const E* r
 }
 
 
+// Copies rows [first, first + 16) of a D-column tensor (rows `st` elements apart) into a ring stage
+// of 16 rows x (D + 8) columns, in whole lines: lane l takes pieces l, l + 32, ... of the step's
+// 16 x D/8 16-byte pieces (row-major). Rows at or past `end` are zero-filled, never read.
+template <typename E, int D>
+__device__ __forceinline__ void slc_copy_step(E* stage, const E* base, int64_t st, int64_t first, int64_t end) {
+  constexpr int kPieces = D / 8, kStride = D + 8;
+  static_assert((16 * kPieces) % 32 == 0, "whole warp copies");
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int k = 0; k < 16 * kPieces / 32; ++k) {
+    const int e = k * 32 + lane, row = e / kPieces, piece = e % kPieces;
+    const bool valid = first + row < end;
+    cp_async_16(stage + row * kStride + piece * 8, valid ? base + (first + row) * st + piece * 8 : base, valid);
+  }
+}
+
+// p (16 rows x 16 keys, the accumulator layout of two n8 tiles) as an A fragment (storage type).
+template <typename E>
+__device__ __forceinline__ void pack_a_fragment(uint32_t (&fa)[4], const float (&p)[2][4]) {
+  using Traits = StorageTraits<E>;
+  fa[0] = Traits::pack(p[0][0], p[0][1]);
+  fa[1] = Traits::pack(p[0][2], p[0][3]);
+  fa[2] = Traits::pack(p[1][0], p[1][1]);
+  fa[3] = Traits::pack(p[1][2], p[1][3]);
+}
+
+// The warp's 16 rows (row_g: row g, row_g8: row g + 8; nullptr: zeros) as the A fragments of
+// mma.m16n8k16 over D columns, natural order: f[kk] holds columns 16 kk + 2 quad (+1) and + 8.
+template <typename E, int D>
+__device__ __forceinline__ void load_a_fragments(uint32_t (&f)[D / 16][4], const E* row_g, const E* row_g8) {
+  const int quad = threadIdx.x % 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const E* row = h == 0 ? row_g : row_g8;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        f[kk][2 * half + h] = row != nullptr ? *reinterpret_cast<const uint32_t*>(row + 16 * kk + 8 * half + 2 * quad) : 0u;
+  }
+}
+
+// Ring-stage products (16 keys in rows of kStride columns, ldmatrix; lane l gives row l % 8 of
+// matrix l / 8):
+// s (16 rows x the 16 keys) = A (fragments f over D columns) x stage^T.
+template <bool kBf16, int D, int kStride, typename E>
+__device__ __forceinline__ void mma_frags_stage(float (&s)[2][4], const uint32_t (&f)[D / 16][4], const E* stage) {
+  const int lane = threadIdx.x % 32, mrow = lane % 8, mat = lane / 8;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t b[4];  // matrices 0, 1: keys 0-7, columns 16 kk + 0-7, 8-15; 2, 3: keys 8-15
+    ldmatrix_x4(b, stage + (mrow + 8 * (mat >> 1)) * kStride + 16 * kk + 8 * (mat & 1));
+    mma_16816<kBf16>(s[0], f[kk], b[0], b[1]);
+    mma_16816<kBf16>(s[1], f[kk], b[2], b[3]);
+  }
+}
+// acc (D / 8 n8 tiles, natural columns) += p (16 rows x the 16 keys, accumulator layout) x stage.
+template <bool kBf16, int D, int kStride, typename E>
+__device__ __forceinline__ void mma_p_stage(float (*acc)[4], const float (&p)[2][4], const E* stage) {
+  const int lane = threadIdx.x % 32, mrow = lane % 8, mat = lane / 8;
+  uint32_t fa[4];
+  pack_a_fragment<E>(fa, p);
+#pragma unroll
+  for (int dt = 0; dt < D / 16; ++dt) {
+    uint32_t b[4];  // transposed; matrices 0, 1: keys 0-7, 8-15 of columns 16 dt + 0-7; 2, 3: + 8-15
+    ldmatrix_x4_trans(b, stage + (mrow + 8 * (mat & 1)) * kStride + 16 * dt + 8 * (mat >> 1));
+    mma_16816<kBf16>(acc[2 * dt], fa, b[0], b[1]);
+    mma_16816<kBf16>(acc[2 * dt + 1], fa, b[2], b[3]);
+  }
+}
+
 // The steps of a warp's walk over its union blocks: step i is 16 keys of block ublk[i / per_block].
 struct SlcWalk {
   const int32_t* ublk;
@@ -199,10 +272,7 @@ template <typename E, int P>
 __device__ __forceinline__ void mma_p_rows_b(float (*acc)[4], const float (&p)[2][4], const uint4 (&r)[4][P]) {
   using Traits = StorageTraits<E>;
   uint32_t fa[4];
-  fa[0] = Traits::pack(p[0][0], p[0][1]);
-  fa[1] = Traits::pack(p[0][2], p[0][3]);
-  fa[2] = Traits::pack(p[1][0], p[1][1]);
-  fa[3] = Traits::pack(p[1][2], p[1][3]);
+  pack_a_fragment<E>(fa, p);
 #pragma unroll
   for (int v = 0; v < P; ++v)
 #pragma unroll

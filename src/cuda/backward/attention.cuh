@@ -1135,8 +1135,7 @@ void launch_attention(const BwdArgs& a, cudaStream_t s, int phase) {
   if (phase == 4) {  // the selection branch's dq (and dg), after dq_kernel ran without it
     const int cap = slc_dq_capacity(a.G, a.n);
     const size_t smem = slc_dq_smem_bytes(DQK, DV, cap);
-    // No carve-out hint: the kernel reads each K row twice, the second time from L1.
-    cuda::allow_smem(slc_dq_kernel<E, DQK, DV>, smem, /*max_carveout=*/false);
+    cuda::allow_smem(slc_dq_kernel<E, DQK, DV>, smem, /*max_carveout=*/true);  // the warps' rings
     const dim3 grid = cuda::row_tile_grid(a.max_seqlen, a.B, (16 / a.G) * kSlcDqWarps, a.hkv);
     if (grid.x == 0) return;
     slc_dq_kernel<E, DQK, DV><<<grid, kSlcDqWarps * 32, smem, s>>>(a, cap);

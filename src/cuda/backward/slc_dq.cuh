@@ -1,16 +1,17 @@
 // dq of the selection branch (and its dg when the forward's o_branch was not kept): one warp per
-// 16 query rows, K and V straight from L2 into registers, as the forward's selection kernel
-// (src/cuda/slc_attention.cuh, whose header explains the operand layouts).
+// 16 query rows, each warp streaming its 16-key steps of K and V through its own two-stage ring
+// of shared memory (cp.async in whole lines, ldmatrix in the natural mma layouts). The forward's
+// selection kernel (slc_attention.cuh) keeps its fragment loads: the same ring made it slower
+// (17.6 -> 22.2 ms at 64K, branch slc-ring), while here it made this kernel faster.
 //
 // dq_kernel (attention.cuh) runs first with the selection branch off and writes dq of the
 // compressed and window branches; this kernel then adds the selection's part:
 //   pass 1 (skipped when a.dg_ready): o_slc = sum_j P_j V_j with P = exp(scale s - lse_slc), and
 //           dg_slc = <dO, o_slc>, written to dg32 / dg (dq_kernel wrote 0 there);
 //   pass 2: dS = scale g P (dP - dg) with dP = dO V^T, and dq += dS K.
-// Per 16-key step a warp loads K twice, in the two layouts of its two products (Q K^T: lane holds
-// key g, d-permuted; dS K: keys 2q.., output columns permuted), the second from L1; V once
-// (d-permuted for dO V^T) or, in pass 1, in the P V layout. Q's and dO's A fragments sit in the
-// warp's shared slice in lane order. Deterministic: every sum in a fixed order, no atomics.
+// A stage serves all four products of a step: Q K^T and dO V^T read K and V with ldmatrix, P V
+// and dS K with ldmatrix.trans. Q's and dO's A fragments are held in registers. Deterministic:
+// every sum in a fixed order, no atomics.
 #pragma once
 
 #include "cuda/slc_union.cuh"
@@ -19,10 +20,20 @@ namespace nsa::cuda_bwd {
 
 constexpr int kSlcDqWarps = 4;
 
-// Shared bytes per CTA: per warp the union scratch (3 ints per entry) and Q's and dO's fragments.
-constexpr size_t slc_dq_smem_bytes(int dqk, int dv, int cap) {
-  return size_t(kSlcDqWarps) * (size_t(cap) * 12 + size_t(dqk / 16 + dv / 16) * 32 * 16);
+// Shared bytes: per warp the union blocks and masks (2 ints per entry, rounded up to 16 bytes),
+// then a ring of two stages of 16 keys of K and V in rows padded by 8 columns. The union's sort
+// keys (1 int per entry) are dead once the union is built, before the ring's first copy: they
+// share the ring's bytes, which keeps n = 256 at G = 1 within shared memory.
+constexpr size_t slc_dq_union_bytes(int cap) { return (size_t(cap) * 8 + 15) / 16 * 16; }
+constexpr size_t slc_dq_stage_elems(int dqk, int dv) { return size_t(16) * ((dqk + 8) + (dv + 8)); }
+constexpr size_t slc_dq_ring_bytes(int dqk, int dv, int cap) {
+  const size_t ring = 2 * slc_dq_stage_elems(dqk, dv) * 2, keys = size_t(cap) * 4;
+  return ring > keys ? ring : keys;
 }
+constexpr size_t slc_dq_warp_bytes(int dqk, int dv, int cap) {
+  return slc_dq_union_bytes(cap) + slc_dq_ring_bytes(dqk, dv, cap);
+}
+constexpr size_t slc_dq_smem_bytes(int dqk, int dv, int cap) { return size_t(kSlcDqWarps) * slc_dq_warp_bytes(dqk, dv, cap); }
 inline int slc_dq_capacity(int group, int n) {
   int need = (16 / group) * n, cap = 1;
   while (cap < need) cap *= 2;
@@ -31,10 +42,9 @@ inline int slc_dq_capacity(int group, int n) {
 
 template <typename E, int DQK, int DV>
 __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdArgs a, int cap) {
-  constexpr int kKA = DQK / 32;  // 16-byte pieces per K row, Q K^T layout (d-permuted)
-  constexpr int kVA = DV / 32;   // per V row, dO V^T layout
-  constexpr int kKB = DQK / 64;  // per K row, dS K layout (output columns permuted)
-  constexpr int kVB = DV / 64;   // per V row, P V layout
+  constexpr bool kBf16 = cuda::StorageTraits<E>::is_bf16;
+  constexpr int kKStride = DQK + 8, kVStride = DV + 8;
+  constexpr int kStage = int(slc_dq_stage_elems(DQK, DV));
   extern __shared__ __align__(16) unsigned char smem[];
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -52,12 +62,11 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
   const int tokens_valid = int(min(int64_t(tpw), len - t0));
   const int64_t t_max = t0 + tokens_valid - 1;
 
-  unsigned char* mine = smem + warp * (size_t(cap) * 12 + size_t(DQK / 16 + DV / 16) * 32 * 16);
-  int32_t* keys = reinterpret_cast<int32_t*>(mine);
-  int32_t* ublk = keys + cap;
+  unsigned char* mine = smem + warp * slc_dq_warp_bytes(DQK, DV, cap);
+  int32_t* ublk = reinterpret_cast<int32_t*>(mine);
   int32_t* umask = ublk + cap;
-  uint4* qs = reinterpret_cast<uint4*>(mine + size_t(cap) * 12);
-  uint4* dos = qs + (DQK / 16) * 32;
+  E* ring = reinterpret_cast<E*>(mine + slc_dq_union_bytes(cap));  // [2][kStage]
+  int32_t* keys = reinterpret_cast<int32_t*>(ring);  // the union's sort, done before the ring's first copy
 
   const int32_t* idx = static_cast<const int32_t*>(a.indices.p) + (s0 + t0) * a.indices.s0 + int64_t(hk) * a.indices.s1;
   const int num_blocks = cuda::warp_block_union(idx, a.indices.s0, a.n, a.lp, t0, tokens_valid, cap, keys, ublk, umask);
@@ -84,9 +93,9 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
     dorow[h] = static_cast<const E*>(a.d_o.p) + t * a.d_o.s0 + int64_t(head[h]) * a.d_o.s1;
     if (a.dg_ready) dg[h] = a.dg32[(t * a.hq + head[h]) * 3 + kSlc];
   }
-  cuda::store_permuted_fragments<E, DQK>(qs, qrow[0], qrow[1]);
-  cuda::store_permuted_fragments<E, DV>(dos, dorow[0], dorow[1]);
-  __syncwarp();
+  uint32_t qf[DQK / 16][4], df[DV / 16][4];
+  cuda::load_a_fragments<E, DQK>(qf, qrow[0], qrow[1]);
+  cuda::load_a_fragments<E, DV>(df, dorow[0], dorow[1]);
 
   const E* kbase = static_cast<const E*>(a.k[kSlc].p) + s0 * a.k[kSlc].s0 + int64_t(hk) * a.k[kSlc].s1;
   const E* vbase = static_cast<const E*>(a.v[kSlc].p) + s0 * a.v[kSlc].s0 + int64_t(hk) * a.v[kSlc].s1;
@@ -108,44 +117,54 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
         }
     }
   };
-  // Output column of accumulator tile t, element c (0, 1) of this lane: 64 (t / 8) + 16 q + t % 8 (+ 8).
-  auto column = [&](int t, int c) { return 64 * (t / 8) + 16 * quad + t % 8 + 8 * c; };
-
-  // Register layouts of a step's rows (slc_union.cuh): K and V in the A layout for Q K^T and
-  // dO V^T, K and V in the B layout for dS K and P V.
-  uint4 ka[2][kKA];
-  // K of step i in the A layout (both passes load step 0 first, then step i + 1 during step i).
-  auto load_k_step = [&](int i) {
-    int64_t first, end;
-    int u;
-    walk.step(i, first, end, u);
-    cuda::load_rows_a<E, kKA>(ka, kbase, kst, first, end);
+  // One walk over the warp's steps through the ring: body(stage K, stage V, u, first) per step.
+  auto walk_ring = [&](auto&& body) {
+    auto issue = [&](int i) {
+      int64_t first, end;
+      int u;
+      walk.step(i, first, end, u);
+      E* stage = ring + (i & 1) * kStage;
+      cuda::slc_copy_step<E, DQK>(stage, kbase, kst, first, end);
+      cuda::slc_copy_step<E, DV>(stage + 16 * kKStride, vbase, vst, first, end);
+      cuda::cp_async_commit();
+    };
+    if (steps > 0) issue(0);
+    for (int i = 0; i < steps; ++i) {
+      if (i + 1 < steps) {
+        issue(i + 1);  // into the stage step i - 1 used: every lane left it at that step's end
+        cuda::cp_async_wait<1>();
+      } else {
+        cuda::cp_async_wait<0>();
+      }
+      __syncwarp();  // step i's stage has landed for every lane
+      const E* sk = ring + (i & 1) * kStage;
+      int64_t first, end;
+      int u;
+      walk.step(i, first, end, u);
+      body(sk, sk + 16 * kKStride, u, first);
+      __syncwarp();  // every lane is done with the stage
+    }
   };
+
   // ---- pass 1: o_slc and dg_slc = <dO, o_slc> ----
   if (!a.dg_ready) {
     float acc_o[DV / 8][4];
 #pragma unroll
     for (int t = 0; t < DV / 8; ++t) acc_o[t][0] = acc_o[t][1] = acc_o[t][2] = acc_o[t][3] = 0.f;
-    int64_t first, end;
-    int u;
-    if (steps > 0) load_k_step(0);
-    for (int i = 0; i < steps; ++i) {
-      walk.step(i, first, end, u);
-      uint4 vb[4][kVB];
-      cuda::load_rows_b<E, kVB>(vb, vbase, vst, first, end);
+    walk_ring([&](const E* sk, const E* sv, int u, int64_t first) {
       float s[2][4];
-      cuda::mma_frags_rows_a<E, kKA>(s, qs, ka);
-      if (i + 1 < steps) load_k_step(i + 1);
+      cuda::mma_frags_stage<kBf16, DQK, kKStride>(s, qf, sk);
       probabilities(s, u, first);
-      cuda::mma_p_rows_b<E, kVB>(acc_o, s, vb);
-    }
+      cuda::mma_p_stage<kBf16, DV, kVStride>(acc_o, s, sv);
+    });
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float part = 0.f;
       if (dorow[h] != nullptr) {
 #pragma unroll
         for (int t = 0; t < DV / 8; ++t)
-          part += acc_o[t][2 * h] * to_float(dorow[h][column(t, 0)]) + acc_o[t][2 * h + 1] * to_float(dorow[h][column(t, 1)]);
+          part += acc_o[t][2 * h] * to_float(dorow[h][8 * t + 2 * quad]) +
+                  acc_o[t][2 * h + 1] * to_float(dorow[h][8 * t + 2 * quad + 1]);
       }
       part += __shfl_xor_sync(0xffffffffu, part, 1);
       part += __shfl_xor_sync(0xffffffffu, part, 2);
@@ -162,28 +181,17 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
   float acc_q[DQK / 8][4];
 #pragma unroll
   for (int t = 0; t < DQK / 8; ++t) acc_q[t][0] = acc_q[t][1] = acc_q[t][2] = acc_q[t][3] = 0.f;
-  {
-    int64_t first, end;
-    int u;
-    if (steps > 0) load_k_step(0);
-    for (int i = 0; i < steps; ++i) {
-      walk.step(i, first, end, u);
-      uint4 va[2][kVA];
-      cuda::load_rows_a<E, kVA>(va, vbase, vst, first, end);
-      float s[2][4], dp[2][4];
-      cuda::mma_frags_rows_a<E, kKA>(s, qs, ka);
-      uint4 kb[4][kKB];
-      cuda::load_rows_b<E, kKB>(kb, kbase, kst, first, end);  // the rows just read for Q K^T: mostly L1 hits
-      if (i + 1 < steps) load_k_step(i + 1);
-      cuda::mma_frags_rows_a<E, kVA>(dp, dos, va);
-      probabilities(s, u, first);
+  walk_ring([&](const E* sk, const E* sv, int u, int64_t first) {
+    float s[2][4], dp[2][4];
+    cuda::mma_frags_stage<kBf16, DQK, kKStride>(s, qf, sk);   // S = Q K^T
+    cuda::mma_frags_stage<kBf16, DV, kVStride>(dp, df, sv);   // dP = dO V^T
+    probabilities(s, u, first);
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+    for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] = a.scale * gate[e >> 1] * s[nt][e] * (dp[nt][e] - dg[e >> 1]);
-      cuda::mma_p_rows_b<E, kKB>(acc_q, s, kb);
-    }
-  }
+      for (int e = 0; e < 4; ++e) s[nt][e] = a.scale * gate[e >> 1] * s[nt][e] * (dp[nt][e] - dg[e >> 1]);
+    cuda::mma_p_stage<kBf16, DQK, kKStride>(acc_q, s, sk);    // dq += dS K
+  });
   // dq (written by dq_kernel with the other branches) += this branch's part, rounded once more.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -193,7 +201,7 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
     for (int t = 0; t < DQK / 8; ++t)
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        E& x = out[column(t, c)];
+        E& x = out[8 * t + 2 * quad + c];
         x = from_float<E>(to_float(x) + acc_q[t][2 * h + c]);
       }
   }
