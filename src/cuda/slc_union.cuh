@@ -92,12 +92,12 @@ __device__ __forceinline__ void ld_shared_16(uint32_t (&r)[4], const void* p) {
                : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
 }
 
-// The warp's 16 rows as A fragments of k16 steps whose reduction index is permuted (step 2p + u
-// holds columns 32p + 8q + 4u .. +3 of lane quad q), stored in lane order: frag[kk * 32 + lane].
+// The warp's 16 rows (row_g: row g, row_g8: row g + 8; nullptr: zeros) as A fragments of k16
+// steps whose reduction index is permuted (step 2p + u holds columns 32p + 8q + 4u .. +3 of lane
+// quad q), the order of the "A" row layout below.
 template <typename E, int D>
-__device__ __forceinline__ void store_permuted_fragments(uint4* frag, const E* row_g, const E* row_g8) {
-  const int lane = threadIdx.x % 32, quad = lane % 4;
-  uint32_t f[D / 16][4];
+__device__ __forceinline__ void load_permuted_fragments(uint32_t (&f)[D / 16][4], const E* row_g, const E* row_g8) {
+  const int quad = threadIdx.x % 4;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const E* row = h == 0 ? row_g : row_g8;
@@ -111,10 +111,16 @@ __device__ __forceinline__ void store_permuted_fragments(uint4* frag, const E* r
       f[2 * pp + 1][2 + h] = x.w;
     }
   }
+}
+// The same, stored in lane order: frag[kk * 32 + lane].
+template <typename E, int D>
+__device__ __forceinline__ void store_permuted_fragments(uint4* frag, const E* row_g, const E* row_g8) {
+  const int lane = threadIdx.x % 32;
+  uint32_t f[D / 16][4];
+  load_permuted_fragments<E, D>(f, row_g, row_g8);
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) frag[kk * 32 + lane] = make_uint4(f[kk][0], f[kk][1], f[kk][2], f[kk][3]);
 }
-
 
 // Copies rows [first, first + 16) of a D-column tensor (rows `st` elements apart) into a ring stage
 // of 16 rows x (D + 8) columns, in whole lines: lane l takes pieces l, l + 32, ... of the step's
@@ -262,6 +268,20 @@ __device__ __forceinline__ void mma_frags_rows_a(float (&s)[2][4], const uint4* 
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
       mma_16816<StorageTraits<E>::is_bf16>(s[nt], fa, word_of(r[nt][pp], w), word_of(r[nt][pp], w + 1));
+  }
+}
+
+// The same with the A fragments in registers (load_permuted_fragments).
+template <typename E, int P>
+__device__ __forceinline__ void mma_regs_rows_a(float (&s)[2][4], const uint32_t (&fa)[2 * P][4], const uint4 (&r)[2][P]) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < 2 * P; ++kk) {
+    const int pp = kk / 2, w = 2 * (kk % 2);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+      mma_16816<StorageTraits<E>::is_bf16>(s[nt], fa[kk], word_of(r[nt][pp], w), word_of(r[nt][pp], w + 1));
   }
 }
 

@@ -1,17 +1,19 @@
 // dq of the selection branch (and its dg when the forward's o_branch was not kept): one warp per
-// 16 query rows, each warp streaming its 16-key steps of K and V through its own two-stage ring
-// of shared memory (cp.async in whole lines, ldmatrix in the natural mma layouts). The forward's
-// selection kernel (slc_attention.cuh) keeps its fragment loads: the same ring made it slower
-// (17.6 -> 22.2 ms at 64K, branch slc-ring), while here it made this kernel faster.
+// 16 query rows, no CTA barrier.
 //
 // dq_kernel (attention.cuh) runs first with the selection branch off and writes dq of the
 // compressed and window branches; this kernel then adds the selection's part:
 //   pass 1 (skipped when a.dg_ready): o_slc = sum_j P_j V_j with P = exp(scale s - lse_slc), and
-//           dg_slc = <dO, o_slc>, written to dg32 / dg (dq_kernel wrote 0 there);
-//   pass 2: dS = scale g P (dP - dg) with dP = dO V^T, and dq += dS K.
-// A stage serves all four products of a step: Q K^T and dO V^T read K and V with ldmatrix, P V
-// and dS K with ldmatrix.trans. Q's and dO's A fragments are held in registers. Deterministic:
-// every sum in a fixed order, no atomics.
+//           dg_slc = <dO, o_slc>, written to dg32 / dg (dq_kernel wrote 0 there). K and V go
+//           straight into registers, as in the forward's selection kernel (slc_attention.cuh).
+//   pass 2: dS = scale g P (dP - dg) with dP = dO V^T, and dq += dS K. Each warp streams its
+//           16-key steps of K and V through its own two-stage ring of shared memory (cp.async in
+//           whole lines); a stage serves the step's three products: Q K^T and dO V^T read K and V
+//           with ldmatrix, dS K reads K with ldmatrix.trans. Q's and dO's A fragments in registers.
+// Measured at 64K (H200): the ring made pass 2 faster (backward with saved o_branch 103.9 ->
+// 99.6 ms) and pass 1, like the forward, slower (the forward's selection kernel on it: 17.6 ->
+// 22.2 ms): with two products per step its extra shared-memory traffic costs more than its
+// whole-line copies save. Deterministic: every sum in a fixed order, no atomics.
 #pragma once
 
 #include "cuda/slc_union.cuh"
@@ -93,9 +95,6 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
     dorow[h] = static_cast<const E*>(a.d_o.p) + t * a.d_o.s0 + int64_t(head[h]) * a.d_o.s1;
     if (a.dg_ready) dg[h] = a.dg32[(t * a.hq + head[h]) * 3 + kSlc];
   }
-  uint32_t qf[DQK / 16][4], df[DV / 16][4];
-  cuda::load_a_fragments<E, DQK>(qf, qrow[0], qrow[1]);
-  cuda::load_a_fragments<E, DV>(df, dorow[0], dorow[1]);
 
   const E* kbase = static_cast<const E*>(a.k[kSlc].p) + s0 * a.k[kSlc].s0 + int64_t(hk) * a.k[kSlc].s1;
   const E* vbase = static_cast<const E*>(a.v[kSlc].p) + s0 * a.v[kSlc].s0 + int64_t(hk) * a.v[kSlc].s1;
@@ -147,24 +146,48 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
   };
 
   // ---- pass 1: o_slc and dg_slc = <dO, o_slc> ----
+  // Two products per step, like the forward's selection kernel, whose loads it takes: K and V
+  // straight into registers (load_rows_a / load_rows_b: for two products per step the ring's
+  // extra shared-memory traffic cost more than its whole-line copies saved, 17.6 -> 22.2 ms in
+  // the forward), Q's fragments in the permuted reduction order in registers, o_slc's columns
+  // permuted (column n of n8 tile 8v + j is dv = 64v + 8n + j).
   if (!a.dg_ready) {
-    float acc_o[DV / 8][4];
+    constexpr int kQPieces = DQK / 32, kVPieces = DV / 64, kOTiles = DV / 8;
+    uint32_t qp[DQK / 16][4];
+    cuda::load_permuted_fragments<E, DQK>(qp, qrow[0], qrow[1]);
+    float acc_o[kOTiles][4];
 #pragma unroll
-    for (int t = 0; t < DV / 8; ++t) acc_o[t][0] = acc_o[t][1] = acc_o[t][2] = acc_o[t][3] = 0.f;
-    walk_ring([&](const E* sk, const E* sv, int u, int64_t first) {
+    for (int t = 0; t < kOTiles; ++t) acc_o[t][0] = acc_o[t][1] = acc_o[t][2] = acc_o[t][3] = 0.f;
+    uint4 kr[2][kQPieces], vr[4][kVPieces];
+    auto load_k = [&](int i) {
+      int64_t first, end;
+      int u;
+      walk.step(i, first, end, u);
+      cuda::load_rows_a<E, kQPieces>(kr, kbase, kst, first, end);
+    };
+    if (steps > 0) load_k(0);
+    for (int i = 0; i < steps; ++i) {
+      int64_t first, end;
+      int u;
+      walk.step(i, first, end, u);
+      cuda::load_rows_b<E, kVPieces>(vr, vbase, vst, first, end);
       float s[2][4];
-      cuda::mma_frags_stage<kBf16, DQK, kKStride>(s, qf, sk);
+      cuda::mma_regs_rows_a<E, kQPieces>(s, qp, kr);
+      if (i + 1 < steps) load_k(i + 1);
       probabilities(s, u, first);
-      cuda::mma_p_stage<kBf16, DV, kVStride>(acc_o, s, sv);
-    });
+      cuda::mma_p_rows_b<E, kVPieces>(acc_o, s, vr);
+    }
+    // acc_o[8v + j][2h + c] is row g + 8h, column 64v + 16 quad + 8c + j.
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float part = 0.f;
       if (dorow[h] != nullptr) {
 #pragma unroll
-        for (int t = 0; t < DV / 8; ++t)
-          part += acc_o[t][2 * h] * to_float(dorow[h][8 * t + 2 * quad]) +
-                  acc_o[t][2 * h + 1] * to_float(dorow[h][8 * t + 2 * quad + 1]);
+        for (int v = 0; v < kVPieces; ++v)
+#pragma unroll
+          for (int c = 0; c < 2; ++c)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) part += acc_o[8 * v + j][2 * h + c] * to_float(dorow[h][64 * v + 16 * quad + 8 * c + j]);
       }
       part += __shfl_xor_sync(0xffffffffu, part, 1);
       part += __shfl_xor_sync(0xffffffffu, part, 2);
@@ -178,6 +201,11 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
   }
 
   // ---- pass 2: dq += scale g P (dP - dg) K ----
+  // Three products per step, two of them reading K: K and V through the warp's ring (whole-line
+  // copies, ldmatrix), Q's and dO's fragments in the natural order in registers.
+  uint32_t qf[DQK / 16][4], df[DV / 16][4];
+  cuda::load_a_fragments<E, DQK>(qf, qrow[0], qrow[1]);
+  cuda::load_a_fragments<E, DV>(df, dorow[0], dorow[1]);
   float acc_q[DQK / 8][4];
 #pragma unroll
   for (int t = 0; t < DQK / 8; ++t) acc_q[t][0] = acc_q[t][1] = acc_q[t][2] = acc_q[t][3] = 0.f;
