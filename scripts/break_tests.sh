@@ -5,6 +5,9 @@
 # then each patch's tests must fail, and every other GPU test must still pass (so the bugs are
 # independent: no test is counted as catching a bug another patch planted). The source tree is
 # restored on exit; the build directory is left with the broken objects (run this last).
+# Patches whose bugs break the same tests go in different rounds (a second line "# round: N",
+# default 1): each round is applied, built and checked on its own, so that every patch's filter
+# is caught by its own bug.
 #
 #   scripts/break_tests.sh BUILD_DIR [SOURCE_DIR]      (gpu_check.sh runs it with BREAK_TESTS=1)
 set -u -o pipefail
@@ -15,43 +18,52 @@ SRC="$(cd "${2:-$SCRIPT_DIR/..}" && pwd)"
 cd "$SRC" || exit 1
 mapfile -t PATCHES < <(ls tests/cuda/breaks/*.patch)
 [[ ${#PATCHES[@]} -gt 0 ]] || { echo "no patches"; exit 1; }
+round_of() { local r; r="$(sed -n '2s/^# round: //p' "$1")"; echo "${r:-1}"; }
 
 APPLIED=()
 restore() {
   local i
   for ((i = ${#APPLIED[@]} - 1; i >= 0; --i)); do git apply -R "${APPLIED[$i]}" || echo "could not revert ${APPLIED[$i]}"; done
+  APPLIED=()
 }
 trap restore EXIT
 
-for p in "${PATCHES[@]}"; do
-  git apply "$p" || { echo "FAIL: $p does not apply (the code it breaks has changed: update it)"; exit 1; }
-  APPLIED+=("$p")
-done
-cmake --build "$BUILD_DIR" --target nsa_cuda_tests -j "${JOBS:-16}" > "$BUILD_DIR/break_build.log" 2>&1 ||
-  { tail -30 "$BUILD_DIR/break_build.log"; exit 1; }
-TESTS="$BUILD_DIR/bin/nsa_cuda_tests"
-[[ -x "$TESTS" ]] || TESTS="$(find "$BUILD_DIR" -name nsa_cuda_tests -type f -perm -u+x | head -1)"
-
 rc=0
-all_filters=()
-for p in "${PATCHES[@]}"; do
-  filter="$(sed -n '1s/^# filter: //p' "$p")"
-  all_filters+=("$filter")
-  if "$TESTS" --gtest_filter="$filter" --gtest_brief=1 > "$BUILD_DIR/break_$(basename "$p" .patch).log" 2>&1; then
-    echo "NOT CAUGHT: $(basename "$p"): the tests '$filter' pass with the bug in"
-    rc=1
+mapfile -t ROUNDS < <(for p in "${PATCHES[@]}"; do round_of "$p"; done | sort -n | uniq)
+for round in "${ROUNDS[@]}"; do
+  mine=()
+  for p in "${PATCHES[@]}"; do [[ "$(round_of "$p")" == "$round" ]] && mine+=("$p"); done
+  echo "round $round: ${#mine[@]} patch(es)"
+  for p in "${mine[@]}"; do
+    git apply "$p" || { echo "FAIL: $p does not apply (the code it breaks has changed: update it)"; exit 1; }
+    APPLIED+=("$p")
+  done
+  cmake --build "$BUILD_DIR" --target nsa_cuda_tests -j "${JOBS:-16}" > "$BUILD_DIR/break_build.log" 2>&1 ||
+    { tail -30 "$BUILD_DIR/break_build.log"; exit 1; }
+  TESTS="$BUILD_DIR/bin/nsa_cuda_tests"
+  [[ -x "$TESTS" ]] || TESTS="$(find "$BUILD_DIR" -name nsa_cuda_tests -type f -perm -u+x | head -1)"
+
+  all_filters=()
+  for p in "${mine[@]}"; do
+    filter="$(sed -n '1s/^# filter: //p' "$p")"
+    all_filters+=("$filter")
+    if "$TESTS" --gtest_filter="$filter" --gtest_brief=1 > "$BUILD_DIR/break_$(basename "$p" .patch).log" 2>&1; then
+      echo "NOT CAUGHT: $(basename "$p"): the tests '$filter' pass with the bug in"
+      rc=1
+    else
+      failed="$(grep -c '^\[  FAILED  \] .*(' "$BUILD_DIR/break_$(basename "$p" .patch).log")"
+      echo "caught: $(basename "$p"): $failed failing test(s) in '$filter'"
+    fi
+  done
+  # Everything else passes with this round's bugs in: each patch breaks only what its filter names.
+  others="-$(IFS=:; echo "${all_filters[*]}")"  # (the filters have no '-' part of their own)
+  if "$TESTS" --gtest_filter="$others" --gtest_brief=1 > "$BUILD_DIR/break_others_$round.log" 2>&1; then
+    echo "round $round, the other tests pass: $(grep -o '[0-9]* tests\? from [0-9]* test suites\? ran' "$BUILD_DIR/break_others_$round.log" | head -1)"
   else
-    failed="$(grep -c '^\[  FAILED  \] .*(' "$BUILD_DIR/break_$(basename "$p" .patch).log")"
-    echo "caught: $(basename "$p"): $failed failing test(s) in '$filter'"
+    echo "round $round, other tests fail too (a patch breaks more than its filter says):"
+    grep '^\[  FAILED  \]' "$BUILD_DIR/break_others_$round.log" | head -20
+    rc=1
   fi
+  restore
 done
-# Everything else passes with all the bugs in: each patch breaks only what its filter names.
-others="-$(IFS=:; echo "${all_filters[*]}")"  # (the filters have no '-' part of their own)
-if "$TESTS" --gtest_filter="$others" --gtest_brief=1 > "$BUILD_DIR/break_others.log" 2>&1; then
-  echo "the other tests pass: $(grep -o '[0-9]* tests\? from [0-9]* test suites\? ran' "$BUILD_DIR/break_others.log" | head -1)"
-else
-  echo "other tests fail too (a patch breaks more than its filter says):"
-  grep '^\[  FAILED  \]' "$BUILD_DIR/break_others.log" | head -20
-  rc=1
-fi
 exit $rc

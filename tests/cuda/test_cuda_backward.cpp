@@ -372,8 +372,9 @@ TEST(CudaBackwardErrors, UnsupportedHeadDimNamesTheValue) {
 }
 
 // The selection dq kernel sorts each warp's (16 / G) x n picks in shared memory (12 bytes per
-// entry, rounded up to a power of two, four warps): an n that does not fit is an nsa::Error naming
-// it, not a failed launch. G = 1 and n = 400: 4 x 8192 x 12 B = 384 KB.
+// entry, rounded up to a power of two, four warps; the sort keys share the warp's ring): an n that
+// does not fit is an nsa::Error naming it, not a failed launch. G = 1 and n = 400:
+// 4 x 8192 x (8 + 4) B = 384 KB.
 TEST(CudaBackwardErrors, SelectionTablesTooLargeNameN) {
   NSA_REQUIRE_GPU();
   BwdCase c{"x", DType::bf16, 64, 64, 1, 1, {40}, 32, 16, 64, 400, 1, 1, 16, PhiKind::mean, false};
