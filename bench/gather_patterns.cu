@@ -21,7 +21,14 @@
 //   line      LDG.128 in whole lines: 2 rows x 256 bytes per warp load, K and V;
 //   ring_ca   cp.async.ca (L1-allocating) in whole lines into a 2-stage ring of 16-key steps per
 //             warp, then ldmatrix.x4 (K and V: 16 per step);
-//   ring_cg   the same with cp.async.cg (L2 only).
+//   ring_cg   the same with cp.async.cg (L2 only);
+//   frag_mma  frag, and S = Q K^T of each step on the tensor cores (mma.m16n8k16, constant Q
+//             fragments) from its K fragments;
+//   lines_mma K in whole lines that still end in the mma layout: in each warp load, lanes 8a .. 8a + 7
+//             read one 128-byte line of one key (groups 2a and 2a + 1 half each), then one shuffle
+//             per word between the two groups gives each group its own key's pieces
+//             (load_rows_a_lines / exchange_rows_a_lines, as prepared for the selection kernel);
+//             V and the mma as frag_mma. Its S must equal frag_mma's bit for bit.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -182,11 +189,126 @@ __global__ void __launch_bounds__(kWarps * 32) gather_ring(Args a) {
   finish(a, token, hk, acc);
 }
 
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t word_of(const uint4& x, int i) {
+  return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w;
+}
+// A bf16 pair in (-1, 1) from a hash: finite values, so that the mma patterns' sums compare.
+__host__ __device__ __forceinline__ uint32_t bf16_pair(uint32_t x) {
+  x ^= x >> 13, x *= 0x5bd1e995u, x ^= x >> 15;
+  const uint32_t lo = (x & 0x807fu) | (0x3c00u + ((x >> 8) & 0x0180u));  // sign, exponent 120..123, mantissa
+  const uint32_t hi = ((x >> 16) & 0x807fu) | (0x3c00u + ((x >> 24) & 0x0180u));
+  return lo | (hi << 16);
+}
+// S = Q K^T of one step from K in the "A" layout (lane (g, q): keys 8 nt + g, pieces 4 pp + q), Q's
+// fragments constant; returns the sum of the lane's 8 scores.
+__device__ __forceinline__ float step_scores(const uint32_t (&qf)[8][4], const uint4 (&kr)[2][4]) {
+  float s[2][4] = {};
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+    const int pp = kk / 2, w = 2 * (kk % 2);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) mma_bf16(s[nt], qf[kk], word_of(kr[nt][pp], w), word_of(kr[nt][pp], w + 1));
+  }
+  return ((s[0][0] + s[0][1]) + (s[0][2] + s[0][3])) + ((s[1][0] + s[1][1]) + (s[1][2] + s[1][3]));
+}
+__device__ __forceinline__ void q_fragments(uint32_t (&qf)[8][4]) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) qf[kk][i] = bf16_pair(uint32_t(lane * 97 + kk * 13 + i * 7 + 1));
+}
+// The mma patterns' per-warp result: the float sum over the warp's steps and lanes, in a fixed order.
+__device__ __forceinline__ void finish_sum(const Args& a, int token, int hk, float acc) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if (threadIdx.x % 32 == 0) a.out[int64_t(token) * kHkv + hk] = __float_as_uint(acc);
+}
+template <typename Step>
+__device__ __forceinline__ void walk_steps_sum(const Args& a, Step step) {
+  const int token = blockIdx.x * kWarps + threadIdx.x / 32, hk = blockIdx.y;
+  if (token >= a.tokens) return;
+  const int* idx = a.idx + (int64_t(token) * kHkv + hk) * kNSel;
+  float acc = 0.f;
+  for (int b = 0; b < kNSel; ++b) {
+    const int64_t key0 = int64_t(idx[b]) * kBlock;
+#pragma unroll 2
+    for (int s = 0; s < kBlock / kStep; ++s) acc += step(key0 + s * kStep, hk);
+  }
+  finish_sum(a, token, hk, acc);
+}
+// V in frag's layout, folded into the score sum so that its loads stay.
+__device__ __forceinline__ float v_term(const Args& a, int64_t first, int hk) {
+  const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  uint4 vr[4][2];
+#pragma unroll
+  for (int rr = 0; rr < 4; ++rr)
+#pragma unroll
+    for (int vv = 0; vv < 2; ++vv) vr[rr][vv] = row_ptr(a.v, first + 2 * q + (rr & 1) + 8 * (rr >> 1), hk)[8 * vv + g];
+  uint32_t x = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x ^= xor4(vr[i / 2][i % 2]);
+  return float(x & 1u);
+}
+
+__global__ void __launch_bounds__(kWarps * 32) gather_frag_mma(Args a) {
+  const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  uint32_t qf[8][4];
+  q_fragments(qf);
+  walk_steps_sum(a, [&](int64_t first, int hk) {
+    uint4 kr[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int pp = 0; pp < 4; ++pp) kr[nt][pp] = row_ptr(a.k, first + 8 * nt + g, hk)[4 * pp + q];
+    return step_scores(qf, kr) + v_term(a, first, hk);
+  });
+}
+
+// K in whole lines, exchanged into the "A" layout: for each nt and line h, load 0 takes key
+// 8 nt + 2a (a = g / 2) and load 1 key 8 nt + 2a + 1, both at piece 8h + 4 (g & 1) + q, so that the
+// 8 lanes 8a .. 8a + 7 of each load cover one whole line. The even group keeps load 0 (its key's
+// piece 8h + q) and gets the odd group's load 0 (piece 8h + 4 + q); the odd group keeps load 1 and
+// gets the even group's load 1.
+__global__ void __launch_bounds__(kWarps * 32) gather_lines_mma(Args a) {
+  const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4, pair = g / 2;
+  const bool odd = g & 1;
+  uint32_t qf[8][4];
+  q_fragments(qf);
+  walk_steps_sum(a, [&](int64_t first, int hk) {
+    uint4 kr[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int y = 0; y < 2; ++y) kr[nt][2 * h + y] = row_ptr(a.k, first + 8 * nt + 2 * pair + y, hk)[8 * h + 4 * odd + q];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          uint32_t* w0 = &kr[nt][2 * h].x + w;
+          uint32_t* w1 = &kr[nt][2 * h + 1].x + w;
+          const uint32_t recv = __shfl_xor_sync(0xffffffffu, odd ? *w0 : *w1, 4);
+          if (odd) *w0 = recv; else *w1 = recv;
+        }
+    return step_scores(qf, kr) + v_term(a, first, hk);
+  });
+}
+
 __global__ void fill(uint4* p, int64_t n, uint32_t seed) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t x = uint32_t(i) * 2654435761u ^ seed;
-    x ^= x >> 13, x *= 0x5bd1e995u, x ^= x >> 15;
-    p[i] = make_uint4(x, x * 3u + 1u, x * 5u + 7u, x ^ 0xa5a5a5a5u);
+    const uint32_t x = uint32_t(i) * 2654435761u ^ seed;
+    p[i] = make_uint4(bf16_pair(x), bf16_pair(x * 3u + 1u), bf16_pair(x * 5u + 7u), bf16_pair(x ^ 0xa5a5a5a5u));
   }
 }
 
@@ -227,7 +349,8 @@ int main(int argc, char** argv) {
   const int64_t pieces = int64_t(blocks) * kBlock * kHkv * kRowBytes / 16;
   uint4 *k, *v;
   int* didx;
-  uint32_t* out[4];
+  constexpr int kPatterns = 6;
+  uint32_t* out[kPatterns];
   CHECK(cudaMalloc(&k, pieces * 16));
   CHECK(cudaMalloc(&v, pieces * 16));
   CHECK(cudaMalloc(&didx, idx.size() * sizeof(int)));
@@ -242,8 +365,9 @@ int main(int argc, char** argv) {
   size_t smem = per_sm / ctas_per_sm > 1024 ? per_sm / ctas_per_sm - 1024 : 0;
   smem = std::min(std::max(smem, ring), size_t(prop.sharedMemPerBlockOptin));
   using Kernel = void (*)(Args);
-  const Kernel kernels[4] = {gather_frag, gather_line, gather_ring<true>, gather_ring<false>};
-  const char* names[4] = {"frag", "line", "ring_ca", "ring_cg"};
+  const Kernel kernels[kPatterns] = {gather_frag,        gather_line,    gather_ring<true>,
+                                     gather_ring<false>, gather_frag_mma, gather_lines_mma};
+  const char* names[kPatterns] = {"frag", "line", "ring_ca", "ring_cg", "frag_mma", "lines_mma"};
   for (Kernel kern : kernels) {
     CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
@@ -258,7 +382,7 @@ int main(int argc, char** argv) {
   CHECK(cudaEventCreate(&e1));
   const dim3 grid(tokens / kWarps, kHkv);
   std::printf("pattern,ms,TB/s,ctas_per_sm_occupancy\n");
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < kPatterns; ++i) {
     int occ = 0;
     CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernels[i], kWarps * 32, smem));
     Args a{k, v, didx, out[i], tokens};
@@ -277,17 +401,19 @@ int main(int argc, char** argv) {
     const float med = ms[ms.size() / 2];
     std::printf("%s,%.3f,%.2f,%d\n", names[i], med, bytes / (med * 1e-3) / 1e12, occ);
   }
-  // Every pattern reads every byte once: the warps' XORs agree.
-  std::vector<uint32_t> h0(size_t(tokens) * kHkv), h(size_t(tokens) * kHkv);
-  CHECK(cudaMemcpy(h0.data(), out[0], h0.size() * 4, cudaMemcpyDeviceToHost));
+  // Every byte-reading pattern reads every byte once: the warps' XORs agree. The two mma patterns
+  // compute the same scores from the same fragments: their sums agree bit for bit.
+  auto same_as = [&](int i, int j) {
+    std::vector<uint32_t> hi(size_t(tokens) * kHkv), hj(size_t(tokens) * kHkv);
+    CHECK(cudaMemcpy(hi.data(), out[i], hi.size() * 4, cudaMemcpyDeviceToHost));
+    CHECK(cudaMemcpy(hj.data(), out[j], hj.size() * 4, cudaMemcpyDeviceToHost));
+    if (std::memcmp(hi.data(), hj.data(), hi.size() * 4) == 0) return true;
+    std::printf("checksum of %s differs from %s's\n", names[j], names[i]);
+    return false;
+  };
   bool same = true;
-  for (int i = 1; i < 4; ++i) {
-    CHECK(cudaMemcpy(h.data(), out[i], h.size() * 4, cudaMemcpyDeviceToHost));
-    if (std::memcmp(h.data(), h0.data(), h.size() * 4) != 0) {
-      std::printf("checksum of %s differs from frag's\n", names[i]);
-      same = false;
-    }
-  }
-  std::printf("checksums: %s\n", same ? "all patterns read the same bytes" : "MISMATCH");
+  for (int i = 1; i < 4; ++i) same = same_as(0, i) && same;
+  same = same_as(4, 5) && same;
+  std::printf("checksums: %s\n", same ? "all patterns read the same bytes; lines_mma's scores equal frag_mma's" : "MISMATCH");
   return same ? 0 : 1;
 }
