@@ -72,31 +72,42 @@ __device__ __forceinline__ const uint4* row_ptr(const uint4* base, int64_t key, 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-__device__ __forceinline__ void finish(const Args& a, int token, int hk, uint32_t acc) {
+// A warp's result: acc combined over the lanes (a fixed order), stored as 32 bits: the XOR of the
+// bytes read, or (the mma patterns) the sum of the scores.
+template <typename Acc, typename Combine>
+__device__ __forceinline__ void finish(const Args& a, int token, int hk, Acc acc, Combine combine) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
-  if (threadIdx.x % 32 == 0) a.out[int64_t(token) * kHkv + hk] = acc;
+  for (int o = 16; o > 0; o >>= 1) acc = combine(acc, __shfl_xor_sync(0xffffffffu, acc, o));
+  if (threadIdx.x % 32 == 0) {
+    uint32_t bits;
+    std::memcpy(&bits, &acc, 4);
+    a.out[int64_t(token) * kHkv + hk] = bits;
+  }
 }
-
-// One warp per (token, KV head): step(first key, hk) returns the XOR of a 16-key step's K and V.
-template <typename Step>
-__device__ __forceinline__ void walk_steps(const Args& a, Step step) {
+// One warp per (token, KV head): acc = combine(acc, step(first key, hk)) over the warp's 16-key steps.
+template <typename Acc, typename Step, typename Combine>
+__device__ __forceinline__ void walk_steps(const Args& a, Acc acc, Step step, Combine combine) {
   const int token = blockIdx.x * kWarps + threadIdx.x / 32, hk = blockIdx.y;
   if (token >= a.tokens) return;
   const int* idx = a.idx + (int64_t(token) * kHkv + hk) * kNSel;
-  uint32_t acc = 0;
   for (int b = 0; b < kNSel; ++b) {
     const int64_t key0 = int64_t(idx[b]) * kBlock;
 #pragma unroll 2
-    for (int s = 0; s < kBlock / kStep; ++s) acc ^= step(key0 + s * kStep, hk);
+    for (int s = 0; s < kBlock / kStep; ++s) acc = combine(acc, step(key0 + s * kStep, hk));
   }
-  finish(a, token, hk, acc);
+  finish(a, token, hk, acc, combine);
+}
+__device__ __forceinline__ uint32_t xor_of(uint32_t x, uint32_t y) { return x ^ y; }
+__device__ __forceinline__ float sum_of(float x, float y) { return x + y; }
+template <typename Step>
+__device__ __forceinline__ void walk_steps_xor(const Args& a, Step step) {
+  walk_steps(a, 0u, step, xor_of);
 }
 
 // The selection kernel's register layouts (slc_union.cuh, load_rows_a / load_rows_b).
 __global__ void __launch_bounds__(kWarps * 32) gather_frag(Args a) {
   const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-  walk_steps(a, [&](int64_t first, int hk) {
+  walk_steps_xor(a, [&](int64_t first, int hk) {
     uint4 kr[2][4], vr[4][2];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
@@ -116,7 +127,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_frag(Args a) {
 // Whole lines: lane l reads piece l % 16 of row 2 i + l / 16 (two 256-byte rows per warp load).
 __global__ void __launch_bounds__(kWarps * 32) gather_line(Args a) {
   const int lane = threadIdx.x % 32;
-  walk_steps(a, [&](int64_t first, int hk) {
+  walk_steps_xor(a, [&](int64_t first, int hk) {
     uint4 kr[8], vr[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -186,7 +197,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_ring(Args a) {
       }
     __syncwarp();  // the stage is read before the next issue overwrites it
   }
-  finish(a, token, hk, acc);
+  finish(a, token, hk, acc, xor_of);
 }
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -225,24 +236,9 @@ __device__ __forceinline__ void q_fragments(uint32_t (&qf)[8][4]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) qf[kk][i] = bf16_pair(uint32_t(lane * 97 + kk * 13 + i * 7 + 1));
 }
-// The mma patterns' per-warp result: the float sum over the warp's steps and lanes, in a fixed order.
-__device__ __forceinline__ void finish_sum(const Args& a, int token, int hk, float acc) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-  if (threadIdx.x % 32 == 0) a.out[int64_t(token) * kHkv + hk] = __float_as_uint(acc);
-}
 template <typename Step>
 __device__ __forceinline__ void walk_steps_sum(const Args& a, Step step) {
-  const int token = blockIdx.x * kWarps + threadIdx.x / 32, hk = blockIdx.y;
-  if (token >= a.tokens) return;
-  const int* idx = a.idx + (int64_t(token) * kHkv + hk) * kNSel;
-  float acc = 0.f;
-  for (int b = 0; b < kNSel; ++b) {
-    const int64_t key0 = int64_t(idx[b]) * kBlock;
-#pragma unroll 2
-    for (int s = 0; s < kBlock / kStep; ++s) acc += step(key0 + s * kStep, hk);
-  }
-  finish_sum(a, token, hk, acc);
+  walk_steps(a, 0.f, step, sum_of);
 }
 // V in frag's layout, folded into the score sum so that its loads stay.
 __device__ __forceinline__ float v_term(const Args& a, int64_t first, int hk) {
