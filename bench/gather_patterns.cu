@@ -105,21 +105,26 @@ __device__ __forceinline__ void walk_steps_xor(const Args& a, Step step) {
 }
 
 // The selection kernel's register layouts (slc_union.cuh, load_rows_a / load_rows_b).
+// The XOR of a step's V loaded in load_rows_b's layout (lane (g, q): keys 2q, 2q + 1, 2q + 8,
+// 2q + 9, pieces 8 vv + g: 4 rows x 128 bytes per warp load).
+__device__ __forceinline__ uint32_t v_frag_xor(const Args& a, int64_t first, int hk) {
+  const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  uint32_t x = 0;
+#pragma unroll
+  for (int rr = 0; rr < 4; ++rr)
+#pragma unroll
+    for (int vv = 0; vv < 2; ++vv) x ^= xor4(row_ptr(a.v, first + 2 * q + (rr & 1) + 8 * (rr >> 1), hk)[8 * vv + g]);
+  return x;
+}
+
 __global__ void __launch_bounds__(kWarps * 32) gather_frag(Args a) {
   const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   walk_steps_xor(a, [&](int64_t first, int hk) {
-    uint4 kr[2][4], vr[4][2];
+    uint32_t x = v_frag_xor(a, first, hk);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int pp = 0; pp < 4; ++pp) kr[nt][pp] = row_ptr(a.k, first + 8 * nt + g, hk)[4 * pp + q];
-#pragma unroll
-    for (int rr = 0; rr < 4; ++rr)
-#pragma unroll
-      for (int vv = 0; vv < 2; ++vv) vr[rr][vv] = row_ptr(a.v, first + 2 * q + (rr & 1) + 8 * (rr >> 1), hk)[8 * vv + g];
-    uint32_t x = 0;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) x ^= xor4(kr[i / 4][i % 4]) ^ xor4(vr[i / 2][i % 2]);
+      for (int pp = 0; pp < 4; ++pp) x ^= xor4(row_ptr(a.k, first + 8 * nt + g, hk)[4 * pp + q]);
     return x;
   });
 }
@@ -241,39 +246,16 @@ __device__ __forceinline__ void walk_steps_sum(const Args& a, Step step) {
   walk_steps(a, 0.f, step, sum_of);
 }
 // V in frag's layout, folded into the score sum so that its loads stay.
-__device__ __forceinline__ float v_term(const Args& a, int64_t first, int hk) {
-  const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-  uint4 vr[4][2];
-#pragma unroll
-  for (int rr = 0; rr < 4; ++rr)
-#pragma unroll
-    for (int vv = 0; vv < 2; ++vv) vr[rr][vv] = row_ptr(a.v, first + 2 * q + (rr & 1) + 8 * (rr >> 1), hk)[8 * vv + g];
-  uint32_t x = 0;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) x ^= xor4(vr[i / 2][i % 2]);
-  return float(x & 1u);
-}
+__device__ __forceinline__ float v_term(const Args& a, int64_t first, int hk) { return float(v_frag_xor(a, first, hk) & 1u); }
 
-__global__ void __launch_bounds__(kWarps * 32) gather_frag_mma(Args a) {
-  const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-  uint32_t qf[8][4];
-  q_fragments(qf);
-  walk_steps_sum(a, [&](int64_t first, int hk) {
-    uint4 kr[2][4];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int pp = 0; pp < 4; ++pp) kr[nt][pp] = row_ptr(a.k, first + 8 * nt + g, hk)[4 * pp + q];
-    return step_scores(qf, kr) + v_term(a, first, hk);
-  });
-}
-
-// K in whole lines, exchanged into the "A" layout: for each nt and line h, load 0 takes key
-// 8 nt + 2a (a = g / 2) and load 1 key 8 nt + 2a + 1, both at piece 8h + 4 (g & 1) + q, so that the
-// 8 lanes 8a .. 8a + 7 of each load cover one whole line. The even group keeps load 0 (its key's
-// piece 8h + q) and gets the odd group's load 0 (piece 8h + 4 + q); the odd group keeps load 1 and
-// gets the even group's load 1.
-__global__ void __launch_bounds__(kWarps * 32) gather_lines_mma(Args a) {
+// S = Q K^T per step from K loaded in the fragment layout (kLines false: frag's loads) or in whole
+// lines exchanged into it (kLines true): for each nt and line h, load 0 takes key 8 nt + 2a
+// (a = g / 2) and load 1 key 8 nt + 2a + 1, both at piece 8h + 4 (g & 1) + q, so that the 8 lanes
+// 8a .. 8a + 7 of each load cover one whole line. The even group keeps load 0 (its key's piece
+// 8h + q) and gets the odd group's load 0 (piece 8h + 4 + q); the odd group keeps load 1 and gets
+// the even group's load 1. Either way kr ends as frag's.
+template <bool kLines>
+__global__ void __launch_bounds__(kWarps * 32) gather_mma(Args a) {
   const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4, pair = g / 2;
   const bool odd = g & 1;
   uint32_t qf[8][4];
@@ -283,20 +265,25 @@ __global__ void __launch_bounds__(kWarps * 32) gather_lines_mma(Args a) {
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
+      for (int pp = 0; pp < 4; ++pp)
+        kr[nt][pp] = kLines ? row_ptr(a.k, first + 8 * nt + 2 * pair + pp % 2, hk)[8 * (pp / 2) + 4 * odd + q]
+                            : row_ptr(a.k, first + 8 * nt + g, hk)[4 * pp + q];
+    if constexpr (kLines) {
 #pragma unroll
-        for (int y = 0; y < 2; ++y) kr[nt][2 * h + y] = row_ptr(a.k, first + 8 * nt + 2 * pair + y, hk)[8 * h + 4 * odd + q];
+      for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+        for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          uint32_t* w0 = &kr[nt][2 * h].x + w;
-          uint32_t* w1 = &kr[nt][2 * h + 1].x + w;
-          const uint32_t recv = __shfl_xor_sync(0xffffffffu, odd ? *w0 : *w1, 4);
-          if (odd) *w0 = recv; else *w1 = recv;
-        }
+          for (int w = 0; w < 4; ++w) {
+            uint32_t& w0 = (&kr[nt][2 * h].x)[w];
+            uint32_t& w1 = (&kr[nt][2 * h + 1].x)[w];
+            const uint32_t recv = __shfl_xor_sync(0xffffffffu, odd ? w0 : w1, 4);
+            if (odd)
+              w0 = recv;
+            else
+              w1 = recv;
+          }
+    }
     return step_scores(qf, kr) + v_term(a, first, hk);
   });
 }
@@ -362,7 +349,7 @@ int main(int argc, char** argv) {
   smem = std::min(std::max(smem, ring), size_t(prop.sharedMemPerBlockOptin));
   using Kernel = void (*)(Args);
   const Kernel kernels[kPatterns] = {gather_frag,        gather_line,    gather_ring<true>,
-                                     gather_ring<false>, gather_frag_mma, gather_lines_mma};
+                                     gather_ring<false>, gather_mma<false>, gather_mma<true>};
   const char* names[kPatterns] = {"frag", "line", "ring_ca", "ring_cg", "frag_mma", "lines_mma"};
   for (Kernel kern : kernels) {
     CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
