@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
   constexpr bool kBf16 = cuda::StorageTraits<E>::is_bf16;
   constexpr int kKStride = DQK + 8, kVStride = DV + 8;
   constexpr int kStage = int(slc_dq_stage_elems(DQK, DV));
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(128) unsigned char smem[];  // 128: as dq_kernel's declaration of the same array (attention.cuh)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, quad = lane % 4;
