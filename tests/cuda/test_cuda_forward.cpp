@@ -443,6 +443,35 @@ TEST_P(CudaForward, ForwardMatchesReferencePipeline) {
 INSTANTIATE_TEST_SUITE_P(Cases, CudaForward, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
+// Top-n where most picks come from the columns of one lane of the kernel's warp (j = 7 mod 32):
+// rows of 563 blocks (l' = 16, T = 9000) whose largest scores all sit in those columns, with
+// ties among them, so that one lane wins more rounds than a per-lane list holds and must go back
+// to its columns (the tie rule and the forced blocks as everywhere). Must match the reference.
+TEST(CudaForwardTopn, PicksConcentratedInOneLaneMatchReference) {
+  NSA_REQUIRE_GPU();
+  Case c{"x", DType::bf16, 64, 64, 2, 2, {9000, 700}, 32, 16, 16, 24, 1, 1, 64, PhiKind::mean, false};
+  const Config cfg = config_of(c);
+  LayerProblem p = make_problem(cfg, sizes_of(c), 5);
+  const int64_t ns = num_slc_blocks(max_seqlen(c), cfg.slc_block_len);
+  std::mt19937_64 rng(11);
+  std::uniform_real_distribution<double> small(0.0, 1.0);
+  HostTensor s(DType::f32, {p.T, c.hkv, ns});
+  for (int64_t i = 0; i < s.numel(); ++i) {
+    const int64_t j = i % ns;
+    s.set(i, j % 32 == 7 ? 2.0 + 0.25 * double((j / 32) % 3) : small(rng));
+  }
+  HostTensor idx(DType::i32, {p.T, c.hkv, cfg.n_selected});
+  idx.poison();
+  HostTensor idx_ref = idx;
+  select_topn(ref_ctx(), cfg, s.view(), host_seqs(p), idx_ref.view());
+  DeviceSeqs ds(p, max_seqlen(c));
+  DeviceTensor dsc(s), didx(idx);
+  select_topn(cuda_ctx(), cfg, dsc.view(), ds.seqs, didx.view());
+  sync();
+  didx.download(idx);
+  EXPECT_EQ(idx.values(), idx_ref.values());
+}
+
 // ---- errors -----------------------------------------------------------------------------------
 
 TEST(CudaForwardErrors, UnsupportedShapesNameTheValue) {
