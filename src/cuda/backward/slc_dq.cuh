@@ -16,6 +16,7 @@
 // whole-line copies save. Deterministic: every sum in a fixed order, no atomics.
 #pragma once
 
+#include "cuda/forward_params.h"
 #include "cuda/slc_union.cuh"
 
 namespace nsa::cuda_bwd {
@@ -36,11 +37,8 @@ constexpr size_t slc_dq_warp_bytes(int dqk, int dv, int cap) {
   return slc_dq_union_bytes(cap) + slc_dq_ring_bytes(dqk, dv, cap);
 }
 constexpr size_t slc_dq_smem_bytes(int dqk, int dv, int cap) { return size_t(kSlcDqWarps) * slc_dq_warp_bytes(dqk, dv, cap); }
-inline int slc_dq_capacity(int group, int n) {
-  int need = (16 / group) * n, cap = 1;
-  while (cap < need) cap *= 2;
-  return cap;
-}
+// Entries of a warp's union lists: the forward's (16 / G) x n rounded up to a power of two.
+inline int slc_dq_capacity(int group, int n) { return cuda::slc_sort_capacity(group, n); }
 
 template <typename E, int DQK, int DV>
 __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdArgs a, int cap) {
