@@ -215,6 +215,21 @@ TEST_P(CudaForward, CompressedAttentionAndScoresMatchReference) {
 
 // ---- top-n on identical scores --------------------------------------------------------------
 
+// select_topn on the GPU against the reference for scores s [T, Hkv, blocks]: the same indices
+// (poisoned output first).
+void expect_topn_matches_reference(const Case& c, const Config& cfg, LayerProblem& p, HostTensor& s) {
+  HostTensor idx(DType::i32, {p.T, c.hkv, cfg.n_selected});
+  idx.poison();
+  HostTensor idx_ref = idx;
+  select_topn(ref_ctx(), cfg, s.view(), host_seqs(p), idx_ref.view());
+  DeviceSeqs ds(p, max_seqlen(c));
+  DeviceTensor dsc(s), didx(idx);
+  select_topn(cuda_ctx(), cfg, dsc.view(), ds.seqs, didx.view());
+  sync();
+  didx.download(idx);
+  EXPECT_EQ(idx.values(), idx_ref.values());
+}
+
 TEST_P(CudaForward, TopnMatchesReferenceOnIdenticalScores) {
   NSA_REQUIRE_GPU();
   const Case& c = GetParam();
@@ -227,16 +242,7 @@ TEST_P(CudaForward, TopnMatchesReferenceOnIdenticalScores) {
   HostTensor s(DType::f32, {p.T, c.hkv, ns});
   std::uniform_int_distribution<int> level(0, 3);
   for (int64_t i = 0; i < s.numel(); ++i) s.set(i, 0.25 * level(rng));
-  HostTensor idx(DType::i32, {p.T, c.hkv, cfg.n_selected});
-  idx.poison();
-  HostTensor idx_ref = idx;
-  select_topn(ref_ctx(), cfg, s.view(), host_seqs(p), idx_ref.view());
-  DeviceSeqs ds(p, max_seqlen(c));
-  DeviceTensor dsc(s), didx(idx);
-  select_topn(cuda_ctx(), cfg, dsc.view(), ds.seqs, didx.view());
-  sync();
-  didx.download(idx);
-  EXPECT_EQ(idx.values(), idx_ref.values());
+  expect_topn_matches_reference(c, cfg, p, s);
 }
 
 // ---- selection branch on identical indices, window branch -----------------------------------
@@ -460,16 +466,7 @@ TEST(CudaForwardTopn, PicksConcentratedInOneLaneMatchReference) {
     const int64_t j = i % ns;
     s.set(i, j % 32 == 7 ? 2.0 + 0.25 * double((j / 32) % 3) : small(rng));
   }
-  HostTensor idx(DType::i32, {p.T, c.hkv, cfg.n_selected});
-  idx.poison();
-  HostTensor idx_ref = idx;
-  select_topn(ref_ctx(), cfg, s.view(), host_seqs(p), idx_ref.view());
-  DeviceSeqs ds(p, max_seqlen(c));
-  DeviceTensor dsc(s), didx(idx);
-  select_topn(cuda_ctx(), cfg, dsc.view(), ds.seqs, didx.view());
-  sync();
-  didx.download(idx);
-  EXPECT_EQ(idx.values(), idx_ref.values());
+  expect_topn_matches_reference(c, cfg, p, s);
 }
 
 // ---- errors -----------------------------------------------------------------------------------
