@@ -253,36 +253,33 @@ __device__ __forceinline__ void load_rows_b(uint4 (&r)[4][P], const E* base, int
   }
 }
 
-// s = (16 rows' A fragments in `frag`, store_permuted_fragments) x (A-layout rows r)^T over 32 P
-// columns: two n8 tiles of 16 x 8.
-template <typename E, int P>
-__device__ __forceinline__ void mma_frags_rows_a(float (&s)[2][4], const uint4* frag, const uint4 (&r)[2][P]) {
-  const int lane = threadIdx.x % 32;
+// s = (the 16 rows' A fragments, permuted reduction order) x (A-layout rows r)^T over 32 P columns:
+// two n8 tiles of 16 x 8. fragment(kk, fa) gives k16 step kk's fragment.
+template <typename E, int P, typename Fragment>
+__device__ __forceinline__ void mma_rows_a(float (&s)[2][4], Fragment&& fragment, const uint4 (&r)[2][P]) {
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
 #pragma unroll
   for (int kk = 0; kk < 2 * P; ++kk) {
     uint32_t fa[4];
-    ld_shared_16(fa, frag + kk * 32 + lane);
+    fragment(kk, fa);
     const int pp = kk / 2, w = 2 * (kk % 2);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
       mma_16816<StorageTraits<E>::is_bf16>(s[nt], fa, word_of(r[nt][pp], w), word_of(r[nt][pp], w + 1));
   }
 }
-
-// The same with the A fragments in registers (load_permuted_fragments).
+// With the fragments in shared memory in lane order (store_permuted_fragments), read per step.
 template <typename E, int P>
-__device__ __forceinline__ void mma_regs_rows_a(float (&s)[2][4], const uint32_t (&fa)[2 * P][4], const uint4 (&r)[2][P]) {
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-  for (int kk = 0; kk < 2 * P; ++kk) {
-    const int pp = kk / 2, w = 2 * (kk % 2);
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-      mma_16816<StorageTraits<E>::is_bf16>(s[nt], fa[kk], word_of(r[nt][pp], w), word_of(r[nt][pp], w + 1));
-  }
+__device__ __forceinline__ void mma_frags_rows_a(float (&s)[2][4], const uint4* frag, const uint4 (&r)[2][P]) {
+  const int lane = threadIdx.x % 32;
+  mma_rows_a<E, P>(s, [&](int kk, uint32_t (&fa)[4]) { ld_shared_16(fa, frag + kk * 32 + lane); }, r);
+}
+// With the fragments in registers (load_permuted_fragments).
+template <typename E, int P>
+__device__ __forceinline__ void mma_regs_rows_a(float (&s)[2][4], const uint32_t (&f)[2 * P][4], const uint4 (&r)[2][P]) {
+  mma_rows_a<E, P>(
+      s, [&](int kk, uint32_t (&fa)[4]) { fa[0] = f[kk][0], fa[1] = f[kk][1], fa[2] = f[kk][2], fa[3] = f[kk][3]; }, r);
 }
 
 // acc (8 P n8 tiles, output columns permuted: column n of tile 8 v + e is 64 v + 8 n + e) +=
