@@ -114,35 +114,6 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
         }
     }
   };
-  // One walk over the warp's steps through the ring: body(stage K, stage V, u, first) per step.
-  auto walk_ring = [&](auto&& body) {
-    auto issue = [&](int i) {
-      int64_t first, end;
-      int u;
-      walk.step(i, first, end, u);
-      E* stage = ring + (i & 1) * kStage;
-      cuda::slc_copy_step<E, DQK>(stage, kbase, kst, first, end);
-      cuda::slc_copy_step<E, DV>(stage + 16 * kKStride, vbase, vst, first, end);
-      cuda::cp_async_commit();
-    };
-    if (steps > 0) issue(0);
-    for (int i = 0; i < steps; ++i) {
-      if (i + 1 < steps) {
-        issue(i + 1);  // into the stage step i - 1 used: every lane left it at that step's end
-        cuda::cp_async_wait<1>();
-      } else {
-        cuda::cp_async_wait<0>();
-      }
-      __syncwarp();  // step i's stage has landed for every lane
-      const E* sk = ring + (i & 1) * kStage;
-      int64_t first, end;
-      int u;
-      walk.step(i, first, end, u);
-      body(sk, sk + 16 * kKStride, u, first);
-      __syncwarp();  // every lane is done with the stage
-    }
-  };
-
   // ---- pass 1: o_slc and dg_slc = <dO, o_slc> ----
   // Two products per step, like the forward's selection kernel, whose loads it takes: K and V
   // straight into registers (load_rows_a / load_rows_b: for two products per step the ring's
@@ -207,7 +178,30 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
   float acc_q[DQK / 8][4];
 #pragma unroll
   for (int t = 0; t < DQK / 8; ++t) acc_q[t][0] = acc_q[t][1] = acc_q[t][2] = acc_q[t][3] = 0.f;
-  walk_ring([&](const E* sk, const E* sv, int u, int64_t first) {
+  // Step i + 1's copies go into the stage step i - 1 used (every lane left it at that step's end).
+  auto issue = [&](int i) {
+    int64_t first, end;
+    int u;
+    walk.step(i, first, end, u);
+    E* stage = ring + (i & 1) * kStage;
+    cuda::slc_copy_step<E, DQK>(stage, kbase, kst, first, end);
+    cuda::slc_copy_step<E, DV>(stage + 16 * kKStride, vbase, vst, first, end);
+    cuda::cp_async_commit();
+  };
+  if (steps > 0) issue(0);
+  for (int i = 0; i < steps; ++i) {
+    if (i + 1 < steps) {
+      issue(i + 1);
+      cuda::cp_async_wait<1>();
+    } else {
+      cuda::cp_async_wait<0>();
+    }
+    __syncwarp();  // step i's stage has landed for every lane
+    const E* sk = ring + (i & 1) * kStage;
+    const E* sv = sk + 16 * kKStride;
+    int64_t first, end;
+    int u;
+    walk.step(i, first, end, u);
     float s[2][4], dp[2][4];
     cuda::mma_frags_stage<kBf16, DQK, kKStride>(s, qf, sk);   // S = Q K^T
     cuda::mma_frags_stage<kBf16, DV, kVStride>(dp, df, sv);   // dP = dO V^T
@@ -217,7 +211,8 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] = a.scale * gate[e >> 1] * s[nt][e] * (dp[nt][e] - dg[e >> 1]);
     cuda::mma_p_stage<kBf16, DQK, kKStride>(acc_q, s, sk);    // dq += dS K
-  });
+    __syncwarp();  // every lane is done with the stage
+  }
   // dq (written by dq_kernel with the other branches) += this branch's part, rounded once more.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
