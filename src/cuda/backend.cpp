@@ -187,14 +187,15 @@ void compress_fwd(const Plan& p, const PhiParams& phi, const TensorView& x, cons
   run_phi(p, phi, x, xc, p.phi_hidden_k, static_cast<float*>(ws.data));
 }
 
-CmpAttnParams cmp_params(const Plan& p, const TensorView& q, const void* kc, int64_t kc_st, int64_t kc_sh,
-                         const void* vc, int64_t vc_st, int64_t vc_sh) {
+CmpAttnParams cmp_params(const Plan& p, const TensorView& q, const void* kc, int64_t kc_rows, int64_t kc_st,
+                         int64_t kc_sh, const void* vc, int64_t vc_st, int64_t vc_sh) {
   CmpAttnParams c{};
   c.seqs = seq_params(p);
   c.q = q.data;
   c.q_st = q.stride[0];
   c.q_sh = q.stride[1];
   c.kc = kc;
+  c.kc_rows = kc_rows;
   c.kc_st = kc_st;
   c.kc_sh = kc_sh;
   c.vc = vc;
@@ -225,7 +226,8 @@ void compressed_attention_fwd(const Plan& p, const TensorView& q, const TensorVi
                               const TensorView& o, const TensorView& lse, const TensorView& scores, Workspace) {
   require_attention_shapes(p);
   for (auto [name, t] : {std::pair{"q", &q}, {"kc", &kc}, {"vc", &vc}, {"o", &o}}) require_rows_aligned(name, *t);
-  CmpAttnParams c = cmp_params(p, q, kc.data, kc.stride[0], kc.stride[1], vc.data, vc.stride[0], vc.stride[1]);
+  CmpAttnParams c =
+      cmp_params(p, q, kc.data, kc.shape[0], kc.stride[0], kc.stride[1], vc.data, vc.stride[0], vc.stride[1]);
   c.o = o.data;
   c.o_st = o.stride[0];
   c.o_sh = o.stride[1];
@@ -377,7 +379,7 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
   }
 
   // §2-§3: o_cmp, lse_cmp and S in one kernel.
-  CmpAttnParams c = cmp_params(p, in.q, w.kc, p.hkv * p.dqk, p.dqk, w.vc, p.hkv * p.dv, p.dv);
+  CmpAttnParams c = cmp_params(p, in.q, w.kc, rows, p.hkv * p.dqk, p.dqk, w.vc, p.hkv * p.dv, p.dv);
   void* o_cmp = w.o_cmp;
   int64_t oc_st = p.hq * p.dv, oc_sh = p.dv;
   if (out.o_branch.defined()) {  // o_branch[0] is o_cmp: write it there and read it back

@@ -18,6 +18,7 @@
 #include "cuda/attention_tile.cuh"
 #include "cuda/common/check.h"
 #include "cuda/common/launch.h"
+#include "cuda/common/tma.h"
 #include "nsa/blocks.h"
 
 namespace nsa::cuda {
@@ -180,7 +181,11 @@ struct CmpSmem {
 };
 
 // Pass 2: the selection scores S of the tile from the final log-sum-exps lse2 (log2 units). K
-// chunks are double-buffered (one chunk in flight). With wgmma the score products read Q from the
+// chunks are double-buffered (one chunk in flight). With kc_map (sm_90a, common/tma.h) one thread
+// copies each chunk by TMA, its 64-column blocks as boxes in the 128-byte swizzle, completing on
+// the buffer's mbarrier; rows past the tile's keys then hold whatever kc holds there (other
+// sequences' rows, or zeros past its end), which the mask replaces by -inf before anything reads
+// them. Without it every thread copies its pieces by cp.async (rows past the keys zero-filled). With wgmma the score products read Q from the
 // swizzled Q tile, which must stay in shared memory ("Q on sm_90a" at the kernel below).
 // s_pg: [tokens][kKeyChunk] + [tokens][score_ring] floats + [tokens] ints of shared memory
 // (cmp_smem_bytes).
@@ -195,7 +200,7 @@ template <typename Storage, int kDqk, int kDv, int kRows>
 __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const CmpTileInfo<kRows>& ti,
                                                 TileAttention<Storage, kDqk, kDv, kRows>& tile_state,
                                                 const CmpSmem<Storage, kDqk, kDv, kRows>& sm, float* s_pg,
-                                                const float (&lse2)[2]) {
+                                                const float (&lse2)[2], const CUtensorMap* kc_map) {
   using Tile = TileAttention<Storage, kDqk, kDv, kRows>;
   using Smem = CmpSmem<Storage, kDqk, kDv, kRows>;
   constexpr int kCta = kRows / 16 * 32;
@@ -210,6 +215,8 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
   const int ring = p.score_ring, ring_mask = ring - 1;
   float* s_acc = s_pg + tokens_per_tile * kKeyChunk;                 // [tokens][score_ring]
   int* s_limit = reinterpret_cast<int*>(s_acc + tokens_per_tile * ring);  // [tokens]
+  // Two mbarriers after the limits, on 8 bytes (cmp_smem_bytes counts them): buffer b's copies.
+  uint64_t* bars = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(s_limit + tokens_per_tile) + 7) & ~uintptr_t(7));
   const int64_t t0 = ti.t0, s0 = ti.s0;
   // Columns a token writes: all of them for the public op, else the admissible ones (top-n reads
   // those); 0 for a token past the sequence.
@@ -226,12 +233,31 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
   float* const srow0 = p.scores + (s0 + t0) * p.s_st + ti.hk * p.s_sh;  // token 0's row
   const Storage* kbase = static_cast<const Storage*>(p.kc) + cmp_row_offset(s0, p.d) * p.kc_st + ti.hk * p.kc_sh;
   const int num_chunks = ti.num_chunks;
+  const int kc_row0 = static_cast<int>(cmp_row_offset(s0, p.d));
   auto load_chunk = [&](int c) {
     const int64_t first = int64_t(c) * kKeyChunk;
-    Smem::load_k(sm.sk + (c & 1) * Smem::kKTile, kbase + first * p.kc_st, p.kc_st,
-                 static_cast<int>(min64(kKeyChunk, ti.num_keys - first)));
-    cp_async_commit();
+    Storage* dst = sm.sk + (c & 1) * Smem::kKTile;
+    if (kc_map != nullptr) {
+      if (threadIdx.x == 0) {
+        uint64_t* bar = bars + (c & 1);
+        mbarrier_expect_tx(bar, kKeyChunk * kDqk * sizeof(Storage));
+#pragma unroll
+        for (int b = 0; b < kDqk / 64; ++b)
+          tma_load_3d(dst + b * kKeyChunk * 64, kc_map, 64 * b, ti.hk, kc_row0 + static_cast<int>(first), bar);
+      }
+    } else {
+      Smem::load_k(dst, kbase + first * p.kc_st, p.kc_st, static_cast<int>(min64(kKeyChunk, ti.num_keys - first)));
+      cp_async_commit();
+    }
   };
+  if (kc_map != nullptr) {
+    if (threadIdx.x == 0) {
+      mbarrier_init(bars, 1);
+      mbarrier_init(bars + 1, 1);
+      fence_mbarrier_init();
+    }
+    __syncthreads();  // the mbarriers, before the first copy and the first wait
+  }
   // The ring update's (token, block) pairs: pair e = token * W + jj for e = lane, lane + 32, ...
   const int acc_pairs = tokens_per_warp * W;
   const int acc_tok0 = lane / W, acc_jj0 = lane % W, acc_tok_step = 32 / W, acc_jj_step = 32 % W;
@@ -242,9 +268,15 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
   if (num_chunks > 0) load_chunk(0);
   for (int c = 0; c < num_chunks; ++c) {
     // Chunk c has landed for everyone; every warp is done with chunk c - 1 (its buffer takes c + 1).
-    Smem::template wait_copies<0>();
-    __syncthreads();
-    if (c + 1 < num_chunks) load_chunk(c + 1);
+    if (kc_map != nullptr) {
+      __syncthreads();
+      if (c + 1 < num_chunks) load_chunk(c + 1);
+      mbarrier_wait_parity(bars + (c & 1), (c >> 1) & 1);  // buffer c & 1's (c >> 1)-th fill
+    } else {
+      Smem::template wait_copies<0>();
+      __syncthreads();
+      if (c + 1 < num_chunks) load_chunk(c + 1);
+    }
     float s[Tile::kSTiles][4];
     sm.scores(tile_state, s, sm.sk + (c & 1) * Smem::kKTile);
     int lo[2], hi[2];
@@ -389,7 +421,7 @@ __global__ void __launch_bounds__(kRows / 16 * 32) cmp_attention_kernel(const Cm
     if constexpr (kFusedScores) {
       if (p.scores == nullptr) return;
       __syncthreads();  // every warp is done with pass 1's buffers (pass 2's scores reuse V's space)
-      cmp_scores_pass<Storage, kDqk, kDv, kRows>(p, ti, tile_state, sm, reinterpret_cast<float*>(sm.sv), lse2);
+      cmp_scores_pass<Storage, kDqk, kDv, kRows>(p, ti, tile_state, sm, reinterpret_cast<float*>(sm.sv), lse2, nullptr);
     }
   }
 }
@@ -398,7 +430,8 @@ __global__ void __launch_bounds__(kRows / 16 * 32) cmp_attention_kernel(const Cm
 // kernel's lse back (natural log -> log2 units) and recomputes Q K^T. Without the 16 x Dv
 // accumulator it needs far fewer registers, so kMinCtas CTAs of kRows rows share an SM.
 template <typename Storage, int kDqk, int kDv, int kRows, int kMinCtas>
-__global__ void __launch_bounds__(kRows / 16 * 32, kMinCtas) cmp_scores_kernel(const CmpAttnParams p) {
+__global__ void __launch_bounds__(kRows / 16 * 32, kMinCtas)
+    cmp_scores_kernel(const CmpAttnParams p, const __grid_constant__ CUtensorMap kc_map, int kc_tma) {
   if constexpr (!kWgmmaCompiled) {
     __trap();  // launched only where the wgmma body runs (sm_90a)
   } else {
@@ -424,7 +457,7 @@ __global__ void __launch_bounds__(kRows / 16 * 32, kMinCtas) cmp_scores_kernel(c
     Smem::template wait_copies<0>();
     __syncthreads();  // the Q tile (read by every score product: this kernel runs only with wgmma)
     cmp_scores_pass<Storage, kDqk, kDv, kRows>(p, ti, tile_state, sm, reinterpret_cast<float*>(sm.sk + 2 * Smem::kKTile),
-                                               lse2);
+                                               lse2, kc_tma ? &kc_map : nullptr);
   }
 }
 
@@ -435,13 +468,26 @@ inline bool cmp_runs_wgmma(Kernel kernel) {
   return a.binaryVersion == 90;  // the only 9.x code built is sm_90a, which has the wgmma path
 }
 
-template <typename Kernel>
-inline void cmp_launch(Kernel kernel, int rows, size_t smem, const CmpAttnParams& p, cudaStream_t stream) {
+template <typename Kernel, typename... Extra>
+inline void cmp_launch(Kernel kernel, int rows, size_t smem, const CmpAttnParams& p, cudaStream_t stream,
+                       const Extra&... extra) {
   allow_smem(kernel, smem, /*max_carveout=*/true);  // several CTAs per SM need the whole array
   const dim3 grid = row_tile_grid(p.seqs.max_seqlen, p.seqs.batch, rows / p.group, p.hkv);
   if (grid.x == 0) return;
-  kernel<<<grid, rows / 16 * 32, smem, stream>>>(p);
+  kernel<<<grid, rows / 16 * 32, smem, stream>>>(p, extra...);
   NSA_CUDA_CHECK_LAUNCH();
+}
+
+// The S pass's tensor map of kc ([kc_rows, Hkv, Dqk], boxes of kKeyChunk rows x 64 columns); false
+// where it cannot be made (the kernel then copies by cp.async). A dimension of extent 1 gets a
+// valid stride whatever the view says.
+template <typename Storage, int kDqk>
+inline bool cmp_kc_tensor_map(CUtensorMap* map, const CmpAttnParams& p) {
+  const uint64_t es = sizeof(Storage);
+  const uint64_t head_stride = (p.hkv > 1 ? uint64_t(p.kc_sh) : uint64_t(kDqk)) * es;
+  const uint64_t row_stride = p.kc_rows > 1 ? uint64_t(p.kc_st) * es : head_stride * uint64_t(p.hkv);
+  return make_tensor_map_3d(map, StorageTraits<Storage>::is_bf16, p.kc, kDqk, uint64_t(p.hkv), uint64_t(p.kc_rows),
+                            head_stride, row_stride, kKeyChunk);
 }
 
 // sm_90a: pass 1 in 192-row tiles (kWgRows), then the S pass as its own kernel: at Dqk = 192 in
@@ -461,15 +507,17 @@ void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream) {
   }
   cmp_launch(pass1, kWgRows, cmp_smem_bytes(kWgRows, kDqk, kDv, p.group, p.score_ring, true, false), p, stream);
   if (p.scores == nullptr) return;
+  CUtensorMap kc_map{};
+  const int kc_tma = cmp_kc_tensor_map<Storage, kDqk>(&kc_map, p) ? 1 : 0;
   if constexpr (scores_wide_tiles(kDqk)) {  // else the 128-row S kernel is not instantiated
     if (scores_rows(kDqk, kDv, p.group, p.score_ring, kMaxSmem) == kScoresRows) {
       cmp_launch(cmp_scores_kernel<Storage, kDqk, kDv, kScoresRows, 2>, kScoresRows,
-                 cmp_smem_bytes(kScoresRows, kDqk, kDv, p.group, p.score_ring, false, true), p, stream);
+                 cmp_smem_bytes(kScoresRows, kDqk, kDv, p.group, p.score_ring, false, true), p, stream, kc_map, kc_tma);
       return;
     }
   }
   cmp_launch(cmp_scores_kernel<Storage, kDqk, kDv, kTileRows, kScoresCtas64>, kTileRows,
-             cmp_smem_bytes(kTileRows, kDqk, kDv, p.group, p.score_ring, false, true), p, stream);
+             cmp_smem_bytes(kTileRows, kDqk, kDv, p.group, p.score_ring, false, true), p, stream, kc_map, kc_tma);
 }
 
 }  // namespace nsa::cuda

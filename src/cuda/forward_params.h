@@ -41,6 +41,7 @@ struct CmpAttnParams {
   int64_t q_st, q_sh;
   const void* kc;  // [T/d, Hkv, Dqk]
   int64_t kc_st, kc_sh;
+  int64_t kc_rows;  // rows of kc (the bounds of the S pass's TMA tensor map)
   const void* vc;  // [T/d, Hkv, Dv]
   int64_t vc_st, vc_sh;
   void* o;  // [T, Hq, Dv] (storage dtype)
@@ -156,7 +157,10 @@ constexpr size_t cmp_smem_bytes(int rows, int dqk, int dv, int group, int score_
   const size_t es = 2, tokens = size_t(rows) / group;
   const size_t q = size_t(rows) * (dqk + 8) * es, k = 2 * size_t(kKeyChunk) * (dqk + 8) * es;
   const size_t v = with_v ? 2 * size_t(kKeyChunk) * (dv + 8) * es : 0;
-  const size_t scores = with_scores ? tokens * ((kKeyChunk + score_ring) * sizeof(float) + sizeof(int)) : 0;
+  // The S pass: per token a row of the chunk's head sums and the score ring (floats) and a column
+  // limit (int); then two mbarriers (the TMA copies of K on sm_90a) on 8 bytes.
+  const size_t scores =
+      with_scores ? tokens * ((kKeyChunk + score_ring) * sizeof(float) + sizeof(int)) + 8 + 2 * sizeof(uint64_t) : 0;
   return 1024 + q + k + (v > scores ? v : scores);
 }
 // The head dims whose S pass may take kScoresRows-row tiles on sm_90a (the only ones for which that

@@ -1,0 +1,85 @@
+// The Tensor Memory Accelerator (sm_90): tiled tensor maps on the host, bulk tensor copies into
+// shared memory that complete on an mbarrier on the device.
+//
+// Host: make_tensor_map_3d encodes a [rows][heads][cols] tensor of 16-bit elements (the layout
+// of the compressed keys, [Rc, Hkv, D]) with boxes of box_rows x 1 x 64 columns in the 128-byte
+// swizzle, which is the layout sw128_offset (common/wgmma.h) describes: a box lands as one
+// 64-column block of box_rows rows x 128 bytes, piece c of row r at piece c ^ (r % 8), from a
+// 1024-byte aligned address. Elements past the tensor's bounds arrive as zeros. The encoder is the
+// driver's cuTensorMapEncodeTiled, reached through the runtime (no link against libcuda).
+//
+// Device: one thread announces the bytes (mbarrier_expect_tx) and issues the copies
+// (tma_load_3d); every thread then waits on the mbarrier's phase (mbarrier_wait_parity, mma.h),
+// after which the data are visible to the async proxy (wgmma) and to ordinary loads.
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/common/mma.h"
+
+namespace nsa::cuda {
+
+// False where the driver has no encoder or rejects the layout (the caller then copies without TMA).
+inline bool make_tensor_map_3d(CUtensorMap* map, bool bf16, const void* base, uint64_t cols, uint64_t heads,
+                               uint64_t rows, uint64_t head_stride_bytes, uint64_t row_stride_bytes,
+                               uint32_t box_rows) {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      fn = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  if (encode == nullptr || rows == 0 || heads == 0) return false;
+  const cuuint64_t dims[3] = {cols, heads, rows};
+  const cuuint64_t strides[2] = {head_stride_bytes, row_stride_bytes};  // dims 1 and 2
+  const cuuint32_t box[3] = {64, 1, box_rows};
+  const cuuint32_t unit[3] = {1, 1, 1};
+  return encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3,
+                const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// Makes the mbarriers this thread initialised visible to the async proxy (the TMA unit).
+__device__ __forceinline__ void fence_mbarrier_init() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+// This thread's arrival on `bar`, which then also waits for `bytes` of copies to complete on it.
+__device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_address(bar)), "r"(bytes)
+               : "memory");
+#else
+  __trap();
+#endif
+}
+
+// Copies the box at coordinates (c0 = column, c1 = head, c2 = row) of `map` (a __grid_constant__
+// kernel parameter) to dst; its bytes complete on `bar`.
+__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, int c0, int c1, int c2, uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];\n" ::"r"(smem_address(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_address(bar))
+      : "memory");
+#else
+  __trap();
+#endif
+}
+
+}  // namespace nsa::cuda
