@@ -10,6 +10,7 @@
 # is caught by its own bug.
 #
 #   scripts/break_tests.sh BUILD_DIR [SOURCE_DIR]      (gpu_check.sh runs it with BREAK_TESTS=1)
+#   BREAK_ROUNDS="2 3" scripts/break_tests.sh ...      (only those rounds, e.g. after a run that timed out)
 set -u -o pipefail
 
 BUILD_DIR="$1"
@@ -30,6 +31,12 @@ trap restore EXIT
 
 rc=0
 mapfile -t ROUNDS < <(for p in "${PATCHES[@]}"; do round_of "$p"; done | sort -n | uniq)
+if [[ -n "${BREAK_ROUNDS:-}" ]]; then
+  wanted=()
+  for r in "${ROUNDS[@]}"; do [[ " $BREAK_ROUNDS " == *" $r "* ]] && wanted+=("$r"); done
+  [[ ${#wanted[@]} -gt 0 ]] || { echo "BREAK_ROUNDS='$BREAK_ROUNDS': no such round (have: ${ROUNDS[*]})"; exit 2; }
+  ROUNDS=("${wanted[@]}")
+fi
 for round in "${ROUNDS[@]}"; do
   mine=()
   for p in "${PATCHES[@]}"; do [[ "$(round_of "$p")" == "$round" ]] && mine+=("$p"); done
