@@ -341,35 +341,37 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
   }
 }
 
-// Pass 1's chunk loop on sm_90a with the K/V chunks copied by TMA (common/tma.h) through a ring
-// of kCmpTmaStages stages, without CTA barriers. Stage s of chunk c (s = c % kCmpTmaStages) holds
-// K in kDqk/64 and V in kDv/64 boxes of 64 rows x 128 bytes in the 128-byte swizzle (the layout
-// the wgmma descriptors read), completing on the stage's mbarrier `full[s]`. Every warp waits on
-// that barrier, multiplies the chunk and then counts itself done with the stage (`done[s]`, a
-// shared counter that only grows); the warp that completes the count (the last of the CTA's warps
-// to finish chunk c) refills the stage with chunk c + kCmpTmaStages. So no warp waits for another
-// except for data that have not arrived, and the three warpgroups drift apart: one's softmax runs
-// under another's products, where the CTA barrier per chunk of the cp.async loop kept them in
-// step. Rows past the tile's keys (only in its last chunk) hold kc/vc data of later rows (or TMA's
-// zeros past the end): the mask gives their scores -inf (p = 0) before anything reads them, and
-// their V rows are zeroed before the chunk's P V (a NaN there would survive 0 * v).
-// Before the call: the Q tile's cp.async copies committed; the ring sits after Q (sm.sk), then the
-// kCmpTmaStages mbarriers and counters (cmp_pass1_tma_smem_bytes).
-template <typename Storage, int kDqk, int kDv, int kRows>
-__device__ __forceinline__ void cmp_pass1_tma(const CmpAttnParams& p, const CmpTileInfo<kRows>& ti,
-                                              TileAttention<Storage, kDqk, kDv, kRows>& tile_state,
-                                              const CmpSmem<Storage, kDqk, kDv, kRows>& sm, const CUtensorMap* kc_map,
-                                              const CUtensorMap* vc_map) {
+// The chunk loop of compressed pass 1 and of the window on sm_90a with the K/V chunks copied by
+// TMA (common/tma.h) through a ring of kCmpTmaStages stages, without CTA barriers. Chunk c is the
+// 64 rows row0 + 64 c of k_map / v_map (KV head hk); its stage (c % kCmpTmaStages) holds K in
+// kDqk/64 and V in kDv/64 boxes of 64 rows x 128 bytes in the 128-byte swizzle (the layout the
+// wgmma descriptors read), completing on the stage's mbarrier. Every warp waits on that barrier,
+// multiplies the chunk (mask_fn(c, s) masks its raw scores) and then counts itself done with the
+// stage (a shared counter that only grows); the warp that completes the count (the last of the
+// CTA's warps to finish chunk c) refills the stage with chunk c + kCmpTmaStages. So no warp waits
+// for another except for data that have not arrived, and the three warpgroups drift apart: one's
+// softmax runs under another's products, where the CTA barrier per chunk of the cp.async loop
+// kept them in step. Rows past the last chunk's count_last keys hold whatever the tensors hold
+// there (later rows, a row no sequence uses, possibly NaN; TMA's zeros past the end): mask_fn
+// must give their scores -inf (p = 0), and their V rows are zeroed before the chunk's P V (a NaN
+// there would survive 0 * v).
+// Before the call: the Q tile's cp.async copies committed. `ring`: 1024-byte aligned, kCmpTmaStages
+// K tiles then kCmpTmaStages V tiles; `bars`: kCmpTmaStages mbarriers then as many counters
+// (tma_ring_bar_bytes), outside anything the caller writes before the loop ends.
+template <typename Storage, int kDqk, int kDv, int kRows, typename MaskFn>
+__device__ __forceinline__ void tma_ring_attention(TileAttention<Storage, kDqk, kDv, kRows>& tile_state,
+                                                   const Storage* sq, Storage* ring, uint64_t* bars,
+                                                   const CUtensorMap* k_map, const CUtensorMap* v_map, int hk,
+                                                   int row0, int num_chunks, int count_last, float scale_log2,
+                                                   MaskFn&& mask_fn) {
   using Tile = TileAttention<Storage, kDqk, kDv, kRows>;
   constexpr int kStages = kCmpTmaStages;
   constexpr unsigned kCtaWarps = kRows / 16;
   constexpr uint32_t kStageBytes = kKeyChunk * (kDqk + kDv) * sizeof(Storage);
-  Storage* const sk = sm.sk;                             // kStages K tiles
-  Storage* const sv = sk + kStages * Tile::kKSwTile;     // kStages V tiles
-  uint64_t* const full = reinterpret_cast<uint64_t*>(sv + kStages * Tile::kVSwTile);
-  unsigned* const done = reinterpret_cast<unsigned*>(full + kStages);
-  const int num_chunks = ti.num_chunks;
-  const int row0 = static_cast<int>(cmp_row_offset(ti.s0, p.d));
+  Storage* const sk = ring;                              // kStages K tiles
+  Storage* const sv = ring + kStages * Tile::kKSwTile;   // kStages V tiles
+  uint64_t* const full = bars;
+  unsigned* const done = reinterpret_cast<unsigned*>(bars + kStages);
   // One thread: chunk c into its stage.
   auto issue = [&](int c) {
     const int st = c % kStages;
@@ -377,9 +379,9 @@ __device__ __forceinline__ void cmp_pass1_tma(const CmpAttnParams& p, const CmpT
     mbarrier_expect_tx(bar, kStageBytes);
     const int row = row0 + c * kKeyChunk;
 #pragma unroll
-    for (int b = 0; b < kDqk / 64; ++b) tma_load_3d(sk + st * Tile::kKSwTile + b * kKeyChunk * 64, kc_map, 64 * b, ti.hk, row, bar);
+    for (int b = 0; b < kDqk / 64; ++b) tma_load_3d(sk + st * Tile::kKSwTile + b * kKeyChunk * 64, k_map, 64 * b, hk, row, bar);
 #pragma unroll
-    for (int b = 0; b < kDv / 64; ++b) tma_load_3d(sv + st * Tile::kVSwTile + b * kKeyChunk * 64, vc_map, 64 * b, ti.hk, row, bar);
+    for (int b = 0; b < kDv / 64; ++b) tma_load_3d(sv + st * Tile::kVSwTile + b * kKeyChunk * 64, v_map, 64 * b, hk, row, bar);
   };
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -399,28 +401,21 @@ __device__ __forceinline__ void cmp_pass1_tma(const CmpAttnParams& p, const CmpT
   uint32_t phase = 0;
   for (int c = 0; c < num_chunks; ++c) {
     mbarrier_wait_parity(full + st, phase);
-    if (c == num_chunks - 1) {
-      // The tile's last chunk may end before its 64 rows: the rows past the keys hold whatever
-      // vc holds there (another sequence's rows, or a row no sequence uses, possibly NaN), and
-      // 0 * NaN would reach o. They become zeros, once per tile, before any warp's P V.
-      const int count = static_cast<int>(ti.num_keys - int64_t(c) * kKeyChunk);
-      if (count < kKeyChunk) {
-        unsigned char* vb = reinterpret_cast<unsigned char*>(sv + st * Tile::kVSwTile);
-        const int pieces = (kKeyChunk - count) * 8;  // 16-byte pieces per 64-column block
-        for (int e = threadIdx.x; e < pieces * (kDv / 64); e += kRows / 16 * 32) {
-          const int b = e / pieces, r = count + e % pieces / 8, piece = e % 8;
-          *reinterpret_cast<uint4*>(vb + b * (kKeyChunk * 128) + r * 128 + piece * 16) = make_uint4(0u, 0u, 0u, 0u);
-        }
-        fence_proxy_async();  // the zeros, for the P V wgmma
-        __syncthreads();
+    if (c == num_chunks - 1 && count_last < kKeyChunk) {
+      // Once per tile: the V rows past the keys become zeros before any warp's P V.
+      unsigned char* vb = reinterpret_cast<unsigned char*>(sv + st * Tile::kVSwTile);
+      const int pieces = (kKeyChunk - count_last) * 8;  // 16-byte pieces per 64-column block
+      for (int e = threadIdx.x; e < pieces * (kDv / 64); e += kRows / 16 * 32) {
+        const int b = e / pieces, r = count_last + e % pieces / 8, piece = e % 8;
+        *reinterpret_cast<uint4*>(vb + b * (kKeyChunk * 128) + r * 128 + piece * 16) = make_uint4(0u, 0u, 0u, 0u);
       }
+      fence_proxy_async();  // the zeros, for the P V wgmma
+      __syncthreads();
     }
     float s[Tile::kSTiles][4];
-    sm.scores(tile_state, s, sk + st * Tile::kKSwTile);
-    int lo[2], hi[2];
-    ti.chunk_limits(c, lo, hi);
-    tile_state.mask(s, lo, hi);
-    tile_state.softmax_update(s, p.scale_log2);
+    tile_state.scores_wgmma_sq(s, sq, sk + st * Tile::kKSwTile);
+    mask_fn(c, s);
+    tile_state.softmax_update(s, scale_log2);
     tile_state.accumulate_pv_wgmma(s, sv + st * Tile::kVSwTile);  // waits for its products: the stage is read
     if (c + kStages < num_chunks) {
       __syncwarp();
@@ -485,7 +480,16 @@ __global__ void __launch_bounds__(kRows / 16 * 32)
     bool streamed = false;
     if constexpr (Smem::kWgmma) {
       if (kv_tma) {
-        cmp_pass1_tma<Storage, kDqk, kDv, kRows>(p, ti, tile_state, sm, &kc_map, &vc_map);
+        using Tile_ = TileAttention<Storage, kDqk, kDv, kRows>;
+        uint64_t* bars = reinterpret_cast<uint64_t*>(sm.sk + kCmpTmaStages * (Tile_::kKSwTile + Tile_::kVSwTile));
+        const int count_last = static_cast<int>(ti.num_keys - int64_t(num_chunks - 1) * kKeyChunk);
+        tma_ring_attention<Storage, kDqk, kDv, kRows>(
+            tile_state, sm.sq, sm.sk, bars, &kc_map, &vc_map, ti.hk, static_cast<int>(cmp_row_offset(ti.s0, p.d)),
+            num_chunks, count_last, p.scale_log2, [&](int c, float (&s)[Tile_::kSTiles][4]) {
+              int lo[2], hi[2];
+              ti.chunk_limits(c, lo, hi);
+              tile_state.mask(s, lo, hi);
+            });
         streamed = true;
       }
     }
