@@ -341,6 +341,99 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
   }
 }
 
+// The chunk loop of compressed pass 1 and of the window on sm_90a with the K/V chunks copied by
+// TMA (common/tma.h) through a ring of kCmpTmaStages stages, without CTA barriers. Chunk c is the
+// 64 rows row0 + 64 c of k_map / v_map (KV head hk); its stage (c % kCmpTmaStages) holds K in
+// kDqk/64 and V in kDv/64 boxes of 64 rows x 128 bytes in the 128-byte swizzle (the layout the
+// wgmma descriptors read), completing on the stage's mbarrier. Every warp waits on that barrier,
+// multiplies the chunk (mask_fn(c, s) masks its raw scores) and then counts itself done with the
+// stage (a shared counter that only grows); the warp that completes the count (the last of the
+// CTA's warps to finish chunk c) refills the stage with chunk c + kCmpTmaStages. So no warp waits
+// for another except for data that have not arrived, and the three warpgroups drift apart: one's
+// softmax runs under another's products, where the CTA barrier per chunk of the cp.async loop
+// kept them in step. Rows past the last chunk's count_last keys hold whatever the tensors hold
+// there (later rows, a row no sequence uses, possibly NaN; TMA's zeros past the end): mask_fn
+// must give their scores -inf (p = 0), and their V rows are zeroed before the chunk's P V (a NaN
+// there would survive 0 * v).
+// Before the call: the Q tile's cp.async copies committed. `ring`: 1024-byte aligned, kCmpTmaStages
+// K tiles then kCmpTmaStages V tiles; `bars`: kCmpTmaStages mbarriers then as many counters
+// (tma_ring_bar_bytes), outside anything the caller writes before the loop ends.
+template <typename Storage, int kDqk, int kDv, int kRows, typename MaskFn>
+__device__ __forceinline__ void tma_ring_attention(TileAttention<Storage, kDqk, kDv, kRows>& tile_state,
+                                                   const Storage* sq, Storage* ring, uint64_t* bars,
+                                                   const CUtensorMap* k_map, const CUtensorMap* v_map, int hk,
+                                                   int row0, int num_chunks, int count_last, float scale_log2,
+                                                   MaskFn&& mask_fn) {
+  using Tile = TileAttention<Storage, kDqk, kDv, kRows>;
+  constexpr int kStages = kCmpTmaStages;
+  constexpr unsigned kCtaWarps = kRows / 16;
+  constexpr uint32_t kStageBytes = kKeyChunk * (kDqk + kDv) * sizeof(Storage);
+  Storage* const sk = ring;                              // kStages K tiles
+  Storage* const sv = ring + kStages * Tile::kKSwTile;   // kStages V tiles
+  uint64_t* const full = bars;
+  unsigned* const done = reinterpret_cast<unsigned*>(bars + kStages);
+  // One thread: chunk c into its stage.
+  auto issue = [&](int c) {
+    const int st = c % kStages;
+    uint64_t* bar = full + st;
+    mbarrier_expect_tx(bar, kStageBytes);
+    const int row = row0 + c * kKeyChunk;
+#pragma unroll
+    for (int b = 0; b < kDqk / 64; ++b) tma_load_3d(sk + st * Tile::kKSwTile + b * kKeyChunk * 64, k_map, 64 * b, hk, row, bar);
+#pragma unroll
+    for (int b = 0; b < kDv / 64; ++b) tma_load_3d(sv + st * Tile::kVSwTile + b * kKeyChunk * 64, v_map, 64 * b, hk, row, bar);
+  };
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int st = 0; st < kStages; ++st) {
+      mbarrier_init(full + st, 1);
+      done[st] = 0;
+    }
+    fence_mbarrier_init();
+  }
+  cp_async_wait<0>();
+  fence_proxy_async();  // the Q tile, for the score wgmma
+  __syncthreads();      // Q, the mbarriers and the counters, before anyone uses them
+  if (threadIdx.x == 0)
+    for (int c = 0; c < kStages && c < num_chunks; ++c) issue(c);
+  const int lane = threadIdx.x % 32;
+  int st = 0;
+  uint32_t phase = 0;
+  for (int c = 0; c < num_chunks; ++c) {
+    mbarrier_wait_parity(full + st, phase);
+    if (c == num_chunks - 1 && count_last < kKeyChunk) {
+      // Once per tile: the V rows past the keys become zeros before any warp's P V.
+      unsigned char* vb = reinterpret_cast<unsigned char*>(sv + st * Tile::kVSwTile);
+      const int pieces = (kKeyChunk - count_last) * 8;  // 16-byte pieces per 64-column block
+      for (int e = threadIdx.x; e < pieces * (kDv / 64); e += kRows / 16 * 32) {
+        const int b = e / pieces, r = count_last + e % pieces / 8, piece = e % 8;
+        *reinterpret_cast<uint4*>(vb + b * (kKeyChunk * 128) + r * 128 + piece * 16) = make_uint4(0u, 0u, 0u, 0u);
+      }
+      fence_proxy_async();  // the zeros, for the P V wgmma
+      __syncthreads();
+    }
+    float s[Tile::kSTiles][4];
+    tile_state.scores_wgmma_sq(s, sq, sk + st * Tile::kKSwTile);
+    mask_fn(c, s);
+    tile_state.softmax_update(s, scale_log2);
+    tile_state.accumulate_pv_wgmma(s, sv + st * Tile::kVSwTile);  // waits for its products: the stage is read
+    if (c + kStages < num_chunks) {
+      __syncwarp();
+      if (lane == 0) {
+        __threadfence_block();  // this warp's reads of the stage are ordered before its count
+        const unsigned before = atomicAdd(done + st, 1u);
+        if (before % kCtaWarps == kCtaWarps - 1) {  // the CTA's last warp done with chunk c
+          __threadfence_block();
+          fence_proxy_async();
+          issue(c + kStages);
+        }
+      }
+      __syncwarp();
+    }
+    if (++st == kStages) st = 0, phase ^= 1u;
+  }
+}
+
 // Q on sm_90a: the score wgmma takes A (Q) from the swizzled Q tile in shared memory
 // (scores_wgmma_sq), not from fragment registers: no registers held for Q and no ldmatrix per
 // chunk. (Held in registers across the chunk loop, ptxas 13.0 gave the fragments' registers to
@@ -353,7 +446,9 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
 // of a 64-row tile); elsewhere the fused 64-row kernel. The body of the variant a target never
 // runs is not compiled for it.
 template <typename Storage, int kDqk, int kDv, int kRows, bool kFusedScores>
-__global__ void __launch_bounds__(kRows / 16 * 32) cmp_attention_kernel(const CmpAttnParams p) {
+__global__ void __launch_bounds__(kRows / 16 * 32)
+    cmp_attention_kernel(const CmpAttnParams p, const __grid_constant__ CUtensorMap kc_map,
+                         const __grid_constant__ CUtensorMap vc_map, int kv_tma) {
   if constexpr (kFusedScores == kWgmmaCompiled) {
     __trap();  // not launched on this target
   } else {
@@ -382,24 +477,43 @@ __global__ void __launch_bounds__(kRows / 16 * 32) cmp_attention_kernel(const Cm
       cp_async_commit();
     };
 
-    // One barrier per chunk: after it chunk c (and the Q tile) has landed for everyone and every
-    // warp is done with chunk c - 1, whose buffer then receives chunk c + 1 while c is multiplied.
-    if (num_chunks > 0) load_chunk(0, 0);
-    Smem::template wait_copies<0>();
-    __syncthreads();
-    if constexpr (!Smem::kWgmma) tile_state.load_q_fragments(sm.sq);  // held (wgmma reads the Q tile)
-    for (int c = 0; c < num_chunks; ++c) {
+    bool streamed = false;
+    if constexpr (Smem::kWgmma) {
+      if (kv_tma) {
+        using Tile_ = TileAttention<Storage, kDqk, kDv, kRows>;
+        uint64_t* bars = reinterpret_cast<uint64_t*>(sm.sk + kCmpTmaStages * (Tile_::kKSwTile + Tile_::kVSwTile));
+        const int count_last = static_cast<int>(ti.num_keys - int64_t(num_chunks - 1) * kKeyChunk);
+        tma_ring_attention<Storage, kDqk, kDv, kRows>(
+            tile_state, sm.sq, sm.sk, bars, &kc_map, &vc_map, ti.hk, static_cast<int>(cmp_row_offset(ti.s0, p.d)),
+            num_chunks, count_last, p.scale_log2, [&](int c, float (&s)[Tile_::kSTiles][4]) {
+              int lo[2], hi[2];
+              ti.chunk_limits(c, lo, hi);
+              tile_state.mask(s, lo, hi);
+            });
+        streamed = true;
+      }
+    }
+    // Without TMA: one barrier per chunk: after it chunk c (and the Q tile) has landed for everyone
+    // and every warp is done with chunk c - 1, whose buffer then receives chunk c + 1 while c is
+    // multiplied.
+    if (!streamed) {
+      if (num_chunks > 0) load_chunk(0, 0);
       Smem::template wait_copies<0>();
       __syncthreads();
-      if (c + 1 < num_chunks) load_chunk(c + 1, (c + 1) & 1);
-      const int buf = c & 1;
-      float s[Tile::kSTiles][4];
-      sm.scores(tile_state, s, sm.sk + buf * Smem::kKTile);
-      int lo[2], hi[2];
-      ti.chunk_limits(c, lo, hi);
-      tile_state.mask(s, lo, hi);
-      tile_state.softmax_update(s, p.scale_log2);
-      Smem::accumulate_pv(tile_state, s, sm.sv + buf * Smem::kVTile);
+      if constexpr (!Smem::kWgmma) tile_state.load_q_fragments(sm.sq);  // held (wgmma reads the Q tile)
+      for (int c = 0; c < num_chunks; ++c) {
+        Smem::template wait_copies<0>();
+        __syncthreads();
+        if (c + 1 < num_chunks) load_chunk(c + 1, (c + 1) & 1);
+        const int buf = c & 1;
+        float s[Tile::kSTiles][4];
+        sm.scores(tile_state, s, sm.sk + buf * Smem::kKTile);
+        int lo[2], hi[2];
+        ti.chunk_limits(c, lo, hi);
+        tile_state.mask(s, lo, hi);
+        tile_state.softmax_update(s, p.scale_log2);
+        Smem::accumulate_pv(tile_state, s, sm.sv + buf * Smem::kVTile);
+      }
     }
     float lse2[2];
     Storage* o = static_cast<Storage*>(p.o);
@@ -478,15 +592,15 @@ inline void cmp_launch(Kernel kernel, int rows, size_t smem, const CmpAttnParams
   NSA_CUDA_CHECK_LAUNCH();
 }
 
-// The S pass's tensor map of kc ([kc_rows, Hkv, Dqk], boxes of kKeyChunk rows x 64 columns); false
-// where it cannot be made (the kernel then copies by cp.async). A dimension of extent 1 gets a
-// valid stride whatever the view says.
-template <typename Storage, int kDqk>
-inline bool cmp_kc_tensor_map(CUtensorMap* map, const CmpAttnParams& p) {
+// Tensor maps of kc or vc ([kc_rows, Hkv, kD], boxes of kKeyChunk rows x 64 columns) for the S
+// pass and pass 1; false where one cannot be made (the kernel then copies by cp.async). A
+// dimension of extent 1 gets a valid stride whatever the view says.
+template <typename Storage, int kD>
+inline bool cmp_rows_tensor_map(CUtensorMap* map, const CmpAttnParams& p, const void* base, int64_t st, int64_t sh) {
   const uint64_t es = sizeof(Storage);
-  const uint64_t head_stride = (p.hkv > 1 ? uint64_t(p.kc_sh) : uint64_t(kDqk)) * es;
-  const uint64_t row_stride = p.kc_rows > 1 ? uint64_t(p.kc_st) * es : head_stride * uint64_t(p.hkv);
-  return make_tensor_map_3d(map, StorageTraits<Storage>::is_bf16, p.kc, kDqk, uint64_t(p.hkv), uint64_t(p.kc_rows),
+  const uint64_t head_stride = (p.hkv > 1 ? uint64_t(sh) : uint64_t(kD)) * es;
+  const uint64_t row_stride = p.kc_rows > 1 ? uint64_t(st) * es : head_stride * uint64_t(p.hkv);
+  return make_tensor_map_3d(map, StorageTraits<Storage>::is_bf16, base, kD, uint64_t(p.hkv), uint64_t(p.kc_rows),
                             head_stride, row_stride, kKeyChunk);
 }
 
@@ -500,15 +614,20 @@ template <typename Storage, int kDqk, int kDv>
 void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream) {
   constexpr int kScoresCtas64 = kDqk <= 128 ? 4 : 3;
   const auto pass1 = cmp_attention_kernel<Storage, kDqk, kDv, kWgRows, false>;
+  CUtensorMap kc_map{}, vc_map{};
   if (!cmp_runs_wgmma(pass1)) {
     cmp_launch(cmp_attention_kernel<Storage, kDqk, kDv, kTileRows, true>, kTileRows,
-               cmp_smem_bytes(kTileRows, kDqk, kDv, p.group, p.score_ring, true, p.scores != nullptr), p, stream);
+               cmp_smem_bytes(kTileRows, kDqk, kDv, p.group, p.score_ring, true, p.scores != nullptr), p, stream,
+               kc_map, vc_map, 0);
     return;
   }
-  cmp_launch(pass1, kWgRows, cmp_smem_bytes(kWgRows, kDqk, kDv, p.group, p.score_ring, true, false), p, stream);
+  const int kc_tma = cmp_rows_tensor_map<Storage, kDqk>(&kc_map, p, p.kc, p.kc_st, p.kc_sh) ? 1 : 0;
+  const int kv_tma = kc_tma && cmp_rows_tensor_map<Storage, kDv>(&vc_map, p, p.vc, p.vc_st, p.vc_sh) ? 1 : 0;
+  cmp_launch(pass1, kWgRows,
+             kv_tma ? cmp_pass1_tma_smem_bytes(kWgRows, kDqk, kDv)
+                    : cmp_smem_bytes(kWgRows, kDqk, kDv, p.group, p.score_ring, true, false),
+             p, stream, kc_map, vc_map, kv_tma);
   if (p.scores == nullptr) return;
-  CUtensorMap kc_map{};
-  const int kc_tma = cmp_kc_tensor_map<Storage, kDqk>(&kc_map, p) ? 1 : 0;
   if constexpr (scores_wide_tiles(kDqk)) {  // else the 128-row S kernel is not instantiated
     if (scores_rows(kDqk, kDv, p.group, p.score_ring, kMaxSmem) == kScoresRows) {
       cmp_launch(cmp_scores_kernel<Storage, kDqk, kDv, kScoresRows, 2>, kScoresRows,

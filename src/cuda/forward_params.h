@@ -163,6 +163,16 @@ constexpr size_t cmp_smem_bytes(int rows, int dqk, int dv, int group, int score_
       with_scores ? tokens * ((kKeyChunk + score_ring) * sizeof(float) + sizeof(int)) + 8 + 2 * sizeof(uint64_t) : 0;
   return 1024 + q + k + (v > scores ? v : scores);
 }
+// sm_90a pass 1 and window with TMA (tma_ring_attention, cmp_attention.cuh): the Q tile, then
+// kCmpTmaStages stages of one K and one V chunk in the 128-byte swizzle, then an mbarrier and a
+// counter per stage. 192 rows: 145 KB at 128/128, 198 KB at 192/128.
+inline constexpr int kCmpTmaStages = 3;
+constexpr size_t tma_ring_end(int rows, int dqk, int dv) {  // from the unaligned start, with the alignment slack
+  const size_t es = 2, q = size_t(rows) * (dqk + 8) * es;
+  return 1024 + q + size_t(kCmpTmaStages) * kKeyChunk * (dqk + dv) * es;
+}
+inline constexpr size_t kTmaRingBarBytes = kCmpTmaStages * (sizeof(uint64_t) + sizeof(unsigned));
+constexpr size_t cmp_pass1_tma_smem_bytes(int rows, int dqk, int dv) { return tma_ring_end(rows, dqk, dv) + kTmaRingBarBytes; }
 // The head dims whose S pass may take kScoresRows-row tiles on sm_90a (the only ones for which that
 // kernel is instantiated). H200, 64K, Hq 64 / Hkv 4, same run (docs/benchmarks/h200.md, session 7):
 // Dqk 192 30.9 -> 24.5 ms for pass 1 + S with 128 rows; Dqk 128 20.9 -> 21.1 ms, so 64 rows stay there.
@@ -180,7 +190,9 @@ constexpr int scores_rows(int dqk, int dv, int group, int score_ring, size_t max
 constexpr size_t cmp_attention_smem_bytes(int dqk, int dv, int group, int score_ring, bool with_scores,
                                           size_t max_smem) {
   const size_t fused = cmp_smem_bytes(kTileRows, dqk, dv, group, score_ring, true, with_scores);
-  const size_t pass1 = cmp_smem_bytes(kWgRows, dqk, dv, group, score_ring, true, false);
+  const size_t pass1_cp = cmp_smem_bytes(kWgRows, dqk, dv, group, score_ring, true, false);
+  const size_t pass1_tma = cmp_pass1_tma_smem_bytes(kWgRows, dqk, dv);
+  const size_t pass1 = pass1_cp > pass1_tma ? pass1_cp : pass1_tma;
   const size_t pass2 = with_scores ? cmp_smem_bytes(scores_rows(dqk, dv, group, score_ring, max_smem), dqk, dv, group,
                                                     score_ring, false, true)
                                    : 0;

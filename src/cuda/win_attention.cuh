@@ -327,14 +327,36 @@ __global__ void __launch_bounds__(kWinThreads) win_attention_kernel(const Branch
 // epilogue as win_attention_kernel. Q is read by the score products from the swizzled Q tile
 // (scores_wgmma_sq). Not compiled for other targets.
 inline constexpr int kWinWgRows = kWgRows;
+// With TMA (tma_ring_attention) the ring's mbarriers and counters sit past both the ring and the
+// staged combine's bytes, which reuse the ring's.
+constexpr size_t win_tma_bar_offset(int dqk, int dv) {
+  const size_t staged = dv == 64 ? win_staged_bytes<kWinWgRows, 64>() : win_staged_bytes<kWinWgRows, 128>();
+  const size_t ring = tma_ring_end(kWinWgRows, dqk, dv);
+  return ((ring > staged ? ring : staged) + 7) / 8 * 8;
+}
 constexpr size_t win_wgmma_smem_bytes(int dqk, int dv) {
   const size_t loop = cmp_smem_bytes(kWinWgRows, dqk, dv, 1, 0, /*with_v=*/true, /*with_scores=*/false);
   const size_t staged = dv == 64 ? win_staged_bytes<kWinWgRows, 64>() : win_staged_bytes<kWinWgRows, 128>();
-  return loop > staged ? loop : staged;  // the staged combine reuses the loop's buffers
+  const size_t cp = loop > staged ? loop : staged;  // the staged combine reuses the loop's buffers
+  const size_t tma = win_tma_bar_offset(dqk, dv) + kTmaRingBarBytes;
+  return cp > tma ? cp : tma;
+}
+
+// Tensor map of the window's k or v ([T, Hkv, kD], boxes of 64 rows x 64 columns); false where
+// one cannot be made (the kernel then copies by cp.async).
+template <typename Storage, int kD>
+inline bool win_tensor_map(CUtensorMap* map, const BranchParams& p, const void* base, int64_t st, int64_t sh) {
+  const uint64_t es = sizeof(Storage), rows = uint64_t(p.seqs.total_tokens);
+  const uint64_t head_stride = (p.hkv > 1 ? uint64_t(sh) : uint64_t(kD)) * es;
+  const uint64_t row_stride = rows > 1 ? uint64_t(st) * es : head_stride * uint64_t(p.hkv);
+  return make_tensor_map_3d(map, StorageTraits<Storage>::is_bf16, base, kD, uint64_t(p.hkv), rows, head_stride,
+                            row_stride, kKeyChunk);
 }
 
 template <typename Storage, int kDqk, int kDv>
-__global__ void __launch_bounds__(kWinWgRows / 16 * 32) win_attention_wgmma_kernel(const BranchParams p) {
+__global__ void __launch_bounds__(kWinWgRows / 16 * 32)
+    win_attention_wgmma_kernel(const BranchParams p, const __grid_constant__ CUtensorMap kw_map,
+                               const __grid_constant__ CUtensorMap vw_map, int kv_tma) {
   if constexpr (!kWgmmaCompiled) {
     __trap();  // launched only where the wgmma body runs (sm_90a)
   } else {
@@ -370,30 +392,46 @@ __global__ void __launch_bounds__(kWinWgRows / 16 * 32) win_attention_wgmma_kern
 
     Tile st;
     st.reset();
-    // One barrier per chunk: after it chunk c (and the Q tile) has landed for everyone and every
-    // warp is done with chunk c - 1, whose buffer then receives chunk c + 1 while c is multiplied.
-    if (num_chunks > 0) load_chunk(0, 0);
-    for (int c = 0; c < num_chunks; ++c) {
-      Smem::template wait_copies<0>();
-      __syncthreads();
-      if (c + 1 < num_chunks) load_chunk(c + 1, (c + 1) & 1);
-      const int buf = c & 1;
+    // Row h keeps chunk c's keys [lo, hi): loaded, not after its token, in its window.
+    auto limits = [&](int c, int (&lo)[2], int (&hi)[2]) {
       const int64_t first = win_lo + int64_t(c) * kChunk;
       const int count = static_cast<int>(min64(kChunk, t_last + 1 - first));
-      float s[Tile::kSTiles][4];
-      sm.scores(st, s, sm.sk + buf * Smem::kKTile);
-      // Row h keeps the chunk's keys [lo, hi): loaded, not after its token, in its window.
-      int lo[2], hi[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         hi[h] = t_row[h] >= first ? static_cast<int>(min64(count, t_row[h] - first + 1)) : 0;
         lo[h] = static_cast<int>(max64(0, min64(kChunk, t_row[h] - p.window + 1 - first)));
       }
+    };
+    if (kv_tma) {
+      uint64_t* bars = reinterpret_cast<uint64_t*>(smem_raw + win_tma_bar_offset(kDqk, kDv));
+      const int count_last =
+          num_chunks > 0 ? static_cast<int>(t_last + 1 - (win_lo + int64_t(num_chunks - 1) * kChunk)) : kChunk;
+      tma_ring_attention<Storage, kDqk, kDv, kRows>(
+          st, sm.sq, sm.sk, bars, &kw_map, &vw_map, hk, static_cast<int>(s0 + win_lo), num_chunks, count_last,
+          p.scale_log2, [&](int c, float (&s)[Tile::kSTiles][4]) {
+            int lo[2], hi[2];
+            limits(c, lo, hi);
+            st.mask(s, lo, hi);
+          });
+    }
+    // Without TMA, one barrier per chunk: after it chunk c (and the Q tile) has landed for everyone
+    // and every warp is done with chunk c - 1, whose buffer then receives chunk c + 1 while c is
+    // multiplied.
+    if (!kv_tma && num_chunks > 0) load_chunk(0, 0);
+    for (int c = 0; c < (kv_tma ? 0 : num_chunks); ++c) {
+      Smem::template wait_copies<0>();
+      __syncthreads();
+      if (c + 1 < num_chunks) load_chunk(c + 1, (c + 1) & 1);
+      const int buf = c & 1;
+      float s[Tile::kSTiles][4];
+      sm.scores(st, s, sm.sk + buf * Smem::kKTile);
+      int lo[2], hi[2];
+      limits(c, lo, hi);
       st.mask(s, lo, hi);
       st.softmax_update(s, p.scale_log2);
       Smem::accumulate_pv(st, s, sm.sv + buf * Smem::kVTile);
     }
-    if (num_chunks == 0) cp_async_wait<0>();  // (w = 0: only the Q tile was copied)
+    if (num_chunks == 0 && !kv_tma) cp_async_wait<0>();  // (w = 0: only the Q tile was copied)
     if (p.combine)
       win_epilogue_staged<Storage, kRows, kDv>(p, st, wt, t_row, head, smem_raw);
     else
@@ -412,7 +450,12 @@ void launch_win_attention(const BranchParams& p, cudaStream_t stream) {
     allow_smem(wg, smem, /*max_carveout=*/true);
     const dim3 grid = row_tile_grid(p.seqs.max_seqlen, p.seqs.batch, kWinWgRows / p.group, p.hkv);
     if (grid.x == 0) return;
-    wg<<<grid, kWinWgRows / 16 * 32, smem, stream>>>(p);
+    CUtensorMap kw_map{}, vw_map{};
+    const int kv_tma = p.window > 0 && win_tensor_map<Storage, kDqk>(&kw_map, p, p.k_win, p.kw_st, p.kw_sh) &&
+                               win_tensor_map<Storage, kDv>(&vw_map, p, p.v_win, p.vw_st, p.vw_sh)
+                           ? 1
+                           : 0;
+    wg<<<grid, kWinWgRows / 16 * 32, smem, stream>>>(p, kw_map, vw_map, kv_tma);
     NSA_CUDA_CHECK_LAUNCH();
     return;
   }
