@@ -321,10 +321,11 @@ __global__ void __launch_bounds__(kWinThreads) win_attention_kernel(const Branch
 
 // sm_90a: the window in tiles of kWinWgRows = kWgRows = 192 rows (three warpgroups share every K/V
 // chunk: a third of the L2 reads per row of the 64-row kernel), scores and P V as warpgroup MMAs
-// (TileAttention::scores_wgmma_sq / accumulate_pv_wgmma), K/V chunks of 64 keys double-buffered with
-// one CTA barrier per chunk: the loop of the compressed branch's pass 1 (cmp_attention.cuh) over
-// the keys [t0 - w + 1, t_last] of the tile, each row masked to [t - w + 1, t], and the same
-// epilogue as win_attention_kernel. Q is read by the score products from the swizzled Q tile
+// (TileAttention::scores_wgmma_sq / accumulate_pv_wgmma), K/V chunks of 64 keys through the TMA
+// ring of the compressed branch's pass 1 (tma_ring_attention, cmp_attention.cuh; double-buffered
+// cp.async with one CTA barrier per chunk where a tensor map cannot be encoded) over the keys
+// [t0 - w + 1, t_last] of the tile, each row masked to [t - w + 1, t], and the same epilogue as
+// win_attention_kernel. Q is read by the score products from the swizzled Q tile
 // (scores_wgmma_sq). Not compiled for other targets.
 inline constexpr int kWinWgRows = kWgRows;
 // With TMA (tma_ring_attention) the ring's mbarriers and counters sit past both the ring and the
