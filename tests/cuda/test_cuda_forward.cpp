@@ -415,6 +415,7 @@ TEST_P(CudaForward, ForwardMatchesReferencePipeline) {
   void* ws = nullptr;
   if (ws_bytes) {
     NSA_TEST_CUDA(cudaMalloc(&ws, ws_bytes));
+    NSA_TEST_CUDA(cudaMemset(ws, 0xff, ws_bytes));  // NaN pattern: nothing may rely on zeros
   }
   forward(cuda_ctx(), cfg, in, out, Workspace{ws, ws_bytes});
   sync();
