@@ -11,7 +11,8 @@
 #                        and one table of the benchmark lines in $OUT/ab_summary.txt.
 # Environment: OUT (default ./out), AB_LENGTHS (default 65536), AB_STEPS (default "build tests bench
 # bench_backward"; add "profile" for every kernel's ncu time, scripts/profile_gpu.sh, and "gather" for
-# nsa_gather_bench), AB_TEST_FILTER
+# nsa_gather_bench), AB_PACK (default 1: the per-snapshot log folders packed into $OUT/ab_logs.tgz,
+# since the device tool brings back only a few files), AB_TEST_FILTER
 # (a --gtest_filter; the parameterised suites are Cases/CudaForward.*, so write *CudaForward*), JOBS (default 16), AB_ARCH (default 90a).
 # Time on the H200 per snapshot, roughly: build 35 s (sm_90a only), tests 45-60 s, benchmarks at 64K
 # 30-40 s; four snapshots do not fit in one 600 s call: split them with NAMEs.
@@ -108,5 +109,16 @@ for dir in "${dirs[@]}"; do
     sed 's/^/  ncu: /' "$log/profile/kernel_times.txt" >> "$SUMMARY" 2>/dev/null
   fi
 done
+# The device tool brings back only a few files: every snapshot's logs go into one archive
+# ($OUT/ab_logs.tgz, with the failing tests' names in the summary) unless AB_PACK=0.
+if [[ "${AB_PACK:-1}" == 1 ]]; then
+  for dir in "${dirs[@]}"; do
+    name="$(basename "$dir")"
+    grep -h '^\[  FAILED  \] .*(' "$OUT/$name/cuda_tests.log" 2>/dev/null | head -20 | sed "s/^/  $name: /" >> "$SUMMARY"
+  done
+  names=()
+  for dir in "${dirs[@]}"; do names+=("$(basename "$dir")"); done
+  tar czf "$OUT/ab_logs.tgz" -C "$OUT" "${names[@]}" && rm -rf "${names[@]/#/$OUT/}"
+fi
 cat "$SUMMARY"
 exit $rc_all
