@@ -100,7 +100,7 @@ for dir in "${dirs[@]}"; do
     sed 's/^/  bwd: /' "$log/nsa_backward_bench.csv" | head -20 >> "$SUMMARY"
   fi
   if has gather; then  # bench/gather_patterns.cu: the selection's gather patterns (a few seconds)
-    "$build/bin/nsa_gather_bench" > "$log/gather.txt" 2>&1 || { echo "  gather FAILED" | tee -a "$SUMMARY"; rc_all=1; }
+    timeout 120 "$build/bin/nsa_gather_bench" > "$log/gather.txt" 2>&1 || { echo "  gather FAILED" | tee -a "$SUMMARY"; rc_all=1; }
     sed 's/^/  gather: /' "$log/gather.txt" | tail -6 >> "$SUMMARY"
   fi
   if has profile; then

@@ -97,7 +97,7 @@ bench() {
 }
 
 # The selection's gather patterns (bench/gather_patterns.cu, docs/cuda.md "Session 7"): a few seconds.
-gather_bench() { "$(bin nsa_gather_bench)"; }
+gather_bench() { timeout 120 "$(bin nsa_gather_bench)"; }  # (a hung pattern must not eat the call)
 bench_backward() {  # issue 5: forward+backward against SDPA forward+backward, same run
   "$(bin nsa_cuda_backward_bench)" --out "$OUT/nsa_backward_bench.csv" ${BENCH_ARGS:-} || return 1
   PYTHONUNBUFFERED=1 python3 "$SRC/bench/sdpa_backward_baseline.py" "$OUT/nsa_backward_bench.csv" --markdown "$OUT/bench_backward.md"
