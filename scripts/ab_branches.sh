@@ -112,12 +112,12 @@ done
 # The device tool brings back only a few files: every snapshot's logs go into one archive
 # ($OUT/ab_logs.tgz, with the failing tests' names in the summary) unless AB_PACK=0.
 if [[ "${AB_PACK:-1}" == 1 ]]; then
+  names=()
   for dir in "${dirs[@]}"; do
     name="$(basename "$dir")"
+    names+=("$name")
     grep -h '^\[  FAILED  \] .*(' "$OUT/$name/cuda_tests.log" 2>/dev/null | head -20 | sed "s/^/  $name: /" >> "$SUMMARY"
   done
-  names=()
-  for dir in "${dirs[@]}"; do names+=("$(basename "$dir")"); done
   tar czf "$OUT/ab_logs.tgz" -C "$OUT" "${names[@]}" && rm -rf "${names[@]/#/$OUT/}"
 fi
 cat "$SUMMARY"

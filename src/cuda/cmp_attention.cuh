@@ -185,8 +185,9 @@ struct CmpSmem {
 // copies each chunk by TMA, its 64-column blocks as boxes in the 128-byte swizzle, completing on
 // the buffer's mbarrier; rows past the tile's keys then hold whatever kc holds there (other
 // sequences' rows, or zeros past its end), which the mask replaces by -inf before anything reads
-// them. Without it every thread copies its pieces by cp.async (rows past the keys zero-filled). With wgmma the score products read Q from the
-// swizzled Q tile, which must stay in shared memory ("Q on sm_90a" at the kernel below).
+// them. Without it every thread copies its pieces by cp.async (rows past the keys zero-filled).
+// With wgmma the score products read Q from the swizzled Q tile, which must stay in shared memory
+// ("Q on sm_90a" at the kernel below).
 // s_pg: [tokens][kKeyChunk] + [tokens][score_ring] floats + [tokens] ints of shared memory
 // (cmp_smem_bytes).
 //
@@ -357,7 +358,7 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
 // there would survive 0 * v).
 // Before the call: the Q tile's cp.async copies committed. `ring`: 1024-byte aligned, kCmpTmaStages
 // K tiles then kCmpTmaStages V tiles; `bars`: kCmpTmaStages mbarriers then as many counters
-// (tma_ring_bar_bytes), outside anything the caller writes before the loop ends.
+// (kTmaRingBarBytes), outside anything the caller writes before the loop ends.
 template <typename Storage, int kDqk, int kDv, int kRows, typename MaskFn>
 __device__ __forceinline__ void tma_ring_attention(TileAttention<Storage, kDqk, kDv, kRows>& tile_state,
                                                    const Storage* sq, Storage* ring, uint64_t* bars,
@@ -480,12 +481,11 @@ __global__ void __launch_bounds__(kRows / 16 * 32)
     bool streamed = false;
     if constexpr (Smem::kWgmma) {
       if (kv_tma) {
-        using Tile_ = TileAttention<Storage, kDqk, kDv, kRows>;
-        uint64_t* bars = reinterpret_cast<uint64_t*>(sm.sk + kCmpTmaStages * (Tile_::kKSwTile + Tile_::kVSwTile));
+        uint64_t* bars = reinterpret_cast<uint64_t*>(sm.sk + kCmpTmaStages * (Tile::kKSwTile + Tile::kVSwTile));
         const int count_last = static_cast<int>(ti.num_keys - int64_t(num_chunks - 1) * kKeyChunk);
         tma_ring_attention<Storage, kDqk, kDv, kRows>(
             tile_state, sm.sq, sm.sk, bars, &kc_map, &vc_map, ti.hk, static_cast<int>(cmp_row_offset(ti.s0, p.d)),
-            num_chunks, count_last, p.scale_log2, [&](int c, float (&s)[Tile_::kSTiles][4]) {
+            num_chunks, count_last, p.scale_log2, [&](int c, float (&s)[Tile::kSTiles][4]) {
               int lo[2], hi[2];
               ti.chunk_limits(c, lo, hi);
               tile_state.mask(s, lo, hi);
@@ -593,15 +593,11 @@ inline void cmp_launch(Kernel kernel, int rows, size_t smem, const CmpAttnParams
 }
 
 // Tensor maps of kc or vc ([kc_rows, Hkv, kD], boxes of kKeyChunk rows x 64 columns) for the S
-// pass and pass 1; false where one cannot be made (the kernel then copies by cp.async). A
-// dimension of extent 1 gets a valid stride whatever the view says.
+// pass and pass 1; false where one cannot be made (the kernel then copies by cp.async).
 template <typename Storage, int kD>
 inline bool cmp_rows_tensor_map(CUtensorMap* map, const CmpAttnParams& p, const void* base, int64_t st, int64_t sh) {
-  const uint64_t es = sizeof(Storage);
-  const uint64_t head_stride = (p.hkv > 1 ? uint64_t(sh) : uint64_t(kD)) * es;
-  const uint64_t row_stride = p.kc_rows > 1 ? uint64_t(st) * es : head_stride * uint64_t(p.hkv);
-  return make_tensor_map_3d(map, StorageTraits<Storage>::is_bf16, base, kD, uint64_t(p.hkv), uint64_t(p.kc_rows),
-                            head_stride, row_stride, kKeyChunk);
+  return make_rows_tensor_map(map, StorageTraits<Storage>::is_bf16, base, kD, uint64_t(p.hkv), uint64_t(p.kc_rows),
+                              st, sh, kKeyChunk);
 }
 
 // sm_90a: pass 1 in 192-row tiles (kWgRows), then the S pass as its own kernel: at Dqk = 192 in

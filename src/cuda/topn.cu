@@ -9,7 +9,7 @@
 // smaller j because the comparison key is (score, -j). The chosen blocks are then written in
 // ascending order (each lane computes the rank of its entries) and padded with -1.
 //
-// (Before session 8 each round's winner rescanned all its columns for its next best: a serial
+// (Until session 9 each round's winner rescanned all its columns for its next best: a serial
 // scan of J/32 shared loads per round in one lane while the warp waited.)
 #include "cuda/common/check.h"
 #include "cuda/topn.cuh"

@@ -347,11 +347,8 @@ constexpr size_t win_wgmma_smem_bytes(int dqk, int dv) {
 // one cannot be made (the kernel then copies by cp.async).
 template <typename Storage, int kD>
 inline bool win_tensor_map(CUtensorMap* map, const BranchParams& p, const void* base, int64_t st, int64_t sh) {
-  const uint64_t es = sizeof(Storage), rows = uint64_t(p.seqs.total_tokens);
-  const uint64_t head_stride = (p.hkv > 1 ? uint64_t(sh) : uint64_t(kD)) * es;
-  const uint64_t row_stride = rows > 1 ? uint64_t(st) * es : head_stride * uint64_t(p.hkv);
-  return make_tensor_map_3d(map, StorageTraits<Storage>::is_bf16, base, kD, uint64_t(p.hkv), rows, head_stride,
-                            row_stride, kKeyChunk);
+  return make_rows_tensor_map(map, StorageTraits<Storage>::is_bf16, base, kD, uint64_t(p.hkv),
+                              uint64_t(p.seqs.total_tokens), st, sh, kKeyChunk);
 }
 
 template <typename Storage, int kDqk, int kDv>

@@ -49,6 +49,16 @@ inline bool make_tensor_map_3d(CUtensorMap* map, bool bf16, const void* base, ui
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// make_tensor_map_3d for a [rows, heads, cols] view of 16-bit elements with strides in elements
+// (row_stride, head_stride), boxes of box_rows rows x 64 columns: the form every kernel's K/V map
+// takes. A dimension of extent 1 gets a valid stride whatever the view says.
+inline bool make_rows_tensor_map(CUtensorMap* map, bool bf16, const void* base, uint64_t cols, uint64_t heads,
+                                 uint64_t rows, int64_t row_stride, int64_t head_stride, uint32_t box_rows) {
+  const uint64_t head_bytes = (heads > 1 ? uint64_t(head_stride) : cols) * 2;
+  const uint64_t row_bytes = rows > 1 ? uint64_t(row_stride) * 2 : head_bytes * heads;
+  return make_tensor_map_3d(map, bf16, base, cols, heads, rows, head_bytes, row_bytes, box_rows);
+}
+
 // Makes the mbarriers this thread initialised visible to the async proxy (the TMA unit).
 __device__ __forceinline__ void fence_mbarrier_init() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
