@@ -253,7 +253,7 @@ struct TileAttention {
   // must call it.
   __device__ __forceinline__ void scores_wgmma_sq(float (&s)[kSTiles][4], const Storage* sq,
                                                   const Storage* sk) const {
-    static_assert(kRows % 64 == 0 && kChunk == 64, "whole warpgroups, one n64 product per k16 step");
+    static_assert(kRows % 64 == 0 && (kChunk == 64 || kChunk == 128), "whole warpgroups, one n64 or n128 product per k16 step");
 #pragma unroll
     for (int i = 0; i < kSTiles; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
     wgmma_batch([&] {

@@ -83,7 +83,7 @@ inline constexpr float kCmpLog2e = 1.4426950408889634f;
 
 // What a CTA knows about its tile: kRows rows = tokens_per_tile tokens x G heads of KV head hk,
 // and this thread's two rows (group, group + 8 of its warp's m16 slice).
-template <int kRows>
+template <int kRows, int kChunk = kKeyChunk>
 struct CmpTileInfo : SeqRowTile {
   int row[2], tok[2];
   int64_t t_row[2], visible[2];  // keys i < visible[h] are seen by row h (0 for rows past the sequence)
@@ -102,7 +102,7 @@ struct CmpTileInfo : SeqRowTile {
       visible[h] = tok[h] < tokens_valid ? visible_cmp_blocks(t_row[h], p.l, p.d) : 0;
     }
     num_keys = visible_cmp_blocks(t0 + tokens_valid - 1, p.l, p.d);
-    num_chunks = static_cast<int>((num_keys + kKeyChunk - 1) / kKeyChunk);
+    num_chunks = static_cast<int>((num_keys + kChunk - 1) / kChunk);
     return true;
   }
   // Chunk c's key range of row h: [0, hi) (visible keys only).
@@ -110,7 +110,7 @@ struct CmpTileInfo : SeqRowTile {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       lo[h] = 0;
-      hi[h] = static_cast<int>(max64(0, min64(kKeyChunk, visible[h] - int64_t(c) * kKeyChunk)));
+      hi[h] = static_cast<int>(max64(0, min64(kChunk, visible[h] - int64_t(c) * kChunk)));
     }
   }
 };
@@ -359,16 +359,16 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
 // Before the call: the Q tile's cp.async copies committed. `ring`: 1024-byte aligned, kCmpTmaStages
 // K tiles then kCmpTmaStages V tiles; `bars`: kCmpTmaStages mbarriers then as many counters
 // (kTmaRingBarBytes), outside anything the caller writes before the loop ends.
-template <typename Storage, int kDqk, int kDv, int kRows, typename MaskFn>
-__device__ __forceinline__ void tma_ring_attention(TileAttention<Storage, kDqk, kDv, kRows>& tile_state,
+template <typename Storage, int kDqk, int kDv, int kRows, int kChunk = kKeyChunk, int kStages = kCmpTmaStages,
+          typename MaskFn>
+__device__ __forceinline__ void tma_ring_attention(TileAttention<Storage, kDqk, kDv, kRows, kChunk>& tile_state,
                                                    const Storage* sq, Storage* ring, uint64_t* bars,
                                                    const CUtensorMap* k_map, const CUtensorMap* v_map, int hk,
                                                    int row0, int num_chunks, int count_last, float scale_log2,
                                                    MaskFn&& mask_fn) {
-  using Tile = TileAttention<Storage, kDqk, kDv, kRows>;
-  constexpr int kStages = kCmpTmaStages;
+  using Tile = TileAttention<Storage, kDqk, kDv, kRows, kChunk>;
   constexpr unsigned kCtaWarps = kRows / 16;
-  constexpr uint32_t kStageBytes = kKeyChunk * (kDqk + kDv) * sizeof(Storage);
+  constexpr uint32_t kStageBytes = kChunk * (kDqk + kDv) * sizeof(Storage);
   Storage* const sk = ring;                              // kStages K tiles
   Storage* const sv = ring + kStages * Tile::kKSwTile;   // kStages V tiles
   uint64_t* const full = bars;
@@ -378,11 +378,11 @@ __device__ __forceinline__ void tma_ring_attention(TileAttention<Storage, kDqk, 
     const int st = c % kStages;
     uint64_t* bar = full + st;
     mbarrier_expect_tx(bar, kStageBytes);
-    const int row = row0 + c * kKeyChunk;
+    const int row = row0 + c * kChunk;
 #pragma unroll
-    for (int b = 0; b < kDqk / 64; ++b) tma_load_3d(sk + st * Tile::kKSwTile + b * kKeyChunk * 64, k_map, 64 * b, hk, row, bar);
+    for (int b = 0; b < kDqk / 64; ++b) tma_load_3d(sk + st * Tile::kKSwTile + b * kChunk * 64, k_map, 64 * b, hk, row, bar);
 #pragma unroll
-    for (int b = 0; b < kDv / 64; ++b) tma_load_3d(sv + st * Tile::kVSwTile + b * kKeyChunk * 64, v_map, 64 * b, hk, row, bar);
+    for (int b = 0; b < kDv / 64; ++b) tma_load_3d(sv + st * Tile::kVSwTile + b * kChunk * 64, v_map, 64 * b, hk, row, bar);
   };
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -402,13 +402,13 @@ __device__ __forceinline__ void tma_ring_attention(TileAttention<Storage, kDqk, 
   uint32_t phase = 0;
   for (int c = 0; c < num_chunks; ++c) {
     mbarrier_wait_parity(full + st, phase);
-    if (c == num_chunks - 1 && count_last < kKeyChunk) {
+    if (c == num_chunks - 1 && count_last < kChunk) {
       // Once per tile: the V rows past the keys become zeros before any warp's P V.
       unsigned char* vb = reinterpret_cast<unsigned char*>(sv + st * Tile::kVSwTile);
-      const int pieces = (kKeyChunk - count_last) * 8;  // 16-byte pieces per 64-column block
+      const int pieces = (kChunk - count_last) * 8;  // 16-byte pieces per 64-column block
       for (int e = threadIdx.x; e < pieces * (kDv / 64); e += kRows / 16 * 32) {
         const int b = e / pieces, r = count_last + e % pieces / 8, piece = e % 8;
-        *reinterpret_cast<uint4*>(vb + b * (kKeyChunk * 128) + r * 128 + piece * 16) = make_uint4(0u, 0u, 0u, 0u);
+        *reinterpret_cast<uint4*>(vb + b * (kChunk * 128) + r * 128 + piece * 16) = make_uint4(0u, 0u, 0u, 0u);
       }
       fence_proxy_async();  // the zeros, for the P V wgmma
       __syncthreads();
@@ -432,6 +432,31 @@ __device__ __forceinline__ void tma_ring_attention(TileAttention<Storage, kDqk, 
       __syncwarp();
     }
     if (++st == kStages) st = 0, phase ^= 1u;
+  }
+}
+
+// The end of pass 1 for this thread's two rows: lse (natural log) and the normalised o_cmp;
+// lse2 (log2 units) is left for the S pass of the fused kernel.
+template <typename Storage, typename TileInfo, typename Tile>
+__device__ __forceinline__ void cmp_pass1_epilogue(const CmpAttnParams& p, const TileInfo& ti, const Tile& tile_state,
+                                                   float (&lse2)[2]) {
+  const int quad = threadIdx.x % 4;
+  Storage* o = static_cast<Storage*>(p.o);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float inv;
+    tile_state.finish_row(h, lse2[h], inv);
+    if (ti.tok[h] >= ti.tokens_valid) continue;
+    const int head = ti.hk * p.group + (ti.row[h] & (p.group - 1));
+    const int64_t t = ti.s0 + ti.t_row[h];
+    if (quad == 0) p.lse[t * p.lse_st + head * p.lse_sh] = lse2[h] == kNegInf ? kNegInf : lse2[h] * kLn2;
+    Storage* orow = o + t * p.o_st + head * p.o_sh;
+#pragma unroll
+    for (int i = 0; i < Tile::kOTiles; ++i) {
+      const uint32_t packed =
+          StorageTraits<Storage>::pack(tile_state.acc[i][2 * h] * inv, tile_state.acc[i][2 * h + 1] * inv);
+      *reinterpret_cast<uint32_t*>(orow + i * 8 + 2 * quad) = packed;
+    }
   }
 }
 
@@ -466,7 +491,6 @@ __global__ void __launch_bounds__(kRows / 16 * 32)
     sm.load_q(q, p.q_st, p.q_sh, ti.s0 + ti.t0, ti.tokens_valid, ti.hk * p.group, p.log2_group);
     cp_async_commit();
 
-    const int quad = threadIdx.x % 4;
     const int num_chunks = ti.num_chunks;
     Tile tile_state;
     tile_state.reset();
@@ -516,27 +540,53 @@ __global__ void __launch_bounds__(kRows / 16 * 32)
       }
     }
     float lse2[2];
-    Storage* o = static_cast<Storage*>(p.o);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float inv;
-      tile_state.finish_row(h, lse2[h], inv);
-      if (ti.tok[h] >= ti.tokens_valid) continue;
-      const int head = ti.hk * p.group + (ti.row[h] & (p.group - 1));
-      const int64_t t = ti.s0 + ti.t_row[h];
-      if (quad == 0) p.lse[t * p.lse_st + head * p.lse_sh] = lse2[h] == kNegInf ? kNegInf : lse2[h] * kLn2;
-      Storage* orow = o + t * p.o_st + head * p.o_sh;
-#pragma unroll
-      for (int i = 0; i < Tile::kOTiles; ++i) {
-        const uint32_t packed = StorageTraits<Storage>::pack(tile_state.acc[i][2 * h] * inv, tile_state.acc[i][2 * h + 1] * inv);
-        *reinterpret_cast<uint32_t*>(orow + i * 8 + 2 * quad) = packed;
-      }
-    }
+    cmp_pass1_epilogue<Storage>(p, ti, tile_state, lse2);
     if constexpr (kFusedScores) {
       if (p.scores == nullptr) return;
       __syncthreads();  // every warp is done with pass 1's buffers (pass 2's scores reuse V's space)
       cmp_scores_pass<Storage, kDqk, kDv, kRows>(p, ti, tile_state, sm, reinterpret_cast<float*>(sm.sv), lse2, nullptr);
     }
+  }
+}
+
+// sm_90a pass 1 in the shape of FlashAttention-3's forward: tiles of kCmpWideRows = 128 rows (two
+// warpgroups) and chunks of kCmpWideChunk = 128 keys, so the score product of a warpgroup is one
+// m64n128k16 per 16 head dims (half the Q reads from shared memory per key of m64n64, half the
+// waits, row maxima and sums per key), through a 2-stage TMA ring (tma_ring_attention; two 64 KB
+// stages at 128/128). 255 registers at most (256 threads, one CTA per SM). Launched where the
+// tensor maps of kc and vc with 128-row boxes can be made; else the 192-row kernel.
+template <typename Storage, int kDqk, int kDv>
+__global__ void __launch_bounds__(kCmpWideRows / 16 * 32, 1)
+    cmp_pass1_wide_kernel(const CmpAttnParams p, const __grid_constant__ CUtensorMap kc_map,
+                          const __grid_constant__ CUtensorMap vc_map) {
+  if constexpr (!kWgmmaCompiled) {
+    __trap();  // launched only where the wgmma body runs (sm_90a)
+  } else {
+    constexpr int kRows = kCmpWideRows, kChunk = kCmpWideChunk, kStages = kCmpWideStages;
+    using Tile = TileAttention<Storage, kDqk, kDv, kRows, kChunk>;
+    using Smem = CmpSmem<Storage, kDqk, kDv, kRows>;  // (the Q tile and where the ring starts)
+    static_assert(Smem::Tile::kQBytes == Tile::kQBytes, "the same Q tile");
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const Smem sm(smem_raw);
+    CmpTileInfo<kRows, kChunk> ti;
+    if (!ti.init(p)) return;
+    sm.load_q(static_cast<const Storage*>(p.q), p.q_st, p.q_sh, ti.s0 + ti.t0, ti.tokens_valid, ti.hk * p.group,
+              p.log2_group);
+    cp_async_commit();
+    Tile tile_state;
+    tile_state.reset();
+    const int num_chunks = ti.num_chunks;
+    uint64_t* bars = reinterpret_cast<uint64_t*>(sm.sk + kStages * (Tile::kKSwTile + Tile::kVSwTile));
+    const int count_last = static_cast<int>(ti.num_keys - int64_t(num_chunks - 1) * kChunk);
+    tma_ring_attention<Storage, kDqk, kDv, kRows, kChunk, kStages>(
+        tile_state, sm.sq, sm.sk, bars, &kc_map, &vc_map, ti.hk, static_cast<int>(cmp_row_offset(ti.s0, p.d)),
+        num_chunks, count_last, p.scale_log2, [&](int c, float (&s)[Tile::kSTiles][4]) {
+          int lo[2], hi[2];
+          ti.chunk_limits(c, lo, hi);
+          tile_state.mask(s, lo, hi);
+        });
+    float lse2[2];
+    cmp_pass1_epilogue<Storage>(p, ti, tile_state, lse2);
   }
 }
 
@@ -595,9 +645,10 @@ inline void cmp_launch(Kernel kernel, int rows, size_t smem, const CmpAttnParams
 // Tensor maps of kc or vc ([kc_rows, Hkv, kD], boxes of kKeyChunk rows x 64 columns) for the S
 // pass and pass 1; false where one cannot be made (the kernel then copies by cp.async).
 template <typename Storage, int kD>
-inline bool cmp_rows_tensor_map(CUtensorMap* map, const CmpAttnParams& p, const void* base, int64_t st, int64_t sh) {
+inline bool cmp_rows_tensor_map(CUtensorMap* map, const CmpAttnParams& p, const void* base, int64_t st, int64_t sh,
+                                uint32_t box_rows = kKeyChunk) {
   return make_rows_tensor_map(map, StorageTraits<Storage>::is_bf16, base, kD, uint64_t(p.hkv), uint64_t(p.kc_rows),
-                              st, sh, kKeyChunk);
+                              st, sh, box_rows);
 }
 
 // sm_90a: pass 1 in 192-row tiles (kWgRows), then the S pass as its own kernel: at Dqk = 192 in
@@ -618,11 +669,19 @@ void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream) {
     return;
   }
   const int kc_tma = cmp_rows_tensor_map<Storage, kDqk>(&kc_map, p, p.kc, p.kc_st, p.kc_sh) ? 1 : 0;
-  const int kv_tma = kc_tma && cmp_rows_tensor_map<Storage, kDv>(&vc_map, p, p.vc, p.vc_st, p.vc_sh) ? 1 : 0;
-  cmp_launch(pass1, kWgRows,
-             kv_tma ? cmp_pass1_tma_smem_bytes(kWgRows, kDqk, kDv)
-                    : cmp_smem_bytes(kWgRows, kDqk, kDv, p.group, p.score_ring, true, false),
-             p, stream, kc_map, vc_map, kv_tma);
+  CUtensorMap kc_wide{}, vc_wide{};
+  if (cmp_rows_tensor_map<Storage, kDqk>(&kc_wide, p, p.kc, p.kc_st, p.kc_sh, kCmpWideChunk) &&
+      cmp_rows_tensor_map<Storage, kDv>(&vc_wide, p, p.vc, p.vc_st, p.vc_sh, kCmpWideChunk)) {
+    static_assert(cmp_wide_smem_bytes(kDqk, kDv) <= kMaxSmem, "the 128 x 128 pass 1 fits in shared memory");
+    cmp_launch(cmp_pass1_wide_kernel<Storage, kDqk, kDv>, kCmpWideRows, cmp_wide_smem_bytes(kDqk, kDv), p, stream,
+               kc_wide, vc_wide);
+  } else {
+    const int kv_tma = kc_tma && cmp_rows_tensor_map<Storage, kDv>(&vc_map, p, p.vc, p.vc_st, p.vc_sh) ? 1 : 0;
+    cmp_launch(pass1, kWgRows,
+               kv_tma ? cmp_pass1_tma_smem_bytes(kWgRows, kDqk, kDv)
+                      : cmp_smem_bytes(kWgRows, kDqk, kDv, p.group, p.score_ring, true, false),
+               p, stream, kc_map, vc_map, kv_tma);
+  }
   if (p.scores == nullptr) return;
   if constexpr (scores_wide_tiles(kDqk)) {  // else the 128-row S kernel is not instantiated
     if (scores_rows(kDqk, kDv, p.group, p.score_ring, kMaxSmem) == kScoresRows) {

@@ -173,6 +173,13 @@ constexpr size_t tma_ring_end(int rows, int dqk, int dv) {  // from the unaligne
 }
 inline constexpr size_t kTmaRingBarBytes = kCmpTmaStages * (sizeof(uint64_t) + sizeof(unsigned));
 constexpr size_t cmp_pass1_tma_smem_bytes(int rows, int dqk, int dv) { return tma_ring_end(rows, dqk, dv) + kTmaRingBarBytes; }
+// sm_90a pass 1 in 128-row tiles and 128-key chunks (cmp_pass1_wide_kernel, cmp_attention.cuh), a
+// 2-stage ring: 163 KB at 128/128, 211 KB at 192/128.
+inline constexpr int kCmpWideRows = 128, kCmpWideChunk = 128, kCmpWideStages = 2;
+constexpr size_t cmp_wide_smem_bytes(int dqk, int dv) {
+  return 1024 + size_t(kCmpWideRows) * (dqk + 8) * 2 + size_t(kCmpWideStages) * kCmpWideChunk * (dqk + dv) * 2 +
+         kCmpWideStages * (sizeof(uint64_t) + sizeof(unsigned));
+}
 // The head dims whose S pass may take kScoresRows-row tiles on sm_90a (the only ones for which that
 // kernel is instantiated). H200, 64K, Hq 64 / Hkv 4, same run (docs/benchmarks/h200.md, session 7):
 // Dqk 192 30.9 -> 24.5 ms for pass 1 + S with 128 rows; Dqk 128 20.9 -> 21.1 ms, so 64 rows stay there.
@@ -192,7 +199,9 @@ constexpr size_t cmp_attention_smem_bytes(int dqk, int dv, int group, int score_
   const size_t fused = cmp_smem_bytes(kTileRows, dqk, dv, group, score_ring, true, with_scores);
   const size_t pass1_cp = cmp_smem_bytes(kWgRows, dqk, dv, group, score_ring, true, false);
   const size_t pass1_tma = cmp_pass1_tma_smem_bytes(kWgRows, dqk, dv);
-  const size_t pass1 = pass1_cp > pass1_tma ? pass1_cp : pass1_tma;
+  const size_t pass1_wide = cmp_wide_smem_bytes(dqk, dv);
+  const size_t pass1_narrow = pass1_cp > pass1_tma ? pass1_cp : pass1_tma;
+  const size_t pass1 = pass1_narrow > pass1_wide ? pass1_narrow : pass1_wide;
   const size_t pass2 = with_scores ? cmp_smem_bytes(scores_rows(dqk, dv, group, score_ring, max_smem), dqk, dv, group,
                                                     score_ring, false, true)
                                    : 0;
