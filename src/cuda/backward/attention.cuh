@@ -1202,11 +1202,7 @@ void allow_smem(Kernel* kernel, size_t bytes) {
 template <typename E, int D>
 bool dq_rows_map(CUtensorMap* map, const void* p, int64_t rows, int64_t st, int64_t sh, int hkv) {
   if (p == nullptr || rows <= 0) return false;
-  const uint64_t es = sizeof(E);
-  const uint64_t head_stride = (hkv > 1 ? uint64_t(sh) : uint64_t(D)) * es;
-  const uint64_t row_stride = rows > 1 ? uint64_t(st) * es : head_stride * uint64_t(hkv);
-  return cuda::make_tensor_map_3d(map, kIsBf16<E>, p, D, uint64_t(hkv), uint64_t(rows), head_stride, row_stride,
-                                  kKeys);
+  return cuda::make_rows_tensor_map(map, kIsBf16<E>, p, D, uint64_t(hkv), uint64_t(rows), st, sh, kKeys);
 }
 // dq_kernel's maps, for the branches that have keys; false where one cannot be made or the
 // kernel runs the sm_80 body (no TMA there).
