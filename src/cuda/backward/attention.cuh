@@ -59,6 +59,7 @@
 #include "cuda/common/check.h"
 #include "cuda/common/dtype.h"
 #include "cuda/common/mma.h"
+#include "cuda/common/tma.h"
 #include "cuda/common/wgmma.h"
 #include "nsa/api.h"
 #include "nsa/blocks.h"
@@ -307,11 +308,21 @@ struct DqSmem {
   static constexpr int kSwV = 2 * sw_tile_bytes<DQK>();
   static constexpr int kSwQ = kSwV + 2 * sw_tile_bytes<DV>();
   static constexpr int kSwDo = kSwQ + sw_tile_bytes<DQK>();
-  static_assert(1023 + size_t(kSwDo) + sw_tile_bytes<DV>() <= kEnd, "the swizzled layout fits after alignment");
+  // With TMA (DqMaps::on) the two K/V buffers' mbarriers follow dO.
+  static constexpr int kSwBars = kSwDo + sw_tile_bytes<DV>();
+  static_assert(1023 + size_t(kSwBars) + 2 * sizeof(uint64_t) <= kEnd, "the swizzled layout fits after alignment");
+};
+
+// dq_kernel's K/V tiles by TMA on sm_90a: tensor maps of kc, vc ([rc, Hkv, D]) and of the window's
+// k, v ([T, Hkv, D]), boxes of 64 rows x 64 columns in the 128-byte swizzle (common/tma.h); `on`
+// = 0 where one could not be made (the kernel then copies by cp.async).
+struct DqMaps {
+  CUtensorMap kc, vc, kw, vw;
+  int on;
 };
 
 template <typename E, int DQK, int DV>
-__global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
+__global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __grid_constant__ DqMaps maps) {
   using L = DqSmem<E, DQK, DV>;
   constexpr int kLdK = DQK + kPad, kLdV = DV + kPad;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -365,7 +376,24 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
   // sm_90a: this warpgroup's 64 rows of the swizzled Q and dO tiles (the A operands of S and dP).
   const uint32_t q_wg = cuda::smem_address(sQ) + (threadIdx.x / 128) * (64 * 128);
   const uint32_t do_wg = cuda::smem_address(sDo) + (threadIdx.x / 128) * (64 * 128);
-  cuda::cp_async_commit();  // completes with the first key tile's group
+  cuda::cp_async_commit();  // completes with the first key tile's group (without TMA)
+  // sm_90a with TMA: one thread copies each K/V tile (kDqk/64 + kDv/64 boxes), completing on the
+  // buffer's mbarrier; no per-thread copies. Q and dO (cp.async) land before the first sweep.
+  const bool tma = kWg && maps.on != 0;
+  uint64_t* const bars = reinterpret_cast<uint64_t*>(base + L::kSwBars);
+  uint32_t bar_phase = 0;  // bit b: the parity of buffer b's next fill
+  if constexpr (kWg) {
+    if (tma) {
+      if (threadIdx.x == 0) {
+        cuda::mbarrier_init(bars, 1);
+        cuda::mbarrier_init(bars + 1, 1);
+        cuda::fence_mbarrier_init();
+      }
+      cuda::cp_async_wait<0>();
+      cuda::fence_proxy_async();  // Q and dO, for wgmma
+      __syncthreads();
+    }
+  }
 
   // The key tiles of the compressed and window branches as one sequence. The selection branch
   // is slc_dq_kernel's (slc_dq.cuh): here it is a stage without tiles, whose dg (pass 1) is 0
@@ -399,6 +427,21 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
     kb = static_cast<const E*>(K.p) + (s0 + pos) * K.s0 + hk * K.s1;
     vb = static_cast<const E*>(V.p) + (s0 + pos) * V.s0 + hk * V.s1;
     return KeyTile{max(0, min(kKeys, end - pos)), pos, 1};
+  };
+  // TMA (one thread): tile i into buffer buf. Rows past the tile's keys arrive as whatever the
+  // tensors hold there (later rows, the compressed row no sequence uses, TMA's zeros past the
+  // end); sweep zeroes them before the tile is used.
+  auto issue_tma = [&](int i, int buf) {
+    uint64_t* bar = bars + buf;
+    cuda::mbarrier_expect_tx(bar, kKeys * (DQK + DV) * sizeof(E));
+    const bool cmp = i < n_cmp;
+    const CUtensorMap* km = cmp ? &maps.kc : &maps.kw;
+    const CUtensorMap* vm = cmp ? &maps.vc : &maps.vw;
+    const int row = cmp ? int(crow0) + i * kKeys : int(s0) + p0 + (i - n_cmp) * kKeys;
+#pragma unroll
+    for (int blk = 0; blk < DQK / 64; ++blk) cuda::tma_load_3d(sK + buf * kKBuf + blk * kKeys * 64, km, 64 * blk, hk, row, bar);
+#pragma unroll
+    for (int blk = 0; blk < DV / 64; ++blk) cuda::tma_load_3d(sV + buf * kVBuf + blk * kKeys * 64, vm, 64 * blk, hk, row, bar);
   };
   auto issue = [&](int i, int buf) {
     const E* kb;
@@ -510,20 +553,45 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
   // half(tk, tv, kt, c0) does keys c0 .. c0 + 31 of a tile in K/V buffers tk, tv.
   auto sweep = [&](auto&& enter, auto&& half) {
     int cur = -1;
-    if (n_tiles > 0) issue(0, 0);
-    cuda::cp_async_commit();
-    for (int i = 0; i < n_tiles; ++i) {
-      if (i + 1 < n_tiles) issue(i + 1, (i + 1) & 1);  // its buffer's last reader (tile i-1) is done
+    if (tma) {
+      if (threadIdx.x == 0 && n_tiles > 0) issue_tma(0, 0);
+    } else {
+      if (n_tiles > 0) issue(0, 0);
       cuda::cp_async_commit();
-      cuda::cp_async_wait<1>();
-      if constexpr (kWg) cuda::fence_proxy_async();  // the landed K/V copies, for wgmma
-      __syncthreads();
-      const int stage = stage_of(branch_of(i));
-      for (; cur < stage; ++cur) enter(cur, cur + 1);
+    }
+    for (int i = 0; i < n_tiles; ++i) {
       const E* kb;
       const E* vb;
       int64_t ks, vs;
       const KeyTile kt = tile_at(i, kb, ks, vb, vs);
+      if (tma) {
+        // Tile i + 1's buffer: its last reader (tile i - 1) passed the barrier that ends its tile.
+        if (threadIdx.x == 0 && i + 1 < n_tiles) issue_tma(i + 1, (i + 1) & 1);
+        const int buf = i & 1;
+        cuda::mbarrier_wait_parity(bars + buf, (bar_phase >> buf) & 1u);
+        bar_phase ^= 1u << buf;
+        if (kt.nk < kKeys) {
+          // The rows past the tile's keys become zeros (a NaN there would survive 0 * k).
+          unsigned char* kbytes = reinterpret_cast<unsigned char*>(sK + buf * kKBuf);
+          unsigned char* vbytes = reinterpret_cast<unsigned char*>(sV + buf * kVBuf);
+          const int pieces = (kKeys - kt.nk) * 8;  // 16-byte pieces per 64-column block
+          for (int e = threadIdx.x; e < pieces * ((DQK + DV) / 64); e += kThreads) {
+            const int blk = e / pieces, r = kt.nk + e % pieces / 8, piece = e % 8;
+            unsigned char* t = blk < DQK / 64 ? kbytes + blk * (kKeys * 128) : vbytes + (blk - DQK / 64) * (kKeys * 128);
+            *reinterpret_cast<uint4*>(t + r * 128 + piece * 16) = make_uint4(0u, 0u, 0u, 0u);
+          }
+          cuda::fence_proxy_async();  // the zeros, for wgmma
+          __syncthreads();
+        }
+      } else {
+        if (i + 1 < n_tiles) issue(i + 1, (i + 1) & 1);  // its buffer's last reader (tile i-1) is done
+        cuda::cp_async_commit();
+        cuda::cp_async_wait<1>();
+        if constexpr (kWg) cuda::fence_proxy_async();  // the landed K/V copies, for wgmma
+        __syncthreads();
+      }
+      const int stage = stage_of(branch_of(i));
+      for (; cur < stage; ++cur) enter(cur, cur + 1);
       if (warp_takes(kt)) {
         constexpr int kStep = kWg ? kKeys : kSub;  // wgmma: the whole tile at once
 #pragma unroll 1
@@ -1130,6 +1198,32 @@ void allow_smem(Kernel* kernel, size_t bytes) {
   cuda::allow_smem(kernel, bytes, /*max_carveout=*/true);
 }
 
+// A [rows, Hkv, D] map (boxes of 64 rows x 64 columns) of the tensor at p with strides st, sh (elements).
+template <typename E, int D>
+bool dq_rows_map(CUtensorMap* map, const void* p, int64_t rows, int64_t st, int64_t sh, int hkv) {
+  if (p == nullptr || rows <= 0) return false;
+  return cuda::make_rows_tensor_map(map, kIsBf16<E>, p, D, uint64_t(hkv), uint64_t(rows), st, sh, kKeys);
+}
+// dq_kernel's maps, for the branches that have keys; false where one cannot be made or the
+// kernel runs the sm_80 body (no TMA there).
+template <typename E, int DQK, int DV>
+bool dq_tensor_maps(DqMaps& m, const BwdArgs& a) {
+  static const bool sm90 = [] {
+    cudaFuncAttributes attr{};
+    return cudaFuncGetAttributes(&attr, dq_kernel<E, DQK, DV>) == cudaSuccess && attr.binaryVersion == 90;
+  }();
+  if (!sm90 || !a.vec) return false;
+  const bool cmp = a.rc > 0, win = a.w > 0;
+  if (!cmp && !win) return false;
+  if (cmp && !(dq_rows_map<E, DQK>(&m.kc, a.kc, a.rc, int64_t(a.hkv) * DQK, DQK, a.hkv) &&
+               dq_rows_map<E, DV>(&m.vc, a.vc, a.rc, int64_t(a.hkv) * DV, DV, a.hkv)))
+    return false;
+  if (win && !(dq_rows_map<E, DQK>(&m.kw, a.k[kWin].p, a.T, a.k[kWin].s0, a.k[kWin].s1, a.hkv) &&
+               dq_rows_map<E, DV>(&m.vw, a.v[kWin].p, a.T, a.v[kWin].s0, a.v[kWin].s1, a.hkv)))
+    return false;
+  return true;
+}
+
 template <typename E, int DQK, int DV>
 void launch_attention(const BwdArgs& a, cudaStream_t s, int phase) {
   if (phase == 4) {  // the selection branch's dq (and dg), after dq_kernel ran without it
@@ -1147,7 +1241,9 @@ void launch_attention(const BwdArgs& a, cudaStream_t s, int phase) {
     allow_smem(dq_kernel<E, DQK, DV>, smem);
     const dim3 grid = cuda::row_tile_grid(a.max_seqlen, a.B, kRows / a.G, a.hkv);
     if (grid.x == 0) return;
-    dq_kernel<E, DQK, DV><<<grid, kThreads, smem, s>>>(a);
+    DqMaps maps{};
+    maps.on = dq_tensor_maps<E, DQK, DV>(maps, a) ? 1 : 0;
+    dq_kernel<E, DQK, DV><<<grid, kThreads, smem, s>>>(a, maps);
     NSA_CUDA_CHECK_LAUNCH();
     return;
   }
