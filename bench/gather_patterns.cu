@@ -29,6 +29,10 @@
 //             per word between the two groups gives each group its own key's pieces
 //             (load_rows_a_lines / exchange_rows_a_lines, as prepared for the selection kernel);
 //             V and the mma as frag_mma. Its S must equal frag_mma's bit for bit.
+//   ring_tma  a 2-stage ring of 16-key steps per warp filled by TMA (sm_90: lane 0 issues four
+//             boxes of 16 rows x 128 bytes per step, K and V, in the 128-byte swizzle, completing
+//             on the stage's mbarrier), read back by ldmatrix.x4 as ring_ca: the copies bypass the
+//             LSU / L1 path that bounds the others (skipped where TMA is not available).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -39,6 +43,8 @@
 #include <random>
 #include <string>
 #include <vector>
+
+#include "cuda/common/tma.h"
 
 namespace {
 
@@ -205,6 +211,62 @@ __global__ void __launch_bounds__(kWarps * 32) gather_ring(Args a) {
   finish(a, token, hk, acc, xor_of);
 }
 
+// TMA ring: per warp kTmaStages stages of K (two boxes: columns 0..63, 64..127) and V (the same),
+// each box kStep rows x 128 bytes, 1024-byte aligned.
+constexpr int kTmaStages = 2;
+constexpr int kBoxBytes = kStep * 128;
+constexpr int kTmaStageBytes = 4 * kBoxBytes;
+constexpr size_t kTmaSmem = 1024 + size_t(kWarps) * kTmaStages * kTmaStageBytes + kWarps * kTmaStages * 8;
+
+__global__ void __launch_bounds__(kWarps * 32)
+    gather_ring_tma(Args a, const __grid_constant__ CUtensorMap kmap, const __grid_constant__ CUtensorMap vmap) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  unsigned char* base = smem + ((1024u - (smem_u32(smem) & 1023u)) & 1023u);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int token = blockIdx.x * kWarps + warp, hk = blockIdx.y;
+  if (token >= a.tokens) return;  // (whole warps)
+  const int* idx = a.idx + (int64_t(token) * kHkv + hk) * kNSel;
+  unsigned char* ring = base + warp * kTmaStages * kTmaStageBytes;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(base + kWarps * kTmaStages * kTmaStageBytes) + warp * kTmaStages;
+  constexpr int kSteps = kNSel * kBlock / kStep;
+  auto issue = [&](int step) {  // lane 0
+    const int first = idx[step / (kBlock / kStep)] * kBlock + (step % (kBlock / kStep)) * kStep;
+    unsigned char* st = ring + (step % kTmaStages) * kTmaStageBytes;
+    uint64_t* bar = bars + step % kTmaStages;
+    nsa::cuda::mbarrier_expect_tx(bar, kTmaStageBytes);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      nsa::cuda::tma_load_3d(st + h * kBoxBytes, &kmap, 64 * h, hk, first, bar);
+      nsa::cuda::tma_load_3d(st + (2 + h) * kBoxBytes, &vmap, 64 * h, hk, first, bar);
+    }
+  };
+  if (lane == 0) {
+    for (int st = 0; st < kTmaStages; ++st) nsa::cuda::mbarrier_init(bars + st, 1);
+    nsa::cuda::fence_mbarrier_init();
+    for (int st = 0; st < kTmaStages; ++st) issue(st);
+  }
+  __syncwarp();
+  uint32_t acc = 0;
+  for (int s = 0; s < kSteps; ++s) {
+    nsa::cuda::mbarrier_wait_parity(bars + s % kTmaStages, (s / kTmaStages) & 1);
+    const unsigned char* st = ring + (s % kTmaStages) * kTmaStageBytes;
+    // 4 boxes x 16 rows x 8 pieces, each read once: ldmatrix j, lane L -> piece P = 32 j + L of the
+    // stage (box P / 128, row P % 128 / 8, piece P % 8 at its swizzled place).
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int P = 32 * j + lane, box = P / 128, r = P % 128 / 8, c = P % 8;
+      uint32_t r0, r1, r2, r3;
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                   : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                   : "r"(smem_u32(st + box * kBoxBytes + r * 128 + ((c ^ (r & 7)) * 16))));
+      acc ^= r0 ^ r1 ^ r2 ^ r3;
+    }
+    __syncwarp();  // every lane has read the stage before lane 0 refills it
+    if (lane == 0 && s + kTmaStages < kSteps) issue(s + kTmaStages);
+  }
+  finish(a, token, hk, acc, xor_of);
+}
+
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -332,7 +394,7 @@ int main(int argc, char** argv) {
   const int64_t pieces = int64_t(blocks) * kBlock * kHkv * kRowBytes / 16;
   uint4 *k, *v;
   int* didx;
-  constexpr int kPatterns = 6;
+  constexpr int kPatterns = 7;
   uint32_t* out[kPatterns];
   CHECK(cudaMalloc(&k, pieces * 16));
   CHECK(cudaMalloc(&v, pieces * 16));
@@ -347,14 +409,25 @@ int main(int argc, char** argv) {
   const size_t per_sm = prop.sharedMemPerMultiprocessor;
   size_t smem = per_sm / ctas_per_sm > 1024 ? per_sm / ctas_per_sm - 1024 : 0;
   smem = std::min(std::max(smem, ring), size_t(prop.sharedMemPerBlockOptin));
+  smem = std::min(std::max(smem, kTmaSmem), size_t(prop.sharedMemPerBlockOptin));
   using Kernel = void (*)(Args);
-  const Kernel kernels[kPatterns] = {gather_frag,        gather_line,    gather_ring<true>,
-                                     gather_ring<false>, gather_mma<false>, gather_mma<true>};
-  const char* names[kPatterns] = {"frag", "line", "ring_ca", "ring_cg", "frag_mma", "lines_mma"};
+  const Kernel kernels[kPatterns - 1] = {gather_frag,        gather_line,       gather_ring<true>,
+                                         gather_ring<false>, gather_mma<false>, gather_mma<true>};
+  const char* names[kPatterns] = {"frag", "line", "ring_ca", "ring_cg", "frag_mma", "lines_mma", "ring_tma"};
   for (Kernel kern : kernels) {
     CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
   }
+  CHECK(cudaFuncSetAttribute(gather_ring_tma, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  CHECK(cudaFuncSetAttribute(gather_ring_tma, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+  // ring_tma: tensor maps of k and v ([tokens][kHkv][kD]), boxes of kStep rows x 64 columns; only on
+  // sm_90 (the binary's sm_90a code), where the encoder accepts them.
+  CUtensorMap kmap{}, vmap{};
+  const bool tma = prop.major == 9 &&
+                   nsa::cuda::make_tensor_map_3d(&kmap, true, k, kD, kHkv, uint64_t(tokens), kRowBytes,
+                                                 uint64_t(kHkv) * kRowBytes, kStep) &&
+                   nsa::cuda::make_tensor_map_3d(&vmap, true, v, kD, kHkv, uint64_t(tokens), kRowBytes,
+                                                 uint64_t(kHkv) * kRowBytes, kStep);
   const double bytes = double(tokens) * kHkv * kNSel * kBlock * 2 * kRowBytes;
   std::printf("device: %s, %d SMs; tokens %d, KV heads %d, %d blocks of %d keys per token and head, D %d;"
               " %.1f GB per pass; %zu bytes of shared memory per CTA (%d CTAs of %d warps per SM asked)\n",
@@ -366,13 +439,24 @@ int main(int argc, char** argv) {
   const dim3 grid(tokens / kWarps, kHkv);
   std::printf("pattern,ms,TB/s,ctas_per_sm_occupancy\n");
   for (int i = 0; i < kPatterns; ++i) {
+    const bool is_tma = i == kPatterns - 1;
+    if (is_tma && !tma) {
+      std::printf("%s,skipped (no TMA on this device or no tensor map)\n", names[i]);
+      continue;
+    }
     int occ = 0;
-    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernels[i], kWarps * 32, smem));
+    if (is_tma)
+      CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, gather_ring_tma, kWarps * 32, smem));
+    else
+      CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernels[i], kWarps * 32, smem));
     Args a{k, v, didx, out[i], tokens};
     std::vector<float> ms;
     for (int r = 0; r < reps + 1; ++r) {
       CHECK(cudaEventRecord(e0));
-      kernels[i]<<<grid, kWarps * 32, smem>>>(a);
+      if (is_tma)
+        gather_ring_tma<<<grid, kWarps * 32, smem>>>(a, kmap, vmap);
+      else
+        kernels[i]<<<grid, kWarps * 32, smem>>>(a);
       CHECK(cudaEventRecord(e1));
       CHECK(cudaEventSynchronize(e1));
       CHECK(cudaGetLastError());
@@ -396,6 +480,7 @@ int main(int argc, char** argv) {
   };
   bool same = true;
   for (int i = 1; i < 4; ++i) same = same_as(0, i) && same;
+  if (tma) same = same_as(0, kPatterns - 1) && same;
   same = same_as(4, 5) && same;
   std::printf("checksums: %s\n", same ? "all patterns read the same bytes; lines_mma's scores equal frag_mma's" : "MISMATCH");
   return same ? 0 : 1;
