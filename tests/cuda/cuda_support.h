@@ -6,10 +6,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "cuda/testing.h"
 #include "support.h"
 
 namespace nsa::test {
@@ -19,6 +22,15 @@ namespace nsa::test {
   do {                                                                                 \
     if (!::nsa::backend_available(::nsa::Backend::cuda)) GTEST_SKIP() << "no CUDA device"; \
   } while (0)
+
+// While one lives, no tensor map is made, so every kernel takes the path it takes where a map
+// cannot be encoded (cuda/testing.h).
+struct NoTensorMaps {
+  NoTensorMaps() { ::nsa::cuda::testing::set_tma_enabled(false); }
+  ~NoTensorMaps() { ::nsa::cuda::testing::set_tma_enabled(true); }
+  NoTensorMaps(const NoTensorMaps&) = delete;
+  NoTensorMaps& operator=(const NoTensorMaps&) = delete;
+};
 
 #define NSA_TEST_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
 
@@ -120,6 +132,45 @@ template <typename Tol>
   return ::testing::AssertionFailure() << bad << " of " << checked << " elements out of tolerance; first at " << first
                                        << ": got " << got[first] << ", want " << want[first]
                                        << " (tol " << tol(want[first], first) << "); worst |diff| " << worst;
+}
+
+// ---- packed batches: one sequence poisoned, the others unchanged --------------------------------
+
+// The element count per index of `axis` and that axis's length (rows of a [.., T, ..] tensor).
+inline void axis_layout(const HostTensor& t, int axis, int64_t& inner, int64_t& len) {
+  inner = 1;
+  for (size_t d = static_cast<size_t>(axis) + 1; d < t.shape().size(); ++d) inner *= t.shape()[d];
+  len = t.shape()[static_cast<size_t>(axis)];
+}
+
+// Sets to NaN every element of `t` whose index along `axis` lies in [r0, r1) (no-op if undefined).
+inline void poison_rows(HostTensor& t, int64_t r0, int64_t r1, int axis = 0) {
+  if (!t.defined()) return;
+  int64_t inner, len;
+  axis_layout(t, axis, inner, len);
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    const int64_t r = (i / inner) % len;
+    if (r >= r0 && r < r1) t.set(i, std::numeric_limits<double>::quiet_NaN());
+  }
+}
+
+// Whether `got` equals `want` bit for bit on every element whose index along `axis` lies outside
+// [r0, r1).
+inline ::testing::AssertionResult same_outside_rows(const HostTensor& got, const HostTensor& want, int64_t r0,
+                                                    int64_t r1, int axis = 0) {
+  if (got.numel() != want.numel()) return ::testing::AssertionFailure() << "sizes differ";
+  int64_t inner, len;
+  axis_layout(want, axis, inner, len);
+  int64_t checked = 0;
+  for (int64_t i = 0; i < want.numel(); ++i) {
+    const int64_t r = (i / inner) % len;
+    if (r >= r0 && r < r1) continue;
+    ++checked;
+    const double g = got.get(i), w = want.get(i);
+    if (std::memcmp(&g, &w, sizeof(double)) != 0)
+      return ::testing::AssertionFailure() << "element " << i << " (row " << r << "): " << g << " instead of " << w;
+  }
+  return ::testing::AssertionSuccess() << checked << " elements equal";
 }
 
 }  // namespace nsa::test

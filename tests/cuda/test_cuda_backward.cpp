@@ -260,6 +260,14 @@ TEST_P(CudaBackward, EveryGradientMatchesReference) {
   check_against_reference(GetParam(), false);
 }
 
+// With no tensor maps (testing::set_tma_enabled(false)) dq_kernel copies its K/V tiles by
+// cp.async, as it does where a map cannot be encoded.
+TEST_P(CudaBackward, EveryGradientWithoutTmaMatchesReference) {
+  NSA_REQUIRE_GPU();
+  const NoTensorMaps no_tma;
+  check_against_reference(GetParam(), false);
+}
+
 TEST_P(CudaBackward, SavedBranchOutputsGiveTheSameGradients) {
   NSA_REQUIRE_GPU();
   check_against_reference(GetParam(), true);
@@ -288,6 +296,52 @@ TEST_P(CudaBackward, BitwiseDeterministic) {
                 0)
           << first[i].first << " differs on repetition " << rep;
     }
+  }
+}
+
+// The sequences of a packed batch do not see each other: with every input row of one sequence
+// NaN (q, the gates, dO, k and v of every branch; the saved state from the clean inputs), every
+// per-token gradient row of the others (dq, dg, dk and dv of each branch) is bit for bit what it
+// was. The kernels read whole tiles of keys (TMA boxes), so rows of the next sequence, or the
+// compressed row no sequence uses, land in shared memory past a tile's keys; they must be zeroed
+// or masked, since a zero dS times NaN is NaN. (phi's parameter gradients sum over every
+// sequence, so NaN reaches them by definition.)
+TEST_P(CudaBackward, SequencesAreIsolated) {
+  NSA_REQUIRE_GPU();
+  const BwdCase& c = GetParam();
+  if (c.seqlens.size() < 2) GTEST_SKIP() << "one sequence";
+  const Config cfg = config_of(c);
+  const int64_t longest = *std::max_element(c.seqlens.begin(), c.seqlens.end());
+  Twin saved = make_twin(c, 404);
+  forward(ctx_of(Backend::reference), cfg, saved.ref.inputs(), saved.ref.outputs());
+  // The backward of the inputs of make_twin(c, 404) with rows [r0, r1) poisoned (none: r0 == r1).
+  auto gradients = [&](int64_t r0, int64_t r1) {
+    Twin t = make_twin(c, 404);
+    copy_values(saved.ref.lse, t.low.lse);
+    copy_values(saved.ref.indices, t.low.indices);
+    for (HostTensor* x : {&t.low.q, &t.low.g, &t.low.d_o}) poison_rows(*x, r0, r1);
+    for (int b = 0; b < 3; ++b) {
+      poison_rows(t.low.k[b], r0, r1);
+      poison_rows(t.low.v[b], r0, r1);
+    }
+    DeviceLayer dev(t.low, longest);
+    dev.run(cfg);
+    return dev.download(t.low);
+  };
+  const auto clean = gradients(0, 0);
+  int64_t r0 = 0;
+  for (int32_t len : c.seqlens) {
+    const int64_t r1 = r0 + len;
+    if (len > 0) {
+      const auto got = gradients(r0, r1);
+      ASSERT_EQ(got.size(), clean.size());
+      for (size_t i = 0; i < got.size(); ++i) {
+        if (got[i].first.rfind("dphi", 0) == 0) continue;
+        EXPECT_TRUE(same_outside_rows(got[i].second, clean[i].second, r0, r1))
+            << got[i].first << ", sequence at rows " << r0 << ".." << r1;
+      }
+    }
+    r0 = r1;
   }
 }
 

@@ -349,9 +349,46 @@ TEST_P(CudaForward, SelectedAttentionTreatsIndicesAsASet) {
 
 // ---- whole forward ----------------------------------------------------------------------------
 
-TEST_P(CudaForward, ForwardMatchesReferencePipeline) {
-  NSA_REQUIRE_GPU();
-  const Case& c = GetParam();
+// The CUDA forward of p (its inputs on the device, a workspace poisoned with the NaN pattern):
+// o, lse, indices and o_branch of p downloaded from the GPU.
+void run_cuda_forward(const Case& c, const Config& cfg, LayerProblem& p) {
+  const int nkv = cfg.shared_kv ? 1 : 3;
+  DeviceSeqs ds(p, max_seqlen(c));
+  DeviceTensor q(p.q), g(p.g), k[3], v[3], phk[5], phv[5];
+  for (int b = 0; b < nkv; ++b) {
+    k[b] = DeviceTensor(p.k[b]);
+    v[b] = DeviceTensor(p.v[b]);
+  }
+  for (int i = 0; i < 5; ++i) {
+    phk[i] = DeviceTensor(p.phi_k[i]);
+    phv[i] = DeviceTensor(p.phi_v[i]);
+  }
+  DeviceTensor o(p.o), lse(p.lse), idx(p.indices), ob(p.o_branch);  // poisoned
+  Inputs in;
+  in.q = q.view();
+  for (int b = 0; b < 3; ++b) in.kv[b] = KV{k[b].view(), v[b].view()};
+  in.g = g.view();
+  in.phi_k = PhiParams{phk[0].view(), phk[1].view(), phk[2].view(), phk[3].view(), phk[4].view()};
+  in.phi_v = PhiParams{phv[0].view(), phv[1].view(), phv[2].view(), phv[3].view(), phv[4].view()};
+  in.seqs = ds.seqs;
+  const ForwardOutputs out{o.view(), lse.view(), idx.view(), ob.view()};
+  const size_t ws_bytes = workspace_size(cuda_ctx(), Op::forward, cfg, problem_of(cfg, in));
+  void* ws = nullptr;
+  if (ws_bytes) {
+    NSA_TEST_CUDA(cudaMalloc(&ws, ws_bytes));
+    NSA_TEST_CUDA(cudaMemset(ws, 0xff, ws_bytes));  // NaN pattern: nothing may rely on zeros
+  }
+  forward(cuda_ctx(), cfg, in, out, Workspace{ws, ws_bytes});
+  sync();
+  if (ws) cudaFree(ws);
+  o.download(p.o);
+  lse.download(p.lse);
+  idx.download(p.indices);
+  ob.download(p.o_branch);
+}
+
+// The whole CUDA forward against the reference pipeline, stage by stage in fp64.
+void check_forward_pipeline(const Case& c) {
   const Config cfg = config_of(c);
   LayerProblem p = make_problem(cfg, sizes_of(c), 51);
   const int64_t T = p.T, rows = cmp_rows(T, cfg.cmp_stride);
@@ -391,39 +428,7 @@ TEST_P(CudaForward, ForwardMatchesReferencePipeline) {
   window_attention_fwd(ref_ctx(), cfg, q64.view(), k64[bw].view(), v64[bw].view(), host_seqs(p), ob_ref[2].view(),
                        lse_ref[2].view());
 
-  // GPU.
-  DeviceSeqs ds(p, max_seqlen(c));
-  DeviceTensor q(p.q), g(p.g), k[3], v[3], phk[5], phv[5];
-  for (int b = 0; b < nkv; ++b) {
-    k[b] = DeviceTensor(p.k[b]);
-    v[b] = DeviceTensor(p.v[b]);
-  }
-  for (int i = 0; i < 5; ++i) {
-    phk[i] = DeviceTensor(p.phi_k[i]);
-    phv[i] = DeviceTensor(p.phi_v[i]);
-  }
-  DeviceTensor o(p.o), lse(p.lse), idx(p.indices), ob(p.o_branch);  // poisoned
-  Inputs in;
-  in.q = q.view();
-  for (int b = 0; b < 3; ++b) in.kv[b] = KV{k[b].view(), v[b].view()};
-  in.g = g.view();
-  in.phi_k = PhiParams{phk[0].view(), phk[1].view(), phk[2].view(), phk[3].view(), phk[4].view()};
-  in.phi_v = PhiParams{phv[0].view(), phv[1].view(), phv[2].view(), phv[3].view(), phv[4].view()};
-  in.seqs = ds.seqs;
-  const ForwardOutputs out{o.view(), lse.view(), idx.view(), ob.view()};
-  const size_t ws_bytes = workspace_size(cuda_ctx(), Op::forward, cfg, problem_of(cfg, in));
-  void* ws = nullptr;
-  if (ws_bytes) {
-    NSA_TEST_CUDA(cudaMalloc(&ws, ws_bytes));
-    NSA_TEST_CUDA(cudaMemset(ws, 0xff, ws_bytes));  // NaN pattern: nothing may rely on zeros
-  }
-  forward(cuda_ctx(), cfg, in, out, Workspace{ws, ws_bytes});
-  sync();
-  if (ws) cudaFree(ws);
-  o.download(p.o);
-  lse.download(p.lse);
-  idx.download(p.indices);
-  ob.download(p.o_branch);
+  run_cuda_forward(c, cfg, p);  // o, lse, indices and o_branch of p, from the GPU
 
   // Rows (t, hk) whose selected blocks agree with the reference's.
   const int64_t n = cfg.n_selected, G = c.hq / c.hkv;
@@ -465,6 +470,53 @@ TEST_P(CudaForward, ForwardMatchesReferencePipeline) {
   const double u = unit_roundoff(c.dtype), vsum = vmax[0] + vmax[1] + vmax[2];
   EXPECT_TRUE(close(got_o, o_ref, [&](double w, size_t) { return 2 * u * (2 * std::fabs(w) + vsum) + 1e-6; }, &mask_o))
       << "o";
+}
+
+TEST_P(CudaForward, ForwardMatchesReferencePipeline) {
+  NSA_REQUIRE_GPU();
+  check_forward_pipeline(GetParam());
+}
+
+// The same with no tensor maps (testing::set_tma_enabled(false)): the sm_90a kernels copy their
+// K/V tiles by cp.async, as they do where a map cannot be encoded (the 192-row pass 1, the S
+// pass's and the window's cp.async loops). Elsewhere the same kernels run as above.
+TEST_P(CudaForward, ForwardWithoutTmaMatchesReferencePipeline) {
+  NSA_REQUIRE_GPU();
+  const NoTensorMaps no_tma;
+  check_forward_pipeline(GetParam());
+}
+
+// The sequences of a packed batch do not see each other: with every input row of one sequence
+// NaN (q, the gates, k and v of every branch), every output row of the others is bit for bit what
+// it was. The kernels read whole tiles of keys (a TMA box, 64 or 128 rows), so rows of the next
+// sequence, or the compressed row no sequence uses, land in shared memory past a tile's keys; they
+// must be masked or zeroed, since a zero probability times NaN is NaN.
+TEST_P(CudaForward, SequencesAreIsolated) {
+  NSA_REQUIRE_GPU();
+  const Case& c = GetParam();
+  if (c.seqlens.size() < 2) GTEST_SKIP() << "one sequence";
+  const Config cfg = config_of(c);
+  LayerProblem clean = make_problem(cfg, sizes_of(c), 61);
+  run_cuda_forward(c, cfg, clean);
+  int64_t r0 = 0;
+  for (int32_t len : c.seqlens) {
+    const int64_t r1 = r0 + len;
+    if (len > 0) {
+      LayerProblem p = make_problem(cfg, sizes_of(c), 61);  // the same inputs
+      poison_rows(p.q, r0, r1);
+      poison_rows(p.g, r0, r1);
+      for (int b = 0; b < 3; ++b) {
+        poison_rows(p.k[b], r0, r1);
+        poison_rows(p.v[b], r0, r1);
+      }
+      run_cuda_forward(c, cfg, p);
+      EXPECT_TRUE(same_outside_rows(p.o, clean.o, r0, r1)) << "o, sequence at rows " << r0 << ".." << r1;
+      EXPECT_TRUE(same_outside_rows(p.lse, clean.lse, r0, r1)) << "lse, sequence at rows " << r0 << ".." << r1;
+      EXPECT_TRUE(same_outside_rows(p.indices, clean.indices, r0, r1)) << "indices, sequence at rows " << r0;
+      EXPECT_TRUE(same_outside_rows(p.o_branch, clean.o_branch, r0, r1, 1)) << "o_branch, sequence at rows " << r0;
+    }
+    r0 = r1;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaForward, ::testing::ValuesIn(cases()),

@@ -1,0 +1,22 @@
+// Switches for the GPU tests: host code, header only, no CUDA headers (the tests include it from
+// C++; one flag per program, since an inline function's static is shared by every translation
+// unit that uses it).
+#pragma once
+
+#include <atomic>
+
+namespace nsa::cuda::testing {
+
+inline std::atomic<bool>& tma_enabled_flag() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
+// While false, make_tensor_map_3d (common/tma.h) fails, so every kernel that copies by TMA takes
+// the path it takes where a tensor map cannot be encoded (cp.async copies). The GPU tests run those
+// paths with it: the backend's 16-byte row alignment means they are otherwise not reached on
+// sm_90a. True by default; not to be changed while a call is running.
+inline void set_tma_enabled(bool on) { tma_enabled_flag().store(on); }
+inline bool tma_enabled() { return tma_enabled_flag().load(std::memory_order_relaxed); }
+
+}  // namespace nsa::cuda::testing
