@@ -120,6 +120,9 @@ const std::vector<Case>& cases() {
       // compressed kernel is reused at least once.
       {"bf16_d128_G16_paper_T2300", DType::bf16, 128, 128, 16, 1, {2300}, 32, 16, 64, 16, 1, 2, 512, PhiKind::mean, false},
       {"f16_d64_G4_linear_T2200", DType::f16, 64, 64, 8, 2, {2200, 97}, 32, 16, 64, 8, 1, 2, 256, PhiKind::linear, false},
+      // Three and more chunks of 128 compressed keys (d = 8: 324 of them): each stage of sm_90a's
+      // 128-key pass 1 (2-stage TMA ring, cmp_pass1_wide_kernel) is refilled at least once.
+      {"bf16_d128_G8_d8_T2600", DType::bf16, 128, 128, 8, 1, {2600}, 16, 8, 64, 8, 1, 2, 256, PhiKind::mean, false},
       // l' = 24: selection blocks that end inside a 16-key step of the selection kernels.
       {"bf16_d64x128_G8_lp24", DType::bf16, 64, 128, 8, 1, {333, 50}, 16, 8, 24, 5, 1, 1, 50, PhiKind::mean, false},
       // l' = d at G = 1: a score ring of 256 blocks per token, too large for the S pass's 128-row
