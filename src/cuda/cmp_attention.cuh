@@ -467,14 +467,13 @@ __device__ __forceinline__ void cmp_pass1_epilogue(const CmpAttnParams& p, const
 // first multiplied garbage; the registers were then reloaded per chunk until session 6.)
 // Pass 1 (o_cmp and lse) of a tile of kRows rows, K/V chunks double-buffered (one chunk in
 // flight); with kFusedScores also pass 2 in the same CTA, else cmp_scores_kernel does it
-// afterwards. Which runs where (launch_cmp_attention): sm_90a, the split kernels (pass 1 in
-// kWgRows = 192-row tiles: three warpgroups share every K/V chunk, a third of the L2 reads per row
-// of a 64-row tile); elsewhere the fused 64-row kernel. The body of the variant a target never
-// runs is not compiled for it.
+// afterwards. Which runs where (launch_cmp_attention): on sm_90a the split kernels, this one (in
+// kWgRows = 192-row tiles, three warpgroups sharing every K/V chunk, copied by cp.async) only where
+// no tensor map of kc / vc can be made, else cmp_pass1_wide_kernel; elsewhere the fused 64-row
+// kernel. The body of the variant a target never runs is not compiled for it.
 template <typename Storage, int kDqk, int kDv, int kRows, bool kFusedScores>
 __global__ void __launch_bounds__(kRows / 16 * 32)
-    cmp_attention_kernel(const CmpAttnParams p, const __grid_constant__ CUtensorMap kc_map,
-                         const __grid_constant__ CUtensorMap vc_map, int kv_tma) {
+    cmp_attention_kernel(const CmpAttnParams p) {
   if constexpr (kFusedScores == kWgmmaCompiled) {
     __trap();  // not launched on this target
   } else {
@@ -502,42 +501,24 @@ __global__ void __launch_bounds__(kRows / 16 * 32)
       cp_async_commit();
     };
 
-    bool streamed = false;
-    if constexpr (Smem::kWgmma) {
-      if (kv_tma) {
-        uint64_t* bars = reinterpret_cast<uint64_t*>(sm.sk + kCmpTmaStages * (Tile::kKSwTile + Tile::kVSwTile));
-        const int count_last = static_cast<int>(ti.num_keys - int64_t(num_chunks - 1) * kKeyChunk);
-        tma_ring_attention<Storage, kDqk, kDv, kRows>(
-            tile_state, sm.sq, sm.sk, bars, &kc_map, &vc_map, ti.hk, static_cast<int>(cmp_row_offset(ti.s0, p.d)),
-            num_chunks, count_last, p.scale_log2, [&](int c, float (&s)[Tile::kSTiles][4]) {
-              int lo[2], hi[2];
-              ti.chunk_limits(c, lo, hi);
-              tile_state.mask(s, lo, hi);
-            });
-        streamed = true;
-      }
-    }
-    // Without TMA: one barrier per chunk: after it chunk c (and the Q tile) has landed for everyone
-    // and every warp is done with chunk c - 1, whose buffer then receives chunk c + 1 while c is
-    // multiplied.
-    if (!streamed) {
-      if (num_chunks > 0) load_chunk(0, 0);
+    // One barrier per chunk: after it chunk c (and the Q tile) has landed for everyone and every
+    // warp is done with chunk c - 1, whose buffer then receives chunk c + 1 while c is multiplied.
+    if (num_chunks > 0) load_chunk(0, 0);
+    Smem::template wait_copies<0>();
+    __syncthreads();
+    if constexpr (!Smem::kWgmma) tile_state.load_q_fragments(sm.sq);  // held (wgmma reads the Q tile)
+    for (int c = 0; c < num_chunks; ++c) {
       Smem::template wait_copies<0>();
       __syncthreads();
-      if constexpr (!Smem::kWgmma) tile_state.load_q_fragments(sm.sq);  // held (wgmma reads the Q tile)
-      for (int c = 0; c < num_chunks; ++c) {
-        Smem::template wait_copies<0>();
-        __syncthreads();
-        if (c + 1 < num_chunks) load_chunk(c + 1, (c + 1) & 1);
-        const int buf = c & 1;
-        float s[Tile::kSTiles][4];
-        sm.scores(tile_state, s, sm.sk + buf * Smem::kKTile);
-        int lo[2], hi[2];
-        ti.chunk_limits(c, lo, hi);
-        tile_state.mask(s, lo, hi);
-        tile_state.softmax_update(s, p.scale_log2);
-        Smem::accumulate_pv(tile_state, s, sm.sv + buf * Smem::kVTile);
-      }
+      if (c + 1 < num_chunks) load_chunk(c + 1, (c + 1) & 1);
+      const int buf = c & 1;
+      float s[Tile::kSTiles][4];
+      sm.scores(tile_state, s, sm.sk + buf * Smem::kKTile);
+      int lo[2], hi[2];
+      ti.chunk_limits(c, lo, hi);
+      tile_state.mask(s, lo, hi);
+      tile_state.softmax_update(s, p.scale_log2);
+      Smem::accumulate_pv(tile_state, s, sm.sv + buf * Smem::kVTile);
     }
     float lse2[2];
     cmp_pass1_epilogue<Storage>(p, ti, tile_state, lse2);
@@ -651,7 +632,8 @@ inline bool cmp_rows_tensor_map(CUtensorMap* map, const CmpAttnParams& p, const 
                               st, sh, box_rows);
 }
 
-// sm_90a: pass 1 in 192-row tiles (kWgRows), then the S pass as its own kernel: at Dqk = 192 in
+// sm_90a: pass 1 in 128-row tiles and 128-key chunks by TMA (cmp_pass1_wide_kernel; the 192-row
+// cp.async kernel where no tensor map can be made), then the S pass as its own kernel: at Dqk = 192 in
 // kScoresRows = 128-row tiles (two warpgroups share every K chunk) at 2 CTAs per SM, except where
 // such a tile's score rings do not fit in shared memory (G = 1 with long rings); otherwise in
 // 64-row tiles at 4 CTAs per SM (3 at Dqk = 192, where 4 measured slower). See scores_rows.
@@ -661,13 +643,12 @@ template <typename Storage, int kDqk, int kDv>
 void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream) {
   constexpr int kScoresCtas64 = kDqk <= 128 ? 4 : 3;
   const auto pass1 = cmp_attention_kernel<Storage, kDqk, kDv, kWgRows, false>;
-  CUtensorMap kc_map{}, vc_map{};
   if (!cmp_runs_wgmma(pass1)) {
     cmp_launch(cmp_attention_kernel<Storage, kDqk, kDv, kTileRows, true>, kTileRows,
-               cmp_smem_bytes(kTileRows, kDqk, kDv, p.group, p.score_ring, true, p.scores != nullptr), p, stream,
-               kc_map, vc_map, 0);
+               cmp_smem_bytes(kTileRows, kDqk, kDv, p.group, p.score_ring, true, p.scores != nullptr), p, stream);
     return;
   }
+  CUtensorMap kc_map{};  // the S pass's (64-row boxes)
   const int kc_tma = cmp_rows_tensor_map<Storage, kDqk>(&kc_map, p, p.kc, p.kc_st, p.kc_sh) ? 1 : 0;
   CUtensorMap kc_wide{}, vc_wide{};
   if (cmp_rows_tensor_map<Storage, kDqk>(&kc_wide, p, p.kc, p.kc_st, p.kc_sh, kCmpWideChunk) &&
@@ -675,12 +656,8 @@ void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream) {
     static_assert(cmp_wide_smem_bytes(kDqk, kDv) <= kMaxSmem, "the 128 x 128 pass 1 fits in shared memory");
     cmp_launch(cmp_pass1_wide_kernel<Storage, kDqk, kDv>, kCmpWideRows, cmp_wide_smem_bytes(kDqk, kDv), p, stream,
                kc_wide, vc_wide);
-  } else {
-    const int kv_tma = kc_tma && cmp_rows_tensor_map<Storage, kDv>(&vc_map, p, p.vc, p.vc_st, p.vc_sh) ? 1 : 0;
-    cmp_launch(pass1, kWgRows,
-               kv_tma ? cmp_pass1_tma_smem_bytes(kWgRows, kDqk, kDv)
-                      : cmp_smem_bytes(kWgRows, kDqk, kDv, p.group, p.score_ring, true, false),
-               p, stream, kc_map, vc_map, kv_tma);
+  } else {  // no tensor map: the 192-row kernel's cp.async copies
+    cmp_launch(pass1, kWgRows, cmp_smem_bytes(kWgRows, kDqk, kDv, p.group, p.score_ring, true, false), p, stream);
   }
   if (p.scores == nullptr) return;
   if constexpr (scores_wide_tiles(kDqk)) {  // else the 128-row S kernel is not instantiated

@@ -14,8 +14,8 @@ namespace nsa::cuda {
 // Rows of the attention tile: 64 query rows = (64 / G) tokens x the G heads of one KV head, so
 // every tensor-core instruction has M = 64 rows whatever G is (performance.md).
 inline constexpr int kTileRows = 64;
-// sm_90a: the compressed pass 1 and the window take tiles of kWgRows rows, three warpgroups that
-// share every K/V chunk (cmp_attention.cuh, win_attention.cuh).
+// sm_90a: the window, and the compressed pass 1 where no tensor map can be made, take tiles of
+// kWgRows rows, three warpgroups that share every K/V chunk (win_attention.cuh, cmp_attention.cuh).
 inline constexpr int kWgRows = 3 * kTileRows;
 // sm_90a: the S pass (cmp_scores_kernel) takes tiles of kScoresRows rows, two warpgroups.
 inline constexpr int kScoresRows = 2 * kTileRows;
@@ -163,16 +163,16 @@ constexpr size_t cmp_smem_bytes(int rows, int dqk, int dv, int group, int score_
       with_scores ? tokens * ((kKeyChunk + score_ring) * sizeof(float) + sizeof(int)) + 8 + 2 * sizeof(uint64_t) : 0;
   return 1024 + q + k + (v > scores ? v : scores);
 }
-// sm_90a pass 1 and window with TMA (tma_ring_attention, cmp_attention.cuh): the Q tile, then
-// kCmpTmaStages stages of one K and one V chunk in the 128-byte swizzle, then an mbarrier and a
-// counter per stage. 192 rows: 145 KB at 128/128, 198 KB at 192/128.
+// The sm_90a window with TMA (tma_ring_attention, cmp_attention.cuh; win_attention.cuh places its
+// mbarriers): the Q tile, then kCmpTmaStages stages of one K and one V chunk of kKeyChunk keys in the
+// 128-byte swizzle, then an mbarrier and a counter per stage. 192 rows: 145 KB at 128/128, 198 KB
+// at 192/128.
 inline constexpr int kCmpTmaStages = 3;
 constexpr size_t tma_ring_end(int rows, int dqk, int dv) {  // from the unaligned start, with the alignment slack
   const size_t es = 2, q = size_t(rows) * (dqk + 8) * es;
   return 1024 + q + size_t(kCmpTmaStages) * kKeyChunk * (dqk + dv) * es;
 }
 inline constexpr size_t kTmaRingBarBytes = kCmpTmaStages * (sizeof(uint64_t) + sizeof(unsigned));
-constexpr size_t cmp_pass1_tma_smem_bytes(int rows, int dqk, int dv) { return tma_ring_end(rows, dqk, dv) + kTmaRingBarBytes; }
 // sm_90a pass 1 in 128-row tiles and 128-key chunks (cmp_pass1_wide_kernel, cmp_attention.cuh), a
 // 2-stage ring: 163 KB at 128/128, 211 KB at 192/128.
 inline constexpr int kCmpWideRows = 128, kCmpWideChunk = 128, kCmpWideStages = 2;
@@ -198,10 +198,8 @@ constexpr size_t cmp_attention_smem_bytes(int dqk, int dv, int group, int score_
                                           size_t max_smem) {
   const size_t fused = cmp_smem_bytes(kTileRows, dqk, dv, group, score_ring, true, with_scores);
   const size_t pass1_cp = cmp_smem_bytes(kWgRows, dqk, dv, group, score_ring, true, false);
-  const size_t pass1_tma = cmp_pass1_tma_smem_bytes(kWgRows, dqk, dv);
   const size_t pass1_wide = cmp_wide_smem_bytes(dqk, dv);
-  const size_t pass1_narrow = pass1_cp > pass1_tma ? pass1_cp : pass1_tma;
-  const size_t pass1 = pass1_narrow > pass1_wide ? pass1_narrow : pass1_wide;
+  const size_t pass1 = pass1_cp > pass1_wide ? pass1_cp : pass1_wide;
   const size_t pass2 = with_scores ? cmp_smem_bytes(scores_rows(dqk, dv, group, score_ring, max_smem), dqk, dv, group,
                                                     score_ring, false, true)
                                    : 0;
