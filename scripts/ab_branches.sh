@@ -11,7 +11,9 @@
 #                        and one table of the benchmark lines in $OUT/ab_summary.txt.
 # Environment: OUT (default ./out), AB_LENGTHS (default 65536), AB_STEPS (default "build tests bench
 # bench_backward"; add "profile" for every kernel's ncu time, scripts/profile_gpu.sh, and "gather" for
-# nsa_gather_bench), AB_PACK (default 1: the per-snapshot log folders packed into $OUT/ab_logs.tgz,
+# nsa_gather_bench), AB_BENCH_ARGS (default --no-locality; "" adds the local_q stages),
+# AB_TEST_TIMEOUT / AB_BENCH_TIMEOUT (seconds, default 240 / 180: a hung snapshot fails its step
+# instead of the device call), AB_PACK (default 1: the per-snapshot log folders packed into $OUT/ab_logs.tgz,
 # since the device tool brings back only a few files), AB_TEST_FILTER
 # (a --gtest_filter; the parameterised suites are Cases/CudaForward.*, so write *CudaForward*), JOBS (default 16), AB_ARCH (default 90a).
 # Time on the H200 per snapshot, roughly: build 35 s (sm_90a only), tests 45-60 s, benchmarks at 64K
@@ -83,20 +85,23 @@ for dir in "${dirs[@]}"; do
     echo "  build: $((SECONDS - t0)) s" | tee -a "$SUMMARY"
   fi
   if has tests; then
-    "$build/bin/nsa_cuda_tests" ${AB_TEST_FILTER:+--gtest_filter=$AB_TEST_FILTER} --gtest_brief=1 > "$log/cuda_tests.log" 2>&1
+    timeout "${AB_TEST_TIMEOUT:-240}" "$build/bin/nsa_cuda_tests" ${AB_TEST_FILTER:+--gtest_filter=$AB_TEST_FILTER} \
+      --gtest_brief=1 > "$log/cuda_tests.log" 2>&1
     rc=$?
     echo "  nsa_cuda_tests: rc=$rc, $(grep -o '[0-9]* tests\? from .* ran' "$log/cuda_tests.log" | head -1)," \
       "$(grep -c '^\[  FAILED  \] .*(' "$log/cuda_tests.log") failed" | tee -a "$SUMMARY"
     [[ $rc -eq 0 ]] || rc_all=1
   fi
   if has bench; then
-    "$build/bin/nsa_cuda_bench" --out "$log/nsa_bench.csv" --lengths "$LENGTHS" --no-locality > "$log/bench.log" 2>&1 ||
+    # shellcheck disable=SC2086  # AB_BENCH_ARGS: several words (default: no local_q stages)
+    timeout "${AB_BENCH_TIMEOUT:-180}" "$build/bin/nsa_cuda_bench" --out "$log/nsa_bench.csv" --lengths "$LENGTHS" \
+      ${AB_BENCH_ARGS---no-locality} > "$log/bench.log" 2>&1 ||
       { echo "  bench FAILED" | tee -a "$SUMMARY"; rc_all=1; }
-    sed 's/^/  fwd: /' "$log/nsa_bench.csv" | head -12 >> "$SUMMARY"
+    sed 's/^/  fwd: /' "$log/nsa_bench.csv" | head -16 >> "$SUMMARY"
   fi
   if has bench_backward; then
-    "$build/bin/nsa_cuda_backward_bench" --out "$log/nsa_backward_bench.csv" --lengths "$LENGTHS" \
-      > "$log/bench_backward.log" 2>&1 || { echo "  bench_backward FAILED" | tee -a "$SUMMARY"; rc_all=1; }
+    timeout "${AB_BENCH_TIMEOUT:-180}" "$build/bin/nsa_cuda_backward_bench" --out "$log/nsa_backward_bench.csv" \
+      --lengths "$LENGTHS" > "$log/bench_backward.log" 2>&1 || { echo "  bench_backward FAILED" | tee -a "$SUMMARY"; rc_all=1; }
     sed 's/^/  bwd: /' "$log/nsa_backward_bench.csv" | head -20 >> "$SUMMARY"
   fi
   if has gather; then  # bench/gather_patterns.cu: the selection's gather patterns (a few seconds)
