@@ -356,9 +356,10 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
 // there (later rows, a row no sequence uses, possibly NaN; TMA's zeros past the end): mask_fn
 // must give their scores -inf (p = 0), and their V rows are zeroed before the chunk's P V (a NaN
 // there would survive 0 * v).
-// Before the call: the Q tile's cp.async copies committed. `ring`: 1024-byte aligned, kCmpTmaStages
-// K tiles then kCmpTmaStages V tiles; `bars`: kCmpTmaStages mbarriers then as many counters
-// (kTmaRingBarBytes), outside anything the caller writes before the loop ends.
+// Before the call: the Q tile's cp.async copies committed. `ring`: 1024-byte aligned, kStages K
+// tiles then kStages V tiles; `bars`: kStages mbarriers then as many counters
+// (tma_ring_bar_bytes), outside anything the caller writes before the loop ends. The sizes:
+// tma_ring_end (forward_params.h).
 template <typename Storage, int kDqk, int kDv, int kRows, int kChunk = kKeyChunk, int kStages = kCmpTmaStages,
           typename MaskFn>
 __device__ __forceinline__ void tma_ring_attention(TileAttention<Storage, kDqk, kDv, kRows, kChunk>& tile_state,

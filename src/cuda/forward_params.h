@@ -163,22 +163,23 @@ constexpr size_t cmp_smem_bytes(int rows, int dqk, int dv, int group, int score_
       with_scores ? tokens * ((kKeyChunk + score_ring) * sizeof(float) + sizeof(int)) + 8 + 2 * sizeof(uint64_t) : 0;
   return 1024 + q + k + (v > scores ? v : scores);
 }
-// The sm_90a window with TMA (tma_ring_attention, cmp_attention.cuh; win_attention.cuh places its
-// mbarriers): the Q tile, then kCmpTmaStages stages of one K and one V chunk of kKeyChunk keys in the
-// 128-byte swizzle, then an mbarrier and a counter per stage. 192 rows: 145 KB at 128/128, 198 KB
-// at 192/128.
-inline constexpr int kCmpTmaStages = 3;
-constexpr size_t tma_ring_end(int rows, int dqk, int dv) {  // from the unaligned start, with the alignment slack
+// The shared memory of a TMA ring (tma_ring_attention, cmp_attention.cuh): the Q tile of `rows`
+// rows, then `stages` stages of one K and one V chunk of `chunk` keys in the 128-byte swizzle
+// (from the unaligned start, with the alignment slack), then an mbarrier and a counter per stage.
+constexpr size_t tma_ring_end(int rows, int dqk, int dv, int chunk, int stages) {
   const size_t es = 2, q = size_t(rows) * (dqk + 8) * es;
-  return 1024 + q + size_t(kCmpTmaStages) * kKeyChunk * (dqk + dv) * es;
+  return 1024 + q + size_t(stages) * chunk * (dqk + dv) * es;
 }
-inline constexpr size_t kTmaRingBarBytes = kCmpTmaStages * (sizeof(uint64_t) + sizeof(unsigned));
+constexpr size_t tma_ring_bar_bytes(int stages) { return size_t(stages) * (sizeof(uint64_t) + sizeof(unsigned)); }
+// The sm_90a window (win_attention.cuh places its mbarriers): kCmpTmaStages stages of kKeyChunk
+// keys. 192 rows: 145 KB at 128/128, 198 KB at 192/128.
+inline constexpr int kCmpTmaStages = 3;
+inline constexpr size_t kTmaRingBarBytes = tma_ring_bar_bytes(kCmpTmaStages);
 // sm_90a pass 1 in 128-row tiles and 128-key chunks (cmp_pass1_wide_kernel, cmp_attention.cuh), a
 // 2-stage ring: 163 KB at 128/128, 211 KB at 192/128.
 inline constexpr int kCmpWideRows = 128, kCmpWideChunk = 128, kCmpWideStages = 2;
 constexpr size_t cmp_wide_smem_bytes(int dqk, int dv) {
-  return 1024 + size_t(kCmpWideRows) * (dqk + 8) * 2 + size_t(kCmpWideStages) * kCmpWideChunk * (dqk + dv) * 2 +
-         kCmpWideStages * (sizeof(uint64_t) + sizeof(unsigned));
+  return tma_ring_end(kCmpWideRows, dqk, dv, kCmpWideChunk, kCmpWideStages) + tma_ring_bar_bytes(kCmpWideStages);
 }
 // The head dims whose S pass may take kScoresRows-row tiles on sm_90a (the only ones for which that
 // kernel is instantiated). H200, 64K, Hq 64 / Hkv 4, same run (docs/benchmarks/h200.md, session 7):

@@ -332,7 +332,7 @@ inline constexpr int kWinWgRows = kWgRows;
 // staged combine's bytes, which reuse the ring's.
 constexpr size_t win_tma_bar_offset(int dqk, int dv) {
   const size_t staged = dv == 64 ? win_staged_bytes<kWinWgRows, 64>() : win_staged_bytes<kWinWgRows, 128>();
-  const size_t ring = tma_ring_end(kWinWgRows, dqk, dv);
+  const size_t ring = tma_ring_end(kWinWgRows, dqk, dv, kKeyChunk, kCmpTmaStages);
   return ((ring > staged ? ring : staged) + 7) / 8 * 8;
 }
 constexpr size_t win_wgmma_smem_bytes(int dqk, int dv) {
