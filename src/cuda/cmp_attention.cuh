@@ -405,12 +405,7 @@ __device__ __forceinline__ void tma_ring_attention(TileAttention<Storage, kDqk, 
     mbarrier_wait_parity(full + st, phase);
     if (c == num_chunks - 1 && count_last < kChunk) {
       // Once per tile: the V rows past the keys become zeros before any warp's P V.
-      unsigned char* vb = reinterpret_cast<unsigned char*>(sv + st * Tile::kVSwTile);
-      const int pieces = (kChunk - count_last) * 8;  // 16-byte pieces per 64-column block
-      for (int e = threadIdx.x; e < pieces * (kDv / 64); e += kRows / 16 * 32) {
-        const int b = e / pieces, r = count_last + e % pieces / 8, piece = e % 8;
-        *reinterpret_cast<uint4*>(vb + b * (kChunk * 128) + r * 128 + piece * 16) = make_uint4(0u, 0u, 0u, 0u);
-      }
+      zero_sw128_rows<kChunk, kRows / 16 * 32>(sv + st * Tile::kVSwTile, kDv / 64, count_last);
       fence_proxy_async();  // the zeros, for the P V wgmma
       __syncthreads();
     }
@@ -433,6 +428,35 @@ __device__ __forceinline__ void tma_ring_attention(TileAttention<Storage, kDqk, 
       __syncwarp();
     }
     if (++st == kStages) st = 0, phase ^= 1u;
+  }
+}
+
+// The chunk loop without TMA (the fused kernel on sm_80; on sm_90a pass 1's 192-row kernel and the
+// window where no tensor map can be made): chunks double-buffered in sm's K/V buffers by cp.async,
+// load_chunk(c, buf) issuing and committing chunk c into buffer buf. One CTA barrier per chunk:
+// after it chunk c (and the Q tile) has landed for everyone and every warp is done with chunk
+// c - 1, whose buffer then receives chunk c + 1 while c is multiplied. limits(c, lo, hi): row h
+// keeps chunk c's keys [lo[h], hi[h]). Before the call: the Q tile's copies committed; after it
+// every copy has landed.
+template <typename Smem, typename Tile, typename LoadChunk, typename Limits>
+__device__ __forceinline__ void cp_async_chunk_loop(const Smem& sm, Tile& tile_state, int num_chunks, float scale_log2,
+                                                    LoadChunk&& load_chunk, Limits&& limits) {
+  if (num_chunks > 0) load_chunk(0, 0);
+  Smem::template wait_copies<0>();
+  __syncthreads();
+  if constexpr (!Smem::kWgmma) tile_state.load_q_fragments(sm.sq);  // held (wgmma reads the Q tile)
+  for (int c = 0; c < num_chunks; ++c) {
+    Smem::template wait_copies<0>();
+    __syncthreads();
+    if (c + 1 < num_chunks) load_chunk(c + 1, (c + 1) & 1);
+    const int buf = c & 1;
+    float s[Tile::kSTiles][4];
+    sm.scores(tile_state, s, sm.sk + buf * Smem::kKTile);
+    int lo[2], hi[2];
+    limits(c, lo, hi);
+    tile_state.mask(s, lo, hi);
+    tile_state.softmax_update(s, scale_log2);
+    Smem::accumulate_pv(tile_state, s, sm.sv + buf * Smem::kVTile);
   }
 }
 
@@ -502,25 +526,8 @@ __global__ void __launch_bounds__(kRows / 16 * 32)
       cp_async_commit();
     };
 
-    // One barrier per chunk: after it chunk c (and the Q tile) has landed for everyone and every
-    // warp is done with chunk c - 1, whose buffer then receives chunk c + 1 while c is multiplied.
-    if (num_chunks > 0) load_chunk(0, 0);
-    Smem::template wait_copies<0>();
-    __syncthreads();
-    if constexpr (!Smem::kWgmma) tile_state.load_q_fragments(sm.sq);  // held (wgmma reads the Q tile)
-    for (int c = 0; c < num_chunks; ++c) {
-      Smem::template wait_copies<0>();
-      __syncthreads();
-      if (c + 1 < num_chunks) load_chunk(c + 1, (c + 1) & 1);
-      const int buf = c & 1;
-      float s[Tile::kSTiles][4];
-      sm.scores(tile_state, s, sm.sk + buf * Smem::kKTile);
-      int lo[2], hi[2];
-      ti.chunk_limits(c, lo, hi);
-      tile_state.mask(s, lo, hi);
-      tile_state.softmax_update(s, p.scale_log2);
-      Smem::accumulate_pv(tile_state, s, sm.sv + buf * Smem::kVTile);
-    }
+    cp_async_chunk_loop(sm, tile_state, num_chunks, p.scale_log2, load_chunk,
+                        [&](int c, int (&lo)[2], int (&hi)[2]) { ti.chunk_limits(c, lo, hi); });
     float lse2[2];
     cmp_pass1_epilogue<Storage>(p, ti, tile_state, lse2);
     if constexpr (kFusedScores) {

@@ -411,25 +411,9 @@ __global__ void __launch_bounds__(kWinWgRows / 16 * 32)
             limits(c, lo, hi);
             st.mask(s, lo, hi);
           });
+    } else {  // without TMA: one CTA barrier per chunk (cmp_attention.cuh)
+      cp_async_chunk_loop(sm, st, num_chunks, p.scale_log2, load_chunk, limits);
     }
-    // Without TMA, one barrier per chunk: after it chunk c (and the Q tile) has landed for everyone
-    // and every warp is done with chunk c - 1, whose buffer then receives chunk c + 1 while c is
-    // multiplied.
-    if (!kv_tma && num_chunks > 0) load_chunk(0, 0);
-    for (int c = 0; c < (kv_tma ? 0 : num_chunks); ++c) {
-      Smem::template wait_copies<0>();
-      __syncthreads();
-      if (c + 1 < num_chunks) load_chunk(c + 1, (c + 1) & 1);
-      const int buf = c & 1;
-      float s[Tile::kSTiles][4];
-      sm.scores(st, s, sm.sk + buf * Smem::kKTile);
-      int lo[2], hi[2];
-      limits(c, lo, hi);
-      st.mask(s, lo, hi);
-      st.softmax_update(s, p.scale_log2);
-      Smem::accumulate_pv(st, s, sm.sv + buf * Smem::kVTile);
-    }
-    if (num_chunks == 0 && !kv_tma) cp_async_wait<0>();  // (w = 0: only the Q tile was copied)
     if (p.combine)
       win_epilogue_staged<Storage, kRows, kDv>(p, st, wt, t_row, head, smem_raw);
     else

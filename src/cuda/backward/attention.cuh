@@ -572,14 +572,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
         bar_phase ^= 1u << buf;
         if (kt.nk < kKeys) {
           // The rows past the tile's keys become zeros (a NaN there would survive 0 * k).
-          unsigned char* kbytes = reinterpret_cast<unsigned char*>(sK + buf * kKBuf);
-          unsigned char* vbytes = reinterpret_cast<unsigned char*>(sV + buf * kVBuf);
-          const int pieces = (kKeys - kt.nk) * 8;  // 16-byte pieces per 64-column block
-          for (int e = threadIdx.x; e < pieces * ((DQK + DV) / 64); e += kThreads) {
-            const int blk = e / pieces, r = kt.nk + e % pieces / 8, piece = e % 8;
-            unsigned char* t = blk < DQK / 64 ? kbytes + blk * (kKeys * 128) : vbytes + (blk - DQK / 64) * (kKeys * 128);
-            *reinterpret_cast<uint4*>(t + r * 128 + piece * 16) = make_uint4(0u, 0u, 0u, 0u);
-          }
+          cuda::zero_sw128_rows<kKeys, kThreads>(sK + buf * kKBuf, DQK / 64, kt.nk);
+          cuda::zero_sw128_rows<kKeys, kThreads>(sV + buf * kVBuf, DV / 64, kt.nk);
           cuda::fence_proxy_async();  // the zeros, for wgmma
           __syncthreads();
         }

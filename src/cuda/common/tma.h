@@ -61,6 +61,21 @@ inline bool make_rows_tensor_map(CUtensorMap* map, bool bf16, const void* base, 
   return make_tensor_map_3d(map, bf16, base, cols, heads, rows, head_bytes, row_bytes, box_rows);
 }
 
+// Zeroes rows [r0, kTileRows) of `blocks` consecutive 64-column blocks of kTileRows rows x 128
+// bytes in the 128-byte swizzle (a row's bytes stay in its row), with kThreads threads: the rows a
+// TMA box brings past a tile's keys (later rows, other sequences', possibly NaN, which would
+// survive a zero probability). The caller then fences them for wgmma (fence_proxy_async) and
+// publishes them to the CTA.
+template <int kTileRows, int kThreads>
+__device__ __forceinline__ void zero_sw128_rows(void* tile, int blocks, int r0) {
+  const int pieces = (kTileRows - r0) * 8;  // 16-byte pieces per 64-column block
+  for (int e = threadIdx.x; e < pieces * blocks; e += kThreads) {
+    const int b = e / pieces, r = r0 + e % pieces / 8, piece = e % 8;
+    *reinterpret_cast<uint4*>(static_cast<unsigned char*>(tile) + b * (kTileRows * 128) + r * 128 + piece * 16) =
+        make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
 // Makes the mbarriers this thread initialised visible to the async proxy (the TMA unit).
 __device__ __forceinline__ void fence_mbarrier_init() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
