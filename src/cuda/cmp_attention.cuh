@@ -656,8 +656,6 @@ void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream) {
                cmp_smem_bytes(kTileRows, kDqk, kDv, p.group, p.score_ring, true, p.scores != nullptr), p, stream);
     return;
   }
-  CUtensorMap kc_map{};  // the S pass's (64-row boxes)
-  const int kc_tma = cmp_rows_tensor_map<Storage, kDqk>(&kc_map, p, p.kc, p.kc_st, p.kc_sh) ? 1 : 0;
   CUtensorMap kc_wide{}, vc_wide{};
   if (cmp_rows_tensor_map<Storage, kDqk>(&kc_wide, p, p.kc, p.kc_st, p.kc_sh, kCmpWideChunk) &&
       cmp_rows_tensor_map<Storage, kDv>(&vc_wide, p, p.vc, p.vc_st, p.vc_sh, kCmpWideChunk)) {
@@ -668,6 +666,8 @@ void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream) {
     cmp_launch(pass1, kWgRows, cmp_smem_bytes(kWgRows, kDqk, kDv, p.group, p.score_ring, true, false), p, stream);
   }
   if (p.scores == nullptr) return;
+  CUtensorMap kc_map{};  // the S pass's (64-row boxes)
+  const int kc_tma = cmp_rows_tensor_map<Storage, kDqk>(&kc_map, p, p.kc, p.kc_st, p.kc_sh) ? 1 : 0;
   if constexpr (scores_wide_tiles(kDqk)) {  // else the 128-row S kernel is not instantiated
     if (scores_rows(kDqk, kDv, p.group, p.score_ring, kMaxSmem) == kScoresRows) {
       cmp_launch(cmp_scores_kernel<Storage, kDqk, kDv, kScoresRows, 2>, kScoresRows,
