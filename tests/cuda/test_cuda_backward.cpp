@@ -302,10 +302,11 @@ TEST_P(CudaBackward, BitwiseDeterministic) {
 // The sequences of a packed batch do not see each other: with every input row of one sequence
 // NaN (q, the gates, dO, k and v of every branch; the saved state from the clean inputs), every
 // per-token gradient row of the others (dq, dg, dk and dv of each branch) is bit for bit what it
-// was. The kernels read whole tiles of keys (TMA boxes), so rows of the next sequence, or the
-// compressed row no sequence uses, land in shared memory past a tile's keys; they must be zeroed
-// or masked, since a zero dS times NaN is NaN. (phi's parameter gradients sum over every
-// sequence, so NaN reaches them by definition.)
+// was. The kernels read whole tiles of keys or queries (TMA boxes), so rows of the next sequence
+// land in shared memory past a tile's; they must be zeroed or masked, since a zero dS times NaN
+// is NaN. (The compressed row no sequence uses is written by the backward's phi, so it is never
+// the danger here. phi's parameter gradients sum over every sequence, so NaN reaches them by
+// definition.)
 TEST_P(CudaBackward, SequencesAreIsolated) {
   NSA_REQUIRE_GPU();
   const BwdCase& c = GetParam();
