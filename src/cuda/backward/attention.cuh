@@ -770,8 +770,8 @@ __device__ __forceinline__ float phi_dx(const PhiDxArgs& P, const BwdArgs& a, in
   return acc;
 }
 
-// The tensor maps of q and dO for dkv_kernel<cmp> on sm_90a ([T, Hq, D] views, boxes of kRows / G
-// tokens x G heads x 64 columns: one query tile's 64 rows); `on` = 0 elsewhere.
+// The tensor maps of q and dO for dkv_kernel<cmp> and <raw> on sm_90a ([T, Hq, D] views, boxes of
+// kRows / G tokens x G heads x 64 columns: one query tile's 64 rows); `on` = 0 elsewhere.
 struct DkvMaps {
   CUtensorMap q, d_o;
   int on;
@@ -921,15 +921,20 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
   // skips the per-key mask.
   const int first_pos = kt.kp0, last_pos = kt.kp0 + (nk - 1) * kt.kstep;
   int whole = 0;
-  // sm_90a, compressed keys, tensor maps made: thread 0 copies each query tile's Q and dO rows by
-  // TMA (DQK / 64 + DV / 64 boxes of tq tokens x G heads), completing on the buffer's mbarrier. A
-  // box reads whole tokens past the tile's (the next sequence's or split's, or TMA's zeros past
-  // the end); those rows are zeroed after the wait (tile_rows), as the copies' zero fill did.
-  const bool tma = kWg && kSet == KeySet::cmp && maps.on != 0;
+  // sm_90a, tensor maps made: thread 0 copies each query tile of consecutive tokens (the compressed
+  // keys' tiles, the raw keys' window tiles; not the selection's gathered ones) by TMA (DQK / 64 +
+  // DV / 64 boxes of tq tokens x G heads), completing on the buffer's mbarrier. A box reads whole
+  // tokens past the tile's (the next sequence's or split's, or TMA's zeros past the end); those
+  // rows are zeroed after the wait (tile_rows), as the copies' zero fill did. tile_rows < 0: the
+  // buffer's tile came by cp.async.
+  // (<raw> at Dqk 192 keeps its copies: there the TMA path's registers raised its spills from 22 to
+  // 70 bytes.)
+  constexpr bool kTmaSet = kWg && (kSet == KeySet::cmp || (kSet == KeySet::raw && DQK <= 128));
+  const bool tma = kTmaSet && maps.on != 0;
   uint64_t* const bars = reinterpret_cast<uint64_t*>(smem + L::kSwBars);
   uint32_t bar_phase = 0;  // bit b: the parity of buffer b's next fill
-  int tile_rows0 = kRows, tile_rows1 = kRows;  // rows of real queries in buffers 0 / 1 (TMA: the rest zeroed)
-  if constexpr (kWg && kSet == KeySet::cmp) {
+  int tile_rows0 = -1, tile_rows1 = -1;  // rows of real queries in buffers 0 / 1 (TMA: the rest zeroed)
+  if constexpr (kTmaSet) {
     if (tma && threadIdx.x == 0) {
       cuda::mbarrier_init(bars, 1);
       cuda::mbarrier_init(bars + 1, 1);
@@ -977,9 +982,9 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
     // the row pointers are in place for the copies; every thread learns the tile's flag
     const int all = __syncthreads_and(sees_all);
     whole = (whole & ~(1 << buf)) | (all ? 1 << buf : 0);
-    if constexpr (kWg && kSet == KeySet::cmp) {
-      if (tma) {
-        (buf ? tile_rows1 : tile_rows0) = ntok * a.G;
+    if constexpr (kTmaSet) {
+      (buf ? tile_rows1 : tile_rows0) = tma && !list ? ntok * a.G : -1;
+      if (tma && !list) {
         if (threadIdx.x == 0) {
           uint64_t* bar = bars + buf;
           cuda::mbarrier_expect_tx(bar, kRows * (DQK + DV) * sizeof(E));
@@ -1000,19 +1005,14 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
   // TMA: waits for buffer buf's Q and dO, then zeroes its rows past the tile's queries (a NaN
   // there would survive P = 0) and makes the zeros visible to wgmma.
   auto land_tma = [&](int buf) {
-    if constexpr (kWg && kSet == KeySet::cmp) {
+    if constexpr (kTmaSet) {
+      const int r0 = buf ? tile_rows1 : tile_rows0;
+      if (r0 < 0) return;  // copied by cp.async
       cuda::mbarrier_wait_parity(bars + buf, (bar_phase >> buf) & 1u);
       bar_phase ^= 1u << buf;
-      const int r0 = buf ? tile_rows1 : tile_rows0;
       if (r0 < kRows) {
-        unsigned char* qbytes = reinterpret_cast<unsigned char*>(sQ + buf * kQBuf);
-        unsigned char* dbytes = reinterpret_cast<unsigned char*>(sDo + buf * kDoBuf);
-        const int pieces = (kRows - r0) * 8;  // 16-byte pieces per 64-column block
-        for (int e = threadIdx.x; e < pieces * ((DQK + DV) / 64); e += kThreads) {
-          const int blk = e / pieces, r = r0 + e % pieces / 8, piece = e % 8;
-          unsigned char* t = blk < DQK / 64 ? qbytes + blk * (kRows * 128) : dbytes + (blk - DQK / 64) * (kRows * 128);
-          *reinterpret_cast<uint4*>(t + r * 128 + piece * 16) = make_uint4(0u, 0u, 0u, 0u);
-        }
+        cuda::zero_sw128_rows<kRows, kThreads>(sQ + buf * kQBuf, DQK / 64, r0);
+        cuda::zero_sw128_rows<kRows, kThreads>(sDo + buf * kDoBuf, DV / 64, r0);
         cuda::fence_proxy_async();  // the zeros, for wgmma
         __syncthreads();
       }
@@ -1282,7 +1282,7 @@ bool dq_tensor_maps(DqMaps& m, const BwdArgs& a) {
   return true;
 }
 
-// dkv_kernel<cmp>'s maps of q and dO: [T, Hq, D] views, boxes of kRows / G tokens x G heads;
+// dkv_kernel<cmp> / <raw>'s maps of q and dO: [T, Hq, D] views, boxes of kRows / G tokens x G heads;
 // false where one cannot be made or the kernel runs the sm_80 body (no TMA there).
 template <typename E, int DQK, int DV>
 bool dkv_tensor_maps(DkvMaps& m, const BwdArgs& a) {
@@ -1344,7 +1344,9 @@ void launch_attention(const BwdArgs& a, cudaStream_t s, int phase) {
     allow_smem(kernel, smem);
     const int64_t tiles = a.B * int64_t(a.n_slc_max) * ((a.lp + kKeys - 1) / kKeys);
     if (tiles == 0) return;
-    kernel<<<dim3(unsigned(tiles), unsigned(a.hkv)), kThreads, smem, s>>>(a, none);
+    DkvMaps maps{};
+    maps.on = a.w > 0 && dkv_tensor_maps<E, DQK, DV>(maps, a) ? 1 : 0;  // the window's query tiles
+    kernel<<<dim3(unsigned(tiles), unsigned(a.hkv)), kThreads, smem, s>>>(a, maps);
   }
   NSA_CUDA_CHECK_LAUNCH();
 }
