@@ -738,7 +738,9 @@ struct DkvSmem {
   static constexpr int kSwQ = kSwV + kKeys * DV * 2;          // [2][kRows][DQK]
   static constexpr int kSwDo = kSwQ + 2 * kRows * DQK * 2;    // [2][kRows][DV]
   static constexpr int kSwRi = kSwDo + 2 * kRows * DV * 2;    // [2] RowTile
-  static constexpr int kSwEnd = kSwRi + 2 * int(sizeof(RowTile));
+  static constexpr int kSwBars = kSwRi + 2 * int(sizeof(RowTile));  // [2] mbarriers (Q / dO by TMA)
+  static constexpr int kSwEnd = kSwBars + 2 * int(sizeof(uint64_t));
+  static_assert(kSwBars % 8 == 0, "mbarriers on 8 bytes");
   static_assert(DQK % 64 == 0 && DV % 64 == 0, "swizzled tiles are whole 64-column blocks");
   // Bytes the launch asks for: enough for either layout (the device picks one per target).
   static constexpr int kEnd = kPaddedEnd > kSwEnd + 1024 ? kPaddedEnd : kSwEnd + 1024;
@@ -768,8 +770,15 @@ __device__ __forceinline__ float phi_dx(const PhiDxArgs& P, const BwdArgs& a, in
   return acc;
 }
 
+// The tensor maps of q and dO for dkv_kernel<cmp> and <raw> on sm_90a ([T, Hq, D] views, boxes of
+// kRows / G tokens x G heads x 64 columns: one query tile's 64 rows); `on` = 0 elsewhere.
+struct DkvMaps {
+  CUtensorMap q, d_o;
+  int on;
+};
+
 template <typename E, int DQK, int DV, KeySet kSet>
-__global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
+__global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __grid_constant__ DkvMaps maps) {
   using L = DkvSmem<E, DQK, DV>;
   constexpr int kLdK = DQK + kPad, kLdV = DV + kPad;
   // sm_90a: the four products on wgmma, tiles in the swizzle layout (compute below).
@@ -912,6 +921,27 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
   // skips the per-key mask.
   const int first_pos = kt.kp0, last_pos = kt.kp0 + (nk - 1) * kt.kstep;
   int whole = 0;
+  // sm_90a, tensor maps made: thread 0 copies each query tile of consecutive tokens (the compressed
+  // keys' tiles, the raw keys' window tiles; not the selection's gathered ones) by TMA (DQK / 64 +
+  // DV / 64 boxes of tq tokens x G heads), completing on the buffer's mbarrier. A box reads whole
+  // tokens past the tile's (the next sequence's or split's, or TMA's zeros past the end); those
+  // rows are zeroed after the wait (tile_rows), as the copies' zero fill did. tile_rows < 0: the
+  // buffer's tile came by cp.async.
+  // (<raw> at Dqk 192 keeps its copies: there the TMA path's registers raised its spills from 22 to
+  // 70 bytes.)
+  constexpr bool kTmaSet = kWg && (kSet == KeySet::cmp || (kSet == KeySet::raw && DQK <= 128));
+  const bool tma = kTmaSet && maps.on != 0;
+  uint64_t* const bars = reinterpret_cast<uint64_t*>(smem + L::kSwBars);
+  uint32_t bar_phase = 0;  // bit b: the parity of buffer b's next fill
+  int tile_rows0 = -1, tile_rows1 = -1;  // rows of real queries in buffers 0 / 1 (TMA: the rest zeroed)
+  if constexpr (kTmaSet) {
+    if (tma && threadIdx.x == 0) {
+      cuda::mbarrier_init(bars, 1);
+      cuda::mbarrier_init(bars + 1, 1);
+      cuda::fence_mbarrier_init();
+    }
+    // (every thread waits on them only after the prefetch's __syncthreads_and)
+  }
   auto prefetch = [&](int i, int buf) {
     RowTile& R = ri[buf];
     const bool list = kSet == KeySet::slc_forced || (kSet == KeySet::raw && i >= n0);
@@ -952,8 +982,41 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
     // the row pointers are in place for the copies; every thread learns the tile's flag
     const int all = __syncthreads_and(sees_all);
     whole = (whole & ~(1 << buf)) | (all ? 1 << buf : 0);
+    if constexpr (kTmaSet) {
+      (buf ? tile_rows1 : tile_rows0) = tma && !list ? ntok * a.G : -1;
+      if (tma && !list) {
+        if (threadIdx.x == 0) {
+          uint64_t* bar = bars + buf;
+          cuda::mbarrier_expect_tx(bar, kRows * (DQK + DV) * sizeof(E));
+          const int tok = int(s0) + t0, h0 = hk * a.G;
+#pragma unroll
+          for (int blk = 0; blk < DQK / 64; ++blk)
+            cuda::tma_load_3d(sQ + buf * kQBuf + blk * kRows * 64, &maps.q, 64 * blk, h0, tok, bar);
+#pragma unroll
+          for (int blk = 0; blk < DV / 64; ++blk)
+            cuda::tma_load_3d(sDo + buf * kDoBuf + blk * kRows * 64, &maps.d_o, 64 * blk, h0, tok, bar);
+        }
+        return;
+      }
+    }
     copy_tile(DimK{}, sQ + buf * kQBuf, [&](int r) { return static_cast<const E*>(R.q[r]); }, qb);
     copy_tile(DimV{}, sDo + buf * kDoBuf, [&](int r) { return static_cast<const E*>(R.dO[r]); }, dob);
+  };
+  // TMA: waits for buffer buf's Q and dO, then zeroes its rows past the tile's queries (a NaN
+  // there would survive P = 0) and makes the zeros visible to wgmma.
+  auto land_tma = [&](int buf) {
+    if constexpr (kTmaSet) {
+      const int r0 = buf ? tile_rows1 : tile_rows0;
+      if (r0 < 0) return;  // copied by cp.async
+      cuda::mbarrier_wait_parity(bars + buf, (bar_phase >> buf) & 1u);
+      bar_phase ^= 1u << buf;
+      if (r0 < kRows) {
+        cuda::zero_sw128_rows<kRows, kThreads>(sQ + buf * kQBuf, DQK / 64, r0);
+        cuda::zero_sw128_rows<kRows, kThreads>(sDo + buf * kDoBuf, DV / 64, r0);
+        cuda::fence_proxy_async();  // the zeros, for wgmma
+        __syncthreads();
+      }
+    }
   };
 
   float acc_k[DQK / 8][4], acc_v[DV / 8][4];
@@ -1148,6 +1211,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a) {
       if constexpr (kWg) cuda::fence_proxy_async();
       __syncthreads();
     }
+    if (tma) land_tma(i & 1);
     compute(i & 1);
     __syncthreads();
   }
@@ -1218,6 +1282,23 @@ bool dq_tensor_maps(DqMaps& m, const BwdArgs& a) {
   return true;
 }
 
+// dkv_kernel<cmp> / <raw>'s maps of q and dO: [T, Hq, D] views, boxes of kRows / G tokens x G heads;
+// false where one cannot be made or the kernel runs the sm_80 body (no TMA there).
+template <typename E, int DQK, int DV>
+bool dkv_tensor_maps(DkvMaps& m, const BwdArgs& a) {
+  static const bool sm90 = [] {
+    cudaFuncAttributes attr{};
+    return cudaFuncGetAttributes(&attr, dkv_kernel<E, DQK, DV, KeySet::cmp>) == cudaSuccess &&
+           attr.binaryVersion == 90;
+  }();
+  if (!sm90 || !a.vec || a.T <= 0) return false;
+  const uint32_t tq = uint32_t(kRows / a.G), g = uint32_t(a.G);
+  return cuda::make_rows_tensor_map(&m.q, kIsBf16<E>, a.q.p, DQK, uint64_t(a.hq), uint64_t(a.T), a.q.s0, a.q.s1, tq,
+                                    g) &&
+         cuda::make_rows_tensor_map(&m.d_o, kIsBf16<E>, a.d_o.p, DV, uint64_t(a.hq), uint64_t(a.T), a.d_o.s0,
+                                    a.d_o.s1, tq, g);
+}
+
 template <typename E, int DQK, int DV>
 void launch_attention(const BwdArgs& a, cudaStream_t s, int phase) {
   if (phase == 4) {  // the selection branch's dq (and dg), after dq_kernel ran without it
@@ -1243,24 +1324,29 @@ void launch_attention(const BwdArgs& a, cudaStream_t s, int phase) {
   }
   using Lk = DkvSmem<E, DQK, DV>;
   const size_t smem = Lk::kEnd;
+  DkvMaps none{};
   if (phase == 1) {
     auto* kernel = dkv_kernel<E, DQK, DV, KeySet::cmp>;
     allow_smem(kernel, smem);
     const int64_t tiles = a.B * ((num_cmp_blocks(a.max_seqlen, a.l, a.d) + kKeys - 1) / kKeys);
     if (tiles == 0) return;
-    kernel<<<dim3(unsigned(tiles), unsigned(a.hkv), unsigned(a.cmp_splits)), kThreads, smem, s>>>(a);
+    DkvMaps maps{};
+    maps.on = dkv_tensor_maps<E, DQK, DV>(maps, a) ? 1 : 0;
+    kernel<<<dim3(unsigned(tiles), unsigned(a.hkv), unsigned(a.cmp_splits)), kThreads, smem, s>>>(a, maps);
   } else if (phase == 3) {
     auto* kernel = dkv_kernel<E, DQK, DV, KeySet::slc_forced>;
     allow_smem(kernel, smem);
     const int64_t tiles = a.B * int64_t(a.n_init) * ((a.lp + kKeys - 1) / kKeys);
     if (tiles == 0 || a.slc_splits == 0) return;
-    kernel<<<dim3(unsigned(tiles), unsigned(a.hkv), unsigned(a.slc_splits)), kThreads, smem, s>>>(a);
+    kernel<<<dim3(unsigned(tiles), unsigned(a.hkv), unsigned(a.slc_splits)), kThreads, smem, s>>>(a, none);
   } else {
     auto* kernel = dkv_kernel<E, DQK, DV, KeySet::raw>;
     allow_smem(kernel, smem);
     const int64_t tiles = a.B * int64_t(a.n_slc_max) * ((a.lp + kKeys - 1) / kKeys);
     if (tiles == 0) return;
-    kernel<<<dim3(unsigned(tiles), unsigned(a.hkv)), kThreads, smem, s>>>(a);
+    DkvMaps maps{};
+    maps.on = a.w > 0 && dkv_tensor_maps<E, DQK, DV>(maps, a) ? 1 : 0;  // the window's query tiles
+    kernel<<<dim3(unsigned(tiles), unsigned(a.hkv)), kThreads, smem, s>>>(a, maps);
   }
   NSA_CUDA_CHECK_LAUNCH();
 }

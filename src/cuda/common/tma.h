@@ -28,7 +28,7 @@ namespace nsa::cuda {
 // false (the caller then copies without TMA).
 inline bool make_tensor_map_3d(CUtensorMap* map, bool bf16, const void* base, uint64_t cols, uint64_t heads,
                                uint64_t rows, uint64_t head_stride_bytes, uint64_t row_stride_bytes,
-                               uint32_t box_rows) {
+                               uint32_t box_rows, uint32_t box_heads = 1) {
   static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
@@ -43,7 +43,7 @@ inline bool make_tensor_map_3d(CUtensorMap* map, bool bf16, const void* base, ui
   if (!testing::tma_enabled() || encode == nullptr || rows == 0 || heads == 0) return false;
   const cuuint64_t dims[3] = {cols, heads, rows};
   const cuuint64_t strides[2] = {head_stride_bytes, row_stride_bytes};  // dims 1 and 2
-  const cuuint32_t box[3] = {64, 1, box_rows};
+  const cuuint32_t box[3] = {64, box_heads, box_rows};
   const cuuint32_t unit[3] = {1, 1, 1};
   return encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3,
                 const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -53,12 +53,15 @@ inline bool make_tensor_map_3d(CUtensorMap* map, bool bf16, const void* base, ui
 
 // make_tensor_map_3d for a [rows, heads, cols] view of 16-bit elements with strides in elements
 // (row_stride, head_stride), boxes of box_rows rows x 64 columns: the form every kernel's K/V map
-// takes. A dimension of extent 1 gets a valid stride whatever the view says.
+// takes. A dimension of extent 1 gets a valid stride whatever the view says. With box_heads > 1 a
+// box is box_rows rows x box_heads heads x 64 columns and lands as box_rows * box_heads rows of
+// 128 bytes, row-major in (row, head): a query tile of box_rows tokens x the G heads of a group.
 inline bool make_rows_tensor_map(CUtensorMap* map, bool bf16, const void* base, uint64_t cols, uint64_t heads,
-                                 uint64_t rows, int64_t row_stride, int64_t head_stride, uint32_t box_rows) {
+                                 uint64_t rows, int64_t row_stride, int64_t head_stride, uint32_t box_rows,
+                                 uint32_t box_heads = 1) {
   const uint64_t head_bytes = (heads > 1 ? uint64_t(head_stride) : cols) * 2;
   const uint64_t row_bytes = rows > 1 ? uint64_t(row_stride) * 2 : head_bytes * heads;
-  return make_tensor_map_3d(map, bf16, base, cols, heads, rows, head_bytes, row_bytes, box_rows);
+  return make_tensor_map_3d(map, bf16, base, cols, heads, rows, head_bytes, row_bytes, box_rows, box_heads);
 }
 
 // Zeroes rows [r0, kTileRows) of `blocks` consecutive 64-column blocks of kTileRows rows x 128
