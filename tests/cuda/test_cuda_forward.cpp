@@ -288,14 +288,19 @@ TEST_P(CudaForward, SelectedAndWindowAttentionMatchReference) {
   HostTensor o(c.dtype, {p.T, c.hq, c.dv}), lse(DType::f32, {p.T, c.hq});
   DeviceSeqs ds(p, max_seqlen(c));
   DeviceTensor q(p.q), k(p.k[0]), v(p.v[0]), didx(idx);
-  for (int branch = 0; branch < 2; ++branch) {
+  // Branches: 0 the selection (sm_90a with l' = 64: the union tiles wherever a tile's union fits,
+  // which is every tile of these short sequences), 1 the selection with the per-token kernel on
+  // every tile, 2 the window.
+  for (int branch = 0; branch < 3; ++branch) {
     o.poison();
     lse.poison();
     HostTensor o64 = to_f64(o), lse_ref = lse;
     DeviceTensor dout(o), dlse(lse);
-    if (branch == 0) {
+    if (branch < 2) {
+      cuda::testing::set_slc_union_tiles_enabled(branch == 0);
       selected_attention_fwd(ref_ctx(), cfg, q64.view(), k64.view(), v64.view(), idx.view(), host_seqs(p), o64.view(), lse_ref.view());
       selected_attention_fwd(cuda_ctx(), cfg, q.view(), k.view(), v.view(), didx.view(), ds.seqs, dout.view(), dlse.view());
+      cuda::testing::set_slc_union_tiles_enabled(true);
     } else {
       window_attention_fwd(ref_ctx(), cfg, q64.view(), k64.view(), v64.view(), host_seqs(p), o64.view(), lse_ref.view());
       window_attention_fwd(cuda_ctx(), cfg, q.view(), k.view(), v.view(), ds.seqs, dout.view(), dlse.view());
@@ -303,8 +308,9 @@ TEST_P(CudaForward, SelectedAndWindowAttentionMatchReference) {
     sync();
     dout.download(o);
     dlse.download(lse);
-    EXPECT_TRUE(close(o.values(), o64.values(), attention_tol(c.dtype, 1.0))) << (branch ? "window" : "selection");
-    EXPECT_TRUE(close(lse.values(), lse_ref.values(), lse_tol)) << (branch ? "window" : "selection");
+    const char* what = branch == 0 ? "selection" : branch == 1 ? "selection, per-token kernel" : "window";
+    EXPECT_TRUE(close(o.values(), o64.values(), attention_tol(c.dtype, 1.0))) << what;
+    EXPECT_TRUE(close(lse.values(), lse_ref.values(), lse_tol)) << what;
   }
 }
 
@@ -336,12 +342,48 @@ TEST_P(CudaForward, SelectedAttentionTreatsIndicesAsASet) {
 
   HostTensor q64 = to_f64(p.q), k64 = to_f64(p.k[0]), v64 = to_f64(p.v[0]);
   HostTensor o(c.dtype, {p.T, c.hq, c.dv}), lse(DType::f32, {p.T, c.hq});
+  for (int union_tiles = 1; union_tiles >= 0; --union_tiles) {  // both selection kernels
+    o.poison();
+    lse.poison();
+    HostTensor o64 = to_f64(o), lse_ref = lse;
+    DeviceSeqs ds(p, max_seqlen(c));
+    DeviceTensor q(p.q), k(p.k[0]), v(p.v[0]), didx(idx), dout(o), dlse(lse);
+    cuda::testing::set_slc_union_tiles_enabled(union_tiles == 1);
+    selected_attention_fwd(ref_ctx(), cfg, q64.view(), k64.view(), v64.view(), idx.view(), host_seqs(p), o64.view(), lse_ref.view());
+    selected_attention_fwd(cuda_ctx(), cfg, q.view(), k.view(), v.view(), didx.view(), ds.seqs, dout.view(), dlse.view());
+    cuda::testing::set_slc_union_tiles_enabled(true);
+    sync();
+    dout.download(o);
+    dlse.download(lse);
+    EXPECT_TRUE(close(o.values(), o64.values(), attention_tol(c.dtype, 1.0))) << "union tiles " << union_tiles;
+    EXPECT_TRUE(close(lse.values(), lse_ref.values(), lse_tol)) << "union tiles " << union_tiles;
+  }
+}
+
+// Union tiles and per-token tiles in one call: G = 1 and l' = 64, so a tile is 64 tokens; random
+// scores give the tiles of the first ~4000 tokens (at most 64 blocks to pick from) a union the
+// union-tile kernel takes, and most later tiles a larger one, left to the per-token kernel. Two
+// sequences, the second short. Both must match the reference.
+TEST(CudaForwardSelection, UnionAndPerTokenTilesInOneCall) {
+  NSA_REQUIRE_GPU();
+  Case c{"x", DType::bf16, 128, 128, 2, 2, {6500, 300}, 32, 16, 64, 16, 1, 2, 64, PhiKind::mean, false};
+  const Config cfg = config_of(c);
+  LayerProblem p = make_problem(cfg, sizes_of(c), 47);
+  const int64_t ns = num_slc_blocks(max_seqlen(c), cfg.slc_block_len);
+  std::mt19937_64 rng(12);
+  HostTensor s(DType::f32, {p.T, c.hkv, ns});
+  s.fill_uniform(rng, 0, 1);
+  HostTensor idx(DType::i32, {p.T, c.hkv, cfg.n_selected});
+  select_topn(ref_ctx(), cfg, s.view(), host_seqs(p), idx.view());
+  HostTensor q64 = to_f64(p.q), k64 = to_f64(p.k[0]), v64 = to_f64(p.v[0]);
+  HostTensor o(c.dtype, {p.T, c.hq, c.dv}), lse(DType::f32, {p.T, c.hq});
   o.poison();
   lse.poison();
   HostTensor o64 = to_f64(o), lse_ref = lse;
+  selected_attention_fwd(ref_ctx(), cfg, q64.view(), k64.view(), v64.view(), idx.view(), host_seqs(p), o64.view(),
+                         lse_ref.view());
   DeviceSeqs ds(p, max_seqlen(c));
   DeviceTensor q(p.q), k(p.k[0]), v(p.v[0]), didx(idx), dout(o), dlse(lse);
-  selected_attention_fwd(ref_ctx(), cfg, q64.view(), k64.view(), v64.view(), idx.view(), host_seqs(p), o64.view(), lse_ref.view());
   selected_attention_fwd(cuda_ctx(), cfg, q.view(), k.view(), v.view(), didx.view(), ds.seqs, dout.view(), dlse.view());
   sync();
   dout.download(o);
