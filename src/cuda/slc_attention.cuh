@@ -270,8 +270,6 @@ __global__ void __launch_bounds__(kSlcWarpThreads)
     const int64_t t0 = tile * tokens_per_cta;  // the tile's first token
     if (t0 >= len) return;                     // the whole CTA
     const int tokens_valid = static_cast<int>(min64(tokens_per_cta, len - t0));
-    sm.load_q(static_cast<const Storage*>(p.q), p.q_st, p.q_sh, s0 + t0, tokens_valid, hk * p.group, p.log2_group);
-    cp_async_commit();
 
     // ---- The union of the tile: each warp's (as the per-token kernel), then the CTA's ----
     const int cap = p.sort_capacity;
@@ -283,10 +281,10 @@ __global__ void __launch_bounds__(kSlcWarpThreads)
                                     p.idx_st, p.n_sel, p.lp, tw0, tw_valid, cap, keys, keys + cap, keys + 2 * cap);
     if (lane == 0) meta[warp] = nb;
     const int u = cta_union_size(sorts + cap, 3 * cap, meta, meta + kSlcWarps);
-    if (!slc_union_takes(u, tokens_valid, p.n_sel)) {
-      cp_async_wait<0>();  // (the Q tile's copies, before the CTA leaves)
-      return;              // the per-token kernel takes this tile
-    }
+    if (!slc_union_takes(u, tokens_valid, p.n_sel)) return;  // the per-token kernel takes this tile
+    // The Q tile (only now: most CTAs leave above on random scores), copied while the list is built.
+    sm.load_q(static_cast<const Storage*>(p.q), p.q_st, p.q_sh, s0 + t0, tokens_valid, hk * p.group, p.log2_group);
+    cp_async_commit();
     cta_union_list<kSlcUnionMax>(sorts + cap, sorts + 2 * cap, 3 * cap, meta, tokens_per_warp, u, cand,
                                  meta + kSlcWarps + 1, ulist, member);
 
