@@ -37,6 +37,27 @@ namespace nsa::cuda {
 
 inline constexpr int kSlcWarpThreads = kSlcWarps * 32;
 
+// The CTA's tile, the same in the per-token kernel and the union kernel (which must agree on it):
+// 64 rows = tokens_per_cta consecutive tokens of sequence b from t0, x the G heads of KV head hk.
+struct SlcTile {
+  int tokens_per_warp, tokens_per_cta, b, hk;
+  int64_t tile, s0, len, t0;
+  __device__ __forceinline__ explicit SlcTile(const BranchParams& p) {
+    tokens_per_warp = 16 >> p.log2_group;
+    tokens_per_cta = tokens_per_warp * kSlcWarps;
+    const int64_t tiles_per_seq = (p.seqs.max_seqlen + tokens_per_cta - 1) / tokens_per_cta;
+    b = static_cast<int>(blockIdx.x / tiles_per_seq);
+    tile = blockIdx.x % tiles_per_seq;
+    hk = blockIdx.y;
+    sequence_bounds(p.seqs, b, s0, len);
+    t0 = tile * tokens_per_cta;
+  }
+  // The tile's tokens inside its sequence (0 past its end).
+  __device__ __forceinline__ int tokens() const {
+    return static_cast<int>(max64(0, min64(tokens_per_cta, len - t0)));
+  }
+};
+
 template <typename Storage, int kDqk, int kDv>
 __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_attention_kernel(const BranchParams p) {
   constexpr int kQPieces = kDqk / 32;  // 16-byte pieces of a Q/K row per lane
@@ -47,15 +68,10 @@ __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_atten
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, quad = lane % 4;
-  const int tokens_per_warp = 16 >> p.log2_group;
-  const int tokens_per_cta = tokens_per_warp * kSlcWarps;
-  const int64_t tiles_per_seq = (p.seqs.max_seqlen + tokens_per_cta - 1) / tokens_per_cta;
-  const int b = static_cast<int>(blockIdx.x / tiles_per_seq);
-  const int64_t tile = blockIdx.x % tiles_per_seq;
-  const int hk = blockIdx.y;
-  int64_t s0, len;
-  sequence_bounds(p.seqs, b, s0, len);
-  const int64_t t0 = tile * tokens_per_cta + warp * tokens_per_warp;  // the warp's first token
+  const SlcTile tl(p);
+  const int tokens_per_warp = tl.tokens_per_warp, hk = tl.hk;
+  const int64_t s0 = tl.s0, len = tl.len;
+  const int64_t t0 = tl.t0 + warp * tokens_per_warp;  // the warp's first token
   if (!p.slc_union_tiles && t0 >= len) return;  // warps never wait for each other: a warp may leave alone
   const int tokens_valid = t0 < len ? static_cast<int>(min64(tokens_per_warp, len - t0)) : 0;
   const int64_t t_max = t0 + tokens_valid - 1;
@@ -76,8 +92,7 @@ __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_atten
     const int u = cta_union_size(reinterpret_cast<const int32_t*>(smem) + cap,
                                  static_cast<int>(slc_warp_smem_bytes(kDv, cap) / sizeof(int32_t)), meta,
                                  meta + kSlcWarps);
-    const int tile_tokens = static_cast<int>(max64(0, min64(tokens_per_cta, len - tile * tokens_per_cta)));
-    if (slc_union_takes(u, tile_tokens, p.n_sel) || tokens_valid == 0) return;
+    if (slc_union_takes(u, tl.tokens(), p.n_sel) || tokens_valid == 0) return;
   }
 
   // ---- This lane's rows (g and g + 8) and its Q fragments ----
@@ -259,17 +274,11 @@ __global__ void __launch_bounds__(kSlcWarpThreads)
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4;
-    const int tokens_per_warp = 16 >> p.log2_group;
-    const int tokens_per_cta = tokens_per_warp * kSlcWarps;
-    const int64_t tiles_per_seq = (p.seqs.max_seqlen + tokens_per_cta - 1) / tokens_per_cta;
-    const int b = static_cast<int>(blockIdx.x / tiles_per_seq);
-    const int64_t tile = blockIdx.x % tiles_per_seq;
-    const int hk = blockIdx.y;
-    int64_t s0, len;
-    sequence_bounds(p.seqs, b, s0, len);
-    const int64_t t0 = tile * tokens_per_cta;  // the tile's first token
-    if (t0 >= len) return;                     // the whole CTA
-    const int tokens_valid = static_cast<int>(min64(tokens_per_cta, len - t0));
+    const SlcTile tl(p);
+    const int tokens_per_warp = tl.tokens_per_warp, hk = tl.hk;
+    const int64_t s0 = tl.s0, len = tl.len, t0 = tl.t0;  // t0: the tile's first token
+    const int tokens_valid = tl.tokens();
+    if (tokens_valid == 0) return;  // the whole CTA
 
     // ---- The union of the tile: each warp's (as the per-token kernel), then the CTA's ----
     const int cap = p.sort_capacity;
