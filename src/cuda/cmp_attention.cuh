@@ -360,13 +360,14 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
 // tiles then kStages V tiles; `bars`: kStages mbarriers then as many counters
 // (tma_ring_bar_bytes), outside anything the caller writes before the loop ends. The sizes:
 // tma_ring_end (forward_params.h).
-template <typename Storage, int kDqk, int kDv, int kRows, int kChunk = kKeyChunk, int kStages = kCmpTmaStages,
-          typename MaskFn>
-__device__ __forceinline__ void tma_ring_attention(TileAttention<Storage, kDqk, kDv, kRows, kChunk>& tile_state,
-                                                   const Storage* sq, Storage* ring, uint64_t* bars,
-                                                   const CUtensorMap* k_map, const CUtensorMap* v_map, int hk,
-                                                   int row0, int num_chunks, int count_last, float scale_log2,
-                                                   MaskFn&& mask_fn) {
+// row_of(c): the first row of chunk c in the maps (tma_ring_attention: row0 + c * kChunk; the
+// selection's union tiles: the first key of their c-th block), called by the thread that copies.
+template <typename Storage, int kDqk, int kDv, int kRows, int kChunk, int kStages, typename RowOf, typename MaskFn>
+__device__ __forceinline__ void tma_ring_attention_rows(TileAttention<Storage, kDqk, kDv, kRows, kChunk>& tile_state,
+                                                        const Storage* sq, Storage* ring, uint64_t* bars,
+                                                        const CUtensorMap* k_map, const CUtensorMap* v_map, int hk,
+                                                        RowOf&& row_of, int num_chunks, int count_last,
+                                                        float scale_log2, MaskFn&& mask_fn) {
   using Tile = TileAttention<Storage, kDqk, kDv, kRows, kChunk>;
   constexpr unsigned kCtaWarps = kRows / 16;
   constexpr uint32_t kStageBytes = kChunk * (kDqk + kDv) * sizeof(Storage);
@@ -379,7 +380,7 @@ __device__ __forceinline__ void tma_ring_attention(TileAttention<Storage, kDqk, 
     const int st = c % kStages;
     uint64_t* bar = full + st;
     mbarrier_expect_tx(bar, kStageBytes);
-    const int row = row0 + c * kChunk;
+    const int row = row_of(c);
 #pragma unroll
     for (int b = 0; b < kDqk / 64; ++b) tma_load_3d(sk + st * Tile::kKSwTile + b * kChunk * 64, k_map, 64 * b, hk, row, bar);
 #pragma unroll
@@ -429,6 +430,19 @@ __device__ __forceinline__ void tma_ring_attention(TileAttention<Storage, kDqk, 
     }
     if (++st == kStages) st = 0, phase ^= 1u;
   }
+}
+
+// Consecutive chunks: chunk c is the kChunk rows row0 + c * kChunk.
+template <typename Storage, int kDqk, int kDv, int kRows, int kChunk = kKeyChunk, int kStages = kCmpTmaStages,
+          typename MaskFn>
+__device__ __forceinline__ void tma_ring_attention(TileAttention<Storage, kDqk, kDv, kRows, kChunk>& tile_state,
+                                                   const Storage* sq, Storage* ring, uint64_t* bars,
+                                                   const CUtensorMap* k_map, const CUtensorMap* v_map, int hk,
+                                                   int row0, int num_chunks, int count_last, float scale_log2,
+                                                   MaskFn&& mask_fn) {
+  tma_ring_attention_rows<Storage, kDqk, kDv, kRows, kChunk, kStages>(
+      tile_state, sq, ring, bars, k_map, v_map, hk, [row0](int c) { return row0 + c * kChunk; }, num_chunks,
+      count_last, scale_log2, mask_fn);
 }
 
 // The chunk loop without TMA (the fused kernel on sm_80; on sm_90a pass 1's 192-row kernel and the

@@ -21,6 +21,14 @@ inline constexpr int kWgRows = 3 * kTileRows;
 inline constexpr int kScoresRows = 2 * kTileRows;
 // Keys per step of the compressed attention loop.
 inline constexpr int kKeyChunk = 64;
+// The shared memory of a TMA ring (tma_ring_attention, cmp_attention.cuh): the Q tile of `rows`
+// rows, then `stages` stages of one K and one V chunk of `chunk` keys in the 128-byte swizzle
+// (from the unaligned start, with the alignment slack), then an mbarrier and a counter per stage.
+constexpr size_t tma_ring_end(int rows, int dqk, int dv, int chunk, int stages) {
+  const size_t es = 2, q = size_t(rows) * (dqk + 8) * es;
+  return 1024 + q + size_t(stages) * chunk * (dqk + dv) * es;
+}
+constexpr size_t tma_ring_bar_bytes(int stages) { return size_t(stages) * (sizeof(uint64_t) + sizeof(unsigned)); }
 // The window kernel: a tile of 64 rows (4 warps), keys in chunks of 64 streamed through a ring
 // of shared buffers that each warp waits on by itself (win_attention.cuh).
 inline constexpr int kWinRows = 64;
@@ -99,6 +107,10 @@ struct BranchParams {
   // selection branch, o_slc = 0).
   const void* o_slc;
   int64_t os_st, os_sh;
+  // The selection's union tiles (slc_attention.cuh): set when slc_union_tile_kernel ran first and
+  // took every tile whose union of blocks has at most kSlcUnionMax blocks; the per-token kernel
+  // then skips those tiles.
+  bool slc_union_tiles;
 };
 
 // The selection kernel (slc_attention.cuh): CTAs of kSlcWarps independent warps, each owning 16
@@ -118,9 +130,37 @@ __host__ __device__ constexpr size_t slc_warp_smem_bytes(int dv, int sort_capaci
   const size_t sort = size_t(sort_capacity) * 3 * 4, out = size_t(16) * (dv + 8) * 2;
   return sort > out ? sort : out;
 }
-// Per CTA: the warps' regions, then each warp's Q fragments (16 rows x Dqk, 2-byte storage).
+// Per CTA: the warps' regions, then each warp's Q fragments (16 rows x Dqk, 2-byte storage), then
+// 8 ints (the warps' union sizes and a counter: slc_union_tiles).
 __host__ __device__ constexpr size_t slc_smem_bytes(int dqk, int dv, int sort_capacity) {
-  return kSlcWarps * (slc_warp_smem_bytes(dv, sort_capacity) + size_t(16) * dqk * 2);
+  return kSlcWarps * (slc_warp_smem_bytes(dv, sort_capacity) + size_t(16) * dqk * 2) + 8 * sizeof(int);
+}
+// The selection's union tiles (sm_90a, slc_union_tile_kernel): a CTA of kSlcWarps warps takes the
+// 64 rows of the per-token kernel's CTA when their tokens' blocks have a union of at most
+// kSlcUnionMax blocks (l' = 64: one 64-key chunk per block), streamed through a kSlcUnionStages
+// TMA ring shared by the four warps.
+inline constexpr int kSlcUnionMax = 64, kSlcUnionStages = 2;
+// Whether the union kernel takes a tile of `tokens` tokens whose union has u blocks: at most
+// kSlcUnionMax, and at most half the blocks its tokens pick one by one (n each). From the measured
+// rates (H200, 64K): the per-token kernel ~3-4 ns per (token, block) at G = 4 and 16, a 64-row
+// wgmma tile ~7 ns per block (estimated): the union wins below about half. Random scores at G = 16
+// (4 tokens, union ~55 of 64 picks) stay per token; neighbouring tokens that pick alike go to the
+// union kernel.
+__host__ __device__ constexpr bool slc_union_takes(int u, int tokens, int n_sel) {
+  return u <= kSlcUnionMax && 2 * u <= tokens * n_sel;
+}
+// Its shared memory: the Q tile, the ring (the warps' sorts first live there), the ring's
+// mbarriers and counters, 8 ints, the union list and its scratch, the token masks.
+__host__ __device__ constexpr size_t slc_union_ring_bytes(int dqk, int dv) {
+  return size_t(kSlcUnionStages) * kKeyChunk * (dqk + dv) * 2;
+}
+__host__ __device__ constexpr size_t slc_union_smem_bytes(int dqk, int dv) {
+  return tma_ring_end(kSlcWarps * 16, dqk, dv, kKeyChunk, kSlcUnionStages) + tma_ring_bar_bytes(kSlcUnionStages) + 8 +
+         8 * sizeof(int) + 2 * kSlcUnionMax * sizeof(int32_t) + kSlcUnionMax * sizeof(unsigned long long);
+}
+// Whether the warps' sorts (3 ints per entry each) fit in the ring.
+__host__ __device__ constexpr bool slc_union_sorts_fit(int dqk, int dv, int sort_capacity) {
+  return size_t(kSlcWarps) * 3 * sort_capacity * sizeof(int32_t) <= slc_union_ring_bytes(dqk, dv);
 }
 
 // Launchers, one explicit instantiation per (storage, Dqk, Dv) in instantiations/.
@@ -163,14 +203,6 @@ constexpr size_t cmp_smem_bytes(int rows, int dqk, int dv, int group, int score_
       with_scores ? tokens * ((kKeyChunk + score_ring) * sizeof(float) + sizeof(int)) + 8 + 2 * sizeof(uint64_t) : 0;
   return 1024 + q + k + (v > scores ? v : scores);
 }
-// The shared memory of a TMA ring (tma_ring_attention, cmp_attention.cuh): the Q tile of `rows`
-// rows, then `stages` stages of one K and one V chunk of `chunk` keys in the 128-byte swizzle
-// (from the unaligned start, with the alignment slack), then an mbarrier and a counter per stage.
-constexpr size_t tma_ring_end(int rows, int dqk, int dv, int chunk, int stages) {
-  const size_t es = 2, q = size_t(rows) * (dqk + 8) * es;
-  return 1024 + q + size_t(stages) * chunk * (dqk + dv) * es;
-}
-constexpr size_t tma_ring_bar_bytes(int stages) { return size_t(stages) * (sizeof(uint64_t) + sizeof(unsigned)); }
 // The sm_90a window (win_attention.cuh places its mbarriers): kCmpTmaStages stages of kKeyChunk
 // keys. 192 rows: 145 KB at 128/128, 198 KB at 192/128.
 inline constexpr int kCmpTmaStages = 3;

@@ -28,12 +28,35 @@
 #pragma once
 
 #include "cuda/attention_tile.cuh"
+#include "cuda/cmp_attention.cuh"
 #include "cuda/common/check.h"
+#include "cuda/common/tma.h"
 #include "cuda/slc_union.cuh"
 
 namespace nsa::cuda {
 
 inline constexpr int kSlcWarpThreads = kSlcWarps * 32;
+
+// The CTA's tile, the same in the per-token kernel and the union kernel (which must agree on it):
+// 64 rows = tokens_per_cta consecutive tokens of sequence b from t0, x the G heads of KV head hk.
+struct SlcTile {
+  int tokens_per_warp, tokens_per_cta, b, hk;
+  int64_t tile, s0, len, t0;
+  __device__ __forceinline__ explicit SlcTile(const BranchParams& p) {
+    tokens_per_warp = 16 >> p.log2_group;
+    tokens_per_cta = tokens_per_warp * kSlcWarps;
+    const int64_t tiles_per_seq = (p.seqs.max_seqlen + tokens_per_cta - 1) / tokens_per_cta;
+    b = static_cast<int>(blockIdx.x / tiles_per_seq);
+    tile = blockIdx.x % tiles_per_seq;
+    hk = blockIdx.y;
+    sequence_bounds(p.seqs, b, s0, len);
+    t0 = tile * tokens_per_cta;
+  }
+  // The tile's tokens inside its sequence (0 past its end).
+  __device__ __forceinline__ int tokens() const {
+    return static_cast<int>(max64(0, min64(tokens_per_cta, len - t0)));
+  }
+};
 
 template <typename Storage, int kDqk, int kDv>
 __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_attention_kernel(const BranchParams p) {
@@ -45,17 +68,12 @@ __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_atten
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, quad = lane % 4;
-  const int tokens_per_warp = 16 >> p.log2_group;
-  const int tokens_per_cta = tokens_per_warp * kSlcWarps;
-  const int64_t tiles_per_seq = (p.seqs.max_seqlen + tokens_per_cta - 1) / tokens_per_cta;
-  const int b = static_cast<int>(blockIdx.x / tiles_per_seq);
-  const int64_t tile = blockIdx.x % tiles_per_seq;
-  const int hk = blockIdx.y;
-  int64_t s0, len;
-  sequence_bounds(p.seqs, b, s0, len);
-  const int64_t t0 = tile * tokens_per_cta + warp * tokens_per_warp;  // the warp's first token
-  if (t0 >= len) return;  // warps never wait for each other: a warp may leave alone
-  const int tokens_valid = static_cast<int>(min64(tokens_per_warp, len - t0));
+  const SlcTile tl(p);
+  const int tokens_per_warp = tl.tokens_per_warp, hk = tl.hk;
+  const int64_t s0 = tl.s0, len = tl.len;
+  const int64_t t0 = tl.t0 + warp * tokens_per_warp;  // the warp's first token
+  if (!p.slc_union_tiles && t0 >= len) return;  // warps never wait for each other: a warp may leave alone
+  const int tokens_valid = t0 < len ? static_cast<int>(min64(tokens_per_warp, len - t0)) : 0;
   const int64_t t_max = t0 + tokens_valid - 1;
 
   const int cap = p.sort_capacity;
@@ -64,8 +82,18 @@ __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_atten
   int32_t* umask = ublk + cap;
 
   // ---- The union of the warp's tokens' blocks (slc_union.cuh) ----
-  const int num_blocks = warp_block_union(p.indices + (s0 + t0) * p.idx_st + int64_t(hk) * p.idx_sh, p.idx_st,
-                                          p.n_sel, p.lp, t0, tokens_valid, cap, keys, ublk, umask);
+  const int num_blocks = warp_block_union(p.indices + (s0 + min64(t0, len - 1)) * p.idx_st + int64_t(hk) * p.idx_sh,
+                                          p.idx_st, p.n_sel, p.lp, t0, tokens_valid, cap, keys, ublk, umask);
+  if (p.slc_union_tiles) {
+    // slc_union_tile_kernel took this CTA's tile if its union is small enough: the same count,
+    // from the same lists, decides it there.
+    int* meta = reinterpret_cast<int*>(smem + slc_smem_bytes(kDqk, kDv, cap) - 8 * sizeof(int));
+    if (lane == 0) meta[warp] = num_blocks;
+    const int u = cta_union_size(reinterpret_cast<const int32_t*>(smem) + cap,
+                                 static_cast<int>(slc_warp_smem_bytes(kDv, cap) / sizeof(int32_t)), meta,
+                                 meta + kSlcWarps);
+    if (slc_union_takes(u, tl.tokens(), p.n_sel) || tokens_valid == 0) return;
+  }
 
   // ---- This lane's rows (g and g + 8) and its Q fragments ----
   int tok[2], head[2];
@@ -212,13 +240,141 @@ __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_atten
   }
 }
 
+// sm_90a: the selection of one per-token CTA's 64 rows (64/G tokens x the G heads of a KV head) as
+// one tile, when their tokens' blocks have a small union (slc_union_takes; l' = 64): the
+// union's blocks, ascending, are the chunks of a TMA ring shared by the four warps (one warpgroup;
+// tma_ring_attention_rows, with the block's first key as the chunk's row), S = Q K^T and O += P V
+// as warpgroup MMAs with Q from the swizzled Q tile, and each row masked to the blocks its token
+// picked, up to the token. Each block is read once per tile instead of once per token: with
+// neighbouring tokens that select alike (real scores) a tile of 4 tokens at G = 16 reads ~16
+// blocks instead of 64. Tiles with a larger union (random scores: ~55 at G = 16) are left to the
+// per-token kernel, which makes the same count and skips the others (BranchParams::slc_union_tiles).
+// The warps' sorts (warp_block_union, as the per-token kernel) live in the ring until it starts.
 template <typename Storage, int kDqk, int kDv>
-void launch_slc_attention(const BranchParams& p, cudaStream_t stream) {
+__global__ void __launch_bounds__(kSlcWarpThreads)
+    slc_union_tile_kernel(const BranchParams p, const __grid_constant__ CUtensorMap k_map,
+                          const __grid_constant__ CUtensorMap v_map) {
+  if constexpr (!kWgmmaCompiled) {
+    __trap();  // launched only where the wgmma body runs (sm_90a)
+  } else {
+    constexpr int kRows = kSlcWarps * 16;
+    constexpr int kStages = kSlcUnionStages;
+    using Tile = TileAttention<Storage, kDqk, kDv, kRows>;
+    using Smem = CmpSmem<Storage, kDqk, kDv, kRows>;
+    static_assert(kRows == 64 && Smem::kWgmma, "one warpgroup, swizzled tiles");
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const Smem sm(smem_raw);
+    unsigned char* const ring_end = reinterpret_cast<unsigned char*>(sm.sk + kStages * (Tile::kKSwTile + Tile::kVSwTile));
+    uint64_t* const bars = reinterpret_cast<uint64_t*>(ring_end);
+    int* const meta = reinterpret_cast<int*>(ring_end + tma_ring_bar_bytes(kStages));
+    int32_t* const ulist = meta + 8;              // [kSlcUnionMax]
+    int32_t* const cand = ulist + kSlcUnionMax;   // [kSlcUnionMax]
+    unsigned long long* const member =
+        reinterpret_cast<unsigned long long*>((reinterpret_cast<uintptr_t>(cand + kSlcUnionMax) + 7) & ~uintptr_t(7));
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4;
+    const SlcTile tl(p);
+    const int tokens_per_warp = tl.tokens_per_warp, hk = tl.hk;
+    const int64_t s0 = tl.s0, len = tl.len, t0 = tl.t0;  // t0: the tile's first token
+    const int tokens_valid = tl.tokens();
+    if (tokens_valid == 0) return;  // the whole CTA
+
+    // ---- The union of the tile: each warp's (as the per-token kernel), then the CTA's ----
+    const int cap = p.sort_capacity;
+    int32_t* const sorts = reinterpret_cast<int32_t*>(sm.sk);  // warp w: keys, ublk, umask at 3 cap w
+    const int64_t tw0 = t0 + warp * tokens_per_warp;
+    const int tw_valid = tw0 < len ? static_cast<int>(min64(tokens_per_warp, len - tw0)) : 0;
+    int32_t* const keys = sorts + warp * 3 * cap;
+    const int nb = warp_block_union(p.indices + (s0 + min64(tw0, len - 1)) * p.idx_st + int64_t(hk) * p.idx_sh,
+                                    p.idx_st, p.n_sel, p.lp, tw0, tw_valid, cap, keys, keys + cap, keys + 2 * cap);
+    if (lane == 0) meta[warp] = nb;
+    const int u = cta_union_size(sorts + cap, 3 * cap, meta, meta + kSlcWarps);
+    if (!slc_union_takes(u, tokens_valid, p.n_sel)) return;  // the per-token kernel takes this tile
+    // The Q tile (only now: most CTAs leave above on random scores), copied while the list is built.
+    sm.load_q(static_cast<const Storage*>(p.q), p.q_st, p.q_sh, s0 + t0, tokens_valid, hk * p.group, p.log2_group);
+    cp_async_commit();
+    cta_union_list<kSlcUnionMax>(sorts + cap, sorts + 2 * cap, 3 * cap, meta, tokens_per_warp, u, cand,
+                                 meta + kSlcWarps + 1, ulist, member);
+
+    // ---- This thread's rows: g and g + 8 of its warp's 16 ----
+    int tok[2], head[2];
+    int64_t t_row[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = warp * 16 + g + 8 * h;
+      tok[h] = row >> p.log2_group;
+      head[h] = hk * p.group + (row & (p.group - 1));
+      t_row[h] = tok[h] < tokens_valid ? t0 + tok[h] : -1;  // -1: a padding row sees no key
+    }
+    Tile st;
+    st.reset();
+    const int count_last = u > 0 ? static_cast<int>(min64(kKeyChunk, len - int64_t(ulist[u - 1]) * p.lp)) : kKeyChunk;
+    // (The sorts in the ring are dead: the ring's first copy follows its own CTA barrier.)
+    tma_ring_attention_rows<Storage, kDqk, kDv, kRows, kKeyChunk, kStages>(
+        st, sm.sq, sm.sk, bars, &k_map, &v_map, hk,
+        [&](int c) { return static_cast<int>(s0 + int64_t(ulist[c]) * p.lp); }, u, count_last, p.scale_log2,
+        [&](int c, float (&s)[Tile::kSTiles][4]) {
+          const int64_t k0 = int64_t(ulist[c]) * p.lp;
+          const unsigned long long picked = member[c];
+          int lo[2] = {0, 0}, hi[2];
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            hi[h] = t_row[h] >= k0 && (picked >> tok[h] & 1ull) ? static_cast<int>(min64(kKeyChunk, t_row[h] - k0 + 1)) : 0;
+          st.mask(s, lo, hi);
+        });
+
+    // ---- Epilogue: lse and o_slc of the two rows ----
+    const int quad = lane % 4;
+    Storage* const out = static_cast<Storage*>(p.o_branch[0]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float lse2, inv;
+      st.finish_row(h, lse2, inv);
+      if (t_row[h] < 0) continue;
+      if (quad == 0 && p.lse[0] != nullptr)
+        p.lse[0][(s0 + t_row[h]) * p.lse_st[0] + head[h] * p.lse_sh[0]] = lse2 == kNegInf ? kNegInf : lse2 * kLn2;
+      if (out == nullptr) continue;
+      Storage* orow = out + (s0 + t_row[h]) * p.ob_st[0] + int64_t(head[h]) * p.ob_sh[0];
+#pragma unroll
+      for (int i = 0; i < Tile::kOTiles; ++i)
+        *reinterpret_cast<uint32_t*>(orow + i * 8 + 2 * quad) =
+            StorageTraits<Storage>::pack(st.acc[i][2 * h] * inv, st.acc[i][2 * h + 1] * inv);
+    }
+  }
+}
+
+// Tensor map of the selection's k or v ([T, Hkv, kD], boxes of 64 rows x 64 columns).
+template <typename Storage, int kD>
+inline bool slc_tensor_map(CUtensorMap* map, const BranchParams& p, const void* base, int64_t st, int64_t sh) {
+  return make_rows_tensor_map(map, StorageTraits<Storage>::is_bf16, base, kD, uint64_t(p.hkv),
+                              uint64_t(p.seqs.total_tokens), st, sh, kKeyChunk);
+}
+
+// sm_90a with l' = 64 (and tensor maps, and the warps' sorts fitting the ring): the union tiles
+// first, then the per-token kernel for the tiles they left; elsewhere the per-token kernel alone.
+template <typename Storage, int kDqk, int kDv>
+void launch_slc_attention(const BranchParams& p_in, cudaStream_t stream) {
+  BranchParams p = p_in;
+  const dim3 grid = row_tile_grid(p.seqs.max_seqlen, p.seqs.batch, (16 / p.group) * kSlcWarps, p.hkv);
+  if (grid.x == 0) return;
+  p.slc_union_tiles = false;
+  const auto ukernel = slc_union_tile_kernel<Storage, kDqk, kDv>;
+  if (p.lp == kKeyChunk && testing::slc_union_tiles_enabled() && cmp_runs_wgmma(ukernel) &&
+      slc_union_sorts_fit(kDqk, kDv, p.sort_capacity)) {
+    CUtensorMap k_map{}, v_map{};
+    if (slc_tensor_map<Storage, kDqk>(&k_map, p, p.k_slc, p.ks_st, p.ks_sh) &&
+        slc_tensor_map<Storage, kDv>(&v_map, p, p.v_slc, p.vs_st, p.vs_sh)) {
+      const size_t usmem = slc_union_smem_bytes(kDqk, kDv);
+      allow_smem(ukernel, usmem, /*max_carveout=*/true);
+      ukernel<<<grid, kSlcWarpThreads, usmem, stream>>>(p, k_map, v_map);
+      NSA_CUDA_CHECK_LAUNCH();
+      p.slc_union_tiles = true;
+    }
+  }
   const size_t smem = slc_smem_bytes(kDqk, kDv, p.sort_capacity);
   const auto kernel = slc_attention_kernel<Storage, kDqk, kDv>;
   allow_smem(kernel, smem, /*max_carveout=*/false);  // neighbouring warps' K/V rows hit in L1
-  const dim3 grid = row_tile_grid(p.seqs.max_seqlen, p.seqs.batch, (16 / p.group) * kSlcWarps, p.hkv);
-  if (grid.x == 0) return;
   kernel<<<grid, kSlcWarpThreads, smem, stream>>>(p);
   NSA_CUDA_CHECK_LAUNCH();
 }

@@ -73,6 +73,86 @@ __device__ __forceinline__ int warp_block_union(const int32_t* idx, int64_t idx_
   return num_blocks;
 }
 
+// ---- The union of a CTA's warps (the selection's union tiles, slc_attention.cuh) ----
+//
+// Each of the CTA's kWarps warps holds its ascending block list (warp_block_union's ublk, nblk[w]
+// entries) at lists + w * list_stride, and its token masks at the same offsets of masks. Every
+// thread of the CTA calls these functions (none may have left), and each ends with a CTA barrier.
+
+// Whether the ascending a[0 .. n) holds x.
+__device__ __forceinline__ bool sorted_contains(const int32_t* a, int n, int32_t x) {
+  int lo = 0, hi = n;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (a[mid] < x) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo < n && a[lo] == x;
+}
+
+// Calls f(e, i) for each block e = lists[w * list_stride + i] of this warp w that no earlier warp
+// holds (so each distinct block of the CTA's union once), lane-strided.
+template <typename F>
+__device__ __forceinline__ void for_each_fresh_block(const int32_t* lists, int list_stride, const int* nblk, F&& f) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int32_t* mine = lists + warp * list_stride;
+  for (int i = lane; i < nblk[warp]; i += 32) {
+    const int32_t e = mine[i];
+    bool seen = false;
+    for (int v = 0; v < warp && !seen; ++v) seen = sorted_contains(lists + v * list_stride, nblk[v], e);
+    if (!seen) f(e, i);
+  }
+}
+
+// The number of distinct blocks over the warps' lists. `counter`: one int of shared memory.
+// Before the call: each warp's list and nblk[w] written (the first barrier publishes them).
+__device__ __forceinline__ int cta_union_size(const int32_t* lists, int list_stride, const int* nblk, int* counter) {
+  if (threadIdx.x == 0) *counter = 0;
+  __syncthreads();
+  int fresh = 0;
+  for_each_fresh_block(lists, list_stride, nblk, [&](int32_t, int) { ++fresh; });
+  for (int o = 16; o > 0; o >>= 1) fresh += __shfl_xor_sync(0xffffffffu, fresh, o);
+  if (threadIdx.x % 32 == 0 && fresh > 0) atomicAdd(counter, fresh);
+  __syncthreads();
+  return *counter;
+}
+
+// With u = cta_union_size(...) <= kMax: the ascending union in out[0 .. u), and per union block
+// the tile's tokens that picked it in member[] (bit w * tokens_per_warp + t: token t of warp w;
+// at most 64 tokens per tile). Scratch: cand[kMax] and one int `slot`.
+template <int kMax>
+__device__ __forceinline__ void cta_union_list(const int32_t* lists, const int32_t* masks, int list_stride,
+                                               const int* nblk, int tokens_per_warp, int u, int32_t* cand, int* slot,
+                                               int32_t* out, unsigned long long* member) {
+  if (threadIdx.x == 0) *slot = 0;
+  for (int i = threadIdx.x; i < u; i += blockDim.x) member[i] = 0ull;
+  __syncthreads();
+  for_each_fresh_block(lists, list_stride, nblk, [&](int32_t e, int) { cand[atomicAdd(slot, 1)] = e; });
+  __syncthreads();
+  for (int i = threadIdx.x; i < u; i += blockDim.x) {  // rank among distinct values: a sorted copy
+    const int32_t e = cand[i];
+    int rank = 0;
+    for (int j = 0; j < u; ++j) rank += cand[j] < e;
+    out[rank] = e;
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int32_t* mine = lists + warp * list_stride;
+  const int32_t* mask = masks + warp * list_stride;
+  for (int i = lane; i < nblk[warp]; i += 32) {
+    const int32_t e = mine[i];
+    int lo = 0, hi = u;
+    while (lo < hi) {
+      const int mid = (lo + hi) >> 1;
+      if (out[mid] < e) lo = mid + 1;
+      else hi = mid;
+    }
+    atomicOr(member + lo, static_cast<unsigned long long>(static_cast<uint32_t>(mask[i]) & 0xffffu)
+                              << (warp * tokens_per_warp));
+  }
+  __syncthreads();
+}
+
 // Register pair helpers of the selection kernels: a byte permute, and word i of a 16-byte load.
 __device__ __forceinline__ uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t selector) {
   uint32_t r;

@@ -19,4 +19,15 @@ inline std::atomic<bool>& tma_enabled_flag() {
 inline void set_tma_enabled(bool on) { tma_enabled_flag().store(on); }
 inline bool tma_enabled() { return tma_enabled_flag().load(std::memory_order_relaxed); }
 
+inline std::atomic<bool>& slc_union_tiles_flag() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
+// While false, the selection runs its per-token kernel on every tile (slc_attention.cuh), so the
+// GPU tests check both kernels on the same inputs: with the small sequences of the tests every
+// tile's union fits the union-tile kernel. True by default.
+inline void set_slc_union_tiles_enabled(bool on) { slc_union_tiles_flag().store(on); }
+inline bool slc_union_tiles_enabled() { return slc_union_tiles_flag().load(std::memory_order_relaxed); }
+
 }  // namespace nsa::cuda::testing

@@ -270,6 +270,40 @@ TEST_P(CudaForward, TopnMatchesReferenceOnIdenticalScores) {
 
 // ---- selection branch on identical indices, window branch -----------------------------------
 
+// selected_attention_fwd on the GPU against the reference on index rows idx, with the union tiles
+// on (sm_90a, l' = 64: wherever a tile's union is small) or off (the per-token kernel everywhere).
+void expect_selection_matches_reference(const Case& c, const Config& cfg, LayerProblem& p, HostTensor& idx,
+                                        bool union_tiles) {
+  HostTensor q64 = to_f64(p.q), k64 = to_f64(p.k[0]), v64 = to_f64(p.v[0]);
+  HostTensor o(c.dtype, {p.T, c.hq, c.dv}), lse(DType::f32, {p.T, c.hq});
+  o.poison();
+  lse.poison();
+  HostTensor o64 = to_f64(o), lse_ref = lse;
+  selected_attention_fwd(ref_ctx(), cfg, q64.view(), k64.view(), v64.view(), idx.view(), host_seqs(p), o64.view(),
+                         lse_ref.view());
+  DeviceSeqs ds(p, max_seqlen(c));
+  DeviceTensor q(p.q), k(p.k[0]), v(p.v[0]), didx(idx), dout(o), dlse(lse);
+  cuda::testing::set_slc_union_tiles_enabled(union_tiles);
+  selected_attention_fwd(cuda_ctx(), cfg, q.view(), k.view(), v.view(), didx.view(), ds.seqs, dout.view(), dlse.view());
+  cuda::testing::set_slc_union_tiles_enabled(true);
+  sync();
+  dout.download(o);
+  dlse.download(lse);
+  EXPECT_TRUE(close(o.values(), o64.values(), attention_tol(c.dtype, 1.0))) << "selection, union tiles " << union_tiles;
+  EXPECT_TRUE(close(lse.values(), lse_ref.values(), lse_tol)) << "selection, union tiles " << union_tiles;
+}
+
+// Valid top-n rows (sorted, -1 padded) of random scores.
+HostTensor random_topn_rows(const Case& c, const Config& cfg, LayerProblem& p, uint64_t seed) {
+  const int64_t ns = num_slc_blocks(max_seqlen(c), cfg.slc_block_len);
+  std::mt19937_64 rng(seed);
+  HostTensor s(DType::f32, {p.T, c.hkv, ns});
+  s.fill_uniform(rng, 0, 1);
+  HostTensor idx(DType::i32, {p.T, c.hkv, cfg.n_selected});
+  select_topn(ref_ctx(), cfg, s.view(), host_seqs(p), idx.view());
+  return idx;
+}
+
 TEST_P(CudaForward, SelectedAndWindowAttentionMatchReference) {
   NSA_REQUIRE_GPU();
   const Case& c = GetParam();
@@ -277,35 +311,26 @@ TEST_P(CudaForward, SelectedAndWindowAttentionMatchReference) {
   if (cfg.n_selected == 0) cfg.n_selected = 2;
   if (cfg.window == 0) cfg.window = 17;
   LayerProblem p = make_problem(cfg, sizes_of(c), 41);
-  const int64_t ns = num_slc_blocks(max_seqlen(c), cfg.slc_block_len);
-  std::mt19937_64 rng(9);
-  HostTensor s(DType::f32, {p.T, c.hkv, ns});
-  s.fill_uniform(rng, 0, 1);
-  HostTensor idx(DType::i32, {p.T, c.hkv, cfg.n_selected});
-  select_topn(ref_ctx(), cfg, s.view(), host_seqs(p), idx.view());  // valid, sorted, -1 padded
+  HostTensor idx = random_topn_rows(c, cfg, p, 9);
+  // The selection with both kernels (with the union tiles: every tile of these short sequences
+  // whose union is small), then the window.
+  expect_selection_matches_reference(c, cfg, p, idx, true);
+  expect_selection_matches_reference(c, cfg, p, idx, false);
 
   HostTensor q64 = to_f64(p.q), k64 = to_f64(p.k[0]), v64 = to_f64(p.v[0]);
   HostTensor o(c.dtype, {p.T, c.hq, c.dv}), lse(DType::f32, {p.T, c.hq});
+  o.poison();
+  lse.poison();
+  HostTensor o64 = to_f64(o), lse_ref = lse;
   DeviceSeqs ds(p, max_seqlen(c));
-  DeviceTensor q(p.q), k(p.k[0]), v(p.v[0]), didx(idx);
-  for (int branch = 0; branch < 2; ++branch) {
-    o.poison();
-    lse.poison();
-    HostTensor o64 = to_f64(o), lse_ref = lse;
-    DeviceTensor dout(o), dlse(lse);
-    if (branch == 0) {
-      selected_attention_fwd(ref_ctx(), cfg, q64.view(), k64.view(), v64.view(), idx.view(), host_seqs(p), o64.view(), lse_ref.view());
-      selected_attention_fwd(cuda_ctx(), cfg, q.view(), k.view(), v.view(), didx.view(), ds.seqs, dout.view(), dlse.view());
-    } else {
-      window_attention_fwd(ref_ctx(), cfg, q64.view(), k64.view(), v64.view(), host_seqs(p), o64.view(), lse_ref.view());
-      window_attention_fwd(cuda_ctx(), cfg, q.view(), k.view(), v.view(), ds.seqs, dout.view(), dlse.view());
-    }
-    sync();
-    dout.download(o);
-    dlse.download(lse);
-    EXPECT_TRUE(close(o.values(), o64.values(), attention_tol(c.dtype, 1.0))) << (branch ? "window" : "selection");
-    EXPECT_TRUE(close(lse.values(), lse_ref.values(), lse_tol)) << (branch ? "window" : "selection");
-  }
+  DeviceTensor q(p.q), k(p.k[0]), v(p.v[0]), dout(o), dlse(lse);
+  window_attention_fwd(ref_ctx(), cfg, q64.view(), k64.view(), v64.view(), host_seqs(p), o64.view(), lse_ref.view());
+  window_attention_fwd(cuda_ctx(), cfg, q.view(), k.view(), v.view(), ds.seqs, dout.view(), dlse.view());
+  sync();
+  dout.download(o);
+  dlse.download(lse);
+  EXPECT_TRUE(close(o.values(), o64.values(), attention_tol(c.dtype, 1.0))) << "window";
+  EXPECT_TRUE(close(lse.values(), lse_ref.values(), lse_tol)) << "window";
 }
 
 // A row of indices is a set (api.h): order, repeats and where the -1 padding sits do not matter.
@@ -317,12 +342,8 @@ TEST_P(CudaForward, SelectedAttentionTreatsIndicesAsASet) {
   Config cfg = config_of(c);
   if (cfg.n_selected < 3) cfg.n_selected = 3;
   LayerProblem p = make_problem(cfg, sizes_of(c), 43);
-  const int64_t ns = num_slc_blocks(max_seqlen(c), cfg.slc_block_len), n = cfg.n_selected;
-  std::mt19937_64 rng(10);
-  HostTensor s(DType::f32, {p.T, c.hkv, ns});
-  s.fill_uniform(rng, 0, 1);
-  HostTensor sorted(DType::i32, {p.T, c.hkv, n});
-  select_topn(ref_ctx(), cfg, s.view(), host_seqs(p), sorted.view());
+  const int64_t n = cfg.n_selected;
+  HostTensor sorted = random_topn_rows(c, cfg, p, 10);
   HostTensor idx(DType::i32, {p.T, c.hkv, n});
   int64_t rows_with_repeat = 0;
   for (int64_t r = 0; r < p.T * c.hkv; ++r) {
@@ -333,21 +354,21 @@ TEST_P(CudaForward, SelectedAttentionTreatsIndicesAsASet) {
     }
   }
   ASSERT_GT(rows_with_repeat, 0);
+  expect_selection_matches_reference(c, cfg, p, idx, true);
+  expect_selection_matches_reference(c, cfg, p, idx, false);
+}
 
-  HostTensor q64 = to_f64(p.q), k64 = to_f64(p.k[0]), v64 = to_f64(p.v[0]);
-  HostTensor o(c.dtype, {p.T, c.hq, c.dv}), lse(DType::f32, {p.T, c.hq});
-  o.poison();
-  lse.poison();
-  HostTensor o64 = to_f64(o), lse_ref = lse;
-  DeviceSeqs ds(p, max_seqlen(c));
-  DeviceTensor q(p.q), k(p.k[0]), v(p.v[0]), didx(idx), dout(o), dlse(lse);
-  selected_attention_fwd(ref_ctx(), cfg, q64.view(), k64.view(), v64.view(), idx.view(), host_seqs(p), o64.view(), lse_ref.view());
-  selected_attention_fwd(cuda_ctx(), cfg, q.view(), k.view(), v.view(), didx.view(), ds.seqs, dout.view(), dlse.view());
-  sync();
-  dout.download(o);
-  dlse.download(lse);
-  EXPECT_TRUE(close(o.values(), o64.values(), attention_tol(c.dtype, 1.0)));
-  EXPECT_TRUE(close(lse.values(), lse_ref.values(), lse_tol));
+// Union tiles and per-token tiles in one call: G = 1 and l' = 64, so a tile is 64 tokens; random
+// scores give the tiles of the first ~4000 tokens (at most 64 blocks to pick from) a union the
+// union-tile kernel takes, and most later tiles a larger one, left to the per-token kernel. Two
+// sequences, the second short. Both must match the reference.
+TEST(CudaForwardSelection, UnionAndPerTokenTilesInOneCall) {
+  NSA_REQUIRE_GPU();
+  Case c{"x", DType::bf16, 128, 128, 2, 2, {6500, 300}, 32, 16, 64, 16, 1, 2, 64, PhiKind::mean, false};
+  const Config cfg = config_of(c);
+  LayerProblem p = make_problem(cfg, sizes_of(c), 47);
+  HostTensor idx = random_topn_rows(c, cfg, p, 12);
+  expect_selection_matches_reference(c, cfg, p, idx, true);
 }
 
 // ---- whole forward ----------------------------------------------------------------------------
