@@ -113,6 +113,12 @@ int score_ring(const Config& cfg) {
 
 // ---- Workspace of forward() -----------------------------------------------------------------
 
+// Ints of the selection's union-tile list (slc_attention.cuh; l' = 64 only, where those tiles run).
+int64_t slc_union_list_len(const Config& cfg, const Problem& pr) {
+  if (cfg.n_selected <= 0 || cfg.slc_block_len != kKeyChunk || pr.hkv <= 0) return 0;
+  return slc_union_list_ints(pr.total_tokens, pr.batch, pr.hkv, pr.hq / pr.hkv);
+}
+
 struct ForwardWorkspace {
   void* kc = nullptr;        // [T/d, Hkv, Dqk] storage dtype
   void* vc = nullptr;        // [T/d, Hkv, Dv]
@@ -120,6 +126,7 @@ struct ForwardWorkspace {
   float* scores = nullptr;   // [T, Hkv, Ns] f32
   void* o_cmp = nullptr;     // [T, Hq, Dv] storage dtype (when o_branch is absent)
   void* o_slc = nullptr;     // [T, Hq, Dv] storage dtype (when o_branch is absent and n > 0)
+  int32_t* slc_tiles = nullptr;  // [slc_union_list_len] the selection's union tiles
   size_t bytes = 0;
 
   ForwardWorkspace(const Config& cfg, const Problem& pr, void* base) {
@@ -133,6 +140,7 @@ struct ForwardWorkspace {
     scores = w.take<float>(cfg.n_selected > 0 ? pr.total_tokens * pr.hkv * ns : 0);
     o_cmp = w.take<char>(pr.total_tokens * pr.hq * pr.dv * es);
     o_slc = w.take<char>(cfg.n_selected > 0 ? pr.total_tokens * pr.hq * pr.dv * es : 0);
+    slc_tiles = w.take<int32_t>(slc_union_list_len(cfg, pr));
     bytes = w.bytes();
   }
 };
@@ -144,6 +152,7 @@ size_t workspace_size(const Context&, Op op, const Config& cfg, const Problem& p
                  ? align_up(cmp_rows(pr.total_tokens, cfg.cmp_stride) * pr.hkv * pr.phi_hidden * sizeof(float))
                  : 0;
     case Op::forward: return ForwardWorkspace(cfg, pr, nullptr).bytes;
+    case Op::selected_attention_fwd: return align_up(slc_union_list_len(cfg, pr) * sizeof(int32_t));
 #if NSA_CUDA_HAS_BACKWARD
     case Op::backward: return cuda_bwd::backward_workspace_size(cfg, pr);  // issue 5
     case Op::compress_bwd: return cuda_bwd::compress_bwd_workspace_size(cfg, pr);
@@ -333,12 +342,13 @@ void launch_win(const Plan& p, const BranchParams& s) {
 }
 
 void selected_attention_fwd(const Plan& p, const TensorView& q, const TensorView& k, const TensorView& v,
-                            const TensorView& indices, const TensorView& o, const TensorView& lse, Workspace) {
+                            const TensorView& indices, const TensorView& o, const TensorView& lse, Workspace ws) {
   require_attention_shapes(p);
   for (auto [name, t] : {std::pair{"q", &q}, {"k", &k}, {"v", &v}, {"o", &o}}) require_rows_aligned(name, *t);
   BranchParams s = branch_params(p, q);
   set_kv(k, v, s.k_slc, s.ks_st, s.ks_sh, s.v_slc, s.vs_st, s.vs_sh);
   set_indices(s, indices);
+  if (slc_union_list_len(p.cfg, detail::problem_of(p)) > 0) s.slc_union_list = static_cast<int32_t*>(ws.data);
   set_branch_output(s, 0, o, lse);
   launch_slc(p, s);
 }
@@ -414,6 +424,7 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
   set_kv(slc.k, slc.v, s.k_slc, s.ks_st, s.ks_sh, s.v_slc, s.vs_st, s.vs_sh);
   set_kv(win.k, win.v, s.k_win, s.kw_st, s.kw_sh, s.v_win, s.vw_st, s.vw_sh);
   set_indices(s, out.indices);
+  if (slc_union_list_len(p.cfg, detail::problem_of(p)) > 0) s.slc_union_list = w.slc_tiles;
   for (int b = 0; b < 2; ++b) {
     float* lse = static_cast<float*>(out.lse.data) + (kSlc + b) * out.lse.stride[2];
     if (out.o_branch.defined())

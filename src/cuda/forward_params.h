@@ -107,10 +107,12 @@ struct BranchParams {
   // selection branch, o_slc = 0).
   const void* o_slc;
   int64_t os_st, os_sh;
-  // The selection's union tiles (slc_attention.cuh): set when slc_union_tile_kernel ran first and
-  // took every tile whose union of blocks has at most kSlcUnionMax blocks; the per-token kernel
-  // then skips those tiles.
+  // The selection's union tiles (slc_attention.cuh): when set, the per-token kernel leaves every
+  // tile whose union of blocks is small (slc_union_takes) and appends it to slc_union_list (entry
+  // 0: their count, zeroed before the launch; then the tiles, blockIdx.y * gridDim.x +
+  // blockIdx.x, in no particular order), which slc_union_tile_kernel then runs.
   bool slc_union_tiles;
+  int32_t* slc_union_list;  // slc_union_list_ints(...) ints of the workspace; nullptr: no union tiles
 };
 
 // The selection kernel (slc_attention.cuh): CTAs of kSlcWarps independent warps, each owning 16
@@ -157,6 +159,13 @@ __host__ __device__ constexpr size_t slc_union_ring_bytes(int dqk, int dv) {
 __host__ __device__ constexpr size_t slc_union_smem_bytes(int dqk, int dv) {
   return tma_ring_end(kSlcWarps * 16, dqk, dv, kKeyChunk, kSlcUnionStages) + tma_ring_bar_bytes(kSlcUnionStages) + 8 +
          8 * sizeof(int) + 2 * kSlcUnionMax * sizeof(int32_t) + kSlcUnionMax * sizeof(unsigned long long);
+}
+// Ints of the union tiles' list (BranchParams::slc_union_list): the count, then at most one entry
+// per (tile with tokens, KV head). A sequence of len tokens has ceil(len / (64 / G)) tiles, so
+// all of them at most T / (64 / G) + batch (G <= 16 divides 64).
+constexpr int64_t slc_union_list_ints(int64_t total_tokens, int64_t batch, int64_t hkv, int64_t group) {
+  const int64_t tokens_per_tile = group >= 1 && group <= 16 ? (16 / group) * kSlcWarps : 1;  // (G checked later)
+  return 1 + hkv * (total_tokens / tokens_per_tile + batch);
 }
 // Whether the warps' sorts (3 ints per entry each) fit in the ring.
 __host__ __device__ constexpr bool slc_union_sorts_fit(int dqk, int dv, int sort_capacity) {

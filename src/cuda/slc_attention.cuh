@@ -27,6 +27,8 @@
 // The union of the warp's tokens' blocks, with the mask of tokens that picked each: slc_union.cuh.
 #pragma once
 
+#include <algorithm>
+
 #include "cuda/attention_tile.cuh"
 #include "cuda/cmp_attention.cuh"
 #include "cuda/common/check.h"
@@ -42,13 +44,14 @@ inline constexpr int kSlcWarpThreads = kSlcWarps * 32;
 struct SlcTile {
   int tokens_per_warp, tokens_per_cta, b, hk;
   int64_t tile, s0, len, t0;
-  __device__ __forceinline__ explicit SlcTile(const BranchParams& p) {
+  // The tile of CTA (x, y) of the per-token kernel's grid (row_tile_grid).
+  __device__ __forceinline__ SlcTile(const BranchParams& p, unsigned x, unsigned y) {
     tokens_per_warp = 16 >> p.log2_group;
     tokens_per_cta = tokens_per_warp * kSlcWarps;
     const int64_t tiles_per_seq = (p.seqs.max_seqlen + tokens_per_cta - 1) / tokens_per_cta;
-    b = static_cast<int>(blockIdx.x / tiles_per_seq);
-    tile = blockIdx.x % tiles_per_seq;
-    hk = blockIdx.y;
+    b = static_cast<int>(x / tiles_per_seq);
+    tile = x % tiles_per_seq;
+    hk = static_cast<int>(y);
     sequence_bounds(p.seqs, b, s0, len);
     t0 = tile * tokens_per_cta;
   }
@@ -68,7 +71,7 @@ __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_atten
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, quad = lane % 4;
-  const SlcTile tl(p);
+  const SlcTile tl(p, blockIdx.x, blockIdx.y);
   const int tokens_per_warp = tl.tokens_per_warp, hk = tl.hk;
   const int64_t s0 = tl.s0, len = tl.len;
   const int64_t t0 = tl.t0 + warp * tokens_per_warp;  // the warp's first token
@@ -85,14 +88,19 @@ __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_atten
   const int num_blocks = warp_block_union(p.indices + (s0 + min64(t0, len - 1)) * p.idx_st + int64_t(hk) * p.idx_sh,
                                           p.idx_st, p.n_sel, p.lp, t0, tokens_valid, cap, keys, ublk, umask);
   if (p.slc_union_tiles) {
-    // slc_union_tile_kernel took this CTA's tile if its union is small enough: the same count,
-    // from the same lists, decides it there.
+    // A tile whose union is small enough goes to slc_union_tile_kernel (launched next), which
+    // makes the same count from the same lists.
     int* meta = reinterpret_cast<int*>(smem + slc_smem_bytes(kDqk, kDv, cap) - 8 * sizeof(int));
     if (lane == 0) meta[warp] = num_blocks;
     const int u = cta_union_size(reinterpret_cast<const int32_t*>(smem) + cap,
                                  static_cast<int>(slc_warp_smem_bytes(kDv, cap) / sizeof(int32_t)), meta,
                                  meta + kSlcWarps);
-    if (slc_union_takes(u, tl.tokens(), p.n_sel) || tokens_valid == 0) return;
+    const int tile_tokens = tl.tokens();
+    if (tile_tokens > 0 && slc_union_takes(u, tile_tokens, p.n_sel)) {
+      if (threadIdx.x == 0) p.slc_union_list[1 + atomicAdd(p.slc_union_list, 1)] = blockIdx.y * gridDim.x + blockIdx.x;
+      return;
+    }
+    if (tokens_valid == 0) return;
   }
 
   // ---- This lane's rows (g and g + 8) and its Q fragments ----
@@ -247,12 +255,15 @@ __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_atten
 // as warpgroup MMAs with Q from the swizzled Q tile, and each row masked to the blocks its token
 // picked, up to the token. Each block is read once per tile instead of once per token: with
 // neighbouring tokens that select alike (real scores) a tile of 4 tokens at G = 16 reads ~16
-// blocks instead of 64. Tiles with a larger union (random scores: ~55 at G = 16) are left to the
-// per-token kernel, which makes the same count and skips the others (BranchParams::slc_union_tiles).
+// blocks instead of 64. The per-token kernel runs first, counts each tile's union and hands the
+// small ones over in BranchParams::slc_union_list; this kernel's CTAs (persistent: as many as fit
+// on the GPU at once) take the listed tiles in turn. Tiles with a larger union (random scores: ~55
+// blocks at G = 16) never reach it, so on such data it costs one launch of CTAs that find nothing.
+// A tile's result does not depend on which CTA runs it or in which order (the same bits).
 // The warps' sorts (warp_block_union, as the per-token kernel) live in the ring until it starts.
 template <typename Storage, int kDqk, int kDv>
 __global__ void __launch_bounds__(kSlcWarpThreads)
-    slc_union_tile_kernel(const BranchParams p, const __grid_constant__ CUtensorMap k_map,
+    slc_union_tile_kernel(const BranchParams p, const unsigned tiles_x, const __grid_constant__ CUtensorMap k_map,
                           const __grid_constant__ CUtensorMap v_map) {
   if constexpr (!kWgmmaCompiled) {
     __trap();  // launched only where the wgmma body runs (sm_90a)
@@ -274,72 +285,82 @@ __global__ void __launch_bounds__(kSlcWarpThreads)
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4;
-    const SlcTile tl(p);
-    const int tokens_per_warp = tl.tokens_per_warp, hk = tl.hk;
-    const int64_t s0 = tl.s0, len = tl.len, t0 = tl.t0;  // t0: the tile's first token
-    const int tokens_valid = tl.tokens();
-    if (tokens_valid == 0) return;  // the whole CTA
+    const int listed = p.slc_union_list[0];  // written by the per-token kernel, which has finished
+    for (int entry = blockIdx.x; entry < listed; entry += gridDim.x) {
+      const unsigned id = static_cast<unsigned>(p.slc_union_list[1 + entry]);
+      if (entry != static_cast<int>(blockIdx.x)) {
+        // The previous tile's ring, lists and masks are read by everyone (its every copy waited on)
+        // before this tile's sorts overwrite the ring and its mbarriers are set up again.
+        __syncthreads();
+        if (threadIdx.x == 0)
+          for (int st = 0; st < kStages; ++st) mbarrier_inval(bars + st);
+      }
+      const SlcTile tl(p, id % tiles_x, id / tiles_x);
+      const int tokens_per_warp = tl.tokens_per_warp, hk = tl.hk;
+      const int64_t s0 = tl.s0, len = tl.len, t0 = tl.t0;  // t0: the tile's first token
+      const int tokens_valid = tl.tokens();               // > 0: listed tiles have tokens
 
-    // ---- The union of the tile: each warp's (as the per-token kernel), then the CTA's ----
-    const int cap = p.sort_capacity;
-    int32_t* const sorts = reinterpret_cast<int32_t*>(sm.sk);  // warp w: keys, ublk, umask at 3 cap w
-    const int64_t tw0 = t0 + warp * tokens_per_warp;
-    const int tw_valid = tw0 < len ? static_cast<int>(min64(tokens_per_warp, len - tw0)) : 0;
-    int32_t* const keys = sorts + warp * 3 * cap;
-    const int nb = warp_block_union(p.indices + (s0 + min64(tw0, len - 1)) * p.idx_st + int64_t(hk) * p.idx_sh,
-                                    p.idx_st, p.n_sel, p.lp, tw0, tw_valid, cap, keys, keys + cap, keys + 2 * cap);
-    if (lane == 0) meta[warp] = nb;
-    const int u = cta_union_size(sorts + cap, 3 * cap, meta, meta + kSlcWarps);
-    if (!slc_union_takes(u, tokens_valid, p.n_sel)) return;  // the per-token kernel takes this tile
-    // The Q tile (only now: most CTAs leave above on random scores), copied while the list is built.
-    sm.load_q(static_cast<const Storage*>(p.q), p.q_st, p.q_sh, s0 + t0, tokens_valid, hk * p.group, p.log2_group);
-    cp_async_commit();
-    cta_union_list<kSlcUnionMax>(sorts + cap, sorts + 2 * cap, 3 * cap, meta, tokens_per_warp, u, cand,
-                                 meta + kSlcWarps + 1, ulist, member);
+      // ---- The union of the tile: each warp's (as the per-token kernel), then the CTA's ----
+      const int cap = p.sort_capacity;
+      int32_t* const sorts = reinterpret_cast<int32_t*>(sm.sk);  // warp w: keys, ublk, umask at 3 cap w
+      const int64_t tw0 = t0 + warp * tokens_per_warp;
+      const int tw_valid = tw0 < len ? static_cast<int>(min64(tokens_per_warp, len - tw0)) : 0;
+      int32_t* const keys = sorts + warp * 3 * cap;
+      const int nb = warp_block_union(p.indices + (s0 + min64(tw0, len - 1)) * p.idx_st + int64_t(hk) * p.idx_sh,
+                                      p.idx_st, p.n_sel, p.lp, tw0, tw_valid, cap, keys, keys + cap, keys + 2 * cap);
+      if (lane == 0) meta[warp] = nb;
+      const int u = cta_union_size(sorts + cap, 3 * cap, meta, meta + kSlcWarps);
+      if (u > kSlcUnionMax) __trap();  // the per-token kernel's count, from the same lists, listed it
+      sm.load_q(static_cast<const Storage*>(p.q), p.q_st, p.q_sh, s0 + t0, tokens_valid, hk * p.group, p.log2_group);
+      cp_async_commit();  // (copied while the list is built)
+      cta_union_list<kSlcUnionMax>(sorts + cap, sorts + 2 * cap, 3 * cap, meta, tokens_per_warp, u, cand,
+                                   meta + kSlcWarps + 1, ulist, member);
 
-    // ---- This thread's rows: g and g + 8 of its warp's 16 ----
-    int tok[2], head[2];
-    int64_t t_row[2];
+      // ---- This thread's rows: g and g + 8 of its warp's 16 ----
+      int tok[2], head[2];
+      int64_t t_row[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = warp * 16 + g + 8 * h;
-      tok[h] = row >> p.log2_group;
-      head[h] = hk * p.group + (row & (p.group - 1));
-      t_row[h] = tok[h] < tokens_valid ? t0 + tok[h] : -1;  // -1: a padding row sees no key
-    }
-    Tile st;
-    st.reset();
-    const int count_last = u > 0 ? static_cast<int>(min64(kKeyChunk, len - int64_t(ulist[u - 1]) * p.lp)) : kKeyChunk;
-    // (The sorts in the ring are dead: the ring's first copy follows its own CTA barrier.)
-    tma_ring_attention_rows<Storage, kDqk, kDv, kRows, kKeyChunk, kStages>(
-        st, sm.sq, sm.sk, bars, &k_map, &v_map, hk,
-        [&](int c) { return static_cast<int>(s0 + int64_t(ulist[c]) * p.lp); }, u, count_last, p.scale_log2,
-        [&](int c, float (&s)[Tile::kSTiles][4]) {
-          const int64_t k0 = int64_t(ulist[c]) * p.lp;
-          const unsigned long long picked = member[c];
-          int lo[2] = {0, 0}, hi[2];
+      for (int h = 0; h < 2; ++h) {
+        const int row = warp * 16 + g + 8 * h;
+        tok[h] = row >> p.log2_group;
+        head[h] = hk * p.group + (row & (p.group - 1));
+        t_row[h] = tok[h] < tokens_valid ? t0 + tok[h] : -1;  // -1: a padding row sees no key
+      }
+      Tile st;
+      st.reset();
+      const int count_last =
+          u > 0 ? static_cast<int>(min64(kKeyChunk, len - int64_t(ulist[u - 1]) * p.lp)) : kKeyChunk;
+      // (The sorts in the ring are dead: the ring's first copy follows its own CTA barrier.)
+      tma_ring_attention_rows<Storage, kDqk, kDv, kRows, kKeyChunk, kStages>(
+          st, sm.sq, sm.sk, bars, &k_map, &v_map, hk,
+          [&](int c) { return static_cast<int>(s0 + int64_t(ulist[c]) * p.lp); }, u, count_last, p.scale_log2,
+          [&](int c, float (&s)[Tile::kSTiles][4]) {
+            const int64_t k0 = int64_t(ulist[c]) * p.lp;
+            const unsigned long long picked = member[c];
+            int lo[2] = {0, 0}, hi[2];
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
-            hi[h] = t_row[h] >= k0 && (picked >> tok[h] & 1ull) ? static_cast<int>(min64(kKeyChunk, t_row[h] - k0 + 1)) : 0;
-          st.mask(s, lo, hi);
-        });
+            for (int h = 0; h < 2; ++h)
+              hi[h] = t_row[h] >= k0 && (picked >> tok[h] & 1ull) ? static_cast<int>(min64(kKeyChunk, t_row[h] - k0 + 1)) : 0;
+            st.mask(s, lo, hi);
+          });
 
-    // ---- Epilogue: lse and o_slc of the two rows ----
-    const int quad = lane % 4;
-    Storage* const out = static_cast<Storage*>(p.o_branch[0]);
+      // ---- Epilogue: lse and o_slc of the two rows ----
+      const int quad = lane % 4;
+      Storage* const out = static_cast<Storage*>(p.o_branch[0]);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float lse2, inv;
-      st.finish_row(h, lse2, inv);
-      if (t_row[h] < 0) continue;
-      if (quad == 0 && p.lse[0] != nullptr)
-        p.lse[0][(s0 + t_row[h]) * p.lse_st[0] + head[h] * p.lse_sh[0]] = lse2 == kNegInf ? kNegInf : lse2 * kLn2;
-      if (out == nullptr) continue;
-      Storage* orow = out + (s0 + t_row[h]) * p.ob_st[0] + int64_t(head[h]) * p.ob_sh[0];
+      for (int h = 0; h < 2; ++h) {
+        float lse2, inv;
+        st.finish_row(h, lse2, inv);
+        if (t_row[h] < 0) continue;
+        if (quad == 0 && p.lse[0] != nullptr)
+          p.lse[0][(s0 + t_row[h]) * p.lse_st[0] + head[h] * p.lse_sh[0]] = lse2 == kNegInf ? kNegInf : lse2 * kLn2;
+        if (out == nullptr) continue;
+        Storage* orow = out + (s0 + t_row[h]) * p.ob_st[0] + int64_t(head[h]) * p.ob_sh[0];
 #pragma unroll
-      for (int i = 0; i < Tile::kOTiles; ++i)
-        *reinterpret_cast<uint32_t*>(orow + i * 8 + 2 * quad) =
-            StorageTraits<Storage>::pack(st.acc[i][2 * h] * inv, st.acc[i][2 * h + 1] * inv);
+        for (int i = 0; i < Tile::kOTiles; ++i)
+          *reinterpret_cast<uint32_t*>(orow + i * 8 + 2 * quad) =
+              StorageTraits<Storage>::pack(st.acc[i][2 * h] * inv, st.acc[i][2 * h + 1] * inv);
+      }
     }
   }
 }
@@ -351,8 +372,9 @@ inline bool slc_tensor_map(CUtensorMap* map, const BranchParams& p, const void* 
                               uint64_t(p.seqs.total_tokens), st, sh, kKeyChunk);
 }
 
-// sm_90a with l' = 64 (and tensor maps, and the warps' sorts fitting the ring): the union tiles
-// first, then the per-token kernel for the tiles they left; elsewhere the per-token kernel alone.
+// sm_90a with l' = 64 (and tensor maps, the warps' sorts fitting the ring, and the list in the
+// workspace): the per-token kernel, which leaves the tiles with a small union in the list, then
+// the union tiles' kernel for those; elsewhere the per-token kernel alone.
 template <typename Storage, int kDqk, int kDv>
 void launch_slc_attention(const BranchParams& p_in, cudaStream_t stream) {
   BranchParams p = p_in;
@@ -360,22 +382,30 @@ void launch_slc_attention(const BranchParams& p_in, cudaStream_t stream) {
   if (grid.x == 0) return;
   p.slc_union_tiles = false;
   const auto ukernel = slc_union_tile_kernel<Storage, kDqk, kDv>;
-  if (p.lp == kKeyChunk && testing::slc_union_tiles_enabled() && cmp_runs_wgmma(ukernel) &&
-      slc_union_sorts_fit(kDqk, kDv, p.sort_capacity)) {
-    CUtensorMap k_map{}, v_map{};
-    if (slc_tensor_map<Storage, kDqk>(&k_map, p, p.k_slc, p.ks_st, p.ks_sh) &&
-        slc_tensor_map<Storage, kDv>(&v_map, p, p.v_slc, p.vs_st, p.vs_sh)) {
-      const size_t usmem = slc_union_smem_bytes(kDqk, kDv);
-      allow_smem(ukernel, usmem, /*max_carveout=*/true);
-      ukernel<<<grid, kSlcWarpThreads, usmem, stream>>>(p, k_map, v_map);
-      NSA_CUDA_CHECK_LAUNCH();
-      p.slc_union_tiles = true;
-    }
+  CUtensorMap k_map{}, v_map{};
+  if (p.lp == kKeyChunk && p.slc_union_list != nullptr && testing::slc_union_tiles_enabled() &&
+      cmp_runs_wgmma(ukernel) && slc_union_sorts_fit(kDqk, kDv, p.sort_capacity) &&
+      slc_tensor_map<Storage, kDqk>(&k_map, p, p.k_slc, p.ks_st, p.ks_sh) &&
+      slc_tensor_map<Storage, kDv>(&v_map, p, p.v_slc, p.vs_st, p.vs_sh)) {
+    p.slc_union_tiles = true;
+    NSA_CUDA_CHECK(cudaMemsetAsync(p.slc_union_list, 0, sizeof(int32_t), stream));  // the count
   }
   const size_t smem = slc_smem_bytes(kDqk, kDv, p.sort_capacity);
   const auto kernel = slc_attention_kernel<Storage, kDqk, kDv>;
   allow_smem(kernel, smem, /*max_carveout=*/false);  // neighbouring warps' K/V rows hit in L1
   kernel<<<grid, kSlcWarpThreads, smem, stream>>>(p);
+  NSA_CUDA_CHECK_LAUNCH();
+  if (!p.slc_union_tiles) return;
+  const size_t usmem = slc_union_smem_bytes(kDqk, kDv);
+  allow_smem(ukernel, usmem, /*max_carveout=*/true);
+  // Persistent: as many CTAs as fit at once (the list's length is known only on the device).
+  int device = 0, sms = 0, per_sm = 0;
+  NSA_CUDA_CHECK(cudaGetDevice(&device));
+  NSA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  NSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ukernel, kSlcWarpThreads, usmem));
+  int64_t ctas = std::min<int64_t>(int64_t(grid.x) * grid.y, int64_t(sms) * std::max(per_sm, 1));
+  if (testing::slc_union_ctas() > 0) ctas = std::min<int64_t>(ctas, testing::slc_union_ctas());
+  ukernel<<<static_cast<unsigned>(ctas), kSlcWarpThreads, usmem, stream>>>(p, grid.x, k_map, v_map);
   NSA_CUDA_CHECK_LAUNCH();
 }
 

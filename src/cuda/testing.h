@@ -30,4 +30,15 @@ inline std::atomic<bool>& slc_union_tiles_flag() {
 inline void set_slc_union_tiles_enabled(bool on) { slc_union_tiles_flag().store(on); }
 inline bool slc_union_tiles_enabled() { return slc_union_tiles_flag().load(std::memory_order_relaxed); }
 
+inline std::atomic<int>& slc_union_ctas_flag() {
+  static std::atomic<int> ctas{0};
+  return ctas;
+}
+
+// The persistent grid of the selection's union-tile kernel: at most `ctas` CTAs (0: as many as
+// fit on the GPU at once, the default). With 1, one CTA runs every listed tile in turn, so the
+// tests reach the path that sets a CTA's ring up again for its next tile.
+inline void set_slc_union_ctas(int ctas) { slc_union_ctas_flag().store(ctas); }
+inline int slc_union_ctas() { return slc_union_ctas_flag().load(std::memory_order_relaxed); }
+
 }  // namespace nsa::cuda::testing

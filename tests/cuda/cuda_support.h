@@ -34,6 +34,27 @@ struct NoTensorMaps {
 
 #define NSA_TEST_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
 
+// A device workspace of `bytes` (none at 0), filled with the NaN pattern 0xff: nothing may rely on
+// zeros there.
+class DeviceWorkspace {
+ public:
+  explicit DeviceWorkspace(size_t bytes) : bytes_(bytes) {
+    if (bytes_ == 0) return;
+    if (cudaMalloc(&data_, bytes_) != cudaSuccess) throw std::runtime_error("cudaMalloc failed");
+    if (cudaMemset(data_, 0xff, bytes_) != cudaSuccess) throw std::runtime_error("cudaMemset failed");
+  }
+  DeviceWorkspace(const DeviceWorkspace&) = delete;
+  DeviceWorkspace& operator=(const DeviceWorkspace&) = delete;
+  ~DeviceWorkspace() {
+    if (data_) cudaFree(data_);
+  }
+  Workspace view() const { return Workspace{data_, bytes_}; }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
 // A device copy of a HostTensor (same dtype, shape, contiguous).
 class DeviceTensor {
  public:

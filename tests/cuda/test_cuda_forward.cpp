@@ -270,10 +270,27 @@ TEST_P(CudaForward, TopnMatchesReferenceOnIdenticalScores) {
 
 // ---- selection branch on identical indices, window branch -----------------------------------
 
-// selected_attention_fwd on the GPU against the reference on index rows idx, with the union tiles
-// on (sm_90a, l' = 64: wherever a tile's union is small) or off (the per-token kernel everywhere).
+// The sizes of c's attention calls on `device` (what workspace_size asks for).
+Problem attention_problem(const Case& c, const LayerProblem& p, Device device) {
+  Problem pr;
+  pr.total_tokens = p.T;
+  pr.batch = static_cast<int64_t>(c.seqlens.size());
+  pr.max_seqlen = max_seqlen(c);
+  pr.hq = c.hq;
+  pr.hkv = c.hkv;
+  pr.dqk = c.dqk;
+  pr.dv = c.dv;
+  pr.dtype = c.dtype;
+  pr.device = device;
+  return pr;
+}
+
+// selected_attention_fwd on the GPU against the reference on index rows idx. union_ctas < 0: the
+// union tiles off (the per-token kernel everywhere); else on (sm_90a, l' = 64: wherever a tile's
+// union is small) with the union kernel's persistent grid capped at union_ctas CTAs (0: no cap).
 void expect_selection_matches_reference(const Case& c, const Config& cfg, LayerProblem& p, HostTensor& idx,
-                                        bool union_tiles) {
+                                        int union_ctas) {
+  const bool union_tiles = union_ctas >= 0;
   HostTensor q64 = to_f64(p.q), k64 = to_f64(p.k[0]), v64 = to_f64(p.v[0]);
   HostTensor o(c.dtype, {p.T, c.hq, c.dv}), lse(DType::f32, {p.T, c.hq});
   o.poison();
@@ -283,14 +300,19 @@ void expect_selection_matches_reference(const Case& c, const Config& cfg, LayerP
                          lse_ref.view());
   DeviceSeqs ds(p, max_seqlen(c));
   DeviceTensor q(p.q), k(p.k[0]), v(p.v[0]), didx(idx), dout(o), dlse(lse);
+  const DeviceWorkspace ws(
+      workspace_size(cuda_ctx(), Op::selected_attention_fwd, cfg, attention_problem(c, p, Device::cuda)));
   cuda::testing::set_slc_union_tiles_enabled(union_tiles);
-  selected_attention_fwd(cuda_ctx(), cfg, q.view(), k.view(), v.view(), didx.view(), ds.seqs, dout.view(), dlse.view());
+  cuda::testing::set_slc_union_ctas(union_tiles ? union_ctas : 0);
+  selected_attention_fwd(cuda_ctx(), cfg, q.view(), k.view(), v.view(), didx.view(), ds.seqs, dout.view(), dlse.view(),
+                         ws.view());
   cuda::testing::set_slc_union_tiles_enabled(true);
+  cuda::testing::set_slc_union_ctas(0);
   sync();
   dout.download(o);
   dlse.download(lse);
-  EXPECT_TRUE(close(o.values(), o64.values(), attention_tol(c.dtype, 1.0))) << "selection, union tiles " << union_tiles;
-  EXPECT_TRUE(close(lse.values(), lse_ref.values(), lse_tol)) << "selection, union tiles " << union_tiles;
+  EXPECT_TRUE(close(o.values(), o64.values(), attention_tol(c.dtype, 1.0))) << "selection, union CTAs " << union_ctas;
+  EXPECT_TRUE(close(lse.values(), lse_ref.values(), lse_tol)) << "selection, union CTAs " << union_ctas;
 }
 
 // Valid top-n rows (sorted, -1 padded) of random scores.
@@ -313,9 +335,10 @@ TEST_P(CudaForward, SelectedAndWindowAttentionMatchReference) {
   LayerProblem p = make_problem(cfg, sizes_of(c), 41);
   HostTensor idx = random_topn_rows(c, cfg, p, 9);
   // The selection with both kernels (with the union tiles: every tile of these short sequences
-  // whose union is small), then the window.
-  expect_selection_matches_reference(c, cfg, p, idx, true);
-  expect_selection_matches_reference(c, cfg, p, idx, false);
+  // whose union is small; again with one union CTA running all of them in turn), then the window.
+  expect_selection_matches_reference(c, cfg, p, idx, 0);
+  expect_selection_matches_reference(c, cfg, p, idx, 1);
+  expect_selection_matches_reference(c, cfg, p, idx, -1);
 
   HostTensor q64 = to_f64(p.q), k64 = to_f64(p.k[0]), v64 = to_f64(p.v[0]);
   HostTensor o(c.dtype, {p.T, c.hq, c.dv}), lse(DType::f32, {p.T, c.hq});
@@ -354,8 +377,8 @@ TEST_P(CudaForward, SelectedAttentionTreatsIndicesAsASet) {
     }
   }
   ASSERT_GT(rows_with_repeat, 0);
-  expect_selection_matches_reference(c, cfg, p, idx, true);
-  expect_selection_matches_reference(c, cfg, p, idx, false);
+  expect_selection_matches_reference(c, cfg, p, idx, 0);
+  expect_selection_matches_reference(c, cfg, p, idx, -1);
 }
 
 // Union tiles and per-token tiles in one call: G = 1 and l' = 64, so a tile is 64 tokens; random
@@ -368,7 +391,8 @@ TEST(CudaForwardSelection, UnionAndPerTokenTilesInOneCall) {
   const Config cfg = config_of(c);
   LayerProblem p = make_problem(cfg, sizes_of(c), 47);
   HostTensor idx = random_topn_rows(c, cfg, p, 12);
-  expect_selection_matches_reference(c, cfg, p, idx, true);
+  expect_selection_matches_reference(c, cfg, p, idx, 0);
+  expect_selection_matches_reference(c, cfg, p, idx, 3);  // a CTA runs tiles of both sequences in turn
 }
 
 // ---- whole forward ----------------------------------------------------------------------------
@@ -591,6 +615,31 @@ TEST(CudaForwardErrors, UnsupportedShapesNameTheValue) {
   }
 }
 
+// With l' = 64 the CUDA selection keeps its union-tile list in the workspace (slc_attention.cuh):
+// workspace_size says how much, and a call without it is an error naming the workspace.
+TEST(CudaForwardErrors, SelectionWithoutItsWorkspaceNamesTheWorkspace) {
+  NSA_REQUIRE_GPU();
+  Case c{"x", DType::bf16, 64, 64, 4, 1, {300, 40}, 32, 16, 64, 4, 1, 1, 16, PhiKind::mean, false};
+  const Config cfg = config_of(c);
+  LayerProblem p = make_problem(cfg, sizes_of(c), 1);
+  const Problem pr = attention_problem(c, p, Device::cuda);
+  // The count, then one entry per (tile with tokens, KV head): 64 / G = 16 tokens a tile.
+  EXPECT_GE(workspace_size(cuda_ctx(), Op::selected_attention_fwd, cfg, pr), sizeof(int32_t) * (1 + 19 + 3));
+  Config other = cfg;
+  other.slc_block_len = 32;
+  EXPECT_EQ(workspace_size(cuda_ctx(), Op::selected_attention_fwd, other, pr), 0u);
+  DeviceSeqs ds(p, max_seqlen(c));
+  HostTensor idx = random_topn_rows(c, cfg, p, 5);
+  HostTensor oo(DType::bf16, {p.T, c.hq, c.dv});
+  DeviceTensor q(p.q), k(p.k[0]), v(p.v[0]), di(idx), out(oo);
+  try {
+    selected_attention_fwd(cuda_ctx(), cfg, q.view(), k.view(), v.view(), di.view(), ds.seqs, out.view(), TensorView());
+    ADD_FAILURE() << "expected an error for the missing workspace";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.parameter(), "workspace.bytes") << e.what();
+  }
+}
+
 // The selection kernel sorts each warp's (16 / G) * n picks in shared memory: an n too large for
 // it is an error naming n, not a launch failure or a silent truncation.
 TEST(CudaForwardErrors, SelectionTooManyBlocksNamesN) {
@@ -607,9 +656,11 @@ TEST(CudaForwardErrors, SelectionTooManyBlocksNamesN) {
   for (int64_t i = 0; i < idx.numel(); ++i) idx.set(i, -1);
   HostTensor oo(DType::bf16, {p.T, 1, 64});
   DeviceTensor di(idx), out(oo);
+  const DeviceWorkspace ws(
+      workspace_size(cuda_ctx(), Op::selected_attention_fwd, cfg, attention_problem(c, p, Device::cuda)));
   try {
     selected_attention_fwd(cuda_ctx(), cfg, q.view(), k.view(), v.view(), di.view(), Sequences(), out.view(),
-                           TensorView());
+                           TensorView(), ws.view());
     ADD_FAILURE() << "expected an error for n_selected = 8192";
   } catch (const Error& e) {
     EXPECT_EQ(e.parameter(), "n_selected (n)") << e.what();

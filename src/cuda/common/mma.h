@@ -78,6 +78,12 @@ __device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(smem_address(bar)), "r"(count) : "memory");
 }
 
+// Ends `bar`'s life as an mbarrier (before its memory is initialised again: a ring run once per
+// tile of a persistent CTA). Every wait on it must have returned, and no copy may be pending.
+__device__ __forceinline__ void mbarrier_inval(uint64_t* bar) {
+  asm volatile("mbarrier.inval.shared.b64 [%0];\n" ::"r"(smem_address(bar)) : "memory");
+}
+
 // Makes one arrival on `bar` when every cp.async this thread issued so far has landed (.noinc:
 // the arrival counts towards the barrier's expected count, which must include it).
 __device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
