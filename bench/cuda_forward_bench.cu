@@ -200,7 +200,7 @@ int main(int argc, char** argv) {
       const double t_topn = time_ms([&] { nsa::select_topn(ctx, cfg, scores.view, seqs, idx.view); }, 1, reps);
       report("topn", t_topn, 0);
       const double t_slc = time_ms([&] {
-        nsa::selected_attention_fwd(ctx, cfg, q.view, k1.view, v1.view, idx.view, seqs, o_stage.view, lse_stage.view);
+        nsa::selected_attention_fwd(ctx, cfg, q.view, k1.view, v1.view, idx.view, seqs, o_stage.view, lse_stage.view, w);
       }, 1, reps);
       report("selection", t_slc, flops_branch[1]);
       const double t_win = time_ms([&] {
@@ -213,7 +213,7 @@ int main(int argc, char** argv) {
         const double t_full = time_ms([&] { nsa::forward(ctx, cfg, in, out, w); }, 2, reps);
         report("forward(local_q)", t_full, flops_branch[0] + flops_branch[1] + flops_branch[2]);
         const double t_sel = time_ms([&] {
-          nsa::selected_attention_fwd(ctx, cfg, q.view, k1.view, v1.view, idx.view, seqs, o_stage.view, lse_stage.view);
+          nsa::selected_attention_fwd(ctx, cfg, q.view, k1.view, v1.view, idx.view, seqs, o_stage.view, lse_stage.view, w);
         }, 1, reps);
         report("selection(local_q)", t_sel, flops_branch[1]);
       }
