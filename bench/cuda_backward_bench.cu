@@ -1,6 +1,7 @@
 // Benchmark of the CUDA backward (issue 5): forward, backward and forward+backward of the whole
 // layer, bf16, random data, CUDA events, warm-up, median of repeats; plus branch ablations
-// (window off, selection off) that show where the backward's time goes, and the backward's extra
+// (window off, selection off) that show where the backward's time goes, the full layer at 64K
+// with locally alike queries (local_q, as the forward benchmark's), and the backward's extra
 // memory (its workspace) against the memory of q, k, v and o. Writes a CSV that
 // bench/sdpa_backward_baseline.py joins with PyTorch SDPA forward+backward measured in the
 // same gpu_check.sh run.
@@ -107,6 +108,7 @@ int main(int argc, char** argv) {
         int64_t n, w;
         nsa::PhiKind phi;
         bool o_branch;  // the forward keeps each branch's output, the backward takes dg from it
+        bool local_q = false;  // queries alike over 64 tokens (fill_local), as in trained models: last
       };
       std::vector<Variant> variants = {{"full", 16, 512, nsa::PhiKind::mean, false},
                                        {"saved_o_branch", 16, 512, nsa::PhiKind::mean, true}};
@@ -115,6 +117,7 @@ int main(int argc, char** argv) {
         variants.push_back({"no_selection", 0, 512, nsa::PhiKind::mean, false});
         if (T == 65536) variants.push_back({"phi_mlp_F4D", 16, 512, nsa::PhiKind::mlp, false});
       }
+      if (T == 65536) variants.push_back({"local_q", 16, 512, nsa::PhiKind::mean, false, true});
       Tensor q(bf16, {T, s.hq, s.d}, 1);
       std::unique_ptr<Tensor> k[3], v[3], dk[3], dv[3];
       for (int b = 0; b < 3; ++b) {
@@ -129,6 +132,8 @@ int main(int argc, char** argv) {
       Tensor dq(bf16, {T, s.hq, s.d}), dg(bf16, {T, s.hq, 3});
       const double qkvo_bytes = double(q.bytes) * 2 + 6.0 * double(k[0]->bytes);
       for (const Variant& var : variants) {
+        if (var.local_q)  // (q is this length's own: the variants after it, if any, would see it too)
+          fill_local<<<1024, 256>>>(static_cast<__nv_bfloat16*>(q.data), q.view.numel(), s.hq * s.d, 64, 21);
         nsa::Config cfg;
         cfg.phi = var.phi;
         cfg.n_selected = var.n;
