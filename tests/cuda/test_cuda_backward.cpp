@@ -151,15 +151,9 @@ struct DeviceLayer {
   // Runs the CUDA backward with a fresh (poisoned) workspace.
   void run(const Config& cfg) {
     const Context ctx = ctx_of(Backend::cuda);
-    const size_t bytes = workspace_size(ctx, Op::backward, cfg, problem_of(cfg, in));
-    void* ws = nullptr;
-    if (bytes) {
-      ASSERT_EQ(cudaMalloc(&ws, bytes), cudaSuccess);
-      ASSERT_EQ(cudaMemset(ws, 0xff, bytes), cudaSuccess);  // NaN pattern: nothing may rely on zeros
-    }
-    backward(ctx, cfg, in, saved, d_o.view(), grads, Workspace{ws, bytes});
+    const DeviceWorkspace ws(workspace_size(ctx, Op::backward, cfg, problem_of(cfg, in)));  // NaN pattern
+    backward(ctx, cfg, in, saved, d_o.view(), grads, ws.view());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    if (ws) cudaFree(ws);
   }
 
   // Every gradient tensor (host copies), in a fixed order with names.
@@ -382,15 +376,11 @@ TEST_P(CudaBackward, CompressBackwardMatchesReference) {
   pr.device = Device::cuda;
   pr.hq = pr.hkv;
   pr.dv = pr.dqk;
-  const size_t bytes = workspace_size(ctx, Op::compress_bwd, cfg, pr);
-  void* ws = nullptr;
-  if (bytes) {
-    ASSERT_EQ(cudaMalloc(&ws, bytes), cudaSuccess);
-    ASSERT_EQ(cudaMemset(ws, 0xff, bytes), cudaSuccess);
+  {
+    const DeviceWorkspace ws(workspace_size(ctx, Op::compress_bwd, cfg, pr));  // NaN pattern
+    compress_bwd(ctx, cfg, params(phi), x.view(), seqs, d_xc.view(), d_dx.view(), params(dphi), ws.view());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   }
-  compress_bwd(ctx, cfg, params(phi), x.view(), seqs, d_xc.view(), d_dx.view(), params(dphi), Workspace{ws, bytes});
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  if (ws) cudaFree(ws);
 
   HostTensor got_dx(c.dtype, {T, H, D});
   d_dx.download(got_dx);

@@ -420,15 +420,9 @@ void run_cuda_forward(const Case& c, const Config& cfg, LayerProblem& p) {
   in.phi_v = PhiParams{phv[0].view(), phv[1].view(), phv[2].view(), phv[3].view(), phv[4].view()};
   in.seqs = ds.seqs;
   const ForwardOutputs out{o.view(), lse.view(), idx.view(), ob.view()};
-  const size_t ws_bytes = workspace_size(cuda_ctx(), Op::forward, cfg, problem_of(cfg, in));
-  void* ws = nullptr;
-  if (ws_bytes) {
-    NSA_TEST_CUDA(cudaMalloc(&ws, ws_bytes));
-    NSA_TEST_CUDA(cudaMemset(ws, 0xff, ws_bytes));  // NaN pattern: nothing may rely on zeros
-  }
-  forward(cuda_ctx(), cfg, in, out, Workspace{ws, ws_bytes});
+  const DeviceWorkspace ws(workspace_size(cuda_ctx(), Op::forward, cfg, problem_of(cfg, in)));  // NaN pattern
+  forward(cuda_ctx(), cfg, in, out, ws.view());
   sync();
-  if (ws) cudaFree(ws);
   o.download(p.o);
   lse.download(p.lse);
   idx.download(p.indices);
