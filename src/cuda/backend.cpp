@@ -126,7 +126,7 @@ struct ForwardWorkspace {
   float* scores = nullptr;   // [T, Hkv, Ns] f32
   void* o_cmp = nullptr;     // [T, Hq, Dv] storage dtype (when o_branch is absent)
   void* o_slc = nullptr;     // [T, Hq, Dv] storage dtype (when o_branch is absent and n > 0)
-  int32_t* slc_tiles = nullptr;  // [slc_union_list_len] the selection's union tiles
+  int32_t* slc_tiles = nullptr;  // [slc_union_list_len] the selection's union tiles (none: nullptr)
   size_t bytes = 0;
 
   ForwardWorkspace(const Config& cfg, const Problem& pr, void* base) {
@@ -140,7 +140,8 @@ struct ForwardWorkspace {
     scores = w.take<float>(cfg.n_selected > 0 ? pr.total_tokens * pr.hkv * ns : 0);
     o_cmp = w.take<char>(pr.total_tokens * pr.hq * pr.dv * es);
     o_slc = w.take<char>(cfg.n_selected > 0 ? pr.total_tokens * pr.hq * pr.dv * es : 0);
-    slc_tiles = w.take<int32_t>(slc_union_list_len(cfg, pr));
+    const int64_t list = slc_union_list_len(cfg, pr);
+    slc_tiles = list > 0 ? w.take<int32_t>(list) : nullptr;
     bytes = w.bytes();
   }
 };
@@ -424,7 +425,7 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
   set_kv(slc.k, slc.v, s.k_slc, s.ks_st, s.ks_sh, s.v_slc, s.vs_st, s.vs_sh);
   set_kv(win.k, win.v, s.k_win, s.kw_st, s.kw_sh, s.v_win, s.vw_st, s.vw_sh);
   set_indices(s, out.indices);
-  if (slc_union_list_len(p.cfg, detail::problem_of(p)) > 0) s.slc_union_list = w.slc_tiles;
+  s.slc_union_list = w.slc_tiles;
   for (int b = 0; b < 2; ++b) {
     float* lse = static_cast<float*>(out.lse.data) + (kSlc + b) * out.lse.stride[2];
     if (out.o_branch.defined())
