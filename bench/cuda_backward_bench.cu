@@ -1,7 +1,8 @@
 // Benchmark of the CUDA backward (issue 5): forward, backward and forward+backward of the whole
 // layer, bf16, random data, CUDA events, warm-up, median of repeats; plus branch ablations
 // (window off, selection off) that show where the backward's time goes, the full layer at 64K
-// with locally alike queries (local_q, as the forward benchmark's), and the backward's extra
+// with locally alike queries (local_q, as the forward benchmark's), both also with the
+// selection's union tiles off (per_token, local_q_per_token: their same-run A/B), and the backward's extra
 // memory (its workspace) against the memory of q, k, v and o. Writes a CSV that
 // bench/sdpa_backward_baseline.py joins with PyTorch SDPA forward+backward measured in the
 // same gpu_check.sh run.
@@ -27,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/testing.h"
 #include "cuda_bench_common.cuh"
 #include "nsa/nsa.h"
 
@@ -109,6 +111,7 @@ int main(int argc, char** argv) {
         nsa::PhiKind phi;
         bool o_branch;  // the forward keeps each branch's output, the backward takes dg from it
         bool local_q = false;  // queries alike over 64 tokens (fill_local), as in trained models: last
+        bool per_token = false;  // the selection's union tiles off (forward and backward): the A/B of them
       };
       std::vector<Variant> variants = {{"full", 16, 512, nsa::PhiKind::mean, false},
                                        {"saved_o_branch", 16, 512, nsa::PhiKind::mean, true}};
@@ -117,7 +120,11 @@ int main(int argc, char** argv) {
         variants.push_back({"no_selection", 0, 512, nsa::PhiKind::mean, false});
         if (T == 65536) variants.push_back({"phi_mlp_F4D", 16, 512, nsa::PhiKind::mlp, false});
       }
-      if (T == 65536) variants.push_back({"local_q", 16, 512, nsa::PhiKind::mean, false, true});
+      if (T == 65536) {
+        variants.push_back({"per_token", 16, 512, nsa::PhiKind::mean, false, false, true});
+        variants.push_back({"local_q", 16, 512, nsa::PhiKind::mean, false, true});
+        variants.push_back({"local_q_per_token", 16, 512, nsa::PhiKind::mean, false, true, true});
+      }
       Tensor q(bf16, {T, s.hq, s.d}, 1);
       std::unique_ptr<Tensor> k[3], v[3], dk[3], dv[3];
       for (int b = 0; b < 3; ++b) {
@@ -134,6 +141,7 @@ int main(int argc, char** argv) {
       for (const Variant& var : variants) {
         if (var.local_q)  // (q is this length's own: the variants after it, if any, would see it too)
           fill_local<<<1024, 256>>>(static_cast<__nv_bfloat16*>(q.data), q.view.numel(), s.hq * s.d, 64, 21);
+        nsa::cuda::testing::set_slc_union_tiles_enabled(!var.per_token);
         nsa::Config cfg;
         cfg.phi = var.phi;
         cfg.n_selected = var.n;

@@ -32,6 +32,15 @@ struct NoTensorMaps {
   NoTensorMaps& operator=(const NoTensorMaps&) = delete;
 };
 
+// While alive, the selection runs without its union tiles (testing::set_slc_union_tiles_enabled):
+// the forward's per-token kernel and the backward's slc_dq_kernel take every tile.
+struct NoSelectionUnionTiles {
+  NoSelectionUnionTiles() { ::nsa::cuda::testing::set_slc_union_tiles_enabled(false); }
+  ~NoSelectionUnionTiles() { ::nsa::cuda::testing::set_slc_union_tiles_enabled(true); }
+  NoSelectionUnionTiles(const NoSelectionUnionTiles&) = delete;
+  NoSelectionUnionTiles& operator=(const NoSelectionUnionTiles&) = delete;
+};
+
 #define NSA_TEST_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
 
 // A device workspace of `bytes` (none at 0), filled with the NaN pattern 0xff: nothing may rely on

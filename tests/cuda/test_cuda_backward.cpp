@@ -71,6 +71,10 @@ const std::vector<BwdCase>& bwd_cases() {
       {"bf16_d64_G2_shorter_than_l", DType::bf16, 64, 64, 2, 1, {20, 1, 31}, 32, 16, 64, 2, 1, 1, 8, PhiKind::linear, true},
       // l' = 24: selection blocks that end inside a 16-key step of the selection dq kernel.
       {"bf16_d64x128_G8_lp24", DType::bf16, 64, 128, 8, 1, {333, 50}, 16, 8, 24, 5, 1, 1, 50, PhiKind::mean, false},
+      // G = 1, l' = 64, 102 blocks: the selection's union tiles (dq_kernel) for the row tiles of
+      // the first ~4000 tokens, whose 64 tokens pick among at most 64 blocks, and the per-token
+      // kernel (slc_dq_kernel) for the later ones, in one call.
+      {"bf16_d64_G1_T6500_union_mixed", DType::bf16, 64, 64, 1, 1, {6500}, 32, 16, 64, 16, 1, 2, 96, PhiKind::mean, false},
   };
   return all;
 }
@@ -259,6 +263,15 @@ TEST_P(CudaBackward, EveryGradientMatchesReference) {
 TEST_P(CudaBackward, EveryGradientWithoutTmaMatchesReference) {
   NSA_REQUIRE_GPU();
   const NoTensorMaps no_tma;
+  check_against_reference(GetParam(), false);
+}
+
+// With the selection's union tiles off (testing::set_slc_union_tiles_enabled(false)) every row
+// tile's selection dq goes through slc_dq_kernel; with them on (the other tests), the tiles whose
+// union is small (at the tests' lengths: most tiles of l' = 64) go through dq_kernel.
+TEST_P(CudaBackward, EveryGradientWithPerTokenSelectionMatchesReference) {
+  NSA_REQUIRE_GPU();
+  const NoSelectionUnionTiles per_token;
   check_against_reference(GetParam(), false);
 }
 

@@ -61,6 +61,8 @@
 #include "cuda/common/mma.h"
 #include "cuda/common/tma.h"
 #include "cuda/common/wgmma.h"
+#include "cuda/forward_params.h"
+#include "cuda/slc_union.cuh"
 #include "nsa/api.h"
 #include "nsa/blocks.h"
 #include "nsa/error.h"
@@ -146,6 +148,12 @@ struct BwdArgs {
   float* slc_part_v = nullptr;
   int slc_splits = 0;
   int lp_pad = 64;  // l' rounded up to whole key tiles
+  // The selection's union tiles (sm_90a, l' = 64; slc_union_enabled): dq_kernel takes the
+  // selection branch of a row tile whose tokens' blocks have a small union (slc_union_takes, as
+  // the forward's union tiles) as a third stage of its sweeps, and slc_dq_kernel, which makes the
+  // same count from the same lists, leaves those tiles. slc_cap: slc_sort_capacity(G, n).
+  bool slc_union = false;
+  int slc_cap = 0;
   int64_t rc = 0;  // rows of the compressed tensors, floor(T / d)
   PhiDxArgs phi_k, phi_v;
 };
@@ -284,6 +292,9 @@ __device__ __forceinline__ void zero(float (&acc)[N][4]) {
 struct KeyTile {
   int nk;
   int kp0, kstep;
+  // The row tile's tokens that may see the tile (bit: token index in the tile; the selection's
+  // union tiles in dq_kernel: the tokens that picked the block), all for the other branches.
+  unsigned long long tokens = ~0ull;
 };
 
 }  // namespace nsa::cuda_bwd
@@ -310,14 +321,24 @@ struct DqSmem {
   static constexpr int kSwDo = kSwQ + sw_tile_bytes<DQK>();
   // With TMA (DqMaps::on) the two K/V buffers' mbarriers follow dO.
   static constexpr int kSwBars = kSwDo + sw_tile_bytes<DV>();
-  static_assert(1023 + size_t(kSwBars) + 2 * sizeof(uint64_t) <= kEnd, "the swizzled layout fits after alignment");
+  // The selection's union tiles (BwdArgs::slc_union): 8 ints (the warps' union sizes, a counter, a
+  // slot), the union's blocks and their scratch (kSlcUnionMax ints each), then per block the mask
+  // of the tile's tokens that picked it. The warps' sorts (3 ints per entry each) use the K/V
+  // buffers before the first key tile is copied (slc_union_sorts_fit).
+  static constexpr int kSwUnion = kSwBars + 2 * int(sizeof(uint64_t));
+  static constexpr int kSwUnionList = kSwUnion + 8 * int(sizeof(int));
+  static constexpr int kSwUnionMember = kSwUnionList + 2 * cuda::kSlcUnionMax * int(sizeof(int32_t));
+  static constexpr int kSwUnionEnd = kSwUnionMember + cuda::kSlcUnionMax * int(sizeof(unsigned long long));
+  static_assert(kSwUnionMember % 8 == 0, "the token masks are 8-byte words");
+  static_assert(1023 + size_t(kSwUnionEnd) <= kEnd, "the swizzled layout fits after alignment");
+  static constexpr bool slc_union_sorts_fit(int cap) { return size_t(kWarps) * 3 * cap * sizeof(int32_t) <= size_t(kSwQ); }
 };
 
 // dq_kernel's K/V tiles by TMA on sm_90a: tensor maps of kc, vc ([rc, Hkv, D]) and of the window's
 // k, v ([T, Hkv, D]), boxes of 64 rows x 64 columns in the 128-byte swizzle (common/tma.h); `on`
 // = 0 where one could not be made (the kernel then copies by cp.async).
 struct DqMaps {
-  CUtensorMap kc, vc, kw, vw;
+  CUtensorMap kc, vc, kw, vw, ks, vs;  // ks, vs: the selection's k, v (union tiles)
   int on;
 };
 
@@ -377,6 +398,40 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
   const uint32_t q_wg = cuda::smem_address(sQ) + (threadIdx.x / 128) * (64 * 128);
   const uint32_t do_wg = cuda::smem_address(sDo) + (threadIdx.x / 128) * (64 * 128);
   cuda::cp_async_commit();  // completes with the first key tile's group (without TMA)
+  // The selection's union tile (sm_90a, a.slc_union): the union of the tile's tokens' blocks,
+  // each warp's 16 / G tokens' as slc_dq_kernel's warps make it, then the CTA's. If it is small
+  // (slc_union_takes, the forward's rule), its blocks become the key tiles of a selection stage
+  // here, each row masked to the blocks its token picked; slc_dq_kernel makes the same count
+  // from the same lists and leaves the tile. Otherwise this kernel has no selection tiles, as
+  // before. The sorts use the K/V buffers, before anything is copied there.
+  int n_slc = 0;
+  const int32_t* slc_blocks = nullptr;                // [n_slc] ascending
+  const unsigned long long* slc_tokens = nullptr;     // [n_slc] the tile's tokens that picked each
+  if constexpr (kWg) {
+    if (a.slc_union) {
+      int32_t* const sorts = reinterpret_cast<int32_t*>(base);  // warp w: keys, blocks, masks at 3 cap w
+      int* const meta = reinterpret_cast<int*>(base + L::kSwUnion);
+      int32_t* const ulist = reinterpret_cast<int32_t*>(base + L::kSwUnionList);
+      unsigned long long* const member = reinterpret_cast<unsigned long long*>(base + L::kSwUnionMember);
+      const int cap = a.slc_cap, tpw = 16 / a.G;
+      const int tw0 = u0 + warp * tpw;
+      const int tw_valid = max(0, min(tpw, len - tw0));
+      int32_t* const keys = sorts + warp * 3 * cap;
+      const int32_t* idx = static_cast<const int32_t*>(a.indices.p) + (s0 + min(tw0, len - 1)) * a.indices.s0 +
+                           int64_t(hk) * a.indices.s1;
+      const int nb = cuda::warp_block_union(idx, a.indices.s0, a.n, a.lp, tw0, tw_valid, cap, keys, keys + cap,
+                                            keys + 2 * cap);
+      if (lane == 0) meta[warp] = nb;
+      const int u = cuda::cta_union_size(sorts + cap, 3 * cap, meta, meta + kWarps);
+      if (cuda::slc_union_takes(u, ntok, a.n)) {
+        cuda::cta_union_list<cuda::kSlcUnionMax>(sorts + cap, sorts + 2 * cap, 3 * cap, meta, tpw, u,
+                                                 ulist + cuda::kSlcUnionMax, meta + kWarps + 1, ulist, member);
+        n_slc = u;
+        slc_blocks = ulist;
+        slc_tokens = member;
+      }
+    }
+  }
   // sm_90a with TMA: one thread copies each K/V tile (kDqk/64 + kDv/64 boxes), completing on the
   // buffer's mbarrier; no per-thread copies. Q and dO (cp.async) land before the first sweep.
   const bool tma = kWg && maps.on != 0;
@@ -402,9 +457,9 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
   const int n_cmp = (nc + kKeys - 1) / kKeys;
   const int p0 = int(window_start(t_first, a.w));
   const int n_win = a.w > 0 ? (t_last - p0 + kKeys) / kKeys : 0;
-  const int n_tiles = n_cmp + n_win;
+  const int n_tiles = n_cmp + n_slc + n_win;
   // Stages of a sweep: the branches in index order (kCmp = 0, kSlc = 1, kWin = 2).
-  auto branch_of = [&](int i) { return i < n_cmp ? int(kCmp) : int(kWin); };
+  auto branch_of = [&](int i) { return i < n_cmp ? int(kCmp) : i < n_cmp + n_slc ? int(kSlc) : int(kWin); };
   auto branch_at = [&](int stage) { return stage; };
   auto stage_of = [&](int branch) { return branch; };
   // Tile i: its keys' geometry and the rows of its first key (key c at kb + c * ks, vb + c * vs).
@@ -419,7 +474,17 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
       vb = static_cast<const E*>(a.vc) + (crow * a.hkv + hk) * DV;
       return KeyTile{min(kKeys, nc - i0), i0 * a.d + a.l - 1, a.d};
     }
-    const int pos = p0 + (i - n_cmp) * kKeys, end = t_last + 1;
+    if (i < n_cmp + n_slc) {  // a union block (l' = kKeys): its keys up to the sequence's end
+      const int pos = slc_blocks[i - n_cmp] * kKeys;
+      const Mat3& K = a.k[kSlc];
+      const Mat3& V = a.v[kSlc];
+      ks = K.s0;
+      vs = V.s0;
+      kb = static_cast<const E*>(K.p) + (s0 + pos) * K.s0 + hk * K.s1;
+      vb = static_cast<const E*>(V.p) + (s0 + pos) * V.s0 + hk * V.s1;
+      return KeyTile{min(kKeys, len - pos), pos, 1, slc_tokens[i - n_cmp]};
+    }
+    const int pos = p0 + (i - n_cmp - n_slc) * kKeys, end = t_last + 1;
     const Mat3& K = a.k[kWin];
     const Mat3& V = a.v[kWin];
     ks = K.s0;
@@ -434,10 +499,11 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
   auto issue_tma = [&](int i, int buf) {
     uint64_t* bar = bars + buf;
     cuda::mbarrier_expect_tx(bar, kKeys * (DQK + DV) * sizeof(E));
-    const bool cmp = i < n_cmp;
-    const CUtensorMap* km = cmp ? &maps.kc : &maps.kw;
-    const CUtensorMap* vm = cmp ? &maps.vc : &maps.vw;
-    const int row = cmp ? int(crow0) + i * kKeys : int(s0) + p0 + (i - n_cmp) * kKeys;
+    const bool cmp = i < n_cmp, slc = !cmp && i < n_cmp + n_slc;
+    const CUtensorMap* km = cmp ? &maps.kc : slc ? &maps.ks : &maps.kw;
+    const CUtensorMap* vm = cmp ? &maps.vc : slc ? &maps.vs : &maps.vw;
+    const int row = cmp ? int(crow0) + i * kKeys
+                        : slc ? int(s0) + slc_blocks[i - n_cmp] * kKeys : int(s0) + p0 + (i - n_cmp - n_slc) * kKeys;
 #pragma unroll
     for (int blk = 0; blk < DQK / 64; ++blk) cuda::tma_load_3d(sK + buf * kKBuf + blk * kKeys * 64, km, 64 * blk, hk, row, bar);
 #pragma unroll
@@ -463,10 +529,11 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
   };
 
   // This thread's two rows of the warp's 16: group (h = 0) and group + 8 (h = 1).
-  int rtok[2], rhead[2], rt[2];
+  int rtok[2], rhead[2], rt[2], rbit[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = row0 + group + 8 * h;
+    rbit[h] = r / a.G;  // the row's token in the tile (KeyTile::tokens)
     rtok[h] = row_token(r);
     rhead[h] = row_head(r);
     rt[h] = rtok[h] >= 0 ? int(rtok[h] - s0) : -1;
@@ -502,7 +569,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
     bool any = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      chose[h] = kt.nk > 0 && rtok[h] >= 0 && hi[h] >= first && lo[h] <= last;
+      chose[h] = kt.nk > 0 && rtok[h] >= 0 && hi[h] >= first && lo[h] <= last && ((kt.tokens >> rbit[h]) & 1ull);
       any |= chose[h];
     }
     if constexpr (kWg)
@@ -1271,8 +1338,11 @@ bool dq_tensor_maps(DqMaps& m, const BwdArgs& a) {
     return cudaFuncGetAttributes(&attr, dq_kernel<E, DQK, DV>) == cudaSuccess && attr.binaryVersion == 90;
   }();
   if (!sm90 || !a.vec) return false;
-  const bool cmp = a.rc > 0, win = a.w > 0;
-  if (!cmp && !win) return false;
+  const bool cmp = a.rc > 0, win = a.w > 0, slc = a.slc_union;
+  if (!cmp && !win && !slc) return false;
+  if (slc && !(dq_rows_map<E, DQK>(&m.ks, a.k[kSlc].p, a.T, a.k[kSlc].s0, a.k[kSlc].s1, a.hkv) &&
+               dq_rows_map<E, DV>(&m.vs, a.v[kSlc].p, a.T, a.v[kSlc].s0, a.v[kSlc].s1, a.hkv)))
+    return false;
   if (cmp && !(dq_rows_map<E, DQK>(&m.kc, a.kc, a.rc, int64_t(a.hkv) * DQK, DQK, a.hkv) &&
                dq_rows_map<E, DV>(&m.vc, a.vc, a.rc, int64_t(a.hkv) * DV, DV, a.hkv)))
     return false;
@@ -1299,8 +1369,25 @@ bool dkv_tensor_maps(DkvMaps& m, const BwdArgs& a) {
                                     a.d_o.s1, tq, g);
 }
 
+// Whether the selection's union tiles run (BwdArgs::slc_union): sm_90a's dq_kernel (wgmma), l' = one
+// key tile, a selection branch, the warps' sorts fitting dq_kernel's K/V buffers, and not switched
+// off (testing::set_slc_union_tiles_enabled, shared with the forward). dq_kernel and slc_dq_kernel
+// must agree on it: both phases ask here.
 template <typename E, int DQK, int DV>
-void launch_attention(const BwdArgs& a, cudaStream_t s, int phase) {
+bool slc_union_enabled(const BwdArgs& a) {
+  static const bool sm90 = [] {
+    cudaFuncAttributes attr{};
+    return cudaFuncGetAttributes(&attr, dq_kernel<E, DQK, DV>) == cudaSuccess && attr.binaryVersion == 90;
+  }();
+  return sm90 && a.n > 0 && a.lp == kKeys && a.G >= 1 && a.G <= 16 && cuda::testing::slc_union_tiles_enabled() &&
+         DqSmem<E, DQK, DV>::slc_union_sorts_fit(cuda::slc_sort_capacity(a.G, a.n));
+}
+
+template <typename E, int DQK, int DV>
+void launch_attention(const BwdArgs& a_in, cudaStream_t s, int phase) {
+  BwdArgs a = a_in;
+  a.slc_union = slc_union_enabled<E, DQK, DV>(a);
+  a.slc_cap = cuda::slc_sort_capacity(a.G, a.n);
   if (phase == 4) {  // the selection branch's dq (and dg), after dq_kernel ran without it
     const int cap = slc_dq_capacity(a.G, a.n);
     const size_t smem = slc_dq_smem_bytes(DQK, DV, cap);

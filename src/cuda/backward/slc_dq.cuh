@@ -36,7 +36,10 @@ constexpr size_t slc_dq_ring_bytes(int dqk, int dv, int cap) {
 constexpr size_t slc_dq_warp_bytes(int dqk, int dv, int cap) {
   return slc_dq_union_bytes(cap) + slc_dq_ring_bytes(dqk, dv, cap);
 }
-constexpr size_t slc_dq_smem_bytes(int dqk, int dv, int cap) { return size_t(kSlcDqWarps) * slc_dq_warp_bytes(dqk, dv, cap); }
+// Then 8 ints: the warps' union sizes and a counter (BwdArgs::slc_union).
+constexpr size_t slc_dq_smem_bytes(int dqk, int dv, int cap) {
+  return size_t(kSlcDqWarps) * slc_dq_warp_bytes(dqk, dv, cap) + 8 * sizeof(int);
+}
 // Entries of a warp's union lists: the forward's (16 / G) x n rounded up to a power of two.
 inline int slc_dq_capacity(int group, int n) { return cuda::slc_sort_capacity(group, n); }
 
@@ -58,8 +61,8 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
   const int64_t s0 = seq_start(a.cu, b);
   const int64_t len = seq_start(a.cu, b + 1) - s0;
   const int64_t t0 = tile * tokens_per_cta + int64_t(warp) * tpw;
-  if (t0 >= len) return;  // no CTA barrier anywhere: a warp may leave alone
-  const int tokens_valid = int(min(int64_t(tpw), len - t0));
+  if (!a.slc_union && t0 >= len) return;  // no CTA barrier then: a warp may leave alone
+  const int tokens_valid = t0 < len ? int(min(int64_t(tpw), len - t0)) : 0;
   const int64_t t_max = t0 + tokens_valid - 1;
 
   unsigned char* mine = smem + warp * slc_dq_warp_bytes(DQK, DV, cap);
@@ -68,8 +71,20 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
   E* ring = reinterpret_cast<E*>(mine + slc_dq_union_bytes(cap));  // [2][kStage]
   int32_t* keys = reinterpret_cast<int32_t*>(ring);  // the union's sort, done before the ring's first copy
 
-  const int32_t* idx = static_cast<const int32_t*>(a.indices.p) + (s0 + t0) * a.indices.s0 + int64_t(hk) * a.indices.s1;
+  const int32_t* idx =
+      static_cast<const int32_t*>(a.indices.p) + (s0 + min(t0, len - 1)) * a.indices.s0 + int64_t(hk) * a.indices.s1;
   const int num_blocks = cuda::warp_block_union(idx, a.indices.s0, a.n, a.lp, t0, tokens_valid, cap, keys, ublk, umask);
+  if (a.slc_union) {
+    // dq_kernel took this tile's selection if the union of its warps' blocks is small: the same
+    // count (cta_union_size over the same lists) and the same rule.
+    int* meta = reinterpret_cast<int*>(smem + slc_dq_smem_bytes(DQK, DV, cap) - 8 * sizeof(int));
+    if (lane == 0) meta[warp] = num_blocks;
+    const int u = cuda::cta_union_size(reinterpret_cast<const int32_t*>(smem),
+                                       int(slc_dq_warp_bytes(DQK, DV, cap) / sizeof(int32_t)), meta, meta + kSlcDqWarps);
+    const int tile_tokens = int(max(int64_t(0), min(int64_t(tokens_per_cta), len - tile * tokens_per_cta)));
+    if (tile_tokens > 0 && cuda::slc_union_takes(u, tile_tokens, a.n)) return;
+    if (tokens_valid == 0) return;
+  }
 
   // This lane's rows g and g + 8: token, head, lse of the selection branch (log2 units), gate.
   int tok[2], head[2];
