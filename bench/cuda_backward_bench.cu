@@ -8,9 +8,12 @@
 // same gpu_check.sh run.
 //
 //   nsa_cuda_backward_bench [--out FILE.csv] [--quick] [--lengths 8192,65536] [--g16-only] [--once]
+//                           [--variant NAME]
 //
 // --once: one forward and one backward of the first shape and length, then exit (for a profiler
 // such as `ncu --metrics gpu__time_duration.sum`, which then sees each kernel exactly once).
+// --variant NAME: only that variant (full, saved_o_branch, no_window, no_selection, phi_mlp_F4D,
+// per_token, local_q, local_q_per_token) where the length has it; with --once, the one that runs.
 //
 // Shapes: Hq = 64, Hkv = 4 (G = 16), D = 128, and G = 4 (Hq = 16, Hkv = 4); paper block settings
 // (l = 32, d = 16, l' = 64, n = 16, n_init = 1, n_local = 2, w = 512), phi = mean (the public
@@ -76,12 +79,14 @@ struct Shape {
 int main(int argc, char** argv) {
   const char* out_path = "nsa_backward_bench.csv";
   bool quick = false, g16_only = false, once = false;
+  const char* only_variant = nullptr;
   std::vector<int64_t> chosen;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--out") && i + 1 < argc) out_path = argv[++i];
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--g16-only")) g16_only = true;
     else if (!std::strcmp(argv[i], "--once")) once = true;
+    else if (!std::strcmp(argv[i], "--variant") && i + 1 < argc) only_variant = argv[++i];
     else if (!std::strcmp(argv[i], "--lengths") && i + 1 < argc)
       for (char* tok = std::strtok(argv[++i], ","); tok; tok = std::strtok(nullptr, ",")) chosen.push_back(std::atoll(tok));
   }
@@ -139,6 +144,7 @@ int main(int argc, char** argv) {
       Tensor dq(bf16, {T, s.hq, s.d}), dg(bf16, {T, s.hq, 3});
       const double qkvo_bytes = double(q.bytes) * 2 + 6.0 * double(k[0]->bytes);
       for (const Variant& var : variants) {
+        if (only_variant != nullptr && std::strcmp(only_variant, var.name) != 0) continue;
         if (var.local_q)  // (q is this length's own: the variants after it, if any, would see it too)
           fill_local<<<1024, 256>>>(static_cast<__nv_bfloat16*>(q.data), q.view.numel(), s.hq * s.d, 64, 21);
         nsa::cuda::testing::set_slc_union_tiles_enabled(!var.per_token);
