@@ -15,12 +15,13 @@
 // A row tile holds kRows = 64 rows: kRows / G consecutive query tokens of one sequence times the
 // G query heads of one KV head, so every key row loaded serves G heads. Three kernels, none with
 // floating-point atomics:
-//   dq_kernel        query-centric, each warp owns 16 rows, compressed and window branches: per
-//                    row tile, (1) recompute each branch's output from lse to get dg (skipped
-//                    when dg came from the saved o_branch), (2) sum the two branches' dQ in
-//                    registers, write dq.
-//   slc_dq_kernel    (slc_dq.cuh) the selection branch's dg and dQ, one warp per 16 rows with
-//                    K/V from L2 into registers; adds its dQ to dq.
+//   dq_kernel        query-centric, each warp owns 16 rows, compressed and window branches (and
+//                    on sm_90a the selection of a row tile whose tokens' blocks have a small
+//                    union: BwdArgs::slc_union): per row tile, (1) recompute each branch's output
+//                    from lse to get dg (skipped when dg came from the saved o_branch), (2) sum
+//                    the branches' dQ in registers, write dq.
+//   slc_dq_kernel    (slc_dq.cuh) the selection branch's dg and dQ of the other row tiles, one
+//                    warp per 16 rows with K/V from L2 into registers; adds its dQ to dq.
 //   dkv_kernel       key-centric, each warp owns 16 keys (it computes S^T and dP^T, so P^T and
 //                    dS^T are its A operands): per key tile, loop over the query tiles that see
 //                    it; raw keys (window + selection, the latter through the inverted index) or

@@ -1,8 +1,10 @@
 // dq of the selection branch (and its dg when the forward's o_branch was not kept): one warp per
 // 16 query rows, no CTA barrier.
 //
-// dq_kernel (attention.cuh) runs first with the selection branch off and writes dq of the
-// compressed and window branches; this kernel then adds the selection's part:
+// dq_kernel (attention.cuh) runs first and writes dq of the compressed and window branches (and,
+// with BwdArgs::slc_union, the whole dq and dg of the row tiles whose union of selected blocks is
+// small: this kernel recounts those unions and leaves their tiles); this kernel then adds the
+// selection's part:
 //   pass 1 (skipped when a.dg_ready): o_slc = sum_j P_j V_j with P = exp(scale s - lse_slc), and
 //           dg_slc = <dO, o_slc>, written to dg32 / dg (dq_kernel wrote 0 there). K and V go
 //           straight into registers, as in the forward's selection kernel (slc_attention.cuh).
