@@ -466,6 +466,15 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
   // Tile i: its keys' geometry and the rows of its first key (key c at kb + c * ks, vb + c * vs).
   const int64_t crow0 = cmp_row_offset(s0, a.d);  // (a 64-bit division: once, not per tile)
   auto tile_at = [&](int i, const E*& kb, int64_t& ks, const E*& vb, int64_t& vs) -> KeyTile {
+    // Raw keys of branch b from sequence position pos on.
+    auto raw_rows = [&](int b, int pos) {
+      const Mat3& K = a.k[b];
+      const Mat3& V = a.v[b];
+      ks = K.s0;
+      vs = V.s0;
+      kb = static_cast<const E*>(K.p) + (s0 + pos) * K.s0 + hk * K.s1;
+      vb = static_cast<const E*>(V.p) + (s0 + pos) * V.s0 + hk * V.s1;
+    };
     if (i < n_cmp) {
       const int i0 = i * kKeys;
       const int64_t crow = crow0 + i0;
@@ -477,21 +486,11 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
     }
     if (i < n_cmp + n_slc) {  // a union block (l' = kKeys): its keys up to the sequence's end
       const int pos = slc_blocks[i - n_cmp] * kKeys;
-      const Mat3& K = a.k[kSlc];
-      const Mat3& V = a.v[kSlc];
-      ks = K.s0;
-      vs = V.s0;
-      kb = static_cast<const E*>(K.p) + (s0 + pos) * K.s0 + hk * K.s1;
-      vb = static_cast<const E*>(V.p) + (s0 + pos) * V.s0 + hk * V.s1;
+      raw_rows(kSlc, pos);
       return KeyTile{min(kKeys, len - pos), pos, 1, slc_tokens[i - n_cmp]};
     }
     const int pos = p0 + (i - n_cmp - n_slc) * kKeys, end = t_last + 1;
-    const Mat3& K = a.k[kWin];
-    const Mat3& V = a.v[kWin];
-    ks = K.s0;
-    vs = V.s0;
-    kb = static_cast<const E*>(K.p) + (s0 + pos) * K.s0 + hk * K.s1;
-    vb = static_cast<const E*>(V.p) + (s0 + pos) * V.s0 + hk * V.s1;
+    raw_rows(kWin, pos);
     return KeyTile{max(0, min(kKeys, end - pos)), pos, 1};
   };
   // TMA (one thread): tile i into buffer buf. Rows past the tile's keys arrive as whatever the
