@@ -24,9 +24,10 @@ inline std::atomic<bool>& slc_union_tiles_flag() {
   return on;
 }
 
-// While false, the selection runs its per-token kernel on every tile (slc_attention.cuh), so the
-// GPU tests check both kernels on the same inputs: with the small sequences of the tests every
-// tile's union fits the union-tile kernel. True by default.
+// While false, the selection runs its per-token kernel on every tile (slc_attention.cuh), and the
+// backward its slc_dq_kernel (backward/slc_dq.cuh) instead of dq_kernel's union tiles, so the GPU
+// tests check both paths on the same inputs: with the small sequences of the tests every tile's
+// union fits the union tiles. True by default.
 inline void set_slc_union_tiles_enabled(bool on) { slc_union_tiles_flag().store(on); }
 inline bool slc_union_tiles_enabled() { return slc_union_tiles_flag().load(std::memory_order_relaxed); }
 
