@@ -1329,15 +1329,22 @@ bool dq_rows_map(CUtensorMap* map, const void* p, int64_t rows, int64_t st, int6
   if (p == nullptr || rows <= 0) return false;
   return cuda::make_rows_tensor_map(map, kIsBf16<E>, p, D, uint64_t(hkv), uint64_t(rows), st, sh, kKeys);
 }
+// Whether kKernel runs its sm_90a body (the binary the driver loaded is 9.0, and the only 9.x code
+// built is sm_90a), asked once per kernel.
+template <auto kKernel>
+bool runs_sm90() {
+  static const bool sm90 = [] {
+    cudaFuncAttributes attr{};
+    return cudaFuncGetAttributes(&attr, kKernel) == cudaSuccess && attr.binaryVersion == 90;
+  }();
+  return sm90;
+}
+
 // dq_kernel's maps, for the branches that have keys; false where one cannot be made or the
 // kernel runs the sm_80 body (no TMA there).
 template <typename E, int DQK, int DV>
 bool dq_tensor_maps(DqMaps& m, const BwdArgs& a) {
-  static const bool sm90 = [] {
-    cudaFuncAttributes attr{};
-    return cudaFuncGetAttributes(&attr, dq_kernel<E, DQK, DV>) == cudaSuccess && attr.binaryVersion == 90;
-  }();
-  if (!sm90 || !a.vec) return false;
+  if (!runs_sm90<dq_kernel<E, DQK, DV>>() || !a.vec) return false;
   const bool cmp = a.rc > 0, win = a.w > 0, slc = a.slc_union;
   if (!cmp && !win && !slc) return false;
   if (slc && !(dq_rows_map<E, DQK>(&m.ks, a.k[kSlc].p, a.T, a.k[kSlc].s0, a.k[kSlc].s1, a.hkv) &&
@@ -1356,12 +1363,7 @@ bool dq_tensor_maps(DqMaps& m, const BwdArgs& a) {
 // false where one cannot be made or the kernel runs the sm_80 body (no TMA there).
 template <typename E, int DQK, int DV>
 bool dkv_tensor_maps(DkvMaps& m, const BwdArgs& a) {
-  static const bool sm90 = [] {
-    cudaFuncAttributes attr{};
-    return cudaFuncGetAttributes(&attr, dkv_kernel<E, DQK, DV, KeySet::cmp>) == cudaSuccess &&
-           attr.binaryVersion == 90;
-  }();
-  if (!sm90 || !a.vec || a.T <= 0) return false;
+  if (!runs_sm90<dkv_kernel<E, DQK, DV, KeySet::cmp>>() || !a.vec || a.T <= 0) return false;
   const uint32_t tq = uint32_t(kRows / a.G), g = uint32_t(a.G);
   return cuda::make_rows_tensor_map(&m.q, kIsBf16<E>, a.q.p, DQK, uint64_t(a.hq), uint64_t(a.T), a.q.s0, a.q.s1, tq,
                                     g) &&
@@ -1375,21 +1377,17 @@ bool dkv_tensor_maps(DkvMaps& m, const BwdArgs& a) {
 // must agree on it: both phases ask here.
 template <typename E, int DQK, int DV>
 bool slc_union_enabled(const BwdArgs& a) {
-  static const bool sm90 = [] {
-    cudaFuncAttributes attr{};
-    return cudaFuncGetAttributes(&attr, dq_kernel<E, DQK, DV>) == cudaSuccess && attr.binaryVersion == 90;
-  }();
-  return sm90 && a.n > 0 && a.lp == kKeys && a.G >= 1 && a.G <= 16 && cuda::testing::slc_union_tiles_enabled() &&
-         DqSmem<E, DQK, DV>::slc_union_sorts_fit(cuda::slc_sort_capacity(a.G, a.n));
+  return runs_sm90<dq_kernel<E, DQK, DV>>() && a.n > 0 && a.lp == kKeys && cuda::testing::slc_union_tiles_enabled() &&
+         DqSmem<E, DQK, DV>::slc_union_sorts_fit(a.slc_cap);
 }
 
 template <typename E, int DQK, int DV>
 void launch_attention(const BwdArgs& a_in, cudaStream_t s, int phase) {
   BwdArgs a = a_in;
+  a.slc_cap = slc_dq_capacity(a.G, a.n);
   a.slc_union = slc_union_enabled<E, DQK, DV>(a);
-  a.slc_cap = cuda::slc_sort_capacity(a.G, a.n);
   if (phase == 4) {  // the selection branch's dq (and dg), after dq_kernel ran without it
-    const int cap = slc_dq_capacity(a.G, a.n);
+    const int cap = a.slc_cap;
     const size_t smem = slc_dq_smem_bytes(DQK, DV, cap);
     cuda::allow_smem(slc_dq_kernel<E, DQK, DV>, smem, /*max_carveout=*/true);  // the warps' rings
     const dim3 grid = cuda::row_tile_grid(a.max_seqlen, a.B, (16 / a.G) * kSlcDqWarps, a.hkv);
