@@ -118,6 +118,7 @@ struct BwdArgs {
   float scale = 0.f;
   bool shared_kv = false;
   bool vec = true;    // every 16-bit tensor is 16-byte aligned with strides % 8 == 0
+  bool dq_pairs = false;  // dq's column pairs (2i, 2i + 1) are aligned 32-bit words (one store each)
 
   Mat3 q, d_o, g, lse;       // g [T, Hq, 3], lse [T, Hq, 3] f32
   Mat3 k[3], v[3];           // raw K/V per branch (cmp entry unused here)
@@ -763,6 +764,13 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
   for (int h = 0; h < 2; ++h) {
     if (rtok[h] < 0) continue;
     E* out = dqb + int64_t(rtok[h]) * a.dq.s0 + int64_t(rhead[h]) * a.dq.s1 + 2 * quad;
+    if (a.dq_pairs) {  // one 32-bit store per column pair (two 16-bit ones fill a sector half as well)
+#pragma unroll
+      for (int nt = 0; nt < DQK / 8; ++nt)
+        *reinterpret_cast<uint32_t*>(out + nt * 8) =
+            cuda::StorageTraits<E>::pack(acc_q[nt][2 * h], acc_q[nt][2 * h + 1]);
+      continue;
+    }
 #pragma unroll
     for (int nt = 0; nt < DQK / 8; ++nt) {
       out[nt * 8] = from_float<E>(acc_q[nt][2 * h]);

@@ -579,6 +579,16 @@ Sizes sizes_of(const Config& cfg, const Problem& p, int64_t F) {
 Mat3 mat3(const TensorView& t) { return Mat3{t.data, t.ndim > 0 ? t.stride[0] : 0, t.ndim > 1 ? t.stride[1] : 0}; }
 OutMat3 out3(const TensorView& t) { return OutMat3{t.data, t.ndim > 0 ? t.stride[0] : 0, t.ndim > 1 ? t.stride[1] : 0}; }
 
+// Whether every pair of neighbouring elements (2 i, 2 i + 1) of the last dimension of a 16-bit t is
+// one aligned 32-bit word: the data 4-byte aligned, the other strides even.
+bool aligned_pairs(const TensorView& t) {
+  if (!t.defined()) return true;
+  if (reinterpret_cast<uintptr_t>(t.data) % 4 != 0) return false;
+  for (int i = 0; i + 1 < t.ndim; ++i)
+    if (t.stride[i] % 2 != 0) return false;
+  return true;
+}
+
 bool aligned16(const TensorView& t) {
   if (!t.defined()) return true;
   if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0) return false;
@@ -757,6 +767,7 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
   a.vc = L.vc;
   a.dg32 = L.dg32;
   a.dq = out3(grads.dq);
+  a.dq_pairs = aligned_pairs(grads.dq);
   a.dg = out3(grads.dg);
   a.sel_tokens = L.tokens[0];
   a.sel_offsets = L.offsets;

@@ -235,6 +235,16 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
   for (int h = 0; h < 2; ++h) {
     if (t_row[h] < 0) continue;
     E* out = static_cast<E*>(a.dq.p) + (s0 + t_row[h]) * a.dq.s0 + int64_t(head[h]) * a.dq.s1;
+    if (a.dq_pairs) {  // one 32-bit load and store per column pair
+#pragma unroll
+      for (int t = 0; t < DQK / 8; ++t) {
+        uint32_t* w = reinterpret_cast<uint32_t*>(out + 8 * t + 2 * quad);
+        const uint32_t old = *w;
+        const E* e = reinterpret_cast<const E*>(&old);
+        *w = cuda::StorageTraits<E>::pack(to_float(e[0]) + acc_q[t][2 * h], to_float(e[1]) + acc_q[t][2 * h + 1]);
+      }
+      continue;
+    }
 #pragma unroll
     for (int t = 0; t < DQK / 8; ++t)
 #pragma unroll
