@@ -362,7 +362,16 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
 // tma_ring_end (forward_params.h).
 // row_of(c): the first row of chunk c in the maps (tma_ring_attention: row0 + c * kChunk; the
 // selection's union tiles: the first key of their c-th block), called by the thread that copies.
-template <typename Storage, int kDqk, int kDv, int kRows, int kChunk, int kStages, typename RowOf, typename MaskFn>
+//
+// kVStages < kStages (the selection's union tiles, where one V buffer less lets a third CTA onto
+// the SM): K and V have rings of their own, kStages K tiles then kVStages V tiles, each tile with
+// its mbarrier and counter (bars: kStages + kVStages mbarriers, then as many counters;
+// tma_ring_split_bar_bytes). A warp counts itself done with a K tile after its Q K^T and with a V
+// tile after its P V, so each refill starts as soon as the tile is free. kIssueEarly: the first
+// copies are issued before the Q tile has landed (the caller's shared memory in the ring must be
+// dead already, behind a CTA barrier).
+template <typename Storage, int kDqk, int kDv, int kRows, int kChunk, int kStages, int kVStages = kStages,
+          bool kIssueEarly = false, typename RowOf, typename MaskFn>
 __device__ __forceinline__ void tma_ring_attention_rows(TileAttention<Storage, kDqk, kDv, kRows, kChunk>& tile_state,
                                                         const Storage* sq, Storage* ring, uint64_t* bars,
                                                         const CUtensorMap* k_map, const CUtensorMap* v_map, int hk,
@@ -370,6 +379,90 @@ __device__ __forceinline__ void tma_ring_attention_rows(TileAttention<Storage, k
                                                         float scale_log2, MaskFn&& mask_fn) {
   using Tile = TileAttention<Storage, kDqk, kDv, kRows, kChunk>;
   constexpr unsigned kCtaWarps = kRows / 16;
+  static_assert(kVStages >= 1 && kVStages <= kStages, "V stages");
+  if constexpr (kVStages < kStages) {
+    constexpr uint32_t kKBytes = kChunk * kDqk * sizeof(Storage), kVBytes = kChunk * kDv * sizeof(Storage);
+    Storage* const sk = ring;                             // kStages K tiles
+    Storage* const sv = ring + kStages * Tile::kKSwTile;  // kVStages V tiles
+    uint64_t* const full_k = bars;
+    uint64_t* const full_v = bars + kStages;
+    unsigned* const done_k = reinterpret_cast<unsigned*>(bars + kStages + kVStages);
+    unsigned* const done_v = done_k + kStages;
+    auto issue_k = [&](int c) {  // one thread: K of chunk c into its tile
+      const int st = c % kStages;
+      mbarrier_expect_tx(full_k + st, kKBytes);
+      const int row = row_of(c);
+#pragma unroll
+      for (int b = 0; b < kDqk / 64; ++b)
+        tma_load_3d(sk + st * Tile::kKSwTile + b * kChunk * 64, k_map, 64 * b, hk, row, full_k + st);
+    };
+    auto issue_v = [&](int c) {
+      const int st = c % kVStages;
+      mbarrier_expect_tx(full_v + st, kVBytes);
+      const int row = row_of(c);
+#pragma unroll
+      for (int b = 0; b < kDv / 64; ++b)
+        tma_load_3d(sv + st * Tile::kVSwTile + b * kChunk * 64, v_map, 64 * b, hk, row, full_v + st);
+    };
+    auto prologue = [&] {
+      for (int c = 0; c < kStages && c < num_chunks; ++c) issue_k(c);
+      for (int c = 0; c < kVStages && c < num_chunks; ++c) issue_v(c);
+    };
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int st = 0; st < kStages + kVStages; ++st) {
+        mbarrier_init(bars + st, 1);
+        done_k[st] = 0;  // (done_v follows done_k)
+      }
+      fence_mbarrier_init();
+      if constexpr (kIssueEarly) prologue();
+    }
+    cp_async_wait<0>();
+    fence_proxy_async();  // the Q tile, for the score wgmma
+    __syncthreads();      // Q, the mbarriers and the counters, before anyone uses them
+    if constexpr (!kIssueEarly)
+      if (threadIdx.x == 0) prologue();
+    const int lane = threadIdx.x % 32;
+    // The warp that completes tile st's count for this use (the CTA's last warp done with it)
+    // refills it with chunk `next`.
+    auto release = [&](unsigned* done, int st, int next, auto&& issue) {
+      if (next < num_chunks) {
+        __syncwarp();
+        if (lane == 0) {
+          __threadfence_block();  // this warp's reads of the tile are ordered before its count
+          const unsigned before = atomicAdd(done + st, 1u);
+          if (before % kCtaWarps == kCtaWarps - 1) {
+            __threadfence_block();
+            fence_proxy_async();
+            issue(next);
+          }
+        }
+        __syncwarp();
+      }
+    };
+    int kst = 0, vst = 0;
+    uint32_t kphase = 0, vphase = 0;
+    for (int c = 0; c < num_chunks; ++c) {
+      mbarrier_wait_parity(full_k + kst, kphase);
+      float s[Tile::kSTiles][4];
+      tile_state.scores_wgmma_sq(s, sq, sk + kst * Tile::kKSwTile);  // waits for its products
+      release(done_k, kst, c + kStages, issue_k);
+      mask_fn(c, s);
+      tile_state.softmax_update(s, scale_log2);
+      mbarrier_wait_parity(full_v + vst, vphase);
+      if (c == num_chunks - 1 && count_last < kChunk) {
+        // Once per tile: the V rows past the keys become zeros before any warp's P V.
+        zero_sw128_rows<kChunk, kRows / 16 * 32>(sv + vst * Tile::kVSwTile, kDv / 64, count_last);
+        fence_proxy_async();  // the zeros, for the P V wgmma
+        __syncthreads();
+      }
+      tile_state.accumulate_pv_wgmma(s, sv + vst * Tile::kVSwTile);  // waits for its products
+      release(done_v, vst, c + kVStages, issue_v);
+      if (++kst == kStages) kst = 0, kphase ^= 1u;
+      if (++vst == kVStages) vst = 0, vphase ^= 1u;
+    }
+    return;
+  } else {
   constexpr uint32_t kStageBytes = kChunk * (kDqk + kDv) * sizeof(Storage);
   Storage* const sk = ring;                              // kStages K tiles
   Storage* const sv = ring + kStages * Tile::kKSwTile;   // kStages V tiles
@@ -429,6 +522,7 @@ __device__ __forceinline__ void tma_ring_attention_rows(TileAttention<Storage, k
       __syncwarp();
     }
     if (++st == kStages) st = 0, phase ^= 1u;
+  }
   }
 }
 

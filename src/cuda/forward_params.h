@@ -139,8 +139,8 @@ __host__ __device__ constexpr size_t slc_smem_bytes(int dqk, int dv, int sort_ca
 }
 // The selection's union tiles (sm_90a, slc_union_tile_kernel): a CTA of kSlcWarps warps takes the
 // 64 rows of the per-token kernel's CTA when their tokens' blocks have a union of at most
-// kSlcUnionMax blocks (l' = 64: one 64-key chunk per block), streamed through a kSlcUnionStages
-// TMA ring shared by the four warps.
+// kSlcUnionMax blocks (l' = 64: one 64-key chunk per block), streamed through a TMA ring of
+// kSlcUnionStages K tiles and slc_union_v_stages V tiles shared by the four warps.
 inline constexpr int kSlcUnionMax = 64, kSlcUnionStages = 2;
 // Whether the union kernel takes a tile of `tokens` tokens whose union has u blocks: at most
 // kSlcUnionMax, and at most half the blocks its tokens pick one by one (n each). From the measured
@@ -151,15 +151,42 @@ inline constexpr int kSlcUnionMax = 64, kSlcUnionStages = 2;
 __host__ __device__ constexpr bool slc_union_takes(int u, int tokens, int n_sel) {
   return u <= kSlcUnionMax && 2 * u <= tokens * n_sel;
 }
-// Its shared memory: the Q tile, the ring (the warps' sorts first live there), the ring's
-// mbarriers and counters, 8 ints, the union list and its scratch, the token masks.
+// Its shared memory: the Q tile, the ring (the warps' sorts first live there, and the output rows
+// at the end), the ring's mbarriers and counters, 8 ints, the union list and its scratch, the
+// token masks.
+// The kernel is latency-bound (one warpgroup per CTA, ncu at 64K with local_q: an instruction every
+// 3 cycles per scheduler) and its shared memory decides how many CTAs share an SM: at 128/128 a
+// ring of 2 K and 2 V tiles takes 85 KB (two CTAs), with one V tile 69 KB (three). One V tile
+// where that is what lets a third CTA on (slc_union_v_stages), else one per K tile. (One CTA of
+// 4-6 stages: 9.6 -> 15.5 ms, docs/cuda.md "Session 13".)
+inline constexpr size_t kSmemPerSm = 228 * 1024, kSmemPerCtaReserved = 1024;  // sm_90
+__host__ __device__ constexpr int ctas_per_sm_by_smem(size_t bytes) { return static_cast<int>(kSmemPerSm / (bytes + kSmemPerCtaReserved)); }
+// Mbarriers (and counters) of the union ring: one per stage, or one per K and per V tile when split.
+__host__ __device__ constexpr int slc_union_bars(int v_stages) {
+  return v_stages < kSlcUnionStages ? kSlcUnionStages + v_stages : kSlcUnionStages;
+}
+__host__ __device__ constexpr size_t slc_union_ring_bytes_v(int dqk, int dv, int v_stages) {
+  return size_t(kKeyChunk) * (size_t(kSlcUnionStages) * dqk + size_t(v_stages) * dv) * 2;
+}
+__host__ __device__ constexpr size_t slc_union_bytes(int dqk, int dv, int v_stages) {
+  return 1024 + size_t(kSlcWarps * 16) * (dqk + 8) * 2 + slc_union_ring_bytes_v(dqk, dv, v_stages) +
+         size_t(slc_union_bars(v_stages)) * (sizeof(uint64_t) + sizeof(unsigned)) + 8 + 8 * sizeof(int) +
+         2 * kSlcUnionMax * sizeof(int32_t) + kSlcUnionMax * sizeof(unsigned long long);
+}
+__host__ __device__ constexpr int slc_union_v_stages(int dqk, int dv) {
+  return ctas_per_sm_by_smem(slc_union_bytes(dqk, dv, kSlcUnionStages)) < 3 &&
+                 ctas_per_sm_by_smem(slc_union_bytes(dqk, dv, 1)) >= 3
+             ? 1
+             : kSlcUnionStages;
+}
 __host__ __device__ constexpr size_t slc_union_ring_bytes(int dqk, int dv) {
-  return size_t(kSlcUnionStages) * kKeyChunk * (dqk + dv) * 2;
+  return slc_union_ring_bytes_v(dqk, dv, slc_union_v_stages(dqk, dv));
 }
 __host__ __device__ constexpr size_t slc_union_smem_bytes(int dqk, int dv) {
-  return tma_ring_end(kSlcWarps * 16, dqk, dv, kKeyChunk, kSlcUnionStages) + tma_ring_bar_bytes(kSlcUnionStages) + 8 +
-         8 * sizeof(int) + 2 * kSlcUnionMax * sizeof(int32_t) + kSlcUnionMax * sizeof(unsigned long long);
+  return slc_union_bytes(dqk, dv, slc_union_v_stages(dqk, dv));
 }
+static_assert(slc_union_v_stages(128, 128) == 1 && slc_union_v_stages(192, 128) == 2 && slc_union_v_stages(64, 64) == 2,
+              "the union ring's V tiles");
 // Ints of the union tiles' list (BranchParams::slc_union_list): the count, then at most one entry
 // per (tile with tokens, KV head). A sequence of len tokens has ceil(len / (64 / G)) tiles, so
 // all of them at most T / (64 / G) + batch (G <= 16 divides 64).

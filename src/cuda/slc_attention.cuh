@@ -269,15 +269,17 @@ __global__ void __launch_bounds__(kSlcWarpThreads)
     __trap();  // launched only where the wgmma body runs (sm_90a)
   } else {
     constexpr int kRows = kSlcWarps * 16;
-    constexpr int kStages = kSlcUnionStages;
+    constexpr int kStages = kSlcUnionStages, kVStages = slc_union_v_stages(kDqk, kDv);
+    constexpr int kBars = slc_union_bars(kVStages);
     using Tile = TileAttention<Storage, kDqk, kDv, kRows>;
     using Smem = CmpSmem<Storage, kDqk, kDv, kRows>;
     static_assert(kRows == 64 && Smem::kWgmma, "one warpgroup, swizzled tiles");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const Smem sm(smem_raw);
-    unsigned char* const ring_end = reinterpret_cast<unsigned char*>(sm.sk + kStages * (Tile::kKSwTile + Tile::kVSwTile));
+    unsigned char* const ring_end =
+        reinterpret_cast<unsigned char*>(sm.sk + kStages * Tile::kKSwTile + kVStages * Tile::kVSwTile);
     uint64_t* const bars = reinterpret_cast<uint64_t*>(ring_end);
-    int* const meta = reinterpret_cast<int*>(ring_end + tma_ring_bar_bytes(kStages));
+    int* const meta = reinterpret_cast<int*>(ring_end + tma_ring_bar_bytes(kBars));
     int32_t* const ulist = meta + 8;              // [kSlcUnionMax]
     int32_t* const cand = ulist + kSlcUnionMax;   // [kSlcUnionMax]
     unsigned long long* const member =
@@ -293,7 +295,7 @@ __global__ void __launch_bounds__(kSlcWarpThreads)
         // before this tile's sorts overwrite the ring and its mbarriers are set up again.
         __syncthreads();
         if (threadIdx.x == 0)
-          for (int st = 0; st < kStages; ++st) mbarrier_inval(bars + st);
+          for (int st = 0; st < kBars; ++st) mbarrier_inval(bars + st);
       }
       const SlcTile tl(p, id % tiles_x, id / tiles_x);
       const int tokens_per_warp = tl.tokens_per_warp, hk = tl.hk;
@@ -331,7 +333,8 @@ __global__ void __launch_bounds__(kSlcWarpThreads)
       const int count_last =
           u > 0 ? static_cast<int>(min64(kKeyChunk, len - int64_t(ulist[u - 1]) * p.lp)) : kKeyChunk;
       // (The sorts in the ring are dead: the ring's first copy follows its own CTA barrier.)
-      tma_ring_attention_rows<Storage, kDqk, kDv, kRows, kKeyChunk, kStages>(
+      // (cta_union_list ends with a CTA barrier: the ring's first copies may start before Q lands.)
+      tma_ring_attention_rows<Storage, kDqk, kDv, kRows, kKeyChunk, kStages, kVStages, /*kIssueEarly=*/true>(
           st, sm.sq, sm.sk, bars, &k_map, &v_map, hk,
           [&](int c) { return static_cast<int>(s0 + int64_t(ulist[c]) * p.lp); }, u, count_last, p.scale_log2,
           [&](int c, float (&s)[Tile::kSTiles][4]) {
@@ -345,21 +348,41 @@ __global__ void __launch_bounds__(kSlcWarpThreads)
           });
 
       // ---- Epilogue: lse and o_slc of the two rows ----
+      // o_slc goes through shared memory (the ring, once every warp is done with it: rows of Dv + 8
+      // columns, a store's 8 rows x 4 quads on distinct banks), then out in 16-byte pieces, two
+      // whole rows per warp store: written straight from the accumulator layout, each 4-byte store
+      // half-filled its sectors (ncu: 34% excess global sectors).
       const int quad = lane % 4;
       Storage* const out = static_cast<Storage*>(p.o_branch[0]);
+      constexpr int kOStride = kDv + 8;
+      static_assert(size_t(kRows) * kOStride <= size_t(kStages) * Tile::kKSwTile + size_t(kVStages) * Tile::kVSwTile,
+                    "the output rows fit in the ring");
+      Storage* const so = sm.sk;  // [kRows][kOStride]
+      if (out != nullptr) __syncthreads();  // every warp's last products have read the ring
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float lse2, inv;
         st.finish_row(h, lse2, inv);
-        if (t_row[h] < 0) continue;
-        if (quad == 0 && p.lse[0] != nullptr)
+        if (t_row[h] >= 0 && quad == 0 && p.lse[0] != nullptr)
           p.lse[0][(s0 + t_row[h]) * p.lse_st[0] + head[h] * p.lse_sh[0]] = lse2 == kNegInf ? kNegInf : lse2 * kLn2;
         if (out == nullptr) continue;
-        Storage* orow = out + (s0 + t_row[h]) * p.ob_st[0] + int64_t(head[h]) * p.ob_sh[0];
+        Storage* orow = so + (warp * 16 + g + 8 * h) * kOStride;
 #pragma unroll
         for (int i = 0; i < Tile::kOTiles; ++i)
           *reinterpret_cast<uint32_t*>(orow + i * 8 + 2 * quad) =
               StorageTraits<Storage>::pack(st.acc[i][2 * h] * inv, st.acc[i][2 * h + 1] * inv);
+      }
+      if (out != nullptr) {
+        __syncwarp();  // a warp writes out its own 16 rows
+        constexpr int kRowPieces = kDv / 8;
+        for (int e = lane; e < 16 * kRowPieces; e += 32) {
+          const int row = warp * 16 + e / kRowPieces, piece = e % kRowPieces;
+          const int rtok = row >> p.log2_group;
+          if (rtok >= tokens_valid) continue;
+          const int rhead = hk * p.group + (row & (p.group - 1));
+          *reinterpret_cast<uint4*>(out + (s0 + t0 + rtok) * p.ob_st[0] + int64_t(rhead) * p.ob_sh[0] + 8 * piece) =
+              *reinterpret_cast<const uint4*>(so + row * kOStride + 8 * piece);
+        }
       }
     }
   }
