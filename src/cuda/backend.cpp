@@ -42,17 +42,6 @@ int log2_exact(int64_t v) {
   return r;
 }
 
-// cp.async moves 16-byte pieces: rows must start on 16 bytes.
-void require_rows_aligned(const char* name, const TensorView& t) {
-  if (!t.defined()) return;
-  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0)
-    throw Error(std::string(name) + ".data", "not 16-byte aligned", "the cuda backend needs 16-byte aligned tensors");
-  for (int d = 0; d + 1 < t.ndim; ++d)
-    if (t.shape[d] > 1 && t.stride[d] % 8 != 0)
-      throw Error(std::string(name) + ".stride[" + std::to_string(d) + "]", std::to_string(t.stride[d]),
-                  "must be a multiple of 8 elements on the cuda backend (rows start on 16 bytes)");
-}
-
 void require_attention_shapes(const Plan& p) {
   require_storage_dtype(p.dtype);
   require_supported_dims(p.dqk, p.dv);

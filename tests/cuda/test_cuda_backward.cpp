@@ -456,4 +456,40 @@ TEST(CudaBackwardErrors, SelectionTablesTooLargeNameN) {
   if (ws) cudaFree(ws);
 }
 
+// The backward moves rows in 16-byte pieces, as the forward does: a view whose rows do not start
+// on 16 bytes is an nsa::Error naming the tensor (before session 13 the backward took it and a
+// kernel failed with a misaligned address). Each view is its tensor shifted by one element (the
+// device buffers have 16 bytes of slack).
+TEST(CudaBackwardErrors, UnalignedRowsNameTheTensor) {
+  NSA_REQUIRE_GPU();
+  BwdCase c{"x", DType::bf16, 64, 64, 4, 1, {40}, 32, 16, 64, 2, 1, 1, 16, PhiKind::mean, false};
+  const Config cfg = config_of(c);
+  Twin t = make_twin(c, 1);
+  forward(ctx_of(Backend::reference), cfg, t.ref.inputs(), t.ref.outputs());
+  copy_values(t.ref.lse, t.low.lse);
+  copy_values(t.ref.indices, t.low.indices);
+  const Context ctx = ctx_of(Backend::cuda);
+  auto shifted = [](TensorView v) {
+    v.data = static_cast<char*>(v.data) + dtype_size(v.dtype);
+    return v;
+  };
+  for (const std::string which : {"q", "d_o", "dq", "kv[2].k", "dkv[1].v"}) {
+    DeviceLayer dev(t.low, 40);
+    TensorView d_o = dev.d_o.view();
+    if (which == "q") dev.in.q = shifted(dev.in.q);
+    if (which == "d_o") d_o = shifted(d_o);
+    if (which == "dq") dev.grads.dq = shifted(dev.grads.dq);
+    if (which == "kv[2].k") dev.in.kv[2].k = shifted(dev.in.kv[2].k);
+    if (which == "dkv[1].v") dev.grads.dkv[1].v = shifted(dev.grads.dkv[1].v);
+    const DeviceWorkspace ws(workspace_size(ctx, Op::backward, cfg, problem_of(cfg, dev.in)));
+    try {
+      backward(ctx, cfg, dev.in, dev.saved, d_o, dev.grads, ws.view());
+      ADD_FAILURE() << which << ": expected nsa::Error";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.parameter(), which + ".data") << e.what();
+    }
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << which << ": no kernel ran";
+  }
+}
+
 }  // namespace

@@ -914,6 +914,21 @@ void backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, cons
               const Gradients& grads, Workspace ws) {
   const Problem prob = problem_of(p);
   check_supported(p.cfg, prob);
+  // As in the forward: rows move in 16-byte pieces (slc_dq_kernel's K, V, Q and dO loads, the
+  // tensor maps, the copies and the dq / dk / dv stores), so every row starts on 16 bytes. Without
+  // this check an unaligned view failed inside a kernel with a misaligned-address error.
+  cuda::require_rows_aligned("q", in.q);
+  cuda::require_rows_aligned("d_o", d_o);
+  cuda::require_rows_aligned("o_branch", saved.o_branch);
+  cuda::require_rows_aligned("dq", grads.dq);
+  for (int b = 0; b < 3; ++b) {
+    const std::string i = "[" + std::to_string(b) + "]";
+    const KV& kv = detail::branch_kv(p.cfg, in, b);
+    cuda::require_rows_aligned("kv" + i + ".k", kv.k);
+    cuda::require_rows_aligned("kv" + i + ".v", kv.v);
+    cuda::require_rows_aligned("dkv" + i + ".k", grads.dkv[b].k);
+    cuda::require_rows_aligned("dkv" + i + ".v", grads.dkv[b].v);
+  }
   if (p.cfg.phi != PhiKind::mean && (in.phi_k.pe.stride[0] != p.dqk || in.phi_v.pe.stride[0] != p.dv ||
                                       grads.dphi_k.pe.stride[0] != p.dqk || grads.dphi_v.pe.stride[0] != p.dv))
     throw Error("phi.pe / dphi.pe", "strided", "must be contiguous [l, D] for the cuda backward");

@@ -56,5 +56,16 @@ inline void require_storage_dtype(DType dtype) {
   if (dtype != DType::bf16 && dtype != DType::f16)
     throw Error("dtype", dtype_name(dtype), "is not supported by the cuda backend (supported: bf16, f16)");
 }
+// The kernels move rows in 16-byte pieces (cp.async, TMA, vector loads and stores): every row of
+// a 16-bit tensor must start on 16 bytes. `name`: the parameter, as the error names it.
+inline void require_rows_aligned(const std::string& name, const TensorView& t) {
+  if (!t.defined()) return;
+  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0)
+    throw Error(name + ".data", "not 16-byte aligned", "the cuda backend needs 16-byte aligned tensors");
+  for (int d = 0; d + 1 < t.ndim; ++d)
+    if (t.shape[d] > 1 && t.stride[d] % 8 != 0)
+      throw Error(name + ".stride[" + std::to_string(d) + "]", std::to_string(t.stride[d]),
+                  "must be a multiple of 8 elements on the cuda backend (rows start on 16 bytes)");
+}
 
 }  // namespace nsa::cuda
