@@ -15,6 +15,8 @@
 // p_cmp is never rounded (fp32 all the way), and the order of additions is fixed (deterministic).
 #pragma once
 
+#include <type_traits>
+
 #include "cuda/attention_tile.cuh"
 #include "cuda/common/check.h"
 #include "cuda/common/launch.h"
@@ -381,28 +383,27 @@ __device__ __forceinline__ void tma_ring_attention_rows(TileAttention<Storage, k
   constexpr unsigned kCtaWarps = kRows / 16;
   static_assert(kVStages >= 1 && kVStages <= kStages, "V stages");
   if constexpr (kVStages < kStages) {
-    constexpr uint32_t kKBytes = kChunk * kDqk * sizeof(Storage), kVBytes = kChunk * kDv * sizeof(Storage);
     Storage* const sk = ring;                             // kStages K tiles
     Storage* const sv = ring + kStages * Tile::kKSwTile;  // kVStages V tiles
     uint64_t* const full_k = bars;
     uint64_t* const full_v = bars + kStages;
     unsigned* const done_k = reinterpret_cast<unsigned*>(bars + kStages + kVStages);
     unsigned* const done_v = done_k + kStages;
-    auto issue_k = [&](int c) {  // one thread: K of chunk c into its tile
-      const int st = c % kStages;
-      mbarrier_expect_tx(full_k + st, kKBytes);
+    // One thread: the kD columns of chunk c's rows (kD / 64 boxes) into `tile`, completing on `bar`.
+    auto issue_tile = [&](auto d, int c, Storage* tile, uint64_t* bar, const CUtensorMap* map) {
+      constexpr int kD = decltype(d)::value;
+      mbarrier_expect_tx(bar, uint32_t(kChunk) * kD * sizeof(Storage));
       const int row = row_of(c);
 #pragma unroll
-      for (int b = 0; b < kDqk / 64; ++b)
-        tma_load_3d(sk + st * Tile::kKSwTile + b * kChunk * 64, k_map, 64 * b, hk, row, full_k + st);
+      for (int b = 0; b < kD / 64; ++b) tma_load_3d(tile + b * kChunk * 64, map, 64 * b, hk, row, bar);
+    };
+    auto issue_k = [&](int c) {
+      const int st = c % kStages;
+      issue_tile(std::integral_constant<int, kDqk>{}, c, sk + st * Tile::kKSwTile, full_k + st, k_map);
     };
     auto issue_v = [&](int c) {
       const int st = c % kVStages;
-      mbarrier_expect_tx(full_v + st, kVBytes);
-      const int row = row_of(c);
-#pragma unroll
-      for (int b = 0; b < kDv / 64; ++b)
-        tma_load_3d(sv + st * Tile::kVSwTile + b * kChunk * 64, v_map, 64 * b, hk, row, full_v + st);
+      issue_tile(std::integral_constant<int, kDv>{}, c, sv + st * Tile::kVSwTile, full_v + st, v_map);
     };
     auto prologue = [&] {
       for (int c = 0; c < kStages && c < num_chunks; ++c) issue_k(c);
