@@ -367,8 +367,8 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
 //
 // kVStages < kStages (the selection's union tiles, where one V buffer less lets a third CTA onto
 // the SM): K and V have rings of their own, kStages K tiles then kVStages V tiles, each tile with
-// its mbarrier and counter (bars: kStages + kVStages mbarriers, then as many counters;
-// tma_ring_split_bar_bytes). A warp counts itself done with a K tile after its Q K^T and with a V
+// its mbarrier and counter (bars: kStages + kVStages mbarriers, then as many counters:
+// tma_ring_bar_bytes(kStages + kVStages)). A warp counts itself done with a K tile after its Q K^T and with a V
 // tile after its P V, so each refill starts as soon as the tile is free. kIssueEarly: the first
 // copies are issued before the Q tile has landed (the caller's shared memory in the ring must be
 // dead already, behind a CTA barrier).
