@@ -251,20 +251,23 @@ struct TileAttention {
   // load_q_tile<..., true>), B = the swizzled K chunk in `sk`, both K-major. No Q fragments in
   // registers (32 of them at Dqk = 128) and no ldmatrix per chunk. Every thread of the warpgroup
   // must call it.
-  __device__ __forceinline__ void scores_wgmma_sq(float (&s)[kSTiles][4], const Storage* sq,
-                                                  const Storage* sk) const {
+  // after(): run once the products are issued, before they are waited for (wgmma_batch_then).
+  template <typename After = NoHook>
+  __device__ __forceinline__ void scores_wgmma_sq(float (&s)[kSTiles][4], const Storage* sq, const Storage* sk,
+                                                  After&& after = After{}) const {
     static_assert(kRows % 64 == 0 && (kChunk == 64 || kChunk == 128), "whole warpgroups, one n64 or n128 product per k16 step");
-#pragma unroll
-    for (int i = 0; i < kSTiles; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-    wgmma_batch([&] {
-      wgmma_abt_ss_sw128<kChunk, kBf16, kDqk, kRows>(s, smem_address(sq) + (threadIdx.x / 128) * (64 * 128),
-                                                     smem_address(sk));
-    }, s);
+    // (s is overwritten: the first product has scale_d 0.)
+    wgmma_batch_then([&] {
+      wgmma_abt_ss_sw128<kChunk, kBf16, kDqk, kRows, true>(s, smem_address(sq) + (threadIdx.x / 128) * (64 * 128),
+                                                           smem_address(sk));
+    }, after, s);
   }
 
   // accumulate_pv() with one m64n{Dv}k16 wgmma per 16 keys: A = P packed from registers, B = the
   // swizzled V chunk in `sv` (MN-major, transposed operand).
-  __device__ __forceinline__ void accumulate_pv_wgmma(const float (&p)[kSTiles][4], const Storage* sv) {
+  template <typename After = NoHook>
+  __device__ __forceinline__ void accumulate_pv_wgmma(const float (&p)[kSTiles][4], const Storage* sv,
+                                                      After&& after = After{}) {
     static_assert(kRows % 64 == 0 && (kDv == 64 || kDv == 128), "whole warpgroups, N = Dv in one product");
     uint32_t a[kChunk / 16][4];
 #pragma unroll
@@ -274,12 +277,12 @@ struct TileAttention {
       a[kk][2] = Traits::pack(p[2 * kk + 1][0], p[2 * kk + 1][1]);
       a[kk][3] = Traits::pack(p[2 * kk + 1][2], p[2 * kk + 1][3]);
     }
-    wgmma_batch([&] {
+    wgmma_batch_then([&] {
       const uint32_t base = smem_address(sv);
 #pragma unroll
       for (int kk = 0; kk < kChunk / 16; ++kk)
         wgmma_rs<kDv, kBf16, 1>(acc, a[kk], wgmma_desc_sw128(base, kk * 16 * 128, kChunk * 128, 1024), 1);
-    }, acc);
+    }, after, acc);
   }
 
   // Row sums over the quad; returns the log-sum-exp in log2 units (-inf for an empty row) and

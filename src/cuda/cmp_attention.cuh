@@ -373,7 +373,7 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
 // copies are issued before the Q tile has landed (the caller's shared memory in the ring must be
 // dead already, behind a CTA barrier).
 template <typename Storage, int kDqk, int kDv, int kRows, int kChunk, int kStages, int kVStages = kStages,
-          bool kIssueEarly = false, typename RowOf, typename MaskFn>
+          bool kIssueEarly = false, bool kPingPong = false, typename RowOf, typename MaskFn>
 __device__ __forceinline__ void tma_ring_attention_rows(TileAttention<Storage, kDqk, kDv, kRows, kChunk>& tile_state,
                                                         const Storage* sq, Storage* ring, uint64_t* bars,
                                                         const CUtensorMap* k_map, const CUtensorMap* v_map, int hk,
@@ -382,6 +382,7 @@ __device__ __forceinline__ void tma_ring_attention_rows(TileAttention<Storage, k
   using Tile = TileAttention<Storage, kDqk, kDv, kRows, kChunk>;
   constexpr unsigned kCtaWarps = kRows / 16;
   static_assert(kVStages >= 1 && kVStages <= kStages, "V stages");
+  static_assert(!kPingPong || kVStages == kStages, "ping-pong with one ring of K + V stages");
   if constexpr (kVStages < kStages) {
     Storage* const sk = ring;                             // kStages K tiles
     Storage* const sv = ring + kStages * Tile::kKSwTile;  // kVStages V tiles
@@ -496,6 +497,20 @@ __device__ __forceinline__ void tma_ring_attention_rows(TileAttention<Storage, k
   const int lane = threadIdx.x % 32;
   int st = 0;
   uint32_t phase = 0;
+  // Ping-pong (kPingPong; FA3's schedule, round robin over the kRows / 64 warpgroups): the
+  // warpgroups issue their product batches in strict turns, Q K^T(0) of warpgroup 0, of 1, ...,
+  // then P V(0) of 0, of 1, ... Each waits on its named barrier before a batch and, once the batch
+  // is issued, arrives on the next one's, so a warpgroup's batch runs on the tensor cores ahead of
+  // the next one's while the others do their softmax, instead of all batches interleaving and all
+  // softmaxes then running at once. The last warpgroup opens warpgroup 0's first turn and leaves
+  // out its arrive after its last batch, so that every arrive meets a wait.
+  constexpr int kWgs = kRows / 64;
+  constexpr int kPpBar = 1, kPpThreads = 256;  // named barriers 1 .. kWgs: the waiting and the arriving warpgroup
+  static_assert(!kPingPong || (kRows % 64 == 0 && kWgs >= 2 && kWgs <= 4), "ping-pong of 2-4 warpgroups");
+  const int wg = static_cast<int>(threadIdx.x / 128);
+  const int wg_next = wg + 1 == kWgs ? 0 : wg + 1;
+  if constexpr (kPingPong)
+    if (wg == kWgs - 1 && num_chunks > 0) named_barrier_arrive(kPpBar, kPpThreads);
   for (int c = 0; c < num_chunks; ++c) {
     mbarrier_wait_parity(full + st, phase);
     if (c == num_chunks - 1 && count_last < kChunk) {
@@ -505,10 +520,24 @@ __device__ __forceinline__ void tma_ring_attention_rows(TileAttention<Storage, k
       __syncthreads();
     }
     float s[Tile::kSTiles][4];
-    tile_state.scores_wgmma_sq(s, sq, sk + st * Tile::kKSwTile);
+    if constexpr (kPingPong) {
+      named_barrier_sync(kPpBar + wg, kPpThreads);
+      tile_state.scores_wgmma_sq(s, sq, sk + st * Tile::kKSwTile,
+                                 [&] { named_barrier_arrive(kPpBar + wg_next, kPpThreads); });
+    } else {
+      tile_state.scores_wgmma_sq(s, sq, sk + st * Tile::kKSwTile);
+    }
     mask_fn(c, s);
     tile_state.softmax_update(s, scale_log2);
-    tile_state.accumulate_pv_wgmma(s, sv + st * Tile::kVSwTile);  // waits for its products: the stage is read
+    if constexpr (kPingPong) {
+      named_barrier_sync(kPpBar + wg, kPpThreads);
+      const bool last = wg == kWgs - 1 && c == num_chunks - 1;
+      tile_state.accumulate_pv_wgmma(s, sv + st * Tile::kVSwTile, [&] {
+        if (!last) named_barrier_arrive(kPpBar + wg_next, kPpThreads);
+      });
+    } else {
+      tile_state.accumulate_pv_wgmma(s, sv + st * Tile::kVSwTile);  // waits for its products: the stage is read
+    }
     if (c + kStages < num_chunks) {
       __syncwarp();
       if (lane == 0) {
@@ -529,13 +558,13 @@ __device__ __forceinline__ void tma_ring_attention_rows(TileAttention<Storage, k
 
 // Consecutive chunks: chunk c is the kChunk rows row0 + c * kChunk.
 template <typename Storage, int kDqk, int kDv, int kRows, int kChunk = kKeyChunk, int kStages = kCmpTmaStages,
-          typename MaskFn>
+          bool kPingPong = false, typename MaskFn>
 __device__ __forceinline__ void tma_ring_attention(TileAttention<Storage, kDqk, kDv, kRows, kChunk>& tile_state,
                                                    const Storage* sq, Storage* ring, uint64_t* bars,
                                                    const CUtensorMap* k_map, const CUtensorMap* v_map, int hk,
                                                    int row0, int num_chunks, int count_last, float scale_log2,
                                                    MaskFn&& mask_fn) {
-  tma_ring_attention_rows<Storage, kDqk, kDv, kRows, kChunk, kStages>(
+  tma_ring_attention_rows<Storage, kDqk, kDv, kRows, kChunk, kStages, kStages, false, kPingPong>(
       tile_state, sq, ring, bars, k_map, v_map, hk, [row0](int c) { return row0 + c * kChunk; }, num_chunks,
       count_last, scale_log2, mask_fn);
 }
@@ -676,7 +705,7 @@ __global__ void __launch_bounds__(kCmpWideRows / 16 * 32, 1)
     const int num_chunks = ti.num_chunks;
     uint64_t* bars = reinterpret_cast<uint64_t*>(sm.sk + kStages * (Tile::kKSwTile + Tile::kVSwTile));
     const int count_last = static_cast<int>(ti.num_keys - int64_t(num_chunks - 1) * kChunk);
-    tma_ring_attention<Storage, kDqk, kDv, kRows, kChunk, kStages>(
+    tma_ring_attention<Storage, kDqk, kDv, kRows, kChunk, kStages, kCmpWidePingPong>(
         tile_state, sm.sq, sm.sk, bars, &kc_map, &vc_map, ti.hk, static_cast<int>(cmp_row_offset(ti.s0, p.d)),
         num_chunks, count_last, p.scale_log2, [&](int c, float (&s)[Tile::kSTiles][4]) {
           int lo[2], hi[2];

@@ -246,6 +246,10 @@ inline constexpr size_t kTmaRingBarBytes = tma_ring_bar_bytes(kCmpTmaStages);
 // sm_90a pass 1 in 128-row tiles and 128-key chunks (cmp_pass1_wide_kernel, cmp_attention.cuh), a
 // 2-stage ring: 163 KB at 128/128, 211 KB at 192/128.
 inline constexpr int kCmpWideRows = 128, kCmpWideChunk = 128, kCmpWideStages = 2;
+// Its two warpgroups issue their product batches in turns (FA3's ping-pong; tma_ring_attention_rows).
+inline constexpr bool kCmpWidePingPong = true;
+// The same for the sm_90a window kernel's three warpgroups (win_attention.cuh).
+inline constexpr bool kWinPingPong = true;
 constexpr size_t cmp_wide_smem_bytes(int dqk, int dv) {
   return tma_ring_end(kCmpWideRows, dqk, dv, kCmpWideChunk, kCmpWideStages) + tma_ring_bar_bytes(kCmpWideStages);
 }

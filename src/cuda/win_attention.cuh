@@ -404,7 +404,7 @@ __global__ void __launch_bounds__(kWinWgRows / 16 * 32)
       uint64_t* bars = reinterpret_cast<uint64_t*>(smem_raw + win_tma_bar_offset(kDqk, kDv));
       const int count_last =
           num_chunks > 0 ? static_cast<int>(t_last + 1 - (win_lo + int64_t(num_chunks - 1) * kChunk)) : kChunk;
-      tma_ring_attention<Storage, kDqk, kDv, kRows>(
+      tma_ring_attention<Storage, kDqk, kDv, kRows, kKeyChunk, kCmpTmaStages, kWinPingPong>(
           st, sm.sq, sm.sk, bars, &kw_map, &vw_map, hk, static_cast<int>(s0 + win_lo), num_chunks, count_last,
           p.scale_log2, [&](int c, float (&s)[Tile::kSTiles][4]) {
             int lo[2], hi[2];

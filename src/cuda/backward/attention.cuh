@@ -703,9 +703,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
       },
       [&](const E* tk, const E* tv, const KeyTile& kt, int c0) {
         if constexpr (kWg) {  // S = Q K^T, then O += P V, 64 keys
-          float s[kKeys / 8][4];
-          zero(s);
-          cuda::wgmma_batch([&] { cuda::wgmma_abt_ss_sw128<kKeys, kIsBf16<E>, DQK, kRows>(s, q_wg, cuda::smem_address(tk)); }, s);
+          float s[kKeys / 8][4];  // (overwritten: the first product has scale_d 0)
+          cuda::wgmma_batch([&] { cuda::wgmma_abt_ss_sw128<kKeys, kIsBf16<E>, DQK, kRows, true>(s, q_wg, cuda::smem_address(tk)); }, s);
           probabilities_wg(s, kt);
           uint32_t pf[kKeys / 16][4];
           to_operand<E, kKeys / 8>(s, pf);
@@ -727,13 +726,11 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
   sweep([&](int, int next) { if (next < 3) set_branch(branch_at(next), true); },
         [&](const E* tk, const E* tv, const KeyTile& kt, int c0) {
           if constexpr (kWg) {  // S = Q K^T, dP = dO V^T, then dQ += dS K, 64 keys
-            float s[kKeys / 8][4], dp[kKeys / 8][4];
-            zero(s);
-            zero(dp);
+            float s[kKeys / 8][4], dp[kKeys / 8][4];  // (overwritten: the first products have scale_d 0)
             // S and dP in one batch, both operands from shared memory (no A fragments in registers).
             cuda::wgmma_batch([&] {
-              cuda::wgmma_abt_ss_sw128<kKeys, kIsBf16<E>, DQK, kRows>(s, q_wg, cuda::smem_address(tk));
-              cuda::wgmma_abt_ss_sw128<kKeys, kIsBf16<E>, DV, kRows>(dp, do_wg, cuda::smem_address(tv));
+              cuda::wgmma_abt_ss_sw128<kKeys, kIsBf16<E>, DQK, kRows, true>(s, q_wg, cuda::smem_address(tk));
+              cuda::wgmma_abt_ss_sw128<kKeys, kIsBf16<E>, DV, kRows, true>(dp, do_wg, cuda::smem_address(tv));
             }, s, dp);
             probabilities_wg(s, kt);
 #pragma unroll
@@ -1108,18 +1105,17 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
     const uint32_t k_base = cuda::smem_address(sK), v_base = cuda::smem_address(sV);
     const uint32_t q_base = cuda::smem_address(sQ + buf * kQBuf) + r0 * 128;
     const uint32_t do_base = cuda::smem_address(sDo + buf * kDoBuf) + r0 * 128;
-    zero(s);
-    zero(dp);
+    // (s and dp are overwritten: each one's first product has scale_d 0.)
     cuda::wgmma_batch([&] {
 #pragma unroll
       for (int kk = 0; kk < DQK / 16; ++kk) {
         const uint32_t off = (kk >> 2) * kSwBlock + (kk & 3) * 32;
-        cuda::wgmma_ss<kSub, kIsBf16<E>, 0>(s, sw_desc(k_base, off, 16), sw_desc(q_base, off, 16), 1);
+        cuda::wgmma_ss<kSub, kIsBf16<E>, 0>(s, sw_desc(k_base, off, 16), sw_desc(q_base, off, 16), kk == 0 ? 0 : 1);
       }
 #pragma unroll
       for (int kk = 0; kk < DV / 16; ++kk) {
         const uint32_t off = (kk >> 2) * kSwBlock + (kk & 3) * 32;
-        cuda::wgmma_ss<kSub, kIsBf16<E>, 0>(dp, sw_desc(v_base, off, 16), sw_desc(do_base, off, 16), 1);
+        cuda::wgmma_ss<kSub, kIsBf16<E>, 0>(dp, sw_desc(v_base, off, 16), sw_desc(do_base, off, 16), kk == 0 ? 0 : 1);
       }
     }, s, dp);
   };

@@ -132,6 +132,30 @@ __device__ __forceinline__ void wgmma_batch(Issue&& issue, Acc&... acc) {
   wgmma_wait<0>();
   (wgmma_fence_operands(acc), ...);
 }
+// The same with `after()` run between the commit and the wait, while the products execute (the
+// ping-pong's barrier arrive: the batch is issued, the other warpgroup may issue its own).
+struct NoHook {
+  __device__ __forceinline__ void operator()() const {}
+};
+template <typename Issue, typename After, typename... Acc>
+__device__ __forceinline__ void wgmma_batch_then(Issue&& issue, After&& after, Acc&... acc) {
+  (wgmma_fence_operands(acc), ...);
+  wgmma_fence();
+  issue();
+  wgmma_commit();
+  after();
+  wgmma_wait<0>();
+  (wgmma_fence_operands(acc), ...);
+}
+
+// Named CTA barriers (ids 1..15; __syncthreads is 0): `threads` counts both the arriving and the
+// waiting threads (a multiple of 32). bar.arrive does not wait.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
 // The inline PTX of one warpgroup MMA where wgmma is compiled; elsewhere a trap (never launched).
 #if NSA_WGMMA_AVAILABLE
@@ -218,13 +242,16 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[kN / 8][4], uint64_t desc_a,
 // shared memory, K-major: A = 64 rows at shared address a of a tile of kRowsA rows (its 64-column
 // blocks kRowsA x 128 bytes apart), B = the kN x D tile at b. One m64nNk16 product per 16 columns:
 // +32 bytes per k16 step inside a 64-column block. No fence, commit or wait (wgmma_batch).
-template <int kN, bool kBf16, int D, int kRowsA>
+// kOverwrite: acc = A B^T instead (the first product with scale_d 0: acc need not be zeroed
+// first, which took kN / 2 register moves per thread and product, as CUTLASS's ScaleOut::Zero).
+template <int kN, bool kBf16, int D, int kRowsA, bool kOverwrite = false>
 __device__ __forceinline__ void wgmma_abt_ss_sw128(float (&acc)[kN / 8][4], uint32_t a, uint32_t b) {
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     const uint32_t in_block = (kk & 3) * 32;
     wgmma_ss<kN, kBf16, 0>(acc, wgmma_desc_sw128(a, (kk >> 2) * (kRowsA * 128) + in_block, 16, 1024),
-                           wgmma_desc_sw128(b, (kk >> 2) * (kN * 128) + in_block, 16, 1024), 1);
+                           wgmma_desc_sw128(b, (kk >> 2) * (kN * 128) + in_block, 16, 1024),
+                           kOverwrite && kk == 0 ? 0 : 1);
   }
 }
 
