@@ -127,6 +127,12 @@ struct BwdArgs {
   const void* vc = nullptr;  // [Rc, Hkv, Dv]
   float* dg32 = nullptr;     // [T, Hq, 3] dg in fp32 (read by dkv_kernel)
   bool dg_ready = false;     // dg32 and dg already hold <dO, o_b> (from the saved o_branch)
+  // slc_dq_kernel without its pass 1 (no recompute of o_slc): the forward's o is given, so the
+  // selection's softmax correction comes from o = sum_b g_b o_b as
+  // D_slc = g_slc <dO, o_slc> = <dO, o> - g_cmp dg_cmp - g_win dg_win (dq_kernel wrote dg_cmp and
+  // dg_win to dg32), and dg_slc = <dO, o_slc> = sum_j P_j dP_j is summed in pass 2.
+  bool d_from_o = false;
+  Mat3 o;                    // [T, Hq, Dv] the forward's output (d_from_o)
   OutMat3 dq, dg;
   OutMat3 grad_k[3], grad_v[3];      // raw gradients (cmp entry: written only in shared mode)
   // Inverted selection index: for key (hk * B + b) * n_slc_max + j, the packed tokens that
