@@ -286,12 +286,16 @@ TEST_P(CudaBackward, SavedBranchOutputsGiveTheSameGradients) {
   check_against_reference(GetParam(), true);
 }
 
-// With the forward's o (no o_branch), slc_dq_kernel skips its pass 1: D of the selection from
-// <dO, o> minus the other branches' gated dg, dg_slc summed in pass 2. Also with the selection's
-// union tiles off, so that every row tile goes through slc_dq_kernel.
+// With the forward's o (no o_branch) the selection's output is not recomputed: its D from <dO, o>
+// minus the other branches' gated dg, dg_slc summed in pass 2 (dq_kernel for the union tiles,
+// slc_dq_kernel for the others). Then with the union tiles off, so that every row tile goes
+// through slc_dq_kernel.
 TEST_P(CudaBackward, SavedOutputGivesTheSameGradients) {
   NSA_REQUIRE_GPU();
   check_against_reference(GetParam(), false, true);
+}
+TEST_P(CudaBackward, SavedOutputGivesTheSameGradientsPerToken) {
+  NSA_REQUIRE_GPU();
   const NoSelectionUnionTiles per_token;
   check_against_reference(GetParam(), false, true);
 }
