@@ -2,7 +2,9 @@
 // layer, bf16, random data, CUDA events, warm-up, median of repeats; plus branch ablations
 // (window off, selection off) that show where the backward's time goes, the full layer at 64K
 // with locally alike queries (local_q, as the forward benchmark's), both also with the
-// selection's union tiles off (per_token, local_q_per_token: their same-run A/B), and the backward's extra
+// selection's union tiles off (per_token, local_q_per_token: their same-run A/B), the full layer
+// with the backward not given the forward's o (full_without_o: the selection then recomputes
+// o_slc for its D; every other variant passes o, as a training step would), and the backward's extra
 // memory (its workspace) against the memory of q, k, v and o. Writes a CSV that
 // bench/sdpa_backward_baseline.py joins with PyTorch SDPA forward+backward measured in the
 // same gpu_check.sh run.
@@ -13,7 +15,7 @@
 // --once: one forward and one backward of the first shape and length, then exit (for a profiler
 // such as `ncu --metrics gpu__time_duration.sum`, which then sees each kernel exactly once).
 // --variant NAME: only that variant (full, saved_o_branch, no_window, no_selection, phi_mlp_F4D,
-// per_token, local_q, local_q_per_token) where the length has it; with --once, the one that runs.
+// full_without_o, per_token, local_q, local_q_per_token) where the length has it; with --once, the one that runs.
 //
 // Shapes: Hq = 64, Hkv = 4 (G = 16), D = 128, and G = 4 (Hq = 16, Hkv = 4); paper block settings
 // (l = 32, d = 16, l' = 64, n = 16, n_init = 1, n_local = 2, w = 512), phi = mean (the public
@@ -117,6 +119,7 @@ int main(int argc, char** argv) {
         bool o_branch;  // the forward keeps each branch's output, the backward takes dg from it
         bool local_q = false;  // queries alike over 64 tokens (fill_local), as in trained models: last
         bool per_token = false;  // the selection's union tiles off (forward and backward): the A/B of them
+        bool without_o = false;  // the backward is not given the forward's o (its selection recomputes o_slc)
       };
       std::vector<Variant> variants = {{"full", 16, 512, nsa::PhiKind::mean, false},
                                        {"saved_o_branch", 16, 512, nsa::PhiKind::mean, true}};
@@ -126,6 +129,7 @@ int main(int argc, char** argv) {
         if (T == 65536) variants.push_back({"phi_mlp_F4D", 16, 512, nsa::PhiKind::mlp, false});
       }
       if (T == 65536) {
+        variants.push_back({"full_without_o", 16, 512, nsa::PhiKind::mean, false, false, false, true});
         variants.push_back({"per_token", 16, 512, nsa::PhiKind::mean, false, false, true});
         variants.push_back({"local_q", 16, 512, nsa::PhiKind::mean, false, true});
         variants.push_back({"local_q_per_token", 16, 512, nsa::PhiKind::mean, false, true, true});
@@ -184,6 +188,8 @@ int main(int argc, char** argv) {
         std::unique_ptr<Tensor> ob;
         if (var.o_branch) ob = std::make_unique<Tensor>(bf16, std::initializer_list<int64_t>{3, T, s.hq, s.d});
         const nsa::ForwardOutputs out{o.view, lse.view, idx.view, ob ? ob->view : nsa::TensorView()};
+        // What the backward is given: the forward's outputs, o left out for `without_o`.
+        const nsa::ForwardOutputs saved{var.without_o ? nsa::TensorView() : o.view, lse.view, idx.view, out.o_branch};
         nsa::Gradients grads;
         grads.dq = dq.view;
         for (int b = 0; b < 3; ++b) grads.dkv[b] = {dk[b]->view, dv[b]->view};
@@ -201,16 +207,16 @@ int main(int argc, char** argv) {
         nsa::forward(ctx, cfg, in, out, fw);  // lse and indices for the backward
         BENCH_CHECK(cudaDeviceSynchronize());
         if (once) {
-          nsa::backward(ctx, cfg, in, out, d_o.view, grads, bw);
+          nsa::backward(ctx, cfg, in, saved, d_o.view, grads, bw);
           BENCH_CHECK(cudaDeviceSynchronize());
           std::printf("T=%lld Hq=%lld: one forward and one backward done\n", (long long)T, (long long)s.hq);
           return 0;
         }
         const double t_f = time_ms([&] { nsa::forward(ctx, cfg, in, out, fw); }, 1, reps);
-        const double t_b = time_ms([&] { nsa::backward(ctx, cfg, in, out, d_o.view, grads, bw); }, 1, reps);
+        const double t_b = time_ms([&] { nsa::backward(ctx, cfg, in, saved, d_o.view, grads, bw); }, 1, reps);
         const double t_fb = time_ms([&] {
           nsa::forward(ctx, cfg, in, out, fw);
-          nsa::backward(ctx, cfg, in, out, d_o.view, grads, bw);
+          nsa::backward(ctx, cfg, in, saved, d_o.view, grads, bw);
         }, 1, reps);
         // Useful backward FLOPs as a plain attention backward counts them: per (token, head, key)
         // QK^T, dO V^T, dQ, dK, dV = 2 * (3 Dqk + 2 Dv).

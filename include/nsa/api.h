@@ -168,10 +168,13 @@ void forward(const Context& ctx, const Config& cfg, const Inputs& in, const Forw
              Workspace ws = {});
 
 // Spec §8: gradients of a loss with respect to every input, given d_o = dLoss/do [T, Hq, Dv] and
-// what forward() saved: lse and indices are read; o is not needed. o_branch is optional: when
-// given (as forward() wrote it), the cuda backend takes dg_b = <d_o, o_b> from it instead of
-// recomputing every branch's output (two of the nine products per query and key); the other
-// backends ignore it.
+// what forward() saved: lse and indices are read. o and o_branch are optional (the other backends
+// ignore both): with o_branch (as forward() wrote it) the cuda backend takes dg_b = <d_o, o_b>
+// from it instead of recomputing every branch's output (two of the nine products per query and
+// key); without o_branch but with o (as forward() wrote it) it recomputes the compressed and
+// window outputs only and takes the selection's from o = sum_b g_b o_b (one gather pass over the
+// selected blocks less; D = g_slc <d_o, o_slc> then carries o's rounding, as dense attention's
+// D = <d_o, o> does).
 // Selection is a constant. Every gradient is written (not accumulated).
 void backward(const Context& ctx, const Config& cfg, const Inputs& in, const ForwardOutputs& saved,
               const TensorView& d_o, const Gradients& grads, Workspace ws = {});

@@ -475,11 +475,15 @@ class Gradients(NamedTuple):
 
 
 def backward(fw, cfg: Config, q, kv6, g, phi_k: Optional[Phi], phi_v: Optional[Phi], lse, indices, d_o,
-             cu_seqlens=None, max_seqlen=None, backend="auto", num_threads=0, o_branch=None) -> Gradients:
+             cu_seqlens=None, max_seqlen=None, backend="auto", num_threads=0, o_branch=None,
+             o=None) -> Gradients:
     """o_branch: the forward's per-branch outputs [3, T, Hq, Dv] if they were kept (optional; the
-    CUDA backend then takes dg from them instead of recomputing each branch's output)."""
+    CUDA backend then takes dg from them instead of recomputing each branch's output). o: the
+    forward's output [T, Hq, Dv] (optional; without o_branch the CUDA backend then takes the
+    selection branch's part from it instead of recomputing that branch's output)."""
     q, g, lse, indices, d_o = (fw.prepare(x) for x in (q, g, lse, indices, d_o))
     o_branch = None if o_branch is None else fw.prepare(o_branch)
+    o = None if o is None else fw.prepare(o)
     kv6 = tuple(fw.prepare(x) for x in kv6)
     shared = kv6[2] is None and kv6[3] is None and kv6[4] is None and kv6[5] is None
     T, Hq, Dqk = dims(q, "q", 3, "[T, Hq, Dqk]")
@@ -500,7 +504,7 @@ def backward(fw, cfg: Config, q, kv6, g, phi_k: Optional[Phi], phi_v: Optional[P
     ws = call.workspace("backward", c, T, Hq, Hkv, Dqk, Dv, max(phi_hidden(phi_k), phi_hidden(phi_v)))
     with fw.device_guard(q):
         _nsa.backward(*call.ctx, c, q, kv6, g, _phi_tuple(fw, phi_k), _phi_tuple(fw, phi_v), call.cu,
-                      call.max_seqlen, None, lse, indices, o_branch, d_o, dq, dkv, dg,
+                      call.max_seqlen, o, lse, indices, o_branch, d_o, dq, dkv, dg,
                       None if dphi_k is None else tuple(dphi_k), None if dphi_v is None else tuple(dphi_v), ws)
     return Gradients(dq, dkv, dg, dphi_k, dphi_v)
 

@@ -74,17 +74,19 @@ def attention_branches(q, k, v, g, phi_k=None, phi_v=None, *, cu_seqlens=None, m
 
 def attention_backward(q, k, v, g, phi_k, phi_v, lse, indices, d_o, *, cu_seqlens=None, max_seqlen=None,
                        config: Optional[Config] = None, backend: str = "auto", num_threads: int = 0,
-                       o_branch=None, **config_fields) -> _core.Gradients:
+                       o_branch=None, o=None, **config_fields) -> _core.Gradients:
     """Gradients of NSA (spec §8) given what ``attention(..., return_aux=True)`` returned and
     d_o = dLoss/do [T, Hq, Dv]. Selection is a constant. Returns ``Gradients(dq, dk, dv, dg,
     dphi_k, dphi_v)`` where dk/dv are arrays (shared K/V) or (cmp, slc, win) tuples like k/v.
     o_branch: optionally the branch outputs ``attention_branches`` returned; the CUDA backend then
-    takes dg from them instead of recomputing the three branches (the CPU backends ignore it)."""
+    takes dg from them instead of recomputing the three branches (the CPU backends ignore it).
+    o: optionally the forward's output; without o_branch the CUDA backend then takes the
+    selection branch's part from it instead of recomputing that branch (the CPU backends ignore it)."""
     cfg = make_config(config, config_fields)
     phi_k, phi_v = as_phi(phi_k, "phi_k"), as_phi(phi_v, "phi_v")
     kv6, shared = split_kv(k, v)
     grads = _core.backward(arrays_for(q), cfg, q, kv6, g, phi_k, phi_v, lse, indices, d_o, cu_seqlens,
-                           max_seqlen, backend, num_threads, o_branch=o_branch)
+                           max_seqlen, backend, num_threads, o_branch=o_branch, o=o)
     d = grads.dkv
     dk, dv = (d[0], d[1]) if shared else ((d[0], d[2], d[4]), (d[1], d[3], d[5]))
     return Gradients(grads.dq, dk, dv, grads.dg, grads.dphi_k, grads.dphi_v)

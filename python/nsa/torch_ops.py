@@ -93,14 +93,17 @@ def backward_op(
     phi_v_b2: Optional[Tensor], phi_v_pe: Optional[Tensor],
     cu_seqlens: Optional[Tensor], max_seqlen: int, config: List[int], scale: float, backend: str,
     num_threads: int, lse: Tensor, indices: Tensor, o_branch: Optional[Tensor], d_o: Tensor,
+    o: Optional[Tensor] = None,
 ) -> List[Tensor]:
     """The 18 gradients in the order of nsa::forward's tensor inputs; empty where an input was None
     (shared K/V: the sum over branches is in dk_cmp, dv_cmp). o_branch: the forward's kept branch
-    outputs, or None (the CUDA backward then recomputes them)."""
+    outputs, or None (the CUDA backward then recomputes them; with the forward's output o it
+    recomputes only the compressed and window branches)."""
     phi_k = _phi(phi_k_w1, phi_k_b1, phi_k_w2, phi_k_b2, phi_k_pe)
     phi_v = _phi(phi_v_w1, phi_v_b1, phi_v_w2, phi_v_b2, phi_v_pe)
     r = _core.backward(_fw, _cfg(config, scale), q, (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win), g, phi_k,
-                       phi_v, lse, indices, d_o, cu_seqlens, max_seqlen, backend, num_threads, o_branch=o_branch)
+                       phi_v, lse, indices, d_o, cu_seqlens, max_seqlen, backend, num_threads, o_branch=o_branch,
+                       o=o)
     grads = [r.dq, *r.dkv, r.dg, *_phi_args(r.dphi_k), *_phi_args(r.dphi_v)]
     return [x if x is not None else _empty_grad(q) for x in grads]
 
@@ -117,16 +120,18 @@ def _forward_setup(ctx, inputs, output):
     ctx.present = [x is not None for x in tensors]
     # max_seqlen, config, scale, backend, num_threads (the backward's statics), save_branches
     ctx.statics = inputs[8 + 2 * _N_PHI + 1:-1]
-    _, lse, indices, o_branch = output
+    o, lse, indices, o_branch = output
     ctx.mark_non_differentiable(lse, indices, o_branch)
-    ctx.save_for_backward(*tensors, lse, indices, o_branch)
+    # o too (the layer's output, alive anyway): without o_branch the CUDA backward takes the
+    # selection branch's part from it instead of recomputing that branch.
+    ctx.save_for_backward(*tensors, lse, indices, o_branch, o)
 
 
 def _forward_backward(ctx, d_o, _d_lse, _d_indices, _d_o_branch):
     saved = ctx.saved_tensors
-    tensors, lse, indices, o_branch = saved[:-3], saved[-3], saved[-2], saved[-1]
+    tensors, lse, indices, o_branch, o = saved[:-4], saved[-4], saved[-3], saved[-2], saved[-1]
     o_branch = o_branch if o_branch.numel() > 0 else None
-    grads = torch.ops.nsa.backward(*tensors, *ctx.statics, lse, indices, o_branch, d_o.contiguous())
+    grads = torch.ops.nsa.backward(*tensors, *ctx.statics, lse, indices, o_branch, d_o.contiguous(), o)
     n_grad = 8 + 2 * _N_PHI
     out = [grad if present else None for grad, present in zip(grads, ctx.present[:n_grad])]
     return (*out, None, None, None, None, None, None, None)  # cu_seqlens and the 6 statics

@@ -211,8 +211,9 @@ class CudaBackward : public ::testing::TestWithParam<BwdCase> {};
 
 // Every gradient of the CUDA backward against the fp64 reference. with_o_branch: the backward
 // also gets the forward's branch outputs (rounded to the storage dtype, as forward() writes
-// them) and takes dg from them instead of recomputing each branch's output.
-void check_against_reference(const BwdCase& c, bool with_o_branch) {
+// them) and takes dg from them instead of recomputing each branch's output. with_o: it gets the
+// forward's o (rounded likewise) and takes the selection's D from it (BwdArgs::d_from_o).
+void check_against_reference(const BwdCase& c, bool with_o_branch, bool with_o = false) {
   const Config cfg = config_of(c);
   Twin t = make_twin(c, 101);
   // Saved state from the reference forward (fp64): lse and indices, shared by both backwards.
@@ -223,11 +224,16 @@ void check_against_reference(const BwdCase& c, bool with_o_branch) {
 
   const int64_t longest = *std::max_element(c.seqlens.begin(), c.seqlens.end());
   DeviceLayer dev(t.low, longest);
-  DeviceTensor o_branch;
+  DeviceTensor o_branch, o_saved;
   if (with_o_branch) {
     copy_values(t.ref.o_branch, t.low.o_branch);
     o_branch = DeviceTensor(t.low.o_branch);
     dev.saved.o_branch = o_branch.view();
+  }
+  if (with_o) {
+    copy_values(t.ref.o, t.low.o);
+    o_saved = DeviceTensor(t.low.o);
+    dev.saved.o = o_saved.view();
   }
   dev.run(cfg);
   const auto grads = dev.download(t.low);
@@ -278,6 +284,20 @@ TEST_P(CudaBackward, EveryGradientWithPerTokenSelectionMatchesReference) {
 TEST_P(CudaBackward, SavedBranchOutputsGiveTheSameGradients) {
   NSA_REQUIRE_GPU();
   check_against_reference(GetParam(), true);
+}
+
+// With the forward's o (no o_branch) the selection's output is not recomputed: its D from <dO, o>
+// minus the other branches' gated dg, dg_slc summed in pass 2 (dq_kernel for the union tiles,
+// slc_dq_kernel for the others). Then with the union tiles off, so that every row tile goes
+// through slc_dq_kernel.
+TEST_P(CudaBackward, SavedOutputGivesTheSameGradients) {
+  NSA_REQUIRE_GPU();
+  check_against_reference(GetParam(), false, true);
+}
+TEST_P(CudaBackward, SavedOutputGivesTheSameGradientsPerToken) {
+  NSA_REQUIRE_GPU();
+  const NoSelectionUnionTiles per_token;
+  check_against_reference(GetParam(), false, true);
 }
 
 TEST_P(CudaBackward, BitwiseDeterministic) {

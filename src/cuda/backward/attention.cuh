@@ -127,6 +127,12 @@ struct BwdArgs {
   const void* vc = nullptr;  // [Rc, Hkv, Dv]
   float* dg32 = nullptr;     // [T, Hq, 3] dg in fp32 (read by dkv_kernel)
   bool dg_ready = false;     // dg32 and dg already hold <dO, o_b> (from the saved o_branch)
+  // slc_dq_kernel without its pass 1 (no recompute of o_slc): the forward's o is given, so the
+  // selection's softmax correction comes from o = sum_b g_b o_b as
+  // D_slc = g_slc <dO, o_slc> = <dO, o> - g_cmp dg_cmp - g_win dg_win (dq_kernel wrote dg_cmp and
+  // dg_win to dg32), and dg_slc = <dO, o_slc> = sum_j P_j dP_j is summed in pass 2.
+  bool d_from_o = false;
+  Mat3 o;                    // [T, Hq, Dv] the forward's output (d_from_o)
   OutMat3 dq, dg;
   OutMat3 grad_k[3], grad_v[3];      // raw gradients (cmp entry: written only in shared mode)
   // Inverted selection index: for key (hk * B + b) * n_slc_max + j, the packed tokens that
@@ -539,22 +545,23 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
     rhead[h] = row_head(r);
     rt[h] = rtok[h] >= 0 ? int(rtok[h] - s0) : -1;
   }
-  // Per-branch state of the two rows: lse in log2 units, gate, dg, visible positions [lo, hi].
-  float lse2[2], gate[2], dgr[2];
+  // Per-branch state of the two rows: lse in log2 units, gate, D = gate dg (pass 2's dS = scale P
+  // (gate dP - D)), visible positions [lo, hi].
+  float lse2[2], gate[2], dsub[2];
   int lo[2], hi[2];
   int cur_branch = kCmp;  // the branch of set_branch's state
   auto set_branch = [&](int branch, bool with_dg) {
     cur_branch = branch;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      lse2[h] = gate[h] = dgr[h] = 0.f;
+      lse2[h] = gate[h] = dsub[h] = 0.f;
       lo[h] = 0;
       hi[h] = -1;  // a padding row sees nothing
       if (rtok[h] < 0) continue;
       const int64_t tok = rtok[h];
       lse2[h] = static_cast<const float*>(a.lse.p)[tok * a.lse.s0 + rhead[h] * a.lse.s1 + branch] * kLog2e;
       gate[h] = load_f32<E>(a.g.p, tok * a.g.s0 + rhead[h] * a.g.s1 + branch);
-      if (with_dg) dgr[h] = a.dg32[(tok * a.hq + rhead[h]) * 3 + branch];
+      if (with_dg) dsub[h] = gate[h] * a.dg32[(tok * a.hq + rhead[h]) * 3 + branch];
       lo[h] = branch == kWin ? rt[h] - a.w + 1 : INT32_MIN;
       hi[h] = rt[h];
     }
@@ -619,23 +626,28 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
   // One sweep over all key tiles, two-stage: tile i + 1's copy goes out before tile i is computed.
   // enter(prev, next) runs (block-uniformly) between stages (prev = -1 first, next = 3 last);
   // half(tk, tv, kt, c0) does keys c0 .. c0 + 31 of a tile in K/V buffers tk, tv.
-  auto sweep = [&](auto&& enter, auto&& half) {
+  // skip_slc: the sweep leaves out the selection's tiles (pass 1 with a.d_from_o); j counts the
+  // tiles it takes (buffers alternate with j), real(j) is the tile.
+  auto sweep = [&](auto&& enter, auto&& half, bool skip_slc) {
     int cur = -1;
+    const int n_run = skip_slc ? n_tiles - n_slc : n_tiles;
+    auto real = [&](int j) { return skip_slc && j >= n_cmp ? j + n_slc : j; };
     if (tma) {
-      if (threadIdx.x == 0 && n_tiles > 0) issue_tma(0, 0);
+      if (threadIdx.x == 0 && n_run > 0) issue_tma(real(0), 0);
     } else {
-      if (n_tiles > 0) issue(0, 0);
+      if (n_run > 0) issue(real(0), 0);
       cuda::cp_async_commit();
     }
-    for (int i = 0; i < n_tiles; ++i) {
+    for (int j = 0; j < n_run; ++j) {
+      const int i = real(j);
       const E* kb;
       const E* vb;
       int64_t ks, vs;
       const KeyTile kt = tile_at(i, kb, ks, vb, vs);
       if (tma) {
-        // Tile i + 1's buffer: its last reader (tile i - 1) passed the barrier that ends its tile.
-        if (threadIdx.x == 0 && i + 1 < n_tiles) issue_tma(i + 1, (i + 1) & 1);
-        const int buf = i & 1;
+        // Tile j + 1's buffer: its last reader (tile j - 1) passed the barrier that ends its tile.
+        if (threadIdx.x == 0 && j + 1 < n_run) issue_tma(real(j + 1), (j + 1) & 1);
+        const int buf = j & 1;
         cuda::mbarrier_wait_parity(bars + buf, (bar_phase >> buf) & 1u);
         bar_phase ^= 1u << buf;
         if (kt.nk < kKeys) {
@@ -646,7 +658,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
           __syncthreads();
         }
       } else {
-        if (i + 1 < n_tiles) issue(i + 1, (i + 1) & 1);  // its buffer's last reader (tile i-1) is done
+        if (j + 1 < n_run) issue(real(j + 1), (j + 1) & 1);  // its buffer's last reader (tile j-1) is done
         cuda::cp_async_commit();
         cuda::cp_async_wait<1>();
         if constexpr (kWg) cuda::fence_proxy_async();  // the landed K/V copies, for wgmma
@@ -657,7 +669,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
       if (warp_takes(kt)) {
         constexpr int kStep = kWg ? kKeys : kSub;  // wgmma: the whole tile at once
 #pragma unroll 1
-        for (int c0 = 0; c0 < kKeys; c0 += kStep) half(sK + (i & 1) * kKBuf, sV + (i & 1) * kVBuf, kt, c0);
+        for (int c0 = 0; c0 < kKeys; c0 += kStep) half(sK + (j & 1) * kKBuf, sV + (j & 1) * kVBuf, kt, c0);
       }
       __syncthreads();
     }
@@ -667,8 +679,36 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
     enter(2, 3);
   };
 
+  // <dO, x> of the thread's row h, summed over the quad: x2(nt) gives the thread's column pair
+  // 8 nt + 2 quad, + 1 of x; dO from the tile in shared memory.
+  auto row_dot_do = [&](int h, auto&& x2) {
+    const int r = row0 + group + 8 * h;
+    const E* dorow = sDo + r * kLdV + 2 * quad;  // (padded layout)
+    const unsigned char* dosw = reinterpret_cast<const unsigned char*>(sDo) + 4 * quad;  // (swizzled)
+    float part = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < DV / 8; ++nt) {
+      // dO[r][8 nt + 2 quad .. + 1]: in the swizzled tile the pair lies in the 16-byte piece of
+      // columns 8 nt .. 8 nt + 7 of row r.
+      const E* d = kWg ? reinterpret_cast<const E*>(dosw + cuda::sw128_offset(kRows, r, nt * 8)) : dorow + nt * 8;
+      const float2 x = x2(nt);
+      part += x.x * to_float(d[0]) + x.y * to_float(d[1]);
+    }
+    part += __shfl_xor_sync(0xffffffffu, part, 1);
+    part += __shfl_xor_sync(0xffffffffu, part, 2);
+    return part;
+  };
+  auto write_dg = [&](int h, int branch, float part) {
+    if (quad == 0 && rtok[h] >= 0) {
+      const int64_t tok = rtok[h];
+      a.dg32[(tok * a.hq + rhead[h]) * 3 + branch] = part;
+      static_cast<E*>(a.dg.p)[tok * a.dg.s0 + rhead[h] * a.dg.s1 + branch] = from_float<E>(part);
+    }
+  };
+
   // ---- pass 1: each branch's output o_b = P V from the saved lse, then dg_b = <dO, o_b>
-  // (skipped when the forward's o_branch gave dg already: a.dg_ready is the same for every block)
+  // (skipped when the forward's o_branch gave dg already: a.dg_ready is the same for every block;
+  // with a.d_from_o without the selection's union tiles, whose D pass 2 takes from o)
   float acc_o[DV / 8][4];
   zero(acc_o);
   if (!a.dg_ready) sweep(
@@ -677,26 +717,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
           const int branch = branch_at(prev);
           // dg of the thread's rows: its columns of o_b times dO, then the quad's partial sums.
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int r = row0 + group + 8 * h;
-            const E* dorow = sDo + r * kLdV + 2 * quad;  // (padded layout)
-            const unsigned char* dosw = reinterpret_cast<const unsigned char*>(sDo) + 4 * quad;  // (swizzled)
-            float part = 0.f;
-#pragma unroll
-            for (int nt = 0; nt < DV / 8; ++nt) {
-              // dO[r][8 nt + 2 quad .. + 1]: in the swizzled tile the pair lies in the 16-byte piece
-              // of columns 8 nt .. 8 nt + 7 of row r.
-              const E* d = kWg ? reinterpret_cast<const E*>(dosw + cuda::sw128_offset(kRows, r, nt * 8)) : dorow + nt * 8;
-              part += acc_o[nt][2 * h] * to_float(d[0]) + acc_o[nt][2 * h + 1] * to_float(d[1]);
-            }
-            part += __shfl_xor_sync(0xffffffffu, part, 1);
-            part += __shfl_xor_sync(0xffffffffu, part, 2);
-            if (quad == 0 && rtok[h] >= 0) {
-              const int64_t tok = rtok[h];
-              a.dg32[(tok * a.hq + rhead[h]) * 3 + branch] = part;
-              static_cast<E*>(a.dg.p)[tok * a.dg.s0 + rhead[h] * a.dg.s1 + branch] = from_float<E>(part);
-            }
-          }
+          for (int h = 0; h < 2; ++h)
+            write_dg(h, branch, row_dot_do(h, [&](int nt) { return make_float2(acc_o[nt][2 * h], acc_o[nt][2 * h + 1]); }));
           zero(acc_o);
         }
         if (next < 3) set_branch(branch_at(next), false);
@@ -717,13 +739,44 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
           to_operand<E, kSubTiles>(s, pf);
           mma_ab<E, DV, kSubTiles / 2>(acc_o, pf, tv + c0 * kLdV);
         }
-      });
+      },
+      /*skip_slc=*/a.d_from_o);
   __syncthreads();  // dg32 of this tile's rows is written (read back below by the same block)
 
   // ---- pass 2: dQ = scale * sum_b dS_b K_b, summed in registers over the three branches
   float acc_q[DQK / 8][4];
   zero(acc_q);
-  sweep([&](int, int next) { if (next < 3) set_branch(branch_at(next), true); },
+  // With a.d_from_o, the union tiles' selection stage (skipped by pass 1): D = g_slc <dO, o_slc> =
+  // <dO, o> - g_cmp dg_cmp - g_win dg_win (pass 1 wrote those two), and dg_slc = sum_j P_j dP_j
+  // summed here (dg_acc), as slc_dq_kernel does for the other tiles.
+  const bool slc_from_o = a.d_from_o && n_slc > 0;
+  float dg_acc[2] = {0.f, 0.f};
+  sweep([&](int prev, int next) {
+          if (slc_from_o && prev == kSlc)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              float part = dg_acc[h];
+              part += __shfl_xor_sync(0xffffffffu, part, 1);
+              part += __shfl_xor_sync(0xffffffffu, part, 2);
+              write_dg(h, kSlc, part);
+            }
+          if (next < 3) set_branch(branch_at(next), true);
+          if (slc_from_o && next == kSlc)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const bool row = rtok[h] >= 0;
+              const E* orow = static_cast<const E*>(a.o.p) + int64_t(row ? rtok[h] : 0) * a.o.s0 + int64_t(rhead[h]) * a.o.s1 + 2 * quad;
+              const float dot = row_dot_do(h, [&](int nt) {
+                return row ? make_float2(to_float(orow[8 * nt]), to_float(orow[8 * nt + 1])) : make_float2(0.f, 0.f);
+              });
+              if (row) {
+                const int64_t tok = rtok[h];
+                const float* dgr = a.dg32 + (tok * a.hq + rhead[h]) * 3;
+                dsub[h] = dot - load_f32<E>(a.g.p, tok * a.g.s0 + rhead[h] * a.g.s1 + kCmp) * dgr[kCmp] -
+                          load_f32<E>(a.g.p, tok * a.g.s0 + rhead[h] * a.g.s1 + kWin) * dgr[kWin];
+              }
+            }
+        },
         [&](const E* tk, const E* tv, const KeyTile& kt, int c0) {
           if constexpr (kWg) {  // S = Q K^T, dP = dO V^T, then dQ += dS K, 64 keys
             float s[kKeys / 8][4], dp[kKeys / 8][4];  // (overwritten: the first products have scale_d 0)
@@ -733,11 +786,14 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
               cuda::wgmma_abt_ss_sw128<kKeys, kIsBf16<E>, DV, kRows, true>(dp, do_wg, cuda::smem_address(tv));
             }, s, dp);
             probabilities_wg(s, kt);
+            const bool acc_dg = slc_from_o && cur_branch == kSlc;
 #pragma unroll
             for (int nt = 0; nt < kKeys / 8; ++nt)
 #pragma unroll
-              for (int e = 0; e < 4; ++e)
-                s[nt][e] = a.scale * gate[e >> 1] * s[nt][e] * (dp[nt][e] - dgr[e >> 1]);
+              for (int e = 0; e < 4; ++e) {
+                if (acc_dg) dg_acc[e >> 1] += s[nt][e] * dp[nt][e];
+                s[nt][e] = a.scale * s[nt][e] * (gate[e >> 1] * dp[nt][e] - dsub[e >> 1]);
+              }
             uint32_t df[kKeys / 16][4];
             to_operand<E, kKeys / 8>(s, df);
             cuda::wgmma_batch([&] { wgmma_ab_issue<E, DQK>(acc_q, df, cuda::smem_address(tk)); }, acc_q);
@@ -750,12 +806,13 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
             for (int nt = 0; nt < kSubTiles; ++nt)
 #pragma unroll
               for (int e = 0; e < 4; ++e)
-                s[nt][e] = a.scale * gate[e >> 1] * s[nt][e] * (dp[nt][e] - dgr[e >> 1]);
+                s[nt][e] = a.scale * s[nt][e] * (gate[e >> 1] * dp[nt][e] - dsub[e >> 1]);
             uint32_t df[kSubTiles / 2][4];
             to_operand<E, kSubTiles>(s, df);
             mma_ab<E, DQK, kSubTiles / 2>(acc_q, df, tk + c0 * kLdK);
           }
-        });
+        },
+        /*skip_slc=*/false);
   E* dqb = static_cast<E*>(a.dq.p);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {

@@ -838,6 +838,10 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
     NSA_CUDA_CHECK_LAUNCH();
     a.dg_ready = true;
   }
+  // Without o_branch but with the forward's o: slc_dq_kernel takes the selection's D from o and
+  // the other branches' dg (which dq_kernel writes first) instead of recomputing o_slc.
+  a.o = mat3(saved.o);
+  a.d_from_o = !a.dg_ready && saved.o.defined() && p.T > 0;
   dispatch_dims<E>(a, s, 0);
   if (a.n > 0) dispatch_dims<E>(a, s, 4);
 
@@ -920,6 +924,7 @@ void backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, cons
   cuda::require_rows_aligned("q", in.q);
   cuda::require_rows_aligned("d_o", d_o);
   cuda::require_rows_aligned("o_branch", saved.o_branch);
+  cuda::require_rows_aligned("o", saved.o);
   cuda::require_rows_aligned("dq", grads.dq);
   for (int b = 0; b < 3; ++b) {
     const std::string i = "[" + std::to_string(b) + "]";

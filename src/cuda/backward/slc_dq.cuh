@@ -5,10 +5,15 @@
 // with BwdArgs::slc_union, the whole dq and dg of the row tiles whose union of selected blocks is
 // small: this kernel recounts those unions and leaves their tiles); this kernel then adds the
 // selection's part:
-//   pass 1 (skipped when a.dg_ready): o_slc = sum_j P_j V_j with P = exp(scale s - lse_slc), and
-//           dg_slc = <dO, o_slc>, written to dg32 / dg (dq_kernel wrote 0 there). K and V go
-//           straight into registers, as in the forward's selection kernel (slc_attention.cuh).
-//   pass 2: dS = scale g P (dP - dg) with dP = dO V^T, and dq += dS K. Each warp streams its
+//   pass 1 (skipped when a.dg_ready or a.d_from_o): o_slc = sum_j P_j V_j with
+//           P = exp(scale s - lse_slc), and dg_slc = <dO, o_slc>, written to dg32 / dg (dq_kernel
+//           wrote 0 there). K and V go straight into registers, as in the forward's selection
+//           kernel (slc_attention.cuh).
+//           With a.d_from_o (the forward's o given) instead: D = g dg_slc from the gated sum,
+//           <dO, o> - g_cmp dg_cmp - g_win dg_win (one read of o's row, no gather), and pass 2 sums
+//           dg_slc = sum_j P_j dP_j on the way. D then carries o's rounding to the storage type, as
+//           FlashAttention's D = rowsum(dO o) does; dg_slc does not.
+//   pass 2: dS = scale P (g dP - D) with dP = dO V^T, D = g dg_slc, and dq += dS K. Each warp streams its
 //           16-key steps of K and V through its own two-stage ring of shared memory (cp.async in
 //           whole lines); a stage serves the step's three products: Q K^T and dO V^T read K and V
 //           with ldmatrix, dS K reads K with ldmatrix.trans. Q's and dO's A fragments in registers.
@@ -110,6 +115,31 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
     dorow[h] = static_cast<const E*>(a.d_o.p) + t * a.d_o.s0 + int64_t(head[h]) * a.d_o.s1;
     if (a.dg_ready) dg[h] = a.dg32[(t * a.hq + head[h]) * 3 + kSlc];
   }
+  // D = g dg_slc of each row for pass 2 (dsub); with d_from_o from o and the other two branches.
+  float dsub[2];
+  if (a.d_from_o) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float part = 0.f;
+      if (t_row[h] >= 0) {  // the quad's lanes take column pairs 2 quad + 8 c
+        const int64_t t = s0 + t_row[h];
+        const E* orow = static_cast<const E*>(a.o.p) + t * a.o.s0 + int64_t(head[h]) * a.o.s1;
+#pragma unroll 4
+        for (int c = 2 * quad; c < DV; c += 8)
+          part += to_float(orow[c]) * to_float(dorow[h][c]) + to_float(orow[c + 1]) * to_float(dorow[h][c + 1]);
+      }
+      part += __shfl_xor_sync(0xffffffffu, part, 1);
+      part += __shfl_xor_sync(0xffffffffu, part, 2);
+      dsub[h] = 0.f;
+      if (t_row[h] >= 0) {
+        const int64_t t = s0 + t_row[h];
+        const float* dgr = a.dg32 + (t * a.hq + head[h]) * 3;
+        const float g_cmp = load_f32<E>(a.g.p, t * a.g.s0 + head[h] * a.g.s1 + kCmp);
+        const float g_win = load_f32<E>(a.g.p, t * a.g.s0 + head[h] * a.g.s1 + kWin);
+        dsub[h] = part - g_cmp * dgr[kCmp] - g_win * dgr[kWin];
+      }
+    }
+  }
 
   const E* kbase = static_cast<const E*>(a.k[kSlc].p) + s0 * a.k[kSlc].s0 + int64_t(hk) * a.k[kSlc].s1;
   const E* vbase = static_cast<const E*>(a.v[kSlc].p) + s0 * a.v[kSlc].s0 + int64_t(hk) * a.v[kSlc].s1;
@@ -137,7 +167,7 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
   // extra shared-memory traffic cost more than its whole-line copies saved, 17.6 -> 22.2 ms in
   // the forward), Q's fragments in the permuted reduction order in registers, o_slc's columns
   // permuted (column n of n8 tile 8v + j is dv = 64v + 8n + j).
-  if (!a.dg_ready) {
+  if (!a.dg_ready && !a.d_from_o) {
     constexpr int kQPieces = DQK / 32, kVPieces = DV / 64, kOTiles = DV / 8;
     uint32_t qp[DQK / 16][4];
     cuda::load_permuted_fragments<E, DQK>(qp, qrow[0], qrow[1]);
@@ -186,7 +216,11 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
     }
   }
 
-  // ---- pass 2: dq += scale g P (dP - dg) K ----
+  if (!a.d_from_o) dsub[0] = gate[0] * dg[0], dsub[1] = gate[1] * dg[1];
+  // From here dg sums dg_slc = sum_j P_j dP_j of the lane's columns (written with d_from_o).
+  dg[0] = dg[1] = 0.f;
+
+  // ---- pass 2: dq += scale P (g dP - D) K, D = g dg ----
   // Three products per step, two of them reading K: K and V through the warp's ring (whole-line
   // copies, ldmatrix), Q's and dO's fragments in the natural order in registers.
   uint32_t qf[DQK / 16][4], df[DV / 16][4];
@@ -226,9 +260,25 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] = a.scale * gate[e >> 1] * s[nt][e] * (dp[nt][e] - dg[e >> 1]);
+      for (int e = 0; e < 4; ++e) {
+        dg[e >> 1] += s[nt][e] * dp[nt][e];  // dg_slc = sum_j P_j dP_j (written with d_from_o)
+        s[nt][e] = a.scale * s[nt][e] * (gate[e >> 1] * dp[nt][e] - dsub[e >> 1]);
+      }
     cuda::mma_p_stage<kBf16, DQK, kKStride>(acc_q, s, sk);    // dq += dS K
     __syncwarp();  // every lane is done with the stage
+  }
+  if (a.d_from_o) {  // dg_slc, summed in a fixed order: the lane's columns by step, then the quad
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float part = dg[h];
+      part += __shfl_xor_sync(0xffffffffu, part, 1);
+      part += __shfl_xor_sync(0xffffffffu, part, 2);
+      if (quad == 0 && t_row[h] >= 0) {
+        const int64_t t = s0 + t_row[h];
+        a.dg32[(t * a.hq + head[h]) * 3 + kSlc] = part;
+        static_cast<E*>(a.dg.p)[t * a.dg.s0 + head[h] * a.dg.s1 + kSlc] = from_float<E>(part);
+      }
+    }
   }
   // dq (written by dq_kernel with the other branches) += this branch's part, rounded once more.
 #pragma unroll
