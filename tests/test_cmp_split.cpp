@@ -74,5 +74,25 @@ TEST(CmpSplit, OneSequenceOf64KKeepsAboutOneAndAHalfCopiesOfTheRows) {
   EXPECT_EQ(num_cmp_blocks(len, l, d), 4095);
 }
 
+TEST(CmpSplit, SplitsFollowTheLongestSequenceAndTheGroup) {
+  using cuda_bwd::cmp_splits_for;
+  EXPECT_EQ(cmp_splits_for(0, 16), 1);
+  EXPECT_EQ(cmp_splits_for(1, 16), 1);
+  EXPECT_EQ(cmp_splits_for(1024, 16), 1);
+  EXPECT_EQ(cmp_splits_for(1025, 16), 2);
+  EXPECT_EQ(cmp_splits_for(6500, 16), 7);
+  EXPECT_EQ(cmp_splits_for(65536, 16), 8);
+  EXPECT_EQ(cmp_splits_for(65536, 8), 8);
+  EXPECT_EQ(cmp_splits_for(65536, 4), 4);  // the partials' bytes against q, k, v and o at small G
+  EXPECT_EQ(cmp_splits_for(65536, 1), 4);
+  EXPECT_EQ(cmp_splits_for(3000, 4), 3);
+  for (int64_t len = 0; len < 20000; len += 97)
+    for (int64_t g : {1, 2, 4, 8, 16}) {
+      const int s = cmp_splits_for(len, g);
+      EXPECT_GE(s, 1);
+      EXPECT_LE(s, kMaxCmpSplits);
+    }
+}
+
 }  // namespace
 }  // namespace nsa::test

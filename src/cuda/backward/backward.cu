@@ -49,7 +49,6 @@ constexpr int kGemmThreads = 256; // 16 x 16 threads, 4 x 4 outputs each
 constexpr int kRowsPerSplit = 512;  // rows per partial sum of a reduction over compressed rows
 constexpr int kMaxSplits = 8;
 constexpr int64_t kMaxPartialBytes = int64_t(32) << 20;  // keeps mlp's dW1 partials at 32 MB
-constexpr int kCmpSplitTokens = 1024;
 constexpr int kMaxForcedSplits = 16;       // splits of a forced initial block's query list
 constexpr int kForcedSplitTokens = 1024;   // one more split per this many tokens of max_seqlen
 constexpr int64_t kMaxForcedPartialBytes = int64_t(32) << 20;
@@ -476,7 +475,7 @@ Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
   }
   L.dkc = w.take<float>(size_t(rows * z.dqk));
   L.dvc = w.take<float>(size_t(rows * z.dv));
-  L.cmp_splits = int(std::clamp<int64_t>((z.max_seqlen + kCmpSplitTokens - 1) / kCmpSplitTokens, 1, kMaxCmpSplits));
+  L.cmp_splits = cmp_splits_for(z.max_seqlen, z.hq / z.hkv);
   // Rows of each split's partial: with one sequence the blocks its queries see; with several (whose
   // lengths the host does not know) every row, indexed as dkc.
   int64_t part_rows = 0;
