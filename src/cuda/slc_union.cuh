@@ -17,6 +17,7 @@
 
 #include "cuda/common/dtype.h"
 #include "cuda/common/mma.h"
+#include "cuda/common/wgmma.h"
 
 namespace nsa::cuda {
 
@@ -150,6 +151,10 @@ __device__ __forceinline__ void cta_union_list(const int32_t* lists, const int32
     atomicOr(member + lo, static_cast<unsigned long long>(static_cast<uint32_t>(mask[i]) & 0xffffu)
                               << (warp * tokens_per_warp));
   }
+  // The lists live in the bytes of the caller's TMA ring, whose first copies (async proxy) may
+  // follow this barrier at once (kIssueEarly): every thread's generic writes to them are ordered
+  // before those copies by this fence and the barrier.
+  fence_proxy_async();
   __syncthreads();
 }
 
