@@ -178,6 +178,16 @@ __device__ __forceinline__ float load_f32(const void* base, int64_t i) {
 
 __device__ __forceinline__ int64_t seq_start(const int32_t* cu, int b) { return cu[b]; }
 
+// The selection's D = g_slc <dO, o_slc> of token `tok`, head `head` from the forward's o (spec §7:
+// o = sum_b g_b o_b): <dO, o> - g_cmp dg_cmp - g_win dg_win, with dg_cmp and dg_win from dg32
+// (dq_kernel's pass 1 wrote them). BwdArgs::d_from_o; dq_kernel's union tiles and slc_dq_kernel.
+template <typename E, typename Args>
+__device__ __forceinline__ float slc_d_from_o(const Args& a, int64_t tok, int head, float dot_o_do) {
+  const float* dgr = a.dg32 + (tok * a.hq + head) * 3;
+  return dot_o_do - load_f32<E>(a.g.p, tok * a.g.s0 + head * a.g.s1 + kCmp) * dgr[kCmp] -
+         load_f32<E>(a.g.p, tok * a.g.s0 + head * a.g.s1 + kWin) * dgr[kWin];
+}
+
 // Bytes of a shared tile of kRows (= kKeys) rows of D 16-bit elements, padded rows.
 template <int D>
 constexpr int tile_bytes() {
@@ -769,12 +779,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
               const float dot = row_dot_do(h, [&](int nt) {
                 return row ? make_float2(to_float(orow[8 * nt]), to_float(orow[8 * nt + 1])) : make_float2(0.f, 0.f);
               });
-              if (row) {
-                const int64_t tok = rtok[h];
-                const float* dgr = a.dg32 + (tok * a.hq + rhead[h]) * 3;
-                dsub[h] = dot - load_f32<E>(a.g.p, tok * a.g.s0 + rhead[h] * a.g.s1 + kCmp) * dgr[kCmp] -
-                          load_f32<E>(a.g.p, tok * a.g.s0 + rhead[h] * a.g.s1 + kWin) * dgr[kWin];
-              }
+              if (row) dsub[h] = slc_d_from_o<E>(a, rtok[h], rhead[h], dot);
             }
         },
         [&](const E* tk, const E* tv, const KeyTile& kt, int c0) {

@@ -130,14 +130,7 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
       }
       part += __shfl_xor_sync(0xffffffffu, part, 1);
       part += __shfl_xor_sync(0xffffffffu, part, 2);
-      dsub[h] = 0.f;
-      if (t_row[h] >= 0) {
-        const int64_t t = s0 + t_row[h];
-        const float* dgr = a.dg32 + (t * a.hq + head[h]) * 3;
-        const float g_cmp = load_f32<E>(a.g.p, t * a.g.s0 + head[h] * a.g.s1 + kCmp);
-        const float g_win = load_f32<E>(a.g.p, t * a.g.s0 + head[h] * a.g.s1 + kWin);
-        dsub[h] = part - g_cmp * dgr[kCmp] - g_win * dgr[kWin];
-      }
+      dsub[h] = t_row[h] >= 0 ? slc_d_from_o<E>(a, s0 + t_row[h], head[h], part) : 0.f;
     }
   }
 
