@@ -169,9 +169,10 @@ __host__ __device__ constexpr size_t slc_union_ring_bytes_v(int dqk, int dv, int
   return size_t(kKeyChunk) * (size_t(kSlcUnionStages) * dqk + size_t(v_stages) * dv) * 2;
 }
 __host__ __device__ constexpr size_t slc_union_bytes(int dqk, int dv, int v_stages) {
-  return 1024 + size_t(kSlcWarps * 16) * (dqk + 8) * 2 + slc_union_ring_bytes_v(dqk, dv, v_stages) +
-         size_t(slc_union_bars(v_stages)) * (sizeof(uint64_t) + sizeof(unsigned)) + 8 + 8 * sizeof(int) +
-         2 * kSlcUnionMax * sizeof(int32_t) + kSlcUnionMax * sizeof(unsigned long long);
+  // (tma_ring_end with no stages: the alignment slack and the Q tile.)
+  return tma_ring_end(kSlcWarps * 16, dqk, dv, kKeyChunk, 0) + slc_union_ring_bytes_v(dqk, dv, v_stages) +
+         tma_ring_bar_bytes(slc_union_bars(v_stages)) + 8 + 8 * sizeof(int) + 2 * kSlcUnionMax * sizeof(int32_t) +
+         kSlcUnionMax * sizeof(unsigned long long);
 }
 __host__ __device__ constexpr int slc_union_v_stages(int dqk, int dv) {
   return ctas_per_sm_by_smem(slc_union_bytes(dqk, dv, kSlcUnionStages)) < 3 &&
