@@ -379,7 +379,10 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
 
   const int tiles_per_seq = int((a.max_seqlen + tq - 1) / tq);
   const int b = blockIdx.x / tiles_per_seq;
-  const int u0 = (blockIdx.x % tiles_per_seq) * tq;
+  // The sequence's last tile first: a tile's compressed keys grow with its position, so the
+  // heaviest CTAs start first and the light early tiles fill the tail (as the forward's tiles,
+  // SeqRowTile). Same CTAs, same bits.
+  const int u0 = (tiles_per_seq - 1 - blockIdx.x % tiles_per_seq) * tq;
   const int hk = blockIdx.y;
   const int64_t s0 = seq_start(a.cu, b);
   const int len = int(seq_start(a.cu, b + 1) - s0);
