@@ -25,8 +25,8 @@ NSA_HOST_DEVICE int cmp_splits_for(int64_t max_seqlen, int64_t group) {
   return want < 1 ? 1 : want > cap ? cap : int(want);
 }
 
-// Query splits of the compressed dK/dV (dkv_kernel<cmp>, split z = cmp_split_index()): split z of a sequence of
-// len tokens takes the query positions [z S, (z + 1) S), S = ceil(len / splits). Split `last`
+// Query splits of the compressed dK/dV (dkv_kernel<cmp>, split z = cmp_split_index()): split z of
+// a sequence of len tokens takes the query positions [z S, (z + 1) S), S = ceil(len / splits). Split `last`
 // (the one holding position len - 1) sees every compressed block and writes dkc / dvc itself;
 // an earlier split z sees only the blocks i with i d + l - 1 < (z + 1) S, the sequence's first
 // cmp_split_rows(z) blocks, and writes fp32 partials for those, which reduce_cmp_parts_kernel adds
