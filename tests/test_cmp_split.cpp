@@ -81,7 +81,8 @@ TEST(CmpSplit, SplitsFollowTheLongestSequenceAndTheGroup) {
   EXPECT_EQ(cmp_splits_for(1024, 16), 1);
   EXPECT_EQ(cmp_splits_for(1025, 16), 2);
   EXPECT_EQ(cmp_splits_for(6500, 16), 7);
-  EXPECT_EQ(cmp_splits_for(65536, 16), 8);
+  EXPECT_EQ(cmp_splits_for(65536, 16), 16);
+  EXPECT_EQ(cmp_splits_for(65536, 16, 2), 8);  // packed: every earlier split keeps all rows
   EXPECT_EQ(cmp_splits_for(65536, 8), 8);
   EXPECT_EQ(cmp_splits_for(65536, 4), 4);  // the partials' bytes against q, k, v and o at small G
   EXPECT_EQ(cmp_splits_for(65536, 1), 4);

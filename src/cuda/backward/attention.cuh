@@ -379,7 +379,10 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
 
   const int tiles_per_seq = int((a.max_seqlen + tq - 1) / tq);
   const int b = blockIdx.x / tiles_per_seq;
-  const int u0 = (blockIdx.x % tiles_per_seq) * tq;
+  // The sequence's last tile first: a tile's compressed keys grow with its position, so the
+  // heaviest CTAs start first and the light early tiles fill the tail (as the forward's tiles,
+  // SeqRowTile). Same CTAs, same bits.
+  const int u0 = (tiles_per_seq - 1 - blockIdx.x % tiles_per_seq) * tq;
   const int hk = blockIdx.y;
   const int64_t s0 = seq_start(a.cu, b);
   const int len = int(seq_start(a.cu, b + 1) - s0);
@@ -911,6 +914,15 @@ struct DkvMaps {
   int on;
 };
 
+// dkv_kernel<cmp>'s query split: the last split first (blockIdx.z = 0). CTAs start roughly in
+// blockIdx order (x, then y, then z). A later split has more whole key tiles (tiles every one of
+// its queries sees: 8z of them at 64K with 8 splits) and each split a few tiles on the diagonal
+// whose work shrinks to nothing (8 at 64K), so starting from the last split puts the whole tiles
+// first and leaves the diagonal's small CTAs and the early exits for the tail, where in split
+// order the last split's whole tiles came last. Which CTA does what does not change, only when
+// it starts: the results are the same bits.
+__device__ __forceinline__ int cmp_split_index() { return int(gridDim.z - 1 - blockIdx.z); }
+
 template <typename E, int DQK, int DV, KeySet kSet>
 __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __grid_constant__ DkvMaps maps) {
   using L = DkvSmem<E, DQK, DV>;
@@ -1011,10 +1023,10 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
     ti0 = blockIdx.z * per_split;
     n0 = max(0, min(ntiles, ti0 + per_split) - ti0);
   } else {
-    // Compressed keys: the queries t >= key0 * d + l - 1 of split z = blockIdx.z (cmp_split_of).
+    // Compressed keys: the queries t >= key0 * d + l - 1 of split z (cmp_split_of, cmp_split_index).
     // A split before `last` that sees none of the tile's blocks has nothing to write.
     const CmpSplit cs = cmp_split_of(len, a.cmp_splits);
-    const int z = blockIdx.z;
+    const int z = cmp_split_index();
     if (z > cs.last) return;
     const int t_first = key0 * a.d + a.l - 1;
     cmp_q0 = max(t_first, int(z * cs.S));
@@ -1364,9 +1376,10 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
     // The last split writes dkc / dvc; split z < last its partial (rows before it: earlier splits).
     float* part_k = a.dkc;
     float* part_v = a.dvc;
-    if (int(blockIdx.z) < cmp_split_of(len, a.cmp_splits).last) {
+    const int split = cmp_split_index();
+    if (split < cmp_split_of(len, a.cmp_splits).last) {
       int64_t rows_before = 0;
-      for (int z = 0; z < int(blockIdx.z); ++z) rows_before += a.cmp_part_rows[z];
+      for (int z = 0; z < split; ++z) rows_before += a.cmp_part_rows[z];
       part_k = a.dkc_part + rows_before * a.hkv * DQK;
       part_v = a.dvc_part + rows_before * a.hkv * DV;
     }

@@ -475,7 +475,7 @@ Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
   }
   L.dkc = w.take<float>(size_t(rows * z.dqk));
   L.dvc = w.take<float>(size_t(rows * z.dv));
-  L.cmp_splits = cmp_splits_for(z.max_seqlen, z.hq / z.hkv);
+  L.cmp_splits = cmp_splits_for(z.max_seqlen, z.hq / z.hkv, z.B);
   // Rows of each split's partial: with one sequence the blocks its queries see; with several (whose
   // lengths the host does not know) every row, indexed as dkc.
   int64_t part_rows = 0;
