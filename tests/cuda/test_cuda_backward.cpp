@@ -112,6 +112,16 @@ Twin make_twin(const BwdCase& c, uint64_t seed) {
   return t;
 }
 
+// make_twin, then what forward() saves for the backward (lse and indices, from the reference
+// forward in fp64) in both twins.
+Twin make_saved_twin(const BwdCase& c, uint64_t seed) {
+  Twin t = make_twin(c, seed);
+  forward(ctx_of(Backend::reference), config_of(c), t.ref.inputs(), t.ref.outputs());
+  copy_values(t.ref.lse, t.low.lse);
+  copy_values(t.ref.indices, t.low.indices);
+  return t;
+}
+
 // Device copies of everything the backward reads and writes.
 struct DeviceLayer {
   DeviceTensor q, g, d_o, lse, indices, cu;
@@ -215,11 +225,7 @@ class CudaBackward : public ::testing::TestWithParam<BwdCase> {};
 // forward's o (rounded likewise) and takes the selection's D from it (BwdArgs::d_from_o).
 void check_against_reference(const BwdCase& c, bool with_o_branch, bool with_o = false) {
   const Config cfg = config_of(c);
-  Twin t = make_twin(c, 101);
-  // Saved state from the reference forward (fp64): lse and indices, shared by both backwards.
-  forward(ctx_of(Backend::reference), cfg, t.ref.inputs(), t.ref.outputs());
-  copy_values(t.ref.lse, t.low.lse);
-  copy_values(t.ref.indices, t.low.indices);
+  Twin t = make_saved_twin(c, 101);  // lse and indices shared by both backwards
   backward(ctx_of(Backend::reference), cfg, t.ref.inputs(), t.ref.outputs(), t.ref.d_o.view(), t.ref.gradients());
 
   const int64_t longest = *std::max_element(c.seqlens.begin(), c.seqlens.end());
@@ -304,10 +310,7 @@ TEST_P(CudaBackward, BitwiseDeterministic) {
   NSA_REQUIRE_GPU();
   const BwdCase& c = GetParam();
   const Config cfg = config_of(c);
-  Twin t = make_twin(c, 202);
-  forward(ctx_of(Backend::reference), cfg, t.ref.inputs(), t.ref.outputs());
-  copy_values(t.ref.lse, t.low.lse);
-  copy_values(t.ref.indices, t.low.indices);
+  Twin t = make_saved_twin(c, 202);
   const int64_t longest = *std::max_element(c.seqlens.begin(), c.seqlens.end());
   DeviceLayer dev(t.low, longest);
   dev.run(cfg);
@@ -438,8 +441,7 @@ TEST(CudaBackwardErrors, UnsupportedHeadDimNamesTheValue) {
   NSA_REQUIRE_GPU();
   BwdCase c{"x", DType::bf16, 32, 64, 2, 1, {40}, 32, 16, 64, 2, 1, 1, 16, PhiKind::mean, false};
   const Config cfg = config_of(c);
-  Twin t = make_twin(c, 1);
-  forward(ctx_of(Backend::reference), cfg, t.ref.inputs(), t.ref.outputs());
+  Twin t = make_saved_twin(c, 1);
   DeviceLayer dev(t.low, 40);
   try {
     backward(ctx_of(Backend::cuda), cfg, dev.in, dev.saved, dev.d_o.view(), dev.grads);
@@ -457,8 +459,7 @@ TEST(CudaBackwardErrors, SelectionTablesTooLargeNameN) {
   NSA_REQUIRE_GPU();
   BwdCase c{"x", DType::bf16, 64, 64, 1, 1, {40}, 32, 16, 64, 400, 1, 1, 16, PhiKind::mean, false};
   const Config cfg = config_of(c);
-  Twin t = make_twin(c, 1);
-  forward(ctx_of(Backend::reference), cfg, t.ref.inputs(), t.ref.outputs());
+  Twin t = make_saved_twin(c, 1);
   DeviceLayer dev(t.low, 40);
   // With a workspace of the size asked for (the check under test comes after the workspace
   // check); the size query itself may already name n.
@@ -484,10 +485,7 @@ TEST(CudaBackwardErrors, UnalignedRowsNameTheTensor) {
   NSA_REQUIRE_GPU();
   BwdCase c{"x", DType::bf16, 64, 64, 4, 1, {40}, 32, 16, 64, 2, 1, 1, 16, PhiKind::mean, false};
   const Config cfg = config_of(c);
-  Twin t = make_twin(c, 1);
-  forward(ctx_of(Backend::reference), cfg, t.ref.inputs(), t.ref.outputs());
-  copy_values(t.ref.lse, t.low.lse);
-  copy_values(t.ref.indices, t.low.indices);
+  Twin t = make_saved_twin(c, 1);
   const Context ctx = ctx_of(Backend::cuda);
   auto shifted = [](TensorView v) {
     v.data = static_cast<char*>(v.data) + dtype_size(v.dtype);
