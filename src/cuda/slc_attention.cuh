@@ -61,6 +61,23 @@ struct SlcTile {
   }
 };
 
+// One warp's 16 rows of o_slc out of shared memory (`so`: rows of kDv + 8 columns, the warp's
+// first row first) in 16-byte pieces, two whole rows per warp store: row r is token t0 + r / G
+// (only those before tokens_valid) and head hk G + r % G. (Both selection kernels' epilogue.)
+template <typename Storage, int kDv>
+__device__ __forceinline__ void store_warp_rows(const BranchParams& p, Storage* out, const Storage* so, int64_t t0,
+                                                int tokens_valid, int hk, int lane) {
+  constexpr int kRowPieces = kDv / 8, kOStride = kDv + 8;
+  for (int e = lane; e < 16 * kRowPieces; e += 32) {
+    const int row = e / kRowPieces, piece = e % kRowPieces;
+    const int rtok = row >> p.log2_group;
+    if (rtok >= tokens_valid) continue;
+    const int rhead = hk * p.group + (row & (p.group - 1));
+    *reinterpret_cast<uint4*>(out + (t0 + rtok) * p.ob_st[0] + int64_t(rhead) * p.ob_sh[0] + 8 * piece) =
+        *reinterpret_cast<const uint4*>(so + row * kOStride + 8 * piece);
+  }
+}
+
 template <typename Storage, int kDqk, int kDv>
 __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_attention_kernel(const BranchParams p) {
   constexpr int kQPieces = kDqk / 32;  // 16-byte pieces of a Q/K row per lane
@@ -235,17 +252,8 @@ __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_atten
       }
   }
   __syncwarp();
-  constexpr int kRowPieces = kDv / 8;
   Storage* out = static_cast<Storage*>(p.o_branch[0]);  // nullptr: o_slc not wanted (n = 0 in forward)
-  if (out == nullptr) return;
-  for (int e = lane; e < 16 * kRowPieces; e += 32) {
-    const int row = e / kRowPieces, piece = e % kRowPieces;
-    const int rtok = row >> p.log2_group;
-    if (rtok >= tokens_valid) continue;
-    const int rhead = hk * p.group + (row & (p.group - 1));
-    *reinterpret_cast<uint4*>(out + (s0 + t0 + rtok) * p.ob_st[0] + int64_t(rhead) * p.ob_sh[0] + 8 * piece) =
-        *reinterpret_cast<const uint4*>(so + row * kOStride + 8 * piece);
-  }
+  if (out != nullptr) store_warp_rows<Storage, kDv>(p, out, so, s0 + t0, tokens_valid, hk, lane);
 }
 
 // sm_90a: the selection of one per-token CTA's 64 rows (64/G tokens x the G heads of a KV head) as
@@ -373,16 +381,9 @@ __global__ void __launch_bounds__(kSlcWarpThreads)
               StorageTraits<Storage>::pack(st.acc[i][2 * h] * inv, st.acc[i][2 * h + 1] * inv);
       }
       if (out != nullptr) {
-        __syncwarp();  // a warp writes out its own 16 rows
-        constexpr int kRowPieces = kDv / 8;
-        for (int e = lane; e < 16 * kRowPieces; e += 32) {
-          const int row = warp * 16 + e / kRowPieces, piece = e % kRowPieces;
-          const int rtok = row >> p.log2_group;
-          if (rtok >= tokens_valid) continue;
-          const int rhead = hk * p.group + (row & (p.group - 1));
-          *reinterpret_cast<uint4*>(out + (s0 + t0 + rtok) * p.ob_st[0] + int64_t(rhead) * p.ob_sh[0] + 8 * piece) =
-              *reinterpret_cast<const uint4*>(so + row * kOStride + 8 * piece);
-        }
+        __syncwarp();  // a warp writes out its own 16 rows: tokens_per_warp tokens from its first
+        store_warp_rows<Storage, kDv>(p, out, so + warp * 16 * kOStride, s0 + t0 + warp * tokens_per_warp,
+                                      tokens_valid - warp * tokens_per_warp, hk, lane);
       }
     }
   }
