@@ -382,121 +382,72 @@ __device__ __forceinline__ void tma_ring_attention_rows(TileAttention<Storage, k
   using Tile = TileAttention<Storage, kDqk, kDv, kRows, kChunk>;
   constexpr unsigned kCtaWarps = kRows / 16;
   static_assert(kVStages >= 1 && kVStages <= kStages, "V stages");
-  static_assert(!kPingPong || kVStages == kStages, "ping-pong with one ring of K + V stages");
-  if constexpr (kVStages < kStages) {
-    Storage* const sk = ring;                             // kStages K tiles
-    Storage* const sv = ring + kStages * Tile::kKSwTile;  // kVStages V tiles
-    uint64_t* const full_k = bars;
-    uint64_t* const full_v = bars + kStages;
-    unsigned* const done_k = reinterpret_cast<unsigned*>(bars + kStages + kVStages);
-    unsigned* const done_v = done_k + kStages;
-    // One thread: the kD columns of chunk c's rows (kD / 64 boxes) into `tile`, completing on `bar`.
-    auto issue_tile = [&](auto d, int c, Storage* tile, uint64_t* bar, const CUtensorMap* map) {
-      constexpr int kD = decltype(d)::value;
-      mbarrier_expect_tx(bar, uint32_t(kChunk) * kD * sizeof(Storage));
-      const int row = row_of(c);
-#pragma unroll
-      for (int b = 0; b < kD / 64; ++b) tma_load_3d(tile + b * kChunk * 64, map, 64 * b, hk, row, bar);
-    };
-    auto issue_k = [&](int c) {
-      const int st = c % kStages;
-      issue_tile(std::integral_constant<int, kDqk>{}, c, sk + st * Tile::kKSwTile, full_k + st, k_map);
-    };
-    auto issue_v = [&](int c) {
-      const int st = c % kVStages;
-      issue_tile(std::integral_constant<int, kDv>{}, c, sv + st * Tile::kVSwTile, full_v + st, v_map);
-    };
-    auto prologue = [&] {
-      for (int c = 0; c < kStages && c < num_chunks; ++c) issue_k(c);
-      for (int c = 0; c < kVStages && c < num_chunks; ++c) issue_v(c);
-    };
-    if (threadIdx.x == 0) {
-#pragma unroll
-      for (int st = 0; st < kStages + kVStages; ++st) {
-        mbarrier_init(bars + st, 1);
-        done_k[st] = 0;  // (done_v follows done_k)
-      }
-      fence_mbarrier_init();
-      if constexpr (kIssueEarly) prologue();
-    }
-    cp_async_wait<0>();
-    fence_proxy_async();  // the Q tile, for the score wgmma
-    __syncthreads();      // Q, the mbarriers and the counters, before anyone uses them
-    if constexpr (!kIssueEarly)
-      if (threadIdx.x == 0) prologue();
-    const int lane = threadIdx.x % 32;
-    // The warp that completes tile st's count for this use (the CTA's last warp done with it)
-    // refills it with chunk `next`.
-    auto release = [&](unsigned* done, int st, int next, auto&& issue) {
-      if (next < num_chunks) {
-        __syncwarp();
-        if (lane == 0) {
-          __threadfence_block();  // this warp's reads of the tile are ordered before its count
-          const unsigned before = atomicAdd(done + st, 1u);
-          if (before % kCtaWarps == kCtaWarps - 1) {
-            __threadfence_block();
-            fence_proxy_async();
-            issue(next);
-          }
-        }
-        __syncwarp();
-      }
-    };
-    int kst = 0, vst = 0;
-    uint32_t kphase = 0, vphase = 0;
-    for (int c = 0; c < num_chunks; ++c) {
-      mbarrier_wait_parity(full_k + kst, kphase);
-      float s[Tile::kSTiles][4];
-      tile_state.scores_wgmma_sq(s, sq, sk + kst * Tile::kKSwTile);  // waits for its products
-      release(done_k, kst, c + kStages, issue_k);
-      mask_fn(c, s);
-      tile_state.softmax_update(s, scale_log2);
-      mbarrier_wait_parity(full_v + vst, vphase);
-      if (c == num_chunks - 1 && count_last < kChunk) {
-        // Once per tile: the V rows past the keys become zeros before any warp's P V.
-        zero_sw128_rows<kChunk, kRows / 16 * 32>(sv + vst * Tile::kVSwTile, kDv / 64, count_last);
-        fence_proxy_async();  // the zeros, for the P V wgmma
-        __syncthreads();
-      }
-      tile_state.accumulate_pv_wgmma(s, sv + vst * Tile::kVSwTile);  // waits for its products
-      release(done_v, vst, c + kVStages, issue_v);
-      if (++kst == kStages) kst = 0, kphase ^= 1u;
-      if (++vst == kVStages) vst = 0, vphase ^= 1u;
-    }
-    return;
-  } else {
-  constexpr uint32_t kStageBytes = kChunk * (kDqk + kDv) * sizeof(Storage);
+  constexpr bool kSplit = kVStages < kStages;
+  static_assert(!kPingPong || !kSplit, "ping-pong with one ring of K + V stages");
+  constexpr int kBars = kSplit ? kStages + kVStages : kStages;  // mbarriers, then as many counters
   Storage* const sk = ring;                              // kStages K tiles
-  Storage* const sv = ring + kStages * Tile::kKSwTile;   // kStages V tiles
-  uint64_t* const full = bars;
-  unsigned* const done = reinterpret_cast<unsigned*>(bars + kStages);
-  // One thread: chunk c into its stage.
-  auto issue = [&](int c) {
+  Storage* const sv = ring + kStages * Tile::kKSwTile;   // kVStages V tiles
+  unsigned* const done = reinterpret_cast<unsigned*>(bars + kBars);
+  // One thread: the kD columns of chunk c's rows (kD / 64 boxes) into `tile`, on `bar`.
+  auto load_tile = [&](auto d, int row, Storage* tile, uint64_t* bar, const CUtensorMap* map) {
+    constexpr int kD = decltype(d)::value;
+#pragma unroll
+    for (int b = 0; b < kD / 64; ++b) tma_load_3d(tile + b * kChunk * 64, map, 64 * b, hk, row, bar);
+  };
+  using DimK = std::integral_constant<int, kDqk>;
+  using DimV = std::integral_constant<int, kDv>;
+  // One thread: chunk c's K (split: on K tile c % kStages's mbarrier) and V (split: on V tile
+  // c % kVStages's; joint: K and V of stage c % kStages on one mbarrier).
+  auto issue_k = [&](int c) {
     const int st = c % kStages;
-    uint64_t* bar = full + st;
-    mbarrier_expect_tx(bar, kStageBytes);
+    mbarrier_expect_tx(bars + st, uint32_t(kChunk) * (kSplit ? kDqk : kDqk + kDv) * sizeof(Storage));
     const int row = row_of(c);
-#pragma unroll
-    for (int b = 0; b < kDqk / 64; ++b) tma_load_3d(sk + st * Tile::kKSwTile + b * kChunk * 64, k_map, 64 * b, hk, row, bar);
-#pragma unroll
-    for (int b = 0; b < kDv / 64; ++b) tma_load_3d(sv + st * Tile::kVSwTile + b * kChunk * 64, v_map, 64 * b, hk, row, bar);
+    load_tile(DimK{}, row, sk + st * Tile::kKSwTile, bars + st, k_map);
+    if constexpr (!kSplit) load_tile(DimV{}, row, sv + st * Tile::kVSwTile, bars + st, v_map);
+  };
+  auto issue_v = [&](int c) {  // (split only)
+    const int st = c % kVStages;
+    uint64_t* const bar = bars + kStages + st;
+    mbarrier_expect_tx(bar, uint32_t(kChunk) * kDv * sizeof(Storage));
+    load_tile(DimV{}, row_of(c), sv + st * Tile::kVSwTile, bar, v_map);
+  };
+  auto prologue = [&] {
+    for (int c = 0; c < kStages && c < num_chunks; ++c) issue_k(c);
+    if constexpr (kSplit)
+      for (int c = 0; c < kVStages && c < num_chunks; ++c) issue_v(c);
   };
   if (threadIdx.x == 0) {
 #pragma unroll
-    for (int st = 0; st < kStages; ++st) {
-      mbarrier_init(full + st, 1);
+    for (int st = 0; st < kBars; ++st) {
+      mbarrier_init(bars + st, 1);
       done[st] = 0;
     }
     fence_mbarrier_init();
+    if constexpr (kIssueEarly) prologue();
   }
   cp_async_wait<0>();
   fence_proxy_async();  // the Q tile, for the score wgmma
   __syncthreads();      // Q, the mbarriers and the counters, before anyone uses them
-  if (threadIdx.x == 0)
-    for (int c = 0; c < kStages && c < num_chunks; ++c) issue(c);
+  if constexpr (!kIssueEarly)
+    if (threadIdx.x == 0) prologue();
   const int lane = threadIdx.x % 32;
-  int st = 0;
-  uint32_t phase = 0;
+  // The warp that completes counter `i`'s count for this use (the CTA's last warp done with its
+  // tile) refills the tile with chunk `next`.
+  auto release = [&](int i, int next, auto&& issue) {
+    if (next < num_chunks) {
+      __syncwarp();
+      if (lane == 0) {
+        __threadfence_block();  // this warp's reads of the tile are ordered before its count
+        const unsigned before = atomicAdd(done + i, 1u);
+        if (before % kCtaWarps == kCtaWarps - 1) {  // the CTA's last warp done with it
+          __threadfence_block();
+          fence_proxy_async();
+          issue(next);
+        }
+      }
+      __syncwarp();
+    }
+  };
   // Ping-pong (kPingPong; FA3's schedule, round robin over the kRows / 64 warpgroups): the
   // warpgroups issue their product batches in strict turns, Q K^T(0) of warpgroup 0, of 1, ...,
   // then P V(0) of 0, of 1, ... Each waits on its named barrier before a batch and, once the batch
@@ -511,48 +462,55 @@ __device__ __forceinline__ void tma_ring_attention_rows(TileAttention<Storage, k
   const int wg_next = wg + 1 == kWgs ? 0 : wg + 1;
   if constexpr (kPingPong)
     if (wg == kWgs - 1 && num_chunks > 0) named_barrier_arrive(kPpBar, kPpThreads);
+  int kst = 0, vst = 0;
+  uint32_t kphase = 0, vphase = 0;
   for (int c = 0; c < num_chunks; ++c) {
-    mbarrier_wait_parity(full + st, phase);
-    if (c == num_chunks - 1 && count_last < kChunk) {
-      // Once per tile: the V rows past the keys become zeros before any warp's P V.
-      zero_sw128_rows<kChunk, kRows / 16 * 32>(sv + st * Tile::kVSwTile, kDv / 64, count_last);
-      fence_proxy_async();  // the zeros, for the P V wgmma
-      __syncthreads();
-    }
-    float s[Tile::kSTiles][4];
-    if constexpr (kPingPong) {
-      named_barrier_sync(kPpBar + wg, kPpThreads);
-      tile_state.scores_wgmma_sq(s, sq, sk + st * Tile::kKSwTile,
-                                 [&] { named_barrier_arrive(kPpBar + wg_next, kPpThreads); });
-    } else {
-      tile_state.scores_wgmma_sq(s, sq, sk + st * Tile::kKSwTile);
-    }
-    mask_fn(c, s);
-    tile_state.softmax_update(s, scale_log2);
-    if constexpr (kPingPong) {
-      named_barrier_sync(kPpBar + wg, kPpThreads);
-      const bool last = wg == kWgs - 1 && c == num_chunks - 1;
-      tile_state.accumulate_pv_wgmma(s, sv + st * Tile::kVSwTile, [&] {
-        if (!last) named_barrier_arrive(kPpBar + wg_next, kPpThreads);
-      });
-    } else {
-      tile_state.accumulate_pv_wgmma(s, sv + st * Tile::kVSwTile);  // waits for its products: the stage is read
-    }
-    if (c + kStages < num_chunks) {
-      __syncwarp();
-      if (lane == 0) {
-        __threadfence_block();  // this warp's reads of the stage are ordered before its count
-        const unsigned before = atomicAdd(done + st, 1u);
-        if (before % kCtaWarps == kCtaWarps - 1) {  // the CTA's last warp done with chunk c
-          __threadfence_block();
-          fence_proxy_async();
-          issue(c + kStages);
-        }
+    mbarrier_wait_parity(bars + kst, kphase);
+    if constexpr (kSplit) {
+      float s[Tile::kSTiles][4];
+      tile_state.scores_wgmma_sq(s, sq, sk + kst * Tile::kKSwTile);  // waits for its products
+      release(kst, c + kStages, issue_k);
+      mask_fn(c, s);
+      tile_state.softmax_update(s, scale_log2);
+      mbarrier_wait_parity(bars + kStages + vst, vphase);
+      if (c == num_chunks - 1 && count_last < kChunk) {
+        // Once per tile: the V rows past the keys become zeros before any warp's P V.
+        zero_sw128_rows<kChunk, kRows / 16 * 32>(sv + vst * Tile::kVSwTile, kDv / 64, count_last);
+        fence_proxy_async();  // the zeros, for the P V wgmma
+        __syncthreads();
       }
-      __syncwarp();
+      tile_state.accumulate_pv_wgmma(s, sv + vst * Tile::kVSwTile);  // waits for its products
+      release(kStages + vst, c + kVStages, issue_v);
+      if (++vst == kVStages) vst = 0, vphase ^= 1u;
+    } else {
+      if (c == num_chunks - 1 && count_last < kChunk) {
+        // Once per tile: the V rows past the keys become zeros before any warp's P V.
+        zero_sw128_rows<kChunk, kRows / 16 * 32>(sv + kst * Tile::kVSwTile, kDv / 64, count_last);
+        fence_proxy_async();  // the zeros, for the P V wgmma
+        __syncthreads();
+      }
+      float s[Tile::kSTiles][4];
+      if constexpr (kPingPong) {
+        named_barrier_sync(kPpBar + wg, kPpThreads);
+        tile_state.scores_wgmma_sq(s, sq, sk + kst * Tile::kKSwTile,
+                                   [&] { named_barrier_arrive(kPpBar + wg_next, kPpThreads); });
+      } else {
+        tile_state.scores_wgmma_sq(s, sq, sk + kst * Tile::kKSwTile);
+      }
+      mask_fn(c, s);
+      tile_state.softmax_update(s, scale_log2);
+      if constexpr (kPingPong) {
+        named_barrier_sync(kPpBar + wg, kPpThreads);
+        const bool last = wg == kWgs - 1 && c == num_chunks - 1;
+        tile_state.accumulate_pv_wgmma(s, sv + kst * Tile::kVSwTile, [&] {
+          if (!last) named_barrier_arrive(kPpBar + wg_next, kPpThreads);
+        });
+      } else {
+        tile_state.accumulate_pv_wgmma(s, sv + kst * Tile::kVSwTile);  // waits for its products: the stage is read
+      }
+      release(kst, c + kStages, issue_k);
     }
-    if (++st == kStages) st = 0, phase ^= 1u;
-  }
+    if (++kst == kStages) kst = 0, kphase ^= 1u;
   }
 }
 
