@@ -369,9 +369,10 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
 // the SM): K and V have rings of their own, kStages K tiles then kVStages V tiles, each tile with
 // its mbarrier and counter (bars: kStages + kVStages mbarriers, then as many counters:
 // tma_ring_bar_bytes(kStages + kVStages)). A warp counts itself done with a K tile after its Q K^T and with a V
-// tile after its P V, so each refill starts as soon as the tile is free. kIssueEarly: the first
-// copies are issued before the Q tile has landed (the caller's shared memory in the ring must be
-// dead already, behind a CTA barrier).
+// tile after its P V, so each refill starts as soon as the tile is free. kIssueEarly (either ring;
+// the selection's union tiles): the first copies are issued before the Q tile has landed (the
+// caller's shared memory in the ring must be dead already, behind a fence.proxy.async and a CTA
+// barrier: cta_union_list).
 template <typename Storage, int kDqk, int kDv, int kRows, int kChunk, int kStages, int kVStages = kStages,
           bool kIssueEarly = false, bool kPingPong = false, typename RowOf, typename MaskFn>
 __device__ __forceinline__ void tma_ring_attention_rows(TileAttention<Storage, kDqk, kDv, kRows, kChunk>& tile_state,
