@@ -4,7 +4,8 @@
 #
 #   scripts/profile_gpu.sh [KERNEL_REGEX]
 #
-# Always: the time of every kernel (ncu gpu__time_duration, clocks not locked) -> $OUT/kernel_times.txt.
+# Always: the time of every kernel (ncu gpu__time_duration, clocks not locked) -> $OUT/kernel_times.txt,
+# summed by kernel -> $OUT/kernel_by_name.txt, and their total -> $OUT/kernel_total.txt.
 # With KERNEL_REGEX (e.g. 'dkv_kernel|dq_kernel'): the first launch of each matching kernel with
 # the sections that say what bounds it (throughput, warp stalls, scheduler issue, occupancy) ->
 # $OUT/kernel_detail.txt.
@@ -28,6 +29,14 @@ awk '/^  [a-zA-Z_].*\(.*\)x\(/ { name = $0; sub(/^  (void )?/, "", name); sub(/\
                                 printf "%10.3f ms  %s\n", v, name }' "$OUT/ncu_times.log" > "$OUT/kernel_times.txt"
 echo "kernel times (ms), in launch order:"
 cat "$OUT/kernel_times.txt"
+# The same by kernel (launches summed, the template arguments kept), largest first, and the total:
+# against the benchmark's event time of the same call, the total says how much of it is kernels
+# and how much gaps between them (launch latency, host work), which matters at short lengths.
+awk '{ k = substr($0, index($0, " ms  ") + 5); t[k] += $1; n[k] += 1; all += $1 }
+     END { for (k in t) printf "%10.3f ms  %3d x  %s\n", t[k], n[k], k; printf "%10.3f ms  total\n", all > "/dev/stderr" }' \
+  "$OUT/kernel_times.txt" 2> "$OUT/kernel_total.txt" | sort -rn > "$OUT/kernel_by_name.txt"
+echo "by kernel (ms, launches):"
+cat "$OUT/kernel_by_name.txt" "$OUT/kernel_total.txt"
 
 if [[ $# -ge 1 && -n "$1" ]]; then
   # SourceCounters: the SASS lines where the warps stall most (sampled), and uncoalesced accesses.
