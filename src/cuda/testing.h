@@ -42,4 +42,18 @@ inline std::atomic<int>& slc_union_ctas_flag() {
 inline void set_slc_union_ctas(int ctas) { slc_union_ctas_flag().store(ctas); }
 inline int slc_union_ctas() { return slc_union_ctas_flag().load(std::memory_order_relaxed); }
 
+inline std::atomic<int>& cmp_splits_flag() {
+  static std::atomic<int> splits{0};
+  return splits;
+}
+
+// The backward's query splits of the compressed dK/dV (backward/cmp_split.h): `splits` (at most
+// kMaxCmpSplits = 16) instead of cmp_splits_for's rule (0, the default). The rule gives 8 or 16
+// splits only from 7K or 15K tokens at G >= 8, longer than the GPU tests' sequences; with this the
+// tests run 16 splits on short ones (a few tokens per split, many splits that see no compressed
+// block), also for packed batches, whose earlier splits keep every row. It sets the workspace size
+// and the call alike: not to be changed between the two.
+inline void set_cmp_splits(int splits) { cmp_splits_flag().store(splits); }
+inline int cmp_splits() { return cmp_splits_flag().load(std::memory_order_relaxed); }
+
 }  // namespace nsa::cuda::testing

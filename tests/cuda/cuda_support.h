@@ -41,6 +41,15 @@ struct NoSelectionUnionTiles {
   NoSelectionUnionTiles& operator=(const NoSelectionUnionTiles&) = delete;
 };
 
+// While alive, the backward splits the compressed dK/dV's queries in `splits` parts
+// (testing::set_cmp_splits) instead of by the sequence length.
+struct ForcedCmpSplits {
+  explicit ForcedCmpSplits(int splits) { ::nsa::cuda::testing::set_cmp_splits(splits); }
+  ~ForcedCmpSplits() { ::nsa::cuda::testing::set_cmp_splits(0); }
+  ForcedCmpSplits(const ForcedCmpSplits&) = delete;
+  ForcedCmpSplits& operator=(const ForcedCmpSplits&) = delete;
+};
+
 #define NSA_TEST_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
 
 // A device workspace of `bytes` (none at 0), filled with the NaN pattern 0xff: nothing may rely on

@@ -223,45 +223,51 @@ class CudaBackward : public ::testing::TestWithParam<BwdCase> {};
 // also gets the forward's branch outputs (rounded to the storage dtype, as forward() writes
 // them) and takes dg from them instead of recomputing each branch's output. with_o: it gets the
 // forward's o (rounded likewise) and takes the selection's D from it (BwdArgs::d_from_o).
-void check_against_reference(const BwdCase& c, bool with_o_branch, bool with_o = false) {
+// splits: the device backward runs once per entry, with that many compressed splits forced
+// (testing::set_cmp_splits; 0: the backend's own rule), against one reference backward.
+void check_against_reference(const BwdCase& c, bool with_o_branch, bool with_o = false,
+                             const std::vector<int>& splits = {0}) {
   const Config cfg = config_of(c);
   Twin t = make_saved_twin(c, 101);  // lse and indices shared by both backwards
   backward(ctx_of(Backend::reference), cfg, t.ref.inputs(), t.ref.outputs(), t.ref.d_o.view(), t.ref.gradients());
-
-  const int64_t longest = *std::max_element(c.seqlens.begin(), c.seqlens.end());
-  DeviceLayer dev(t.low, longest);
-  DeviceTensor o_branch, o_saved;
-  if (with_o_branch) {
-    copy_values(t.ref.o_branch, t.low.o_branch);
-    o_branch = DeviceTensor(t.low.o_branch);
-    dev.saved.o_branch = o_branch.view();
-  }
-  if (with_o) {
-    copy_values(t.ref.o, t.low.o);
-    o_saved = DeviceTensor(t.low.o);
-    dev.saved.o = o_saved.view();
-  }
-  dev.run(cfg);
-  const auto grads = dev.download(t.low);
-  // phi's parameter gradients are all sums over the same compressed rows of dy (or dpre) times
-  // O(1) activations, so a plain implementation's rounding error is the same for each parameter
-  // of one phi: the largest of them sets it. Without this, b2 of phi_k (and pe of a linear
-  // phi_k) would be compared with no scale at all: softmax is invariant to adding one vector to
-  // every key, so the exact sum of dLoss/dkc over the compressed keys is 0.
-  double phi_scale[2] = {0, 0};
-  for (auto& [name, got] : grads)
-    for (int which = 0; which < 2; ++which)
-      if (name.rfind(which == 0 ? "dphi_k." : "dphi_v.", 0) == 0)
-        phi_scale[which] = std::max(phi_scale[which], max_abs(ref_grad(t.ref, name).values()));
-  for (auto& [name, got] : grads) {
-    const HostTensor& want = ref_grad(t.ref, name);
-    const std::vector<double> w = want.values();
-    double scale = max_abs(w);
-    if (name.rfind("dphi_k.", 0) == 0) scale = phi_scale[0];
-    if (name.rfind("dphi_v.", 0) == 0) scale = phi_scale[1];
-    const auto result = close(got.values(), w, grad_tol(c.dtype, scale));
-    EXPECT_TRUE(result) << name;
-    std::printf("  %-14s max|ref| %.3g  %s\n", name.c_str(), max_abs(w), result.message());
+  for (const int forced_splits : splits) {
+    SCOPED_TRACE("compressed splits forced: " + std::to_string(forced_splits));
+    const ForcedCmpSplits forced(forced_splits);
+    const int64_t longest = *std::max_element(c.seqlens.begin(), c.seqlens.end());
+    DeviceLayer dev(t.low, longest);
+    DeviceTensor o_branch, o_saved;
+    if (with_o_branch) {
+      copy_values(t.ref.o_branch, t.low.o_branch);
+      o_branch = DeviceTensor(t.low.o_branch);
+      dev.saved.o_branch = o_branch.view();
+    }
+    if (with_o) {
+      copy_values(t.ref.o, t.low.o);
+      o_saved = DeviceTensor(t.low.o);
+      dev.saved.o = o_saved.view();
+    }
+    dev.run(cfg);
+    const auto grads = dev.download(t.low);
+    // phi's parameter gradients are all sums over the same compressed rows of dy (or dpre) times
+    // O(1) activations, so a plain implementation's rounding error is the same for each parameter
+    // of one phi: the largest of them sets it. Without this, b2 of phi_k (and pe of a linear
+    // phi_k) would be compared with no scale at all: softmax is invariant to adding one vector to
+    // every key, so the exact sum of dLoss/dkc over the compressed keys is 0.
+    double phi_scale[2] = {0, 0};
+    for (auto& [name, got] : grads)
+      for (int which = 0; which < 2; ++which)
+        if (name.rfind(which == 0 ? "dphi_k." : "dphi_v.", 0) == 0)
+          phi_scale[which] = std::max(phi_scale[which], max_abs(ref_grad(t.ref, name).values()));
+    for (auto& [name, got] : grads) {
+      const HostTensor& want = ref_grad(t.ref, name);
+      const std::vector<double> w = want.values();
+      double scale = max_abs(w);
+      if (name.rfind("dphi_k.", 0) == 0) scale = phi_scale[0];
+      if (name.rfind("dphi_v.", 0) == 0) scale = phi_scale[1];
+      const auto result = close(got.values(), w, grad_tol(c.dtype, scale));
+      EXPECT_TRUE(result) << name;
+      std::printf("  %-14s max|ref| %.3g  %s\n", name.c_str(), max_abs(w), result.message());
+    }
   }
 }
 
@@ -304,6 +310,17 @@ TEST_P(CudaBackward, SavedOutputGivesTheSameGradientsPerToken) {
   NSA_REQUIRE_GPU();
   const NoSelectionUnionTiles per_token;
   check_against_reference(GetParam(), false, true);
+}
+
+// 16 compressed splits (testing::set_cmp_splits), the most there are, and 11: the rule gives 16
+// from ~15K tokens at G >= 16 (and 8 from ~7K at G >= 8), longer than these cases, so without this
+// the tests reach only the splits of their own lengths (4 at most). Here most splits hold a few
+// tokens, many see no compressed block (no partial rows), the packed cases run splits that keep
+// every row, and 11 puts the split boundaries elsewhere. With the forward's o, as the torch layer
+// calls it.
+TEST_P(CudaBackward, SixteenCompressedSplitsMatchReference) {
+  NSA_REQUIRE_GPU();
+  check_against_reference(GetParam(), false, true, {16, 11});
 }
 
 TEST_P(CudaBackward, BitwiseDeterministic) {

@@ -21,6 +21,7 @@
 #include "cuda/backward/attention.cuh"
 #include "cuda/common/check.h"
 #include "cuda/common/launch.h"
+#include "cuda/testing.h"
 #include "nsa/error.h"
 
 namespace nsa::cuda_bwd {
@@ -475,7 +476,8 @@ Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
   }
   L.dkc = w.take<float>(size_t(rows * z.dqk));
   L.dvc = w.take<float>(size_t(rows * z.dv));
-  L.cmp_splits = cmp_splits_for(z.max_seqlen, z.hq / z.hkv, z.B);
+  const int forced_splits = std::min(cuda::testing::cmp_splits(), kMaxCmpSplits);  // GPU tests only
+  L.cmp_splits = forced_splits > 0 ? forced_splits : cmp_splits_for(z.max_seqlen, z.hq / z.hkv, z.B);
   // Rows of each split's partial: with one sequence the blocks its queries see; with several (whose
   // lengths the host does not know) every row, indexed as dkc.
   int64_t part_rows = 0;
