@@ -56,4 +56,15 @@ inline std::atomic<int>& cmp_splits_flag() {
 inline void set_cmp_splits(int splits) { cmp_splits_flag().store(splits); }
 inline int cmp_splits() { return cmp_splits_flag().load(std::memory_order_relaxed); }
 
+inline std::atomic<bool>& packed_sort_flag() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
+// While false, the backward's inverted selection index sorts (key, token) pairs, the path it takes
+// where the key and token bits do not fit in 32 (from ~256K tokens at Hkv = 4), instead of packed
+// 32-bit keys. True by default; like set_cmp_splits, it sets the workspace size and the call alike.
+inline void set_packed_sort_enabled(bool on) { packed_sort_flag().store(on); }
+inline bool packed_sort_enabled() { return packed_sort_flag().load(std::memory_order_relaxed); }
+
 }  // namespace nsa::cuda::testing

@@ -41,13 +41,20 @@ struct NoSelectionUnionTiles {
   NoSelectionUnionTiles& operator=(const NoSelectionUnionTiles&) = delete;
 };
 
-// While alive, the backward splits the compressed dK/dV's queries in `splits` parts
-// (testing::set_cmp_splits) instead of by the sequence length.
-struct ForcedCmpSplits {
-  explicit ForcedCmpSplits(int splits) { ::nsa::cuda::testing::set_cmp_splits(splits); }
-  ~ForcedCmpSplits() { ::nsa::cuda::testing::set_cmp_splits(0); }
-  ForcedCmpSplits(const ForcedCmpSplits&) = delete;
-  ForcedCmpSplits& operator=(const ForcedCmpSplits&) = delete;
+// While alive, the backward takes the paths its rule keeps for long sequences: the compressed
+// dK/dV's queries in `splits` parts (testing::set_cmp_splits; 0: by the sequence length), and with
+// pair_sort the inverted index's (key, token) pair sort (testing::set_packed_sort_enabled).
+struct LongSequencePaths {
+  LongSequencePaths(int splits, bool pair_sort) {
+    ::nsa::cuda::testing::set_cmp_splits(splits);
+    ::nsa::cuda::testing::set_packed_sort_enabled(!pair_sort);
+  }
+  ~LongSequencePaths() {
+    ::nsa::cuda::testing::set_cmp_splits(0);
+    ::nsa::cuda::testing::set_packed_sort_enabled(true);
+  }
+  LongSequencePaths(const LongSequencePaths&) = delete;
+  LongSequencePaths& operator=(const LongSequencePaths&) = delete;
 };
 
 #define NSA_TEST_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << #expr

@@ -223,16 +223,21 @@ class CudaBackward : public ::testing::TestWithParam<BwdCase> {};
 // also gets the forward's branch outputs (rounded to the storage dtype, as forward() writes
 // them) and takes dg from them instead of recomputing each branch's output. with_o: it gets the
 // forward's o (rounded likewise) and takes the selection's D from it (BwdArgs::d_from_o).
-// splits: the device backward runs once per entry, with that many compressed splits forced
-// (testing::set_cmp_splits; 0: the backend's own rule), against one reference backward.
+// The device backward runs once per entry of `paths` against one reference backward: {0, false}
+// is the backend's own choice; see LongSequencePaths (cuda_support.h).
+struct Paths {
+  int cmp_splits;
+  bool pair_sort;
+};
 void check_against_reference(const BwdCase& c, bool with_o_branch, bool with_o = false,
-                             const std::vector<int>& splits = {0}) {
+                             const std::vector<Paths>& paths = {{0, false}}) {
   const Config cfg = config_of(c);
   Twin t = make_saved_twin(c, 101);  // lse and indices shared by both backwards
   backward(ctx_of(Backend::reference), cfg, t.ref.inputs(), t.ref.outputs(), t.ref.d_o.view(), t.ref.gradients());
-  for (const int forced_splits : splits) {
-    SCOPED_TRACE("compressed splits forced: " + std::to_string(forced_splits));
-    const ForcedCmpSplits forced(forced_splits);
+  for (const Paths& run : paths) {
+    SCOPED_TRACE("compressed splits forced: " + std::to_string(run.cmp_splits) +
+                 (run.pair_sort ? ", pair sort" : ""));
+    const LongSequencePaths forced(run.cmp_splits, run.pair_sort);
     const int64_t longest = *std::max_element(c.seqlens.begin(), c.seqlens.end());
     DeviceLayer dev(t.low, longest);
     DeviceTensor o_branch, o_saved;
@@ -312,15 +317,17 @@ TEST_P(CudaBackward, SavedOutputGivesTheSameGradientsPerToken) {
   check_against_reference(GetParam(), false, true);
 }
 
-// 16 compressed splits (testing::set_cmp_splits), the most there are, and 11: the rule gives 16
-// from ~15K tokens at G >= 16 (and 8 from ~7K at G >= 8), longer than these cases, so without this
-// the tests reach only the splits of their own lengths (4 at most). Here most splits hold a few
-// tokens, many see no compressed block (no partial rows), the packed cases run splits that keep
-// every row, and 11 puts the split boundaries elsewhere. With the forward's o, as the torch layer
-// calls it.
-TEST_P(CudaBackward, SixteenCompressedSplitsMatchReference) {
+// The paths the backward's rules keep for sequences longer than these cases, forced
+// (LongSequencePaths). 16 compressed splits, the most there are, and 11: the rule gives 16 from
+// ~15K tokens at G >= 16 (and 8 from ~7K at G >= 8), so without this the tests reach only the
+// splits of their own lengths (4 at most). Here most splits hold a few tokens, many see no
+// compressed block (no partial rows), the packed cases run splits that keep every row, and 11 puts
+// the split boundaries elsewhere. The 11-split run also sorts the inverted selection index as
+// (key, token) pairs, which the rule does only where key and token bits exceed 32 (~256K tokens
+// at Hkv = 4). With the forward's o, as the torch layer calls it.
+TEST_P(CudaBackward, LongSequencePathsMatchReference) {
   NSA_REQUIRE_GPU();
-  check_against_reference(GetParam(), false, true, {16, 11});
+  check_against_reference(GetParam(), false, true, {{16, false}, {11, true}});
 }
 
 TEST_P(CudaBackward, BitwiseDeterministic) {

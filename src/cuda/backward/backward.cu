@@ -516,7 +516,7 @@ Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
         int kbits = 1, tbits = 0;
         while ((int64_t(1) << kbits) <= nkeys) ++kbits;
         while ((int64_t(1) << tbits) < z.T) ++tbits;
-        L.packed_sort = kbits + tbits <= 32;
+        L.packed_sort = kbits + tbits <= 32 && cuda::testing::packed_sort_enabled();
         if (L.packed_sort) {
           L.key_shift = tbits;
           L.sort_bits = kbits + tbits;
