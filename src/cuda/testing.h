@@ -56,6 +56,18 @@ inline std::atomic<int>& cmp_splits_flag() {
 inline void set_cmp_splits(int splits) { cmp_splits_flag().store(splits); }
 inline int cmp_splits() { return cmp_splits_flag().load(std::memory_order_relaxed); }
 
+inline std::atomic<int>& forced_block_splits_flag() {
+  static std::atomic<int> splits{0};
+  return splits;
+}
+
+// The backward's splits of a forced initial block's query list (dkv_kernel<slc_forced>):
+// `splits` (at most 16) instead of one per 1024 tokens of the longest sequence (0, the default),
+// so that the tests reach the 8 to 16 splits of 8K-16K tokens on short sequences. Like
+// set_cmp_splits, it sets the workspace size and the call alike.
+inline void set_forced_block_splits(int splits) { forced_block_splits_flag().store(splits); }
+inline int forced_block_splits() { return forced_block_splits_flag().load(std::memory_order_relaxed); }
+
 inline std::atomic<bool>& packed_sort_flag() {
   static std::atomic<bool> on{true};
   return on;

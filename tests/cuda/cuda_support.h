@@ -41,16 +41,20 @@ struct NoSelectionUnionTiles {
   NoSelectionUnionTiles& operator=(const NoSelectionUnionTiles&) = delete;
 };
 
-// While alive, the backward takes the paths its rule keeps for long sequences: the compressed
-// dK/dV's queries in `splits` parts (testing::set_cmp_splits; 0: by the sequence length), and with
-// pair_sort the inverted index's (key, token) pair sort (testing::set_packed_sort_enabled).
+// While alive, the backward takes paths its rules keep for long sequences: the compressed dK/dV's
+// queries in `cmp_splits` parts (testing::set_cmp_splits), the forced initial blocks' query lists
+// in `forced_splits` parts (testing::set_forced_block_splits; 0 for either: by the sequence
+// length), and with pair_sort the inverted index's (key, token) pair sort
+// (testing::set_packed_sort_enabled).
 struct LongSequencePaths {
-  LongSequencePaths(int splits, bool pair_sort) {
-    ::nsa::cuda::testing::set_cmp_splits(splits);
+  LongSequencePaths(int cmp_splits, int forced_splits, bool pair_sort) {
+    ::nsa::cuda::testing::set_cmp_splits(cmp_splits);
+    ::nsa::cuda::testing::set_forced_block_splits(forced_splits);
     ::nsa::cuda::testing::set_packed_sort_enabled(!pair_sort);
   }
   ~LongSequencePaths() {
     ::nsa::cuda::testing::set_cmp_splits(0);
+    ::nsa::cuda::testing::set_forced_block_splits(0);
     ::nsa::cuda::testing::set_packed_sort_enabled(true);
   }
   LongSequencePaths(const LongSequencePaths&) = delete;

@@ -19,6 +19,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -223,21 +225,37 @@ class CudaBackward : public ::testing::TestWithParam<BwdCase> {};
 // also gets the forward's branch outputs (rounded to the storage dtype, as forward() writes
 // them) and takes dg from them instead of recomputing each branch's output. with_o: it gets the
 // forward's o (rounded likewise) and takes the selection's D from it (BwdArgs::d_from_o).
-// The device backward runs once per entry of `paths` against one reference backward: {0, false}
-// is the backend's own choice; see LongSequencePaths (cuda_support.h).
+// The twin (seed 101, lse and indices from the reference forward in both) and the reference
+// backward's fp64 gradients, made once per case: every check_against_reference test of a case
+// compares with the same gradients, which the reference computes in plain loops (seconds for the
+// longest case), so only the device runs are per test. Nothing here changes them afterwards: the
+// device gradients start from the twin's poisoned tensors and are downloaded into new ones.
+Twin& reference_of(const BwdCase& c) {
+  static std::map<std::string, std::unique_ptr<Twin>> cache;
+  std::unique_ptr<Twin>& t = cache[c.name];
+  if (!t) {
+    t = std::make_unique<Twin>(make_saved_twin(c, 101));
+    backward(ctx_of(Backend::reference), config_of(c), t->ref.inputs(), t->ref.outputs(), t->ref.d_o.view(),
+             t->ref.gradients());
+  }
+  return *t;
+}
+
+// The device backward runs once per entry of `paths` against the case's reference: {0, 0, false}
+// is the backend's own choice of splits and sort; see LongSequencePaths (cuda_support.h).
 struct Paths {
   int cmp_splits;
+  int forced_splits;
   bool pair_sort;
 };
 void check_against_reference(const BwdCase& c, bool with_o_branch, bool with_o = false,
-                             const std::vector<Paths>& paths = {{0, false}}) {
+                             const std::vector<Paths>& paths = {{0, 0, false}}) {
   const Config cfg = config_of(c);
-  Twin t = make_saved_twin(c, 101);  // lse and indices shared by both backwards
-  backward(ctx_of(Backend::reference), cfg, t.ref.inputs(), t.ref.outputs(), t.ref.d_o.view(), t.ref.gradients());
+  Twin& t = reference_of(c);
   for (const Paths& run : paths) {
-    SCOPED_TRACE("compressed splits forced: " + std::to_string(run.cmp_splits) +
-                 (run.pair_sort ? ", pair sort" : ""));
-    const LongSequencePaths forced(run.cmp_splits, run.pair_sort);
+    SCOPED_TRACE("forced: compressed splits " + std::to_string(run.cmp_splits) + ", forced-block splits " +
+                 std::to_string(run.forced_splits) + (run.pair_sort ? ", pair sort" : ""));
+    const LongSequencePaths forced(run.cmp_splits, run.forced_splits, run.pair_sort);
     const int64_t longest = *std::max_element(c.seqlens.begin(), c.seqlens.end());
     DeviceLayer dev(t.low, longest);
     DeviceTensor o_branch, o_saved;
@@ -317,17 +335,29 @@ TEST_P(CudaBackward, SavedOutputGivesTheSameGradientsPerToken) {
   check_against_reference(GetParam(), false, true);
 }
 
-// The paths the backward's rules keep for sequences longer than these cases, forced
-// (LongSequencePaths). 16 compressed splits, the most there are, and 11: the rule gives 16 from
-// ~15K tokens at G >= 16 (and 8 from ~7K at G >= 8), so without this the tests reach only the
-// splits of their own lengths (4 at most). Here most splits hold a few tokens, many see no
-// compressed block (no partial rows), the packed cases run splits that keep every row, and 11 puts
-// the split boundaries elsewhere. The 11-split run also sorts the inverted selection index as
-// (key, token) pairs, which the rule does only where key and token bits exceed 32 (~256K tokens
-// at Hkv = 4). With the forward's o, as the torch layer calls it.
-TEST_P(CudaBackward, LongSequencePathsMatchReference) {
+// Paths the backward's rules keep for sequences longer than these cases, forced
+// (LongSequencePaths), with the forward's o as the torch layer calls it. Each has its break patch
+// in one round (cmp_parts_first_eight, forced_parts_first_eight, pair_sort_tokens_left).
+//
+// 16 compressed splits, the most there are, and 11: the rule gives 16 from ~15K tokens at G >= 16
+// (and 8 from ~7K at G >= 8), so without this the tests reach only the splits of their own lengths
+// (4 at most). Here most splits hold a few tokens, many see no compressed block (no partial rows),
+// the packed cases run splits that keep every row, and 11 puts the split boundaries elsewhere.
+TEST_P(CudaBackward, CompressedSplitsUpToSixteenMatchReference) {
   NSA_REQUIRE_GPU();
-  check_against_reference(GetParam(), false, true, {{16, false}, {11, true}});
+  check_against_reference(GetParam(), false, true, {{16, 0, false}, {11, 0, false}});
+}
+// The forced initial blocks' query lists (dkv_kernel<slc_forced>) in 16 and 11 splits: the rule
+// takes one per 1024 tokens, up to 16, and the cases reach 7; here splits with no query tile too.
+TEST_P(CudaBackward, ForcedBlockSplitsUpToSixteenMatchReference) {
+  NSA_REQUIRE_GPU();
+  check_against_reference(GetParam(), false, true, {{0, 16, false}, {0, 11, false}});
+}
+// The inverted selection index sorted as (key, token) pairs, which the rule does only where key
+// and token bits exceed 32 (~256K tokens at Hkv = 4).
+TEST_P(CudaBackward, PairSortMatchesReference) {
+  NSA_REQUIRE_GPU();
+  check_against_reference(GetParam(), false, true, {{0, 0, true}});
 }
 
 TEST_P(CudaBackward, BitwiseDeterministic) {

@@ -555,7 +555,8 @@ Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
       const int64_t rows_forced = z.B * z.n_init * L.lp_pad * z.hkv;
       const int64_t by_len = (z.max_seqlen + kForcedSplitTokens - 1) / kForcedSplitTokens;
       const int64_t by_bytes = kMaxForcedPartialBytes / std::max<int64_t>(1, rows_forced * (z.dqk + z.dv) * 4);
-      const int64_t splits = std::min<int64_t>({by_len, by_bytes, kMaxForcedSplits});
+      const int64_t forced = std::min<int64_t>(cuda::testing::forced_block_splits(), kMaxForcedSplits);  // tests
+      const int64_t splits = forced > 0 ? forced : std::min<int64_t>({by_len, by_bytes, kMaxForcedSplits});
       if (splits >= 2) {
         L.slc_splits = int(splits);
         L.slc_part_k = c.take<float>(size_t(splits * rows_forced * z.dqk));
