@@ -1,51 +1,49 @@
 // Switches for the GPU tests: host code, header only, no CUDA headers (the tests include it from
-// C++; one flag per program, since an inline function's static is shared by every translation
-// unit that uses it).
+// C++). Each is one value per program: Switch<Tag, ...>::value()'s static is shared by every
+// translation unit that uses it.
 #pragma once
 
 #include <atomic>
 
 namespace nsa::cuda::testing {
 
-inline std::atomic<bool>& tma_enabled_flag() {
-  static std::atomic<bool> on{true};
-  return on;
-}
+template <typename Tag, typename T, T kDefault>
+struct Switch {
+  static std::atomic<T>& value() {
+    static std::atomic<T> v{kDefault};
+    return v;
+  }
+  static void set(T x) { value().store(x); }
+  static T get() { return value().load(std::memory_order_relaxed); }
+};
+
+using TmaEnabled = Switch<struct TmaEnabledTag, bool, true>;
 
 // While false, make_tensor_map_3d (common/tma.h) fails, so every kernel that copies by TMA takes
 // the path it takes where a tensor map cannot be encoded (cp.async copies). The GPU tests run those
 // paths with it: the backend's 16-byte row alignment means they are otherwise not reached on
 // sm_90a. True by default; not to be changed while a call is running.
-inline void set_tma_enabled(bool on) { tma_enabled_flag().store(on); }
-inline bool tma_enabled() { return tma_enabled_flag().load(std::memory_order_relaxed); }
+inline void set_tma_enabled(bool on) { TmaEnabled::set(on); }
+inline bool tma_enabled() { return TmaEnabled::get(); }
 
-inline std::atomic<bool>& slc_union_tiles_flag() {
-  static std::atomic<bool> on{true};
-  return on;
-}
+using SlcUnionTiles = Switch<struct SlcUnionTilesTag, bool, true>;
 
 // While false, the selection runs its per-token kernel on every tile (slc_attention.cuh), and the
 // backward its slc_dq_kernel (backward/slc_dq.cuh) instead of dq_kernel's union tiles, so the GPU
 // tests check both paths on the same inputs: with the small sequences of the tests every tile's
 // union fits the union tiles. True by default.
-inline void set_slc_union_tiles_enabled(bool on) { slc_union_tiles_flag().store(on); }
-inline bool slc_union_tiles_enabled() { return slc_union_tiles_flag().load(std::memory_order_relaxed); }
+inline void set_slc_union_tiles_enabled(bool on) { SlcUnionTiles::set(on); }
+inline bool slc_union_tiles_enabled() { return SlcUnionTiles::get(); }
 
-inline std::atomic<int>& slc_union_ctas_flag() {
-  static std::atomic<int> ctas{0};
-  return ctas;
-}
+using SlcUnionCtas = Switch<struct SlcUnionCtasTag, int, 0>;
 
 // The persistent grid of the selection's union-tile kernel: at most `ctas` CTAs (0: as many as
 // fit on the GPU at once, the default). With 1, one CTA runs every listed tile in turn, so the
 // tests reach the path that sets a CTA's ring up again for its next tile.
-inline void set_slc_union_ctas(int ctas) { slc_union_ctas_flag().store(ctas); }
-inline int slc_union_ctas() { return slc_union_ctas_flag().load(std::memory_order_relaxed); }
+inline void set_slc_union_ctas(int ctas) { SlcUnionCtas::set(ctas); }
+inline int slc_union_ctas() { return SlcUnionCtas::get(); }
 
-inline std::atomic<int>& cmp_splits_flag() {
-  static std::atomic<int> splits{0};
-  return splits;
-}
+using CmpSplits = Switch<struct CmpSplitsTag, int, 0>;
 
 // The backward's query splits of the compressed dK/dV (backward/cmp_split.h): `splits` (at most
 // kMaxCmpSplits = 16) instead of cmp_splits_for's rule (0, the default). The rule gives 8 or 16
@@ -53,30 +51,24 @@ inline std::atomic<int>& cmp_splits_flag() {
 // tests run 16 splits on short ones (a few tokens per split, many splits that see no compressed
 // block), also for packed batches, whose earlier splits keep every row. It sets the workspace size
 // and the call alike: not to be changed between the two.
-inline void set_cmp_splits(int splits) { cmp_splits_flag().store(splits); }
-inline int cmp_splits() { return cmp_splits_flag().load(std::memory_order_relaxed); }
+inline void set_cmp_splits(int splits) { CmpSplits::set(splits); }
+inline int cmp_splits() { return CmpSplits::get(); }
 
-inline std::atomic<int>& forced_block_splits_flag() {
-  static std::atomic<int> splits{0};
-  return splits;
-}
+using ForcedBlockSplits = Switch<struct ForcedBlockSplitsTag, int, 0>;
 
 // The backward's splits of a forced initial block's query list (dkv_kernel<slc_forced>):
 // `splits` (at most 16) instead of one per 1024 tokens of the longest sequence (0, the default),
 // so that the tests reach the 8 to 16 splits of 8K-16K tokens on short sequences. Like
 // set_cmp_splits, it sets the workspace size and the call alike.
-inline void set_forced_block_splits(int splits) { forced_block_splits_flag().store(splits); }
-inline int forced_block_splits() { return forced_block_splits_flag().load(std::memory_order_relaxed); }
+inline void set_forced_block_splits(int splits) { ForcedBlockSplits::set(splits); }
+inline int forced_block_splits() { return ForcedBlockSplits::get(); }
 
-inline std::atomic<bool>& packed_sort_flag() {
-  static std::atomic<bool> on{true};
-  return on;
-}
+using PackedSort = Switch<struct PackedSortTag, bool, true>;
 
 // While false, the backward's inverted selection index sorts (key, token) pairs, the path it takes
 // where the key and token bits do not fit in 32 (from ~256K tokens at Hkv = 4), instead of packed
 // 32-bit keys. True by default; like set_cmp_splits, it sets the workspace size and the call alike.
-inline void set_packed_sort_enabled(bool on) { packed_sort_flag().store(on); }
-inline bool packed_sort_enabled() { return packed_sort_flag().load(std::memory_order_relaxed); }
+inline void set_packed_sort_enabled(bool on) { PackedSort::set(on); }
+inline bool packed_sort_enabled() { return PackedSort::get(); }
 
 }  // namespace nsa::cuda::testing
