@@ -221,51 +221,52 @@ auto grad_tol(DType dtype, double vmax) {
 
 class CudaBackward : public ::testing::TestWithParam<BwdCase> {};
 
-// Every gradient of the CUDA backward against the fp64 reference. with_o_branch: the backward
-// also gets the forward's branch outputs (rounded to the storage dtype, as forward() writes
-// them) and takes dg from them instead of recomputing each branch's output. with_o: it gets the
-// forward's o (rounded likewise) and takes the selection's D from it (BwdArgs::d_from_o).
-// The twin (seed 101, lse and indices from the reference forward in both) and the reference
-// backward's fp64 gradients, made once per case: every check_against_reference test of a case
-// compares with the same gradients, which the reference computes in plain loops (seconds for the
-// longest case), so only the device runs are per test. Nothing here changes them afterwards: the
-// device gradients start from the twin's poisoned tensors and are downloaded into new ones.
+// The twin (seed 101, lse and indices from the reference forward in both, and the forward's o and
+// o_branch rounded to the storage dtype as forward() writes them) and the reference backward's
+// fp64 gradients, made once per case: every check_against_reference test of a case compares with
+// the same gradients, so only the device runs are per test. Nothing changes the twin afterwards:
+// the device gradients start from its poisoned tensors and are downloaded into new ones.
 Twin& reference_of(const BwdCase& c) {
   static std::map<std::string, std::unique_ptr<Twin>> cache;
   std::unique_ptr<Twin>& t = cache[c.name];
   if (!t) {
     t = std::make_unique<Twin>(make_saved_twin(c, 101));
+    copy_values(t->ref.o, t->low.o);
+    copy_values(t->ref.o_branch, t->low.o_branch);
     backward(ctx_of(Backend::reference), config_of(c), t->ref.inputs(), t->ref.outputs(), t->ref.d_o.view(),
              t->ref.gradients());
   }
   return *t;
 }
 
-// The device backward runs once per entry of `paths` against the case's reference: {0, 0, false}
-// is the backend's own choice of splits and sort; see LongSequencePaths (cuda_support.h).
+// Device backward runs, one per entry of `paths`: {0, 0, false} is the backend's own choice of
+// splits and sort; see LongSequencePaths (cuda_support.h).
 struct Paths {
   int cmp_splits;
   int forced_splits;
   bool pair_sort;
 };
+
+// Every gradient of the CUDA backward against the fp64 reference. with_o_branch: the backward
+// also gets the forward's branch outputs (rounded to the storage dtype, as forward() writes
+// them) and takes dg from them instead of recomputing each branch's output. with_o: it gets the
+// forward's o (rounded likewise) and takes the selection's D from it (BwdArgs::d_from_o).
 void check_against_reference(const BwdCase& c, bool with_o_branch, bool with_o = false,
                              const std::vector<Paths>& paths = {{0, 0, false}}) {
   const Config cfg = config_of(c);
   Twin& t = reference_of(c);
+  const int64_t longest = *std::max_element(c.seqlens.begin(), c.seqlens.end());
   for (const Paths& run : paths) {
     SCOPED_TRACE("forced: compressed splits " + std::to_string(run.cmp_splits) + ", forced-block splits " +
                  std::to_string(run.forced_splits) + (run.pair_sort ? ", pair sort" : ""));
     const LongSequencePaths forced(run.cmp_splits, run.forced_splits, run.pair_sort);
-    const int64_t longest = *std::max_element(c.seqlens.begin(), c.seqlens.end());
     DeviceLayer dev(t.low, longest);
     DeviceTensor o_branch, o_saved;
     if (with_o_branch) {
-      copy_values(t.ref.o_branch, t.low.o_branch);
       o_branch = DeviceTensor(t.low.o_branch);
       dev.saved.o_branch = o_branch.view();
     }
     if (with_o) {
-      copy_values(t.ref.o, t.low.o);
       o_saved = DeviceTensor(t.low.o);
       dev.saved.o = o_saved.view();
     }
