@@ -476,8 +476,8 @@ Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
   }
   L.dkc = w.take<float>(size_t(rows * z.dqk));
   L.dvc = w.take<float>(size_t(rows * z.dv));
-  const int forced_splits = std::min(cuda::testing::cmp_splits(), kMaxCmpSplits);  // GPU tests only
-  L.cmp_splits = forced_splits > 0 ? forced_splits : cmp_splits_for(z.max_seqlen, z.hq / z.hkv, z.B);
+  const int test_splits = std::min(cuda::testing::cmp_splits(), kMaxCmpSplits);  // GPU tests only (0: off)
+  L.cmp_splits = test_splits > 0 ? test_splits : cmp_splits_for(z.max_seqlen, z.hq / z.hkv, z.B);
   // Rows of each split's partial: with one sequence the blocks its queries see; with several (whose
   // lengths the host does not know) every row, indexed as dkc.
   int64_t part_rows = 0;
@@ -555,8 +555,9 @@ Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
       const int64_t rows_forced = z.B * z.n_init * L.lp_pad * z.hkv;
       const int64_t by_len = (z.max_seqlen + kForcedSplitTokens - 1) / kForcedSplitTokens;
       const int64_t by_bytes = kMaxForcedPartialBytes / std::max<int64_t>(1, rows_forced * (z.dqk + z.dv) * 4);
-      const int64_t forced = std::min<int64_t>(cuda::testing::forced_block_splits(), kMaxForcedSplits);  // tests
-      const int64_t splits = forced > 0 ? forced : std::min<int64_t>({by_len, by_bytes, kMaxForcedSplits});
+      // GPU tests only (0: off).
+      const int64_t test_splits = std::min<int64_t>(cuda::testing::forced_block_splits(), kMaxForcedSplits);
+      const int64_t splits = test_splits > 0 ? test_splits : std::min<int64_t>({by_len, by_bytes, kMaxForcedSplits});
       if (splits >= 2) {
         L.slc_splits = int(splits);
         L.slc_part_k = c.take<float>(size_t(splits * rows_forced * z.dqk));
