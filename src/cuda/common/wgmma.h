@@ -121,22 +121,10 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[kTiles][4]) {
 }
 
 // One synchronous batch of warpgroup MMAs: fences the accumulators `acc` and the warpgroup, runs
-// `issue` (the wgmma instructions, in its order), commits the batch, waits for it and fences the
-// accumulators again. Every thread of the warpgroup calls it.
-template <typename Issue, typename... Acc>
-__device__ __forceinline__ void wgmma_batch(Issue&& issue, Acc&... acc) {
-  (wgmma_fence_operands(acc), ...);
-  wgmma_fence();
-  issue();
-  wgmma_commit();
-  wgmma_wait<0>();
-  (wgmma_fence_operands(acc), ...);
-}
-// The same with `after()` run between the commit and the wait, while the products execute (the
-// ping-pong's barrier arrive: the batch is issued, the other warpgroup may issue its own).
-struct NoHook {
-  __device__ __forceinline__ void operator()() const {}
-};
+// `issue` (the wgmma instructions, in its order), commits the batch, runs `after()` while the
+// products execute (the ping-pong's barrier arrive: the batch is issued, the other warpgroup may
+// issue its own), waits for the batch and fences the accumulators again. Every thread of the
+// warpgroup calls it.
 template <typename Issue, typename After, typename... Acc>
 __device__ __forceinline__ void wgmma_batch_then(Issue&& issue, After&& after, Acc&... acc) {
   (wgmma_fence_operands(acc), ...);
@@ -146,6 +134,14 @@ __device__ __forceinline__ void wgmma_batch_then(Issue&& issue, After&& after, A
   after();
   wgmma_wait<0>();
   (wgmma_fence_operands(acc), ...);
+}
+// The same with nothing between the commit and the wait.
+struct NoHook {
+  __device__ __forceinline__ void operator()() const {}
+};
+template <typename Issue, typename... Acc>
+__device__ __forceinline__ void wgmma_batch(Issue&& issue, Acc&... acc) {
+  wgmma_batch_then(issue, NoHook{}, acc...);
 }
 
 // Named CTA barriers (ids 1..15; __syncthreads is 0): `threads` counts both the arriving and the
