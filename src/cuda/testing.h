@@ -57,11 +57,26 @@ inline int cmp_splits() { return CmpSplits::get(); }
 using ForcedBlockSplits = Switch<struct ForcedBlockSplitsTag, int, 0>;
 
 // The backward's splits of a forced initial block's query list (dkv_kernel<slc_forced>):
-// `splits` (at most 16) instead of one per 1024 tokens of the longest sequence (0, the default),
-// so that the tests reach the 8 to 16 splits of 8K-16K tokens on short sequences. Like
-// set_cmp_splits, it sets the workspace size and the call alike.
+// `splits` (at most 64) instead of the rule (0, the default: one per 256 tokens of the longest
+// sequence, enough for ~256 CTAs, within the workspace budget), so that the tests reach the many
+// splits of long sequences on short ones. Like set_cmp_splits, it sets the workspace size and the
+// call alike.
 inline void set_forced_block_splits(int splits) { ForcedBlockSplits::set(splits); }
 inline int forced_block_splits() { return ForcedBlockSplits::get(); }
+
+using RawPieces = Switch<struct RawPiecesTag, bool, true>;
+using RawPieceTiles = Switch<struct RawPieceTilesTag, int, 0>;
+
+// The backward's pieces of the raw blocks' long selection lists (dkv_kernel<raw>, BwdArgs::raw_pool):
+// off with set_raw_pieces_enabled(false) (no slots in the workspace: every list whole, as before
+// pieces existed), and with set_raw_piece_tiles(n) > 0 every list longer than n query tiles is cut
+// into pieces of at most n tiles (the rule: all raw CTAs' tiles / 256, at least 32, which at the
+// tests' lengths cuts only a few lists), as far as the workspace's slots go. Like set_cmp_splits,
+// the first sets the workspace size and the call alike.
+inline void set_raw_pieces_enabled(bool on) { RawPieces::set(on); }
+inline bool raw_pieces_enabled() { return RawPieces::get(); }
+inline void set_raw_piece_tiles(int tiles) { RawPieceTiles::set(tiles); }
+inline int raw_piece_tiles() { return RawPieceTiles::get(); }
 
 using PackedSort = Switch<struct PackedSortTag, bool, true>;
 

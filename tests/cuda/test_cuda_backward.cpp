@@ -245,6 +245,7 @@ struct Paths {
   int cmp_splits;
   int forced_splits;
   bool pair_sort;
+  int raw_piece_tiles = 0;
 };
 
 // Every gradient of the CUDA backward against the fp64 reference. with_o_branch: the backward
@@ -258,8 +259,9 @@ void check_against_reference(const BwdCase& c, bool with_o_branch, bool with_o =
   const int64_t longest = *std::max_element(c.seqlens.begin(), c.seqlens.end());
   for (const Paths& run : paths) {
     SCOPED_TRACE("forced: compressed splits " + std::to_string(run.cmp_splits) + ", forced-block splits " +
-                 std::to_string(run.forced_splits) + (run.pair_sort ? ", pair sort" : ""));
-    const LongSequencePaths forced(run.cmp_splits, run.forced_splits, run.pair_sort);
+                 std::to_string(run.forced_splits) + (run.pair_sort ? ", pair sort" : "") +
+                 ", raw piece tiles " + std::to_string(run.raw_piece_tiles));
+    const LongSequencePaths forced(run.cmp_splits, run.forced_splits, run.pair_sort, run.raw_piece_tiles);
     DeviceLayer dev(t.low, longest);
     DeviceTensor o_branch, o_saved;
     if (with_o_branch) {
@@ -338,7 +340,8 @@ TEST_P(CudaBackward, SavedOutputGivesTheSameGradientsPerToken) {
 
 // Paths the backward's rules keep for sequences longer than these cases, forced
 // (LongSequencePaths), with the forward's o as the torch layer calls it. Each has its break patch
-// in one round (cmp_parts_first_eight, forced_parts_first_eight, pair_sort_tokens_left).
+// in one round (cmp_parts_first_eight, forced_parts_first_eight, pair_sort_tokens_left,
+// raw_pieces_first_two).
 //
 // 16 compressed splits, the most there are, and 11: the rule gives 16 from ~15K tokens at G >= 16
 // (and 8 from ~7K at G >= 8), so without this the tests reach only the splits of their own lengths
@@ -348,11 +351,21 @@ TEST_P(CudaBackward, CompressedSplitsUpToSixteenMatchReference) {
   NSA_REQUIRE_GPU();
   check_against_reference(GetParam(), false, true, {{16, 0, false}, {11, 0, false}});
 }
-// The forced initial blocks' query lists (dkv_kernel<slc_forced>) in 16 and 11 splits: the rule
-// takes one per 1024 tokens, up to 16, and the cases reach 7; here splits with no query tile too.
-TEST_P(CudaBackward, ForcedBlockSplitsUpToSixteenMatchReference) {
+// The forced initial blocks' query lists (dkv_kernel<slc_forced>) in 64 and 37 splits: the rule
+// takes one per 256 tokens, up to 64 (and as many as ~256 CTAs need, within the workspace budget),
+// and the cases reach fewer; here splits with no query tile too.
+TEST_P(CudaBackward, ForcedBlockSplitsUpToSixtyFourMatchReference) {
   NSA_REQUIRE_GPU();
-  check_against_reference(GetParam(), false, true, {{0, 16, false}, {0, 11, false}});
+  check_against_reference(GetParam(), false, true, {{0, 64, false}, {0, 37, false}});
+}
+// The raw blocks' selection lists in pieces (dkv_kernel<raw>, raw_pieces_plan_kernel): the rule
+// cuts lists longer than 1/256 of all raw CTAs' query tiles (at least 32), which at the cases'
+// lengths is a few lists at most. Pieces of 1 tile (most lists cut, the workspace's slots run
+// out: the later lists stay whole), of 2 and of 5 tiles (fewer, longer pieces), and none at all
+// (each list whole, as before pieces existed), with independent and shared K/V (the cases).
+TEST_P(CudaBackward, RawListPiecesMatchReference) {
+  NSA_REQUIRE_GPU();
+  check_against_reference(GetParam(), false, true, {{0, 0, false, 1}, {0, 0, false, 2}, {0, 0, false, 5}, {0, 0, false, -1}});
 }
 // The inverted selection index sorted as (key, token) pairs, which the rule does only where key
 // and token bits exceed 32 (~256K tokens at Hkv = 4).

@@ -156,6 +156,27 @@ struct BwdArgs {
   float* slc_part_v = nullptr;
   int slc_splits = 0;
   int lp_pad = 64;  // l' rounded up to whole key tiles
+  // Long selection lists of the other raw blocks (dkv_kernel<raw>, raw_pieces_plan_kernel). A
+  // block's list is as long as the number of queries that picked it, and with causal picks the
+  // early blocks' lists are the longest (about ln(blocks / j) times the mean for block j on
+  // random picks): one CTA working through block 1's list while the others have finished is the
+  // kernel's tail at short lengths. The plan kernel (before the raw kernel, one CTA) cuts every
+  // list longer than `cap` query tiles (cap = all raw CTAs' tiles / kRawTargetCtas, at least
+  // kRawMinPieceTiles) into pieces of at most cap tiles while raw_pool slots last, in the order of
+  // the blocks (j first: the longest lists first). Piece 0 stays with the block's own CTA (with its
+  // window tiles); pieces 1.. run on the extra CTAs in front of the grid (x < raw_extra_x, one per
+  // slot; a slot holding a piece 0 or no piece exits). Every piece writes its fp32 partial to its
+  // slot and counts itself in; the last to arrive adds the slots in piece order, rounds once and
+  // writes dk / dv (shared K/V: plus phi's gradient): the same bits whoever arrives last.
+  int raw_pool = 0;              // slots (0: no pieces)
+  int raw_extra_x = 0;           // extra CTAs per KV head in front of the raw grid, ceil(raw_pool / Hkv)
+  int raw_x = 0;                 // the raw grid's own CTAs per KV head, B * n_slc_max * chunks
+  float* raw_part_k = nullptr;   // [raw_pool][kKeys][Dqk] fp32 partials
+  float* raw_part_v = nullptr;   // [raw_pool][kKeys][Dv]
+  int2* raw_split = nullptr;     // [Hkv * raw_x] (first slot, pieces) of raw CTA hk * raw_x + x; (-1, 1): whole
+  int2* raw_slot = nullptr;      // [raw_pool] (raw CTA, piece) of each slot; (-1, 0): unused
+  int* raw_arrived = nullptr;    // [raw_pool] pieces arrived, by a list's first slot (zeroed by the plan)
+  int raw_piece_tiles = 0;       // testing: cap in query tiles instead of the rule (0: the rule)
   // The selection's union tiles (sm_90a, l' = 64; slc_union_enabled): dq_kernel takes the
   // selection branch of a row tile whose tokens' blocks have a small union (slc_union_takes, as
   // the forward's union tiles) as a third stage of its sweeps, and slc_dq_kernel, which makes the
@@ -950,7 +971,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
   using DimK = std::integral_constant<int, DQK>;
   using DimV = std::integral_constant<int, DV>;
   const int tq = kRows / a.G;
-  const int hk = blockIdx.y;
+  int hk = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = lane / 4, quad = lane % 4;
   const int key_w = warp * 16;  // the warp's first key of the tile
@@ -958,14 +979,36 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
   const E* dob = static_cast<const E*>(a.d_o.p);
   const float scale_log2 = a.scale * kLog2e;
 
+  // Raw keys with pieces (BwdArgs::raw_pool): an extra CTA in front of the grid runs piece
+  // `piece` of raw CTA (hk, bx)'s list; the block's own CTAs come after them.
+  int bx = int(blockIdx.x);
+  int piece = 0;
+  int2 split = make_int2(-1, 1);  // (first slot, pieces) of this CTA's list
+  if constexpr (kSet == KeySet::raw) {
+    if (a.raw_pool > 0) {
+      if (bx < a.raw_extra_x) {
+        const int slot = int(blockIdx.y) * a.raw_extra_x + bx;
+        if (slot >= a.raw_pool) return;
+        const int2 e = a.raw_slot[slot];
+        if (e.x < 0 || e.y == 0) return;  // unused, or a piece 0 (its block's own CTA runs it)
+        hk = e.x / a.raw_x;
+        bx = e.x % a.raw_x;
+        piece = e.y;
+      } else {
+        bx -= a.raw_extra_x;
+      }
+      split = a.raw_split[hk * a.raw_x + bx];
+    }
+  }
+
   // Which key tile this block owns.
   int b, key0, nk, j = 0;
   if constexpr (kSet != KeySet::cmp) {
     const int chunks = (a.lp + kKeys - 1) / kKeys;
     const int per_seq = (kSet == KeySet::raw ? a.n_slc_max : a.n_init) * chunks;
-    b = blockIdx.x / per_seq;
-    j = (blockIdx.x % per_seq) / chunks;
-    key0 = j * a.lp + (blockIdx.x % chunks) * kKeys;  // first key position
+    b = bx / per_seq;
+    j = (bx % per_seq) / chunks;
+    key0 = j * a.lp + (bx % chunks) * kKeys;  // first key position
   } else {
     const int per_seq = int((num_cmp_blocks(a.max_seqlen, a.l, a.d) + kKeys - 1) / kKeys);
     b = blockIdx.x / per_seq;
@@ -1012,6 +1055,12 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
       // A forced initial block whose list is the whole range was done by the slc_forced blocks.
       forced = forced_split(a, j, len, first, last);
       if (!forced) n1 = (last - first + tq - 1) / tq;
+    }
+    if (split.y > 1) {  // piece `piece` of the list: its tiles [ti0, ti0 + n1); the window stays with piece 0
+      const int per = (n1 + split.y - 1) / split.y;
+      ti0 = piece * per;
+      n1 = max(0, min(n1, ti0 + per) - ti0);
+      if (piece > 0) n0 = 0;
     }
   } else if constexpr (kSet == KeySet::slc_forced) {
     const int64_t key = (int64_t(hk) * a.B + b) * a.n_slc_max + j;
@@ -1094,7 +1143,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
     const int branch = kSet == KeySet::cmp ? kCmp : list ? kSlc : kWin;
     int t0 = 0, i0 = 0, ntok;
     if (list) {  // tokens from the inverted index
-      i0 = first + (kSet == KeySet::raw ? i - n0 : ti0 + i) * tq;
+      i0 = first + (kSet == KeySet::raw ? ti0 + i - n0 : ti0 + i) * tq;
       ntok = min(tq, last - i0);
     } else if (kSet == KeySet::raw) {  // window: consecutive tokens from key0
       t0 = key0 + i * tq;
@@ -1285,6 +1334,14 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
   auto forced_row = [&](int c) -> int64_t {  // forced-block partial slot of key c of this tile
     return (int64_t(b) * a.n_init + j) * a.lp_pad + (key0 - j * a.lp) + c;
   };
+  // The forced-block splits' partials of element (c, col) of dK (which = 0) or dV, in split order.
+  auto forced_partials = [&](int which, int D, int c, int col) {
+    const float* fp = which == 0 ? a.slc_part_k : a.slc_part_v;
+    const int64_t plane = int64_t(a.B) * a.n_init * a.lp_pad * a.hkv * D;
+    float sum = 0.f;
+    for (int z = 0; z < a.slc_splits; ++z) sum += fp[z * plane + (forced_row(c) * a.hkv + hk) * D + col];
+    return sum;
+  };
   auto emit_column_block = [&](int which, int D, int col0, OutMat3 out, bool add_phi, bool add_forced,
                                float* part) {
     __syncthreads();
@@ -1292,11 +1349,11 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
       const int c = e / kSub, col = col0 + e % kSub;
       float val = scratch[c * kLdS + e % kSub];
       if constexpr (kSet == KeySet::raw) {
-        if (add_forced) {
-          const float* fp = which == 0 ? a.slc_part_k : a.slc_part_v;
-          const int64_t plane = int64_t(a.B) * a.n_init * a.lp_pad * a.hkv * D;
-          for (int z = 0; z < a.slc_splits; ++z) val += fp[z * plane + (forced_row(c) * a.hkv + hk) * D + col];
+        if (part != nullptr) {  // a piece of a split list: its fp32 partial, slot rows [kKeys][D]
+          part[c * D + col] = val;
+          continue;
         }
+        if (add_forced) val += forced_partials(which, D, c, col);
         if (add_phi) val += phi_dx<E>(which == 0 ? a.phi_k : a.phi_v, a, D, s0, len, key0 + c, hk, col);
         static_cast<E*>(out.p)[(s0 + key0 + c) * out.s0 + hk * out.s1 + col] = from_float<E>(val);
       } else if constexpr (kSet == KeySet::cmp) {
@@ -1332,7 +1389,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
 
   // The two-stage pipeline: query tile i + 1's rows and copies go out before tile i is computed.
   const int n_tiles = n0 + n1;
-  if (kSet == KeySet::raw && !a.shared_kv && n0 == 0)
+  if (kSet == KeySet::raw && !a.shared_kv && n0 == 0 && piece == 0)
     epilogue(a.grad_k[kWin], a.grad_v[kWin], false, false, nullptr, nullptr);  // no window: zeros
   if (n_tiles > 0) {
     load_kv(n0 > 0 ? 0 : 1);
@@ -1365,8 +1422,38 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
 
   if constexpr (kSet == KeySet::raw) {
     if (!a.shared_kv && n0 > 0 && n1 == 0) epilogue(a.grad_k[kWin], a.grad_v[kWin], false, false, nullptr, nullptr);
-    if (a.shared_kv) epilogue(a.grad_k[kCmp], a.grad_v[kCmp], true, forced, nullptr, nullptr);
-    else epilogue(a.grad_k[kSlc], a.grad_v[kSlc], false, forced, nullptr, nullptr);
+    if (split.y > 1) {
+      // A piece: its partial to its slot, then count it in (the stores first, device-wide); the
+      // last piece to arrive sums the slots in piece order and writes the block's dK / dV rows.
+      const int64_t slot = split.x + piece;
+      epilogue(OutMat3{}, OutMat3{}, false, false, a.raw_part_k + slot * kKeys * DQK, a.raw_part_v + slot * kKeys * DV);
+      __threadfence();
+      __syncthreads();
+      __shared__ int last_in;
+      if (threadIdx.x == 0) last_in = atomicAdd(a.raw_arrived + split.x, 1) == split.y - 1;
+      __syncthreads();
+      if (!last_in) return;
+      __threadfence();
+      const OutMat3 outs[2] = {a.shared_kv ? a.grad_k[kCmp] : a.grad_k[kSlc], a.shared_kv ? a.grad_v[kCmp] : a.grad_v[kSlc]};
+#pragma unroll 1
+      for (int which = 0; which < 2; ++which) {
+        const int D = which == 0 ? DQK : DV;
+        const float* slots = (which == 0 ? a.raw_part_k : a.raw_part_v) + int64_t(split.x) * kKeys * D;
+        for (int e = threadIdx.x; e < nk * D; e += kThreads) {
+          const int c = e / D, col = e % D;
+          float val = 0.f;
+          for (int p = 0; p < split.y; ++p) val += __ldcg(slots + (int64_t(p) * kKeys + c) * D + col);
+          if (forced) val += forced_partials(which, D, c, col);  // (never: a forced list is not split)
+          if (a.shared_kv) val += phi_dx<E>(which == 0 ? a.phi_k : a.phi_v, a, D, s0, len, key0 + c, hk, col);
+          static_cast<E*>(outs[which].p)[(s0 + key0 + c) * outs[which].s0 + hk * outs[which].s1 + col] =
+              from_float<E>(val);
+        }
+      }
+    } else if (a.shared_kv) {
+      epilogue(a.grad_k[kCmp], a.grad_v[kCmp], true, forced, nullptr, nullptr);
+    } else {
+      epilogue(a.grad_k[kSlc], a.grad_v[kSlc], false, forced, nullptr, nullptr);
+    }
   } else if constexpr (kSet == KeySet::slc_forced) {
     const int64_t plane_k = int64_t(a.B) * a.n_init * a.lp_pad * a.hkv * DQK;
     const int64_t plane_v = int64_t(a.B) * a.n_init * a.lp_pad * a.hkv * DV;
@@ -1386,6 +1473,10 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
     epilogue(OutMat3{}, OutMat3{}, false, false, part_k, part_v);
   }
 }
+
+// raw_pieces_plan_kernel (backward.cu) fills raw_split / raw_slot before dkv_kernel<raw> runs.
+constexpr int kRawTargetCtas = 256;    // cap = all raw CTAs' query tiles / this (~2 CTAs per SM on an H200)
+constexpr int kRawMinPieceTiles = 32;  // no piece shorter than this many query tiles
 
 }  // namespace nsa::cuda_bwd
 
@@ -1510,7 +1601,8 @@ void launch_attention(const BwdArgs& a_in, cudaStream_t s, int phase) {
     if (tiles == 0) return;
     DkvMaps maps{};
     maps.on = a.w > 0 && dkv_tensor_maps<E, DQK, DV>(maps, a) ? 1 : 0;  // the window's query tiles
-    kernel<<<dim3(unsigned(tiles), unsigned(a.hkv)), kThreads, smem, s>>>(a, maps);
+    // (raw_pool > 0: the extra CTAs of the long lists' pieces in front, backward.cu planned them)
+    kernel<<<dim3(unsigned(tiles + a.raw_extra_x), unsigned(a.hkv)), kThreads, smem, s>>>(a, maps);
   }
   NSA_CUDA_CHECK_LAUNCH();
 }

@@ -50,9 +50,9 @@ constexpr int kGemmThreads = 256; // 16 x 16 threads, 4 x 4 outputs each
 constexpr int kRowsPerSplit = 512;  // rows per partial sum of a reduction over compressed rows
 constexpr int kMaxSplits = 8;
 constexpr int64_t kMaxPartialBytes = int64_t(32) << 20;  // keeps mlp's dW1 partials at 32 MB
-constexpr int kMaxForcedSplits = 16;       // splits of a forced initial block's query list
-constexpr int kForcedSplitTokens = 1024;   // one more split per this many tokens of max_seqlen
-constexpr int64_t kMaxForcedPartialBytes = int64_t(32) << 20;
+constexpr int kMaxForcedSplits = 64;       // splits of a forced initial block's query list
+constexpr int kForcedSplitTokens = 256;    // one more split per this many tokens of max_seqlen
+constexpr int64_t kMaxRawPool = 256;       // slots for the pieces of the raw blocks' long lists
 
 constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2 / pi), GELU's tanh form
 constexpr float kGeluA = 0.044715f;
@@ -438,6 +438,12 @@ struct Layout {
   float* colsum = nullptr;    // [max(F, D)]
   float* slc_part_k = nullptr;  // [slc_splits][B * n_init * lp_pad, Hkv, Dqk]
   float* slc_part_v = nullptr;
+  float* raw_part_k = nullptr;  // [raw_pool][kKeys][Dqk] the raw lists' pieces (BwdArgs::raw_pool)
+  float* raw_part_v = nullptr;
+  int2* raw_split = nullptr;    // [Hkv * B * n_slc_max * chunks]
+  int2* raw_slot = nullptr;     // [raw_pool]
+  int* raw_arrived = nullptr;   // [raw_pool]
+  int raw_pool = 0;
   int cmp_splits = 1;
   int slc_splits = 0;
   int lp_pad = 64;
@@ -503,7 +509,8 @@ Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
   //      sorted tokens end in tokens[0], copied there when the sort leaves them in tokens[1]);
   //   4. the compressed branch's per-split partials (reduced into dkc / dvc);
   //   5. phi's split-K parameter partials;
-  //   6. the forced initial blocks' per-split partials.
+  //   6. the forced initial blocks' per-split partials and the raw lists' pieces (both read by
+  //      dkv_kernel<raw>), in a budget of max(the other phases' bytes, 1/32 of q, k, v and o).
   auto carve_scratch = [&](unsigned char* region) {
     size_t most = 0;
     {  // 2.
@@ -550,18 +557,38 @@ Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
       most = std::max(most, c.bytes());
     }
     L.lp_pad = int((z.lp + kKeys - 1) / kKeys * kKeys);
-    if (z.n > 0 && z.n_init > 0) {  // 6.
+    if (z.n > 0) {  // 6.
       WorkspaceCarver c(region);
-      const int64_t rows_forced = z.B * z.n_init * L.lp_pad * z.hkv;
-      const int64_t by_len = (z.max_seqlen + kForcedSplitTokens - 1) / kForcedSplitTokens;
-      const int64_t by_bytes = kMaxForcedPartialBytes / std::max<int64_t>(1, rows_forced * (z.dqk + z.dv) * 4);
-      // GPU tests only (0: off).
-      const int64_t test_splits = std::min<int64_t>(cuda::testing::forced_block_splits(), kMaxForcedSplits);
-      const int64_t splits = test_splits > 0 ? test_splits : std::min<int64_t>({by_len, by_bytes, kMaxForcedSplits});
-      if (splits >= 2) {
-        L.slc_splits = int(splits);
-        L.slc_part_k = c.take<float>(size_t(splits * rows_forced * z.dqk));
-        L.slc_part_v = c.take<float>(size_t(splits * rows_forced * z.dv));
+      const int64_t qkvo = z.T * (z.hq + z.hkv) * (z.dqk + z.dv) * 2;  // (one K/V: the least there is)
+      const int64_t budget = std::max<int64_t>(int64_t(most), qkvo / 32);
+      const int64_t chunks = L.lp_pad / kKeys;
+      if (z.n_init > 0) {
+        const int64_t rows_forced = z.B * z.n_init * L.lp_pad * z.hkv;
+        const int64_t split_bytes = rows_forced * (z.dqk + z.dv) * 4;
+        const int64_t by_len = (z.max_seqlen + kForcedSplitTokens - 1) / kForcedSplitTokens;
+        const int64_t by_ctas = (kRawTargetCtas + rows_forced / kKeys - 1) / (rows_forced / kKeys);
+        const int64_t by_bytes = budget / 2 / split_bytes;
+        // GPU tests only (0: off).
+        const int64_t test_splits = std::min<int64_t>(cuda::testing::forced_block_splits(), kMaxForcedSplits);
+        const int64_t splits =
+            test_splits > 0 ? test_splits : std::min<int64_t>({by_len, by_ctas, by_bytes, kMaxForcedSplits});
+        if (splits >= 2) {
+          L.slc_splits = int(splits);
+          L.slc_part_k = c.take<float>(size_t(splits * rows_forced * z.dqk));
+          L.slc_part_v = c.take<float>(size_t(splits * rows_forced * z.dv));
+        }
+      }
+      const int64_t slot_bytes = kKeys * (z.dqk + z.dv) * 4 + 12;
+      const int64_t raw_ctas = z.hkv * z.B * n_slc_max * chunks;
+      const int64_t left = budget - int64_t(c.bytes()) - raw_ctas * 8;
+      const int64_t pool = cuda::testing::raw_pieces_enabled() ? std::min<int64_t>(left / slot_bytes, kMaxRawPool) : 0;
+      if (pool >= 2) {
+        L.raw_pool = int(pool);
+        L.raw_part_k = c.take<float>(size_t(pool * kKeys * z.dqk));
+        L.raw_part_v = c.take<float>(size_t(pool * kKeys * z.dv));
+        L.raw_split = c.take<int2>(size_t(raw_ctas));
+        L.raw_slot = c.take<int2>(size_t(pool));
+        L.raw_arrived = c.take<int>(size_t(pool));
       }
       most = std::max(most, c.bytes());
     }
@@ -571,6 +598,107 @@ Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
   if (unsigned char* region = w.take<unsigned char>(scratch_bytes)) carve_scratch(region);
   L.bytes = w.bytes();
   return L;
+}
+
+// ---- raw_pieces_plan_kernel: which raw blocks' lists are cut into pieces (BwdArgs::raw_pool) --
+
+constexpr int kPlanThreads = 1024;
+
+// Query tiles of raw CTA x of KV head hk as dkv_kernel<raw> counts them: its window's (n0) and its
+// block's list's (n1; 0 for a forced block's list that the slc_forced blocks take).
+__device__ inline void raw_cta_tiles(const BwdArgs& a, int hk, int x, int& n0, int& n1) {
+  n0 = n1 = 0;
+  const int tq = kRows / a.G;
+  const int chunks = (a.lp + kKeys - 1) / kKeys;
+  const int per_seq = a.n_slc_max * chunks;
+  const int b = x / per_seq, j = (x % per_seq) / chunks;
+  const int key0 = j * a.lp + (x % chunks) * kKeys;
+  const int64_t s0 = seq_start(a.cu, b);
+  const int len = int(seq_start(a.cu, b + 1) - s0);
+  if (key0 >= len) return;
+  const int nk = min(kKeys, min((j + 1) * a.lp, len) - key0);
+  if (a.w > 0) n0 = (min(len - 1, key0 + nk - 1 + a.w - 1) - key0 + tq) / tq;
+  if (a.n > 0) {
+    const int64_t key = (int64_t(hk) * a.B + b) * a.n_slc_max + j;
+    const int first = a.sel_offsets[key], last = a.sel_offsets[key + 1];
+    if (!forced_split(a, j, len, first, last)) n1 = (last - first + tq - 1) / tq;
+  }
+}
+
+// Block-wide sum (kind 0) or exclusive prefix sum (kind 1) of one value per thread, in a fixed
+// order (integers: exact either way).
+__device__ inline long long plan_block_scan(long long v, bool exclusive, long long* warp_sums) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  long long inc = v;
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const long long u = __shfl_up_sync(0xffffffffu, inc, o);
+    if (lane >= o) inc += u;
+  }
+  if (lane == 31) warp_sums[warp] = inc;
+  __syncthreads();
+  long long before = 0, all = 0;
+  for (int w = 0; w < int(blockDim.x / 32); ++w) {
+    if (w < warp) before += warp_sums[w];
+    all += warp_sums[w];
+  }
+  __syncthreads();  // warp_sums may be reused
+  return exclusive ? before + inc - v : all;
+}
+
+// One CTA: the cap from every raw CTA's tiles, then the lists longer than cap in the order
+// (j, chunk, b, hk) (the longest lists first with causal picks), each in ceil(n1 / cap) pieces
+// with one slot per piece while the raw_pool slots last (a prefix of that order; the others keep
+// their whole list). Writes raw_split for every raw CTA, raw_slot for every slot and zeroes the
+// arrival counters. Depends only on the index: the same pieces, run after run.
+__global__ void __launch_bounds__(kPlanThreads) raw_pieces_plan_kernel(const BwdArgs a) {
+  __shared__ long long warp_sums[kPlanThreads / 32];
+  const int ctas = a.hkv * a.raw_x;
+  for (int s = threadIdx.x; s < a.raw_pool; s += blockDim.x) {
+    a.raw_slot[s] = make_int2(-1, 0);
+    a.raw_arrived[s] = 0;
+  }
+  long long mine = 0;
+  for (int r = threadIdx.x; r < ctas; r += blockDim.x) {
+    int n0, n1;
+    raw_cta_tiles(a, r / a.raw_x, r % a.raw_x, n0, n1);
+    mine += n0 + n1;
+  }
+  const long long total = plan_block_scan(mine, false, warp_sums);
+  const long long rule = (total + kRawTargetCtas - 1) / kRawTargetCtas;
+  const int cap = a.raw_piece_tiles > 0 ? a.raw_piece_tiles : int(rule > kRawMinPieceTiles ? rule : kRawMinPieceTiles);
+  // Thread t: positions [t per, (t + 1) per) of the order; position q = ((j chunks + c) B + b) Hkv + hk.
+  const int chunks = (a.lp + kKeys - 1) / kKeys;
+  const int per = (ctas + int(blockDim.x) - 1) / int(blockDim.x);
+  const int q0 = min(ctas, int(threadIdx.x) * per), q1 = min(ctas, q0 + per);
+  auto cta_of = [&](int q) {
+    const int hk = q % a.hkv, rest = q / a.hkv;
+    const int b = rest % a.B, jc = rest / a.B;
+    return hk * a.raw_x + b * a.n_slc_max * chunks + jc;  // jc = j * chunks + c
+  };
+  auto pieces_of = [&](int r) {
+    int n0, n1;
+    raw_cta_tiles(a, r / a.raw_x, r % a.raw_x, n0, n1);
+    return n1 > cap ? (n1 + cap - 1) / cap : 1;
+  };
+  long long need = 0;
+  for (int q = q0; q < q1; ++q) {
+    const int p = pieces_of(cta_of(q));
+    if (p > 1) need += p;
+  }
+  long long base = plan_block_scan(need, true, warp_sums);
+  __syncthreads();  // the slots' reset above is done
+  for (int q = q0; q < q1; ++q) {
+    const int r = cta_of(q);
+    const int p = pieces_of(r);
+    if (p > 1 && base + p <= a.raw_pool) {
+      a.raw_split[r] = make_int2(int(base), p);
+      for (int i = 0; i < p; ++i) a.raw_slot[base + i] = make_int2(r, i);
+    } else {
+      a.raw_split[r] = make_int2(-1, 1);
+    }
+    if (p > 1) base += p;
+  }
 }
 
 Sizes sizes_of(const Config& cfg, const Problem& p, int64_t F) {
@@ -784,6 +912,13 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
   a.slc_part_v = L.slc_part_v;
   a.slc_splits = L.slc_splits;
   a.lp_pad = L.lp_pad;
+  a.raw_pool = L.raw_pool;
+  a.raw_part_k = L.raw_part_k;
+  a.raw_part_v = L.raw_part_v;
+  a.raw_split = L.raw_split;
+  a.raw_slot = L.raw_slot;
+  a.raw_arrived = L.raw_arrived;
+  a.raw_piece_tiles = cuda::testing::raw_piece_tiles();
   a.rc = rc;
 
   // 1b. Compressed keys/values through phi (as the forward computes them).
@@ -889,6 +1024,12 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
   // 6. Window + selection dk/dv (shared K/V: plus phi's gradient); the forced initial blocks'
   //    long query lists first, split.
   if (a.slc_splits > 0) dispatch_dims<E>(a, s, 3);
+  if (a.raw_pool > 0) {  // the long lists' pieces, from the index
+    a.raw_x = int(p.B * p.n_slc_max * (L.lp_pad / kKeys));
+    a.raw_extra_x = (a.raw_pool + a.hkv - 1) / a.hkv;
+    raw_pieces_plan_kernel<<<1, kPlanThreads, 0, s>>>(a);
+    NSA_CUDA_CHECK_LAUNCH();
+  }
   dispatch_dims<E>(a, s, 2);
   if (!p.cfg.shared_kv) {
     phi_dx_kernel<E><<<blocks_for(p.T * p.hkv * p.dqk), 256, 0, s>>>(a, a.phi_k, a.dqk, a.grad_k[kCmp]);
