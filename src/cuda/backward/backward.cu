@@ -565,13 +565,17 @@ Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
       if (z.n_init > 0) {
         const int64_t rows_forced = z.B * z.n_init * L.lp_pad * z.hkv;
         const int64_t split_bytes = rows_forced * (z.dqk + z.dv) * 4;
+        // One per 256 tokens, as many as ~kRawTargetCtas CTAs need, in half the budget; never fewer
+        // than session 15's rule gave (one per 1024 tokens, at most 16, in 32 MB): at G = 4 the
+        // budget alone gave 6 instead of 8 at 8K and the backward lost 5%.
         const int64_t by_len = (z.max_seqlen + kForcedSplitTokens - 1) / kForcedSplitTokens;
         const int64_t by_ctas = (kRawTargetCtas + rows_forced / kKeys - 1) / (rows_forced / kKeys);
         const int64_t by_bytes = budget / 2 / split_bytes;
+        const int64_t before = std::min<int64_t>({(z.max_seqlen + 1023) / 1024, 16, (int64_t(32) << 20) / split_bytes});
         // GPU tests only (0: off).
         const int64_t test_splits = std::min<int64_t>(cuda::testing::forced_block_splits(), kMaxForcedSplits);
-        const int64_t splits =
-            test_splits > 0 ? test_splits : std::min<int64_t>({by_len, by_ctas, by_bytes, kMaxForcedSplits});
+        const int64_t splits = test_splits > 0 ? test_splits
+                                               : std::max(before, std::min<int64_t>({by_len, by_ctas, by_bytes, kMaxForcedSplits}));
         if (splits >= 2) {
           L.slc_splits = int(splits);
           L.slc_part_k = c.take<float>(size_t(splits * rows_forced * z.dqk));
