@@ -359,13 +359,14 @@ TEST_P(CudaBackward, ForcedBlockSplitsUpToSixtyFourMatchReference) {
   check_against_reference(GetParam(), false, true, {{0, 64, false}, {0, 37, false}});
 }
 // The raw blocks' selection lists in pieces (dkv_kernel<raw>, raw_pieces_plan_kernel): the rule
-// cuts lists longer than 1/256 of all raw CTAs' query tiles (at least 32), which at the cases'
-// lengths is a few lists at most. Pieces of 1 tile (most lists cut, the workspace's slots run
-// out: the later lists stay whole), of 2 and of 5 tiles (fewer, longer pieces), and none at all
-// (each list whole, as before pieces existed), with independent and shared K/V (the cases).
+// cuts lists longer than 1/256 of all raw CTAs' query tiles (at least 32), the cap doubled until
+// the pieces fit the workspace's slots, which at the cases' lengths cuts a few lists at most. Caps
+// from 1, 3 and 5 tiles (doubled as far as the slots need: other lists cut into other pieces) and
+// no pieces at all (each list whole, as before pieces existed), with independent and shared K/V
+// (the cases).
 TEST_P(CudaBackward, RawListPiecesMatchReference) {
   NSA_REQUIRE_GPU();
-  check_against_reference(GetParam(), false, true, {{0, 0, false, 1}, {0, 0, false, 2}, {0, 0, false, 5}, {0, 0, false, -1}});
+  check_against_reference(GetParam(), false, true, {{0, 0, false, 1}, {0, 0, false, 3}, {0, 0, false, 5}, {0, 0, false, -1}});
 }
 // The inverted selection index sorted as (key, token) pairs, which the rule does only where key
 // and token bits exceed 32 (~256K tokens at Hkv = 4).

@@ -162,8 +162,8 @@ struct BwdArgs {
   // random picks): one CTA working through block 1's list while the others have finished is the
   // kernel's tail at short lengths. The plan kernel (before the raw kernel, one CTA) cuts every
   // list longer than `cap` query tiles (cap = all raw CTAs' tiles / kRawTargetCtas, at least
-  // kRawMinPieceTiles) into pieces of at most cap tiles while raw_pool slots last, in the order of
-  // the blocks (j first: the longest lists first). Piece 0 stays with the block's own CTA (with its
+  // kRawMinPieceTiles, doubled until every piece has one of the raw_pool slots) into pieces of at
+  // most cap tiles. Piece 0 stays with the block's own CTA (with its
   // window tiles); pieces 1.. run on the extra CTAs in front of the grid (x < raw_extra_x, one per
   // slot; a slot holding a piece 0 or no piece exits). Every piece writes its fp32 partial to its
   // slot and counts itself in; the last to arrive adds the slots in piece order, rounds once and

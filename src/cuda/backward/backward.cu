@@ -650,10 +650,9 @@ __device__ inline long long plan_block_scan(long long v, bool exclusive, long lo
   return exclusive ? before + inc - v : all;
 }
 
-// One CTA: the cap from every raw CTA's tiles, then the lists longer than cap in the order
-// (j, chunk, b, hk) (the longest lists first with causal picks), each in ceil(n1 / cap) pieces
-// with one slot per piece while the raw_pool slots last (a prefix of that order; the others keep
-// their whole list). Writes raw_split for every raw CTA, raw_slot for every slot and zeroes the
+// One CTA: the cap from every raw CTA's tiles (doubled until the pieces fit the raw_pool slots),
+// then the lists longer than cap in the order (j, chunk, b, hk), each in ceil(n1 / cap) pieces
+// with one slot per piece. Writes raw_split for every raw CTA, raw_slot for every slot and zeroes the
 // arrival counters. Depends only on the index: the same pieces, run after run.
 __global__ void __launch_bounds__(kPlanThreads) raw_pieces_plan_kernel(const BwdArgs a) {
   __shared__ long long warp_sums[kPlanThreads / 32];
@@ -670,7 +669,6 @@ __global__ void __launch_bounds__(kPlanThreads) raw_pieces_plan_kernel(const Bwd
   }
   const long long total = plan_block_scan(mine, false, warp_sums);
   const long long rule = (total + kRawTargetCtas - 1) / kRawTargetCtas;
-  const int cap = a.raw_piece_tiles > 0 ? a.raw_piece_tiles : int(rule > kRawMinPieceTiles ? rule : kRawMinPieceTiles);
   // Thread t: positions [t per, (t + 1) per) of the order; position q = ((j chunks + c) B + b) Hkv + hk.
   const int chunks = (a.lp + kKeys - 1) / kKeys;
   const int per = (ctas + int(blockDim.x) - 1) / int(blockDim.x);
@@ -680,15 +678,26 @@ __global__ void __launch_bounds__(kPlanThreads) raw_pieces_plan_kernel(const Bwd
     const int b = rest % a.B, jc = rest / a.B;
     return hk * a.raw_x + b * a.n_slc_max * chunks + jc;  // jc = j * chunks + c
   };
+  int cap = a.raw_piece_tiles > 0 ? a.raw_piece_tiles : int(rule > kRawMinPieceTiles ? rule : kRawMinPieceTiles);
   auto pieces_of = [&](int r) {
     int n0, n1;
     raw_cta_tiles(a, r / a.raw_x, r % a.raw_x, n0, n1);
     return n1 > cap ? (n1 + cap - 1) / cap : 1;
   };
-  long long need = 0;
-  for (int q = q0; q < q1; ++q) {
-    const int p = pieces_of(cta_of(q));
-    if (p > 1) need += p;
+  auto need_of = [&] {
+    long long need = 0;
+    for (int q = q0; q < q1; ++q) {
+      const int p = pieces_of(cta_of(q));
+      if (p > 1) need += p;
+    }
+    return need;
+  };
+  // Every cut list gets its slots: where they would not fit the pool, the cap doubles (the same for
+  // every thread: a block-wide sum) until they do.
+  long long need = need_of();
+  while (plan_block_scan(need, false, warp_sums) > a.raw_pool) {
+    cap *= 2;
+    need = need_of();
   }
   long long base = plan_block_scan(need, true, warp_sums);
   __syncthreads();  // the slots' reset above is done
