@@ -585,7 +585,10 @@ Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
       const int64_t slot_bytes = kKeys * (z.dqk + z.dv) * 4 + 12;
       const int64_t raw_ctas = z.hkv * z.B * n_slc_max * chunks;
       const int64_t left = budget - int64_t(c.bytes()) - raw_ctas * 8;
-      const int64_t pool = cuda::testing::raw_pieces_enabled() ? std::min<int64_t>(left / slot_bytes, kMaxRawPool) : 0;
+      // (GPU tests that set the cap also get at least 64 slots, so that many lists are cut at their
+      // short lengths, where the budget gives a few.)
+      const int64_t want = cuda::testing::raw_piece_tiles() > 0 ? std::max<int64_t>(left / slot_bytes, 64) : left / slot_bytes;
+      const int64_t pool = cuda::testing::raw_pieces_enabled() ? std::min<int64_t>(want, kMaxRawPool) : 0;
       if (pool >= 2) {
         L.raw_pool = int(pool);
         L.raw_part_k = c.take<float>(size_t(pool * kKeys * z.dqk));
