@@ -632,8 +632,8 @@ __device__ inline void raw_cta_tiles(const BwdArgs& a, int hk, int x, int& n0, i
   }
 }
 
-// Block-wide sum (kind 0) or exclusive prefix sum (kind 1) of one value per thread, in a fixed
-// order (integers: exact either way).
+// Block-wide sum (exclusive = false) or exclusive prefix sum (true) of one value per thread, in a
+// fixed order (integers: exact either way). Every thread of the block calls it.
 __device__ inline long long plan_block_scan(long long v, bool exclusive, long long* warp_sums) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   long long inc = v;
@@ -681,11 +681,11 @@ __global__ void __launch_bounds__(kPlanThreads) raw_pieces_plan_kernel(const Bwd
     const int b = rest % a.B, jc = rest / a.B;
     return hk * a.raw_x + b * a.n_slc_max * chunks + jc;  // jc = j * chunks + c
   };
-  int cap = a.raw_piece_tiles > 0 ? a.raw_piece_tiles : int(rule > kRawMinPieceTiles ? rule : kRawMinPieceTiles);
+  long long cap = a.raw_piece_tiles > 0 ? a.raw_piece_tiles : rule > kRawMinPieceTiles ? rule : kRawMinPieceTiles;
   auto pieces_of = [&](int r) {
     int n0, n1;
     raw_cta_tiles(a, r / a.raw_x, r % a.raw_x, n0, n1);
-    return n1 > cap ? (n1 + cap - 1) / cap : 1;
+    return n1 > cap ? int((n1 + cap - 1) / cap) : 1;
   };
   auto need_of = [&] {
     long long need = 0;
