@@ -53,6 +53,7 @@ constexpr int64_t kMaxPartialBytes = int64_t(32) << 20;  // keeps mlp's dW1 part
 constexpr int kMaxForcedSplits = 64;       // splits of a forced initial block's query list
 constexpr int kForcedSplitTokens = 256;    // one more split per this many tokens of max_seqlen
 constexpr int64_t kMaxRawPool = 256;       // slots for the pieces of the raw blocks' long lists
+constexpr int kForcedTargetCtas = 256;     // forced-block splits: about this many CTAs (2 per SM)
 
 constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2 / pi), GELU's tanh form
 constexpr float kGeluA = 0.044715f;
@@ -565,11 +566,11 @@ Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
       if (z.n_init > 0) {
         const int64_t rows_forced = z.B * z.n_init * L.lp_pad * z.hkv;
         const int64_t split_bytes = rows_forced * (z.dqk + z.dv) * 4;
-        // One per 256 tokens, as many as ~kRawTargetCtas CTAs need, in half the budget; never fewer
+        // One per 256 tokens, as many as ~256 CTAs need, in half the budget; never fewer
         // than session 15's rule gave (one per 1024 tokens, at most 16, in 32 MB): at G = 4 the
         // budget alone gave 6 instead of 8 at 8K and the backward lost 5%.
         const int64_t by_len = (z.max_seqlen + kForcedSplitTokens - 1) / kForcedSplitTokens;
-        const int64_t by_ctas = (kRawTargetCtas + rows_forced / kKeys - 1) / (rows_forced / kKeys);
+        const int64_t by_ctas = (kForcedTargetCtas + rows_forced / kKeys - 1) / (rows_forced / kKeys);
         const int64_t by_bytes = budget / 2 / split_bytes;
         const int64_t before = std::min<int64_t>({(z.max_seqlen + 1023) / 1024, 16, (int64_t(32) << 20) / split_bytes});
         // GPU tests only (0: off).
