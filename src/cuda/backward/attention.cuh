@@ -107,6 +107,19 @@ struct PhiDxArgs {
   int F = 0;
 };
 
+// The raw lists' pieces (BwdArgs::raw; the workspace's slots: backward.cu's Layout).
+struct RawPieces {
+  int pool = 0;             // slots (0: no pieces)
+  int extra_x = 0;          // extra CTAs per KV head in front of the raw grid, ceil(pool / Hkv)
+  int x = 0;                // the raw grid's own CTAs per KV head, B * n_slc_max * chunks
+  float* part_k = nullptr;  // [pool][kKeys][Dqk] fp32 partials
+  float* part_v = nullptr;  // [pool][kKeys][Dv]
+  int2* split = nullptr;    // [Hkv * x] (first slot, pieces) of raw CTA hk * x + bx; (-1, 1): whole
+  int2* slot = nullptr;     // [pool] (raw CTA, piece) of each slot; (-1, 0): unused
+  int* arrived = nullptr;   // [pool] pieces arrived, by a list's first slot (zeroed by the plan)
+  int piece_tiles = 0;      // testing: the cap in query tiles instead of the rule (0: the rule)
+};
+
 struct BwdArgs {
   int dtype = 0;  // 0 bf16, 1 f16
   int64_t T = 0, max_seqlen = 0;
@@ -162,21 +175,13 @@ struct BwdArgs {
   // random picks): one CTA working through block 1's list while the others have finished is the
   // kernel's tail at short lengths. The plan kernel (before the raw kernel, one CTA) cuts every
   // list longer than `cap` query tiles (cap = all raw CTAs' tiles / kRawTargetCtas, at least
-  // kRawMinPieceTiles, doubled until every piece has one of the raw_pool slots) into pieces of at
+  // kRawMinPieceTiles, doubled until every piece has one of the pool slots) into pieces of at
   // most cap tiles. Piece 0 stays with the block's own CTA (with its
-  // window tiles); pieces 1.. run on the extra CTAs in front of the grid (x < raw_extra_x, one per
+  // window tiles); pieces 1.. run on the extra CTAs in front of the grid (x < extra_x, one per
   // slot; a slot holding a piece 0 or no piece exits). Every piece writes its fp32 partial to its
   // slot and counts itself in; the last to arrive adds the slots in piece order, rounds once and
   // writes dk / dv (shared K/V: plus phi's gradient): the same bits whoever arrives last.
-  int raw_pool = 0;              // slots (0: no pieces)
-  int raw_extra_x = 0;           // extra CTAs per KV head in front of the raw grid, ceil(raw_pool / Hkv)
-  int raw_x = 0;                 // the raw grid's own CTAs per KV head, B * n_slc_max * chunks
-  float* raw_part_k = nullptr;   // [raw_pool][kKeys][Dqk] fp32 partials
-  float* raw_part_v = nullptr;   // [raw_pool][kKeys][Dv]
-  int2* raw_split = nullptr;     // [Hkv * raw_x] (first slot, pieces) of raw CTA hk * raw_x + x; (-1, 1): whole
-  int2* raw_slot = nullptr;      // [raw_pool] (raw CTA, piece) of each slot; (-1, 0): unused
-  int* raw_arrived = nullptr;    // [raw_pool] pieces arrived, by a list's first slot (zeroed by the plan)
-  int raw_piece_tiles = 0;       // testing: cap in query tiles instead of the rule (0: the rule)
+  RawPieces raw;
   // The selection's union tiles (sm_90a, l' = 64; slc_union_enabled): dq_kernel takes the
   // selection branch of a row tile whose tokens' blocks have a small union (slc_union_takes, as
   // the forward's union tiles) as a third stage of its sweeps, and slc_dq_kernel, which makes the
@@ -979,25 +984,25 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
   const E* dob = static_cast<const E*>(a.d_o.p);
   const float scale_log2 = a.scale * kLog2e;
 
-  // Raw keys with pieces (BwdArgs::raw_pool): an extra CTA in front of the grid runs piece
+  // Raw keys with pieces (BwdArgs::raw): an extra CTA in front of the grid runs piece
   // `piece` of raw CTA (hk, bx)'s list; the block's own CTAs come after them.
   int bx = int(blockIdx.x);
   int piece = 0;
   int2 split = make_int2(-1, 1);  // (first slot, pieces) of this CTA's list
   if constexpr (kSet == KeySet::raw) {
-    if (a.raw_pool > 0) {
-      if (bx < a.raw_extra_x) {
-        const int slot = int(blockIdx.y) * a.raw_extra_x + bx;
-        if (slot >= a.raw_pool) return;
-        const int2 e = a.raw_slot[slot];
+    if (a.raw.pool > 0) {
+      if (bx < a.raw.extra_x) {
+        const int slot = int(blockIdx.y) * a.raw.extra_x + bx;
+        if (slot >= a.raw.pool) return;
+        const int2 e = a.raw.slot[slot];
         if (e.x < 0 || e.y == 0) return;  // unused, or a piece 0 (its block's own CTA runs it)
-        hk = e.x / a.raw_x;
-        bx = e.x % a.raw_x;
+        hk = e.x / a.raw.x;
+        bx = e.x % a.raw.x;
         piece = e.y;
       } else {
-        bx -= a.raw_extra_x;
+        bx -= a.raw.extra_x;
       }
-      split = a.raw_split[hk * a.raw_x + bx];
+      split = a.raw.split[hk * a.raw.x + bx];
     }
   }
 
@@ -1426,11 +1431,11 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
       // A piece: its partial to its slot, then count it in (the stores first, device-wide); the
       // last piece to arrive sums the slots in piece order and writes the block's dK / dV rows.
       const int64_t slot = split.x + piece;
-      epilogue(OutMat3{}, OutMat3{}, false, false, a.raw_part_k + slot * kKeys * DQK, a.raw_part_v + slot * kKeys * DV);
+      epilogue(OutMat3{}, OutMat3{}, false, false, a.raw.part_k + slot * kKeys * DQK, a.raw.part_v + slot * kKeys * DV);
       __threadfence();
       __syncthreads();
       __shared__ int last_in;
-      if (threadIdx.x == 0) last_in = atomicAdd(a.raw_arrived + split.x, 1) == split.y - 1;
+      if (threadIdx.x == 0) last_in = atomicAdd(a.raw.arrived + split.x, 1) == split.y - 1;
       __syncthreads();
       if (!last_in) return;
       __threadfence();
@@ -1438,7 +1443,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
 #pragma unroll 1
       for (int which = 0; which < 2; ++which) {
         const int D = which == 0 ? DQK : DV;
-        const float* slots = (which == 0 ? a.raw_part_k : a.raw_part_v) + int64_t(split.x) * kKeys * D;
+        const float* slots = (which == 0 ? a.raw.part_k : a.raw.part_v) + int64_t(split.x) * kKeys * D;
         for (int e = threadIdx.x; e < nk * D; e += kThreads) {
           const int c = e / D, col = e % D;
           float val = 0.f;
@@ -1474,7 +1479,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
   }
 }
 
-// raw_pieces_plan_kernel (backward.cu) fills raw_split / raw_slot before dkv_kernel<raw> runs.
+// raw_pieces_plan_kernel (backward.cu) fills raw.split / raw.slot before dkv_kernel<raw> runs.
 constexpr int kRawTargetCtas = 256;    // cap = all raw CTAs' query tiles / this (~2 CTAs per SM on an H200)
 constexpr int kRawMinPieceTiles = 32;  // no piece shorter than this many query tiles
 
@@ -1601,8 +1606,8 @@ void launch_attention(const BwdArgs& a_in, cudaStream_t s, int phase) {
     if (tiles == 0) return;
     DkvMaps maps{};
     maps.on = a.w > 0 && dkv_tensor_maps<E, DQK, DV>(maps, a) ? 1 : 0;  // the window's query tiles
-    // (raw_pool > 0: the extra CTAs of the long lists' pieces in front, backward.cu planned them)
-    kernel<<<dim3(unsigned(tiles + a.raw_extra_x), unsigned(a.hkv)), kThreads, smem, s>>>(a, maps);
+    // (raw.pool > 0: the extra CTAs of the long lists' pieces in front, backward.cu planned them)
+    kernel<<<dim3(unsigned(tiles + a.raw.extra_x), unsigned(a.hkv)), kThreads, smem, s>>>(a, maps);
   }
   NSA_CUDA_CHECK_LAUNCH();
 }

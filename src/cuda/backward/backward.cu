@@ -439,12 +439,7 @@ struct Layout {
   float* colsum = nullptr;    // [max(F, D)]
   float* slc_part_k = nullptr;  // [slc_splits][B * n_init * lp_pad, Hkv, Dqk]
   float* slc_part_v = nullptr;
-  float* raw_part_k = nullptr;  // [raw_pool][kKeys][Dqk] the raw lists' pieces (BwdArgs::raw_pool)
-  float* raw_part_v = nullptr;
-  int2* raw_split = nullptr;    // [Hkv * B * n_slc_max * chunks]
-  int2* raw_slot = nullptr;     // [raw_pool]
-  int* raw_arrived = nullptr;   // [raw_pool]
-  int raw_pool = 0;
+  RawPieces raw;                // the raw lists' pieces' slots (pool, part_k / part_v, split, slot, arrived)
   int cmp_splits = 1;
   int slc_splits = 0;
   int lp_pad = 64;
@@ -591,12 +586,12 @@ Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
       const int64_t want = cuda::testing::raw_piece_tiles() > 0 ? std::max<int64_t>(left / slot_bytes, 64) : left / slot_bytes;
       const int64_t pool = cuda::testing::raw_pieces_enabled() ? std::min<int64_t>(want, kMaxRawPool) : 0;
       if (pool >= 2) {
-        L.raw_pool = int(pool);
-        L.raw_part_k = c.take<float>(size_t(pool * kKeys * z.dqk));
-        L.raw_part_v = c.take<float>(size_t(pool * kKeys * z.dv));
-        L.raw_split = c.take<int2>(size_t(raw_ctas));
-        L.raw_slot = c.take<int2>(size_t(pool));
-        L.raw_arrived = c.take<int>(size_t(pool));
+        L.raw.pool = int(pool);
+        L.raw.part_k = c.take<float>(size_t(pool * kKeys * z.dqk));
+        L.raw.part_v = c.take<float>(size_t(pool * kKeys * z.dv));
+        L.raw.split = c.take<int2>(size_t(raw_ctas));
+        L.raw.slot = c.take<int2>(size_t(pool));
+        L.raw.arrived = c.take<int>(size_t(pool));
       }
       most = std::max(most, c.bytes());
     }
@@ -608,7 +603,7 @@ Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
   return L;
 }
 
-// ---- raw_pieces_plan_kernel: which raw blocks' lists are cut into pieces (BwdArgs::raw_pool) --
+// ---- raw_pieces_plan_kernel: which raw blocks' lists are cut into pieces (BwdArgs::raw) --
 
 constexpr int kPlanThreads = 1024;
 
@@ -654,21 +649,21 @@ __device__ inline long long plan_block_scan(long long v, bool exclusive, long lo
   return exclusive ? before + inc - v : all;
 }
 
-// One CTA: the cap from every raw CTA's tiles (doubled until the pieces fit the raw_pool slots),
+// One CTA: the cap from every raw CTA's tiles (doubled until the pieces fit the raw.pool slots),
 // then the lists longer than cap in the order (j, chunk, b, hk), each in ceil(n1 / cap) pieces
-// with one slot per piece. Writes raw_split for every raw CTA, raw_slot for every slot and zeroes the
+// with one slot per piece. Writes raw.split for every raw CTA, raw.slot for every slot and zeroes the
 // arrival counters. Depends only on the index: the same pieces, run after run.
 __global__ void __launch_bounds__(kPlanThreads) raw_pieces_plan_kernel(const BwdArgs a) {
   __shared__ long long warp_sums[kPlanThreads / 32];
-  const int ctas = a.hkv * a.raw_x;
-  for (int s = threadIdx.x; s < a.raw_pool; s += blockDim.x) {
-    a.raw_slot[s] = make_int2(-1, 0);
-    a.raw_arrived[s] = 0;
+  const int ctas = a.hkv * a.raw.x;
+  for (int s = threadIdx.x; s < a.raw.pool; s += blockDim.x) {
+    a.raw.slot[s] = make_int2(-1, 0);
+    a.raw.arrived[s] = 0;
   }
   long long mine = 0;
   for (int r = threadIdx.x; r < ctas; r += blockDim.x) {
     int n0, n1;
-    raw_cta_tiles(a, r / a.raw_x, r % a.raw_x, n0, n1);
+    raw_cta_tiles(a, r / a.raw.x, r % a.raw.x, n0, n1);
     mine += n0 + n1;
   }
   const long long total = plan_block_scan(mine, false, warp_sums);
@@ -680,12 +675,12 @@ __global__ void __launch_bounds__(kPlanThreads) raw_pieces_plan_kernel(const Bwd
   auto cta_of = [&](int q) {
     const int hk = q % a.hkv, rest = q / a.hkv;
     const int b = rest % a.B, jc = rest / a.B;
-    return hk * a.raw_x + b * a.n_slc_max * chunks + jc;  // jc = j * chunks + c
+    return hk * a.raw.x + b * a.n_slc_max * chunks + jc;  // jc = j * chunks + c
   };
-  long long cap = a.raw_piece_tiles > 0 ? a.raw_piece_tiles : rule > kRawMinPieceTiles ? rule : kRawMinPieceTiles;
+  long long cap = a.raw.piece_tiles > 0 ? a.raw.piece_tiles : rule > kRawMinPieceTiles ? rule : kRawMinPieceTiles;
   auto pieces_of = [&](int r) {
     int n0, n1;
-    raw_cta_tiles(a, r / a.raw_x, r % a.raw_x, n0, n1);
+    raw_cta_tiles(a, r / a.raw.x, r % a.raw.x, n0, n1);
     return n1 > cap ? int((n1 + cap - 1) / cap) : 1;
   };
   auto need_of = [&] {
@@ -699,7 +694,7 @@ __global__ void __launch_bounds__(kPlanThreads) raw_pieces_plan_kernel(const Bwd
   // Every cut list gets its slots: where they would not fit the pool, the cap doubles (the same for
   // every thread: a block-wide sum) until they do.
   long long need = need_of();
-  while (plan_block_scan(need, false, warp_sums) > a.raw_pool) {
+  while (plan_block_scan(need, false, warp_sums) > a.raw.pool) {
     cap *= 2;
     need = need_of();
   }
@@ -708,11 +703,11 @@ __global__ void __launch_bounds__(kPlanThreads) raw_pieces_plan_kernel(const Bwd
   for (int q = q0; q < q1; ++q) {
     const int r = cta_of(q);
     const int p = pieces_of(r);
-    if (p > 1 && base + p <= a.raw_pool) {
-      a.raw_split[r] = make_int2(int(base), p);
-      for (int i = 0; i < p; ++i) a.raw_slot[base + i] = make_int2(r, i);
+    if (p > 1 && base + p <= a.raw.pool) {
+      a.raw.split[r] = make_int2(int(base), p);
+      for (int i = 0; i < p; ++i) a.raw.slot[base + i] = make_int2(r, i);
     } else {
-      a.raw_split[r] = make_int2(-1, 1);
+      a.raw.split[r] = make_int2(-1, 1);
     }
     if (p > 1) base += p;
   }
@@ -929,13 +924,8 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
   a.slc_part_v = L.slc_part_v;
   a.slc_splits = L.slc_splits;
   a.lp_pad = L.lp_pad;
-  a.raw_pool = L.raw_pool;
-  a.raw_part_k = L.raw_part_k;
-  a.raw_part_v = L.raw_part_v;
-  a.raw_split = L.raw_split;
-  a.raw_slot = L.raw_slot;
-  a.raw_arrived = L.raw_arrived;
-  a.raw_piece_tiles = cuda::testing::raw_piece_tiles();
+  a.raw = L.raw;
+  a.raw.piece_tiles = cuda::testing::raw_piece_tiles();
   a.rc = rc;
 
   // 1b. Compressed keys/values through phi (as the forward computes them).
@@ -1041,9 +1031,9 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
   // 6. Window + selection dk/dv (shared K/V: plus phi's gradient); the forced initial blocks'
   //    long query lists first, split.
   if (a.slc_splits > 0) dispatch_dims<E>(a, s, 3);
-  if (a.raw_pool > 0) {  // the long lists' pieces, from the index
-    a.raw_x = int(p.B * p.n_slc_max * (L.lp_pad / kKeys));
-    a.raw_extra_x = (a.raw_pool + a.hkv - 1) / a.hkv;
+  if (a.raw.pool > 0) {  // the long lists' pieces, from the index
+    a.raw.x = int(p.B * p.n_slc_max * (L.lp_pad / kKeys));
+    a.raw.extra_x = (a.raw.pool + a.hkv - 1) / a.hkv;
     raw_pieces_plan_kernel<<<1, kPlanThreads, 0, s>>>(a);
     NSA_CUDA_CHECK_LAUNCH();
   }
