@@ -67,7 +67,7 @@ inline int forced_block_splits() { return ForcedBlockSplits::get(); }
 using RawPieces = Switch<struct RawPiecesTag, bool, true>;
 using RawPieceTiles = Switch<struct RawPieceTilesTag, int, 0>;
 
-// The backward's pieces of the raw blocks' long selection lists (dkv_kernel<raw>, BwdArgs::raw_pool):
+// The backward's pieces of the raw blocks' long selection lists (dkv_kernel<raw>, BwdArgs::raw):
 // off with set_raw_pieces_enabled(false) (no slots in the workspace: every list whole, as before
 // pieces existed), and with set_raw_piece_tiles(n) > 0 every list longer than n query tiles is cut
 // into pieces of at most n tiles (the rule: all raw CTAs' tiles / 256, at least 32), n doubled

@@ -54,6 +54,11 @@ constexpr int kMaxForcedSplits = 64;       // splits of a forced initial block's
 constexpr int kForcedSplitTokens = 256;    // one more split per this many tokens of max_seqlen
 constexpr int64_t kMaxRawPool = 256;       // slots for the pieces of the raw blocks' long lists
 constexpr int kForcedTargetCtas = 256;     // forced-block splits: about this many CTAs (2 per SM)
+// The floor of the forced-block splits, session 15's rule: one per this many tokens, at most this
+// many splits, their partials in at most this many bytes.
+constexpr int kForcedFloorTokens = 1024;
+constexpr int64_t kForcedFloorSplits = 16;
+constexpr int64_t kForcedFloorBytes = int64_t(32) << 20;
 
 constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2 / pi), GELU's tanh form
 constexpr float kGeluA = 0.044715f;
@@ -567,7 +572,8 @@ Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
         const int64_t by_len = (z.max_seqlen + kForcedSplitTokens - 1) / kForcedSplitTokens;
         const int64_t by_ctas = (kForcedTargetCtas + rows_forced / kKeys - 1) / (rows_forced / kKeys);
         const int64_t by_bytes = budget / 2 / split_bytes;
-        const int64_t before = std::min<int64_t>({(z.max_seqlen + 1023) / 1024, 16, (int64_t(32) << 20) / split_bytes});
+        const int64_t before = std::min<int64_t>(
+            {(z.max_seqlen + kForcedFloorTokens - 1) / kForcedFloorTokens, kForcedFloorSplits, kForcedFloorBytes / split_bytes});
         // GPU tests only (0: off).
         const int64_t test_splits = std::min<int64_t>(cuda::testing::forced_block_splits(), kMaxForcedSplits);
         const int64_t splits = test_splits > 0 ? test_splits
@@ -587,6 +593,8 @@ Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
       const int64_t pool = cuda::testing::raw_pieces_enabled() ? std::min<int64_t>(want, kMaxRawPool) : 0;
       if (pool >= 2) {
         L.raw.pool = int(pool);
+        L.raw.x = int(z.B * n_slc_max * chunks);
+        L.raw.extra_x = int((pool + z.hkv - 1) / z.hkv);
         L.raw.part_k = c.take<float>(size_t(pool * kKeys * z.dqk));
         L.raw.part_v = c.take<float>(size_t(pool * kKeys * z.dv));
         L.raw.split = c.take<int2>(size_t(raw_ctas));
@@ -1032,8 +1040,6 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
   //    long query lists first, split.
   if (a.slc_splits > 0) dispatch_dims<E>(a, s, 3);
   if (a.raw.pool > 0) {  // the long lists' pieces, from the index
-    a.raw.x = int(p.B * p.n_slc_max * (L.lp_pad / kKeys));
-    a.raw.extra_x = (a.raw.pool + a.hkv - 1) / a.hkv;
     raw_pieces_plan_kernel<<<1, kPlanThreads, 0, s>>>(a);
     NSA_CUDA_CHECK_LAUNCH();
   }
