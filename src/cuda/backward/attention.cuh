@@ -1480,7 +1480,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
 }
 
 // raw_pieces_plan_kernel (backward.cu) fills raw.split / raw.slot before dkv_kernel<raw> runs.
-constexpr int kRawTargetCtas = 256;    // cap = all raw CTAs' query tiles / this (~2 CTAs per SM on an H200)
+constexpr int kRawTargetCtas = 1024;   // cap = all raw CTAs' query tiles / this (~8 per CTA slot of an H200: a piece is a small part of a slot's work)
 constexpr int kRawMinPieceTiles = 32;  // no piece shorter than this many query tiles
 
 }  // namespace nsa::cuda_bwd
