@@ -54,16 +54,6 @@ using CmpSplits = Switch<struct CmpSplitsTag, int, 0>;
 inline void set_cmp_splits(int splits) { CmpSplits::set(splits); }
 inline int cmp_splits() { return CmpSplits::get(); }
 
-using ForcedBlockSplits = Switch<struct ForcedBlockSplitsTag, int, 0>;
-
-// The backward's splits of a forced initial block's query list (dkv_kernel<slc_forced>):
-// `splits` (at most 64) instead of the rule (0, the default: one per 256 tokens of the longest
-// sequence, enough for ~256 CTAs, within the workspace budget), so that the tests reach the many
-// splits of long sequences on short ones. Like set_cmp_splits, it sets the workspace size and the
-// call alike.
-inline void set_forced_block_splits(int splits) { ForcedBlockSplits::set(splits); }
-inline int forced_block_splits() { return ForcedBlockSplits::get(); }
-
 using RawPieces = Switch<struct RawPiecesTag, bool, true>;
 using RawPieceTiles = Switch<struct RawPieceTilesTag, int, 0>;
 

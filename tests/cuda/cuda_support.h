@@ -42,22 +42,19 @@ struct NoSelectionUnionTiles {
 };
 
 // While alive, the backward takes paths its rules keep for long sequences: the compressed dK/dV's
-// queries in `cmp_splits` parts (testing::set_cmp_splits), the forced initial blocks' query lists
-// in `forced_splits` parts (testing::set_forced_block_splits; 0 for either: by the sequence
-// length), with pair_sort the inverted index's (key, token) pair sort
+// queries in `cmp_splits` parts (testing::set_cmp_splits; 0: by the sequence length), with
+// pair_sort the inverted index's (key, token) pair sort
 // (testing::set_packed_sort_enabled), and the raw blocks' selection lists in pieces of at most
 // `raw_piece_tiles` query tiles (testing::set_raw_piece_tiles; 0: the rule, < 0: no pieces).
 struct LongSequencePaths {
-  LongSequencePaths(int cmp_splits, int forced_splits, bool pair_sort, int raw_piece_tiles = 0) {
+  LongSequencePaths(int cmp_splits, bool pair_sort, int raw_piece_tiles = 0) {
     ::nsa::cuda::testing::set_cmp_splits(cmp_splits);
-    ::nsa::cuda::testing::set_forced_block_splits(forced_splits);
     ::nsa::cuda::testing::set_packed_sort_enabled(!pair_sort);
     ::nsa::cuda::testing::set_raw_pieces_enabled(raw_piece_tiles >= 0);
     ::nsa::cuda::testing::set_raw_piece_tiles(raw_piece_tiles > 0 ? raw_piece_tiles : 0);
   }
   ~LongSequencePaths() {
     ::nsa::cuda::testing::set_cmp_splits(0);
-    ::nsa::cuda::testing::set_forced_block_splits(0);
     ::nsa::cuda::testing::set_packed_sort_enabled(true);
     ::nsa::cuda::testing::set_raw_pieces_enabled(true);
     ::nsa::cuda::testing::set_raw_piece_tiles(0);

@@ -239,11 +239,10 @@ Twin& reference_of(const BwdCase& c) {
   return *t;
 }
 
-// Device backward runs, one per entry of `paths`: {0, 0, false} is the backend's own choice of
-// splits and sort; see LongSequencePaths (cuda_support.h).
+// Device backward runs, one per entry of `paths`: {0, false} is the backend's own choice of
+// splits, sort and pieces; see LongSequencePaths (cuda_support.h).
 struct Paths {
   int cmp_splits;
-  int forced_splits;
   bool pair_sort;
   int raw_piece_tiles = 0;
 };
@@ -253,15 +252,14 @@ struct Paths {
 // them) and takes dg from them instead of recomputing each branch's output. with_o: it gets the
 // forward's o (rounded likewise) and takes the selection's D from it (BwdArgs::d_from_o).
 void check_against_reference(const BwdCase& c, bool with_o_branch, bool with_o = false,
-                             const std::vector<Paths>& paths = {{0, 0, false}}) {
+                             const std::vector<Paths>& paths = {{0, false}}) {
   const Config cfg = config_of(c);
   Twin& t = reference_of(c);
   const int64_t longest = *std::max_element(c.seqlens.begin(), c.seqlens.end());
   for (const Paths& run : paths) {
-    SCOPED_TRACE("forced: compressed splits " + std::to_string(run.cmp_splits) + ", forced-block splits " +
-                 std::to_string(run.forced_splits) + (run.pair_sort ? ", pair sort" : "") +
+    SCOPED_TRACE("forced: compressed splits " + std::to_string(run.cmp_splits) + (run.pair_sort ? ", pair sort" : "") +
                  ", raw piece tiles " + std::to_string(run.raw_piece_tiles));
-    const LongSequencePaths forced(run.cmp_splits, run.forced_splits, run.pair_sort, run.raw_piece_tiles);
+    const LongSequencePaths forced(run.cmp_splits, run.pair_sort, run.raw_piece_tiles);
     DeviceLayer dev(t.low, longest);
     DeviceTensor o_branch, o_saved;
     if (with_o_branch) {
@@ -340,8 +338,7 @@ TEST_P(CudaBackward, SavedOutputGivesTheSameGradientsPerToken) {
 
 // Paths the backward's rules keep for sequences longer than these cases, forced
 // (LongSequencePaths), with the forward's o as the torch layer calls it. Each has its break patch
-// in one round (cmp_parts_first_eight, forced_parts_first_eight, pair_sort_tokens_left,
-// raw_pieces_first_two).
+// in one round (cmp_parts_first_eight, pair_sort_tokens_left, raw_pieces_first_two).
 //
 // 16 compressed splits, the most there are, and 11: the rule gives 16 from ~15K tokens at G >= 16
 // (and 8 from ~7K at G >= 8), so without this the tests reach only the splits of their own lengths
@@ -349,30 +346,24 @@ TEST_P(CudaBackward, SavedOutputGivesTheSameGradientsPerToken) {
 // the packed cases run splits that keep every row, and 11 puts the split boundaries elsewhere.
 TEST_P(CudaBackward, CompressedSplitsUpToSixteenMatchReference) {
   NSA_REQUIRE_GPU();
-  check_against_reference(GetParam(), false, true, {{16, 0, false}, {11, 0, false}});
-}
-// The forced initial blocks' query lists (dkv_kernel<slc_forced>) in 64 and 37 splits: the rule
-// takes one per 256 tokens, up to 64 (and as many as ~256 CTAs need, within the workspace budget),
-// and the cases reach fewer; here splits with no query tile too.
-TEST_P(CudaBackward, ForcedBlockSplitsUpToSixtyFourMatchReference) {
-  NSA_REQUIRE_GPU();
-  check_against_reference(GetParam(), false, true, {{0, 64, false}, {0, 37, false}});
+  check_against_reference(GetParam(), false, true, {{16, false}, {11, false}});
 }
 // The raw blocks' selection lists in pieces (dkv_kernel<raw>, raw_pieces_plan_kernel): the rule
-// cuts lists longer than 1/256 of all raw CTAs' query tiles (at least 32), the cap doubled until
-// the pieces fit the workspace's slots, which at the cases' lengths cuts a few lists at most. Caps
+// cuts lists longer than 1/1024 of all raw CTAs' query tiles (at least 32), the cap doubled until
+// the pieces fit the workspace's slots, which at the cases' lengths cuts a few lists at most (the
+// forced initial blocks' lists, the whole sequence after the block, first among them). Caps
 // from 1, 3 and 5 tiles (doubled as far as the slots need: other lists cut into other pieces) and
 // no pieces at all (each list whole, as before pieces existed), with independent and shared K/V
 // (the cases).
 TEST_P(CudaBackward, RawListPiecesMatchReference) {
   NSA_REQUIRE_GPU();
-  check_against_reference(GetParam(), false, true, {{0, 0, false, 1}, {0, 0, false, 3}, {0, 0, false, 5}, {0, 0, false, -1}});
+  check_against_reference(GetParam(), false, true, {{0, false, 1}, {0, false, 3}, {0, false, 5}, {0, false, -1}});
 }
 // The inverted selection index sorted as (key, token) pairs, which the rule does only where key
 // and token bits exceed 32 (~256K tokens at Hkv = 4).
 TEST_P(CudaBackward, PairSortMatchesReference) {
   NSA_REQUIRE_GPU();
-  check_against_reference(GetParam(), false, true, {{0, 0, true}});
+  check_against_reference(GetParam(), false, true, {{0, true}});
 }
 
 TEST_P(CudaBackward, BitwiseDeterministic) {

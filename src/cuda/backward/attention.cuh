@@ -161,19 +161,11 @@ struct BwdArgs {
   float* dvc_part = nullptr;
   int cmp_splits = 1;
   int64_t cmp_part_rows[kMaxCmpSplits] = {};
-  // Forced initial blocks (j < n_init) are selected by every later query: one block's list is
-  // as long as the sequence, a serial tail for the one block that owns it. When the list is
-  // exactly that range, its query tiles are split over slc_splits blocks (0: off) whose fp32
-  // partials [slc_splits][B * n_init * lp_pad, Hkv, D] the owner adds in split order.
-  float* slc_part_k = nullptr;
-  float* slc_part_v = nullptr;
-  int slc_splits = 0;
-  int lp_pad = 64;  // l' rounded up to whole key tiles
-  // Long selection lists of the other raw blocks (dkv_kernel<raw>, raw_pieces_plan_kernel). A
-  // block's list is as long as the number of queries that picked it, and with causal picks the
-  // early blocks' lists are the longest (about ln(blocks / j) times the mean for block j on
-  // random picks): one CTA working through block 1's list while the others have finished is the
-  // kernel's tail at short lengths. The plan kernel (before the raw kernel, one CTA) cuts every
+  // Long selection lists of the raw blocks (dkv_kernel<raw>, raw_pieces_plan_kernel). A block's
+  // list is as long as the number of queries that picked it: a forced initial block's (j < n_init)
+  // is the whole sequence after it, and with causal picks the other early blocks' lists are the
+  // longest (about ln(blocks / j) times the mean for block j on random picks). One CTA working
+  // through such a list while the others have finished is the kernel's tail. The plan kernel (before the raw kernel, one CTA) cuts every
   // list longer than `cap` query tiles (cap = all raw CTAs' tiles / kRawTargetCtas, at least
   // kRawMinPieceTiles, doubled until every piece has one of the pool slots) into pieces of at
   // most cap tiles. Piece 0 stays with the block's own CTA (with its
@@ -869,13 +861,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
 
 // ---- dkv_kernel --------------------------------------------------------------------------
 
-enum class KeySet : int { raw = 0, cmp = 1, slc_forced = 2 };
-
-// Whether the selection list of block j (< n_init) of a sequence is the whole range of queries
-// t >= j * l' (what the spec's forced initial blocks give): then slc_forced blocks own it.
-__device__ __forceinline__ bool forced_split(const BwdArgs& a, int j, int len, int first, int last) {
-  return a.slc_splits > 0 && j < a.n_init && last - first == len - j * a.lp;
-}
+enum class KeySet : int { raw = 0, cmp = 1 };
 
 // One query tile of the key-centric kernel (one per pipeline buffer).
 struct RowTile {
@@ -1042,12 +1028,11 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
     kpos[h] = kt.kp0 + c * kt.kstep;
   }
 
-  // The query tiles of this block, as one sequence: phase 0 (raw: window; cmp: one query split;
-  // slc_forced: one split of the block's list) then phase 1 (raw only: the selection list).
+  // The query tiles of this block, as one sequence: phase 0 (raw: window; cmp: one query split)
+  // then phase 1 (raw only: the selection list, or this piece of it).
   int n0 = 0, n1 = 0, t_end = 0, first = 0, last = 0, ti0 = 0;
   int cmp_q0 = 0, cmp_q1 = 0;  // compressed: this split's query positions [cmp_q0, cmp_q1)
   int nk_emit = nk;            // keys of the tile whose dK / dV rows this block writes
-  bool forced = false;
   if constexpr (kSet == KeySet::raw) {
     if (a.w > 0) {
       t_end = min(len - 1, key0 + nk - 1 + a.w - 1);  // window queries: [key0, t_end]
@@ -1057,9 +1042,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
       const int64_t key = (int64_t(hk) * a.B + b) * a.n_slc_max + j;
       first = a.sel_offsets[key];
       last = a.sel_offsets[key + 1];
-      // A forced initial block whose list is the whole range was done by the slc_forced blocks.
-      forced = forced_split(a, j, len, first, last);
-      if (!forced) n1 = (last - first + tq - 1) / tq;
+      n1 = (last - first + tq - 1) / tq;
     }
     if (split.y > 1) {  // piece `piece` of the list: its tiles [ti0, ti0 + n1); the window stays with piece 0
       const int per = (n1 + split.y - 1) / split.y;
@@ -1067,15 +1050,6 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
       n1 = max(0, min(n1, ti0 + per) - ti0);
       if (piece > 0) n0 = 0;
     }
-  } else if constexpr (kSet == KeySet::slc_forced) {
-    const int64_t key = (int64_t(hk) * a.B + b) * a.n_slc_max + j;
-    first = a.sel_offsets[key];
-    last = a.sel_offsets[key + 1];
-    if (!forced_split(a, j, len, first, last)) return;  // the raw blocks handle this list
-    const int ntiles = (last - first + tq - 1) / tq;
-    const int per_split = (ntiles + a.slc_splits - 1) / a.slc_splits;
-    ti0 = blockIdx.z * per_split;
-    n0 = max(0, min(ntiles, ti0 + per_split) - ti0);
   } else {
     // Compressed keys: the queries t >= key0 * d + l - 1 of split z (cmp_split_of, cmp_split_index).
     // A split before `last` that sees none of the tile's blocks has nothing to write.
@@ -1144,11 +1118,11 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
   }
   auto prefetch = [&](int i, int buf) {
     RowTile& R = ri[buf];
-    const bool list = kSet == KeySet::slc_forced || (kSet == KeySet::raw && i >= n0);
+    const bool list = kSet == KeySet::raw && i >= n0;
     const int branch = kSet == KeySet::cmp ? kCmp : list ? kSlc : kWin;
     int t0 = 0, i0 = 0, ntok;
     if (list) {  // tokens from the inverted index
-      i0 = first + (kSet == KeySet::raw ? ti0 + i - n0 : ti0 + i) * tq;
+      i0 = first + (ti0 + i - n0) * tq;
       ntok = min(tq, last - i0);
     } else if (kSet == KeySet::raw) {  // window: consecutive tokens from key0
       t0 = key0 + i * tq;
@@ -1330,25 +1304,19 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
   // Writes the accumulated dK (which = 0) or dV rows through an fp32 scratch over the key tile's
   // shared memory (free: the caller has passed a barrier after the last compute and reloads K/V
   // before the next), 32 columns at a time so that it fits for every head dim; then clears them.
-  // Per element: raw keys add the forced-block partials (split order) and phi's gradient (shared
-  // K/V), then round once; compressed and forced-split blocks store fp32 partials.
+  // Per element: raw keys add phi's gradient (shared K/V) and round once (finish_raw), or, as a
+  // piece of a split list, store their fp32 partial; compressed keys store fp32 partials.
   float* scratch = reinterpret_cast<float*>(smem + L::kK);
   constexpr int kLdS = kSub + 4;
   static_assert(kKeys * kLdS * 4 <= tile_bytes<64>(), "the scratch fits the K tile");
   static_assert(kKeys * kLdS * 4 <= L::kSwQ, "swizzled: the scratch fits the K and V tiles (both reloaded after)");
-  auto forced_row = [&](int c) -> int64_t {  // forced-block partial slot of key c of this tile
-    return (int64_t(b) * a.n_init + j) * a.lp_pad + (key0 - j * a.lp) + c;
+  // Element (c, col) of the tile's dK (which = 0) or dV rows, from its fp32 sum: shared K/V add
+  // phi's gradient (add_phi), then it is rounded once into out.
+  auto finish_raw = [&](int which, int D, int c, int col, float val, OutMat3 out, bool add_phi) {
+    if (add_phi) val += phi_dx<E>(which == 0 ? a.phi_k : a.phi_v, a, D, s0, len, key0 + c, hk, col);
+    static_cast<E*>(out.p)[(s0 + key0 + c) * out.s0 + hk * out.s1 + col] = from_float<E>(val);
   };
-  // The forced-block splits' partials of element (c, col) of dK (which = 0) or dV, in split order.
-  auto forced_partials = [&](int which, int D, int c, int col) {
-    const float* fp = which == 0 ? a.slc_part_k : a.slc_part_v;
-    const int64_t plane = int64_t(a.B) * a.n_init * a.lp_pad * a.hkv * D;
-    float sum = 0.f;
-    for (int z = 0; z < a.slc_splits; ++z) sum += fp[z * plane + (forced_row(c) * a.hkv + hk) * D + col];
-    return sum;
-  };
-  auto emit_column_block = [&](int which, int D, int col0, OutMat3 out, bool add_phi, bool add_forced,
-                               float* part) {
+  auto emit_column_block = [&](int which, int D, int col0, OutMat3 out, bool add_phi, float* part) {
     __syncthreads();
     for (int e = threadIdx.x; e < nk_emit * kSub; e += kThreads) {
       const int c = e / kSub, col = col0 + e % kSub;
@@ -1358,18 +1326,14 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
           part[c * D + col] = val;
           continue;
         }
-        if (add_forced) val += forced_partials(which, D, c, col);
-        if (add_phi) val += phi_dx<E>(which == 0 ? a.phi_k : a.phi_v, a, D, s0, len, key0 + c, hk, col);
-        static_cast<E*>(out.p)[(s0 + key0 + c) * out.s0 + hk * out.s1 + col] = from_float<E>(val);
-      } else if constexpr (kSet == KeySet::cmp) {
-        part[((crow0 + key0 + c) * a.hkv + hk) * D + col] = val;
+        finish_raw(which, D, c, col, val, out, add_phi);
       } else {
-        part[(forced_row(c) * a.hkv + hk) * D + col] = val;
+        part[((crow0 + key0 + c) * a.hkv + hk) * D + col] = val;
       }
     }
     __syncthreads();
   };
-  auto emit = [&](auto& acc, int which, OutMat3 out, bool add_phi, bool add_forced, float* part) {
+  auto emit = [&](auto& acc, int which, OutMat3 out, bool add_phi, float* part) {
     constexpr int kTiles = int(std::extent_v<std::remove_reference_t<decltype(acc)>>);
 #pragma unroll 1
     for (int col0 = 0; col0 < kTiles * 8; col0 += kSub) {
@@ -1383,19 +1347,18 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
           acc[nt][e] = 0.f;
         }
       }
-      emit_column_block(which, kTiles * 8, col0, out, add_phi, add_forced, part);
+      emit_column_block(which, kTiles * 8, col0, out, add_phi, part);
     }
   };
-  auto epilogue = [&](OutMat3 dk_out, OutMat3 dv_out, bool add_phi, bool add_forced, float* part_k,
-                      float* part_v) {
-    emit(acc_k, 0, dk_out, add_phi, add_forced, part_k);
-    emit(acc_v, 1, dv_out, add_phi, add_forced, part_v);
+  auto epilogue = [&](OutMat3 dk_out, OutMat3 dv_out, bool add_phi, float* part_k, float* part_v) {
+    emit(acc_k, 0, dk_out, add_phi, part_k);
+    emit(acc_v, 1, dv_out, add_phi, part_v);
   };
 
   // The two-stage pipeline: query tile i + 1's rows and copies go out before tile i is computed.
   const int n_tiles = n0 + n1;
   if (kSet == KeySet::raw && !a.shared_kv && n0 == 0 && piece == 0)
-    epilogue(a.grad_k[kWin], a.grad_v[kWin], false, false, nullptr, nullptr);  // no window: zeros
+    epilogue(a.grad_k[kWin], a.grad_v[kWin], false, nullptr, nullptr);  // no window: zeros
   if (n_tiles > 0) {
     load_kv(n0 > 0 ? 0 : 1);
     prefetch(0, 0);
@@ -1410,7 +1373,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
     if (kSet == KeySet::raw && i == n0 && i > 0) {
       // Window done, selection next: independent K/V write the window's gradient now; the
       // selection's keys replace the window's (tile i + 1's copies may stay in flight).
-      if (!a.shared_kv) epilogue(a.grad_k[kWin], a.grad_v[kWin], false, false, nullptr, nullptr);
+      if (!a.shared_kv) epilogue(a.grad_k[kWin], a.grad_v[kWin], false, nullptr, nullptr);
       __syncthreads();
       load_kv(1);
       cuda::cp_async_commit();
@@ -1426,12 +1389,12 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
   __syncthreads();
 
   if constexpr (kSet == KeySet::raw) {
-    if (!a.shared_kv && n0 > 0 && n1 == 0) epilogue(a.grad_k[kWin], a.grad_v[kWin], false, false, nullptr, nullptr);
+    if (!a.shared_kv && n0 > 0 && n1 == 0) epilogue(a.grad_k[kWin], a.grad_v[kWin], false, nullptr, nullptr);
     if (split.y > 1) {
       // A piece: its partial to its slot, then count it in (the stores first, device-wide); the
       // last piece to arrive sums the slots in piece order and writes the block's dK / dV rows.
       const int64_t slot = split.x + piece;
-      epilogue(OutMat3{}, OutMat3{}, false, false, a.raw.part_k + slot * kKeys * DQK, a.raw.part_v + slot * kKeys * DV);
+      epilogue(OutMat3{}, OutMat3{}, false, a.raw.part_k + slot * kKeys * DQK, a.raw.part_v + slot * kKeys * DV);
       __threadfence();
       __syncthreads();
       __shared__ int last_in;
@@ -1448,22 +1411,14 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
           const int c = e / D, col = e % D;
           float val = 0.f;
           for (int p = 0; p < split.y; ++p) val += __ldcg(slots + (int64_t(p) * kKeys + c) * D + col);
-          if (forced) val += forced_partials(which, D, c, col);  // (never: a forced list is not split)
-          if (a.shared_kv) val += phi_dx<E>(which == 0 ? a.phi_k : a.phi_v, a, D, s0, len, key0 + c, hk, col);
-          static_cast<E*>(outs[which].p)[(s0 + key0 + c) * outs[which].s0 + hk * outs[which].s1 + col] =
-              from_float<E>(val);
+          finish_raw(which, D, c, col, val, outs[which], a.shared_kv);
         }
       }
     } else if (a.shared_kv) {
-      epilogue(a.grad_k[kCmp], a.grad_v[kCmp], true, forced, nullptr, nullptr);
+      epilogue(a.grad_k[kCmp], a.grad_v[kCmp], true, nullptr, nullptr);
     } else {
-      epilogue(a.grad_k[kSlc], a.grad_v[kSlc], false, forced, nullptr, nullptr);
+      epilogue(a.grad_k[kSlc], a.grad_v[kSlc], false, nullptr, nullptr);
     }
-  } else if constexpr (kSet == KeySet::slc_forced) {
-    const int64_t plane_k = int64_t(a.B) * a.n_init * a.lp_pad * a.hkv * DQK;
-    const int64_t plane_v = int64_t(a.B) * a.n_init * a.lp_pad * a.hkv * DV;
-    epilogue(OutMat3{}, OutMat3{}, false, false, a.slc_part_k + blockIdx.z * plane_k,
-             a.slc_part_v + blockIdx.z * plane_v);
   } else {
     // The last split writes dkc / dvc; split z < last its partial (rows before it: earlier splits).
     float* part_k = a.dkc;
@@ -1475,7 +1430,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
       part_k = a.dkc_part + rows_before * a.hkv * DQK;
       part_v = a.dvc_part + rows_before * a.hkv * DV;
     }
-    epilogue(OutMat3{}, OutMat3{}, false, false, part_k, part_v);
+    epilogue(OutMat3{}, OutMat3{}, false, part_k, part_v);
   }
 }
 
@@ -1489,7 +1444,7 @@ constexpr int kRawMinPieceTiles = 32;  // no piece shorter than this many query 
 
 namespace nsa::cuda_bwd {
 
-// ---- launch: phase 0 = dq_kernel, 1 = dkv_kernel<cmp>, 2 = <raw>, 3 = <slc_forced>, 4 = slc_dq --
+// ---- launch: phase 0 = dq_kernel, 1 = dkv_kernel<cmp>, 2 = <raw>, 4 = slc_dq ------------------
 // Explicitly instantiated once per dtype and Dqk (attention_<dtype>_hdim<Dqk>.cu).
 
 // Two ~105 KB blocks per SM (Dqk, Dv <= 128) need the largest shared-memory carve-out.
@@ -1584,7 +1539,6 @@ void launch_attention(const BwdArgs& a_in, cudaStream_t s, int phase) {
   }
   using Lk = DkvSmem<E, DQK, DV>;
   const size_t smem = Lk::kEnd;
-  DkvMaps none{};
   if (phase == 1) {
     auto* kernel = dkv_kernel<E, DQK, DV, KeySet::cmp>;
     allow_smem(kernel, smem);
@@ -1593,12 +1547,6 @@ void launch_attention(const BwdArgs& a_in, cudaStream_t s, int phase) {
     DkvMaps maps{};
     maps.on = dkv_tensor_maps<E, DQK, DV>(maps, a) ? 1 : 0;
     kernel<<<dim3(unsigned(tiles), unsigned(a.hkv), unsigned(a.cmp_splits)), kThreads, smem, s>>>(a, maps);
-  } else if (phase == 3) {
-    auto* kernel = dkv_kernel<E, DQK, DV, KeySet::slc_forced>;
-    allow_smem(kernel, smem);
-    const int64_t tiles = a.B * int64_t(a.n_init) * ((a.lp + kKeys - 1) / kKeys);
-    if (tiles == 0 || a.slc_splits == 0) return;
-    kernel<<<dim3(unsigned(tiles), unsigned(a.hkv), unsigned(a.slc_splits)), kThreads, smem, s>>>(a, none);
   } else {
     auto* kernel = dkv_kernel<E, DQK, DV, KeySet::raw>;
     allow_smem(kernel, smem);

@@ -50,15 +50,7 @@ constexpr int kGemmThreads = 256; // 16 x 16 threads, 4 x 4 outputs each
 constexpr int kRowsPerSplit = 512;  // rows per partial sum of a reduction over compressed rows
 constexpr int kMaxSplits = 8;
 constexpr int64_t kMaxPartialBytes = int64_t(32) << 20;  // keeps mlp's dW1 partials at 32 MB
-constexpr int kMaxForcedSplits = 64;       // splits of a forced initial block's query list
-constexpr int kForcedSplitTokens = 256;    // one more split per this many tokens of max_seqlen
 constexpr int64_t kMaxRawPool = 256;       // slots for the pieces of the raw blocks' long lists
-constexpr int kForcedTargetCtas = 256;     // forced-block splits: about this many CTAs (2 per SM)
-// The floor of the forced-block splits, session 15's rule: one per this many tokens, at most this
-// many splits, their partials in at most this many bytes.
-constexpr int kForcedFloorTokens = 1024;
-constexpr int64_t kForcedFloorSplits = 16;
-constexpr int64_t kForcedFloorBytes = int64_t(32) << 20;
 
 constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2 / pi), GELU's tanh form
 constexpr float kGeluA = 0.044715f;
@@ -442,12 +434,8 @@ struct Layout {
   size_t sort_temp_bytes = 0;
   float* gemm_part = nullptr; // [splits][max phi parameter size]
   float* colsum = nullptr;    // [max(F, D)]
-  float* slc_part_k = nullptr;  // [slc_splits][B * n_init * lp_pad, Hkv, Dqk]
-  float* slc_part_v = nullptr;
   RawPieces raw;                // the raw lists' pieces' slots (pool, part_k / part_v, split, slot, arrived)
   int cmp_splits = 1;
-  int slc_splits = 0;
-  int lp_pad = 64;
   int row_splits = 1;
   size_t bytes = 0;
 };
@@ -510,7 +498,7 @@ Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
   //      sorted tokens end in tokens[0], copied there when the sort leaves them in tokens[1]);
   //   4. the compressed branch's per-split partials (reduced into dkc / dvc);
   //   5. phi's split-K parameter partials;
-  //   6. the forced initial blocks' per-split partials and the raw lists' pieces (both read by
+  //   6. the raw lists' pieces (the forced initial blocks' lists among them; read by
   //      dkv_kernel<raw>), in a budget of max(the other phases' bytes, 1/32 of q, k, v and o).
   auto carve_scratch = [&](unsigned char* region) {
     size_t most = 0;
@@ -557,33 +545,11 @@ Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
       carve_phi_partials(z, rows, c, L);
       most = std::max(most, c.bytes());
     }
-    L.lp_pad = int((z.lp + kKeys - 1) / kKeys * kKeys);
     if (z.n > 0) {  // 6.
       WorkspaceCarver c(region);
       const int64_t qkvo = z.T * (z.hq + z.hkv) * (z.dqk + z.dv) * 2;  // (one K/V: the least there is)
       const int64_t budget = std::max<int64_t>(int64_t(most), qkvo / 32);
-      const int64_t chunks = L.lp_pad / kKeys;
-      if (z.n_init > 0) {
-        const int64_t rows_forced = z.B * z.n_init * L.lp_pad * z.hkv;
-        const int64_t split_bytes = rows_forced * (z.dqk + z.dv) * 4;
-        // One per 256 tokens, as many as ~256 CTAs need, in half the budget; never fewer
-        // than session 15's rule gave (one per 1024 tokens, at most 16, in 32 MB): at G = 4 the
-        // budget alone gave 6 instead of 8 at 8K and the backward lost 5%.
-        const int64_t by_len = (z.max_seqlen + kForcedSplitTokens - 1) / kForcedSplitTokens;
-        const int64_t by_ctas = (kForcedTargetCtas + rows_forced / kKeys - 1) / (rows_forced / kKeys);
-        const int64_t by_bytes = budget / 2 / split_bytes;
-        const int64_t before = std::min<int64_t>(
-            {(z.max_seqlen + kForcedFloorTokens - 1) / kForcedFloorTokens, kForcedFloorSplits, kForcedFloorBytes / split_bytes});
-        // GPU tests only (0: off).
-        const int64_t test_splits = std::min<int64_t>(cuda::testing::forced_block_splits(), kMaxForcedSplits);
-        const int64_t splits = test_splits > 0 ? test_splits
-                                               : std::max(before, std::min<int64_t>({by_len, by_ctas, by_bytes, kMaxForcedSplits}));
-        if (splits >= 2) {
-          L.slc_splits = int(splits);
-          L.slc_part_k = c.take<float>(size_t(splits * rows_forced * z.dqk));
-          L.slc_part_v = c.take<float>(size_t(splits * rows_forced * z.dv));
-        }
-      }
+      const int64_t chunks = (z.lp + kKeys - 1) / kKeys;
       const int64_t slot_bytes = kKeys * (z.dqk + z.dv) * 4 + 12;
       const int64_t raw_ctas = z.hkv * z.B * n_slc_max * chunks;
       const int64_t left = budget - int64_t(c.bytes()) - raw_ctas * 8;
@@ -616,7 +582,7 @@ Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
 constexpr int kPlanThreads = 1024;
 
 // Query tiles of raw CTA x of KV head hk as dkv_kernel<raw> counts them: its window's (n0) and its
-// block's list's (n1; 0 for a forced block's list that the slc_forced blocks take).
+// block's list's (n1).
 __device__ inline void raw_cta_tiles(const BwdArgs& a, int hk, int x, int& n0, int& n1) {
   n0 = n1 = 0;
   const int tq = kRows / a.G;
@@ -632,7 +598,7 @@ __device__ inline void raw_cta_tiles(const BwdArgs& a, int hk, int x, int& n0, i
   if (a.n > 0) {
     const int64_t key = (int64_t(hk) * a.B + b) * a.n_slc_max + j;
     const int first = a.sel_offsets[key], last = a.sel_offsets[key + 1];
-    if (!forced_split(a, j, len, first, last)) n1 = (last - first + tq - 1) / tq;
+    n1 = (last - first + tq - 1) / tq;
   }
 }
 
@@ -928,10 +894,6 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
   a.dvc_part = L.dvc_part;
   a.cmp_splits = L.cmp_splits;
   for (int z = 0; z < kMaxCmpSplits; ++z) a.cmp_part_rows[z] = L.cmp_part_rows[z];
-  a.slc_part_k = L.slc_part_k;
-  a.slc_part_v = L.slc_part_v;
-  a.slc_splits = L.slc_splits;
-  a.lp_pad = L.lp_pad;
   a.raw = L.raw;
   a.raw.piece_tiles = cuda::testing::raw_piece_tiles();
   a.rc = rc;
@@ -1036,9 +998,7 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
     a.phi_k.kind = a.phi_v.kind = 0;
   }
 
-  // 6. Window + selection dk/dv (shared K/V: plus phi's gradient); the forced initial blocks'
-  //    long query lists first, split.
-  if (a.slc_splits > 0) dispatch_dims<E>(a, s, 3);
+  // 6. Window + selection dk/dv (shared K/V: plus phi's gradient).
   if (a.raw.pool > 0) {  // the long lists' pieces, from the index
     raw_pieces_plan_kernel<<<1, kPlanThreads, 0, s>>>(a);
     NSA_CUDA_CHECK_LAUNCH();
