@@ -463,6 +463,15 @@ __device__ __forceinline__ void tma_ring_attention_rows(TileAttention<Storage, k
   const int wg_next = wg + 1 == kWgs ? 0 : wg + 1;
   if constexpr (kPingPong)
     if (wg == kWgs - 1 && num_chunks > 0) named_barrier_arrive(kPpBar, kPpThreads);
+  // Once per tile, in its last chunk (landed in v_tile): the V rows past the keys become zeros
+  // before any warp's P V.
+  auto zero_v_tail = [&](int c, Storage* v_tile) {
+    if (c == num_chunks - 1 && count_last < kChunk) {
+      zero_sw128_rows<kChunk, kRows / 16 * 32>(v_tile, kDv / 64, count_last);
+      fence_proxy_async();  // the zeros, for the P V wgmma
+      __syncthreads();
+    }
+  };
   int kst = 0, vst = 0;
   uint32_t kphase = 0, vphase = 0;
   for (int c = 0; c < num_chunks; ++c) {
@@ -474,22 +483,12 @@ __device__ __forceinline__ void tma_ring_attention_rows(TileAttention<Storage, k
       mask_fn(c, s);
       tile_state.softmax_update(s, scale_log2);
       mbarrier_wait_parity(bars + kStages + vst, vphase);
-      if (c == num_chunks - 1 && count_last < kChunk) {
-        // Once per tile: the V rows past the keys become zeros before any warp's P V.
-        zero_sw128_rows<kChunk, kRows / 16 * 32>(sv + vst * Tile::kVSwTile, kDv / 64, count_last);
-        fence_proxy_async();  // the zeros, for the P V wgmma
-        __syncthreads();
-      }
+      zero_v_tail(c, sv + vst * Tile::kVSwTile);
       tile_state.accumulate_pv_wgmma(s, sv + vst * Tile::kVSwTile);  // waits for its products
       release(kStages + vst, c + kVStages, issue_v);
       if (++vst == kVStages) vst = 0, vphase ^= 1u;
     } else {
-      if (c == num_chunks - 1 && count_last < kChunk) {
-        // Once per tile: the V rows past the keys become zeros before any warp's P V.
-        zero_sw128_rows<kChunk, kRows / 16 * 32>(sv + kst * Tile::kVSwTile, kDv / 64, count_last);
-        fence_proxy_async();  // the zeros, for the P V wgmma
-        __syncthreads();
-      }
+      zero_v_tail(c, sv + kst * Tile::kVSwTile);
       float s[Tile::kSTiles][4];
       if constexpr (kPingPong) {
         named_barrier_sync(kPpBar + wg, kPpThreads);
