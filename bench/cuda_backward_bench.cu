@@ -17,7 +17,8 @@
 // --variant NAME: only that variant (full, saved_o_branch, no_window, no_selection, phi_mlp_F4D,
 // full_without_o, per_token, local_q, local_q_per_token) where the length has it; with --once, the one that runs.
 //
-// Shapes: Hq = 64, Hkv = 4 (G = 16), D = 128, and G = 4 (Hq = 16, Hkv = 4); paper block settings
+// Shapes: Hq = 64, Hkv = 4 (G = 16), D = 128; the same with the paper's head dims Dqk = 192,
+// Dv = 128 (the full layer only); and G = 4 (Hq = 16, Hkv = 4), D = 128; paper block settings
 // (l = 32, d = 16, l' = 64, n = 16, n_init = 1, n_local = 2, w = 512), phi = mean (the public
 // NSA kernels' compression) and once phi = mlp (F = 4 D) at 64K.
 #include <cuda_bf16.h>
@@ -73,7 +74,7 @@ void attended_keys(const nsa::Config& c, int64_t T, double keys[3]) {
 }
 
 struct Shape {
-  int64_t hq, hkv, d;
+  int64_t hq, hkv, dqk, dv;
 };
 
 }  // namespace
@@ -103,7 +104,7 @@ int main(int argc, char** argv) {
   std::fprintf(csv, "T,hq,hkv,dqk,dv,variant,fwd_ms,bwd_ms,fwd_bwd_ms,bwd_tflops,ws_mb,qkvo_mb\n");
   std::vector<int64_t> lengths = quick ? std::vector<int64_t>{8192} : std::vector<int64_t>{8192, 16384, 32768, 65536};
   if (!chosen.empty()) lengths = chosen;
-  std::vector<Shape> shapes = {{64, 4, 128}, {16, 4, 128}};
+  std::vector<Shape> shapes = {{64, 4, 128, 128}, {64, 4, 192, 128}, {16, 4, 128, 128}};
   if (g16_only) shapes.resize(1);
   nsa::Context ctx;
   ctx.backend = nsa::Backend::cuda;
@@ -111,7 +112,9 @@ int main(int argc, char** argv) {
 
   for (const Shape& s : shapes) {
     for (int64_t T : lengths) {
-      // Variants: the full layer, then one branch off at a time (64K and 8K only, G = 16).
+      // Variants: the full layer, then one branch off at a time (64K and 8K only, G = 16); at Dqk 192
+      // the full layer only.
+      const bool square = s.dqk == s.dv;
       struct Variant {
         const char* name;
         int64_t n, w;
@@ -121,36 +124,36 @@ int main(int argc, char** argv) {
         bool per_token = false;  // the selection's union tiles off (forward and backward): the A/B of them
         bool without_o = false;  // the backward is not given the forward's o (its selection recomputes o_slc)
       };
-      std::vector<Variant> variants = {{"full", 16, 512, nsa::PhiKind::mean, false},
-                                       {"saved_o_branch", 16, 512, nsa::PhiKind::mean, true}};
-      if (s.hq == 64 && (T == 65536 || T == 8192)) {
+      std::vector<Variant> variants = {{"full", 16, 512, nsa::PhiKind::mean, false}};
+      if (square) variants.push_back({"saved_o_branch", 16, 512, nsa::PhiKind::mean, true});
+      if (square && s.hq == 64 && (T == 65536 || T == 8192)) {
         variants.push_back({"no_window", 16, 0, nsa::PhiKind::mean, false});
         variants.push_back({"no_selection", 0, 512, nsa::PhiKind::mean, false});
         if (T == 65536) variants.push_back({"phi_mlp_F4D", 16, 512, nsa::PhiKind::mlp, false});
       }
-      if (T == 65536) {
+      if (square && T == 65536) {
         variants.push_back({"full_without_o", 16, 512, nsa::PhiKind::mean, false, false, false, true});
         variants.push_back({"per_token", 16, 512, nsa::PhiKind::mean, false, false, true});
         variants.push_back({"local_q", 16, 512, nsa::PhiKind::mean, false, true});
         variants.push_back({"local_q_per_token", 16, 512, nsa::PhiKind::mean, false, true, true});
       }
-      Tensor q(bf16, {T, s.hq, s.d}, 1);
+      Tensor q(bf16, {T, s.hq, s.dqk}, 1);
       std::unique_ptr<Tensor> k[3], v[3], dk[3], dv[3];
       for (int b = 0; b < 3; ++b) {
-        k[b] = std::make_unique<Tensor>(bf16, std::initializer_list<int64_t>{T, s.hkv, s.d}, 2 + 2 * b);
-        v[b] = std::make_unique<Tensor>(bf16, std::initializer_list<int64_t>{T, s.hkv, s.d}, 3 + 2 * b);
-        dk[b] = std::make_unique<Tensor>(bf16, std::initializer_list<int64_t>{T, s.hkv, s.d});
-        dv[b] = std::make_unique<Tensor>(bf16, std::initializer_list<int64_t>{T, s.hkv, s.d});
+        k[b] = std::make_unique<Tensor>(bf16, std::initializer_list<int64_t>{T, s.hkv, s.dqk}, 2 + 2 * b);
+        v[b] = std::make_unique<Tensor>(bf16, std::initializer_list<int64_t>{T, s.hkv, s.dv}, 3 + 2 * b);
+        dk[b] = std::make_unique<Tensor>(bf16, std::initializer_list<int64_t>{T, s.hkv, s.dqk});
+        dv[b] = std::make_unique<Tensor>(bf16, std::initializer_list<int64_t>{T, s.hkv, s.dv});
       }
       Tensor g(bf16, {T, s.hq, 3}, 8, 0.f, 1.f);
-      Tensor d_o(bf16, {T, s.hq, s.d}, 9);
-      Tensor o(bf16, {T, s.hq, s.d}), lse(nsa::DType::f32, {T, s.hq, 3});
-      Tensor dq(bf16, {T, s.hq, s.d}), dg(bf16, {T, s.hq, 3});
-      const double qkvo_bytes = double(q.bytes) * 2 + 6.0 * double(k[0]->bytes);
+      Tensor d_o(bf16, {T, s.hq, s.dv}, 9);
+      Tensor o(bf16, {T, s.hq, s.dv}), lse(nsa::DType::f32, {T, s.hq, 3});
+      Tensor dq(bf16, {T, s.hq, s.dqk}), dg(bf16, {T, s.hq, 3});
+      const double qkvo_bytes = double(q.bytes) + double(o.bytes) + 3.0 * double(k[0]->bytes + v[0]->bytes);
       for (const Variant& var : variants) {
         if (only_variant != nullptr && std::strcmp(only_variant, var.name) != 0) continue;
         if (var.local_q)  // (q is this length's own: the variants after it, if any, would see it too)
-          fill_local<<<1024, 256>>>(static_cast<__nv_bfloat16*>(q.data), q.view.numel(), s.hq * s.d, 64, 21);
+          fill_local<<<1024, 256>>>(static_cast<__nv_bfloat16*>(q.data), q.view.numel(), s.hq * s.dqk, 64, 21);
         nsa::cuda::testing::set_slc_union_tiles_enabled(!var.per_token);
         nsa::Config cfg;
         cfg.phi = var.phi;
@@ -158,7 +161,7 @@ int main(int argc, char** argv) {
         cfg.n_init = var.n ? 1 : 0;
         cfg.n_local = var.n ? 2 : 0;
         cfg.window = var.w;
-        const int64_t F = 4 * s.d, l = cfg.cmp_block_len;
+        const int64_t l = cfg.cmp_block_len;
         const bool mlp = var.phi == nsa::PhiKind::mlp;
         // phi's parameters and their gradients (mlp only): w1, b1, w2, b2, pe per phi_k / phi_v.
         std::vector<std::unique_ptr<Tensor>> params;
@@ -168,15 +171,16 @@ int main(int argc, char** argv) {
             params.push_back(std::make_unique<Tensor>(bf16, shape, seed, lo, hi));
             return params.back()->view;
           };
-          auto make_phi = [&](uint32_t seed) {
-            return nsa::PhiParams{make({F, l * s.d}, seed, -0.01f, 0.01f), make({F}, seed + 1, -1.f, 1.f),
-                                  make({s.d, F}, seed + 2, -0.05f, 0.05f), make({s.d}, seed + 3, -1.f, 1.f),
-                                  make({l, s.d}, seed + 4, -1.f, 1.f)};
+          auto make_phi = [&](uint32_t seed, int64_t D) {  // F = 4 D
+            const int64_t F = 4 * D;
+            return nsa::PhiParams{make({F, l * D}, seed, -0.01f, 0.01f), make({F}, seed + 1, -1.f, 1.f),
+                                  make({D, F}, seed + 2, -0.05f, 0.05f), make({D}, seed + 3, -1.f, 1.f),
+                                  make({l, D}, seed + 4, -1.f, 1.f)};
           };
-          phik = make_phi(21);
-          phiv = make_phi(31);
-          dphik = make_phi(0);
-          dphiv = make_phi(0);
+          phik = make_phi(21, s.dqk);
+          phiv = make_phi(31, s.dv);
+          dphik = make_phi(0, s.dqk);
+          dphiv = make_phi(0, s.dv);
         }
         Tensor idx(nsa::DType::i32, {T, s.hkv, cfg.n_selected});
         nsa::Inputs in;
@@ -186,7 +190,7 @@ int main(int argc, char** argv) {
         in.phi_k = phik;
         in.phi_v = phiv;
         std::unique_ptr<Tensor> ob;
-        if (var.o_branch) ob = std::make_unique<Tensor>(bf16, std::initializer_list<int64_t>{3, T, s.hq, s.d});
+        if (var.o_branch) ob = std::make_unique<Tensor>(bf16, std::initializer_list<int64_t>{3, T, s.hq, s.dv});
         const nsa::ForwardOutputs out{o.view, lse.view, idx.view, ob ? ob->view : nsa::TensorView()};
         // What the backward is given: the forward's outputs, o left out for `without_o`.
         const nsa::ForwardOutputs saved{var.without_o ? nsa::TensorView() : o.view, lse.view, idx.view, out.o_branch};
@@ -222,14 +226,15 @@ int main(int argc, char** argv) {
         // QK^T, dO V^T, dQ, dK, dV = 2 * (3 Dqk + 2 Dv).
         double keys[3];
         attended_keys(cfg, T, keys);
-        const double bwd_flops = (keys[0] + keys[1] + keys[2]) * s.hq * 2.0 * (5.0 * s.d);
+        const double bwd_flops = (keys[0] + keys[1] + keys[2]) * s.hq * 2.0 * (3.0 * s.dqk + 2.0 * s.dv);
         const double tf = bwd_flops / (t_b * 1e-3) / 1e12;
-        std::printf("T=%6lld Hq=%2lld Hkv=%lld D=%lld %-12s fwd %8.2f ms  bwd %8.2f ms  fwd+bwd %8.2f ms  "
+        std::printf("T=%6lld Hq=%2lld Hkv=%lld D=%lld/%lld %-12s fwd %8.2f ms  bwd %8.2f ms  fwd+bwd %8.2f ms  "
                     "(bwd %5.1f TFLOP/s)  bwd workspace %.1f MB = %.1f%% of q,k,v,o (%.0f MB)\n",
-                    (long long)T, (long long)s.hq, (long long)s.hkv, (long long)s.d, var.name, t_f, t_b, t_fb, tf,
+                    (long long)T, (long long)s.hq, (long long)s.hkv, (long long)s.dqk, (long long)s.dv, var.name, t_f, t_b,
+                    t_fb, tf,
                     bws / 1e6, 100.0 * bws / qkvo_bytes, qkvo_bytes / 1e6);
         std::fprintf(csv, "%lld,%lld,%lld,%lld,%lld,%s,%.4f,%.4f,%.4f,%.2f,%.2f,%.2f\n", (long long)T,
-                     (long long)s.hq, (long long)s.hkv, (long long)s.d, (long long)s.d, var.name, t_f, t_b, t_fb, tf,
+                     (long long)s.hq, (long long)s.hkv, (long long)s.dqk, (long long)s.dv, var.name, t_f, t_b, t_fb, tf,
                      bws / 1e6, qkvo_bytes / 1e6);
         std::fflush(csv);
         if (fbuf) cudaFree(fbuf);

@@ -45,19 +45,19 @@ def main():
     args = ap.parse_args()
     rows = list(csv.DictReader(open(args.csv)))
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    lines = ["| Hq/Hkv | T | NSA fwd ms | NSA bwd ms | NSA fwd+bwd ms | NSA bwd TFLOP/s | dense fwd ms | "
+    lines = ["| Hq/Hkv | Dqk/Dv | T | NSA fwd ms | NSA bwd ms | NSA fwd+bwd ms | NSA bwd TFLOP/s | dense fwd ms | "
              "dense fwd+bwd ms | fwd+bwd speedup | bwd workspace MB (% of q,k,v,o) |",
-             "|" + " --- |" * 10]
-    ablations = ["", "| Hq/Hkv | T | variant | NSA fwd ms | NSA bwd ms | NSA fwd+bwd ms |", "|" + " --- |" * 6]
+             "|" + " --- |" * 11]
+    ablations = ["", "| Hq/Hkv | Dqk/Dv | T | variant | NSA fwd ms | NSA bwd ms | NSA fwd+bwd ms |", "|" + " --- |" * 7]
     for r in rows:
         T, hq, hkv, dqk, dv = (int(r[c]) for c in ("T", "hq", "hkv", "dqk", "dv"))
         f, b, fb = float(r["fwd_ms"]), float(r["bwd_ms"]), float(r["fwd_bwd_ms"])
         if r["variant"] != "full":
-            ablations.append(f"| {hq}/{hkv} | {T // 1024}K | {r['variant']} | {f:.2f} | {b:.2f} | {fb:.2f} |")
+            ablations.append(f"| {hq}/{hkv} | {dqk}/{dv} | {T // 1024}K | {r['variant']} | {f:.2f} | {b:.2f} | {fb:.2f} |")
             continue
         dense_f, dense_fb = dense_ms(T, hq, hkv, dqk, dv)
         ws, qkvo = float(r["ws_mb"]), float(r["qkvo_mb"])
-        line = (f"| {hq}/{hkv} | {T // 1024}K | {f:.2f} | {b:.2f} | {fb:.2f} | {float(r['bwd_tflops']):.0f} | "
+        line = (f"| {hq}/{hkv} | {dqk}/{dv} | {T // 1024}K | {f:.2f} | {b:.2f} | {fb:.2f} | {float(r['bwd_tflops']):.0f} | "
                 f"{dense_f:.2f} | {dense_fb:.2f} | {dense_fb / fb:.2f}x | {ws:.0f} ({100 * ws / qkvo:.1f}%) |")
         print(line, flush=True)
         lines.append(line)

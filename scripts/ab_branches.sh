@@ -125,7 +125,7 @@ for dir in "${dirs[@]}"; do
   if has bench_backward; then
     timeout "${AB_BENCH_TIMEOUT:-180}" "$build/bin/nsa_cuda_backward_bench" --out "$log/nsa_backward_bench.csv" \
       --lengths "$LENGTHS" > "$log/bench_backward.log" 2>&1 || { echo "  bench_backward FAILED" | tee -a "$SUMMARY"; rc_all=1; }
-    sed 's/^/  bwd: /' "$log/nsa_backward_bench.csv" | head -40 >> "$SUMMARY"
+    sed 's/^/  bwd: /' "$log/nsa_backward_bench.csv" | head -60 >> "$SUMMARY"
   fi
   if has gather; then  # bench/gather_patterns.cu: the selection's gather patterns (a few seconds)
     timeout 120 "$build/bin/nsa_gather_bench" > "$log/gather.txt" 2>&1 || { echo "  gather FAILED" | tee -a "$SUMMARY"; rc_all=1; }
