@@ -996,7 +996,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
   int b, key0, nk, j = 0;
   if constexpr (kSet != KeySet::cmp) {
     const int chunks = (a.lp + kKeys - 1) / kKeys;
-    const int per_seq = (kSet == KeySet::raw ? a.n_slc_max : a.n_init) * chunks;
+    const int per_seq = a.n_slc_max * chunks;
     b = bx / per_seq;
     j = (bx % per_seq) / chunks;
     key0 = j * a.lp + (bx % chunks) * kKeys;  // first key position
@@ -1034,6 +1034,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
   int cmp_q0 = 0, cmp_q1 = 0;  // compressed: this split's query positions [cmp_q0, cmp_q1)
   int nk_emit = nk;            // keys of the tile whose dK / dV rows this block writes
   if constexpr (kSet == KeySet::raw) {
+    // (raw_pieces_plan_kernel counts the same tiles by raw_cta_tiles, backward.cu: keep them in step)
     if (a.w > 0) {
       t_end = min(len - 1, key0 + nk - 1 + a.w - 1);  // window queries: [key0, t_end]
       n0 = (t_end - key0 + tq) / tq;
