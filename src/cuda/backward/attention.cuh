@@ -165,11 +165,11 @@ struct BwdArgs {
   // list is as long as the number of queries that picked it: a forced initial block's (j < n_init)
   // is the whole sequence after it, and with causal picks the other early blocks' lists are the
   // longest (about ln(blocks / j) times the mean for block j on random picks). One CTA working
-  // through such a list while the others have finished is the kernel's tail. The plan kernel (before the raw kernel, one CTA) cuts every
-  // list longer than `cap` query tiles (cap = all raw CTAs' tiles / kRawTargetCtas, at least
-  // kRawMinPieceTiles, doubled until every piece has one of the pool slots) into pieces of at
-  // most cap tiles. Piece 0 stays with the block's own CTA (with its
-  // window tiles); pieces 1.. run on the extra CTAs in front of the grid (x < extra_x, one per
+  // through such a list while the others have finished is the kernel's tail. The plan kernel
+  // (before the raw kernel, one CTA) cuts every list longer than `cap` query tiles (cap = all raw
+  // CTAs' tiles / kRawTargetCtas, at least kRawMinPieceTiles, doubled until every piece has one of
+  // the pool slots) into pieces of at most cap tiles. Piece 0 stays with the block's own CTA (with
+  // its window tiles); pieces 1.. run on the extra CTAs in front of the grid (x < extra_x, one per
   // slot; a slot holding a piece 0 or no piece exits). Every piece writes its fp32 partial to its
   // slot and counts itself in; the last to arrive adds the slots in piece order, rounds once and
   // writes dk / dv (shared K/V: plus phi's gradient): the same bits whoever arrives last.

@@ -441,7 +441,7 @@ struct Layout {
 };
 
 struct Sizes {
-  int64_t T, B, max_seqlen, hq, hkv, dqk, dv, F, l, d, lp, n, n_init;
+  int64_t T, B, max_seqlen, hq, hkv, dqk, dv, F, l, d, lp, n;
   bool has_params;  // phi = linear or mlp
 };
 
@@ -689,7 +689,7 @@ __global__ void __launch_bounds__(kPlanThreads) raw_pieces_plan_kernel(const Bwd
 
 Sizes sizes_of(const Config& cfg, const Problem& p, int64_t F) {
   return Sizes{p.total_tokens, p.batch, p.max_seqlen, p.hq, p.hkv, p.dqk, p.dv, F,
-               cfg.cmp_block_len, cfg.cmp_stride, cfg.slc_block_len, cfg.n_selected, cfg.n_init,
+               cfg.cmp_block_len, cfg.cmp_stride, cfg.slc_block_len, cfg.n_selected,
                cfg.phi != PhiKind::mean};
 }
 
