@@ -107,10 +107,10 @@ for dir in "${dirs[@]}"; do
     echo "  build: $((SECONDS - t0)) s" | tee -a "$SUMMARY"
   fi
   if has tests; then
-    timeout "${AB_TEST_TIMEOUT:-240}" "$build/bin/nsa_cuda_tests" ${AB_TEST_FILTER:+--gtest_filter=$AB_TEST_FILTER} \
-      --gtest_brief=1 > "$log/cuda_tests.log" 2>&1
+    timeout "${AB_TEST_TIMEOUT:-240}" "$ROOT/scripts/gtest_sharded.sh" "$build/bin/nsa_cuda_tests" \
+      ${AB_TEST_FILTER:+--gtest_filter=$AB_TEST_FILTER} --gtest_brief=1 > "$log/cuda_tests.log" 2>&1
     rc=$?
-    echo "  nsa_cuda_tests: rc=$rc, $(grep -o '[0-9]* tests\? from .* ran' "$log/cuda_tests.log" | head -1)," \
+    echo "  nsa_cuda_tests: rc=$rc, $(grep -o 'sharded: [0-9]* tests ran in [0-9]* shards\|[0-9]* tests\? from .* ran' "$log/cuda_tests.log" | tail -1)," \
       "$(grep -c '^\[  FAILED  \] .*(' "$log/cuda_tests.log") failed" | tee -a "$SUMMARY"
     [[ $rc -eq 0 ]] || rc_all=1
   fi

@@ -84,7 +84,8 @@ sass_check() {
   return $rc
 }
 host_tests() { "$(bin nsa_tests)" --gtest_brief=1; }
-cuda_tests() { "$(bin nsa_cuda_tests)" ${CUDA_TEST_FILTER:+--gtest_filter=$CUDA_TEST_FILTER}; }
+# (in NSA_TEST_SHARDS processes at once, default 8: scripts/gtest_sharded.sh)
+cuda_tests() { "$SRC/scripts/gtest_sharded.sh" "$(bin nsa_cuda_tests)" ${CUDA_TEST_FILTER:+--gtest_filter=$CUDA_TEST_FILTER}; }
 memcheck() {
   compute-sanitizer --tool memcheck --error-exitcode 3 "$(bin nsa_cuda_tests)" \
     --gtest_filter='*f16_d64_G1_packed_linear*:*bf16_d128_G16_paper*'
