@@ -41,6 +41,8 @@
 namespace {
 
 
+size_t g_tensor_bytes = 0;  // device bytes of the live Tensors (the library allocates nothing itself)
+
 struct Tensor {
   void* data = nullptr;
   size_t bytes = 0;
@@ -51,12 +53,14 @@ struct Tensor {
     for (int64_t s : shape) n *= static_cast<size_t>(s);
     bytes = n * nsa::dtype_size(dt);
     if (bytes) BENCH_CHECK(cudaMalloc(&data, bytes));
+    g_tensor_bytes += bytes;
     view = nsa::make_view(data, dt, shape, nsa::Device::cuda);
     if (seed != 0 && dt == nsa::DType::bf16)
       fill_uniform<<<1024, 256>>>(static_cast<__nv_bfloat16*>(data), view.numel(), seed, lo, hi);
   }
   ~Tensor() {
     if (data) cudaFree(data);
+    g_tensor_bytes -= bytes;
   }
   Tensor(const Tensor&) = delete;
 };
@@ -101,7 +105,7 @@ int main(int argc, char** argv) {
     std::perror(out_path);
     return 1;
   }
-  std::fprintf(csv, "T,hq,hkv,dqk,dv,variant,fwd_ms,bwd_ms,fwd_bwd_ms,bwd_tflops,ws_mb,qkvo_mb\n");
+  std::fprintf(csv, "T,hq,hkv,dqk,dv,variant,fwd_ms,bwd_ms,fwd_bwd_ms,bwd_tflops,ws_mb,qkvo_mb,peak_mb\n");
   std::vector<int64_t> lengths = quick ? std::vector<int64_t>{8192} : std::vector<int64_t>{8192, 16384, 32768, 65536};
   if (!chosen.empty()) lengths = chosen;
   std::vector<Shape> shapes = {{64, 4, 128, 128}, {64, 4, 192, 128}, {16, 4, 128, 128}};
@@ -228,14 +232,18 @@ int main(int argc, char** argv) {
         attended_keys(cfg, T, keys);
         const double bwd_flops = (keys[0] + keys[1] + keys[2]) * s.hq * 2.0 * (3.0 * s.dqk + 2.0 * s.dv);
         const double tf = bwd_flops / (t_b * 1e-3) / 1e12;
+        // Peak device memory of a training step through the layer: every tensor it reads or writes
+        // (inputs with three K/V pairs, o, lse, indices, o_branch where kept, dO, every gradient, phi's
+        // parameters) and the larger of the two workspaces (the forward's is not needed once it ran).
+        const double peak_bytes = double(g_tensor_bytes) + double(std::max(fws, bws));
         std::printf("T=%6lld Hq=%2lld Hkv=%lld D=%lld/%lld %-12s fwd %8.2f ms  bwd %8.2f ms  fwd+bwd %8.2f ms  "
-                    "(bwd %5.1f TFLOP/s)  bwd workspace %.1f MB = %.1f%% of q,k,v,o (%.0f MB)\n",
+                    "(bwd %5.1f TFLOP/s)  bwd workspace %.1f MB = %.1f%% of q,k,v,o (%.0f MB), peak %.0f MB\n",
                     (long long)T, (long long)s.hq, (long long)s.hkv, (long long)s.dqk, (long long)s.dv, var.name, t_f, t_b,
                     t_fb, tf,
-                    bws / 1e6, 100.0 * bws / qkvo_bytes, qkvo_bytes / 1e6);
-        std::fprintf(csv, "%lld,%lld,%lld,%lld,%lld,%s,%.4f,%.4f,%.4f,%.2f,%.2f,%.2f\n", (long long)T,
+                    bws / 1e6, 100.0 * bws / qkvo_bytes, qkvo_bytes / 1e6, peak_bytes / 1e6);
+        std::fprintf(csv, "%lld,%lld,%lld,%lld,%lld,%s,%.4f,%.4f,%.4f,%.2f,%.2f,%.2f,%.2f\n", (long long)T,
                      (long long)s.hq, (long long)s.hkv, (long long)s.dqk, (long long)s.dv, var.name, t_f, t_b, t_fb, tf,
-                     bws / 1e6, qkvo_bytes / 1e6);
+                     bws / 1e6, qkvo_bytes / 1e6, peak_bytes / 1e6);
         std::fflush(csv);
         if (fbuf) cudaFree(fbuf);
         if (bbuf) cudaFree(bbuf);
