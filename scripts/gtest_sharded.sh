@@ -6,9 +6,9 @@
 #
 #   scripts/gtest_sharded.sh BINARY [GTEST ARGS...]
 #
-# Environment: NSA_TEST_SHARDS (default 8, or 1 where nvidia-smi reports a non-Default compute mode;
-# 1 runs the binary as it is). Exit status: 0 when every
-# shard passed, else the first failing shard's. The summary line, last:
+# Environment: NSA_TEST_SHARDS (default 8, or 1 where nvidia-smi reports a non-Default compute mode).
+# Exit status: 0 when every shard passed, else the first failing shard's. The summary line, last
+# (also with one shard, so that callers read one format):
 #   [==========] sharded: T tests ran in N shards (P passed, F failed)
 # where T and P sum the shards' own "N tests from M test suites ran" / "[  PASSED  ] N tests"
 # lines, and F counts the "[  FAILED  ] name (time)" lines of their failure lists.
@@ -26,8 +26,6 @@ if [[ -z "${NSA_TEST_SHARDS:-}" ]] && command -v nvidia-smi >/dev/null 2>&1; the
     shards=1
   fi
 fi
-if [[ "$shards" == 1 ]]; then exec "$bin" "$@"; fi
-
 dir="$(mktemp -d)"
 pids=()
 trap 'rm -rf "$dir"' EXIT

@@ -60,7 +60,7 @@ using RawPieceTiles = Switch<struct RawPieceTilesTag, int, 0>;
 // The backward's pieces of the raw blocks' long selection lists (dkv_kernel<raw>, BwdArgs::raw):
 // off with set_raw_pieces_enabled(false) (no slots in the workspace: every list whole, as before
 // pieces existed), and with set_raw_piece_tiles(n) > 0 every list longer than n query tiles is cut
-// into pieces of at most n tiles (the rule: all raw CTAs' tiles / 256, at least 32), n doubled
+// into pieces of at most n tiles (the rule: all raw CTAs' tiles / kRawTargetCtas, at least 32), n doubled
 // until the pieces fit the workspace's slots; with n set the workspace has at least 64 slots (at
 // the tests' lengths the budget gives a few). Like set_cmp_splits, both set the workspace size and
 // the call alike.
