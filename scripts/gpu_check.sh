@@ -6,7 +6,7 @@
 #   scripts/gpu_check.sh [SOURCE_DIR]        (default: this repository)
 #
 # Environment: OUT (log folder), BUILD_DIR (default /tmp/nsa-gpu-build), JOBS (default 16),
-# SKIP="sass_check host_tests cuda_tests memcheck cli_bench bench bench_backward gather_bench python_tests" (any subset), BENCH_ARGS (e.g. --quick),
+# SKIP="sass_check host_tests cuda_tests memcheck cli_bench bench bench_backward gather_bench python_tests sm80_tests" (any subset), BENCH_ARGS (e.g. --quick),
 # CUDA_TEST_FILTER (a --gtest_filter for cuda_tests, e.g. '*CudaBackward*'), BREAK_TESTS=1 (last step:
 # scripts/break_tests.sh, the GPU tests must catch the bugs planted by tests/cuda/breaks/*.patch).
 # To add a step: write a function and call `step NAME function` below; its output lands in
@@ -104,6 +104,27 @@ bench_backward() {  # issue 5: forward+backward against SDPA forward+backward, s
   PYTHONUNBUFFERED=1 python3 "$SRC/bench/sdpa_backward_baseline.py" "$OUT/nsa_backward_bench.csv" --markdown "$OUT/bench_backward.md"
 }
 
+# The sm_80 path (mma.sync bodies, the fused compressed kernel, the ring window, no TMA) on this
+# GPU: a second build whose only code is sm_90 SASS compiled from compute_80 (what an A100 build's
+# PTX becomes on a Hopper GPU), so every kernel runs the body an A100 runs; cuda::runs_wgmma_body
+# tells the host (ptxVersion 80). Then the GPU tests (SM80_TEST_FILTER, default all). The SASS must
+# hold no wgmma: checked first.
+sm80_tests() {
+  local dir="${BUILD_DIR}-sm80" prefix; prefix="$(gtest_prefix)"
+  cmake -S "$SRC" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNSA_CUDA=ON -DNSA_CUDA_ARCHITECTURES=OFF \
+    "-DCMAKE_CUDA_FLAGS=--generate-code=arch=compute_80,code=sm_90" -DNSA_BUILD_TOOLS=OFF \
+    ${prefix:+-DCMAKE_PREFIX_PATH=$prefix} > "$OUT/sm80_configure.log" 2>&1 || { tail -20 "$OUT/sm80_configure.log"; return 1; }
+  local t0=$SECONDS
+  cmake --build "$dir" -j "$JOBS" --target nsa_cuda_tests || return 1
+  echo "sm80 build time: $((SECONDS - t0)) s"
+  local lib; lib="$(find "$dir" -name libnsa.a | head -1)"
+  local wg; wg="$(cuobjdump -sass "$lib" | grep -c -E 'HGMMA|WARPGROUP' || true)"
+  echo "wgmma instructions (HGMMA, WARPGROUP) in the sm80 build's SASS: $wg"
+  [[ "$wg" == 0 ]] || return 1
+  local tests; tests="$(find "$dir" -name nsa_cuda_tests -type f | head -1)"
+  "$tests" ${SM80_TEST_FILTER:+--gtest_filter=$SM80_TEST_FILTER} --gtest_brief=1
+}
+
 # issue 6: the whole Python suite with the CUDA backend built in (the GPU machine has torch, numpy,
 # nanobind and pytest; the extension is built with CMake, no network needed).
 python_tests() { NSA_PY_BUILD=cmake NSA_PY_CUDA=ON PYTHON=python3 "$SRC/scripts/test_python.sh"; }
@@ -118,6 +139,7 @@ step bench bench
 step bench_backward bench_backward
 step gather_bench gather_bench
 step python_tests python_tests
+step sm80_tests sm80_tests
 # Last: it rebuilds the GPU tests with the planted bugs (the source tree is restored).
 [[ "${BREAK_TESTS:-0}" == 1 ]] && step break_tests "$SRC/scripts/break_tests.sh" "$BUILD_DIR" "$SRC"
 cat "$SUMMARY"

@@ -714,7 +714,7 @@ template <typename Kernel>
 inline bool cmp_runs_wgmma(Kernel kernel) {
   cudaFuncAttributes a{};
   NSA_CUDA_CHECK(cudaFuncGetAttributes(&a, kernel));
-  return a.binaryVersion == 90;  // the only 9.x code built is sm_90a, which has the wgmma path
+  return runs_wgmma_body(a);
 }
 
 template <typename Kernel, typename... Extra>

@@ -1460,13 +1460,12 @@ bool dq_rows_map(CUtensorMap* map, const void* p, int64_t rows, int64_t st, int6
   if (p == nullptr || rows <= 0) return false;
   return cuda::make_rows_tensor_map(map, kIsBf16<E>, p, D, uint64_t(hkv), uint64_t(rows), st, sh, kKeys);
 }
-// Whether kKernel runs its sm_90a body (the binary the driver loaded is 9.0, and the only 9.x code
-// built is sm_90a), asked once per kernel.
+// Whether kKernel runs its sm_90a body (cuda::runs_wgmma_body), asked once per kernel.
 template <auto kKernel>
 bool runs_sm90() {
   static const bool sm90 = [] {
     cudaFuncAttributes attr{};
-    return cudaFuncGetAttributes(&attr, kKernel) == cudaSuccess && attr.binaryVersion == 90;
+    return cudaFuncGetAttributes(&attr, kKernel) == cudaSuccess && cuda::runs_wgmma_body(attr);
   }();
   return sm90;
 }

@@ -30,6 +30,8 @@
 // publishes it to the async proxy that wgmma reads through.
 #pragma once
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
 
 #include "cuda/common/mma.h"
@@ -45,6 +47,16 @@
 namespace nsa::cuda {
 
 inline constexpr bool kWgmmaCompiled = NSA_WGMMA_AVAILABLE;
+
+// Whether a kernel with these attributes (cudaFuncGetAttributes) runs its wgmma body: the binary
+// the driver loaded is for 9.0 (the only 9.x code this project builds is sm_90a) and was not
+// compiled from older PTX. A build for 80 alone run on a Hopper GPU (the compute_80 PTX, JIT-compiled
+// for 9.0, or sm_90 SASS made from compute_80 as scripts/gpu_check.sh's sm80_tests step builds it)
+// also loads a 9.0 binary, but its body is the mma.sync one: ptxVersion 80 tells them apart. (A
+// ptxVersion of 0, if a driver left it unset, keeps the binary version's answer.)
+inline bool runs_wgmma_body(const cudaFuncAttributes& a) {
+  return a.binaryVersion == 90 && !(a.ptxVersion > 0 && a.ptxVersion < 90);
+}
 
 __device__ __forceinline__ void wgmma_unavailable() {
 #if defined(__CUDA_ARCH__)
