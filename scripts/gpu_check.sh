@@ -122,7 +122,7 @@ sm80_tests() {
   echo "wgmma instructions (HGMMA, WARPGROUP) in the sm80 build's SASS: $wg"
   [[ "$wg" == 0 ]] || return 1
   local tests; tests="$(find "$dir" -name nsa_cuda_tests -type f | head -1)"
-  "$tests" ${SM80_TEST_FILTER:+--gtest_filter=$SM80_TEST_FILTER} --gtest_brief=1
+  "$SRC/scripts/gtest_sharded.sh" "$tests" ${SM80_TEST_FILTER:+--gtest_filter=$SM80_TEST_FILTER} --gtest_brief=1
 }
 
 # issue 6: the whole Python suite with the CUDA backend built in (the GPU machine has torch, numpy,
