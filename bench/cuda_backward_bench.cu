@@ -10,12 +10,13 @@
 // same gpu_check.sh run.
 //
 //   nsa_cuda_backward_bench [--out FILE.csv] [--quick] [--lengths 8192,65536] [--g16-only] [--once]
-//                           [--variant NAME]
+//                           [--variant NAME] [--shape HQ,HKV,DQK,DV]
 //
 // --once: one forward and one backward of the first shape and length, then exit (for a profiler
 // such as `ncu --metrics gpu__time_duration.sum`, which then sees each kernel exactly once).
 // --variant NAME: only that variant (full, saved_o_branch, no_window, no_selection, phi_mlp_F4D,
 // full_without_o, per_token, local_q, local_q_per_token) where the length has it; with --once, the one that runs.
+// --shape HQ,HKV,DQK,DV: only that shape (e.g. 64,4,192,128 to profile the paper's head dims).
 //
 // Shapes: Hq = 64, Hkv = 4 (G = 16), D = 128; the same with the paper's head dims Dqk = 192,
 // Dv = 128 (the full layer only); and G = 4 (Hq = 16, Hkv = 4), D = 128; paper block settings
@@ -86,6 +87,7 @@ struct Shape {
 int main(int argc, char** argv) {
   const char* out_path = "nsa_backward_bench.csv";
   bool quick = false, g16_only = false, once = false;
+  Shape only_shape{0, 0, 0, 0};
   const char* only_variant = nullptr;
   std::vector<int64_t> chosen;
   for (int i = 1; i < argc; ++i) {
@@ -94,7 +96,16 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--g16-only")) g16_only = true;
     else if (!std::strcmp(argv[i], "--once")) once = true;
     else if (!std::strcmp(argv[i], "--variant") && i + 1 < argc) only_variant = argv[++i];
-    else if (!std::strcmp(argv[i], "--lengths") && i + 1 < argc)
+    else if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) {
+      int v[4] = {0, 0, 0, 0}, n = 0;
+      for (char* tok = std::strtok(argv[++i], ","); tok && n < 4; tok = std::strtok(nullptr, ",")) v[n++] = std::atoi(tok);
+      if (n != 4 || v[0] <= 0 || v[1] <= 0 || v[0] % v[1] != 0 || (v[2] != 64 && v[2] != 128 && v[2] != 192) ||
+          (v[3] != 64 && v[3] != 128)) {
+        std::fprintf(stderr, "--shape: expected HQ,HKV,DQK,DV with HQ a multiple of HKV, DQK in {64,128,192}, DV in {64,128}\n");
+        return 2;
+      }
+      only_shape = Shape{v[0], v[1], v[2], v[3]};
+    } else if (!std::strcmp(argv[i], "--lengths") && i + 1 < argc)
       for (char* tok = std::strtok(argv[++i], ","); tok; tok = std::strtok(nullptr, ",")) chosen.push_back(std::atoll(tok));
   }
   cudaDeviceProp prop;
@@ -110,6 +121,7 @@ int main(int argc, char** argv) {
   if (!chosen.empty()) lengths = chosen;
   std::vector<Shape> shapes = {{64, 4, 128, 128}, {64, 4, 192, 128}, {16, 4, 128, 128}};
   if (g16_only) shapes.resize(1);
+  if (only_shape.hq) shapes = {only_shape};
   nsa::Context ctx;
   ctx.backend = nsa::Backend::cuda;
   const nsa::DType bf16 = nsa::DType::bf16;
