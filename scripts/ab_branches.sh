@@ -12,7 +12,8 @@
 # Environment: OUT (default ./out), AB_LENGTHS (default 65536), AB_STEPS (default "build tests bench
 # bench_backward"; add "profile" for every kernel's ncu time, scripts/profile_gpu.sh, and "gather" for
 # nsa_gather_bench), AB_BENCH_ARGS (default --no-locality; "" adds the local_q stages),
-# AB_TEST_TIMEOUT / AB_BENCH_TIMEOUT (seconds, default 240 / 180: a hung snapshot fails its step
+# AB_BWD_ARGS (more flags of nsa_cuda_backward_bench, e.g. "--shape 64,4,192,128"; a snapshot's bench
+# must know them), AB_TEST_TIMEOUT / AB_BENCH_TIMEOUT (seconds, default 240 / 180: a hung snapshot fails its step
 # instead of the device call), AB_PACK (default 1: the per-snapshot log folders packed into $OUT/ab_logs.tgz,
 # since the device tool brings back only a few files), AB_TEST_FILTER
 # (a --gtest_filter; the parameterised suites are Cases/CudaForward.*, so write *CudaForward*), JOBS (default 16), AB_ARCH (default 90a).
@@ -122,8 +123,9 @@ for dir in "${dirs[@]}"; do
     sed 's/^/  fwd: /' "$log/nsa_bench.csv" | head -60 >> "$SUMMARY"
   fi
   if has bench_backward; then
+    # shellcheck disable=SC2086  # AB_BWD_ARGS: several words
     timeout "${AB_BENCH_TIMEOUT:-180}" "$build/bin/nsa_cuda_backward_bench" --out "$log/nsa_backward_bench.csv" \
-      --lengths "$LENGTHS" > "$log/bench_backward.log" 2>&1 || { echo "  bench_backward FAILED" | tee -a "$SUMMARY"; rc_all=1; }
+      --lengths "$LENGTHS" ${AB_BWD_ARGS:-} > "$log/bench_backward.log" 2>&1 || { echo "  bench_backward FAILED" | tee -a "$SUMMARY"; rc_all=1; }
     sed 's/^/  bwd: /' "$log/nsa_backward_bench.csv" | head -60 >> "$SUMMARY"
   fi
   if has gather; then  # bench/gather_patterns.cu: the selection's gather patterns (a few seconds)
