@@ -352,8 +352,14 @@ struct DqSmem {
   // Q [kRows][DQK] and dO [kRows][DV], all 128-byte swizzled without padding (Q and dO are the A
   // operands of S and dP in shared memory). The padding saved pays for the alignment, so kEnd
   // (what the host asks for) serves both layouts.
-  static constexpr int kSwV = 2 * sw_tile_bytes<DQK>();
-  static constexpr int kSwQ = kSwV + 2 * sw_tile_bytes<DV>();
+  // K / V buffers of the swizzled layout: two (the next tile's copy under this tile's products)
+  // where two CTAs of this size still fit an SM (228 KB); at Dqk 192 two buffers make 126 KB, one
+  // CTA per SM with nothing to run under its waits (session 18: dq_kernel 66.5 ms at 64K, 2x its
+  // Dqk 128 time), so there one buffer: 84 KB, two CTAs per SM (255 registers x 128 threads
+  // allow two), each waiting while the other computes.
+  static constexpr int kSwBufs = DQK > 128 ? 1 : 2;
+  static constexpr int kSwV = kSwBufs * sw_tile_bytes<DQK>();
+  static constexpr int kSwQ = kSwV + kSwBufs * sw_tile_bytes<DV>();
   static constexpr int kSwDo = kSwQ + sw_tile_bytes<DQK>();
   // With TMA (DqMaps::on) the two K/V buffers' mbarriers follow dO.
   static constexpr int kSwBars = kSwDo + sw_tile_bytes<DV>();
@@ -367,6 +373,9 @@ struct DqSmem {
   static constexpr int kSwUnionEnd = kSwUnionMember + cuda::kSlcUnionMax * int(sizeof(unsigned long long));
   static_assert(kSwUnionMember % 8 == 0, "the token masks are 8-byte words");
   static_assert(1023 + size_t(kSwUnionEnd) <= kEnd, "the swizzled layout fits after alignment");
+  // What the launch asks for where the sm_90a body runs (runs_sm90): the swizzled layout and its
+  // alignment slack only.
+  static constexpr size_t kSwLaunch = 1024 + size_t(kSwUnionEnd);
   static constexpr bool slc_union_sorts_fit(int cap) { return size_t(kWarps) * 3 * cap * sizeof(int32_t) <= size_t(kSwQ); }
 };
 
@@ -391,8 +400,10 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
   E* sV = reinterpret_cast<E*>(base + (kWg ? L::kSwV : L::kV));
   E* sQ = reinterpret_cast<E*>(base + (kWg ? L::kSwQ : L::kQ));
   E* sDo = reinterpret_cast<E*>(base + (kWg ? L::kSwDo : L::kDo));
-  constexpr int kKBuf = kWg ? kKeys * DQK : kKeys * kLdK;  // elements of one K (V) buffer
-  constexpr int kVBuf = kWg ? kKeys * DV : kKeys * kLdV;
+  // Elements from one K (V) buffer to the next; 0 where the swizzled layout has one buffer.
+  constexpr bool kOneBuf = kWg && L::kSwBufs == 1;
+  constexpr int kKBuf = kOneBuf ? 0 : kWg ? kKeys * DQK : kKeys * kLdK;
+  constexpr int kVBuf = kOneBuf ? 0 : kWg ? kKeys * DV : kKeys * kLdV;
   const int tq = kRows / a.G;
 
   const int tiles_per_seq = int((a.max_seqlen + tq - 1) / tq);
@@ -654,7 +665,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
     }
   };
 
-  // One sweep over all key tiles, two-stage: tile i + 1's copy goes out before tile i is computed.
+  // One sweep over all key tiles, two-stage: tile i + 1's copy goes out before tile i is computed
+  // (kOneBuf: after, into the same buffer; the SM's other CTA computes meanwhile).
   // enter(prev, next) runs (block-uniformly) between stages (prev = -1 first, next = 3 last);
   // half(tk, tv, kt, c0) does keys c0 .. c0 + 31 of a tile in K/V buffers tk, tv.
   // skip_slc: the sweep leaves out the selection's tiles (pass 1 with a.d_from_o); j counts the
@@ -677,7 +689,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
       const KeyTile kt = tile_at(i, kb, ks, vb, vs);
       if (tma) {
         // Tile j + 1's buffer: its last reader (tile j - 1) passed the barrier that ends its tile.
-        if (threadIdx.x == 0 && j + 1 < n_run) issue_tma(real(j + 1), (j + 1) & 1);
+        if (!kOneBuf && threadIdx.x == 0 && j + 1 < n_run) issue_tma(real(j + 1), (j + 1) & 1);
         const int buf = j & 1;
         cuda::mbarrier_wait_parity(bars + buf, (bar_phase >> buf) & 1u);
         bar_phase ^= 1u << buf;
@@ -689,9 +701,12 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
           __syncthreads();
         }
       } else {
-        if (j + 1 < n_run) issue(real(j + 1), (j + 1) & 1);  // its buffer's last reader (tile j-1) is done
+        if (!kOneBuf && j + 1 < n_run) issue(real(j + 1), (j + 1) & 1);  // its buffer's last reader (tile j-1) is done
         cuda::cp_async_commit();
-        cuda::cp_async_wait<1>();
+        if constexpr (kOneBuf)
+          cuda::cp_async_wait<0>();
+        else
+          cuda::cp_async_wait<1>();
         if constexpr (kWg) cuda::fence_proxy_async();  // the landed K/V copies, for wgmma
         __syncthreads();
       }
@@ -703,6 +718,15 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
         for (int c0 = 0; c0 < kKeys; c0 += kStep) half(sK + (j & 1) * kKBuf, sV + (j & 1) * kVBuf, kt, c0);
       }
       __syncthreads();
+      if constexpr (kOneBuf) {  // the one buffer's readers are done: tile j + 1 into it
+        if (j + 1 < n_run) {
+          if (tma) {
+            if (threadIdx.x == 0) issue_tma(real(j + 1), (j + 1) & 1);
+          } else {
+            issue(real(j + 1), 0);
+          }
+        }
+      }
     }
     cuda::cp_async_wait<0>();
     __syncthreads();
@@ -882,17 +906,23 @@ struct DkvSmem {
   static_assert(kRi % 16 == 0, "RowTile holds float4");
   // sm_90a (wgmma): the same tiles unpadded in the 128-byte swizzle layout (common/wgmma.h), from
   // a 1024-byte boundary of the dynamic shared memory (the host adds 1024 bytes of slack).
-  static constexpr int kSwK = 0;                              // [kKeys][DQK], resident
-  static constexpr int kSwV = kSwK + kKeys * DQK * 2;         // [kKeys][DV]
-  static constexpr int kSwQ = kSwV + kKeys * DV * 2;          // [2][kRows][DQK]
-  static constexpr int kSwDo = kSwQ + 2 * kRows * DQK * 2;    // [2][kRows][DV]
-  static constexpr int kSwRi = kSwDo + 2 * kRows * DV * 2;    // [2] RowTile
+  // Q / dO buffers of the swizzled layout: two where two CTAs still fit an SM, one at Dqk 192
+  // (two make 134 KB there, one CTA per SM: dkv_kernel 2.0-2.25x its Dqk 128 time at 64K in session
+  // 18; one makes 88 KB, two CTAs per SM). The RowTiles stay two (prefetch fills the next one).
+  static constexpr int kSwBufs = DQK > 128 ? 1 : 2;
+  static constexpr int kSwK = 0;                                    // [kKeys][DQK], resident
+  static constexpr int kSwV = kSwK + kKeys * DQK * 2;               // [kKeys][DV]
+  static constexpr int kSwQ = kSwV + kKeys * DV * 2;                // [kSwBufs][kRows][DQK]
+  static constexpr int kSwDo = kSwQ + kSwBufs * kRows * DQK * 2;    // [kSwBufs][kRows][DV]
+  static constexpr int kSwRi = kSwDo + kSwBufs * kRows * DV * 2;    // [2] RowTile
   static constexpr int kSwBars = kSwRi + 2 * int(sizeof(RowTile));  // [2] mbarriers (Q / dO by TMA)
   static constexpr int kSwEnd = kSwBars + 2 * int(sizeof(uint64_t));
   static_assert(kSwBars % 8 == 0, "mbarriers on 8 bytes");
   static_assert(DQK % 64 == 0 && DV % 64 == 0, "swizzled tiles are whole 64-column blocks");
   // Bytes the launch asks for: enough for either layout (the device picks one per target).
   static constexpr int kEnd = kPaddedEnd > kSwEnd + 1024 ? kPaddedEnd : kSwEnd + 1024;
+  // Where the sm_90a body runs (runs_sm90): the swizzled layout and its alignment slack only.
+  static constexpr int kSwLaunch = kSwEnd + 1024;
 };
 
 template <typename E>
@@ -949,8 +979,10 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
   E* sQ = reinterpret_cast<E*>(smem + (kWg ? L::kSwQ : L::kQ));
   E* sDo = reinterpret_cast<E*>(smem + (kWg ? L::kSwDo : L::kDo));
   RowTile* ri = reinterpret_cast<RowTile*>(smem + (kWg ? L::kSwRi : L::kRi));
-  constexpr int kQBuf = kWg ? kRows * DQK : kRows * kLdK;  // elements of one Q / dO buffer
-  constexpr int kDoBuf = kWg ? kRows * DV : kRows * kLdV;
+  // Elements from one Q (dO) buffer to the next; 0 where the swizzled layout has one buffer.
+  constexpr bool kOneBuf = kWg && L::kSwBufs == 1;
+  constexpr int kQBuf = kOneBuf ? 0 : kWg ? kRows * DQK : kRows * kLdK;
+  constexpr int kDoBuf = kOneBuf ? 0 : kWg ? kRows * DV : kRows * kLdV;
   // copy_rows into the layout of this target (copy_rows_sw128: dq_wgmma.cuh, kKeys = kRows rows).
   auto copy_tile = [&](auto dim, E* dst, auto row_ptr, const E* any) {
     constexpr int D = decltype(dim)::value;
@@ -1356,7 +1388,8 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
     emit(acc_v, 1, dv_out, add_phi, part_v);
   };
 
-  // The two-stage pipeline: query tile i + 1's rows and copies go out before tile i is computed.
+  // The two-stage pipeline: query tile i + 1's rows and copies go out before tile i is computed
+  // (kOneBuf: after, into the same Q / dO buffer; the SM's other CTA computes meanwhile).
   const int n_tiles = n0 + n1;
   if (kSet == KeySet::raw && !a.shared_kv && n0 == 0 && piece == 0)
     epilogue(a.grad_k[kWin], a.grad_v[kWin], false, nullptr, nullptr);  // no window: zeros
@@ -1366,9 +1399,12 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
   }
   cuda::cp_async_commit();
   for (int i = 0; i < n_tiles; ++i) {
-    if (i + 1 < n_tiles) prefetch(i + 1, (i + 1) & 1);  // its buffer's last reader (tile i-1) is done
+    if (!kOneBuf && i + 1 < n_tiles) prefetch(i + 1, (i + 1) & 1);  // its buffer's last reader (tile i-1) is done
     cuda::cp_async_commit();
-    cuda::cp_async_wait<1>();
+    if constexpr (kOneBuf)
+      cuda::cp_async_wait<0>();
+    else
+      cuda::cp_async_wait<1>();
     if constexpr (kWg) cuda::fence_proxy_async();  // landed copies (and plain stores) -> wgmma
     __syncthreads();
     if (kSet == KeySet::raw && i == n0 && i > 0) {
@@ -1385,6 +1421,8 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
     if (tma) land_tma(i & 1);
     compute(i & 1);
     __syncthreads();
+    if constexpr (kOneBuf)
+      if (i + 1 < n_tiles) prefetch(i + 1, (i + 1) & 1);  // the one buffer's readers are done
   }
   cuda::cp_async_wait<0>();
   __syncthreads();
@@ -1527,7 +1565,7 @@ void launch_attention(const BwdArgs& a_in, cudaStream_t s, int phase) {
     return;
   }
   if (phase == 0) {  // the compressed and window branches (the selection's is phase 4)
-    const size_t smem = DqSmem<E, DQK, DV>::kEnd;
+    const size_t smem = runs_sm90<dq_kernel<E, DQK, DV>>() ? DqSmem<E, DQK, DV>::kSwLaunch : DqSmem<E, DQK, DV>::kEnd;
     allow_smem(dq_kernel<E, DQK, DV>, smem);
     const dim3 grid = cuda::row_tile_grid(a.max_seqlen, a.B, kRows / a.G, a.hkv);
     if (grid.x == 0) return;
@@ -1538,7 +1576,7 @@ void launch_attention(const BwdArgs& a_in, cudaStream_t s, int phase) {
     return;
   }
   using Lk = DkvSmem<E, DQK, DV>;
-  const size_t smem = Lk::kEnd;
+  const size_t smem = runs_sm90<dkv_kernel<E, DQK, DV, KeySet::cmp>>() ? Lk::kSwLaunch : Lk::kEnd;
   if (phase == 1) {
     auto* kernel = dkv_kernel<E, DQK, DV, KeySet::cmp>;
     allow_smem(kernel, smem);
