@@ -43,8 +43,8 @@
 // the ptxas hazard of docs/cuda.md), K and V are never in registers. The accumulators are the
 // mma.sync ones (the wgmma D layout is the m16n8 C fragment layout per warp), so masking, P, dS
 // and the epilogue are shared with the sm_80 body. Tiles are stored unpadded in the 128-byte
-// swizzle layout from a 1024-byte boundary (DkvSmem::kSw*; the launch asks for the larger of the
-// two layouts); each thread fences its landed copies to the async proxy before the barrier that
+// swizzle layout from a 1024-byte boundary (DkvSmem::kSw*; the launch asks for that layout's size,
+// DkvSmem::kSwLaunch, where this body runs); each thread fences its landed copies to the async proxy before the barrier that
 // publishes them. Each batch is fence / issue / commit / wait 0, so the accumulation order is
 // fixed and the result deterministic (it differs in rounding from the sm_80 body's).
 #pragma once
@@ -348,10 +348,11 @@ struct DqSmem {
   static constexpr int kQ = kV + 2 * tile_bytes<DV>();     // [kRows][DQK + kPad]
   static constexpr int kDo = kQ + tile_bytes<DQK>();       // [kRows][DV + kPad]
   static constexpr size_t kEnd = size_t(kDo) + tile_bytes<DV>();
-  // sm_90a (dq_wgmma.cuh): from the first 1024-byte boundary, K [2][kKeys][DQK], V [2][kKeys][DV],
-  // Q [kRows][DQK] and dO [kRows][DV], all 128-byte swizzled without padding (Q and dO are the A
-  // operands of S and dP in shared memory). The padding saved pays for the alignment, so kEnd
-  // (what the host asks for) serves both layouts.
+  // sm_90a (dq_wgmma.cuh): from the first 1024-byte boundary, K [kSwBufs][kKeys][DQK], V
+  // [kSwBufs][kKeys][DV], Q [kRows][DQK] and dO [kRows][DV], all 128-byte swizzled without padding
+  // (Q and dO are the A operands of S and dP in shared memory). The padding saved pays for the
+  // alignment, so kEnd also holds this layout; where the sm_90a body runs the host asks only for
+  // kSwLaunch.
   // K / V buffers of the swizzled layout: two (the next tile's copy under this tile's products)
   // where two CTAs of this size still fit an SM (228 KB); at Dqk 192 two buffers make 126 KB, one
   // CTA per SM with nothing to run under its waits (session 18: dq_kernel 66.5 ms at 64K, 2x its

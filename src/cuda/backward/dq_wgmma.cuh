@@ -27,8 +27,9 @@
 // tile's barrier (fence_proxy_async). Deterministic: the same fixed order of products every run.
 // S and dP go out as one batch. P uses ex2.approx (flushes below 2^-126), and a tile that every
 // row of the warp sees whole skips the per-key mask.
-// Shared memory: the host's DqSmem::kEnd (padded layout) also holds the swizzled one after the
-// 1024-byte alignment (static_assert in DqSmem), so the launch is unchanged.
+// Shared memory: where this body runs the launch asks for DqSmem::kSwLaunch (the swizzled layout
+// and its 1024-byte alignment slack; one K/V buffer at Dqk 192, DqSmem::kSwBufs), elsewhere for
+// DqSmem::kEnd (the padded layout, which also holds the swizzled one: static_assert in DqSmem).
 //
 // History (sessions 4-5, 64-row tiles with Q / dO fragments): ptxas 255 registers at 128x128, 2
 // CTAs per SM; H200 at 64K dq_kernel 94.4 -> 65.8 ms against the mma.sync body, 39.3 ms after
