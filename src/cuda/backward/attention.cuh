@@ -85,6 +85,11 @@ constexpr int kSubTiles = kSub / 8;
 // the one before, so the 8 rows one ldmatrix reads hit 8 different bank groups.
 constexpr int kPad = 8;
 constexpr float kLog2e = 1.4426950408889634f;
+// Shared memory of one sm_90 SM (H100 / H200) and what the hardware keeps per resident CTA: two
+// CTAs asking for `bytes` each fit one SM when two_ctas_fit_sm90 (the sm_90a layouts' buffer
+// counts, DqSmem::kSwBufs and DkvSmem::kSwBufs).
+constexpr size_t kSm90SmemPerSm = 228 * 1024, kSmemPerCtaReserved = 1024;
+constexpr bool two_ctas_fit_sm90(size_t bytes) { return 2 * (bytes + kSmemPerCtaReserved) <= kSm90SmemPerSm; }
 static_assert(kRows == kKeys && kKeys == 2 * kSub, "a score block is two halves, both ways");
 
 // A [N, H, D] tensor with a contiguous last dimension (element strides of the first two).
@@ -354,11 +359,16 @@ struct DqSmem {
   // alignment, so kEnd also holds this layout; where the sm_90a body runs the host asks only for
   // kSwLaunch.
   // K / V buffers of the swizzled layout: two (the next tile's copy under this tile's products)
-  // where two CTAs of this size still fit an SM (228 KB); at Dqk 192 two buffers make 126 KB, one
-  // CTA per SM with nothing to run under its waits (session 18: dq_kernel 66.5 ms at 64K, 2x its
-  // Dqk 128 time), so there one buffer: 84 KB, two CTAs per SM (255 registers x 128 threads
-  // allow two), each waiting while the other computes.
-  static constexpr int kSwBufs = DQK > 128 ? 1 : 2;
+  // where two CTAs of that size still fit an SM, else one. At Dqk 192 / Dv 128 two buffers make
+  // 125 KB (the launch asked for the padded layout's 129 KB until session 18), one CTA per SM with
+  // nothing to run under its waits (dq_kernel 66.5 ms at 64K, 2x its Dqk 128 time), so there one
+  // buffer: 84 KB, two CTAs per SM (255 registers x 128 threads allow two), each waiting while
+  // the other computes. kSwKv: one K and one V buffer;
+  // kSwTail: the layout past them (Q, dO, the mbarriers, the union lists; static_assert below).
+  static constexpr int kSwKv = sw_tile_bytes<DQK>() + sw_tile_bytes<DV>();
+  static constexpr int kSwTail = kSwKv + 2 * int(sizeof(uint64_t)) + 8 * int(sizeof(int)) +
+                                 cuda::kSlcUnionMax * int(2 * sizeof(int32_t) + sizeof(unsigned long long));
+  static constexpr int kSwBufs = two_ctas_fit_sm90(1024 + size_t(2 * kSwKv + kSwTail)) ? 2 : 1;
   static constexpr int kSwV = kSwBufs * sw_tile_bytes<DQK>();
   static constexpr int kSwQ = kSwV + kSwBufs * sw_tile_bytes<DV>();
   static constexpr int kSwDo = kSwQ + sw_tile_bytes<DQK>();
@@ -374,6 +384,7 @@ struct DqSmem {
   static constexpr int kSwUnionEnd = kSwUnionMember + cuda::kSlcUnionMax * int(sizeof(unsigned long long));
   static_assert(kSwUnionMember % 8 == 0, "the token masks are 8-byte words");
   static_assert(1023 + size_t(kSwUnionEnd) <= kEnd, "the swizzled layout fits after alignment");
+  static_assert(kSwUnionEnd == kSwBufs * kSwKv + kSwTail, "kSwTail is the layout past the K / V buffers");
   // What the launch asks for where the sm_90a body runs (runs_sm90): the swizzled layout and its
   // alignment slack only.
   static constexpr size_t kSwLaunch = 1024 + size_t(kSwUnionEnd);
@@ -907,10 +918,15 @@ struct DkvSmem {
   static_assert(kRi % 16 == 0, "RowTile holds float4");
   // sm_90a (wgmma): the same tiles unpadded in the 128-byte swizzle layout (common/wgmma.h), from
   // a 1024-byte boundary of the dynamic shared memory (the host adds 1024 bytes of slack).
-  // Q / dO buffers of the swizzled layout: two where two CTAs still fit an SM, one at Dqk 192
-  // (two make 134 KB there, one CTA per SM: dkv_kernel 2.0-2.25x its Dqk 128 time at 64K in session
-  // 18; one makes 88 KB, two CTAs per SM). The RowTiles stay two (prefetch fills the next one).
-  static constexpr int kSwBufs = DQK > 128 ? 1 : 2;
+  // Q / dO buffers of the swizzled layout: two where two CTAs of that size still fit an SM, else
+  // one (Dqk 192 / Dv 128: two make 129 KB, 134 KB with the padded layout's size that the launch
+  // asked for until session 18: one CTA per SM, dkv_kernel 1.8-2.25x its Dqk 128 time at 64K; one
+  // makes 88 KB, two CTAs per SM). The RowTiles stay two (prefetch fills
+  // the next one). kSwQdo: one Q and one dO buffer; kSwFixed: the rest (K, V, RowTiles, mbarriers;
+  // static_assert below).
+  static constexpr int kSwQdo = kRows * (DQK + DV) * 2;
+  static constexpr int kSwFixed = kKeys * (DQK + DV) * 2 + 2 * int(sizeof(RowTile)) + 2 * int(sizeof(uint64_t));
+  static constexpr int kSwBufs = two_ctas_fit_sm90(1024 + size_t(2 * kSwQdo + kSwFixed)) ? 2 : 1;
   static constexpr int kSwK = 0;                                    // [kKeys][DQK], resident
   static constexpr int kSwV = kSwK + kKeys * DQK * 2;               // [kKeys][DV]
   static constexpr int kSwQ = kSwV + kKeys * DV * 2;                // [kSwBufs][kRows][DQK]
@@ -920,6 +936,7 @@ struct DkvSmem {
   static constexpr int kSwEnd = kSwBars + 2 * int(sizeof(uint64_t));
   static_assert(kSwBars % 8 == 0, "mbarriers on 8 bytes");
   static_assert(DQK % 64 == 0 && DV % 64 == 0, "swizzled tiles are whole 64-column blocks");
+  static_assert(kSwEnd == kSwBufs * kSwQdo + kSwFixed, "kSwFixed is the layout but the Q / dO buffers");
   // Bytes the launch asks for: enough for either layout (the device picks one per target).
   static constexpr int kEnd = kPaddedEnd > kSwEnd + 1024 ? kPaddedEnd : kSwEnd + 1024;
   // Where the sm_90a body runs (runs_sm90): the swizzled layout and its alignment slack only.
