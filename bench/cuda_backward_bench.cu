@@ -98,10 +98,15 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--variant") && i + 1 < argc) only_variant = argv[++i];
     else if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) {
       int v[4] = {0, 0, 0, 0}, n = 0;
-      for (char* tok = std::strtok(argv[++i], ","); tok && n < 4; tok = std::strtok(nullptr, ",")) v[n++] = std::atoi(tok);
+      const std::string given = argv[++i];  // (strtok cuts argv[i])
+      for (char* tok = std::strtok(argv[i], ","); tok; tok = std::strtok(nullptr, ",")) {
+        if (n < 4) v[n] = std::atoi(tok);
+        ++n;  // (a fifth value is an error too)
+      }
       if (n != 4 || v[0] <= 0 || v[1] <= 0 || v[0] % v[1] != 0 || (v[2] != 64 && v[2] != 128 && v[2] != 192) ||
           (v[3] != 64 && v[3] != 128)) {
-        std::fprintf(stderr, "--shape: expected HQ,HKV,DQK,DV with HQ a multiple of HKV, DQK in {64,128,192}, DV in {64,128}\n");
+        std::fprintf(stderr, "--shape '%s': expected HQ,HKV,DQK,DV with HQ a multiple of HKV, DQK in {64,128,192}, DV in {64,128}\n",
+                     given.c_str());
         return 2;
       }
       only_shape = Shape{v[0], v[1], v[2], v[3]};
