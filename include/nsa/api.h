@@ -103,6 +103,9 @@ enum class Op : int32_t {
   backward,
   dense_attention_fwd,
   dense_attention_bwd,
+  cache_append,  // nsa/cache.h
+  decode,
+  dense_decode,
 };
 
 // The sizes that determine a workspace.
@@ -114,6 +117,7 @@ struct Problem {
   int64_t phi_hidden = 0;  // F (mlp), else 0
   DType dtype = DType::bf16;
   Device device = Device::cpu;
+  int64_t max_query_len = 0;  // decoding (nsa/cache.h): most new rows of one sequence
 };
 // Reads the sizes off the inputs (derives max_seqlen from host cu_seqlens when it is 0).
 Problem problem_of(const Config& cfg, const Inputs& in);

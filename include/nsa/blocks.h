@@ -62,4 +62,14 @@ NSA_HOST_DEVICE constexpr int64_t window_start(int64_t t, int64_t w) {
 NSA_HOST_DEVICE constexpr int64_t cmp_row_offset(int64_t seq_start, int64_t d) { return seq_start / d; }
 NSA_HOST_DEVICE constexpr int64_t cmp_rows(int64_t total_tokens, int64_t d) { return total_tokens / d; }
 
+// Paged caches (nsa/cache.h): page p of a sequence holds its tokens [p * page_size, (p+1) * page_size)
+// (page_size a multiple of l', so of d), and compressed block i lives in the page of its first
+// token i*d, at slot (i*d mod page_size) / d of that page's page_size / d compressed slots.
+NSA_HOST_DEVICE constexpr int64_t cmp_block_page(int64_t i, int64_t d, int64_t page_size) { return i * d / page_size; }
+NSA_HOST_DEVICE constexpr int64_t cmp_block_slot(int64_t i, int64_t d, int64_t page_size) {
+  return i * d % page_size / d;
+}
+// Pages a sequence of T tokens occupies.
+NSA_HOST_DEVICE constexpr int64_t pages_of(int64_t T, int64_t page_size) { return (T + page_size - 1) / page_size; }
+
 }  // namespace nsa

@@ -3,6 +3,7 @@
 
 #include "nsa/api.h"
 #include "nsa/blocks.h"
+#include "nsa/cache.h"
 #include "nsa/config.h"
 #include "nsa/error.h"
 #include "nsa/tensor.h"

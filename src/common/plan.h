@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "nsa/api.h"
+#include "nsa/cache.h"
 
 namespace nsa::detail {
 
@@ -27,6 +28,13 @@ struct Plan {
   std::vector<int64_t> cu;
   // The caller's cu_seqlens (absent for one sequence); device backends read it on the device.
   TensorView cu_seqlens;
+
+  // Decoding (nsa/cache.h). T and cu then count the call's new rows (appended tokens or queries),
+  // B the sequences of the page table, max_seqlen the bound on their lengths.
+  int64_t page_size = 0;      // tokens per page
+  int64_t num_pages = 0;      // pages in the pools
+  int64_t max_query_len = 0;  // most new rows of one sequence (declared or derived)
+  std::vector<int64_t> lens;  // seq_lens[b] when the page table is host memory (else empty)
 
   int64_t seq_start(int64_t b) const { return cu[static_cast<size_t>(b)]; }
   int64_t seq_len(int64_t b) const { return cu[static_cast<size_t>(b) + 1] - cu[static_cast<size_t>(b)]; }
@@ -64,6 +72,12 @@ struct BackendOps {
                               const TensorView& v, const TensorView& o, const TensorView& lse,
                               const TensorView& d_o, const TensorView& dq, const TensorView& dk,
                               const TensorView& dv, Workspace ws);
+  // Decoding (nsa/cache.h); the plan's page fields are set.
+  void (*cache_append)(const Plan&, const PagedCache& cache, const CacheAppend& in, Workspace ws);
+  void (*decode)(const Plan&, const PagedCache& cache, const DecodeInputs& in, const ForwardOutputs& out,
+                 Workspace ws);
+  void (*dense_decode)(const Plan&, const KV& pages, const PageTable& table, const TensorView& q,
+                       const TensorView& o, const TensorView& lse, Workspace ws);
 };
 
 // Each backend defines its table; a backend that is not compiled in returns nullptr.
@@ -88,6 +102,7 @@ inline Problem problem_of(const Plan& p) {
   pr.dqk = p.dqk;
   pr.dv = p.dv;
   pr.phi_hidden = p.phi_hidden_k > p.phi_hidden_v ? p.phi_hidden_k : p.phi_hidden_v;
+  pr.max_query_len = p.max_query_len;
   pr.dtype = p.dtype;
   pr.device = p.device;
   return pr;

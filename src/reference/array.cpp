@@ -19,9 +19,7 @@ int64_t Array::stride0() const {
   return s;
 }
 
-namespace {
-
-double read_element(const TensorView& t, int64_t offset) {
+double load_element(const TensorView& t, int64_t offset) {
   const char* base = static_cast<const char*>(t.data);
   switch (t.dtype) {
     case DType::f32: return static_cast<const float*>(t.data)[offset];
@@ -41,7 +39,7 @@ double read_element(const TensorView& t, int64_t offset) {
   return 0.0;
 }
 
-void write_element(const TensorView& t, int64_t offset, double v) {
+void store_element(const TensorView& t, int64_t offset, double v) {
   char* base = static_cast<char*>(t.data);
   switch (t.dtype) {
     case DType::f32: static_cast<float*>(t.data)[offset] = static_cast<float>(v); return;
@@ -59,6 +57,8 @@ void write_element(const TensorView& t, int64_t offset, double v) {
     case DType::i32: static_cast<int32_t*>(t.data)[offset] = static_cast<int32_t>(v); return;
   }
 }
+
+namespace {
 
 // Calls fn(dense_index, strided_offset) for every element in row-major order.
 template <typename Fn>
@@ -81,13 +81,13 @@ void for_each_element(const TensorView& t, Fn fn) {
 Array load(const TensorView& t) {
   if (!t.defined()) return Array();
   Array a(std::vector<int64_t>(t.shape, t.shape + t.ndim));
-  for_each_element(t, [&](int64_t e, int64_t off) { a.data[static_cast<size_t>(e)] = read_element(t, off); });
+  for_each_element(t, [&](int64_t e, int64_t off) { a.data[static_cast<size_t>(e)] = load_element(t, off); });
   return a;
 }
 
 void store(const Array& a, const TensorView& t) {
   if (!t.defined()) return;
-  for_each_element(t, [&](int64_t e, int64_t off) { write_element(t, off, a.data[static_cast<size_t>(e)]); });
+  for_each_element(t, [&](int64_t e, int64_t off) { store_element(t, off, a.data[static_cast<size_t>(e)]); });
 }
 
 std::vector<int32_t> load_indices(const TensorView& t) {

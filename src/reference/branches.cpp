@@ -17,40 +17,11 @@ namespace nsa::reference {
 namespace {
 
 using KeyRows = std::vector<int64_t>;
-constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
 double dot(const double* a, const double* b, int64_t n) {
   double s = 0.0;
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
-}
-
-// Softmax attention of one query over `rows` of K/V (KV head hk).
-struct RowAttention {
-  std::vector<double> p;  // probabilities, one per key row
-  std::vector<double> o;  // [Dv]
-  double lse = kNegInf;   // log sum_j exp(s_j); -inf when there is no key
-};
-
-RowAttention attend(const double* q, const Array& K, const Array& V, int64_t hk, const KeyRows& rows,
-                    double scale) {
-  const int64_t Dqk = K.dim(2), Dv = V.dim(2);
-  RowAttention r;
-  r.o.assign(static_cast<size_t>(Dv), 0.0);
-  if (rows.empty()) return r;  // an empty branch outputs zeros (spec §2, §7)
-  std::vector<double> s(rows.size());
-  for (size_t j = 0; j < rows.size(); ++j) s[j] = scale * dot(q, K.at(rows[j], hk), Dqk);
-  const double m = *std::max_element(s.begin(), s.end());  // subtract the running maximum (§11)
-  double sum = 0.0;
-  r.p.resize(rows.size());
-  for (size_t j = 0; j < rows.size(); ++j) sum += (r.p[j] = std::exp(s[j] - m));
-  for (size_t j = 0; j < rows.size(); ++j) {
-    r.p[j] /= sum;
-    const double* v = V.at(rows[j], hk);
-    for (int64_t c = 0; c < Dv; ++c) r.o[static_cast<size_t>(c)] += r.p[j] * v[c];
-  }
-  r.lse = m + std::log(sum);
-  return r;
 }
 
 // Gradient of attend() for output gradient dout; accumulates into dq, dK, dV.
@@ -83,16 +54,10 @@ KeyRows cmp_keys(const detail::Plan& p, int64_t s0, int64_t t) {
 
 KeyRows slc_keys(const detail::Plan& p, const std::vector<int32_t>& indices, int64_t s0, int64_t t,
                  int64_t hk) {
-  const int64_t n = p.cfg.n_selected, lp = p.cfg.slc_block_len;
-  // The selected blocks are a set (api.h): -1 entries and repeats add nothing, order does not matter.
-  std::set<int64_t> blocks;
-  for (int64_t k = 0; k < n; ++k) {
-    const int64_t j = indices[static_cast<size_t>(((s0 + t) * p.hkv + hk) * n + k)];
-    if (j >= 0) blocks.insert(j);
-  }
-  KeyRows rows;
-  for (int64_t j : blocks)
-    for (int64_t pos = j * lp; pos < std::min((j + 1) * lp, t + 1); ++pos) rows.push_back(s0 + pos);
+  const int64_t n = p.cfg.n_selected;
+  const int32_t* row = indices.data() + ((s0 + t) * p.hkv + hk) * n;
+  KeyRows rows = selected_positions(p.cfg, std::vector<int64_t>(row, row + n), t);
+  for (int64_t& r : rows) r += s0;
   return rows;
 }
 
@@ -141,9 +106,68 @@ void branch_backward(const detail::Plan& p, const Array& q, const Array& K, cons
 
 }  // namespace
 
+RowAttention attend(const double* q, const Array& K, const Array& V, int64_t hk, const std::vector<int64_t>& rows,
+                    double scale) {
+  const int64_t Dqk = K.dim(2), Dv = V.dim(2);
+  RowAttention r;
+  r.o.assign(static_cast<size_t>(Dv), 0.0);
+  if (rows.empty()) return r;  // an empty branch outputs zeros (spec §2, §7)
+  std::vector<double> s(rows.size());
+  for (size_t j = 0; j < rows.size(); ++j) s[j] = scale * dot(q, K.at(rows[j], hk), Dqk);
+  const double m = *std::max_element(s.begin(), s.end());  // subtract the running maximum (§12)
+  double sum = 0.0;
+  r.p.resize(rows.size());
+  for (size_t j = 0; j < rows.size(); ++j) sum += (r.p[j] = std::exp(s[j] - m));
+  for (size_t j = 0; j < rows.size(); ++j) {
+    r.p[j] /= sum;
+    const double* v = V.at(rows[j], hk);
+    for (int64_t c = 0; c < Dv; ++c) r.o[static_cast<size_t>(c)] += r.p[j] * v[c];
+  }
+  r.lse = m + std::log(sum);
+  return r;
+}
+
+void add_scores(const Config& cfg, const std::vector<double>& p_cmp, double* S) {
+  const int64_t l = cfg.cmp_block_len, d = cfg.cmp_stride, lp = cfg.slc_block_len;
+  for (size_t i = 0; i < p_cmp.size(); ++i) {
+    const int64_t first_j = static_cast<int64_t>(i) * d / lp;
+    const int64_t last_j = (static_cast<int64_t>(i) * d + l - 1) / lp;
+    for (int64_t j = first_j; j <= last_j; ++j)
+      S[j] += static_cast<double>(cmp_slc_overlap(static_cast<int64_t>(i), j, l, d, lp)) * p_cmp[i];
+  }
+}
+
+std::vector<int64_t> select_blocks(const Config& cfg, int64_t t, const double* S) {
+  const int64_t Jt = last_slc_block(t, cfg.slc_block_len);
+  const int64_t count = std::min(cfg.n_selected, Jt + 1);
+  // §4: forced blocks first, then the rest by descending S, ties to the smaller j.
+  std::vector<int64_t> order(static_cast<size_t>(Jt + 1));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) {
+    const bool fa = is_forced_block(a, Jt, cfg.n_init, cfg.n_local);
+    const bool fc = is_forced_block(c, Jt, cfg.n_init, cfg.n_local);
+    if (fa != fc) return fa;
+    return S[a] > S[c];
+  });
+  std::vector<int64_t> chosen(order.begin(), order.begin() + count);
+  std::sort(chosen.begin(), chosen.end());
+  return chosen;
+}
+
+std::vector<int64_t> selected_positions(const Config& cfg, const std::vector<int64_t>& blocks, int64_t t) {
+  const int64_t lp = cfg.slc_block_len;
+  // The selected blocks are a set (api.h): -1 entries and repeats add nothing, order does not matter.
+  std::set<int64_t> unique;
+  for (int64_t j : blocks)
+    if (j >= 0) unique.insert(j);
+  std::vector<int64_t> rows;
+  for (int64_t j : unique)
+    for (int64_t pos = j * lp; pos < std::min((j + 1) * lp, t + 1); ++pos) rows.push_back(pos);
+  return rows;
+}
+
 void cmp_attention(const detail::Plan& p, const Array& q, const Array& kc, const Array& vc, Array& o,
                    Array& lse, Array* scores) {
-  const int64_t l = p.cfg.cmp_block_len, d = p.cfg.cmp_stride, lp = p.cfg.slc_block_len;
   o = Array({p.T, p.hq, vc.dim(2)});
   lse = Array({p.T, p.hq});
   for (int64_t b = 0; b < p.B; ++b) {
@@ -155,41 +179,21 @@ void cmp_attention(const detail::Plan& p, const Array& q, const Array& kc, const
         const RowAttention r = attend(q.at(s0 + t, h), kc, vc, hk, rows, p.scale);  // p_cmp = r.p
         std::copy(r.o.begin(), r.o.end(), o.at(s0 + t, h));
         lse.row(s0 + t)[h] = r.lse;
-        if (scores == nullptr) continue;
         // §3: S[t, hk, j] += sum_i ov(i, j) * p_cmp[t, h, i], summed over the group's heads.
-        double* S = scores->at(s0 + t, hk);
-        for (size_t i = 0; i < rows.size(); ++i) {
-          const int64_t first_j = static_cast<int64_t>(i) * d / lp;
-          const int64_t last_j = (static_cast<int64_t>(i) * d + l - 1) / lp;
-          for (int64_t j = first_j; j <= last_j; ++j)
-            S[j] += static_cast<double>(cmp_slc_overlap(static_cast<int64_t>(i), j, l, d, lp)) * r.p[i];
-        }
+        if (scores != nullptr) add_scores(p.cfg, r.p, scores->at(s0 + t, hk));
       }
     }
   }
 }
 
 std::vector<int32_t> select_topn(const detail::Plan& p, const Array& scores) {
-  const int64_t n = p.cfg.n_selected, lp = p.cfg.slc_block_len;
+  const int64_t n = p.cfg.n_selected;
   std::vector<int32_t> indices(static_cast<size_t>(p.T * p.hkv * n), -1);
   for (int64_t b = 0; b < p.B; ++b) {
     const int64_t s0 = p.seq_start(b);
     for (int64_t t = 0; t < p.seq_len(b); ++t)
       for (int64_t hk = 0; hk < p.hkv; ++hk) {
-        const int64_t Jt = last_slc_block(t, lp);
-        const int64_t count = std::min(n, Jt + 1);
-        const double* S = scores.at(s0 + t, hk);
-        // §4: forced blocks first, then the rest by descending S, ties to the smaller j.
-        std::vector<int64_t> order(static_cast<size_t>(Jt + 1));
-        std::iota(order.begin(), order.end(), 0);
-        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) {
-          const bool fa = is_forced_block(a, Jt, p.cfg.n_init, p.cfg.n_local);
-          const bool fc = is_forced_block(c, Jt, p.cfg.n_init, p.cfg.n_local);
-          if (fa != fc) return fa;
-          return S[a] > S[c];
-        });
-        std::vector<int64_t> chosen(order.begin(), order.begin() + count);
-        std::sort(chosen.begin(), chosen.end());
+        const std::vector<int64_t> chosen = select_blocks(p.cfg, t, scores.at(s0 + t, hk));
         int32_t* out = indices.data() + ((s0 + t) * p.hkv + hk) * n;
         for (size_t k = 0; k < chosen.size(); ++k) out[k] = static_cast<int32_t>(chosen[k]);
       }

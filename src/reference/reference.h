@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "common/plan.h"
@@ -29,6 +30,10 @@ struct Array {
   int64_t stride0() const;
 };
 
+// One element of a view at a strided offset (elements), as fp64, and back (rounded to its dtype).
+double load_element(const TensorView& t, int64_t offset);
+void store_element(const TensorView& t, int64_t offset, double v);
+
 // Copies a tensor view (any float dtype, any strides) into fp64, and back (rounding to the
 // view's dtype). An absent view loads as an empty Array.
 Array load(const TensorView& t);
@@ -43,6 +48,23 @@ struct Phi {
 Phi load_phi(const PhiParams& p);
 void store_phi(const Phi& p, const PhiParams& view);
 Phi zeros_like(const Phi& p);
+
+// ---- One query (the pieces every stage and the decode path are made of) ---------------------
+
+// Softmax attention of one query over key rows `rows` of K/V [rows, Hkv, D] (KV head hk).
+struct RowAttention {
+  std::vector<double> p;  // probabilities, one per key row
+  std::vector<double> o;  // [Dv]
+  double lse = -std::numeric_limits<double>::infinity();  // log sum_j exp(s_j); -inf without keys
+};
+RowAttention attend(const double* q, const Array& K, const Array& V, int64_t hk, const std::vector<int64_t>& rows,
+                    double scale);
+// [§3] S[j] += sum_i ov(i, j) p_cmp[i]: one head's compressed probabilities over blocks 0..C-1.
+void add_scores(const Config& cfg, const std::vector<double>& p_cmp, double* S);
+// [§4] the blocks query t selects from its scores S[0 .. J_t], ascending.
+std::vector<int64_t> select_blocks(const Config& cfg, int64_t t, const double* S);
+// [§5] positions of the selected blocks' tokens at or before t (blocks: a set; -1 entries ignored).
+std::vector<int64_t> selected_positions(const Config& cfg, const std::vector<int64_t>& blocks, int64_t t);
 
 // ---- Stages (spec sections in brackets) ----------------------------------------------------
 
@@ -78,5 +100,13 @@ void win_attention_backward(const detail::Plan& p, const Array& q, const Array& 
                             const Array& d_o, Array& dq, Array& dk, Array& dv);
 void dense_attention_backward(const detail::Plan& p, const Array& q, const Array& k, const Array& v,
                               const Array& d_o, Array& dq, Array& dk, Array& dv);
+
+// ---- Decoding (spec §10; reference/decode.cpp) ----------------------------------------------
+
+void cache_append(const detail::Plan& p, const PagedCache& cache, const CacheAppend& in, Workspace ws);
+void decode(const detail::Plan& p, const PagedCache& cache, const DecodeInputs& in, const ForwardOutputs& out,
+            Workspace ws);
+void dense_decode(const detail::Plan& p, const KV& pages, const PageTable& table, const TensorView& q,
+                  const TensorView& o, const TensorView& lse, Workspace ws);
 
 }  // namespace nsa::reference

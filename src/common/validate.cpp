@@ -1,0 +1,182 @@
+// Argument validation shared by the API layer's entry points (see validate.h).
+#include "common/validate.h"
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "nsa/blocks.h"
+
+namespace nsa::detail {
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+std::string shape_str(const TensorView& t) {
+  std::string s = "[";
+  for (int i = 0; i < t.ndim; ++i) s += (i ? ", " : "") + str(t.shape[i]);
+  return s + "]";
+}
+
+std::string where(Device d, int index) {
+  return d == Device::cpu ? std::string("cpu") : "cuda:" + str(index);
+}
+
+bool is_float(DType t) { return t == DType::f32 || t == DType::f16 || t == DType::bf16 || t == DType::f64; }
+
+
+void require_absent(const std::string& name, const TensorView& t, const std::string& why) {
+  if (t.defined()) throw Error(name, "given (shape " + shape_str(t) + ")", "must be absent: " + why);
+}
+
+const BackendOps& resolve_backend(Context& ctx, const TensorView& main, const char* main_name) {
+  if (!main.defined()) throw Error(main_name, "absent", "required");
+  if (!is_float(main.dtype))
+    throw Error(std::string(main_name) + ".dtype", dtype_name(main.dtype), "must be f32, bf16, f16 or f64");
+  if (ctx.num_threads < 0) throw Error("ctx.num_threads", str(ctx.num_threads), "must be >= 0 (0: default)");
+  Backend b = ctx.backend;
+  if (b == Backend::automatic) {
+    if (main.device == Device::cuda) b = Backend::cuda;
+    else if (main.dtype == DType::f64 || detail::cpu_backend() == nullptr) b = Backend::reference;
+    else b = Backend::cpu;
+  }
+  if (b != Backend::reference && b != Backend::cpu && b != Backend::cuda)
+    throw Error("ctx.backend", str(static_cast<int64_t>(b)), "must be automatic, reference, cpu or cuda");
+  const bool host_backend = b != Backend::cuda;
+  if (host_backend && main.device != Device::cpu)
+    throw Error("ctx.backend", backend_name(b),
+                std::string("works on host tensors, but ") + main_name + " is on cuda");
+  if (!host_backend && main.device != Device::cuda)
+    throw Error("ctx.backend", "cuda", std::string("needs device tensors, but ") + main_name + " is on the host");
+  const BackendOps* ops = b == Backend::reference ? detail::reference_backend()
+                          : b == Backend::cpu     ? detail::cpu_backend()
+                                                  : detail::cuda_backend();
+  if (ops == nullptr)
+    throw Error("ctx.backend", backend_name(b), "is not compiled into this build of nsa");
+  if (b == Backend::cuda && !detail::cuda_device_present())
+    throw Error("ctx.backend", "cuda", "needs a CUDA device, and none is visible");
+  if (main.dtype == DType::f64 && b != Backend::reference)
+    throw Error(std::string(main_name) + ".dtype", "f64",
+                std::string("is supported by the reference backend only, not ") + backend_name(b));
+  ctx.backend = b;
+  return *ops;
+}
+
+// Reads/validates the sequence table. T is the number of packed tokens of the call.
+void fill_sequences(Plan& p, const Sequences& seqs, int64_t T, const Checker& chk) {
+  p.T = T;
+  p.cu_seqlens = seqs.cu_seqlens;
+  if (seqs.max_seqlen < 0) throw Error("seqs.max_seqlen", str(seqs.max_seqlen), "must be >= 0 (0: derive it)");
+  const TensorView& cu = seqs.cu_seqlens;
+  if (!cu.defined()) {
+    p.B = 1;
+    p.cu = {0, T};
+    if (seqs.max_seqlen != 0 && seqs.max_seqlen < T)
+      throw Error("seqs.max_seqlen", str(seqs.max_seqlen), "must be >= the sequence length " + str(T));
+    p.max_seqlen = seqs.max_seqlen ? seqs.max_seqlen : T;
+  } else {
+    chk.tensor("cu_seqlens", cu, "[B+1]", {kAny}, DType::i32);
+    if (cu.shape[0] < 1) throw Error("cu_seqlens.shape[0]", str(cu.shape[0]), "must be >= 1 (B+1 entries)");
+    p.B = cu.shape[0] - 1;
+    if (cu.device == Device::cpu) {
+      const auto* c = static_cast<const int32_t*>(cu.data);
+      p.cu.resize(static_cast<size_t>(cu.shape[0]));
+      int64_t longest = 0;
+      for (int64_t b = 0; b <= p.B; ++b) {
+        const int64_t v = c[b * cu.stride[0]];
+        if (b == 0 && v != 0) throw Error("cu_seqlens[0]", str(v), "must be 0");
+        if (b > 0 && v < p.cu[static_cast<size_t>(b - 1)])
+          throw Error("cu_seqlens[" + str(b) + "]", str(v),
+                      "must be >= cu_seqlens[" + str(b - 1) + "] = " + str(p.cu[static_cast<size_t>(b - 1)]));
+        p.cu[static_cast<size_t>(b)] = v;
+        if (b > 0) longest = std::max(longest, v - p.cu[static_cast<size_t>(b - 1)]);
+      }
+      if (p.cu.back() != T)
+        throw Error("cu_seqlens[" + str(p.B) + "]", str(p.cu.back()),
+                    "must equal the number of packed tokens T = " + str(T));
+      if (seqs.max_seqlen != 0 && seqs.max_seqlen < longest)
+        throw Error("seqs.max_seqlen", str(seqs.max_seqlen), "must be >= the longest sequence, " + str(longest));
+      p.max_seqlen = seqs.max_seqlen ? seqs.max_seqlen : longest;
+    } else {
+      if (seqs.max_seqlen == 0)
+        throw Error("seqs.max_seqlen", "0",
+                    "must be given (>= the longest sequence) when cu_seqlens is on the GPU");
+      p.max_seqlen = seqs.max_seqlen;
+    }
+  }
+  p.n_slc_max = num_slc_blocks(p.max_seqlen, p.cfg.slc_block_len);
+}
+
+// Shapes of phi's parameters for head dim D; returns F (0 unless mlp).
+int64_t check_phi(const Config& cfg, const Checker& chk, const std::string& name, const PhiParams& phi,
+                  int64_t D) {
+  const int64_t l = cfg.cmp_block_len;
+  const std::string kind = std::string("phi = ") + phi_kind_name(cfg.phi);
+  switch (cfg.phi) {
+    case PhiKind::mean:
+      require_absent(name + ".w1", phi.w1, kind + " has no parameters");
+      require_absent(name + ".b1", phi.b1, kind + " has no parameters");
+      require_absent(name + ".w2", phi.w2, kind + " has no parameters");
+      require_absent(name + ".b2", phi.b2, kind + " has no parameters");
+      require_absent(name + ".pe", phi.pe, kind + " has no parameters");
+      return 0;
+    case PhiKind::linear:
+      chk.floats(name + ".w1", phi.w1, "[D, l*D]", {D, l * D});
+      chk.floats(name + ".pe", phi.pe, "[l, D]", {l, D});
+      require_absent(name + ".b1", phi.b1, kind + " uses w1 and pe only");
+      require_absent(name + ".w2", phi.w2, kind + " uses w1 and pe only");
+      require_absent(name + ".b2", phi.b2, kind + " uses w1 and pe only");
+      return 0;
+    case PhiKind::mlp: {
+      chk.floats(name + ".w1", phi.w1, "[F, l*D]", {kAny, l * D});
+      const int64_t F = phi.w1.shape[0];
+      if (F < 1) throw Error(name + ".w1.shape[0]", str(F), "must be >= 1 (the hidden width F)");
+      chk.floats(name + ".b1", phi.b1, "[F]", {F});
+      chk.floats(name + ".w2", phi.w2, "[D, F]", {D, F});
+      chk.floats(name + ".b2", phi.b2, "[D]", {D});
+      chk.floats(name + ".pe", phi.pe, "[l, D]", {l, D});
+      return F;
+    }
+  }
+  return 0;
+}
+
+// Fills head counts and dims from q and the first branch's k/v.
+void fill_heads(Plan& p, const TensorView& q, const TensorView& k, const TensorView& v) {
+  p.hq = q.shape[1];
+  p.dqk = q.shape[2];
+  p.hkv = k.shape[1];
+  p.dv = v.shape[2];
+  if (p.hq < 1) throw Error("q.shape[1] (Hq)", str(p.hq), "must be >= 1");
+  if (p.dqk < 1) throw Error("q.shape[2] (Dqk)", str(p.dqk), "must be >= 1");
+  if (p.hkv < 1) throw Error("k.shape[1] (Hkv)", str(p.hkv), "must be >= 1");
+  if (p.dv < 1) throw Error("v.shape[2] (Dv)", str(p.dv), "must be >= 1");
+  if (p.hq % p.hkv != 0)
+    throw Error("q.shape[1] (Hq)", str(p.hq), "must be a multiple of the KV heads Hkv = " + str(p.hkv));
+  p.group = p.hq / p.hkv;
+  p.scale = p.cfg.softmax_scale(p.dqk);
+}
+
+Plan start_plan(const Context& ctx, const Config& cfg, const TensorView& main, const char* main_name,
+                const BackendOps*& ops) {
+  cfg.validate();
+  Plan p;
+  p.ctx = ctx;
+  p.cfg = cfg;
+  ops = &resolve_backend(p.ctx, main, main_name);
+  p.dtype = main.dtype;
+  p.device = main.device;
+  return p;
+}
+
+void check_workspace(const BackendOps& ops, const Plan& p, Op op, const Problem& prob, Workspace ws) {
+  const size_t need = ops.workspace_size ? ops.workspace_size(p.ctx, op, p.cfg, prob) : 0;
+  if (need == 0) return;
+  if (ws.bytes < need)
+    throw Error("workspace.bytes", std::to_string(ws.bytes),
+                "must be >= " + std::to_string(need) + " for this call (ask workspace_size)");
+  if (ws.data == nullptr) throw Error("workspace.data", "null", "must point to the workspace");
+  if (reinterpret_cast<uintptr_t>(ws.data) % 256 != 0)
+    throw Error("workspace.data", "misaligned", "must be 256-byte aligned");
+}
+
+}  // namespace nsa::detail
