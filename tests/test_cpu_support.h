@@ -93,6 +93,39 @@ inline void expect_close(const std::string& name, const std::vector<double>& got
                       << " (plain-precision error " << max_abs_diff(truth, rounded) << ")";
 }
 
+struct Rowset {
+  // (token, kv head) rows whose selected indices agree between two runs.
+  std::vector<char> agree;
+  int64_t disagree = 0;
+};
+
+inline Rowset compare_indices(const HostTensor& a, const HostTensor& b, int64_t T, int64_t hkv, int64_t n) {
+  Rowset r;
+  r.agree.assign(static_cast<size_t>(T * hkv), 1);
+  for (int64_t row = 0; row < T * hkv; ++row)
+    for (int64_t k = 0; k < n; ++k)
+      if (a.get(row * n + k) != b.get(row * n + k)) {
+        r.agree[static_cast<size_t>(row)] = 0;
+        ++r.disagree;
+        break;
+      }
+  return r;
+}
+
+// Elements of a [T, Hq, X] tensor (or branch b of [3, T, Hq, X]) on rows whose indices agree.
+inline std::vector<double> on_rows(const HostTensor& t, const Rowset& rows, int64_t T, int64_t hq, int64_t hkv,
+                            int64_t X, int64_t branch = -1) {
+  std::vector<double> out;
+  const int64_t G = hq / hkv;
+  const int64_t base = branch >= 0 ? branch * T * hq * X : 0;
+  for (int64_t tok = 0; tok < T; ++tok)
+    for (int64_t h = 0; h < hq; ++h) {
+      if (!rows.agree[static_cast<size_t>(tok * hkv + h / G)]) continue;
+      for (int64_t x = 0; x < X; ++x) out.push_back(t.get(base + (tok * hq + h) * X + x));
+    }
+  return out;
+}
+
 inline std::vector<double> values_of(const HostTensor& t) { return t.values(); }
 
 inline const char* dtype_label(DType d) { return dtype_name(d); }

@@ -6,10 +6,12 @@ namespace nsa::cpu {
 size_t workspace_bytes(Op op, const Config& call_cfg, const Problem& problem, int threads) {
   // Dense attention has no NSA configuration (the API plans it with a default Config), so its
   // size must not depend on the one the caller happens to pass.
-  const bool dense = op == Op::dense_attention_fwd || op == Op::dense_attention_bwd;
+  const bool dense = op == Op::dense_attention_fwd || op == Op::dense_attention_bwd || op == Op::dense_decode;
   const Config cfg = dense ? Config{} : call_cfg;
-  const WsSizes w = (op == Op::backward || op == Op::dense_attention_bwd || op == Op::compress_fwd ||
-                     op == Op::compress_bwd)
+  const bool decoding = op == Op::cache_append || op == Op::decode || op == Op::dense_decode;
+  const WsSizes w = decoding ? decode_sizes(op, cfg, problem)
+                    : (op == Op::backward || op == Op::dense_attention_bwd || op == Op::compress_fwd ||
+                       op == Op::compress_bwd)
                         ? backward_sizes(op, cfg, problem)
                         : forward_sizes(op, cfg, problem);
   if (w.shared == 0 && w.slot == 0) return 0;
@@ -37,6 +39,9 @@ const detail::BackendOps kOps = {
     backward,
     dense_attention_fwd,
     dense_attention_bwd,
+    cache_append,
+    decode,
+    dense_decode,
 };
 
 }  // namespace

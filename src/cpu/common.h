@@ -38,6 +38,9 @@ struct Rows {
   DType dtype = DType::f32;
   int64_t row_stride = 0, head_stride = 0;  // elements
   int64_t dim = 0;
+  // Paged (Rows::paged): the block-table row of the sequence; null for a plain [rows, heads, D].
+  const int32_t* table = nullptr;
+  int64_t table_stride = 0, page_rows = 1, page_stride = 0;
 
   static Rows of(const TensorView& t) {
     Rows r;
@@ -46,6 +49,21 @@ struct Rows {
     r.row_stride = t.stride[0];
     r.head_stride = t.stride[1];
     r.dim = t.shape[2];
+    return r;
+  }
+  // One sequence's rows of a paged pool [P, rows_per_page, heads, D] (nsa/cache.h): row r lives in
+  // page table[(r / rows_per_page) * table_stride], slot r % rows_per_page.
+  static Rows paged(const TensorView& pool, const int32_t* table, int64_t table_stride, int64_t rows_per_page) {
+    Rows r;
+    r.base = static_cast<const char*>(pool.data);
+    r.dtype = pool.dtype;
+    r.row_stride = pool.stride[1];
+    r.head_stride = pool.stride[2];
+    r.dim = pool.shape[3];
+    r.table = table;
+    r.table_stride = table_stride;
+    r.page_rows = rows_per_page;
+    r.page_stride = pool.stride[0];
     return r;
   }
   static Rows of_f32(const float* data, int64_t heads, int64_t dim) {
@@ -58,7 +76,10 @@ struct Rows {
     return r;
   }
   const char* ptr(int64_t row, int64_t head) const {
-    return base + (row * row_stride + head * head_stride) * static_cast<int64_t>(dtype_size(dtype));
+    int64_t off = row * row_stride + head * head_stride;
+    if (table != nullptr)
+      off = table[(row / page_rows) * table_stride] * page_stride + (row % page_rows) * row_stride + head * head_stride;
+    return base + off * static_cast<int64_t>(dtype_size(dtype));
   }
   // dst[0..dim) = float(row), converted.
   void load(int64_t row, int64_t head, float* dst) const {

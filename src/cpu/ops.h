@@ -184,11 +184,18 @@ void dense_attention_bwd(const Plan&, const TensorView& q, const TensorView& k, 
                          const TensorView& o, const TensorView& lse, const TensorView& d_o,
                          const TensorView& dq, const TensorView& dk, const TensorView& dv, Workspace ws);
 
+// Decoding (decode.cpp).
+void cache_append(const Plan&, const PagedCache& cache, const CacheAppend& in, Workspace ws);
+void decode(const Plan&, const PagedCache& cache, const DecodeInputs& in, const ForwardOutputs& out, Workspace ws);
+void dense_decode(const Plan&, const KV& pages, const PageTable& table, const TensorView& q, const TensorView& o,
+                  const TensorView& lse, Workspace ws);
+
 // Workspace sizes of each op: shared bytes and bytes per thread.
 struct WsSizes {
   size_t shared = 0, slot = 0;
 };
 WsSizes forward_sizes(Op op, const Config& cfg, const Problem& pr);
 WsSizes backward_sizes(Op op, const Config& cfg, const Problem& pr);
+WsSizes decode_sizes(Op op, const Config& cfg, const Problem& pr);
 
 }  // namespace nsa::cpu
