@@ -5,7 +5,7 @@ Functional API (numpy arrays and torch tensors, host or CUDA): ``attention`` and
 ``window_attention``, plus ``dense_attention``. PyTorch layer: ``nsa.NativeSparseAttention``
 (imported on first use, so that numpy users never import torch). See docs/python.md.
 """
-from ._core import Config, Error, Phi
+from ._core import CacheArrays, Config, Error, Phi
 from ._nsa import backend_available
 from .functional import (
     AttentionAux,
@@ -13,11 +13,14 @@ from .functional import (
     attention,
     attention_backward,
     attention_branches,
+    cache_append,
     compress,
     compress_backward,
     compressed_attention,
     dense_attention,
     dense_attention_backward,
+    dense_decode,
+    decode,
     select_topn,
     selected_attention,
     window_attention,
@@ -26,10 +29,10 @@ from .functional import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "AttentionAux", "Config", "Error", "Gradients", "NSACache", "NativeSparseAttention", "Phi",
-    "attention", "attention_backward", "attention_branches", "backend_available", "compress",
-    "compress_backward", "compressed_attention", "dense_attention", "dense_attention_backward",
-    "select_topn", "selected_attention", "window_attention",
+    "AttentionAux", "CacheArrays", "Config", "Error", "Gradients", "NSACache", "NativeSparseAttention", "Phi",
+    "attention", "attention_backward", "attention_branches", "backend_available", "cache_append", "compress",
+    "compress_backward", "compressed_attention", "decode", "dense_attention", "dense_attention_backward",
+    "dense_decode", "select_topn", "selected_attention", "window_attention",
 ]
 
 

@@ -545,3 +545,116 @@ def dense_attention_backward(fw, scale: float, q, k, v, o, lse, d_o, cu_seqlens=
 
 def default_scale(dqk: int) -> float:
     return 1.0 / math.sqrt(dqk)
+
+
+# ---- Decoding (nsa/cache.h) -------------------------------------------------------------------
+
+
+class CacheArrays(NamedTuple):
+    """A paged cache as arrays (nsa/cache.h): pools [P, page_size, Hkv, D] per branch (None where
+    shared K/V has none), compressed pools [P, page_size / d, Hkv, D], the block table
+    [B, max_pages] int32, seq_lens [B] int32 (the call's new rows included), status [B] int32
+    (written on the device; may be None on the host) and a bound on seq_lens (0: the capacity)."""
+
+    pools: tuple  # (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, kc, vc)
+    block_table: Any
+    seq_lens: Any
+    status: Any
+    max_cache_len: int = 0
+
+
+def _cache_bound(cache: CacheArrays) -> int:
+    if cache.max_cache_len:
+        return int(cache.max_cache_len)
+    return int(cache.block_table.shape[1]) * int(cache.pools[0].shape[1])
+
+
+def _rows_per_sequence(fw, cu, rows: int, batch: int, max_new) -> int:
+    """The most new rows of one sequence: given, or read off host cu_seqlens, or rows / B."""
+    if max_new:
+        return int(max_new)
+    if cu is None:
+        return rows // batch if batch else 0
+    if fw.device(cu) != "cpu":
+        raise error("max_new", 0, "must be given (>= the most new rows of one sequence) when cu_seqlens is on the GPU")
+    c = [int(v) for v in cu.tolist()]
+    return max([b - a for a, b in zip(c, c[1:])], default=0)
+
+
+def _prepare_cache(fw, cache: CacheArrays) -> CacheArrays:
+    pools = tuple(fw.prepare(p) if p is not None else None for p in cache.pools)
+    return CacheArrays(pools, fw.prepare(cache.block_table), fw.prepare(cache.seq_lens),
+                       cache.status, int(cache.max_cache_len or 0))
+
+
+def cache_append(fw, cfg: Config, cache: CacheArrays, kv6, phi_k: Optional[Phi], phi_v: Optional[Phi],
+                 cu_seqlens=None, max_new=None, backend="auto", num_threads=0) -> None:
+    """Appends the new tokens kv6 (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win; [Tn, Hkv, D], the
+    last four None with shared K/V) to the cache's sequences; completed compressed blocks are
+    computed by phi. cache.seq_lens must already count the new tokens."""
+    kv6 = tuple(fw.prepare(x) for x in kv6)
+    shared = kv6[2] is None and kv6[3] is None and kv6[4] is None and kv6[5] is None
+    cache = _prepare_cache(fw, cache)
+    rows, Hkv, Dqk = dims(kv6[0], "k_cmp", 3, "[Tn, Hkv, Dqk]")
+    Dv = dims(kv6[1], "v_cmp", 3, "[Tn, Hkv, Dv]")[2]
+    call = Call(fw, kv6[0], backend, num_threads, cu_seqlens, None)
+    kind = phi_pair_kind(phi_k, phi_v)
+    c = cfg.native(kind, shared)
+    B = int(cache.block_table.shape[0])
+    m = _rows_per_sequence(fw, call.cu, rows, B, max_new)
+    nbytes = _nsa.workspace_size("cache_append", backend, call.num_threads, c, rows, B, _cache_bound(cache), Hkv, Hkv,
+                                 Dqk, Dv, max(phi_hidden(phi_k), phi_hidden(phi_v)), fw.dtype_name(kv6[0]),
+                                 fw.device(kv6[0]), m)
+    ws = fw.workspace(nbytes, kv6[0]) if nbytes else None
+    with fw.device_guard(kv6[0]):
+        _nsa.cache_append(*call.ctx, c, cache.pools, cache.block_table, cache.seq_lens, cache.status,
+                          cache.max_cache_len, kv6, _phi_tuple(fw, phi_k), _phi_tuple(fw, phi_v), call.cu, m, ws)
+
+
+def decode(fw, cfg: Config, cache: CacheArrays, q, g, cu_seqlens=None, max_new=None, shared_kv: bool = False,
+           backend="auto", num_threads=0, branches=False) -> ForwardResult:
+    """The prefill rows of the queries q [Tq, Hq, Dqk] at the end of their sequences (spec §10),
+    gated by g [Tq, Hq, 3]: o [Tq, Hq, Dv], lse [Tq, Hq, 3], indices [Tq, Hkv, n] and, with
+    ``branches``, o_branch [3, Tq, Hq, Dv]."""
+    q, g = fw.prepare(q), fw.prepare(g)
+    cache = _prepare_cache(fw, cache)
+    rows, Hq, Dqk = dims(q, "q", 3, "[Tq, Hq, Dqk]")
+    Hkv, Dv = int(cache.pools[0].shape[2]), int(cache.pools[1].shape[3])
+    call = Call(fw, q, backend, num_threads, cu_seqlens, None)
+    c = cfg.native("mean", shared_kv)
+    B = int(cache.block_table.shape[0])
+    m = _rows_per_sequence(fw, call.cu, rows, B, max_new)
+    o = fw.empty((rows, Hq, Dv), q.dtype, q)
+    lse = fw.empty((rows, Hq, 3), fw.f32, q)
+    idx = fw.empty((rows, Hkv, cfg.n_selected), fw.i32, q)
+    ob = fw.empty((3, rows, Hq, Dv), q.dtype, q) if branches else None
+    nbytes = _nsa.workspace_size("decode", backend, call.num_threads, c, rows, B, _cache_bound(cache), Hq, Hkv, Dqk,
+                                 Dv, 0, fw.dtype_name(q), fw.device(q), m)
+    ws = fw.workspace(nbytes, q) if nbytes else None
+    with fw.device_guard(q):
+        _nsa.decode(*call.ctx, c, cache.pools, cache.block_table, cache.seq_lens, cache.status, cache.max_cache_len,
+                    q, g, call.cu, m, o, lse, idx, ob, ws)
+    return ForwardResult(o, lse, idx, ob)
+
+
+def dense_decode(fw, scale: float, k_pages, v_pages, block_table, seq_lens, status, q, cu_seqlens=None,
+                 max_new=None, max_cache_len=0, backend="auto", num_threads=0):
+    """(o [Tq, Hq, Dv], lse [Tq, Hq]): dense causal attention of the queries over every cached
+    token of the pools k_pages, v_pages [P, page_size, Hkv, D]."""
+    q, k_pages, v_pages = fw.prepare(q), fw.prepare(k_pages), fw.prepare(v_pages)
+    block_table, seq_lens = fw.prepare(block_table), fw.prepare(seq_lens)
+    rows, Hq, Dqk = dims(q, "q", 3, "[Tq, Hq, Dqk]")
+    Hkv, Dv = int(k_pages.shape[2]), int(v_pages.shape[3])
+    call = Call(fw, q, backend, num_threads, cu_seqlens, None)
+    B = int(block_table.shape[0])
+    m = _rows_per_sequence(fw, call.cu, rows, B, max_new)
+    bound = int(max_cache_len) or int(block_table.shape[1]) * int(k_pages.shape[1])
+    o = fw.empty((rows, Hq, Dv), q.dtype, q)
+    lse = fw.empty((rows, Hq), fw.f32, q)
+    nbytes = _nsa.workspace_size("dense_decode", backend, call.num_threads, Config(scale=scale).native(), rows, B,
+                                 bound, Hq, Hkv, Dqk, Dv, 0, fw.dtype_name(q), fw.device(q), m)
+    ws = fw.workspace(nbytes, q) if nbytes else None
+    with fw.device_guard(q):
+        _nsa.dense_decode(*call.ctx, float(scale), k_pages, v_pages, block_table, seq_lens, status, int(max_cache_len),
+                          q, call.cu, m, o, lse, ws)
+    return o, lse

@@ -188,3 +188,65 @@ def dense_attention_backward(q, k, v, o, lse, d_o, *, scale: Optional[float] = N
     s = 0.0 if scale is None else float(scale)
     return _core.dense_attention_backward(arrays_for(q), s, q, k, v, o, lse, d_o, cu_seqlens, max_seqlen,
                                           backend, num_threads)
+
+
+# ---- Decoding (spec §10, include/nsa/cache.h) ------------------------------------------------------
+
+
+def _cache_arrays(cache) -> _core.CacheArrays:
+    if isinstance(cache, _core.CacheArrays):
+        return cache
+    if hasattr(cache, "arrays"):  # nsa.NSACache
+        return cache.arrays()
+    raise _core.error("cache", type(cache).__name__, "must be an nsa.CacheArrays or an nsa.NSACache")
+
+
+def cache_append(cache, k, v, phi_k=None, phi_v=None, *, cu_seqlens=None, max_new=None,
+                 config: Optional[Config] = None, backend: str = "auto", num_threads: int = 0, **config_fields) -> None:
+    """Appends new tokens to a paged cache (``nsa.CacheArrays`` or ``nsa.NSACache``): k, v [Tn, Hkv, D]
+    (one array each for shared K/V, or (cmp, slc, win) tuples), packed over the cache's B
+    sequences by cu_seqlens (None: Tn / B each). cache.seq_lens must already count them. Every
+    compressed block whose last token is among them is computed by phi (phi_k, phi_v as for
+    ``attention``). max_new: the most new tokens of one sequence (derived unless cu_seqlens is on
+    a GPU)."""
+    cfg = make_config(config, config_fields)
+    phi_k, phi_v = as_phi(phi_k, "phi_k"), as_phi(phi_v, "phi_v")
+    kv6, _ = split_kv(k, v)
+    arrays = _cache_arrays(cache)
+    if is_torch(kv6[0]):
+        _torch_ops().cache_append(arrays, kv6, phi_k, phi_v, cfg, cu_seqlens, max_new, backend, num_threads)
+    else:
+        _core.cache_append(arrays_for(kv6[0]), cfg, arrays, kv6, phi_k, phi_v, cu_seqlens, max_new, backend,
+                           num_threads)
+
+
+def decode(cache, q, g, *, cu_seqlens=None, max_new=None, config: Optional[Config] = None, backend: str = "auto",
+           num_threads: int = 0, return_aux: bool = False, **config_fields):
+    """NSA of the queries q [Tq, Hq, Dqk] at the end of the cache's sequences (their tokens
+    appended), gated by g [Tq, Hq, 3]: the rows of the prefill of the whole sequences (spec §10),
+    each query with its own selection. o [Tq, Hq, Dv]; with ``return_aux``, ``(o,
+    AttentionAux(lse, indices))``. Not differentiable."""
+    cfg = make_config(config, config_fields)
+    arrays = _cache_arrays(cache)
+    shared = arrays.pools[2] is None
+    if is_torch(q):
+        o, lse, idx, _ = _torch_ops().decode(arrays, q, g, cfg, cu_seqlens, max_new, shared, backend, num_threads)
+    else:
+        o, lse, idx, _ = _core.decode(arrays_for(q), cfg, arrays, q, g, cu_seqlens, max_new, shared, backend,
+                                      num_threads)
+    return (o, AttentionAux(lse, idx)) if return_aux else o
+
+
+def dense_decode(k_pages, v_pages, block_table, seq_lens, q, *, status=None, scale: float = 0.0, cu_seqlens=None,
+                 max_new=None, max_cache_len: int = 0, backend: str = "auto", num_threads: int = 0):
+    """(o [Tq, Hq, Dv], lse [Tq, Hq]): dense causal attention of the queries over every cached
+    token of the pools k_pages, v_pages [P, page_size, Hkv, D] (the decode baseline)."""
+    if is_torch(q):
+        if status is None:
+            import torch
+
+            status = torch.zeros(block_table.shape[0], dtype=torch.int32, device=q.device)
+        return _torch_ops().dense_decode(k_pages, v_pages, block_table, seq_lens, status, q, scale, cu_seqlens, max_new,
+                                         max_cache_len, backend, num_threads)
+    return _core.dense_decode(arrays_for(q), scale, k_pages, v_pages, block_table, seq_lens, status, q, cu_seqlens,
+                              max_new, max_cache_len, backend, num_threads)

@@ -3,7 +3,7 @@
 x -> q, k, v projections (independent K/V per branch, or one shared K/V) -> rotary embeddings
 -> NSA (compression with a learned phi, top-n selection, sliding window) gated by
 sigmoid(MLP(x)) -> output projection. Packed variable-length input with ``cu_seqlens`` or a
-padded-free ``[B, S, hidden]`` batch; a simple decode path through ``NSACache``.
+padded-free ``[B, S, hidden]`` batch; decoding through a paged KV cache, ``NSACache``.
 
 Rotary embeddings (which keys get them, and why): q and the raw keys of *every* branch are
 rotated by their position within their own sequence, values never. One q serves all three
@@ -28,32 +28,121 @@ _PHI_KINDS = ("mean", "linear", "mlp")
 
 
 class NSACache:
-    """Raw keys and values of every sequence seen so far, for decoding with one layer.
+    """A paged KV cache of one ``NativeSparseAttention`` layer (spec §10, include/nsa/cache.h):
+    tensors you own, in the layout inference engines use.
 
-    The library has no KV cache yet (spec §10). Until it has, decoding appends the new tokens'
-    rotated keys and values here and recomputes the layer over each whole cached sequence,
-    keeping only the new rows: exactly the prefill output of those rows, at the cost of a
-    prefill per step. It will move to the library's cache (which computes each compressed block
-    once, when its last token arrives) once that exists.
+    ``NSACache()`` is sized by the layer on its first use and grown when a sequence outgrows it
+    (eager mode; the layer keeps the lengths on the host too). ``NSACache.allocate(layer,
+    batch_size, max_seqlen)`` has a fixed capacity and needs no host work per call: a decode step
+    with it runs under ``torch.compile`` and can be captured in a CUDA graph (feed ``[B, S,
+    hidden]`` inputs, S new tokens per sequence; lengths advance on the device).
+
+    The layer's first call with a cache is the prefill of every sequence (the prefill kernels,
+    then one append); later calls append each sequence's new tokens, which computes every
+    compressed block once, when its last token arrives, and attend them with the library's
+    decode: the rows of the prefill of the whole sequences. Decoding is not differentiable.
+
+    Tensors (on the layer's device): ``pools`` (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, kc, vc;
+    None where shared K/V has none), raw ones [B * max_pages, page_size, Hkv, D], compressed
+    [B * max_pages, page_size / d, Hkv, D]; ``block_table`` [B, max_pages] int32 (sequence b owns
+    pages b * max_pages ...); ``seq_lens`` [B] int32; ``status`` [B] int32, the bits the GPU
+    kernels set for bad metadata (``check()`` raises on them).
     """
 
     def __init__(self):
-        self.keys: List[List[Tensor]] = []  # per sequence: one [T_b, Hkv, Dqk] per K/V set
-        self.values: List[List[Tensor]] = []  # per sequence: one [T_b, Hkv, Dv] per K/V set
+        self.pools: Optional[tuple] = None
+        self.block_table: Optional[Tensor] = None
+        self.seq_lens: Optional[Tensor] = None
+        self.status: Optional[Tensor] = None
+        self.page_size = 0
+        self.fixed = False  # allocate(): capacity fixed, no host bookkeeping
+        self.filled = False  # a first call (the prefill) has happened
+        self.lengths: List[int] = []  # host copy of seq_lens (growable caches only)
+
+    @classmethod
+    def allocate(cls, layer: "NativeSparseAttention", batch_size: int, max_seqlen: int,
+                 page_size: Optional[int] = None, device=None, dtype=None) -> "NSACache":
+        """A cache for `batch_size` sequences of up to `max_seqlen` tokens each."""
+        if batch_size < 1:
+            raise error("batch_size", batch_size, "must be >= 1")
+        if max_seqlen < 1:
+            raise error("max_seqlen", max_seqlen, "must be >= 1")
+        c = cls()
+        ref = layer.q_proj.weight
+        c._make(layer, batch_size, max_seqlen, page_size, device or ref.device, dtype or ref.dtype)
+        c.fixed = True
+        return c
+
+    # ---- shape and state --------------------------------------------------------------------
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return 0 if self.block_table is None else int(self.block_table.shape[0])
+
+    @property
+    def capacity(self) -> int:
+        """Tokens each sequence can hold."""
+        return 0 if self.block_table is None else int(self.block_table.shape[1]) * self.page_size
 
     def seq_len(self, b: int) -> int:
-        return int(self.keys[b][0].shape[0]) if b < len(self.keys) else 0
+        if b >= len(self):
+            return 0
+        return self.lengths[b] if not self.fixed else int(self.seq_lens[b])
 
-    def append(self, b: int, keys: List[Tensor], values: List[Tensor]) -> None:
-        if b == len(self.keys):
-            self.keys.append([k.detach() for k in keys])
-            self.values.append([v.detach() for v in values])
-        else:
-            self.keys[b] = [torch.cat([old, new.detach()]) for old, new in zip(self.keys[b], keys)]
-            self.values[b] = [torch.cat([old, new.detach()]) for old, new in zip(self.values[b], values)]
+    def arrays(self):
+        from ._core import CacheArrays
+
+        return CacheArrays(self.pools, self.block_table, self.seq_lens, self.status, 0)
+
+    def check(self) -> None:
+        """Raises nsa.Error if a kernel reported bad metadata for some sequence (reads status: a sync)."""
+        bad = [(b, int(s)) for b, s in enumerate(self.status.tolist()) if s]
+        if bad:
+            raise error("cache.status", bad, "must be all 0 (bits: 1 length out of range, 2 page id out of range, "
+                                             "4 bad rows)")
+
+    def reset(self) -> None:
+        """Empties every sequence (keeps the memory)."""
+        if self.seq_lens is not None:
+            self.seq_lens.zero_()
+            self.status.zero_()
+        self.lengths = [0] * len(self)
+        self.filled = False
+
+    # ---- allocation -------------------------------------------------------------------------
+
+    @staticmethod
+    def _default_page_size(layer) -> int:
+        lp = layer.config.slc_block_len
+        return lp * max(1, -(-64 // lp))  # the smallest multiple of l' that is >= 64
+
+    def _make(self, layer, batch_size: int, max_seqlen: int, page_size, device, dtype) -> None:
+        ps = page_size or (self.page_size or self._default_page_size(layer))
+        if ps % layer.config.slc_block_len:
+            raise error("page_size", ps, f"must be a multiple of slc_block_len = {layer.config.slc_block_len}")
+        max_pages = max(1, -(-max_seqlen // ps))
+        P, Hkv, d = batch_size * max_pages, layer.num_kv_heads, layer.config.cmp_stride
+        raw = []
+        for s in range(3):
+            have = s < layer.num_kv_sets
+            raw += [torch.zeros((P, ps, Hkv, layer.head_dim), device=device, dtype=dtype) if have else None,
+                    torch.zeros((P, ps, Hkv, layer.v_head_dim), device=device, dtype=dtype) if have else None]
+        kc = torch.zeros((P, ps // d, Hkv, layer.head_dim), device=device, dtype=dtype)
+        vc = torch.zeros((P, ps // d, Hkv, layer.v_head_dim), device=device, dtype=dtype)
+        old = self.pools
+        self.pools = tuple(raw) + (kc, vc)
+        table = torch.arange(P, dtype=torch.int32, device=device).view(batch_size, max_pages)
+        if old is not None:  # growing: each sequence's pages move to the front of its new range
+            old_pages = self.block_table.shape[1]
+            for new, prev in zip(self.pools, old):
+                if new is not None:
+                    new.view(batch_size, max_pages, *new.shape[1:])[:, :old_pages] = prev.view(
+                        batch_size, old_pages, *prev.shape[1:])
+        self.block_table = table
+        if self.seq_lens is None:
+            self.seq_lens = torch.zeros(batch_size, dtype=torch.int32, device=device)
+            self.status = torch.zeros(batch_size, dtype=torch.int32, device=device)
+            self.lengths = [0] * batch_size
+        self.page_size = ps
 
 
 class NativeSparseAttention(nn.Module):
@@ -78,8 +167,9 @@ class NativeSparseAttention(nn.Module):
 
     forward(x, cu_seqlens=None, max_seqlen=None, cache=None):
         x [T, hidden] (packed sequences, cu_seqlens [B+1]) or [B, S, hidden] (B sequences of S).
-        With a cache, x holds the new tokens of each cached sequence (cu_seqlens over the new
-        tokens; a sequence not yet in the cache starts there) and the result holds their rows.
+        With a cache (NSACache), x holds the new tokens of each of the cache's sequences
+        (cu_seqlens over the new tokens, a 0-length entry for an idle one; or [B, S, hidden], S
+        new tokens each) and the result holds their rows.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: Optional[int] = None,
@@ -225,7 +315,7 @@ class NativeSparseAttention(nn.Module):
         if cache is None:
             out = self._prefill(x, cu_seqlens, max_seqlen)
         else:
-            out = self._with_cache(x, cu_seqlens, cache)
+            out = self._with_cache(x, cu_seqlens, cache, B if batched else None)
         return out.view(B, S, self.hidden_size) if batched else out
 
     def _prefill(self, x: Tensor, cu_seqlens, max_seqlen) -> Tensor:
@@ -241,35 +331,59 @@ class NativeSparseAttention(nn.Module):
         o = self._attend(q, ks, vs, g, cu_seqlens, max_seqlen)
         return self.o_proj(o.reshape(T, self.num_heads * self.v_head_dim))
 
-    def _with_cache(self, x: Tensor, cu_seqlens, cache: NSACache) -> Tensor:
-        # Decode: append the new tokens to the cache, recompute each whole cached sequence and keep
-        # the new rows (NSACache's docstring says why and what replaces it).
+    def _with_cache(self, x: Tensor, cu_seqlens, cache: NSACache, batch: Optional[int]) -> Tensor:
+        """Appends the new tokens x of each sequence to the cache and returns their rows: the
+        prefill kernels on the first call, the library's decode afterwards (NSACache says more).
+        batch: B for a [B, S, hidden] input (S new tokens each), else None (cu_seqlens over x)."""
         T = x.shape[0]
-        cu = [0, T] if cu_seqlens is None else [int(c) for c in torch.as_tensor(cu_seqlens).tolist()]
-        if cu[0] != 0 or cu[-1] != T:
-            raise error("cu_seqlens", cu, f"must run from 0 to the number of new tokens T = {T}")
-        if len(cu) - 1 < len(cache):
-            raise error("cu_seqlens", f"{len(cu) - 1} sequences",
+        if T == 0:
+            return x.new_zeros((0, self.hidden_size))
+        if batch is not None:
+            B, counts = batch, None
+        else:
+            cu = [0, T] if cu_seqlens is None else [int(c) for c in torch.as_tensor(cu_seqlens).tolist()]
+            if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+                raise error("cu_seqlens", cu, f"must run from 0 to the number of new tokens T = {T}, non-decreasing")
+            B, counts = len(cu) - 1, [b - a for a, b in zip(cu, cu[1:])]
+        if cache.block_table is None:
+            cache._make(self, B, max(counts or [T // max(B, 1)]) + 1, None, x.device, x.dtype)
+        if B != len(cache):
+            raise error("cu_seqlens", f"{B} sequences",
                         f"must cover every cached sequence ({len(cache)}); give a 0-length entry for idle ones")
-        cached = [cache.seq_len(b) for b in range(len(cu) - 1)]
-        positions = torch.cat([torch.arange(cached[b], cached[b] + cu[b + 1] - cu[b], device=x.device)
-                               for b in range(len(cu) - 1)]) if T else torch.zeros(0, dtype=torch.int64, device=x.device)
-        q, ks, vs, g = self._project(x, positions)
-        full_q, full_g, full_k, full_v, full_cu, rows = [], [], [[] for _ in ks], [[] for _ in vs], [0], []
-        for b in range(len(cu) - 1):
-            new = slice(cu[b], cu[b + 1])
-            cache.append(b, [k[new] for k in ks], [v[new] for v in vs])
-            total = cache.seq_len(b)
-            old = total - (cu[b + 1] - cu[b])
-            # Rows of the cached tokens get zero queries and gates: their outputs are dropped.
-            full_q += [q.new_zeros((old, *q.shape[1:])), q[new]]
-            full_g += [g.new_zeros((old, *g.shape[1:])), g[new]]
-            for i in range(len(ks)):
-                full_k[i].append(cache.keys[b][i])
-                full_v[i].append(cache.values[b][i])
-            rows.append(torch.arange(full_cu[-1] + old, full_cu[-1] + total, device=x.device))
-            full_cu.append(full_cu[-1] + total)
-        o = self._attend(torch.cat(full_q), [torch.cat(k) for k in full_k], [torch.cat(v) for v in full_v],
-                         torch.cat(full_g), torch.tensor(full_cu, dtype=torch.int32), None)
-        o = o[torch.cat(rows)] if rows else o[:0]
+        if not cache.fixed:
+            per_seq = counts if counts is not None else [T // B] * B
+            need = max(length + m for length, m in zip(cache.lengths, per_seq))
+            if need > cache.capacity:
+                cache._make(self, B, max(need, 2 * cache.capacity), None, x.device, x.dtype)
+        # Positions of the new tokens (their sequence's length so far, onwards), on the device.
+        old = cache.seq_lens.to(torch.int64)
+        if counts is None:
+            S = T // B
+            m_dev = torch.full((B,), S, dtype=torch.int32, device=x.device)
+            positions = (old[:, None] + torch.arange(S, device=x.device)[None, :]).reshape(-1)
+            cu_new = None
+        else:
+            m_dev = torch.tensor(counts, dtype=torch.int32, device=x.device)
+            cu_new = torch.tensor([0] + list(torch.tensor(counts).cumsum(0).tolist()), dtype=torch.int32)
+            starts = torch.repeat_interleave(cu_new[:-1].to(x.device, torch.int64), m_dev, output_size=T)
+            positions = torch.repeat_interleave(old, m_dev, output_size=T) + torch.arange(T, device=x.device) - starts
+        with torch.no_grad():
+            q, ks, vs, g = self._project(x, positions)
+        cache.seq_lens.add_(m_dev)
+        kv6 = (ks[0], vs[0], None, None, None, None) if self.shared_kv else (ks[0], vs[0], ks[1], vs[1], ks[2], vs[2])
+        prefill = not cache.filled
+        if prefill:
+            o = self._attend(q, ks, vs, g, cu_new if cu_new is not None else
+                             torch.arange(0, (B + 1) * (T // B), T // B, dtype=torch.int32), None)
+        phi_k, phi_v = self._phi(self.phi_k), self._phi(self.phi_v)
+        detach = (lambda p: None if p is None else Phi(*[None if t is None else t.detach() for t in p]))
+        max_new = (T // B) if counts is None else max(counts, default=0)
+        torch_ops.cache_append(cache.arrays(), kv6, detach(phi_k), detach(phi_v), self.config, cu_new, max_new,
+                               self.backend, self.num_threads)
+        if not prefill:
+            o = torch_ops.decode(cache.arrays(), q, g, self.config, cu_new, max_new, self.shared_kv, self.backend,
+                                 self.num_threads)[0]
+        cache.filled = True
+        if not cache.fixed:
+            cache.lengths = [length + m for length, m in zip(cache.lengths, counts or [T // B] * B)]
         return self.o_proj(o.reshape(T, self.num_heads * self.v_head_dim))

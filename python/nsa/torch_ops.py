@@ -383,3 +383,110 @@ def window_attention(q, k, v, cfg: Config, cu_seqlens, max_seqlen, backend, num_
     cu, ms = sequences(cu_seqlens, max_seqlen, q)
     return torch.ops.nsa.window_attention(q, k, v, cu, ms, cfg.ints(), float(cfg.scale), backend,
                                           int(num_threads))
+
+
+# ---- Decoding: nsa::cache_append, nsa::decode, nsa::dense_decode ------------------------------------
+#
+# The cache's pools are arguments the operators mutate (so torch.compile orders them and CUDA
+# graphs capture them); a pool that shared K/V does not have is an empty tensor.
+
+_POOLS = ("k_cmp_pages", "v_cmp_pages", "k_slc_pages", "v_slc_pages", "k_win_pages", "v_win_pages", "kc_pages",
+          "vc_pages")
+
+
+def _cache(pools, block_table, seq_lens, status, max_cache_len) -> _core.CacheArrays:
+    return _core.CacheArrays(tuple(p if p.numel() > 0 else None for p in pools), block_table, seq_lens, status,
+                             max_cache_len)
+
+
+@torch.library.custom_op("nsa::cache_append", mutates_args=_POOLS + ("status",))
+def cache_append_op(
+    k_cmp_pages: Tensor, v_cmp_pages: Tensor, k_slc_pages: Tensor, v_slc_pages: Tensor, k_win_pages: Tensor,
+    v_win_pages: Tensor, kc_pages: Tensor, vc_pages: Tensor, block_table: Tensor, seq_lens: Tensor, status: Tensor,
+    max_cache_len: int, k_cmp: Tensor, v_cmp: Tensor, k_slc: Optional[Tensor], v_slc: Optional[Tensor],
+    k_win: Optional[Tensor], v_win: Optional[Tensor],
+    phi_k_w1: Optional[Tensor], phi_k_b1: Optional[Tensor], phi_k_w2: Optional[Tensor],
+    phi_k_b2: Optional[Tensor], phi_k_pe: Optional[Tensor],
+    phi_v_w1: Optional[Tensor], phi_v_b1: Optional[Tensor], phi_v_w2: Optional[Tensor],
+    phi_v_b2: Optional[Tensor], phi_v_pe: Optional[Tensor],
+    cu_seqlens: Optional[Tensor], max_new: int, config: List[int], backend: str, num_threads: int,
+) -> None:
+    """Appends the new tokens (k_cmp .. v_win [Tn, Hkv, D]) to the paged cache (spec §10)."""
+    pools = (k_cmp_pages, v_cmp_pages, k_slc_pages, v_slc_pages, k_win_pages, v_win_pages, kc_pages, vc_pages)
+    _core.cache_append(_fw, _cfg(config, 0.0), _cache(pools, block_table, seq_lens, status, max_cache_len),
+                       (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win),
+                       _phi(phi_k_w1, phi_k_b1, phi_k_w2, phi_k_b2, phi_k_pe),
+                       _phi(phi_v_w1, phi_v_b1, phi_v_w2, phi_v_b2, phi_v_pe), cu_seqlens, max_new, backend,
+                       num_threads)
+
+
+@cache_append_op.register_fake
+def _cache_append_fake(*args):
+    return None
+
+
+@torch.library.custom_op("nsa::decode", mutates_args=("status",))
+def decode_op(
+    q: Tensor, g: Tensor, k_cmp_pages: Tensor, v_cmp_pages: Tensor, k_slc_pages: Tensor, v_slc_pages: Tensor,
+    k_win_pages: Tensor, v_win_pages: Tensor, kc_pages: Tensor, vc_pages: Tensor, block_table: Tensor,
+    seq_lens: Tensor, status: Tensor, max_cache_len: int, cu_seqlens: Optional[Tensor], max_new: int,
+    config: List[int], scale: float, shared_kv: bool, backend: str, num_threads: int, branches: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """o [Tq, Hq, Dv], lse [Tq, Hq, 3] f32, indices [Tq, Hkv, n] int32 and o_branch [3, Tq, Hq, Dv]
+    (empty unless branches) of the queries at the end of their sequences."""
+    pools = (k_cmp_pages, v_cmp_pages, k_slc_pages, v_slc_pages, k_win_pages, v_win_pages, kc_pages, vc_pages)
+    r = _core.decode(_fw, _cfg(config, scale), _cache(pools, block_table, seq_lens, status, max_cache_len), q, g,
+                     cu_seqlens, max_new, shared_kv, backend, num_threads, branches)
+    return r.o, r.lse, r.indices, (r.o_branch if branches else q.new_empty((0,)))
+
+
+@decode_op.register_fake
+def _decode_fake(q, g, k_cmp_pages, v_cmp_pages, *rest):
+    config, branches = rest[-7], rest[-1]
+    T, Hq, Dv = q.shape[0], q.shape[1], v_cmp_pages.shape[3]
+    return (q.new_empty((T, Hq, Dv)), q.new_empty((T, Hq, 3), dtype=torch.float32),
+            q.new_empty((T, k_cmp_pages.shape[2], config[3]), dtype=torch.int32),
+            q.new_empty((3, T, Hq, Dv) if branches else (0,)))
+
+
+@torch.library.custom_op("nsa::dense_decode", mutates_args=("status",))
+def dense_decode_op(
+    q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seq_lens: Tensor, status: Tensor,
+    max_cache_len: int, cu_seqlens: Optional[Tensor], max_new: int, scale: float, backend: str, num_threads: int,
+) -> Tuple[Tensor, Tensor]:
+    """o [Tq, Hq, Dv], lse [Tq, Hq] f32: dense attention over every cached token (the baseline)."""
+    return _core.dense_decode(_fw, scale, k_pages, v_pages, block_table, seq_lens, status, q, cu_seqlens, max_new,
+                              max_cache_len, backend, num_threads)
+
+
+@dense_decode_op.register_fake
+def _dense_decode_fake(q, k_pages, v_pages, *rest):
+    return q.new_empty((q.shape[0], q.shape[1], v_pages.shape[3])), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+def _pool_args(cache: _core.CacheArrays, like: Tensor) -> list:
+    empty = like.new_empty((0,))
+    return [p if p is not None else empty for p in cache.pools]
+
+
+def cache_append(cache: _core.CacheArrays, kv6, phi_k, phi_v, cfg: Config, cu_seqlens, max_new, backend, num_threads,
+                 phi: str = "mean"):
+    cu, ms = sequences(cu_seqlens, max_new, kv6[0])
+    torch.ops.nsa.cache_append(*_pool_args(cache, kv6[0]), cache.block_table, cache.seq_lens, cache.status,
+                               int(cache.max_cache_len), *kv6, *_phi_args(phi_k), *_phi_args(phi_v), cu, ms,
+                               cfg.ints(), backend, int(num_threads))
+
+
+def decode(cache: _core.CacheArrays, q, g, cfg: Config, cu_seqlens, max_new, shared_kv: bool, backend, num_threads,
+           branches: bool = False):
+    cu, ms = sequences(cu_seqlens, max_new, q)
+    return torch.ops.nsa.decode(q, g, *_pool_args(cache, q), cache.block_table, cache.seq_lens, cache.status,
+                                int(cache.max_cache_len), cu, ms, cfg.ints(), float(cfg.scale), bool(shared_kv),
+                                backend, int(num_threads), bool(branches))
+
+
+def dense_decode(k_pages, v_pages, block_table, seq_lens, status, q, scale, cu_seqlens, max_new, max_cache_len,
+                 backend, num_threads):
+    cu, ms = sequences(cu_seqlens, max_new, q)
+    return torch.ops.nsa.dense_decode(q, k_pages, v_pages, block_table, seq_lens, status, int(max_cache_len), cu, ms,
+                                      float(scale), backend, int(num_threads))

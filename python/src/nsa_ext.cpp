@@ -175,6 +175,28 @@ nsa::Inputs layer_inputs(Arrays& arrays, nb::handle q, nb::handle kv, nb::handle
   return in;
 }
 
+// A paged cache (nsa/cache.h): pools = (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, kc, vc), None
+// where absent; the pools are written when `write`, status always.
+nsa::PagedCache cache_views(Arrays& arrays, nb::handle pools, nb::handle block_table, nb::handle seq_lens,
+                            nb::handle status, int64_t max_seqlen, bool write) {
+  static const char* const kNames[8] = {"cache.k_cmp", "cache.v_cmp", "cache.k_slc", "cache.v_slc",
+                                        "cache.k_win", "cache.v_win", "cache.kc", "cache.vc"};
+  nb::sequence seq = nb::cast<nb::sequence>(pools);
+  if (nb::len(seq) != 8)
+    throw nsa::Error("pools", "a sequence of " + std::to_string(nb::len(seq)) + " entries",
+                     "must be (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, kc, vc), None where absent");
+  nsa::TensorView v[8];
+  for (int i = 0; i < 8; ++i) v[i] = write ? arrays.out(seq[i], kNames[i]) : arrays.in(seq[i], kNames[i]);
+  nsa::PagedCache c;
+  for (int b = 0; b < 3; ++b) c.raw[b] = nsa::KV{v[2 * b], v[2 * b + 1]};
+  c.cmp = nsa::KV{v[6], v[7]};
+  c.pages.block_table = arrays.in(block_table, "pages.block_table");
+  c.pages.seq_lens = arrays.in(seq_lens, "pages.seq_lens");
+  c.pages.status = arrays.out(status, "pages.status");
+  c.pages.max_seqlen = max_seqlen;
+  return c;
+}
+
 nsa::Op parse_op(const std::string& name) {
   static const std::pair<const char*, nsa::Op> kOps[] = {
       {"compress_fwd", nsa::Op::compress_fwd},
@@ -187,6 +209,9 @@ nsa::Op parse_op(const std::string& name) {
       {"backward", nsa::Op::backward},
       {"dense_attention_fwd", nsa::Op::dense_attention_fwd},
       {"dense_attention_bwd", nsa::Op::dense_attention_bwd},
+      {"cache_append", nsa::Op::cache_append},
+      {"decode", nsa::Op::decode},
+      {"dense_decode", nsa::Op::dense_decode},
   };
   for (const auto& [text, op] : kOps)
     if (name == text) return op;
@@ -269,8 +294,9 @@ NB_MODULE(_nsa, m) {
       [](const std::string& op, const std::string& backend, int num_threads, const nsa::Config& cfg,
          int64_t total_tokens, int64_t batch, int64_t max_seqlen, int64_t hq, int64_t hkv,
          int64_t dqk, int64_t dv, int64_t phi_hidden, const std::string& dtype,
-         const std::string& device) {
+         const std::string& device, int64_t max_query_len) {
         nsa::Problem pr;
+        pr.max_query_len = max_query_len;
         pr.total_tokens = total_tokens;
         pr.batch = batch;
         pr.max_seqlen = max_seqlen;
@@ -494,5 +520,83 @@ NB_MODULE(_nsa, m) {
       NSA_CONTEXT_ARGS, nb::arg("scale"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
       nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("o"), nb::arg("lse"),
       nb::arg("d_o"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), nb::arg("workspace").none());
+  // Decoding (nsa/cache.h). The cache arrives as (pools, block_table, seq_lens, status, max_cache_len).
+#define NSA_CACHE_ARGS                                                                         \
+  nb::arg("pools"), nb::arg("block_table"), nb::arg("seq_lens"), nb::arg("status").none(), \
+      nb::arg("max_cache_len")
+
+  m.def(
+      "cache_append",
+      [](const std::string& backend, uintptr_t stream, int threads, bool det, const nsa::Config& cfg,
+         nb::handle pools, nb::handle block_table, nb::handle seq_lens, nb::handle status, int64_t max_cache_len,
+         nb::handle kv, nb::handle phi_k, nb::handle phi_v, nb::handle cu_seqlens, int64_t max_seqlen,
+         nb::handle workspace) {
+        static const char* const kKvNames[6] = {"k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win"};
+        Arrays a;
+        const nsa::Context ctx = make_context(backend, stream, threads, det);
+        const nsa::PagedCache cache = cache_views(a, pools, block_table, seq_lens, status, max_cache_len, true);
+        nsa::CacheAppend in;
+        kv_views(a, kv, in.kv, kKvNames);
+        in.phi_k = phi_views(a, phi_k, "phi_k");
+        in.phi_v = phi_views(a, phi_v, "phi_v");
+        in.seqs = sequences(a, cu_seqlens, max_seqlen);
+        const nsa::Workspace ws = a.workspace(workspace);
+        nb::gil_scoped_release release;
+        nsa::cache_append(ctx, cfg, cache, in, ws);
+      },
+      NSA_CONTEXT_ARGS, nb::arg("cfg"), NSA_CACHE_ARGS, nb::arg("kv"), nb::arg("phi_k").none(),
+      nb::arg("phi_v").none(), nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("workspace").none());
+
+  m.def(
+      "decode",
+      [](const std::string& backend, uintptr_t stream, int threads, bool det, const nsa::Config& cfg,
+         nb::handle pools, nb::handle block_table, nb::handle seq_lens, nb::handle status, int64_t max_cache_len,
+         nb::handle q, nb::handle g, nb::handle cu_seqlens, int64_t max_seqlen, nb::handle o, nb::handle lse,
+         nb::handle indices, nb::handle o_branch, nb::handle workspace) {
+        Arrays a;
+        const nsa::Context ctx = make_context(backend, stream, threads, det);
+        const nsa::PagedCache cache = cache_views(a, pools, block_table, seq_lens, status, max_cache_len, false);
+        nsa::DecodeInputs in;
+        in.q = a.in(q, "q");
+        in.g = a.in(g, "g");
+        in.seqs = sequences(a, cu_seqlens, max_seqlen);
+        nsa::ForwardOutputs out;
+        out.o = a.out(o, "o");
+        out.lse = a.out(lse, "lse");
+        out.indices = a.out(indices, "indices");
+        out.o_branch = a.out(o_branch, "o_branch");
+        const nsa::Workspace ws = a.workspace(workspace);
+        nb::gil_scoped_release release;
+        nsa::decode(ctx, cfg, cache, in, out, ws);
+      },
+      NSA_CONTEXT_ARGS, nb::arg("cfg"), NSA_CACHE_ARGS, nb::arg("q"), nb::arg("g"), nb::arg("cu_seqlens").none(),
+      nb::arg("max_seqlen"), nb::arg("o"), nb::arg("lse").none(), nb::arg("indices").none(),
+      nb::arg("o_branch").none(), nb::arg("workspace").none());
+
+  m.def(
+      "dense_decode",
+      [](const std::string& backend, uintptr_t stream, int threads, bool det, double scale, nb::handle k_pages,
+         nb::handle v_pages, nb::handle block_table, nb::handle seq_lens, nb::handle status, int64_t max_cache_len,
+         nb::handle q, nb::handle cu_seqlens, int64_t max_seqlen, nb::handle o, nb::handle lse, nb::handle workspace) {
+        Arrays a;
+        const nsa::Context ctx = make_context(backend, stream, threads, det);
+        const nsa::KV pages{a.in(k_pages, "pages_k"), a.in(v_pages, "pages_v")};
+        nsa::PageTable table;
+        table.block_table = a.in(block_table, "pages.block_table");
+        table.seq_lens = a.in(seq_lens, "pages.seq_lens");
+        table.status = a.out(status, "pages.status");
+        table.max_seqlen = max_cache_len;
+        const nsa::TensorView vq = a.in(q, "q");
+        const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
+        const nsa::TensorView vo = a.out(o, "o"), vl = a.out(lse, "lse");
+        const nsa::Workspace ws = a.workspace(workspace);
+        nb::gil_scoped_release release;
+        nsa::dense_decode(ctx, scale, pages, table, vq, s, vo, vl, ws);
+      },
+      NSA_CONTEXT_ARGS, nb::arg("scale"), nb::arg("k_pages"), nb::arg("v_pages"), nb::arg("block_table"),
+      nb::arg("seq_lens"), nb::arg("status").none(), nb::arg("max_cache_len"), nb::arg("q"),
+      nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("o"), nb::arg("lse").none(),
+      nb::arg("workspace").none());
+#undef NSA_CACHE_ARGS
 #undef NSA_CONTEXT_ARGS
 }

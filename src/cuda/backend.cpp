@@ -23,6 +23,7 @@
 #endif
 #include "cuda/common/check.h"
 #include "cuda/common/launch.h"
+#include "cuda/decode/decode.h"
 #include "cuda/forward_params.h"
 #include "cuda/topn.cuh"
 #include "nsa/blocks.h"
@@ -143,6 +144,9 @@ size_t workspace_size(const Context&, Op op, const Config& cfg, const Problem& p
                  : 0;
     case Op::forward: return ForwardWorkspace(cfg, pr, nullptr).bytes;
     case Op::selected_attention_fwd: return align_up(slc_union_list_len(cfg, pr) * sizeof(int32_t));
+    case Op::cache_append:
+    case Op::decode:
+    case Op::dense_decode: return decode::workspace_size(op, cfg, pr);
 #if NSA_CUDA_HAS_BACKWARD
     case Op::backward: return cuda_bwd::backward_workspace_size(cfg, pr);  // issue 5
     case Op::compress_bwd: return cuda_bwd::compress_bwd_workspace_size(cfg, pr);
@@ -464,6 +468,9 @@ const detail::BackendOps kOps = {
 #endif
     nullptr,  // dense_attention_fwd
     nullptr,  // dense_attention_bwd
+    decode::cache_append,
+    decode::decode,
+    decode::dense_decode,
 };
 
 }  // namespace

@@ -1,17 +1,7 @@
-// Spec §4 on the GPU: one warp per (token, KV head) row of S.
-//
-// The row's admissible scores S[0..J_t] are staged in shared memory. Forced blocks are taken
-// first; the remaining places go to repeated warp-wide arg-max rounds (no sort). Every lane keeps
-// a sorted list of the kLaneList best keys among its own columns (j = lane mod 32), built by one
-// scan; a round reduces the 32 list heads, and the lane that owned the winner pops its head. A
-// lane whose list runs dry while it still has columns refills it by a scan of the keys below the
-// last one it gave (rare: a round's winner is a random lane on real scores). Ties go to the
-// smaller j because the comparison key is (score, -j). The chosen blocks are then written in
-// ascending order (each lane computes the rank of its entries) and padded with -1.
-//
-// (Until session 9 each round's winner rescanned all its columns for its next best: a serial
-// scan of J/32 shared loads per round in one lane while the warp waited.)
+// Spec §4 on the GPU: one warp per (token, KV head) row of S, staged in shared memory and
+// selected by warp_topn (common/topn_row.cuh, which says how).
 #include "cuda/common/check.h"
+#include "cuda/common/topn_row.cuh"
 #include "cuda/topn.cuh"
 #include "nsa/blocks.h"
 #include "nsa/error.h"
@@ -21,54 +11,7 @@ namespace nsa::cuda {
 namespace {
 
 constexpr int kTopnWarps = 4;
-constexpr uint32_t kTakenBits = 0xffffffffu;  // a NaN pattern marking a column already chosen
 constexpr size_t kTopnSmemLimit = 200 * 1024;
-
-// Orders (score, -j) as one unsigned number; 0 for a column already taken.
-__device__ __forceinline__ uint64_t rank_key(float score, int j) {
-  uint32_t u = __float_as_uint(score);
-  if (u == kTakenBits) return 0;
-  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-  return (uint64_t(u) << 32) | uint64_t(0xffffffffu - uint32_t(j));
-}
-
-constexpr int kLaneList = 8;
-
-// A lane's best keys, descending (0: empty), and how many of its columns' keys are at or below
-// the bound of the scan that filled it (more than kLaneList: the list must be refilled when it
-// runs dry).
-struct LaneList {
-  uint64_t key[kLaneList];
-  int in_list, found;
-
-  // Fills the list with the lane's best keys at or below `bound` (0 keys, taken columns, never).
-  __device__ __forceinline__ void fill(const float* row, int lane, int64_t last, uint64_t bound) {
-#pragma unroll
-    for (int i = 0; i < kLaneList; ++i) key[i] = 0;
-    found = 0;
-    for (int64_t j = lane; j <= last; j += 32) {
-      uint64_t k = rank_key(row[j], static_cast<int>(j));
-      if (k == 0 || k > bound) continue;
-      ++found;
-#pragma unroll
-      for (int i = 0; i < kLaneList; ++i) {  // insertion: k bubbles down to its place
-        const uint64_t here = key[i];
-        const bool above = k > here;
-        key[i] = above ? k : here;
-        k = above ? here : k;
-      }
-    }
-    in_list = found < kLaneList ? found : kLaneList;
-  }
-  // Removes the head (the round's winner), refilling below it when the list runs dry.
-  __device__ __forceinline__ void pop(const float* row, int lane, int64_t last) {
-    const uint64_t gone = key[0];
-#pragma unroll
-    for (int i = 0; i + 1 < kLaneList; ++i) key[i] = key[i + 1];
-    key[kLaneList - 1] = 0;
-    if (--in_list == 0 && found > kLaneList) fill(row, lane, last, gone - 1);  // keys are unique
-  }
-};
 
 __global__ void select_topn_kernel(const TopnParams p, int warps_per_block) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -92,39 +35,10 @@ __global__ void select_topn_kernel(const TopnParams p, int warps_per_block) {
   float* srow = reinterpret_cast<float*>(smem) + warp * per_warp;
   int32_t* chosen = reinterpret_cast<int32_t*>(srow + p.n_slc_max);
   const int64_t J = last_slc_block(t, p.lp);
-  const int count = static_cast<int>(J + 1 < p.n_sel ? J + 1 : p.n_sel);
   const float* srcrow = p.scores + tg * p.s_st + hk * p.s_sh;
-  for (int64_t j = lane; j <= J; j += 32)
-    srow[j] = is_forced_block(j, J, p.n_init, p.n_local) ? __uint_as_float(kTakenBits) : srcrow[j];
-  // Forced blocks: [0, n_init) and (J - n_local, J], clipped to [0, J], without double counting.
-  const int first_forced = static_cast<int>(J + 1 < p.n_init ? J + 1 : p.n_init);
-  const int64_t local_lo = J - p.n_local + 1 > p.n_init ? J - p.n_local + 1 : p.n_init;
-  const int local_forced = static_cast<int>(J - local_lo + 1 > 0 ? J - local_lo + 1 : 0);
-  for (int k = lane; k < first_forced + local_forced; k += 32)
-    chosen[k] = k < first_forced ? k : static_cast<int32_t>(local_lo + (k - first_forced));
+  stage_topn_row(srow, J, p.n_init, p.n_local, lane, [&](int64_t j) { return srcrow[j]; });
   __syncwarp();
-  LaneList list;
-  list.fill(srow, lane, J, ~uint64_t(0));
-  for (int r = first_forced + local_forced; r < count; ++r) {
-    uint64_t top = list.key[0];
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) {
-      const uint64_t other = __shfl_xor_sync(0xffffffffu, top, off);
-      top = other > top ? other : top;
-    }
-    const int j = static_cast<int>(0xffffffffu - uint32_t(top & 0xffffffffu));
-    if (lane == 0) chosen[r] = j;
-    if (lane == j % 32) list.pop(srow, lane, J);
-  }
-  __syncwarp();
-  int32_t* out = p.indices + tg * p.i_st + hk * p.i_sh;
-  for (int e = lane; e < count; e += 32) {
-    const int32_t v = chosen[e];
-    int rank = 0;
-    for (int x = 0; x < count; ++x) rank += chosen[x] < v;
-    out[rank] = v;
-  }
-  for (int e = count + lane; e < p.n_sel; e += 32) out[e] = -1;
+  warp_topn(srow, J, p.n_sel, p.n_init, p.n_local, chosen, p.indices + tg * p.i_st + hk * p.i_sh, 1, lane);
 }
 
 }  // namespace

@@ -1,0 +1,108 @@
+// Decode, stage 2 of 4: for one (query, KV head), every compressed split's (m, l) merged into the
+// group's log-sum-exps, the selection scores S (spec §3) from the splits' partial scores, and the
+// query's own top-n (spec §4, common/topn_row.cuh). Also the check of the query's sequence: its
+// length, rows and every page id its length needs (the stages that read pages only guard their
+// reads): the KV head 0 CTA ORs the CacheStatus bits into status[b] and writes row_ok.
+//
+// Grid (max(queries, B), Hkv); 8 warps. The KV head 0 CTA x < B also checks sequence x's row range,
+// so a sequence that no row resolves to (its cu_seqlens entries broken) is reported too. Dense
+// decoding runs only the checks (grid (max(queries, B), 1)).
+#include "cuda/common/check.h"
+#include "cuda/common/topn_row.cuh"
+#include "cuda/decode/common.cuh"
+#include "cuda/decode/decode.h"
+
+namespace nsa::cuda::decode {
+
+namespace {
+
+constexpr int kSelectThreads = 256;
+
+// Shared layout: the merge factors [cmp_splits][G], the scores row [Ns], the chosen list [n].
+__global__ void __launch_bounds__(kSelectThreads) select_kernel(const DecodeParams p, int ns_max) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ int32_t bad_page;
+  const int row = blockIdx.x, hk = blockIdx.y, G = p.group;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (hk == 0 && threadIdx.x == 0 && row < p.pages.batch) {
+    const int32_t bad = sequence_info(p.pages, row).bad;
+    if (bad != 0) atomicOr(p.pages.status + row, bad);
+  }
+  if (row >= p.pages.rows) return;
+  const RowInfo ri = row_info(p.pages, row);
+  if (threadIdx.x == 0) bad_page = 0;
+  __syncthreads();
+  if (ri.ok)
+    for (int64_t piece = threadIdx.x; piece < pages_of(ri.seq.len, p.pages.page_size); piece += kSelectThreads)
+      if (page_of(p.pages, ri.seq.b, piece) < 0) bad_page = 1;  // benign race: every writer writes 1
+  __syncthreads();
+  const int32_t bad = ri.seq.bad | (bad_page ? kCacheBadPage : 0);
+  if (hk == 0 && threadIdx.x == 0) {
+    if (bad != 0 && ri.seq.b >= 0 && ri.seq.b < p.pages.batch) atomicOr(p.pages.status + ri.seq.b, bad);
+    p.row_ok[row] = bad == 0;
+  }
+  if (p.dense || p.n_sel == 0) return;
+  int32_t* sel = p.sel + int64_t(row) * p.sel_st + hk * p.sel_sh;
+  if (bad != 0) {
+    for (int k = threadIdx.x; k < p.n_sel; k += kSelectThreads) sel[k * p.sel_sn] = -1;
+    return;
+  }
+  float* factor = reinterpret_cast<float*>(smem);        // [cmp_splits][G]
+  float* srow = factor + p.cmp_splits * G;                // [ns_max]
+  int32_t* chosen = reinterpret_cast<int32_t*>(srow + ns_max);
+  const int64_t t = ri.t, C = visible_cmp_blocks(t, p.l, p.d);
+  const int used = static_cast<int>((C + p.cmp_chunk - 1) / p.cmp_chunk);  // splits holding keys
+  const int64_t item0 = (int64_t(row) * p.hkv + hk) * p.cmp_splits;
+  // exp2(m_s - M) / L per (split, head): what turns a split's partial scores into probabilities.
+  for (int g = threadIdx.x; g < G; g += kSelectThreads) {
+    float M = kNegInf, L = 0.f;
+    for (int s = 0; s < used; ++s) M = fmaxf(M, p.cmp_ml[(item0 + s) * G * 2 + 2 * g]);
+    for (int s = 0; s < used; ++s) {
+      const float m = p.cmp_ml[(item0 + s) * G * 2 + 2 * g];
+      if (m != kNegInf) L += p.cmp_ml[(item0 + s) * G * 2 + 2 * g + 1] * exp2f(m - M);
+    }
+    for (int s = 0; s < used; ++s) {
+      const float m = p.cmp_ml[(item0 + s) * G * 2 + 2 * g];
+      factor[s * G + g] = m != kNegInf && L > 0.f ? exp2f(m - M) / L : 0.f;
+    }
+  }
+  __syncthreads();
+  // S[j] for the admissible blocks (forced ones marked taken): the splits whose compressed blocks
+  // overlap j, in ascending order, each over the group's heads in order.
+  const int R = p.lp / p.d, L = p.l / p.d, W = p.score_width;
+  const int64_t J = last_slc_block(t, p.lp);
+  for (int64_t j = threadIdx.x; j <= J; j += kSelectThreads) {
+    if (is_forced_block(j, J, p.n_init, p.n_local)) {
+      srow[j] = __uint_as_float(kTakenBits);
+      continue;
+    }
+    float S = 0.f;
+    const int64_t first = j * R - L + 1 > 0 ? j * R - L + 1 : 0, last = (j + 1) * R - 1 < C - 1 ? (j + 1) * R - 1 : C - 1;
+    if (first <= last)
+      for (int64_t s = first / p.cmp_chunk; s <= last / p.cmp_chunk; ++s) {
+        const int64_t jj = j - (s * p.cmp_chunk) / R;
+        const float* part = p.cmp_s + (item0 + s) * G * W + jj;
+        for (int g = 0; g < G; ++g) S += part[g * W] * factor[s * G + g];
+      }
+    srow[j] = S;
+  }
+  __syncthreads();
+  if (warp == 0) warp_topn(srow, J, p.n_sel, p.n_init, p.n_local, chosen, sel, p.sel_sn, lane);
+}
+
+}  // namespace
+
+size_t select_smem(const DecodeParams& p, int64_t ns_max) {
+  return sizeof(float) * (static_cast<size_t>(p.cmp_splits) * p.group + static_cast<size_t>(ns_max)) +
+         sizeof(int32_t) * static_cast<size_t>(p.n_sel > 0 ? p.n_sel : 1);
+}
+
+void launch_select(const DecodeParams& p, int64_t ns_max, cudaStream_t stream) {
+  const size_t smem = select_smem(p, ns_max);
+  NSA_CUDA_CHECK(cudaFuncSetAttribute(select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  const dim3 grid(p.pages.rows > p.pages.batch ? p.pages.rows : p.pages.batch, p.dense ? 1 : p.hkv);
+  select_kernel<<<grid, kSelectThreads, smem, stream>>>(p, static_cast<int>(ns_max));
+  NSA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace nsa::cuda::decode
