@@ -6,7 +6,8 @@
 #   scripts/gpu_check.sh [SOURCE_DIR]        (default: this repository)
 #
 # Environment: OUT (log folder), BUILD_DIR (default /tmp/nsa-gpu-build), JOBS (default 16),
-# SKIP="sass_check host_tests cuda_tests memcheck cli_bench bench bench_backward gather_bench python_tests sm80_tests" (any subset), BENCH_ARGS (e.g. --quick),
+# SKIP="sass_check host_tests cuda_tests memcheck cli_bench bench bench_backward bench_decode gather_bench python_tests
+# bench_decode_layer public_decode sm80_tests" (any subset), BENCH_ARGS (e.g. --quick), DECODE_ARGS (nsa_decode_bench's),
 # CUDA_TEST_FILTER (a --gtest_filter for cuda_tests, e.g. '*CudaBackward*'), BREAK_TESTS=1 (last step:
 # scripts/break_tests.sh, the GPU tests must catch the bugs planted by tests/cuda/breaks/*.patch).
 # To add a step: write a function and call `step NAME function` below; its output lands in
@@ -88,13 +89,29 @@ host_tests() { "$(bin nsa_tests)" --gtest_brief=1; }
 cuda_tests() { "$SRC/scripts/gtest_sharded.sh" "$(bin nsa_cuda_tests)" ${CUDA_TEST_FILTER:+--gtest_filter=$CUDA_TEST_FILTER}; }
 memcheck() {
   compute-sanitizer --tool memcheck --error-exitcode 3 "$(bin nsa_cuda_tests)" \
-    --gtest_filter='*f16_d64_G1_packed_linear*:*bf16_d128_G16_paper*'
+    --gtest_filter='*f16_d64_G1_packed_linear*:*bf16_d128_G16_paper*:*CudaDecode*f16_d128x64*:*CudaDecodeStatus*'
 }
 # `nsa bench` (tools/nsa) takes the CUDA backend when a device is visible: a short smoke run.
 cli_bench() { "$(bin nsa)" bench --seqlens 8192 --hq 64 --hkv 4 --phi mean --repeats 3 --no-backward; }
 bench() {
   "$(bin nsa_cuda_bench)" --out "$OUT/nsa_bench.csv" ${BENCH_ARGS:-} || return 1
   PYTHONUNBUFFERED=1 python3 "$SRC/bench/sdpa_baseline.py" "$OUT/nsa_bench.csv" --markdown "$OUT/bench.md"
+}
+
+# Decoding (nsa_decode_bench): batch 1, 8, 64 at 8K-128K, eager and CUDA graphs, the library's dense
+# decode, then PyTorch SDPA decoding over the same shapes (bench/sdpa_decode_baseline.py); also the
+# public NSA's configuration (shared K/V, mean pooling) for bench/public_nsa_decode.py.
+bench_decode() {
+  local b; b="$(bin nsa_decode_bench)" || return 1
+  "$b" --backend cuda --batch 1,8,64 --lens 8192,16384,32768,65536,131072 --out "$OUT/nsa_decode.csv" ${DECODE_ARGS:-} || return 1
+  "$b" --backend cuda --batch 1,8,64 --lens 8192,32768,65536 --phi mean --shared-kv --out "$OUT/nsa_decode_shared_mean.csv" || return 1
+  PYTHONUNBUFFERED=1 python3 "$SRC/bench/sdpa_decode_baseline.py" "$OUT/nsa_decode.csv" --markdown "$OUT/bench_decode.md"
+}
+# The fastest public NSA's decode, laid out in .anchors/mdy_nsa by ../shared/anchors/mdy_nsa/setup.sh.
+public_decode() {
+  [[ -d "$SRC/.anchors/mdy_nsa/src" ]] || { echo "no .anchors/mdy_nsa (see bench/public_nsa_decode.py)"; return 1; }
+  PYTHONUNBUFFERED=1 PYTHONPATH="$SRC/.anchors/mdy_nsa/src" python3 "$SRC/bench/public_nsa_decode.py" \
+    --batch 1,8,64 --lens 8192,32768,65536 --markdown "$OUT/public_decode.md"
 }
 
 # The selection's gather patterns (bench/gather_patterns.cu, docs/cuda.md "Session 7"): a few seconds.
@@ -128,6 +145,11 @@ sm80_tests() {
 # issue 6: the whole Python suite with the CUDA backend built in (the GPU machine has torch, numpy,
 # nanobind and pytest; the extension is built with CMake, no network needed).
 python_tests() { NSA_PY_BUILD=cmake NSA_PY_CUDA=ON PYTHON=python3 "$SRC/scripts/test_python.sh"; }
+# The layer's decode step (needs the package python_tests built in build-py/stage).
+bench_decode_layer() {
+  PYTHONUNBUFFERED=1 PYTHONPATH="$SRC/build-py/stage:${PYTHONPATH:-}" python3 "$SRC/bench/decode_layer_bench.py" \
+    --markdown "$OUT/bench_decode_layer.md"
+}
 
 step build build || { echo "build failed: see $OUT/build.log"; tail -40 "$OUT/build.log"; exit 1; }
 step sass_check sass_check
@@ -137,8 +159,11 @@ step memcheck memcheck
 step cli_bench cli_bench
 step bench bench
 step bench_backward bench_backward
+step bench_decode bench_decode
+step public_decode public_decode
 step gather_bench gather_bench
 step python_tests python_tests
+step bench_decode_layer bench_decode_layer
 step sm80_tests sm80_tests
 # Last: it rebuilds the GPU tests with the planted bugs (the source tree is restored).
 [[ "${BREAK_TESTS:-0}" == 1 ]] && step break_tests "$SRC/scripts/break_tests.sh" "$BUILD_DIR" "$SRC"

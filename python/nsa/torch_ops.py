@@ -442,7 +442,7 @@ def decode_op(
 
 @decode_op.register_fake
 def _decode_fake(q, g, k_cmp_pages, v_cmp_pages, *rest):
-    config, branches = rest[-7], rest[-1]
+    config, branches = rest[-6], rest[-1]
     T, Hq, Dv = q.shape[0], q.shape[1], v_cmp_pages.shape[3]
     return (q.new_empty((T, Hq, Dv)), q.new_empty((T, Hq, 3), dtype=torch.float32),
             q.new_empty((T, k_cmp_pages.shape[2], config[3]), dtype=torch.int32),

@@ -312,7 +312,8 @@ NB_MODULE(_nsa, m) {
       nb::arg("op"), nb::arg("backend"), nb::arg("num_threads"), nb::arg("cfg"),
       nb::arg("total_tokens"), nb::arg("batch"), nb::arg("max_seqlen"), nb::arg("hq"),
       nb::arg("hkv"), nb::arg("dqk"), nb::arg("dv"), nb::arg("phi_hidden"), nb::arg("dtype"),
-      nb::arg("device"), "Bytes of workspace nsa::Op `op` needs (nsa::workspace_size).");
+      nb::arg("device"), nb::arg("max_query_len") = 0,
+      "Bytes of workspace nsa::Op `op` needs (nsa::workspace_size).");
 
   // Every entry point below takes (backend, stream, num_threads, deterministic) as its context,
   // then the arguments of the C++ function in the same order. The GIL is released while the

@@ -190,3 +190,37 @@ def test_torch_compile_on_cuda():
     x = torch.randn(200, 256, device="cuda", dtype=torch.bfloat16)
     compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(x), m(x), rtol=0, atol=0)
+
+
+def test_layer_decode_on_cuda_matches_prefill_and_replays_as_a_cuda_graph():
+    """The layer's decode with a fixed cache on the GPU: steps equal the prefill's rows (bf16
+    tolerance, rows whose selection agrees); a step captured with torch.cuda.graph replays the eager
+    steps' bits (lengths advance on the device at each replay)."""
+    torch.manual_seed(0)
+    m = nsa.NativeSparseAttention(512, num_heads=8, num_kv_heads=2, head_dim=64, config=CFG, device="cuda",
+                                  dtype=torch.bfloat16).eval()
+    x = torch.randn(2, 420, 512, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        full = m(x)
+        eager, graphed = nsa.NSACache.allocate(m, 2, 512), nsa.NSACache.allocate(m, 2, 512)
+        for cache in (eager, graphed):  # the prompt, and one eager step (warms up every kernel)
+            m(x[:, :300], cache=cache)
+            m(x[:, 300:301], cache=cache)
+        static_x = x[:, 301:302].clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):  # records a step; runs nothing
+            static_y = m(static_x, cache=graphed)
+        torch.cuda.synchronize()
+        scale = full.float().abs().max().item()
+        for t in range(301, 420):
+            y = m(x[:, t:t + 1], cache=eager)
+            err = (y.float() - full[:, t:t + 1].float()).abs().max().item()
+            assert err <= 0.03 * scale, (t, err, scale)
+            static_x.copy_(x[:, t:t + 1])
+            graph.replay()
+            torch.testing.assert_close(static_y, y, rtol=0, atol=0)
+        eager.check()
+        graphed.check()
+        assert graphed.seq_lens.tolist() == [420, 420]
