@@ -69,7 +69,7 @@ std::vector<DCase> cases() {
       {"bf16_d192x128_G8_linear", DType::bf16, 192, 128, 16, 2, {900}, 32, 16, 64, 8, 1, 1, 100, PhiKind::linear, false, 128, 700},
       {"f16_d128x64_G4_mlp_packed", DType::f16, 128, 64, 8, 2, {257, 1, 640, 77}, 16, 8, 32, 6, 1, 2, 64, PhiKind::mlp, true, 64, 500},
       {"bf16_d64_G2_n_above_no_window", DType::bf16, 64, 64, 4, 2, {200}, 8, 4, 16, 20, 2, 1, 0, PhiKind::mlp, false, 16, 60},
-      {"bf16_d192x64_G16_long", DType::bf16, 192, 64, 16, 1, {4100}, 32, 16, 64, 16, 1, 2, 512, PhiKind::mean, false, 256, 4000},
+      {"bf16_d192x64_G16_long", DType::bf16, 192, 64, 16, 1, {2100}, 32, 16, 64, 16, 1, 2, 512, PhiKind::mean, false, 256, 1200},
   };
 }
 
