@@ -89,22 +89,52 @@ __device__ __forceinline__ S* cmp_row(const AppendParams& p, const PhiSide& side
          cmp_block_slot(s.block, p.d, p.pages.page_size) * side.cmp.row_st + h * side.cmp.head_st;
 }
 
+// The slot's l token rows (head 0) of a raw pool into shared memory: every later load of a token
+// is then independent of the page table's.
+template <typename S>
+__device__ __forceinline__ void stage_token_rows(const AppendParams& p, const Pool& pool, const Slot& s, const S** rows) {
+  for (int r = threadIdx.x; r < p.l; r += blockDim.x)
+    rows[r] = pool_row<S>(p.pages, pool, s.b, s.block * p.d + r, p.pages.page_size, 0);  // valid: slot_of checked
+  __syncthreads();
+}
+
 // phi = mean: one CTA per (slot, side), one thread per (head, column).
 template <typename S>
 __global__ void __launch_bounds__(kPhiThreads) phi_mean_kernel(const AppendParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
   Slot s;
   if (!slot_of(p, blockIdx.x, s, blockIdx.y == 0 && threadIdx.x == 0)) return;
   const PhiSide& side = p.side[blockIdx.y];
+  const S** rows = reinterpret_cast<const S**>(smem);
+  stage_token_rows<S>(p, side.raw, s, rows);
   for (int e = threadIdx.x; e < p.hkv * side.dim; e += kPhiThreads) {
     const int h = e / side.dim, c = e % side.dim;
+    const int64_t at = h * side.raw.head_st + c;
     float sum = 0.f;
-    for (int r = 0; r < p.l; ++r)
-      sum += to_float(pool_row<S>(p.pages, side.raw, s.b, s.block * p.d + r, p.pages.page_size, h)[c]);
+#pragma unroll 8
+    for (int r = 0; r < p.l; ++r) sum += to_float(rows[r][at]);
     cmp_row<S>(p, side, s, h)[c] = from_float<S>(sum / static_cast<float>(p.l));
   }
 }
 
 enum class Layer { linear, mlp_hidden, mlp_out };
+
+// acc[h] += W[k0 .. k0+8) . u[h][k0 .. k0+8) for the group's heads (8 weights in one 16-byte load).
+template <typename S>
+__device__ __forceinline__ void dot8(const S* w, const float* u, int K, int heads, int k0, float (&acc)[kMaxHeadsPerCta]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(w + k0);
+  const S* w8 = reinterpret_cast<const S*>(&raw);
+  float wf[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) wf[i] = to_float(w8[i]);
+#pragma unroll
+  for (int h = 0; h < kMaxHeadsPerCta; ++h) {
+    if (h >= heads) break;
+    const float4 a = *reinterpret_cast<const float4*>(u + h * K + k0);
+    const float4 b = *reinterpret_cast<const float4*>(u + h * K + k0 + 4);
+    acc[h] += wf[0] * a.x + wf[1] * a.y + wf[2] * a.z + wf[3] * a.w + wf[4] * b.x + wf[5] * b.y + wf[6] * b.z + wf[7] * b.w;
+  }
+}
 
 // One layer of phi for a slot, a side and a group of heads: rows [32 y, 32 y + 32) of W times each
 // head's input (flatten(block + pe), or the hidden layer), then the layer's bias and activation.
@@ -120,32 +150,43 @@ __global__ void __launch_bounds__(kPhiThreads) phi_layer_kernel(const AppendPara
   if (blockIdx.y * kPhiRowsPerCta >= N || heads <= 0) return;
   Slot s;
   if (!slot_of(p, blockIdx.x, s, side_id == 0 && blockIdx.y == 0 && h0 == 0 && threadIdx.x == 0)) return;
-  // Inputs of the group's heads, [heads][K] (fp32: u = x + pe, or the hidden layer).
+  // Inputs of the group's heads, [heads][K] fp32 (u = x + pe, or the hidden layer); K is padded to
+  // a multiple of 4 floats so that every head's row starts on 16 bytes.
+  const int Kp = (K + 3) / 4 * 4;
   float* u = reinterpret_cast<float*>(smem);
   if constexpr (kLayer == Layer::mlp_out) {
     for (int e = threadIdx.x; e < heads * K; e += kPhiThreads)
-      u[e] = side.hidden_buf[(int64_t(blockIdx.x) * p.hkv + h0 + e / K) * F + e % K];
+      u[(e / K) * Kp + e % K] = side.hidden_buf[(int64_t(blockIdx.x) * p.hkv + h0 + e / K) * F + e % K];
   } else {
+    const S** rows = reinterpret_cast<const S**>(u + heads * Kp);
+    stage_token_rows<S>(p, side.raw, s, rows);
     const S* pe = static_cast<const S*>(side.pe);
+#pragma unroll 4
     for (int e = threadIdx.x; e < heads * K; e += kPhiThreads) {
       const int h = e / K, k = e % K, r = k / D, c = k % D;
-      u[e] = to_float(pool_row<S>(p.pages, side.raw, s.b, s.block * p.d + r, p.pages.page_size, h0 + h)[c]) +
-             to_float(pe[k]);
+      u[h * Kp + k] = to_float(rows[r][(h0 + h) * side.raw.head_st + c]) + to_float(pe[k]);
     }
   }
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const S* w = static_cast<const S*>(kLayer == Layer::mlp_out ? side.w2 : side.w1);
+  // 16-byte loads of W where its rows allow (K a multiple of 8 and W on 16 bytes).
+  const bool vec = K % 8 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0;
   for (int i = 0; i < kPhiRowsPerCta / (kPhiThreads / 32); ++i) {
     const int n = blockIdx.y * kPhiRowsPerCta + warp * (kPhiRowsPerCta / (kPhiThreads / 32)) + i;
     if (n >= N) break;
     const S* wrow = w + int64_t(n) * K;
     float acc[kMaxHeadsPerCta] = {};
-    for (int k = lane; k < K; k += 32) {
-      const float wk = to_float(wrow[k]);
+    if (vec) {
+#pragma unroll 2
+      for (int k0 = lane * 8; k0 < K; k0 += 256) dot8<S>(wrow, u, Kp, heads, k0, acc);
+    } else {
+      for (int k = lane; k < K; k += 32) {
+        const float wk = to_float(wrow[k]);
 #pragma unroll
-      for (int h = 0; h < kMaxHeadsPerCta; ++h)
-        if (h < heads) acc[h] += wk * u[h * K + k];
+        for (int h = 0; h < kMaxHeadsPerCta; ++h)
+          if (h < heads) acc[h] += wk * u[h * Kp + k];
+      }
     }
 #pragma unroll
     for (int h = 0; h < kMaxHeadsPerCta; ++h) {
@@ -175,7 +216,9 @@ void launch_layer(const AppendParams& p, int slots, int rows, size_t smem, cudaS
 
 }  // namespace
 
-size_t phi_layer_smem(int heads_per_cta, int64_t k) { return sizeof(float) * static_cast<size_t>(heads_per_cta * k); }
+size_t phi_layer_smem(int heads_per_cta, int64_t k) {
+  return sizeof(float) * static_cast<size_t>(heads_per_cta * ((k + 3) / 4 * 4)) + sizeof(void*) * kMaxBlockTokens;
+}
 
 template <typename S>
 void launch_append(const AppendParams& p, cudaStream_t stream) {
@@ -191,7 +234,7 @@ void launch_append(const AppendParams& p, cudaStream_t stream) {
   const int fmax = p.side[0].hidden > p.side[1].hidden ? p.side[0].hidden : p.side[1].hidden;
   switch (static_cast<PhiKind>(p.kind)) {
     case PhiKind::mean:
-      phi_mean_kernel<S><<<dim3(slots, 2), kPhiThreads, 0, stream>>>(p);
+      phi_mean_kernel<S><<<dim3(slots, 2), kPhiThreads, sizeof(void*) * p.l, stream>>>(p);
       NSA_CUDA_CHECK_LAUNCH();
       return;
     case PhiKind::linear:

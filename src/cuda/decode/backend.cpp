@@ -110,7 +110,7 @@ struct DecodeWorkspace {
     cmp_s = w.take<float>(cmp * sp.score_width);
     sel = w.take<int32_t>(items * n);
     row_ok = w.take<int32_t>(rows);
-    const int64_t sw = items * (n + sp.win.splits) * G;
+    const int64_t sw = items * ((dense ? 0 : sp.slc_ctas) + sp.win.splits) * G;
     sw_ml = w.take<float>(sw * 2);
     sw_o = w.take<float>(sw * pr.dv);
     bytes = w.bytes();
@@ -139,6 +139,8 @@ DecodeParams decode_params(const Plan& p, const PageTable& pt, const TensorView&
   d.cmp_splits = sp.cmp.splits;
   d.cmp_chunk = sp.cmp.chunk;
   d.score_width = sp.score_width;
+  d.slc_per_cta = sp.slc_per_cta;
+  d.slc_ctas = dense ? 0 : sp.slc_ctas;
   d.win_splits = sp.win.splits;
   d.win_chunk = sp.win.chunk;
   d.cmp_ml = w.cmp_ml;
@@ -156,7 +158,7 @@ DecodeParams decode_params(const Plan& p, const PageTable& pt, const TensorView&
 
 void check_grid(const Plan& p, const SplitPlan& sp, int64_t n) {
   require_limits(p);
-  if (n + sp.win.splits > kMaxGridYZ)
+  if (sp.slc_ctas + sp.win.splits > kMaxGridYZ || sp.cmp.splits > kMaxGridYZ)
     throw Error("n_selected (n)", std::to_string(n), "plus the window's splits must be <= 65535 on the cuda backend");
 }
 
@@ -187,6 +189,9 @@ void cache_append(const Plan& p, const PagedCache& cache, const CacheAppend& in,
     for (const TensorView* t : {&phi->w1, &phi->b1, &phi->w2, &phi->b2, &phi->pe})
       if (t->defined() && !t->is_contiguous())
         throw Error("phi parameters", "strided", "must be contiguous on the cuda backend");
+  if (p.cfg.cmp_block_len > kMaxBlockTokens)
+    throw Error("cmp_block_len (l)", std::to_string(p.cfg.cmp_block_len),
+                "must be <= " + std::to_string(kMaxBlockTokens) + " on the cuda backend's append");
   AppendParams a;
   a.pages = pages_of_call(p, cache.pages);
   const int sets = p.cfg.shared_kv ? 1 : 3;

@@ -1,7 +1,8 @@
 // Decode, stage 1 of 4: one split of the compressed branch (spec §2-§3) for one (query, KV head).
 //
 // Grid (queries, Hkv, cmp_splits); 4 warps. The split's compressed keys [i0, i1) are read in
-// 64-key tiles through the page table; the 16 x chunk logits stay in shared memory, so the split
+// 64-key tiles through the page table (two buffers: the next tile's copies in flight while one is
+// computed); the 16 x chunk logits stay in shared memory, so the split
 // knows its exact maximum and sum before it writes anything: its probabilities relative to its own
 // maximum give both its partial output (P V) and its partial selection scores
 //   P_s[g][j] = sum_{i in split} ov(i, j) exp2(s_gi - m_sg),
@@ -24,7 +25,7 @@ constexpr int cmp_kv_ld() {
 // Shared bytes of cmp_partial_kernel for a chunk of `chunk` keys.
 template <typename S, int kDqk, int kDv>
 constexpr size_t cmp_partial_smem(int chunk) {
-  return sizeof(S) * (kRows * (kDqk + 8) + kKeyTile * cmp_kv_ld<kDqk, kDv>() + kRows * (chunk + 8)) +
+  return sizeof(S) * (kRows * (kDqk + 8) + 2 * kKeyTile * cmp_kv_ld<kDqk, kDv>() + kRows * (chunk + 8)) +
          sizeof(float) * kRows * (chunk + 4);
 }
 
@@ -36,8 +37,8 @@ __global__ void __launch_bounds__(kCmpThreads) cmp_partial_kernel(const DecodePa
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int chunk = p.cmp_chunk, lds = chunk + 4, ldp = chunk + 8, G = p.group;
   S* sQ = reinterpret_cast<S*>(smem);
-  S* sKV = sQ + kRows * kLdq;
-  S* sP = sKV + kKeyTile * kLdkv;
+  S* sKV = sQ + kRows * kLdq;  // [2][64][kLdkv]: K tiles, then V tiles
+  S* sP = sKV + 2 * kKeyTile * kLdkv;
   float* sS = reinterpret_cast<float*>(sP + kRows * ldp);
 
   const RowInfo ri = row_info(p.pages, row);
@@ -57,24 +58,27 @@ __global__ void __launch_bounds__(kCmpThreads) cmp_partial_kernel(const DecodePa
   load_queries<S, kDqk, kCmpThreads>(sQ, kLdq, p, row, hk);
 
   // Logits of every key of the split (log2 domain), -inf past n.
-  for (int k0 = 0; k0 < n; k0 += kKeyTile) {
-    load_tile<S, kDqk, kCmpThreads>(sKV, kLdkv, n - k0 < kKeyTile ? n - k0 : kKeyTile, p.kc.data,
-                                    [&](int k) { return pool_row<S>(p.pages, p.kc, b, i0 + k0 + k, rpp, hk); });
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    float acc[2][4];
-    qk_16x16<S, kDqk>(sQ, kLdq, sKV, kLdkv, warp * 16, acc);
-    const int group = lane / 4, quad = lane % 4;
+  const int ntiles = (n + kKeyTile - 1) / kKeyTile;
+  pipelined_tiles(
+      ntiles,
+      [&](int i, int buf) {
+        const int k0 = i * kKeyTile;
+        load_tile<S, kDqk, kCmpThreads>(sKV + buf * kKeyTile * kLdkv, kLdkv, n - k0 < kKeyTile ? n - k0 : kKeyTile,
+                                        p.kc.data, [&](int k) { return pool_row<S>(p.pages, p.kc, b, i0 + k0 + k, rpp, hk); });
+      },
+      [&](int i, int buf) {
+        const int k0 = i * kKeyTile;
+        float acc[2][4];
+        qk_16x16<S, kDqk>(sQ, kLdq, sKV + buf * kKeyTile * kLdkv, kLdkv, warp * 16, acc);
+        const int group = lane / 4, quad = lane % 4;
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+        for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = group + (e / 2) * 8, key = k0 + warp * 16 + nt * 8 + 2 * quad + (e % 2);
-        if (key < chunk) sS[r * lds + key] = key < n ? acc[nt][e] * p.scale_log2 : kNegInf;
-      }
-    __syncthreads();  // the tile buffer is reused
-  }
+          for (int e = 0; e < 4; ++e) {
+            const int r = group + (e / 2) * 8, key = k0 + warp * 16 + nt * 8 + 2 * quad + (e % 2);
+            sS[r * lds + key] = key < n ? acc[nt][e] * p.scale_log2 : kNegInf;
+          }
+      });
 
   // Each warp's four rows: maximum, sum, probabilities (fp32 in sS for the scores, storage type in
   // sP for the P V product, zero past n up to the tile end).
@@ -99,14 +103,14 @@ __global__ void __launch_bounds__(kCmpThreads) cmp_partial_kernel(const DecodePa
   }
   __syncthreads();
 
-  // Partial selection scores of the blocks j this split touches (spec §3).
+  // Partial selection scores of the blocks j this split touches (spec §3), [W][G].
   {
     const int R = p.lp / p.d, L = p.l / p.d, W = p.score_width;
     const int64_t jlo = i0 / R;
     float* out = p.cmp_s + item * G * W;
-    for (int e = threadIdx.x; e < G * W; e += kCmpThreads) {
-      const int g = e / W;
-      const int64_t j = jlo + e % W;
+    for (int e = threadIdx.x; e < G * W; e += kCmpThreads) {  // out [W][G]: a row of heads per block
+      const int g = e % G;
+      const int64_t j = jlo + e / G;
       int64_t lo = j * R - L + 1, hi = (j + 1) * R;  // compressed blocks overlapping j: [lo, hi)
       lo = lo > i0 ? lo : i0;
       hi = hi < i1 ? hi : i1;
@@ -120,15 +124,14 @@ __global__ void __launch_bounds__(kCmpThreads) cmp_partial_kernel(const DecodePa
   // Partial output: O = P V, each warp a quarter of the columns.
   constexpr int kTiles = kDv / 32;
   float o[kTiles][4] = {};
-  for (int k0 = 0; k0 < n; k0 += kKeyTile) {
-    load_tile<S, kDv, kCmpThreads>(sKV, kLdkv, n - k0 < kKeyTile ? n - k0 : kKeyTile, p.vc.data,
-                                   [&](int k) { return pool_row<S>(p.pages, p.vc, b, i0 + k0 + k, rpp, hk); });
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    pv_16x64<S, kTiles>(sP, ldp, k0, sKV, kLdkv, warp * (kDv / 4), o);
-    __syncthreads();
-  }
+  pipelined_tiles(
+      ntiles,
+      [&](int i, int buf) {
+        const int k0 = i * kKeyTile;
+        load_tile<S, kDv, kCmpThreads>(sKV + buf * kKeyTile * kLdkv, kLdkv, n - k0 < kKeyTile ? n - k0 : kKeyTile,
+                                       p.vc.data, [&](int k) { return pool_row<S>(p.pages, p.vc, b, i0 + k0 + k, rpp, hk); });
+      },
+      [&](int i, int buf) { pv_16x64<S, kTiles>(sP, ldp, i * kKeyTile, sKV + buf * kKeyTile * kLdkv, kLdkv, warp * (kDv / 4), o); });
   store_rows<kTiles>(o, p.cmp_o + item * G * p.dv, p.dv, warp * (kDv / 4), G);
 }
 

@@ -1,5 +1,6 @@
 // Decode, stage 4 of 4: for one (query, query head), each branch's partials merged in split order
-// (max, then the rescaled sums and outputs), the gated sum of spec §7, and the outputs the caller
+// (their (m, l) staged in shared memory, one warp per branch for the maximum and the sum, then
+// every column's rescaled sum over the splits in order), the gated sum of spec §7, and the outputs the caller
 // asked for (o; lse per branch; o_branch). A query whose sequence failed the checks of select.cu
 // (row_ok = 0) gets zeros and lse = -inf. Dense decoding: o is the window branch, which covers
 // every token.
@@ -16,62 +17,69 @@ namespace {
 
 constexpr int kCombineThreads = 128;
 
-// Merges splits [0, count) of one head: out[c] for this thread's columns, and the lse (natural log).
-struct Merged {
-  float M = kNegInf, L = 0.f;
-};
-
-__device__ __forceinline__ Merged merge_stats(const float* ml, int stride, int count) {
-  Merged r;
-  for (int s = 0; s < count; ++s) r.M = fmaxf(r.M, ml[s * stride]);
-  if (r.M == kNegInf) return r;
-  for (int s = 0; s < count; ++s) {
-    const float m = ml[s * stride];
-    if (m != kNegInf) r.L += ml[s * stride + 1] * exp2f(m - r.M);
-  }
-  return r;
-}
-
-__device__ __forceinline__ float merge_column(const Merged& st, const float* ml, int ml_stride, const float* o,
-                                              int64_t o_stride, int count, int c) {
-  if (st.M == kNegInf || !(st.L > 0.f)) return 0.f;
-  float acc = 0.f;
-  for (int s = 0; s < count; ++s) {
-    const float m = ml[s * ml_stride];
-    if (m != kNegInf) acc += exp2f(m - st.M) * o[s * o_stride + c];
-  }
-  return acc / st.L;
-}
-
-__device__ __forceinline__ float lse_of(const Merged& st) {
-  return st.M == kNegInf || !(st.L > 0.f) ? kNegInf : (st.M + log2f(st.L)) * kLn2;
-}
-
 template <typename S>
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const DecodeParams p) {
+  extern __shared__ float smem[];  // the splits' m, then their factors exp2(m_s - M) / L (0: empty)
+  __shared__ float s_lse[3];
   const int row = blockIdx.x, h = blockIdx.y, G = p.group, hk = h / G, g = h % G, Dv = p.dv;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const bool ok = p.row_ok[row] != 0;
-  S* o = static_cast<S*>(p.o) + int64_t(row) * p.o_st + int64_t(h) * p.o_sh;
-  // The branches: (ml, o partial, splits) of cmp, slc, win.
-  const int n_sel = p.dense ? 0 : p.n_sel, sw = n_sel + p.win_splits;
-  const float* ml[3] = {p.cmp_ml + ((int64_t(row) * p.hkv + hk) * p.cmp_splits * G + g) * 2,
-                        p.sw_ml + ((int64_t(row) * p.hkv + hk) * sw * G + g) * 2,
-                        p.sw_ml + (((int64_t(row) * p.hkv + hk) * sw + n_sel) * G + g) * 2};
-  const float* op[3] = {p.cmp_o + ((int64_t(row) * p.hkv + hk) * p.cmp_splits * G + g) * Dv,
-                        p.sw_o + ((int64_t(row) * p.hkv + hk) * sw * G + g) * Dv,
-                        p.sw_o + (((int64_t(row) * p.hkv + hk) * sw + n_sel) * G + g) * Dv};
-  const int count[3] = {p.dense ? 0 : p.cmp_splits, n_sel, p.win_splits};
-  Merged st[3];
+  // The branches: (ml, o partial, splits) of cmp, slc, win, their splits one after the other.
+  const int slc = p.dense ? 0 : p.slc_ctas, sw = slc + p.win_splits;  // selection pieces, all pieces
+  const int64_t cmp_item = (int64_t(row) * p.hkv + hk) * p.cmp_splits, sw_item = (int64_t(row) * p.hkv + hk) * sw;
+  const float* ml[3] = {p.cmp_ml + (cmp_item * G + g) * 2, p.sw_ml + (sw_item * G + g) * 2,
+                        p.sw_ml + ((sw_item + slc) * G + g) * 2};
+  const float* op[3] = {p.cmp_o + (cmp_item * G + g) * Dv, p.sw_o + (sw_item * G + g) * Dv,
+                        p.sw_o + ((sw_item + slc) * G + g) * Dv};
+  const int count[3] = {p.dense ? 0 : p.cmp_splits, slc, p.win_splits};
+  const int first[3] = {0, count[0], count[0] + count[1]}, total = first[2] + count[2];
+  float* sm = smem;           // [total] m of every split
+  float* sl = smem + total;   // [total] its l, then its factor
   if (ok)
-    for (int br = 0; br < 3; ++br) st[br] = merge_stats(ml[br], 2 * G, count[br]);
+    for (int i = threadIdx.x; i < total; i += kCombineThreads) {
+      const int br = i < first[1] ? 0 : i < first[2] ? 1 : 2, s = i - first[br];
+      sm[i] = ml[br][int64_t(s) * 2 * G];
+      sl[i] = ml[br][int64_t(s) * 2 * G + 1];
+    }
+  __syncthreads();
+  // One warp per branch: its maximum and sum over the splits (fixed shuffle order), then factors.
+  if (warp < 3) {
+    float lse = kNegInf;
+    if (ok && count[warp] > 0) {
+      const int f0 = first[warp], n = count[warp];
+      float M = kNegInf;
+      for (int s = lane; s < n; s += 32) M = fmaxf(M, sm[f0 + s]);
+      M = warp_max(M);
+      float L = 0.f;
+      if (M != kNegInf)
+        for (int s = lane; s < n; s += 32)
+          if (sm[f0 + s] != kNegInf) L += sl[f0 + s] * exp2f(sm[f0 + s] - M);
+      L = warp_sum(L);
+      __syncwarp();
+      for (int s = lane; s < n; s += 32)
+        sl[f0 + s] = M != kNegInf && L > 0.f && sm[f0 + s] != kNegInf ? exp2f(sm[f0 + s] - M) / L : 0.f;
+      if (M != kNegInf && L > 0.f) lse = (M + log2f(L)) * kLn2;
+    }
+    if (lane == 0) s_lse[warp] = lse;
+  }
+  __syncthreads();
   float gate[3] = {0.f, 0.f, 1.f};
   if (!p.dense)
     for (int br = 0; br < 3; ++br)
       gate[br] = to_float(static_cast<const S*>(p.g)[int64_t(row) * p.g_st + int64_t(h) * p.g_sh + br * p.g_sb]);
+  S* o = static_cast<S*>(p.o) + int64_t(row) * p.o_st + int64_t(h) * p.o_sh;
+  const int64_t o_stride = int64_t(G) * Dv;
   for (int c = threadIdx.x; c < Dv; c += kCombineThreads) {
     float sum = 0.f;
     for (int br = 0; br < 3; ++br) {
-      const float ob = ok ? merge_column(st[br], ml[br], 2 * G, op[br], int64_t(G) * Dv, count[br], c) : 0.f;
+      float ob = 0.f;
+      if (ok) {
+        const float* f = sl + first[br];
+        const float* part = op[br] + c;
+#pragma unroll 4
+        for (int s = 0; s < count[br]; ++s)
+          if (f[s] != 0.f) ob += f[s] * part[s * o_stride];  // empty splits hold garbage: skipped
+      }
       sum += gate[br] * ob;
       if (p.o_branch != nullptr)
         static_cast<S*>(p.o_branch)[br * p.ob_sb + int64_t(row) * p.ob_st + int64_t(h) * p.ob_sh + c] = from_float<S>(ob);
@@ -80,9 +88,9 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const DecodePa
   }
   if (p.lse != nullptr && threadIdx.x == 0) {
     float* l = p.lse + int64_t(row) * p.lse_st + int64_t(h) * p.lse_sh;
-    if (p.dense) l[0] = lse_of(st[2]);
+    if (p.dense) l[0] = s_lse[2];
     else
-      for (int br = 0; br < 3; ++br) l[br * p.lse_sb] = lse_of(st[br]);
+      for (int br = 0; br < 3; ++br) l[br * p.lse_sb] = s_lse[br];
   }
 }
 
@@ -91,7 +99,9 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const DecodePa
 template <typename S>
 void launch_combine(const DecodeParams& p, cudaStream_t stream) {
   const dim3 grid(p.pages.rows, p.hkv * p.group);
-  combine_kernel<S><<<grid, kCombineThreads, 0, stream>>>(p);
+  const size_t smem = 2 * sizeof(float) * static_cast<size_t>((p.dense ? 0 : p.cmp_splits + p.slc_ctas) + p.win_splits);
+  NSA_CUDA_CHECK(cudaFuncSetAttribute(combine_kernel<S>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  combine_kernel<S><<<grid, kCombineThreads, smem, stream>>>(p);
   NSA_CUDA_CHECK_LAUNCH();
 }
 

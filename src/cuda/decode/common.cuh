@@ -172,6 +172,24 @@ __device__ __forceinline__ void store_rows(const float (&o)[kTiles][4], float* o
   }
 }
 
+// A two-stage cp.async pipeline over tiles 0..n-1: load(i, buffer) issues tile i's copies into one
+// of two buffers, body(i, buffer) consumes it. The next tile's copies run while a tile is computed;
+// copies issued before the call (the queries) join the first tile's group.
+template <typename Load, typename Body>
+__device__ __forceinline__ void pipelined_tiles(int n, Load load, Body body) {
+  if (n <= 0) return;
+  load(0, 0);
+  cp_async_commit();
+  for (int i = 0; i < n; ++i) {
+    if (i + 1 < n) load(i + 1, (i + 1) & 1);
+    cp_async_commit();  // (an empty group past the end keeps the count uniform)
+    cp_async_wait<1>();
+    __syncthreads();
+    body(i, i & 1);
+    __syncthreads();  // the buffer is reloaded two tiles later
+  }
+}
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));

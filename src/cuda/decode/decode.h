@@ -19,6 +19,8 @@ namespace nsa::cuda::decode {
 inline constexpr int kMaxHeadsPerCta = 4;
 // Shared memory a phi CTA may use for its inputs.
 inline constexpr size_t kPhiSmemBudget = 96 * 1024;
+// A compressed block's tokens a phi CTA addresses (their row pointers sit in shared memory).
+inline constexpr int kMaxBlockTokens = 1024;
 
 template <typename S>
 void launch_append(const AppendParams& p, cudaStream_t stream);
@@ -58,7 +60,7 @@ size_t workspace_size(Op op, const Config& cfg, const Problem& pr);
     const size_t smem = sparse_partial_smem<S, DQK, DV>();                                             \
     NSA_CUDA_CHECK(cudaFuncSetAttribute(sparse_partial_kernel<S, DQK, DV>,                             \
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem))); \
-    const int splits = (p.dense ? 0 : p.n_sel) + p.win_splits;                                         \
+    const int splits = (p.dense ? 0 : p.slc_ctas) + p.win_splits;                                         \
     sparse_partial_kernel<S, DQK, DV><<<dim3(p.pages.rows, p.hkv, splits), kSparseThreads, smem, stream>>>(p); \
     NSA_CUDA_CHECK_LAUNCH();                                                                           \
   }

@@ -50,15 +50,16 @@ struct DecodeParams {
 
   // The split plan (decode/tile_sizes.h) and its workspace (decode/launch.cu).
   int cmp_splits = 0, cmp_chunk = 0, score_width = 0;
+  int slc_per_cta = 0, slc_ctas = 0;  // selected blocks per CTA, CTAs of the selection
   int win_splits = 0, win_chunk = 0;
   float* cmp_ml = nullptr;  // [Tq, Hkv, cmp_splits, G, 2] running max (log2 domain) and sum
   float* cmp_o = nullptr;   // [Tq, Hkv, cmp_splits, G, Dv] unnormalised output
-  float* cmp_s = nullptr;   // [Tq, Hkv, cmp_splits, G, score_width] partial selection scores
+  float* cmp_s = nullptr;   // [Tq, Hkv, cmp_splits, score_width, G] partial selection scores
   int32_t* sel = nullptr;   // [Tq, Hkv, n] the selected blocks (the indices output when given)
   int64_t sel_st = 0, sel_sh = 0, sel_sn = 1;
   int32_t* row_ok = nullptr;  // [Tq] 1 where the row's sequence passed every check
-  float* sw_ml = nullptr;   // [Tq, Hkv, n + win_splits, G, 2]
-  float* sw_o = nullptr;    // [Tq, Hkv, n + win_splits, G, Dv]
+  float* sw_ml = nullptr;   // [Tq, Hkv, slc_ctas + win_splits, G, 2]
+  float* sw_o = nullptr;    // [Tq, Hkv, slc_ctas + win_splits, G, Dv]
 };
 
 // phi of one side (k or v) for appending: the pools it reads and writes and its parameters.

@@ -47,28 +47,34 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const DecodePara
     for (int k = threadIdx.x; k < p.n_sel; k += kSelectThreads) sel[k * p.sel_sn] = -1;
     return;
   }
-  float* factor = reinterpret_cast<float*>(smem);        // [cmp_splits][G]
-  float* srow = factor + p.cmp_splits * G;                // [ns_max]
+  float* stats = reinterpret_cast<float*>(smem);         // [cmp_splits][G][2]: the splits' (m, l)
+  float* factor = stats + 2 * p.cmp_splits * G;          // [cmp_splits][G]
+  float* srow = factor + p.cmp_splits * G;               // [ns_max]
   int32_t* chosen = reinterpret_cast<int32_t*>(srow + ns_max);
   const int64_t t = ri.t, C = visible_cmp_blocks(t, p.l, p.d);
   const int used = static_cast<int>((C + p.cmp_chunk - 1) / p.cmp_chunk);  // splits holding keys
   const int64_t item0 = (int64_t(row) * p.hkv + hk) * p.cmp_splits;
-  // exp2(m_s - M) / L per (split, head): what turns a split's partial scores into probabilities.
-  for (int g = threadIdx.x; g < G; g += kSelectThreads) {
+  // The splits' (m, l) of the group's heads, staged at once; then per head its maximum and sum,
+  // and exp2(m_s - M) / L per (split, head): what turns a split's partial scores into probabilities.
+  for (int e = threadIdx.x; e < used * G * 2; e += kSelectThreads) stats[e] = p.cmp_ml[item0 * G * 2 + e];
+  __syncthreads();
+  if (threadIdx.x < G) {
+    const int g = threadIdx.x;
     float M = kNegInf, L = 0.f;
-    for (int s = 0; s < used; ++s) M = fmaxf(M, p.cmp_ml[(item0 + s) * G * 2 + 2 * g]);
+    for (int s = 0; s < used; ++s) M = fmaxf(M, stats[(s * G + g) * 2]);
     for (int s = 0; s < used; ++s) {
-      const float m = p.cmp_ml[(item0 + s) * G * 2 + 2 * g];
-      if (m != kNegInf) L += p.cmp_ml[(item0 + s) * G * 2 + 2 * g + 1] * exp2f(m - M);
+      const float m = stats[(s * G + g) * 2];
+      if (m != kNegInf) L += stats[(s * G + g) * 2 + 1] * exp2f(m - M);
     }
     for (int s = 0; s < used; ++s) {
-      const float m = p.cmp_ml[(item0 + s) * G * 2 + 2 * g];
+      const float m = stats[(s * G + g) * 2];
       factor[s * G + g] = m != kNegInf && L > 0.f ? exp2f(m - M) / L : 0.f;
     }
   }
   __syncthreads();
-  // S[j] for the admissible blocks (forced ones marked taken): the splits whose compressed blocks
-  // overlap j, in ascending order, each over the group's heads in order.
+  // S[j] for the admissible blocks (forced ones marked taken), a thread per j: over the splits
+  // whose compressed blocks overlap j in ascending order, each over the group's heads in order (a
+  // contiguous row of G partial scores: independent loads, issued together).
   const int R = p.lp / p.d, L = p.l / p.d, W = p.score_width;
   const int64_t J = last_slc_block(t, p.lp);
   for (int64_t j = threadIdx.x; j <= J; j += kSelectThreads) {
@@ -80,9 +86,14 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const DecodePara
     const int64_t first = j * R - L + 1 > 0 ? j * R - L + 1 : 0, last = (j + 1) * R - 1 < C - 1 ? (j + 1) * R - 1 : C - 1;
     if (first <= last)
       for (int64_t s = first / p.cmp_chunk; s <= last / p.cmp_chunk; ++s) {
-        const int64_t jj = j - (s * p.cmp_chunk) / R;
-        const float* part = p.cmp_s + (item0 + s) * G * W + jj;
-        for (int g = 0; g < G; ++g) S += part[g * W] * factor[s * G + g];
+        const float* part = p.cmp_s + ((item0 + s) * W + j - (s * p.cmp_chunk) / R) * G;
+        const float* f = factor + s * G;
+        float x[kRows];
+#pragma unroll
+        for (int g = 0; g < kRows; ++g) x[g] = g < G ? part[g] : 0.f;
+#pragma unroll
+        for (int g = 0; g < kRows; ++g)
+          if (g < G) S += x[g] * f[g];
       }
     srow[j] = S;
   }
@@ -93,7 +104,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const DecodePara
 }  // namespace
 
 size_t select_smem(const DecodeParams& p, int64_t ns_max) {
-  return sizeof(float) * (static_cast<size_t>(p.cmp_splits) * p.group + static_cast<size_t>(ns_max)) +
+  return sizeof(float) * (3 * static_cast<size_t>(p.cmp_splits) * p.group + static_cast<size_t>(ns_max)) +
          sizeof(int32_t) * static_cast<size_t>(p.n_sel > 0 ? p.n_sel : 1);
 }
 

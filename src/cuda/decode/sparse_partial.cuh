@@ -1,11 +1,12 @@
-// Decode, stage 3 of 4: one piece of the raw-token branches for one (query, KV head). Split s < n
-// attends the query's s-th selected block (spec §5; its tokens up to the query), split n + c the
-// c-th chunk of its window (spec §6); dense decoding has only window chunks, over every token.
-// A flash loop over 64-token tiles (online softmax in the log2 domain) leaves the piece's
-// (m, l) and unnormalised output for combine.cu to merge.
+// Decode, stage 3 of 4: one piece of the raw-token branches for one (query, KV head). Split
+// s < slc_ctas attends the query's selected blocks [s * slc_per_cta, (s + 1) * slc_per_cta) (spec
+// §5; their tokens up to the query), split slc_ctas + c the c-th chunk of its window (spec §6);
+// dense decoding has only window chunks, over every token. A flash loop over 64-token tiles
+// (online softmax in the log2 domain, the next tile's copies in flight while one is computed)
+// leaves the piece's (m, l) and unnormalised output for combine.cu to merge.
 //
-// Grid (queries, Hkv, n + win_splits); 4 warps. Pages are looked up per token (a window starts
-// anywhere), guarded, and zero-filled when invalid or past the piece.
+// Grid (queries, Hkv, slc_ctas + win_splits); 4 warps. Pages are looked up per token (a window
+// starts anywhere), guarded, and zero-filled when invalid or past the piece.
 #pragma once
 
 #include "cuda/decode/common.cuh"
@@ -16,9 +17,34 @@ inline constexpr int kSparseThreads = 128;
 
 template <typename S, int kDqk, int kDv>
 constexpr size_t sparse_partial_smem() {
-  return sizeof(S) * (kRows * (kDqk + 8) + kKeyTile * (kDqk + 8) + kKeyTile * (kDv + 8) + kRows * (kKeyTile + 8)) +
+  return sizeof(S) * (kRows * (kDqk + 8) + 2 * kKeyTile * (kDqk + 8) + 2 * kKeyTile * (kDv + 8) + kRows * (kKeyTile + 8)) +
          sizeof(float) * (kRows * (kKeyTile + 4) + kRows * 3);
 }
+
+// The tiles of one piece: selected blocks (each cut at the query) or one stretch of tokens.
+struct PieceTiles {
+  const int32_t* blocks = nullptr;  // the piece's selected blocks (stride sel_sn), or null: a stretch
+  int64_t sel_sn = 1;
+  int nblocks = 0, lp = 0, tiles_per_block = 0;
+  int64_t lo = 0, hi = 0;  // the stretch [lo, hi), or the query's limit hi = t + 1 for blocks
+  int count = 0;
+
+  // Tokens [first, first + n) of tile i (n = 0: nothing, e.g. a -1 block).
+  __device__ __forceinline__ void tile(int i, int64_t& first, int& n) const {
+    int64_t a, b;
+    if (blocks != nullptr) {
+      const int64_t j = blocks[(i / tiles_per_block) * sel_sn];
+      a = j * lp + int64_t(i % tiles_per_block) * kKeyTile;
+      b = j < 0 ? a : (j + 1) * lp < hi ? (j + 1) * lp : hi;
+      if (j < 0) a = b = 0;
+    } else {
+      a = lo + int64_t(i) * kKeyTile;
+      b = hi;
+    }
+    first = a;
+    n = b - a < kKeyTile ? static_cast<int>(b > a ? b - a : 0) : kKeyTile;
+  }
+};
 
 template <typename S, int kDqk, int kDv>
 __global__ void __launch_bounds__(kSparseThreads) sparse_partial_kernel(const DecodeParams p) {
@@ -27,60 +53,63 @@ __global__ void __launch_bounds__(kSparseThreads) sparse_partial_kernel(const De
   const int row = blockIdx.x, hk = blockIdx.y, split = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, G = p.group;
   S* sQ = reinterpret_cast<S*>(smem);
-  S* sK = sQ + kRows * kLdq;
-  S* sV = sK + kKeyTile * kLdq;
-  S* sP = sV + kKeyTile * kLdv;
+  S* sK = sQ + kRows * kLdq;          // [2][64][kLdq]
+  S* sV = sK + 2 * kKeyTile * kLdq;   // [2][64][kLdv]
+  S* sP = sV + 2 * kKeyTile * kLdv;
   float* sS = reinterpret_cast<float*>(sP + kRows * kLdp);
   float* sM = sS + kRows * kLds;  // running max, sum and this tile's correction per row
   float* sL = sM + kRows;
   float* sC = sL + kRows;
 
   const RowInfo ri = row_info(p.pages, row);
-  const int n_sel = p.dense ? 0 : p.n_sel;
-  // This piece's tokens [lo, hi) of the query's sequence.
-  int64_t lo = 0, hi = 0;
+  const int slc_ctas = p.dense ? 0 : p.slc_ctas;
+  PieceTiles piece;
   if (ri.ok) {
-    if (split < n_sel) {
-      const int64_t j = p.sel[int64_t(row) * p.sel_st + hk * p.sel_sh + split * p.sel_sn];
-      if (j >= 0) {
-        lo = j * p.lp;
-        hi = (j + 1) * p.lp < ri.t + 1 ? (j + 1) * p.lp : ri.t + 1;
-      }
+    if (split < slc_ctas) {
+      const int first = split * p.slc_per_cta;
+      piece.blocks = p.sel + int64_t(row) * p.sel_st + hk * p.sel_sh + first * p.sel_sn;
+      piece.sel_sn = p.sel_sn;
+      piece.nblocks = p.n_sel - first < p.slc_per_cta ? p.n_sel - first : p.slc_per_cta;
+      piece.lp = p.lp;
+      piece.tiles_per_block = (p.lp + kKeyTile - 1) / kKeyTile;
+      piece.hi = ri.t + 1;
+      piece.count = piece.nblocks * piece.tiles_per_block;
     } else {
-      const int64_t first = p.dense ? 0 : window_start(ri.t, p.window);
-      lo = first + int64_t(split - n_sel) * p.win_chunk;
-      hi = lo + p.win_chunk < ri.t + 1 ? lo + p.win_chunk : ri.t + 1;
+      const int64_t start = p.dense ? 0 : window_start(ri.t, p.window);
+      piece.lo = start + int64_t(split - slc_ctas) * p.win_chunk;
+      piece.hi = piece.lo + p.win_chunk < ri.t + 1 ? piece.lo + p.win_chunk : ri.t + 1;
+      piece.count = piece.hi > piece.lo ? static_cast<int>((piece.hi - piece.lo + kKeyTile - 1) / kKeyTile) : 0;
     }
   }
-  const int64_t item = (int64_t(row) * p.hkv + hk) * (n_sel + p.win_splits) + split;
+  const int64_t item = (int64_t(row) * p.hkv + hk) * (slc_ctas + p.win_splits) + split;
   float* ml = p.sw_ml + item * G * 2;
-  if (lo >= hi) {
-    if (threadIdx.x < G) {
-      ml[2 * threadIdx.x] = kNegInf;
-      ml[2 * threadIdx.x + 1] = 0.f;
-    }
-    return;
-  }
-  const Pool& kpool = split < n_sel ? p.k_slc : p.k_win;
-  const Pool& vpool = split < n_sel ? p.v_slc : p.v_win;
+  const Pool& kpool = split < slc_ctas ? p.k_slc : p.k_win;
+  const Pool& vpool = split < slc_ctas ? p.v_slc : p.v_win;
   const int b = ri.seq.b, ps = p.pages.page_size;
-  load_queries<S, kDqk, kSparseThreads>(sQ, kLdq, p, row, hk);
   if (threadIdx.x < kRows) {
     sM[threadIdx.x] = kNegInf;
     sL[threadIdx.x] = 0.f;
   }
+  if (piece.count > 0) load_queries<S, kDqk, kSparseThreads>(sQ, kLdq, p, row, hk);
   constexpr int kTiles = kDv / 32;
   float o[kTiles][4] = {};
-  for (int64_t k0 = lo; k0 < hi; k0 += kKeyTile) {
-    const int n = hi - k0 < kKeyTile ? static_cast<int>(hi - k0) : kKeyTile;
-    load_tile<S, kDqk, kSparseThreads>(sK, kLdq, n, kpool.data, [&](int k) { return pool_row<S>(p.pages, kpool, b, k0 + k, ps, hk); });
-    load_tile<S, kDv, kSparseThreads>(sV, kLdv, n, vpool.data, [&](int k) { return pool_row<S>(p.pages, vpool, b, k0 + k, ps, hk); });
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
+  auto load = [&](int i, int buf) {
+    int64_t first;
+    int n;
+    piece.tile(i, first, n);
+    load_tile<S, kDqk, kSparseThreads>(sK + buf * kKeyTile * kLdq, kLdq, n, kpool.data,
+                                       [&](int k) { return pool_row<S>(p.pages, kpool, b, first + k, ps, hk); });
+    load_tile<S, kDv, kSparseThreads>(sV + buf * kKeyTile * kLdv, kLdv, n, vpool.data,
+                                      [&](int k) { return pool_row<S>(p.pages, vpool, b, first + k, ps, hk); });
+  };
+  auto body = [&](int i, int buf) {
+    int64_t first;
+    int n;
+    piece.tile(i, first, n);
+    if (n == 0) return;  // a -1 block: nothing (uniform across the CTA)
     {
       float acc[2][4];
-      qk_16x16<S, kDqk>(sQ, kLdq, sK, kLdq, warp * 16, acc);
+      qk_16x16<S, kDqk>(sQ, kLdq, sK + buf * kKeyTile * kLdq, kLdq, warp * 16, acc);
       const int group = lane / 4, quad = lane % 4;
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
@@ -109,25 +138,24 @@ __global__ void __launch_bounds__(kSparseThreads) sparse_partial_kernel(const De
       }
     }
     __syncthreads();
-    {
-      const int group = lane / 4;
-      const float c0 = sC[group], c1 = sC[group + 8];
+    const int group = lane / 4;
+    const float c0 = sC[group], c1 = sC[group + 8];
 #pragma unroll
-      for (int nt = 0; nt < kTiles; ++nt) {
-        o[nt][0] *= c0;
-        o[nt][1] *= c0;
-        o[nt][2] *= c1;
-        o[nt][3] *= c1;
-      }
+    for (int nt = 0; nt < kTiles; ++nt) {
+      o[nt][0] *= c0;
+      o[nt][1] *= c0;
+      o[nt][2] *= c1;
+      o[nt][3] *= c1;
     }
-    pv_16x64<S, kTiles>(sP, kLdp, 0, sV, kLdv, warp * (kDv / 4), o);
-    __syncthreads();  // the tiles are reused
-  }
+    pv_16x64<S, kTiles>(sP, kLdp, 0, sV + buf * kKeyTile * kLdv, kLdv, warp * (kDv / 4), o);
+  };
+  pipelined_tiles(piece.count, load, body);
+  __syncthreads();
   if (threadIdx.x < G) {
-    ml[2 * threadIdx.x] = sM[threadIdx.x];
+    ml[2 * threadIdx.x] = sM[threadIdx.x];  // -inf and 0 for an empty piece: combine skips it
     ml[2 * threadIdx.x + 1] = sL[threadIdx.x];
   }
-  store_rows<kTiles>(o, p.sw_o + item * G * p.dv, p.dv, warp * (kDv / 4), G);
+  if (sM[0] != kNegInf) store_rows<kTiles>(o, p.sw_o + item * G * p.dv, p.dv, warp * (kDv / 4), G);
 }
 
 }  // namespace nsa::cuda::decode

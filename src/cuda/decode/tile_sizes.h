@@ -20,8 +20,9 @@ inline constexpr int kKeyTile = 64;
 // Query rows of a tile: the heads of one GQA group, padded (G <= 16).
 inline constexpr int kRows = 16;
 // A compressed split keeps its logits in shared memory (its exact probabilities feed the
-// selection scores): 16 rows x 512 keys x 4 bytes = 32 KB bounds a split.
-inline constexpr int kMaxCmpChunk = 512;
+// selection scores): 16 rows x 256 keys x (4 + 2) bytes, with two 64-key tiles of K or V, keeps a
+// CTA near 64 KB, three to an SM.
+inline constexpr int kMaxCmpChunk = 256;
 // CTAs a split plan aims for: four per SM of an H100/H200 (132 SMs) keeps the copy engines
 // busy; fewer splits when the batch alone gives that many (fewer partials to merge).
 inline constexpr int64_t kTargetCtas = 528;
@@ -44,6 +45,8 @@ inline Split split_keys(int64_t keys, int64_t items, int64_t max_chunk) {
 struct SplitPlan {
   Split cmp;            // compressed keys (none for dense decoding)
   int score_width = 0;  // selection blocks one compressed split touches
+  int slc_per_cta = 0;  // selected blocks per CTA (a large batch gives each CTA several, pipelined)
+  int slc_ctas = 0;     // CTAs of the selection per (query, KV head)
   Split win;            // window keys (dense decoding: every key); splits = 0 without a window
 };
 
@@ -58,6 +61,11 @@ inline SplitPlan split_plan(const Config& cfg, int64_t rows, int64_t hkv, int64_
     // compressed block.
     const int64_t r = cfg.slc_block_len / cfg.cmp_stride, L = cfg.cmp_block_len / cfg.cmp_stride;
     p.score_width = static_cast<int>((p.cmp.chunk + L - 2 + r - 1) / r + 1);
+    if (cfg.n_selected > 0) {
+      p.slc_per_cta = static_cast<int>(std::clamp<int64_t>((items * cfg.n_selected + kTargetCtas - 1) / kTargetCtas, 1,
+                                                           cfg.n_selected));
+      p.slc_ctas = static_cast<int>((cfg.n_selected + p.slc_per_cta - 1) / p.slc_per_cta);
+    }
   }
   const int64_t win_keys = dense ? max_len : std::min<int64_t>(cfg.window, max_len);
   if (win_keys > 0) p.win = split_keys(win_keys, items, INT32_MAX / 2);
