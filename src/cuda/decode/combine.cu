@@ -76,9 +76,16 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const DecodePa
       if (ok) {
         const float* f = sl + first[br];
         const float* part = op[br] + c;
-#pragma unroll 4
-        for (int s = 0; s < count[br]; ++s)
-          if (f[s] != 0.f) ob += f[s] * part[s * o_stride];  // empty splits hold garbage: skipped
+        // Eight splits' values loaded at once (the workspace is allocated memory; an empty split's
+        // garbage is loaded but not used), then added in split order.
+        for (int s0 = 0; s0 < count[br]; s0 += 8) {
+          float x[8];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) x[i] = s0 + i < count[br] ? part[(s0 + i) * o_stride] : 0.f;
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            if (s0 + i < count[br] && f[s0 + i] != 0.f) ob += f[s0 + i] * x[i];
+        }
       }
       sum += gate[br] * ob;
       if (p.o_branch != nullptr)

@@ -90,17 +90,39 @@ __device__ __forceinline__ const S* pool_row(const Pages& p, const Pool& pool, i
   return static_cast<const S*>(pool.data) + page * pool.page_st + (r % rows_per_page) * pool.row_st + head * pool.head_st;
 }
 
-// Loads up to 64 rows [0, n) of a tile into smem [64][ld] (16-byte pieces by cp.async; rows past
-// n or on an invalid page are zeros: a zero probability times garbage would not be zero).
-// row_ptr(k) gives the global address of the tile's row k, or null; `any` is a valid global
-// address that the zero-filling copies name (they read nothing).
-template <typename S, int kD, int kThreads, typename RowPtr>
-__device__ __forceinline__ void load_tile(S* smem, int ld, int n, const void* any, RowPtr row_ptr) {
+// Where the rows of a 64-row tile live: pool page (-1: invalid or past the tile) and slot.
+struct TileRow {
+  int32_t page, slot;
+};
+
+// Rows [first, first + n) of sequence b (rows_per_page a page) into rows[0..64): one page lookup
+// per row, by the first 64 threads at once, then a barrier; the copies that follow read no table.
+__device__ __forceinline__ void tile_rows(const Pages& p, int b, int64_t first, int n, int rows_per_page, TileRow* rows) {
+  if (threadIdx.x < kKeyTile) {
+    TileRow r{-1, 0};
+    if (static_cast<int>(threadIdx.x) < n) {
+      const int64_t pos = first + threadIdx.x;
+      r.page = static_cast<int32_t>(page_of(p, b, pos / rows_per_page));
+      r.slot = static_cast<int32_t>(pos % rows_per_page);
+    }
+    rows[threadIdx.x] = r;
+  }
+  __syncthreads();
+}
+
+// The tile's rows of one pool (KV head `head`) into smem [64][ld], 16-byte pieces by cp.async; rows
+// with page -1 are zeros (a zero probability times garbage would not be zero).
+template <typename S, int kD, int kThreads>
+__device__ __forceinline__ void load_rows(S* smem, int ld, const TileRow* rows, const Pool& pool, int head) {
   constexpr int kPieces = kD * static_cast<int>(sizeof(S)) / 16;
+  const S* base = static_cast<const S*>(pool.data);
   for (int e = threadIdx.x; e < kKeyTile * kPieces; e += kThreads) {
     const int k = e / kPieces, piece = e % kPieces;
-    const S* src = k < n ? row_ptr(k) : nullptr;
-    cp_async_16(smem + k * ld + piece * (16 / sizeof(S)), src ? src + piece * (16 / sizeof(S)) : any, src != nullptr);
+    const TileRow r = rows[k];
+    const S* src = r.page >= 0 ? base + r.page * pool.page_st + r.slot * pool.row_st + head * pool.head_st +
+                                     piece * (16 / sizeof(S))
+                               : base;
+    cp_async_16(smem + k * ld + piece * (16 / sizeof(S)), src, r.page >= 0);
   }
 }
 

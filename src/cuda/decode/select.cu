@@ -58,15 +58,16 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const DecodePara
   // and exp2(m_s - M) / L per (split, head): what turns a split's partial scores into probabilities.
   for (int e = threadIdx.x; e < used * G * 2; e += kSelectThreads) stats[e] = p.cmp_ml[item0 * G * 2 + e];
   __syncthreads();
-  if (threadIdx.x < G) {
-    const int g = threadIdx.x;
+  for (int g = warp; g < G; g += kSelectThreads / 32) {  // a warp per head, its lanes over the splits
     float M = kNegInf, L = 0.f;
-    for (int s = 0; s < used; ++s) M = fmaxf(M, stats[(s * G + g) * 2]);
-    for (int s = 0; s < used; ++s) {
+    for (int s = lane; s < used; s += 32) M = fmaxf(M, stats[(s * G + g) * 2]);
+    M = warp_max(M);
+    for (int s = lane; s < used; s += 32) {
       const float m = stats[(s * G + g) * 2];
       if (m != kNegInf) L += stats[(s * G + g) * 2 + 1] * exp2f(m - M);
     }
-    for (int s = 0; s < used; ++s) {
+    L = warp_sum(L);
+    for (int s = lane; s < used; s += 32) {
       const float m = stats[(s * G + g) * 2];
       factor[s * G + g] = m != kNegInf && L > 0.f ? exp2f(m - M) / L : 0.f;
     }

@@ -18,7 +18,7 @@ inline constexpr int kSparseThreads = 128;
 template <typename S, int kDqk, int kDv>
 constexpr size_t sparse_partial_smem() {
   return sizeof(S) * (kRows * (kDqk + 8) + 2 * kKeyTile * (kDqk + 8) + 2 * kKeyTile * (kDv + 8) + kRows * (kKeyTile + 8)) +
-         sizeof(float) * (kRows * (kKeyTile + 4) + kRows * 3);
+         sizeof(float) * (kRows * (kKeyTile + 4) + kRows * 3) + sizeof(TileRow) * kKeyTile;
 }
 
 // The tiles of one piece: selected blocks (each cut at the query) or one stretch of tokens.
@@ -60,6 +60,7 @@ __global__ void __launch_bounds__(kSparseThreads) sparse_partial_kernel(const De
   float* sM = sS + kRows * kLds;  // running max, sum and this tile's correction per row
   float* sL = sM + kRows;
   float* sC = sL + kRows;
+  TileRow* rows = reinterpret_cast<TileRow*>(sC + kRows);
 
   const RowInfo ri = row_info(p.pages, row);
   const int slc_ctas = p.dense ? 0 : p.slc_ctas;
@@ -97,10 +98,9 @@ __global__ void __launch_bounds__(kSparseThreads) sparse_partial_kernel(const De
     int64_t first;
     int n;
     piece.tile(i, first, n);
-    load_tile<S, kDqk, kSparseThreads>(sK + buf * kKeyTile * kLdq, kLdq, n, kpool.data,
-                                       [&](int k) { return pool_row<S>(p.pages, kpool, b, first + k, ps, hk); });
-    load_tile<S, kDv, kSparseThreads>(sV + buf * kKeyTile * kLdv, kLdv, n, vpool.data,
-                                      [&](int k) { return pool_row<S>(p.pages, vpool, b, first + k, ps, hk); });
+    tile_rows(p.pages, b, first, n, ps, rows);
+    load_rows<S, kDqk, kSparseThreads>(sK + buf * kKeyTile * kLdq, kLdq, rows, kpool, hk);
+    load_rows<S, kDv, kSparseThreads>(sV + buf * kKeyTile * kLdv, kLdv, rows, vpool, hk);
   };
   auto body = [&](int i, int buf) {
     int64_t first;
