@@ -42,7 +42,8 @@ def graphed(fn, reps=20):
 def bench(B, T):
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
-    layer = nsa.NativeSparseAttention(HIDDEN, HQ, HKV, phi="mlp", phi_hidden=F_PHI, device=dev, dtype=dt).eval()
+    layer = nsa.NativeSparseAttention(HIDDEN, HQ, HKV, head_dim=D, phi="mlp", phi_hidden=F_PHI, device=dev,
+                                      dtype=dt).eval()
     cache = nsa.NSACache.allocate(layer, B, T + 1024)
     for p in cache.pools:
         if p is not None:
