@@ -457,10 +457,12 @@ int main(int argc, char** argv) {
                         "step_graph_ms,dense_ms,dense_graph_ms,attend_bytes,dense_bytes\n");
     for (const Row& r : rows) {
       const double best = r.attend_graph > 0 ? r.attend_graph : r.attend, best_dense = r.dense_graph > 0 ? r.dense_graph : r.dense;
-      std::printf("| %lld | %lldK | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.0f | %.0f | %.2fx |\n",
-                  static_cast<long long>(r.B), static_cast<long long>(r.T / 1024), r.attend * scale, r.attend_graph * scale,
-                  r.append_block * scale, r.append_plain * scale, r.step_graph * scale, r.dense * scale,
-                  r.dense_graph * scale, r.nsa_bytes / (best * 1e6), r.dense_bytes / (best_dense * 1e6), best_dense / best);
+      const int dec = gpu ? 1 : 2;  // us on the GPU, ms on the CPU
+      std::printf("| %lld | %lldK | %.*f | %.*f | %.*f | %.*f | %.*f | %.*f | %.*f | %.0f | %.0f | %.2fx |\n",
+                  static_cast<long long>(r.B), static_cast<long long>(r.T / 1024), dec, r.attend * scale, dec,
+                  r.attend_graph * scale, dec, r.append_block * scale, dec, r.append_plain * scale, dec,
+                  r.step_graph * scale, dec, r.dense * scale, dec, r.dense_graph * scale, r.nsa_bytes / (best * 1e6),
+                  r.dense_bytes / (best_dense * 1e6), best_dense / best);
       if (csv)
         std::fprintf(csv, "%s,%lld,%lld,%lld,%lld,%lld,%lld,%s,%s,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.0f,%.0f\n",
                      nsa::backend_name(o.backend), static_cast<long long>(r.B), static_cast<long long>(r.T),

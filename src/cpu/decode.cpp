@@ -5,8 +5,9 @@
 // exact probabilities and scores S, the same top-n, the same selection and window loops as the
 // prefill, on the cached keys. Work items are (query row, KV head); the threads take them
 // dynamically and each writes its own rows, so results do not depend on the thread count.
-// phi runs on the completed blocks gathered from the raw pool into the workspace, through the
-// prefill's phi code: the cached compressed keys are the prefill's, bit for bit.
+// phi runs on the completed blocks gathered from the raw pool into the workspace: a few blocks (a
+// decode step's) by phi_forward_rows, which reads the weights in place; many (a prefill's) by the
+// prefill's phi_forward, whose cached compressed keys are then the prefill's bit for bit.
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -67,13 +68,22 @@ AppendBuffers layout_append(A& a, const Config& cfg, const Problem& pr, int64_t 
   return b;
 }
 
+// Few items (blocks x heads) go through phi_forward_rows (no weight packing), many through the
+// prefill's phi_forward: the workspace holds either.
+bool few_items(int64_t blocks, int64_t hkv) { return blocks * hkv < kPhiTile; }
+
 void phi_bytes(const Config& cfg, const Problem& pr, int64_t blocks, Sizer& shared, Sizer& slot) {
-  Sizer sk, sv, tk, tv;
-  const int64_t T = blocks * cfg.cmp_block_len;
-  phi_sizes(cfg, T, blocks, pr.hkv, pr.dqk, pr.phi_hidden, false, sk, tk);
-  phi_sizes(cfg, T, blocks, pr.hkv, pr.dv, pr.phi_hidden, false, sv, tv);
-  shared.bytes += std::max(sk.bytes, sv.bytes);
-  slot.bytes += std::max(tk.bytes, tv.bytes);
+  size_t sh = 0, sl = 0;
+  for (int64_t D : {pr.dqk, pr.dv}) {
+    Sizer a, b, c, e;
+    phi_sizes(cfg, blocks * cfg.cmp_block_len, blocks, pr.hkv, D, pr.phi_hidden, false, a, b);
+    phi_rows_sizes(cfg, std::min(blocks, std::max<int64_t>(kPhiTile / std::max<int64_t>(pr.hkv, 1), 1)), pr.hkv, D,
+                   pr.phi_hidden, c, e);
+    sh = std::max({sh, a.bytes, c.bytes});
+    sl = std::max({sl, b.bytes, e.bytes});
+  }
+  shared.bytes += sh;
+  slot.bytes += sl;
 }
 
 const int32_t* table_row(const PageTable& pt, int64_t b) {
@@ -148,7 +158,8 @@ void compress_blocks(const Plan& p, const PhiParams& phi, const TensorView& cmp_
   for (int64_t k = 0; k <= nb; ++k) q.cu[static_cast<size_t>(k)] = k * l;
   q.max_seqlen = l;
   const TensorView x = make_view(tokens, p.dtype, {nb * l, p.hkv, D});
-  phi_forward(q, phi, x, xc, shared, slots);
+  if (few_items(nb, p.hkv)) phi_forward_rows(q, phi, x, xc, shared, slots);
+  else phi_forward(q, phi, x, xc, shared, slots);
   for (int64_t k = 0; k < nb; ++k) {
     const auto [b, i] = blocks[static_cast<size_t>(k)];
     const int64_t page = table_row(pt, b)[cmp_block_page(i, d, p.page_size) * pt.block_table.stride[1]];

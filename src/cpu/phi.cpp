@@ -384,3 +384,100 @@ void phi_backward(const Plan& p, const PhiParams& phi, const TensorView& x, cons
 }
 
 }  // namespace nsa::cpu
+
+// ---- phi of a few items: no packed weights -----------------------------------------------------
+
+namespace nsa::cpu {
+
+namespace {
+
+struct RowsLayout {
+  float* u;       // [items][lD] flatten(block + pe), fp32
+  float* hidden;  // [items][F] (mlp)
+};
+
+template <typename A>
+RowsLayout layout_rows(A& a, int64_t items, int64_t lD, int64_t F) {
+  RowsLayout r;
+  r.u = a.template take<float>(items * lD);
+  r.hidden = a.template take<float>(items * F);
+  return r;
+}
+
+// Row n of a weight [rows, cols] (the caller's dtype) as fp32.
+void weight_row(const TensorView& w, int64_t n, float* dst) {
+  Rows r;
+  r.base = static_cast<const char*>(w.data);
+  r.dtype = w.dtype;
+  r.row_stride = w.stride[0];
+  r.dim = w.shape[1];
+  r.load(n, 0, dst);
+}
+
+// sum_k a[k] b[k] in eight interleaved partial sums (a fixed order: the result does not depend on
+// the thread that computes it).
+float dot(const float* a, const float* b, int64_t n) {
+  float s[8] = {};
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8)
+    for (int i = 0; i < 8; ++i) s[i] += a[k + i] * b[k + i];
+  for (; k < n; ++k) s[0] += a[k] * b[k];
+  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+}  // namespace
+
+void phi_rows_sizes(const Config& cfg, int64_t blocks, int64_t H, int64_t D, int64_t F, Sizer& shared, Sizer& slot) {
+  const int64_t lD = cfg.cmp_block_len * D;
+  layout_rows(shared, blocks * H, lD, cfg.phi == PhiKind::mlp ? F : 0);
+  slot.take<float>(std::max(lD, F));
+}
+
+void phi_forward_rows(const Plan& p, const PhiParams& phi, const TensorView& x, float* xc, Arena& shared,
+                      const Slots& slots) {
+  const int64_t H = x.shape[1], D = x.shape[2], l = p.cfg.cmp_block_len, d = p.cfg.cmp_stride, lD = l * D;
+  const int64_t F = p.cfg.phi == PhiKind::mlp ? phi.w1.shape[0] : 0, items = p.B * H;
+  const RowsLayout r = layout_rows(shared, items, lD, F);
+  const Rows xr = Rows::of(x);
+  // Item k * H + h: block k (tokens [k*l, (k+1)*l) of x), head h; its output row k*l/d of xc.
+  auto out_row = [&](int64_t item) { return xc + ((item / H) * l / d * H + item % H) * D; };
+  parallel_for(items, slots, [&](int64_t item, Arena arena) {
+    float* row = arena.take<float>(D);
+    float* u = r.u + item * lD;
+    for (int64_t t = 0; t < l; ++t) {
+      xr.load((item / H) * l + t, item % H, row);
+      for (int64_t c = 0; c < D; ++c) u[t * D + c] = row[c];
+    }
+    if (p.cfg.phi == PhiKind::mean) {
+      float* y = out_row(item);
+      for (int64_t c = 0; c < D; ++c) {
+        float s = 0.f;
+        for (int64_t t = 0; t < l; ++t) s += u[t * D + c];
+        y[c] = s / static_cast<float>(l);
+      }
+      return;
+    }
+    for (int64_t k = 0; k < lD; ++k) u[k] += load_scalar(phi.pe, (k / D) * phi.pe.stride[0] + k % D);
+  });
+  if (p.cfg.phi == PhiKind::mean) return;
+  // The first layer (linear: the only one): a row of W per work item, dotted with every item.
+  const int64_t n1 = phi.w1.shape[0];
+  parallel_for(n1, slots, [&](int64_t n, Arena arena) {
+    float* w = arena.take<float>(lD);
+    weight_row(phi.w1, n, w);
+    for (int64_t item = 0; item < items; ++item) {
+      const float y = dot(w, r.u + item * lD, lD);
+      if (p.cfg.phi == PhiKind::linear) out_row(item)[n] = y;
+      else r.hidden[item * F + n] = gelu(y + load_scalar(phi.b1, n * phi.b1.stride[0]));
+    }
+  });
+  if (p.cfg.phi != PhiKind::mlp) return;
+  parallel_for(D, slots, [&](int64_t c, Arena arena) {
+    float* w = arena.take<float>(F);
+    weight_row(phi.w2, c, w);
+    for (int64_t item = 0; item < items; ++item)
+      out_row(item)[c] = dot(w, r.hidden + item * F, F) + load_scalar(phi.b2, c * phi.b2.stride[0]);
+  });
+}
+
+}  // namespace nsa::cpu

@@ -21,4 +21,11 @@ void phi_backward(const Plan& p, const PhiParams& phi, const TensorView& x, cons
                   const TensorView& dx, float* dx_acc, const PhiParams& dphi, Arena& shared,
                   const Slots& slots);
 
+// The same for a few blocks (decoding's appends): the weights are read row by row in place of
+// being packed, each output one dot product (items = blocks x heads, fewer than kPhiTile). x holds
+// one block per sequence of the plan (l tokens each). Bytes of `shared` and per thread:
+void phi_rows_sizes(const Config& cfg, int64_t blocks, int64_t H, int64_t D, int64_t F, Sizer& shared, Sizer& slot);
+void phi_forward_rows(const Plan& p, const PhiParams& phi, const TensorView& x, float* xc, Arena& shared,
+                      const Slots& slots);
+
 }  // namespace nsa::cpu
