@@ -18,6 +18,11 @@ using namespace nsa::test;
 
 namespace {
 
+Config backbone(Config c, const std::vector<int64_t>& offsets) {
+  c.set_backbone(offsets);
+  return c;
+}
+
 struct DecodeCase {
   std::string name;
   Config cfg;
@@ -35,6 +40,8 @@ std::vector<DecodeCase> cases() {
       {"G1_shared_mean", make_config(16, 8, 32, 4, 0, 1, 40, PhiKind::mean, true), make_sizes({200}, 2, 2, 24, 40), 32},
       {"n_above_blocks_no_window", make_config(8, 4, 16, 20, 2, 1, 0, PhiKind::mlp), make_sizes({90}, 8, 1, 8, 8), 48},
       {"no_selection", make_config(8, 8, 8, 0, 0, 0, 33, PhiKind::linear), make_sizes({70, 3}, 6, 3, 8, 16), 8},
+      {"backbone_mlp_G2", backbone(make_config(8, 4, 16, 5, 1, 1, 12, PhiKind::mlp), {1, 3}),
+       make_sizes({90, 41}, 4, 2, 16, 8), 32},
   };
 }
 

@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "nsa/config.h"
+
 #if defined(__CUDACC__)
 #define NSA_HOST_DEVICE __host__ __device__ __forceinline__
 #else
@@ -43,11 +45,35 @@ NSA_HOST_DEVICE constexpr int64_t cmp_slc_overlap(int64_t i, int64_t j, int64_t 
   return hi >= lo ? hi - lo + 1 : 0;
 }
 
-// Spec §4: block j is forced for query t (J_t = last_slc_block(t)) when it is admissible and
-// either one of the n_init initial blocks or one of the n_local blocks ending at J_t.
-NSA_HOST_DEVICE constexpr bool is_forced_block(int64_t j, int64_t Jt, int64_t n_init,
-                                               int64_t n_local) {
-  return j >= 0 && j <= Jt && (j < n_init || j > Jt - n_local);
+// The forced blocks of spec §4 and §11 for the queries of one configuration: the n_init initial
+// blocks, the n_local blocks ending at J_t and the backbone's J_t - o, clipped to [0, J_t] and
+// de-duplicated.
+struct ForcedBlocks {
+  int64_t n_init = 0, n_local = 0;
+  int64_t offsets[kMaxBackbone] = {};  // the backbone's (Config::backbone_offsets)
+  int count = 0;            // how many offsets
+
+  NSA_HOST_DEVICE bool contains(int64_t j, int64_t Jt) const {
+    if (j < 0 || j > Jt) return false;
+    if (j < n_init || j > Jt - n_local) return true;
+    for (int k = 0; k < count; ++k)
+      if (j == Jt - offsets[k]) return true;
+    return false;
+  }
+  // The first local block: J_t - n_local + 1, clipped to 0. The forced set is the initial blocks
+  // below it ([0, min(n_init, local_first))), the local blocks [local_first, J_t] and the
+  // backbone's J_t - o in [n_init, local_first) (each block once).
+  NSA_HOST_DEVICE int64_t local_first(int64_t Jt) const { return Jt - n_local + 1 > 0 ? Jt - n_local + 1 : 0; }
+};
+
+// The forced blocks of a configuration.
+inline ForcedBlocks forced_blocks(const Config& cfg) {
+  ForcedBlocks f;
+  f.n_init = cfg.n_init;
+  f.n_local = cfg.n_local;
+  f.count = static_cast<int>(cfg.num_backbone);
+  for (int k = 0; k < f.count; ++k) f.offsets[k] = cfg.backbone_offsets[k];
+  return f;
 }
 
 // First key position of query t's sliding window of length w (w >= 1).

@@ -6,7 +6,7 @@ Functional API (numpy arrays and torch tensors, host or CUDA): ``attention`` and
 (imported on first use, so that numpy users never import torch). See docs/python.md.
 """
 from ._core import CacheArrays, Config, Error, Phi
-from ._nsa import backend_available
+from ._nsa import backbone_schedule, backend_available
 from .functional import (
     AttentionAux,
     Gradients,
@@ -30,7 +30,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionAux", "CacheArrays", "Config", "Error", "Gradients", "NSACache", "NativeSparseAttention", "Phi",
-    "attention", "attention_backward", "attention_branches", "backend_available", "cache_append", "compress",
+    "attention", "attention_backward", "attention_branches", "backbone_schedule", "backend_available", "cache_append",
+    "compress",
     "compress_backward", "compressed_attention", "decode", "dense_attention", "dense_attention_backward",
     "dense_decode", "select_topn", "selected_attention", "window_attention",
 ]

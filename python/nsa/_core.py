@@ -47,6 +47,9 @@ class Config:
     n_local: int = 2
     window: int = 512  # w, the query's own token included; 0 turns the window off
     scale: float = 0.0
+    # The reach backbone (spec §11): block offsets every query also forces (J_t - o); at most 8,
+    # distinct, >= 1; n_init + n_local + len(backbone_offsets) <= n. Empty: plain NSA.
+    backbone_offsets: tuple = ()
 
     def native(self, phi: str = "mean", shared_kv: bool = False) -> "_nsa.Config":
         c = _nsa.Config()
@@ -58,20 +61,25 @@ class Config:
         c.n_local = int(self.n_local)
         c.window = int(self.window)
         c.scale = float(self.scale)
+        if not isinstance(self.backbone_offsets, (tuple, list)):
+            raise error("backbone_offsets", repr(self.backbone_offsets), "must be a tuple of block offsets")
+        c.backbone_offsets = [int(o) for o in self.backbone_offsets]
         c.phi = _nsa.parse_phi_kind(phi)
         c.shared_kv = bool(shared_kv)
         return c
 
     def ints(self) -> list:
-        """The integer fields, in declaration order (how the torch operators receive a Config)."""
+        """The integer fields, in declaration order, then the backbone's offsets (how the torch
+        operators receive a Config)."""
         return [self.cmp_block_len, self.cmp_stride, self.slc_block_len, self.n_selected,
-                self.n_init, self.n_local, self.window]
+                self.n_init, self.n_local, self.window, *[int(o) for o in self.backbone_offsets]]
 
     @staticmethod
     def from_ints(ints: Sequence[int], scale: float) -> "Config":
-        if len(ints) != 7:
-            raise error("config", list(ints), "must hold 7 integers (l, d, l', n, n_init, n_local, w)")
-        return Config(*[int(i) for i in ints], scale=float(scale))
+        if len(ints) < 7:
+            raise error("config", list(ints), "must hold 7 integers (l, d, l', n, n_init, n_local, w) and the "
+                                               "backbone's offsets")
+        return Config(*[int(i) for i in ints[:7]], scale=float(scale), backbone_offsets=tuple(int(i) for i in ints[7:]))
 
 
 def make_config(config: Optional[Config], overrides: dict) -> Config:

@@ -15,6 +15,7 @@ block's positions), and phi's intra-block position embedding adds the position i
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import List, Optional
 
@@ -164,6 +165,10 @@ class NativeSparseAttention(nn.Module):
         backend, num_threads: where the library runs ('auto', 'reference', 'cpu', 'cuda').
         save_branch_outputs: keep each branch's output for the backward when training (3x the
             attention output's memory per layer; the CUDA backward is then about 25% faster).
+        backbone: the reach backbone (spec §11): the layer forces the offsets that
+            nsa.backbone_schedule(layer_idx, max_seqlen, l', backbone_per_layer) gives it (they take
+            places of n; off by default: plain NSA). layer_idx (0-based) and max_seqlen (the longest
+            sequence the model sees) are then required.
 
     forward(x, cu_seqlens=None, max_seqlen=None, cache=None):
         x [T, hidden] (packed sequences, cu_seqlens [B+1]) or [B, S, hidden] (B sequences of S).
@@ -177,7 +182,8 @@ class NativeSparseAttention(nn.Module):
                  config: Optional[Config] = None, phi: str = "mlp", phi_hidden: Optional[int] = None,
                  shared_kv: bool = False, gate_hidden: Optional[int] = None, rotary: bool = True,
                  rope_theta: float = 10000.0, bias: bool = False, backend: str = "auto", num_threads: int = 0,
-                 save_branch_outputs: bool = False, device=None, dtype=None):
+                 save_branch_outputs: bool = False, backbone: bool = False, layer_idx: Optional[int] = None,
+                 max_seqlen: Optional[int] = None, backbone_per_layer: int = 1, device=None, dtype=None):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -192,6 +198,14 @@ class NativeSparseAttention(nn.Module):
         if phi not in _PHI_KINDS:
             raise error("phi", repr(phi), "must be one of 'mean', 'linear', 'mlp'")
         self.config = config if config is not None else Config()
+        if backbone:
+            if layer_idx is None or max_seqlen is None:
+                raise error("layer_idx" if layer_idx is None else "max_seqlen", "None",
+                            "must be given with backbone=True (the schedule depends on them)")
+            from ._nsa import backbone_schedule
+
+            offsets = backbone_schedule(int(layer_idx), int(max_seqlen), self.config.slc_block_len, int(backbone_per_layer))
+            self.config = dataclasses.replace(self.config, backbone_offsets=tuple(offsets))
         self.config.native(phi, shared_kv).validate()
         self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_heads, num_kv_heads
         self.head_dim, self.v_head_dim = head_dim, v_head_dim
@@ -256,7 +270,7 @@ class NativeSparseAttention(nn.Module):
         return (f"hidden_size={self.hidden_size}, heads={self.num_heads}/{self.num_kv_heads}, "
                 f"head_dim={self.head_dim}/{self.v_head_dim}, phi={self.phi}, shared_kv={self.shared_kv}, "
                 f"l={c.cmp_block_len}, d={c.cmp_stride}, l'={c.slc_block_len}, n={c.n_selected}, w={c.window}, "
-                f"rotary={self.rotary}")
+                f"rotary={self.rotary}" + (f", backbone={tuple(c.backbone_offsets)}" if c.backbone_offsets else ""))
 
     # ---- pieces ----------------------------------------------------------------------------
 

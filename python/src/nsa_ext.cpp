@@ -8,6 +8,9 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <algorithm>
 
 #include <cstdint>
 #include <string>
@@ -280,9 +283,18 @@ NB_MODULE(_nsa, m) {
       .def_rw("scale", &nsa::Config::scale)
       .def_rw("phi", &nsa::Config::phi)
       .def_rw("shared_kv", &nsa::Config::shared_kv)
+      .def_prop_rw(
+          "backbone_offsets",
+          [](const nsa::Config& c) {
+            return std::vector<int64_t>(c.backbone_offsets, c.backbone_offsets + std::clamp<int64_t>(c.num_backbone, 0, nsa::kMaxBackbone));
+          },
+          [](nsa::Config& c, const std::vector<int64_t>& v) { c.set_backbone(v); })
       .def("validate", &nsa::Config::validate)
       .def("softmax_scale", &nsa::Config::softmax_scale, nb::arg("dqk"));
 
+  m.def("backbone_schedule", &nsa::backbone_schedule, nb::arg("layer"), nb::arg("max_seqlen"),
+        nb::arg("slc_block_len"), nb::arg("per_layer") = 1,
+        "The reach backbone's offsets of one layer (nsa::backbone_schedule, spec §11).");
   m.def("parse_phi_kind", [](const std::string& text) { return nsa::parse_phi_kind(text, "phi"); },
         nb::arg("text"));
   m.def("backend_available",

@@ -1,4 +1,5 @@
 // Small pieces of the public API that every backend shares: errors, tensor views, config rules.
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
@@ -132,14 +133,56 @@ void Config::validate() const {
   if (n_selected < 0) throw Error("n_selected (n)", str(n_selected), "must be >= 0 (0 turns selection off)");
   if (n_init < 0) throw Error("n_init", str(n_init), "must be >= 0");
   if (n_local < 0) throw Error("n_local", str(n_local), "must be >= 0");
-  if (n_selected > 0 && n_init + n_local > n_selected)
-    throw Error("n_init + n_local", str(n_init + n_local),
+  if (num_backbone < 0 || num_backbone > kMaxBackbone)
+    throw Error("num_backbone", str(num_backbone), "must be in [0, " + str(int64_t{kMaxBackbone}) + "] (backbone offsets)");
+  for (int64_t k = 0; k < num_backbone; ++k) {
+    const int64_t o = backbone_offsets[k];
+    if (o < 1)
+      throw Error("backbone_offsets[" + str(k) + "]", str(o), "must be >= 1 (a block offset back from the query's block)");
+    for (int64_t i = 0; i < k; ++i)
+      if (backbone_offsets[i] == o)
+        throw Error("backbone_offsets[" + str(k) + "]", str(o), "must differ from the other offsets (equals offset " + str(i) + ")");
+  }
+  if (n_selected > 0 && (n_init > n_selected || n_local > n_selected || n_init + n_local + num_backbone > n_selected))
+    throw Error(num_backbone > 0 ? "n_init + n_local + num_backbone" : "n_init + n_local",
+                num_backbone > 0 ? str(n_init) + " + " + str(n_local) + " + " + str(num_backbone) : str(n_init + n_local),
                 "must be <= n_selected (n = " + str(n_selected) + ")");
   if (window < 0) throw Error("window (w)", str(window), "must be >= 0 (0 turns the window off)");
   if (!std::isfinite(scale) || scale < 0.0)
     throw Error("scale", str(scale), "must be a finite number > 0, or 0 for 1/sqrt(Dqk)");
   if (phi != PhiKind::mean && phi != PhiKind::linear && phi != PhiKind::mlp)
     throw Error("phi", str(static_cast<int64_t>(phi)), "must be mean (0), linear (1) or mlp (2)");
+}
+
+void Config::set_backbone(const std::vector<int64_t>& offsets) {
+  if (offsets.size() > static_cast<size_t>(kMaxBackbone))
+    throw Error("backbone_offsets", str(static_cast<int64_t>(offsets.size())) + " offsets",
+                "must hold at most " + str(int64_t{kMaxBackbone}));
+  num_backbone = static_cast<int64_t>(offsets.size());
+  for (int k = 0; k < kMaxBackbone; ++k) backbone_offsets[k] = k < num_backbone ? offsets[static_cast<size_t>(k)] : 0;
+}
+
+std::vector<int64_t> backbone_schedule(int64_t layer, int64_t max_seqlen, int64_t slc_block_len, int64_t per_layer) {
+  if (layer < 0) throw Error("layer", str(layer), "must be >= 0");
+  if (max_seqlen < 1) throw Error("max_seqlen", str(max_seqlen), "must be >= 1");
+  if (slc_block_len < 1) throw Error("slc_block_len (l')", str(slc_block_len), "must be >= 1");
+  if (per_layer < 1 || per_layer > kMaxBackbone)
+    throw Error("per_layer", str(per_layer), "must be in [1, " + str(int64_t{kMaxBackbone}) + "]");
+  // Base k + 1: layer i moves information by d * (k+1)^(i mod P), d = 1..k, or leaves it (the
+  // residual stream), so P consecutive layers spell any distance below (k+1)^P >= N_s in base k + 1.
+  // k = 1 is spec §11's 2^(i mod P).
+  const int64_t Ns = (max_seqlen + slc_block_len - 1) / slc_block_len, base = per_layer + 1;
+  int64_t P = 0, power = 1;  // P = ceil(log_base(Ns))
+  while (power < Ns) {
+    power *= base;
+    ++P;
+  }
+  std::vector<int64_t> offsets;
+  if (P == 0) return offsets;
+  int64_t unit = 1;
+  for (int64_t e = 0; e < layer % P; ++e) unit *= base;
+  for (int64_t d = 1; d <= per_layer && d * unit < Ns; ++d) offsets.push_back(d * unit);
+  return offsets;
 }
 
 double Config::softmax_scale(int64_t dqk) const {

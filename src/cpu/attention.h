@@ -511,15 +511,16 @@ inline void attend_cmp_fwd(const Dims& d, const Branch& br, int64_t lp, const Se
   }
 }
 
-// Spec §4 for one (token, KV head): forced blocks, then the best others by descending S (ties
-// to the smaller j), reported ascending and padded with -1. nth_element: no full sort.
+// Spec §4 for one (token, KV head): forced blocks (§11's backbone too), then the best others by
+// descending S (ties to the smaller j), reported ascending and padded with -1. nth_element: no full sort.
 inline void topn_row(const Config& cfg, int64_t t, const float* S, int32_t* cand, int32_t* out) {
   const int64_t n = cfg.n_selected, lp = cfg.slc_block_len;
   const int64_t Jt = last_slc_block(t, lp);
   const int64_t count = std::min(n, Jt + 1);
+  const ForcedBlocks forced = forced_blocks(cfg);
   int64_t nout = 0, ncand = 0;
   for (int64_t j = 0; j <= Jt; ++j) {
-    if (is_forced_block(j, Jt, cfg.n_init, cfg.n_local)) out[nout++] = static_cast<int32_t>(j);
+    if (forced.contains(j, Jt)) out[nout++] = static_cast<int32_t>(j);
     else cand[ncand++] = static_cast<int32_t>(j);
   }
   const int64_t rest = std::min(count - nout, ncand);

@@ -259,8 +259,7 @@ TopnParams topn_params(const Plan& p, const float* scores, int64_t s_st, int64_t
   t.hkv = static_cast<int>(p.hkv);
   t.lp = static_cast<int>(p.cfg.slc_block_len);
   t.n_sel = static_cast<int>(p.cfg.n_selected);
-  t.n_init = static_cast<int>(p.cfg.n_init);
-  t.n_local = static_cast<int>(p.cfg.n_local);
+  t.forced = forced_blocks(p.cfg);
   t.n_slc_max = p.n_slc_max;
   return t;
 }

@@ -36,9 +36,9 @@ __global__ void select_topn_kernel(const TopnParams p, int warps_per_block) {
   int32_t* chosen = reinterpret_cast<int32_t*>(srow + p.n_slc_max);
   const int64_t J = last_slc_block(t, p.lp);
   const float* srcrow = p.scores + tg * p.s_st + hk * p.s_sh;
-  stage_topn_row(srow, J, p.n_init, p.n_local, lane, [&](int64_t j) { return srcrow[j]; });
+  stage_topn_row(srow, J, p.forced, lane, [&](int64_t j) { return srcrow[j]; });
   __syncwarp();
-  warp_topn(srow, J, p.n_sel, p.n_init, p.n_local, chosen, p.indices + tg * p.i_st + hk * p.i_sh, 1, lane);
+  warp_topn(srow, J, p.n_sel, p.forced, chosen, p.indices + tg * p.i_st + hk * p.i_sh, 1, lane);
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "cuda/forward_params.h"
+#include "nsa/blocks.h"
 #include "nsa/config.h"
 
 namespace nsa::cuda {
@@ -17,7 +18,8 @@ struct TopnParams {
   int32_t* indices;  // [T, Hkv, n]
   int64_t i_st, i_sh;
   int hkv;
-  int lp, n_sel, n_init, n_local;
+  int lp, n_sel;
+  ForcedBlocks forced;  // n_init, n_local, the backbone's offsets
   int64_t n_slc_max;  // Ns: scores columns a row may read (ceil(max_seqlen / l'))
 };
 void launch_select_topn(const TopnParams& p, cudaStream_t stream);

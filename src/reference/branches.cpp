@@ -140,12 +140,13 @@ void add_scores(const Config& cfg, const std::vector<double>& p_cmp, double* S) 
 std::vector<int64_t> select_blocks(const Config& cfg, int64_t t, const double* S) {
   const int64_t Jt = last_slc_block(t, cfg.slc_block_len);
   const int64_t count = std::min(cfg.n_selected, Jt + 1);
-  // §4: forced blocks first, then the rest by descending S, ties to the smaller j.
+  const ForcedBlocks forced = forced_blocks(cfg);
+  // §4 (§11): forced blocks first, then the rest by descending S, ties to the smaller j.
   std::vector<int64_t> order(static_cast<size_t>(Jt + 1));
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) {
-    const bool fa = is_forced_block(a, Jt, cfg.n_init, cfg.n_local);
-    const bool fc = is_forced_block(c, Jt, cfg.n_init, cfg.n_local);
+    const bool fa = forced.contains(a, Jt);
+    const bool fc = forced.contains(c, Jt);
     if (fa != fc) return fa;
     return S[a] > S[c];
   });

@@ -34,11 +34,16 @@ struct DCase {
   bool shared_kv;
   int64_t page_size;
   int64_t first_max;  // most tokens of a sequence's first append
+  std::vector<int64_t> backbone = {};  // spec §11's offsets
 };
 
 void PrintTo(const DCase& c, std::ostream* os) { *os << c.name; }
 
-Config config_of(const DCase& c) { return make_config(c.l, c.d, c.lp, c.n, c.n_init, c.n_local, c.w, c.phi, c.shared_kv); }
+Config config_of(const DCase& c) {
+  Config cfg = make_config(c.l, c.d, c.lp, c.n, c.n_init, c.n_local, c.w, c.phi, c.shared_kv);
+  cfg.set_backbone(c.backbone);
+  return cfg;
+}
 
 Sizes sizes_of(const DCase& c) {
   Sizes s;
@@ -70,6 +75,8 @@ std::vector<DCase> cases() {
       {"f16_d128x64_G4_mlp_packed", DType::f16, 128, 64, 8, 2, {257, 1, 640, 77}, 16, 8, 32, 6, 1, 2, 64, PhiKind::mlp, true, 64, 500},
       {"bf16_d64_G2_n_above_no_window", DType::bf16, 64, 64, 4, 2, {200}, 8, 4, 16, 20, 2, 1, 0, PhiKind::mlp, false, 16, 60},
       {"bf16_d192x64_G16_long", DType::bf16, 192, 64, 16, 1, {2100}, 32, 16, 64, 16, 1, 2, 512, PhiKind::mean, false, 256, 1200},
+      {"bf16_d128_G8_backbone", DType::bf16, 128, 128, 16, 2, {1300, 500}, 32, 16, 64, 8, 1, 2, 256, PhiKind::mlp, false, 128,
+       600, {1, 4, 16}},
   };
 }
 

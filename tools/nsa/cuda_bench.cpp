@@ -95,6 +95,16 @@ CudaBenchOptions parse_options(int argc, char** argv) {
     else if (a == "--n-selected") o.cfg.n_selected = to_int(a, value());
     else if (a == "--n-init") o.cfg.n_init = to_int(a, value());
     else if (a == "--n-local") o.cfg.n_local = to_int(a, value());
+    else if (a == "--backbone") {
+      std::vector<int64_t> offs;
+      const std::string v = value();
+      for (size_t pos = 0; pos <= v.size();) {
+        const size_t comma = std::min(v.find(',', pos), v.size());
+        offs.push_back(to_int(a, v.substr(pos, comma - pos)));
+        pos = comma + 1;
+      }
+      o.cfg.set_backbone(offs);
+    }
     else if (a == "--window") o.cfg.window = to_int(a, value());
     else if (a == "--scale") o.cfg.scale = std::stod(value());
     else if (a == "--phi") o.cfg.phi = nsa::parse_phi_kind(value(), "--phi");

@@ -80,6 +80,7 @@ NSA configuration (defaults: the paper's):
   --n-init N            forced initial blocks (1)
   --n-local N           forced local blocks (2)
   --window N            w, sliding window (512)
+  --backbone LIST       the reach backbone's block offsets, e.g. 1 or 1,4 (none)
   --scale X             softmax scale, 0 = 1/sqrt(dqk) (0)
   --phi K               mean, linear or mlp (mlp)
   --shared-kv           one K/V for all three branches (default: independent K/V per branch)
@@ -107,6 +108,15 @@ double parse_double(const std::string& opt, const std::string& text) {
   }
 }
 
+std::vector<std::string> split_commas(const std::string& list) {
+  std::vector<std::string> items(1);
+  for (char ch : list) {
+    if (ch == ',') items.emplace_back();
+    else items.back() += ch;
+  }
+  return items;
+}
+
 int64_t positive(const std::string& opt, int64_t v) {
   if (v < 1) throw UsageError(opt + " must be >= 1, got " + std::to_string(v));
   return v;
@@ -129,15 +139,7 @@ Options parse(int argc, char** argv) {
     };
     if (a == "--seqlens") {
       o.seqlens.clear();
-      std::string list = value(), item;
-      for (size_t pos = 0; pos <= list.size(); ++pos) {
-        if (pos == list.size() || list[pos] == ',') {
-          o.seqlens.push_back(positive("--seqlens", parse_int("--seqlens", item)));
-          item.clear();
-        } else {
-          item += list[pos];
-        }
-      }
+      for (const std::string& item : split_commas(value())) o.seqlens.push_back(positive(a, parse_int(a, item)));
     } else if (a == "--hq") o.hq = positive(a, parse_int(a, value()));
     else if (a == "--hkv") o.hkv = positive(a, parse_int(a, value()));
     else if (a == "--dqk") o.dqk = positive(a, parse_int(a, value()));
@@ -164,6 +166,11 @@ Options parse(int argc, char** argv) {
     else if (a == "--n-selected") o.cfg.n_selected = parse_int(a, value());
     else if (a == "--n-init") o.cfg.n_init = parse_int(a, value());
     else if (a == "--n-local") o.cfg.n_local = parse_int(a, value());
+    else if (a == "--backbone") {
+      std::vector<int64_t> offs;
+      for (const std::string& x : split_commas(value())) offs.push_back(parse_int(a, x));
+      o.cfg.set_backbone(offs);
+    }
     else if (a == "--window") o.cfg.window = parse_int(a, value());
     else if (a == "--scale") o.cfg.scale = parse_double(a, value());
     else if (a == "--phi") o.cfg.phi = nsa::parse_phi_kind(value(), "--phi");

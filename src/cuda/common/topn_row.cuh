@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "nsa/blocks.h"
+#include "nsa/config.h"
 
 namespace nsa::cuda {
 
@@ -69,27 +70,34 @@ struct LaneList {
 // Stages one row: srow[j] = the score of block j, or kTakenBits for a forced block (j <= J).
 // Lane-strided; the caller syncs the warp before warp_topn reads it.
 template <typename Score>
-__device__ __forceinline__ void stage_topn_row(float* srow, int64_t J, int n_init, int n_local, int lane, Score score) {
-  for (int64_t j = lane; j <= J; j += 32)
-    srow[j] = is_forced_block(j, J, n_init, n_local) ? __uint_as_float(kTakenBits) : score(j);
+__device__ __forceinline__ void stage_topn_row(float* srow, int64_t J, const ForcedBlocks& forced, int lane, Score score) {
+  for (int64_t j = lane; j <= J; j += 32) srow[j] = forced.contains(j, J) ? __uint_as_float(kTakenBits) : score(j);
 }
 
-// The whole warp: selects min(n_sel, J + 1) blocks of a staged row (forced blocks first) and writes
-// them ascending to out[0], out[stride], ..., padded with -1 to n_sel entries. `chosen` is n_sel
-// ints of shared memory.
-__device__ __forceinline__ void warp_topn(const float* srow, int64_t J, int n_sel, int n_init, int n_local,
+// The whole warp: selects min(n_sel, J + 1) blocks of a staged row (forced blocks first: the
+// configuration guarantees they fit) and writes them ascending to out[0], out[stride], ..., padded
+// with -1 to n_sel entries. `chosen` is n_sel ints of shared memory.
+__device__ __forceinline__ void warp_topn(const float* srow, int64_t J, int n_sel, const ForcedBlocks& forced,
                                           int32_t* chosen, int32_t* out, int64_t stride, int lane) {
   const int count = static_cast<int>(J + 1 < n_sel ? J + 1 : n_sel);
-  // Forced blocks: [0, n_init) and (J - n_local, J], clipped to [0, J], without double counting.
-  const int first_forced = static_cast<int>(J + 1 < n_init ? J + 1 : n_init);
-  const int64_t local_lo = J - n_local + 1 > n_init ? J - n_local + 1 : n_init;
-  const int local_forced = static_cast<int>(J - local_lo + 1 > 0 ? J - local_lo + 1 : 0);
-  for (int k = lane; k < first_forced + local_forced; k += 32)
-    chosen[k] = k < first_forced ? k : static_cast<int32_t>(local_lo + (k - first_forced));
+  // The forced blocks (ForcedBlocks): initial ones below the local ones, the local ones, then the
+  // backbone's between them (every lane counts them alike; lane 0 writes them).
+  const int64_t lo = forced.local_first(J);
+  const int ni = static_cast<int>(forced.n_init < lo ? forced.n_init : lo);  // initial: [0, ni)
+  const int nl = static_cast<int>(J - lo + 1);                               // local: [lo, J]
+  for (int k = lane; k < ni + nl; k += 32) chosen[k] = k < ni ? k : static_cast<int32_t>(lo + (k - ni));
+  int n_forced = ni + nl;
+  for (int k = 0; k < forced.count; ++k) {
+    const int64_t j = J - forced.offsets[k];
+    if (j >= forced.n_init && j < lo) {
+      if (lane == 0) chosen[n_forced] = static_cast<int32_t>(j);
+      ++n_forced;
+    }
+  }
   __syncwarp();
   LaneList list;
   list.fill(srow, lane, J, ~uint64_t(0));
-  for (int r = first_forced + local_forced; r < count; ++r) {
+  for (int r = n_forced; r < count; ++r) {
     uint64_t top = list.key[0];
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) {

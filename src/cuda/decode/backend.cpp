@@ -131,8 +131,7 @@ DecodeParams decode_params(const Plan& p, const PageTable& pt, const TensorView&
   d.d = static_cast<int>(p.cfg.cmp_stride);
   d.lp = static_cast<int>(p.cfg.slc_block_len);
   d.n_sel = dense ? 0 : static_cast<int>(p.cfg.n_selected);
-  d.n_init = static_cast<int>(p.cfg.n_init);
-  d.n_local = static_cast<int>(p.cfg.n_local);
+  d.forced = forced_blocks(p.cfg);
   d.window = static_cast<int>(std::min<int64_t>(p.cfg.window, INT32_MAX));
   d.scale_log2 = static_cast<float>(p.scale) * kLog2e;
   d.dense = dense;

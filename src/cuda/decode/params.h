@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "nsa/blocks.h"
+
 namespace nsa::cuda::decode {
 
 // One pool [P, rows_per_page, Hkv, D] (raw tokens: rows_per_page = page_size; compressed: page_size/d).
@@ -36,7 +38,8 @@ struct DecodeParams {
   Pool kc, vc;              // compressed pools
   Pool k_slc, v_slc, k_win, v_win;
   int hkv = 1, group = 1, dv = 0;
-  int l = 0, d = 0, lp = 0, n_sel = 0, n_init = 0, n_local = 0, window = 0;
+  int l = 0, d = 0, lp = 0, n_sel = 0, window = 0;
+  ForcedBlocks forced;      // n_init, n_local, the backbone's offsets
   float scale_log2 = 0.f;   // softmax scale * log2(e): scores live in the log2 domain
   bool dense = false;       // dense_decode: no compressed or selection branch, the window is everything
 

@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const DecodePara
   const int R = p.lp / p.d, L = p.l / p.d, W = p.score_width;
   const int64_t J = last_slc_block(t, p.lp);
   for (int64_t j = threadIdx.x; j <= J; j += kSelectThreads) {
-    if (is_forced_block(j, J, p.n_init, p.n_local)) {
+    if (p.forced.contains(j, J)) {
       srow[j] = __uint_as_float(kTakenBits);
       continue;
     }
@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const DecodePara
     srow[j] = S;
   }
   __syncthreads();
-  if (warp == 0) warp_topn(srow, J, p.n_sel, p.n_init, p.n_local, chosen, sel, p.sel_sn, lane);
+  if (warp == 0) warp_topn(srow, J, p.n_sel, p.forced, chosen, sel, p.sel_sn, lane);
 }
 
 }  // namespace
