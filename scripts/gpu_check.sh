@@ -7,7 +7,7 @@
 #
 # Environment: OUT (log folder), BUILD_DIR (default /tmp/nsa-gpu-build), JOBS (default 16),
 # SKIP="sass_check host_tests cuda_tests memcheck cli_bench bench bench_backward bench_decode gather_bench python_tests
-# bench_decode_layer public_decode sm80_tests" (any subset), BENCH_ARGS (e.g. --quick), DECODE_ARGS (nsa_decode_bench's),
+# bench_decode_layer public_decode bench_backbone sm80_tests" (any subset), BENCH_ARGS (e.g. --quick), DECODE_ARGS (nsa_decode_bench's),
 # CUDA_TEST_FILTER (a --gtest_filter for cuda_tests, e.g. '*CudaBackward*'), BREAK_TESTS=1 (last step:
 # scripts/break_tests.sh, the GPU tests must catch the bugs planted by tests/cuda/breaks/*.patch).
 # To add a step: write a function and call `step NAME function` below; its output lands in
@@ -107,6 +107,15 @@ bench_decode() {
   "$b" --backend cuda --batch 1,8,64 --lens 8192,32768,65536 --phi mean --shared-kv --out "$OUT/nsa_decode_shared_mean.csv" || return 1
   PYTHONUNBUFFERED=1 python3 "$SRC/bench/sdpa_decode_baseline.py" "$OUT/nsa_decode.csv" --markdown "$OUT/bench_decode.md"
 }
+# The reach backbone's cost: forward and forward+backward at 64K (paper shape, phi = mean) with one
+# backbone offset (n unchanged: it takes a learned block's place) against none, in one run.
+bench_backbone() {
+  local b; b="$(bin nsa)" || return 1
+  for offsets in "" "--backbone 64"; do
+    echo "== backbone: ${offsets:-off}"
+    "$b" bench --seqlens 65536 --hq 64 --hkv 4 --phi mean --repeats 5 --check-tokens 64 $offsets || return 1
+  done
+}
 # The fastest public NSA's decode, laid out in .anchors/mdy_nsa by ../shared/anchors/mdy_nsa/setup.sh.
 public_decode() {
   [[ -d "$SRC/.anchors/mdy_nsa/src" ]] || { echo "no .anchors/mdy_nsa (see bench/public_nsa_decode.py)"; return 1; }
@@ -160,6 +169,7 @@ step cli_bench cli_bench
 step bench bench
 step bench_backward bench_backward
 step bench_decode bench_decode
+step bench_backbone bench_backbone
 step public_decode public_decode
 step gather_bench gather_bench
 step python_tests python_tests
