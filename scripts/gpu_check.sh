@@ -8,7 +8,7 @@
 # Environment: OUT (log folder), BUILD_DIR (default /tmp/nsa-gpu-build), JOBS (default 16),
 # SKIP="sass_check host_tests cuda_tests memcheck cli_bench bench bench_backward bench_decode gather_bench python_tests
 # bench_decode_layer public_decode bench_backbone sm80_tests" (any subset), BENCH_ARGS (e.g. --quick), DECODE_ARGS (nsa_decode_bench's),
-# CUDA_TEST_FILTER (a --gtest_filter for cuda_tests, e.g. '*CudaBackward*'), BREAK_TESTS=1 (last step:
+# MEMCHECK_FILTER (memcheck's --gtest_filter), BUILD_TARGETS (build only these, e.g. "nsa_cuda_tests nsa_cli"), CUDA_TEST_FILTER (a --gtest_filter for cuda_tests, e.g. '*CudaBackward*'), BREAK_TESTS=1 (last step:
 # scripts/break_tests.sh, the GPU tests must catch the bugs planted by tests/cuda/breaks/*.patch).
 # To add a step: write a function and call `step NAME function` below; its output lands in
 # $OUT/NAME.log and its status in $OUT/summary.txt.
@@ -59,7 +59,7 @@ build() {
   cmake -S "$SRC" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNSA_CUDA=ON \
     ${prefix:+-DCMAKE_PREFIX_PATH=$prefix} || return 1
   local t0=$SECONDS
-  cmake --build "$BUILD_DIR" -j "$JOBS" || return 1
+  cmake --build "$BUILD_DIR" -j "$JOBS" ${BUILD_TARGETS:+--target $BUILD_TARGETS} || return 1
   echo "build time: $((SECONDS - t0)) s with -j $JOBS"
 }
 
@@ -89,7 +89,7 @@ host_tests() { "$(bin nsa_tests)" --gtest_brief=1; }
 cuda_tests() { "$SRC/scripts/gtest_sharded.sh" "$(bin nsa_cuda_tests)" ${CUDA_TEST_FILTER:+--gtest_filter=$CUDA_TEST_FILTER}; }
 memcheck() {
   compute-sanitizer --tool memcheck --error-exitcode 3 "$(bin nsa_cuda_tests)" \
-    --gtest_filter='*f16_d64_G1_packed_linear*:*bf16_d128_G16_paper*:*CudaDecode*f16_d128x64*:*CudaDecodeStatus*'
+    --gtest_filter="${MEMCHECK_FILTER:-*f16_d64_G1_packed_linear*:*bf16_d128_G16_paper*:*CudaDecode*f16_d128x64*:*CudaDecodeStatus*:*backbone*:*CudaBackbone*}"
 }
 # `nsa bench` (tools/nsa) takes the CUDA backend when a device is visible: a short smoke run.
 cli_bench() { "$(bin nsa)" bench --seqlens 8192 --hq 64 --hkv 4 --phi mean --repeats 3 --no-backward; }
