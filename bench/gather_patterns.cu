@@ -1,9 +1,9 @@
 // How fast can an SM gather the selection branch's K/V blocks, by access pattern? A
-// microbenchmark for the question docs/cuda.md ("Session 7") leaves open: the selection kernel
-// (slc_attention.cuh) loads K straight into mma fragments, 8 rows x 64 bytes per warp load, and
-// Nsight Compute shows L1/TEX at 96% of its peak while L2 is at 62%. Is the per-row-segment pattern
-// what bounds it, and would a per-warp shared-memory ring filled by cp.async in whole 128-byte
-// lines (then ldmatrix) move the same bytes faster?
+// microbenchmark for the question docs/cuda.md ("... what bounds the selection") leaves open: the
+// selection kernel (slc_attention.cuh) loads K straight into mma fragments, 8 rows x 64 bytes per
+// warp load, and Nsight Compute shows L1/TEX at 96% of its peak while L2 is at 62%. Is the
+// per-row-segment pattern what bounds it, and would a per-warp shared-memory ring filled by
+// cp.async in whole 128-byte lines (then ldmatrix) move the same bytes faster?
 //
 // Every pattern reads the same bytes: for each (token, KV head), n_sel = 16 blocks of 64 keys x
 // (K 128 + V 128) bf16 columns, block 0 and the token's two local blocks forced, the rest random

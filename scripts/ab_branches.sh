@@ -23,10 +23,11 @@
 # it leaves broken objects in that build). AB_DEADLINE (seconds since the start, default 560): a step
 # that would likely end after it is skipped (logged), so that the summary and the logs still come
 # back inside a 600 s device call.
-# Time on the H200 per snapshot (session 13): build 30-45 s (sm_90a only; ~1 s when the machine is
-# still warm with the same snapshot), tests 120-150 s, forward benchmark at 64K 60-70 s (with the
-# local_q stages), backward benchmark ~70 s, profile ~60-120 s, a break round ~150-250 s; three
-# snapshots with tests and benchmarks do not fit in one 600 s call: split them with NAMEs.
+# Time on the H200 per snapshot (A/B runs from `d01e4ad` to `be59d88`): build 30-45 s (sm_90a
+# only; ~1 s when the machine is still warm with the same snapshot), tests 120-150 s, forward
+# benchmark at 64K 60-70 s (with the local_q stages), backward benchmark ~70 s, profile ~60-120 s,
+# a break round ~150-250 s; three snapshots with tests and benchmarks do not fit in one 600 s call:
+# split them with NAMEs.
 set -u -o pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cmd="${1:-}"

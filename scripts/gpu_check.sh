@@ -123,7 +123,8 @@ public_decode() {
     --batch 1,8,64 --lens 8192,32768,65536 --markdown "$OUT/public_decode.md"
 }
 
-# The selection's gather patterns (bench/gather_patterns.cu, docs/cuda.md "Session 7"): a few seconds.
+# The selection's gather patterns (bench/gather_patterns.cu, docs/cuda.md, "what bounds the
+# selection"): a few seconds.
 gather_bench() { timeout 120 "$(bin nsa_gather_bench)"; }  # (a hung pattern must not eat the call)
 bench_backward() {  # issue 5: forward+backward against SDPA forward+backward, same run
   "$(bin nsa_cuda_backward_bench)" --out "$OUT/nsa_backward_bench.csv" ${BENCH_ARGS:-} || return 1

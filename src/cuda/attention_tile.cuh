@@ -215,7 +215,7 @@ struct TileAttention {
       // the swizzle pattern, so the destination is one address plus a constant per row (as the
       // backward's copy_rows_sw128). D = 192 with 4 warps (24 pieces) takes the general loop below.
       // A whole chunk is copied unrolled at immediate offsets (no bounds test, no source-size
-      // operand: 2-3 instructions per piece instead of ~13; session 7); a sequence's last, partial
+      // operand: 2-3 instructions per piece instead of ~13); a sequence's last, partial
       // chunk by the rolled loop, whose running source and destination kept the S pass's kernel
       // (128 registers at 4 CTAs per SM) from spilling when the bounds-tested copy was unrolled.
       constexpr int kStep = kCopy / kPieces;

@@ -198,7 +198,7 @@ struct CmpSmem {
 // pair and the step of 32 pairs are divided out once per tile (or once per change of the number of
 // blocks a chunk completes), the column limit of every token is computed once per tile, and the
 // pairs advance by adding the step with a carry. (With a division per pair and per chunk the
-// bookkeeping was ~40% of the S pass's instructions: H200 ncu source counters, session 7.)
+// bookkeeping was ~40% of the S pass's instructions: H200 ncu source counters.)
 template <typename Storage, int kDqk, int kDv, int kRows>
 __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const CmpTileInfo<kRows>& ti,
                                                 TileAttention<Storage, kDqk, kDv, kRows>& tile_state,
@@ -585,7 +585,8 @@ __device__ __forceinline__ void cmp_pass1_epilogue(const CmpAttnParams& p, const
 // (scores_wgmma_sq), not from fragment registers: no registers held for Q and no ldmatrix per
 // chunk. (Held in registers across the chunk loop, ptxas 13.0 gave the fragments' registers to
 // other values inside the loop where the loop was their last use, and every chunk after the
-// first multiplied garbage; the registers were then reloaded per chunk until session 6.)
+// first multiplied garbage; reloading them per chunk was the workaround before Q moved to shared
+// memory.)
 // Pass 1 (o_cmp and lse) of a tile of kRows rows, K/V chunks double-buffered (one chunk in
 // flight); with kFusedScores also pass 2 in the same CTA, else cmp_scores_kernel does it
 // afterwards. Which runs where (launch_cmp_attention): on sm_90a the split kernels, this one (in
@@ -742,7 +743,7 @@ inline bool cmp_rows_tensor_map(CUtensorMap* map, const CmpAttnParams& p, const 
 // such a tile's score rings do not fit in shared memory (G = 1 with long rings); otherwise in
 // 64-row tiles at 4 CTAs per SM (3 at Dqk = 192, where 4 measured slower). See scores_rows.
 // Elsewhere (sm_80 and the compute_80 PTX): the fused 64-row kernel. H200, 64K, Hq 64 / Hkv 4,
-// D 128 (docs/cuda.md): cmp + S 27.7 ms split, 32.7 fused (session 4).
+// D 128 (docs/cuda.md): cmp + S 27.7 ms split, 32.7 fused (tree of `95428a5`).
 template <typename Storage, int kDqk, int kDv>
 void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream) {
   constexpr int kScoresCtas64 = kDqk <= 128 ? 4 : 3;

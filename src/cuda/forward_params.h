@@ -158,7 +158,7 @@ __host__ __device__ constexpr bool slc_union_takes(int u, int tokens, int n_sel)
 // 3 cycles per scheduler) and its shared memory decides how many CTAs share an SM: at 128/128 a
 // ring of 2 K and 2 V tiles takes 85 KB (two CTAs), with one V tile 69 KB (three). One V tile
 // where that is what lets a third CTA on (slc_union_v_stages), else one per K tile. (One CTA of
-// 4-6 stages: 9.6 -> 15.5 ms, docs/cuda.md "Session 13".)
+// 4-6 stages: 9.6 -> 15.5 ms, docs/cuda.md, "the union kernel at three CTAs per SM".)
 inline constexpr size_t kSmemPerSm = 228 * 1024, kSmemPerCtaReserved = 1024;  // sm_90
 __host__ __device__ constexpr int ctas_per_sm_by_smem(size_t bytes) { return static_cast<int>(kSmemPerSm / (bytes + kSmemPerCtaReserved)); }
 // Mbarriers (and counters) of the union ring: one per stage, or one per K and per V tile when split.
@@ -255,7 +255,7 @@ constexpr size_t cmp_wide_smem_bytes(int dqk, int dv) {
   return tma_ring_end(kCmpWideRows, dqk, dv, kCmpWideChunk, kCmpWideStages) + tma_ring_bar_bytes(kCmpWideStages);
 }
 // The head dims whose S pass may take kScoresRows-row tiles on sm_90a (the only ones for which that
-// kernel is instantiated). H200, 64K, Hq 64 / Hkv 4, same run (docs/benchmarks/h200.md, session 7):
+// kernel is instantiated). H200, 64K, Hq 64 / Hkv 4, same run (docs/benchmarks/h200.md, `3831e9f`):
 // Dqk 192 30.9 -> 24.5 ms for pass 1 + S with 128 rows; Dqk 128 20.9 -> 21.1 ms, so 64 rows stay there.
 constexpr bool scores_wide_tiles(int dqk) { return dqk > 128; }
 // The S pass's tile rows on sm_90a: kScoresRows where scores_wide_tiles and that tile's shared

@@ -223,7 +223,7 @@ __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_atten
   // columns (68 words at Dv = 128, 36 at 64) the 8 lanes of a store phase (two rows g, quad 0..3)
   // fall on 8 disjoint groups of 4 banks.
   // (With 2-byte stores into unpadded rows the 8 rows of a store hit one bank: ncu counted 8x
-  // the ideal shared wavefronts there, ~18% of the kernel's shared-memory traffic, session 7.)
+  // the ideal shared wavefronts there, ~18% of the kernel's shared-memory traffic.)
   constexpr int kOStride = kDv + 8;
   __syncwarp();  // every lane is done with the union lists: the region now holds the output
   Storage* so = reinterpret_cast<Storage*>(keys);  // [16][kOStride]

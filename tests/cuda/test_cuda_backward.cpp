@@ -68,7 +68,7 @@ const std::vector<BwdCase>& bwd_cases() {
       {"bf16_d64x128_G8_w1", DType::bf16, 64, 128, 8, 1, {150}, 32, 8, 64, 3, 0, 1, 1, PhiKind::mean, false},
       {"f16_d192x64_G16_nowindow", DType::f16, 192, 64, 16, 1, {65, 64}, 32, 16, 64, 16, 1, 2, 0, PhiKind::mean, false},
       // The paper's head dims at G = 16 over many key and query tiles, packed: sm_90a's one-buffer
-      // pipelines of dq_kernel and dkv_kernel at Dqk 192 (two CTAs per SM, session 18).
+      // pipelines of dq_kernel and dkv_kernel at Dqk 192 (two CTAs per SM).
       {"bf16_d192x128_G16_packed_long", DType::bf16, 192, 128, 16, 1, {1100, 37}, 32, 16, 64, 8, 1, 2, 256, PhiKind::mean, false},
       {"bf16_d128_G2_noselect_linear", DType::bf16, 128, 128, 4, 2, {190}, 32, 16, 64, 0, 0, 0, 64, PhiKind::linear, false},
       {"f16_d128_G4_lp128_shared", DType::f16, 128, 128, 8, 2, {333}, 16, 16, 128, 2, 1, 1, 200, PhiKind::mean, true},
@@ -541,8 +541,8 @@ TEST(CudaBackwardErrors, SelectionTablesTooLargeNameN) {
 }
 
 // The backward moves rows in 16-byte pieces, as the forward does: a view whose rows do not start
-// on 16 bytes is an nsa::Error naming the tensor (before session 13 the backward took it and a
-// kernel failed with a misaligned address). Each view is its tensor shifted by one element (the
+// on 16 bytes is an nsa::Error naming the tensor (rather than a kernel failing with a misaligned
+// address). Each view is its tensor shifted by one element (the
 // device buffers have 16 bytes of slack).
 TEST(CudaBackwardErrors, UnalignedRowsNameTheTensor) {
   NSA_REQUIRE_GPU();

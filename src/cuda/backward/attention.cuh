@@ -75,7 +75,7 @@ constexpr int kKeys = 64;            // keys per tile
 constexpr int kWarps = kRows / 16;   // each warp owns 16 rows (dq) or 16 keys (dk/dv)
 constexpr int kThreads = 32 * kWarps;
 // dq_kernel's row tile is kRows rows, one warpgroup, 2 CTAs per SM. (Two warpgroups, 1 CTA per
-// SM, measured slower in sessions 6 and 7, with Q / dO fragments and from shared memory; three,
+// SM, measured slower, both with Q / dO fragments and from shared memory; three,
 // at the 168 registers that 384 threads leave, spilled ~300 bytes in the tile loop at 128/128.)
 // The warps work on 16 x 64 score blocks in two halves of 16 x 32 (kSubTiles n8 tiles): half the
 // live score registers, so dK and dV (or dQ) accumulators of a 128-wide head fit without spills.
@@ -360,7 +360,7 @@ struct DqSmem {
   // kSwLaunch.
   // K / V buffers of the swizzled layout: two (the next tile's copy under this tile's products)
   // where two CTAs of that size still fit an SM, else one. At Dqk 192 / Dv 128 two buffers make
-  // 125 KB (the launch asked for the padded layout's 129 KB until session 18), one CTA per SM with
+  // 125 KB (129 KB, the padded layout's size, asked for before `b4155de`), one CTA per SM with
   // nothing to run under its waits (dq_kernel 66.5 ms at 64K, 2x its Dqk 128 time), so there one
   // buffer: 84 KB, two CTAs per SM (255 registers x 128 threads allow two), each waiting while
   // the other computes. kSwKv: one K and one V buffer;
@@ -920,7 +920,7 @@ struct DkvSmem {
   // a 1024-byte boundary of the dynamic shared memory (the host adds 1024 bytes of slack).
   // Q / dO buffers of the swizzled layout: two where two CTAs of that size still fit an SM, else
   // one (Dqk 192 / Dv 128: two make 129 KB, 134 KB with the padded layout's size that the launch
-  // asked for until session 18: one CTA per SM, dkv_kernel 1.8-2.25x its Dqk 128 time at 64K; one
+  // asked for before `b4155de`: one CTA per SM, dkv_kernel 1.8-2.25x its Dqk 128 time at 64K; one
   // makes 88 KB, two CTAs per SM). The RowTiles stay two (prefetch fills
   // the next one). kSwQdo: one Q and one dO buffer; kSwFixed: the rest (K, V, RowTiles, mbarriers;
   // static_assert below).

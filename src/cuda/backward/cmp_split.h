@@ -17,9 +17,9 @@ constexpr int kCmpSplitTokens = 1024;  // one more split per this many tokens of
 // whose earlier splits keep every row) and 4 below. Each split after the first keeps fp32
 // partials of the rows its queries see (about 1.5 copies of the compressed rows at 4 splits, 3.5
 // at 8, 7.5 at 16), which grow with Hkv while q, k, v and o grow with Hq: 8 splits instead of 4
-// took the 64K backward at G = 16 from 124.0 to 121.6 ms on an H200 (session 14; load balance)
+// took the 64K backward at G = 16 from 124.0 to 121.6 ms on an H200 (`a5f2288`; load balance)
 // for 34 MB, 1.3% of q, k, v and o, but at G = 4 the same 34 MB is 3.6% of them (workspace 8.5%
-// -> 12.1%, past the 10% budget) for 0.4 ms (53.0 -> 52.6 ms). 16 splits at G = 16 (session 15,
+// -> 12.1%, past the 10% budget) for 0.4 ms (53.0 -> 52.6 ms). 16 splits at G = 16 (`8c78670`,
 // with the heavy-first order): 64K backward 105.7 -> 104.7 ms, workspace 151 -> 218 MB = 8.5%.
 NSA_HOST_DEVICE int cmp_splits_for(int64_t max_seqlen, int64_t group, int64_t batch = 1) {
   const int cap = group >= 16 && batch == 1 ? kMaxCmpSplits : group >= 8 ? 8 : 4;

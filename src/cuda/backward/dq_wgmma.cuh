@@ -13,7 +13,7 @@
 //   dQ += dS K     4 k16 steps of m64n{Dqk}k16 (Dqk = 192: n128 + n64), A = dS packed from the
 //                  scores, B = the K tile (MN-major)
 //   pass 1: O += P V   4 x m64n{Dv}k16, A = P, B = the V tile (MN-major)
-// Since session 6 Q and dO are stored 128-byte swizzled too and read by the products from shared
+// Q and dO are stored 128-byte swizzled too and read by the products from shared
 // memory (before: padded tiles and ldmatrix fragments per batch, 32 + 32 registers at D = 128),
 // and the dg epilogue reads dO from the swizzled tile. No A operand is held in registers across
 // the tile loop (the ptxas hazard of docs/cuda.md, "wgmma"); dS and P are built in the iteration
@@ -31,12 +31,12 @@
 // and its 1024-byte alignment slack; one K/V buffer at Dqk 192, DqSmem::kSwBufs), elsewhere for
 // DqSmem::kEnd (the padded layout, which also holds the swizzled one: static_assert in DqSmem).
 //
-// History (sessions 4-5, 64-row tiles with Q / dO fragments): ptxas 255 registers at 128x128, 2
-// CTAs per SM; H200 at 64K dq_kernel 94.4 -> 65.8 ms against the mma.sync body, 39.3 ms after
-// session 5's cheaper copies and descriptors. ncu then: 2 warps per scheduler, 0.46 instructions
-// issued per cycle, bound by latency and instruction issue, not by the tensor cores. Session 6
-// (prepared, not yet run on a GPU): Q and dO from shared memory; branch bwd-dq-q-smem: two
-// warpgroups per CTA, bwd-dq-q-smem-64: one.
+// With Q / dO fragments instead (64-row tiles): ptxas 255 registers at 128x128, 2 CTAs per SM;
+// H200 at 64K dq_kernel 94.4 -> 65.8 ms against the mma.sync body (`8fb2178`), 39.3 ms with cheaper
+// copies and descriptors (`9ae5052`). ncu then: 2 warps per scheduler, 0.46 instructions issued per
+// cycle, bound by latency and instruction issue, not by the tensor cores. Q and dO from shared
+// memory (one warpgroup per CTA, branch bwd-dq-q-smem-64): ncu 39.5 -> 35.6 ms (`3831e9f`); two
+// warpgroups per CTA (bwd-dq-q-smem) measured slower (attention.cuh, at kRows).
 #pragma once
 
 #include "cuda/common/wgmma.h"
