@@ -60,14 +60,11 @@ __global__ void __launch_bounds__(kCmpThreads) cmp_partial_kernel(const DecodePa
 
   // Logits of every key of the split (log2 domain), -inf past n.
   const int ntiles = (n + kKeyTile - 1) / kKeyTile;
-  auto tile_len = [&](int i) { return i < ntiles ? (n - i * kKeyTile < kKeyTile ? n - i * kKeyTile : kKeyTile) : 0; };
-  RowLookup lookup;
-  lookup.prefetch(p.pages, b, i0, tile_len(0), rpp);
   pipelined_tiles(
       ntiles,
       [&](int i, int buf) {
-        lookup.publish(rows);
-        lookup.prefetch(p.pages, b, i0 + (i + 1) * kKeyTile, tile_len(i + 1), rpp);
+        const int k0 = i * kKeyTile;
+        tile_rows(p.pages, b, i0 + k0, n - k0 < kKeyTile ? n - k0 : kKeyTile, rpp, rows);
         load_rows<S, kDqk, kCmpThreads>(sKV + buf * kKeyTile * kLdkv, kLdkv, rows, p.kc, hk);
       },
       [&](int i, int buf) {
@@ -128,12 +125,11 @@ __global__ void __launch_bounds__(kCmpThreads) cmp_partial_kernel(const DecodePa
   // Partial output: O = P V, each warp a quarter of the columns.
   constexpr int kTiles = kDv / 32;
   float o[kTiles][4] = {};
-  lookup.prefetch(p.pages, b, i0, tile_len(0), rpp);
   pipelined_tiles(
       ntiles,
       [&](int i, int buf) {
-        lookup.publish(rows);
-        lookup.prefetch(p.pages, b, i0 + (i + 1) * kKeyTile, tile_len(i + 1), rpp);
+        const int k0 = i * kKeyTile;
+        tile_rows(p.pages, b, i0 + k0, n - k0 < kKeyTile ? n - k0 : kKeyTile, rpp, rows);
         load_rows<S, kDv, kCmpThreads>(sKV + buf * kKeyTile * kLdkv, kLdkv, rows, p.vc, hk);
       },
       [&](int i, int buf) { pv_16x64<S, kTiles>(sP, ldp, i * kKeyTile, sKV + buf * kKeyTile * kLdkv, kLdkv, warp * (kDv / 4), o); });

@@ -95,29 +95,20 @@ struct TileRow {
   int32_t page, slot;
 };
 
-// The page lookups of a tile's rows, one tile ahead of the copies: prefetch() issues a tile's
-// lookups into registers (threads < 64, a row each) and returns at once; publish() writes the
-// pending tile's rows to shared memory and syncs. A pipeline that publishes tile i and prefetches
-// tile i + 1 in the same step waits for no table load: the lookups had a whole tile to land.
-struct RowLookup {
-  TileRow pending{-1, 0};
-
-  // Rows [first, first + n) of sequence b, rows_per_page a page (n = 0: none).
-  __device__ __forceinline__ void prefetch(const Pages& p, int b, int64_t first, int n, int rows_per_page) {
-    if (threadIdx.x >= kKeyTile) return;
+// Rows [first, first + n) of sequence b (rows_per_page a page) into rows[0..64): one page lookup
+// per row, by the first 64 threads at once, then a barrier; the copies that follow read no table.
+__device__ __forceinline__ void tile_rows(const Pages& p, int b, int64_t first, int n, int rows_per_page, TileRow* rows) {
+  if (threadIdx.x < kKeyTile) {
     TileRow r{-1, 0};
     if (static_cast<int>(threadIdx.x) < n) {
       const int64_t pos = first + threadIdx.x;
       r.page = static_cast<int32_t>(page_of(p, b, pos / rows_per_page));
       r.slot = static_cast<int32_t>(pos % rows_per_page);
     }
-    pending = r;
+    rows[threadIdx.x] = r;
   }
-  __device__ __forceinline__ void publish(TileRow* rows) {
-    if (threadIdx.x < kKeyTile) rows[threadIdx.x] = pending;
-    __syncthreads();
-  }
-};
+  __syncthreads();
+}
 
 // The tile's rows of one pool (KV head `head`) into smem [64][ld], 16-byte pieces by cp.async; rows
 // with page -1 are zeros (a zero probability times garbage would not be zero).

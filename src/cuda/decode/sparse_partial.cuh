@@ -94,17 +94,11 @@ __global__ void __launch_bounds__(kSparseThreads) sparse_partial_kernel(const De
   if (piece.count > 0) load_queries<S, kDqk, kSparseThreads>(sQ, kLdq, p, row, hk);
   constexpr int kTiles = kDv / 32;
   float o[kTiles][4] = {};
-  RowLookup lookup;
-  auto prefetch = [&](int i) {
-    int64_t first = 0;
-    int n = 0;
-    if (i < piece.count) piece.tile(i, first, n);
-    lookup.prefetch(p.pages, b, first, n, ps);
-  };
-  prefetch(0);
   auto load = [&](int i, int buf) {
-    lookup.publish(rows);
-    prefetch(i + 1);
+    int64_t first;
+    int n;
+    piece.tile(i, first, n);
+    tile_rows(p.pages, b, first, n, ps, rows);
     load_rows<S, kDqk, kSparseThreads>(sK + buf * kKeyTile * kLdq, kLdq, rows, kpool, hk);
     load_rows<S, kDv, kSparseThreads>(sV + buf * kKeyTile * kLdv, kLdv, rows, vpool, hk);
   };
