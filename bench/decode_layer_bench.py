@@ -20,23 +20,10 @@ import torch.nn.functional as F
 
 import nsa
 from nsa import torch_ops
-from sdpa_common import time_ms  # the script's folder is on sys.path
+from sdpa_common import graph_ms, time_ms  # the script's folder is on sys.path
 
 HIDDEN, HQ, HKV, D, F_PHI = 4096, 64, 4, 128, 512
 
-
-def graphed(fn, reps=20):
-    """ms per replay of a CUDA graph of fn."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return time_ms(lambda: [g.replay() for _ in range(reps)], warmup=1, reps=7) / reps
 
 
 def bench(B, T):
@@ -58,7 +45,7 @@ def bench(B, T):
 
         res["layer eager"] = time_ms(layer_step, warmup=2, reps=9)
         cache.seq_lens.fill_(T)
-        res["layer graph"] = graphed(layer_step)
+        res["layer graph"] = graph_ms(layer_step)
         cache.seq_lens.fill_(T)
 
         x2 = x.view(B, HIDDEN)
@@ -67,7 +54,7 @@ def bench(B, T):
         def projections():
             return (layer.q_proj(x2), layer.k_proj(x2), layer.v_proj(x2), layer.gate(x2), layer.o_proj(o_in))
 
-        res["projections graph"] = graphed(projections)
+        res["projections graph"] = graph_ms(projections)
         q = torch.randn(B, HQ, D, device=dev, dtype=dt)
         g = torch.rand(B, HQ, 3, device=dev, dtype=dt)
         kv = [torch.randn(B, HKV, D, device=dev, dtype=dt) for _ in range(6)]
@@ -78,7 +65,7 @@ def bench(B, T):
             torch_ops.cache_append(arrays, kv, phi_k, phi_v, layer.config, None, 1, "auto", 0)
             return torch_ops.decode(arrays, q, g, layer.config, None, 1, False, "auto", 0)
 
-        res["attention graph"] = graphed(attention)
+        res["attention graph"] = graph_ms(attention)
         cache.seq_lens.fill_(T)
 
         # The dense twin.
@@ -98,7 +85,7 @@ def bench(B, T):
             return layer.o_proj(o.reshape(B, HQ * D))
 
         res["dense layer eager"] = time_ms(dense_step, warmup=2, reps=9)
-        res["dense layer graph"] = graphed(dense_step)
+        res["dense layer graph"] = graph_ms(dense_step)
     del cache, kc, vc
     torch.cuda.empty_cache()
     return res

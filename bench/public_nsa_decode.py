@@ -12,7 +12,7 @@ import sys
 import torch
 import triton
 
-from sdpa_common import time_ms  # the script's folder is on sys.path
+from sdpa_common import graph_ms, time_ms  # the script's folder is on sys.path
 
 HQ, HKV, D = 64, 4, 128
 KERNEL, STRIDE, BLOCK, TOPN, INIT, LOCAL, WINDOW = 32, 16, 64, 16, 1, 2, 512
@@ -52,17 +52,7 @@ def bench(B, T):
 
     step()
     eager = time_ms(step, warmup=3, reps=21)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    reps = 20
-    graph = time_ms(lambda: [g.replay() for _ in range(reps)], warmup=2, reps=9) / reps
+    graph = graph_ms(step)
     del k, v
     torch.cuda.empty_cache()
     return eager, graph

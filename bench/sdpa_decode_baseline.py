@@ -16,7 +16,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from sdpa_common import time_ms  # the script's folder is on sys.path
+from sdpa_common import graph_ms, time_ms  # the script's folder is on sys.path
 
 
 def sdpa_decode_ms(B, T, hq, hkv, dqk, dv):
@@ -31,18 +31,8 @@ def sdpa_decode_ms(B, T, hq, hkv, dqk, dv):
         out.copy_(F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
 
     eager = time_ms(step, warmup=3, reps=21)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    reps = 20
-    graphed = time_ms(lambda: [graph.replay() for _ in range(reps)], warmup=2, reps=9) / reps
-    del q, k, v, graph
+    graphed = graph_ms(step)
+    del q, k, v
     torch.cuda.empty_cache()
     return eager, graphed
 

@@ -129,6 +129,23 @@ inline StepRows step_rows(const LayerProblem& p, const std::vector<int64_t>& fro
   return s;
 }
 
+// Rows of a step's [rows, ...] tensor (or [3, rows, ...]) as one packed tensor over the problem.
+inline void scatter_rows(const HostTensor& step, HostTensor& full, const std::vector<int64_t>& count,
+                  const std::vector<int64_t>& done, const Sizes& sizes, bool branches = false) {
+  const int nb = branches ? 3 : 1;
+  const int64_t step_rows = step.shape()[branches ? 1 : 0], full_rows = full.shape()[branches ? 1 : 0];
+  const int64_t inner = step.numel() / nb / std::max<int64_t>(step_rows, 1);
+  int64_t r0 = 0, s0 = 0;
+  for (size_t b = 0; b < count.size(); ++b) {
+    for (int br = 0; br < nb; ++br)
+      for (int64_t i = 0; i < count[b]; ++i)
+        for (int64_t e = 0; e < inner; ++e)
+          full.set((br * full_rows + s0 + done[b] + i) * inner + e, step.get((br * step_rows + r0 + i) * inner + e));
+    r0 += count[b];
+    s0 += sizes.seqlens[b];
+  }
+}
+
 // A random schedule of steps: per step, the new tokens of each sequence (a long first chunk, then
 // mostly single tokens and short bursts), until every sequence is whole.
 inline std::vector<std::vector<int64_t>> random_schedule(const std::vector<int32_t>& seqlens, uint64_t seed,

@@ -193,23 +193,6 @@ HostCache run_schedule(const Context& ctx, const DecodeCase& c, LayerProblem& p,
   return cache;
 }
 
-// Rows of a step's [rows, ...] tensor (or [3, rows, ...]) as one packed tensor over the problem.
-void scatter_rows(const HostTensor& step, HostTensor& full, const std::vector<int64_t>& count,
-                  const std::vector<int64_t>& done, const Sizes& sizes, bool branches = false) {
-  const int nb = branches ? 3 : 1;
-  const int64_t step_rows = step.shape()[branches ? 1 : 0], full_rows = full.shape()[branches ? 1 : 0];
-  const int64_t inner = step.numel() / nb / std::max<int64_t>(step_rows, 1);
-  int64_t r0 = 0, s0 = 0;
-  for (size_t b = 0; b < count.size(); ++b) {
-    for (int br = 0; br < nb; ++br)
-      for (int64_t i = 0; i < count[b]; ++i)
-        for (int64_t e = 0; e < inner; ++e)
-          full.set((br * full_rows + s0 + done[b] + i) * inner + e, step.get((br * step_rows + r0 + i) * inner + e));
-    r0 += count[b];
-    s0 += sizes.seqlens[b];
-  }
-}
-
 class CpuDecode : public ::testing::TestWithParam<DType> {};
 
 // Decode on the CPU backend against the reference's decode of the same cache contents in fp64
