@@ -164,6 +164,16 @@ void kv_views(Arrays& arrays, nb::handle kv, nsa::KV out[3], const char* const n
   }
 }
 
+// The outputs of forward and decode: o, and the optional lse, indices and o_branch.
+nsa::ForwardOutputs forward_outputs(Arrays& a, nb::handle o, nb::handle lse, nb::handle indices, nb::handle o_branch) {
+  nsa::ForwardOutputs out;
+  out.o = a.out(o, "o");
+  out.lse = a.out(lse, "lse");
+  out.indices = a.out(indices, "indices");
+  out.o_branch = a.out(o_branch, "o_branch");
+  return out;
+}
+
 // The layer's inputs (nsa::forward and nsa::backward take the same ones).
 nsa::Inputs layer_inputs(Arrays& arrays, nb::handle q, nb::handle kv, nb::handle g, nb::handle phi_k,
                          nb::handle phi_v, nb::handle cu_seqlens, int64_t max_seqlen) {
@@ -450,11 +460,7 @@ NB_MODULE(_nsa, m) {
         Arrays a;
         const nsa::Context ctx = make_context(backend, stream, threads, det);
         const nsa::Inputs in = layer_inputs(a, q, kv, g, phi_k, phi_v, cu_seqlens, max_seqlen);
-        nsa::ForwardOutputs out;
-        out.o = a.out(o, "o");
-        out.lse = a.out(lse, "lse");
-        out.indices = a.out(indices, "indices");
-        out.o_branch = a.out(o_branch, "o_branch");
+        const nsa::ForwardOutputs out = forward_outputs(a, o, lse, indices, o_branch);
         const nsa::Workspace ws = a.workspace(workspace);
         nb::gil_scoped_release release;
         nsa::forward(ctx, cfg, in, out, ws);
@@ -573,11 +579,7 @@ NB_MODULE(_nsa, m) {
         in.q = a.in(q, "q");
         in.g = a.in(g, "g");
         in.seqs = sequences(a, cu_seqlens, max_seqlen);
-        nsa::ForwardOutputs out;
-        out.o = a.out(o, "o");
-        out.lse = a.out(lse, "lse");
-        out.indices = a.out(indices, "indices");
-        out.o_branch = a.out(o_branch, "o_branch");
+        const nsa::ForwardOutputs out = forward_outputs(a, o, lse, indices, o_branch);
         const nsa::Workspace ws = a.workspace(workspace);
         nb::gil_scoped_release release;
         nsa::decode(ctx, cfg, cache, in, out, ws);
