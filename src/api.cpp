@@ -292,8 +292,8 @@ namespace {
 Plan plan_dense(const Context& ctx, double scale, const TensorView& q, const TensorView& k,
                 const TensorView& v, const Sequences& seqs, const BackendOps*& ops) {
   Config cfg;  // only the scale matters for dense attention
-  if (!(scale >= 0.0) || scale > 1e300)
-    throw Error("scale", std::to_string(scale), "must be a finite number > 0, or 0 for 1/sqrt(Dqk)");
+  if (!(scale >= 0.0 && scale <= kMaxScale))
+    throw Error("scale", std::to_string(scale), "must be in (0, 3.4e38] (fp32's range), or 0 for 1/sqrt(Dqk)");
   cfg.scale = scale;
   Plan p = start_plan(ctx, cfg, q, "q", ops);
   const Checker chk(p.dtype, p.device, q.device_index);

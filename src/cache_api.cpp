@@ -69,6 +69,9 @@ void fill_rows(Plan& p, const Sequences& seqs, int64_t rows, const Checker& chk)
   p.cu_seqlens = seqs.cu_seqlens;
   p.cu.clear();
   if (seqs.max_seqlen < 0) throw Error("seqs.max_seqlen", str(seqs.max_seqlen), "must be >= 0 (0: derive it)");
+  if (seqs.max_seqlen > kMaxLength)
+    throw Error("seqs.max_seqlen", str(seqs.max_seqlen), "must be <= 2^31 - 1 = " + str(kMaxLength));
+  if (rows > kMaxLength) throw Error("rows (Tq)", str(rows), "must be <= 2^31 - 1 = " + str(kMaxLength));
   int64_t longest = 0;
   const TensorView& cu = seqs.cu_seqlens;
   if (!cu.defined()) {
@@ -230,8 +233,8 @@ Plan shapes_plan(const Config& cfg, const TensorView& main, const char* main_nam
 
 Config dense_config(double scale) {
   Config cfg;  // only the scale matters
-  if (!(scale >= 0.0) || scale > 1e300)
-    throw Error("scale", std::to_string(scale), "must be a finite number > 0, or 0 for 1/sqrt(Dqk)");
+  if (!(scale >= 0.0 && scale <= kMaxScale))
+    throw Error("scale", std::to_string(scale), "must be in (0, 3.4e38] (fp32's range), or 0 for 1/sqrt(Dqk)");
   cfg.scale = scale;
   return cfg;
 }

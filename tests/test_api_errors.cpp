@@ -3,6 +3,7 @@
 // build runs these too.
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <functional>
 #include <string>
 
@@ -61,6 +62,14 @@ std::vector<BadCase> bad_cases() {
   cfg_case("scale_nan", "scale", "nan", [](Config& g) { g.scale = std::nan(""); });
   cfg_case("scale_negative", "scale", "-0.5", [](Config& g) { g.scale = -0.5; });
   cfg_case("phi_out_of_range", "phi", "7", [](Config& g) { g.phi = static_cast<PhiKind>(7); });
+  // Upper bounds (kMaxLength, kMaxScale): products and sums of these fields must not wrap.
+  cfg_case("lp_max", "slc_block_len (l')", "9223372036854775807", [](Config& g) { g.cmp_stride = 1; g.slc_block_len = INT64_MAX; });
+  cfg_case("l_above_2_31", "cmp_block_len (l)", "2147483648", [](Config& g) { g.cmp_stride = 1; g.cmp_block_len = int64_t{1} << 31; });
+  cfg_case("n_above_2_31", "n_selected (n)", "4294967296", [](Config& g) { g.n_selected = int64_t{1} << 32; });
+  cfg_case("forced_sum_wraps", "n_init", "4611686018427387904", [](Config& g) { g.n_init = g.n_local = int64_t{1} << 62; });
+  cfg_case("window_max", "window (w)", "9223372036854775807", [](Config& g) { g.window = INT64_MAX; });
+  cfg_case("scale_above_fp32", "scale", "", [](Config& g) { g.scale = 1e39; });
+  cfg_case("backbone_offset_above_2_31", "backbone_offsets[0]", "2147483648", [](Config& g) { g.set_backbone({int64_t{1} << 31}); });
 
   auto in_case = [&](std::string name, std::string param, std::string value,
                      std::function<void(P&, Inputs&)> f) {
@@ -197,6 +206,13 @@ TEST(BadInputStages, StageShapes) {
   expect_error("scores.dtype", [&] { select_topn(context_of(Backend::reference), mean, scores_f64.view(), {}, idx.view()); });
   HostTensor q(DType::f32, {30, 4, 4}), o(DType::f32, {30, 4, 4});
   expect_error("scale", [&] { dense_attention_fwd(context_of(Backend::reference), -1.0, q.view(), x.view(), x.view(), {}, o.view(), {}); });
+  for (Backend b : {Backend::reference, Backend::cpu}) {
+    expect_error("scale", [&] { dense_attention_fwd(context_of(b), 1e300, q.view(), x.view(), x.view(), {}, o.view(), {}); });
+    expect_error("seqs.max_seqlen",
+                 [&] { dense_attention_fwd(context_of(b), 0.0, q.view(), x.view(), x.view(), Sequences{{}, INT64_MAX}, o.view(), {}); });
+  }
+  expect_error("max_seqlen", [&] { backbone_schedule(0, INT64_MAX, 64); });
+  expect_error("slc_block_len (l')", [&] { backbone_schedule(0, 4096, INT64_MAX); });
   expect_error("phi", [&] { parse_phi_kind("gated"); });
   expect_error("backend", [&] { parse_backend("tpu"); });
 }

@@ -18,6 +18,13 @@ const char* phi_kind_name(PhiKind kind);
 // Parses "mean", "linear" or "mlp"; throws nsa::Error naming `parameter` otherwise.
 PhiKind parse_phi_kind(const std::string& text, const char* parameter = "phi");
 
+// The largest length the library accepts, for every configuration integer (block lengths, stride,
+// counts, window, backbone offsets) and every sequence length or packed token count: 2^31 - 1, so
+// that positions fit int32 (cu_seqlens) and every product of two of them fits int64.
+inline constexpr int64_t kMaxLength = 2147483647;
+// The largest softmax scale: fp32's largest finite value (the fast backends keep it in fp32).
+inline constexpr double kMaxScale = 3.4028234663852886e38;
+
 // Most reach-backbone offsets a configuration holds (spec §11).
 inline constexpr int kMaxBackbone = 8;
 

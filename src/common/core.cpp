@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cmath>
 #include <sstream>
+#include <utility>
 
 #include "nsa/config.h"
 #include "nsa/error.h"
@@ -121,6 +122,13 @@ PhiKind parse_phi_kind(const std::string& text, const char* parameter) {
 }
 
 void Config::validate() const {
+  // Upper bounds first: the rules below add and multiply these fields.
+  const std::pair<const char*, int64_t> bounded[] = {
+      {"cmp_block_len (l)", cmp_block_len}, {"cmp_stride (d)", cmp_stride}, {"slc_block_len (l')", slc_block_len},
+      {"n_selected (n)", n_selected},       {"n_init", n_init},             {"n_local", n_local},
+      {"window (w)", window}};
+  for (const auto& [name, value] : bounded)
+    if (value > kMaxLength) throw Error(name, str(value), "must be <= 2^31 - 1 = " + str(kMaxLength));
   if (cmp_block_len < 1) throw Error("cmp_block_len (l)", str(cmp_block_len), "must be >= 1");
   if (cmp_stride < 1) throw Error("cmp_stride (d)", str(cmp_stride), "must be >= 1");
   if (slc_block_len < 1) throw Error("slc_block_len (l')", str(slc_block_len), "must be >= 1");
@@ -137,8 +145,9 @@ void Config::validate() const {
     throw Error("num_backbone", str(num_backbone), "must be in [0, " + str(int64_t{kMaxBackbone}) + "] (backbone offsets)");
   for (int64_t k = 0; k < num_backbone; ++k) {
     const int64_t o = backbone_offsets[k];
-    if (o < 1)
-      throw Error("backbone_offsets[" + str(k) + "]", str(o), "must be >= 1 (a block offset back from the query's block)");
+    if (o < 1 || o > kMaxLength)
+      throw Error("backbone_offsets[" + str(k) + "]", str(o),
+                  "must be in [1, 2^31 - 1] (a block offset back from the query's block)");
     for (int64_t i = 0; i < k; ++i)
       if (backbone_offsets[i] == o)
         throw Error("backbone_offsets[" + str(k) + "]", str(o), "must differ from the other offsets (equals offset " + str(i) + ")");
@@ -148,8 +157,8 @@ void Config::validate() const {
                 num_backbone > 0 ? str(n_init) + " + " + str(n_local) + " + " + str(num_backbone) : str(n_init + n_local),
                 "must be <= n_selected (n = " + str(n_selected) + ")");
   if (window < 0) throw Error("window (w)", str(window), "must be >= 0 (0 turns the window off)");
-  if (!std::isfinite(scale) || scale < 0.0)
-    throw Error("scale", str(scale), "must be a finite number > 0, or 0 for 1/sqrt(Dqk)");
+  if (!(scale >= 0.0 && scale <= kMaxScale))
+    throw Error("scale", str(scale), "must be in (0, 3.4e38] (fp32's range), or 0 for 1/sqrt(Dqk)");
   if (phi != PhiKind::mean && phi != PhiKind::linear && phi != PhiKind::mlp)
     throw Error("phi", str(static_cast<int64_t>(phi)), "must be mean (0), linear (1) or mlp (2)");
 }
@@ -164,8 +173,9 @@ void Config::set_backbone(const std::vector<int64_t>& offsets) {
 
 std::vector<int64_t> backbone_schedule(int64_t layer, int64_t max_seqlen, int64_t slc_block_len, int64_t per_layer) {
   if (layer < 0) throw Error("layer", str(layer), "must be >= 0");
-  if (max_seqlen < 1) throw Error("max_seqlen", str(max_seqlen), "must be >= 1");
-  if (slc_block_len < 1) throw Error("slc_block_len (l')", str(slc_block_len), "must be >= 1");
+  if (max_seqlen < 1 || max_seqlen > kMaxLength) throw Error("max_seqlen", str(max_seqlen), "must be in [1, 2^31 - 1]");
+  if (slc_block_len < 1 || slc_block_len > kMaxLength)
+    throw Error("slc_block_len (l')", str(slc_block_len), "must be in [1, 2^31 - 1]");
   if (per_layer < 1 || per_layer > kMaxBackbone)
     throw Error("per_layer", str(per_layer), "must be in [1, " + str(int64_t{kMaxBackbone}) + "]");
   // Base k + 1: layer i moves information by d * (k+1)^(i mod P), d = 1..k, or leaves it (the

@@ -66,6 +66,9 @@ void fill_sequences(Plan& p, const Sequences& seqs, int64_t T, const Checker& ch
   p.T = T;
   p.cu_seqlens = seqs.cu_seqlens;
   if (seqs.max_seqlen < 0) throw Error("seqs.max_seqlen", str(seqs.max_seqlen), "must be >= 0 (0: derive it)");
+  if (seqs.max_seqlen > kMaxLength)
+    throw Error("seqs.max_seqlen", str(seqs.max_seqlen), "must be <= 2^31 - 1 = " + str(kMaxLength));
+  if (T > kMaxLength) throw Error("T (packed tokens)", str(T), "must be <= 2^31 - 1 = " + str(kMaxLength));
   const TensorView& cu = seqs.cu_seqlens;
   if (!cu.defined()) {
     p.B = 1;

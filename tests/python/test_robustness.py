@@ -1,0 +1,83 @@
+"""Hostile sizes from Python: configuration integers, lengths and scales past the library's bounds
+(include/nsa/config.h: kMaxLength = 2^31 - 1, kMaxScale = fp32's largest) are named errors on
+every host backend, not crashes, hangs or wrong answers. Each case is one that used to crash, hang
+or return garbage (block index x block length wrapping int64, n_init + n_local wrapping, a
+workspace size wrapping, an fp32 scale of inf)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import nsa
+
+BACKENDS = ("cpu", "reference")
+
+
+def _layer(T=24, hq=2, d=8, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((T, hq, d)).astype(np.float32)
+    k, v = (rng.standard_normal((T, 1, d)).astype(np.float32) for _ in range(2))
+    g = rng.random((T, hq, 3)).astype(np.float32)
+    return q, k, v, g
+
+
+def _attention(backend, **fields):
+    q, k, v, g = _layer()
+    base = dict(cmp_block_len=8, cmp_stride=1, slc_block_len=8, n_selected=3, n_init=1, n_local=1, window=8)
+    base.update(fields)
+    return nsa.attention(q, k, v, g, backend=backend, **base)
+
+
+def _backward(backend, **fields):
+    q, k, v, g = _layer()
+    base = dict(cmp_block_len=8, cmp_stride=1, slc_block_len=8, n_selected=3, n_init=1, n_local=1, window=8)
+    o, aux = nsa.attention(q, k, v, g, return_aux=True, **base)
+    base.update(fields)
+    return nsa.attention_backward(q, k, v, g, None, None, aux.lse, aux.indices, np.ones_like(o), backend=backend,
+                                  **base)
+
+
+def _selected(backend, lp):
+    q = np.ones((1, 1, 4), np.float32)
+    cfg = nsa.Config(cmp_block_len=4, cmp_stride=4, slc_block_len=lp, n_selected=1, n_init=0, n_local=0, window=4)
+    idx = np.full((1, 1, 1), 2 ** 31 - 1, np.int32)
+    return nsa.selected_attention(q, q, q, idx, config=cfg, backend=backend)
+
+
+def _dense(backend, **kw):
+    q, k, v = (np.random.default_rng(1).standard_normal((8, 1, 4)).astype(np.float32) for _ in range(3))
+    return nsa.dense_attention(q, k, v, backend=backend, num_threads=2, **kw)
+
+
+CASES = {
+    "selected_lp_2_62": (lambda be: _selected(be, 2 ** 62), "slc_block_len (l')"),
+    "attention_lp_max": (lambda be: _attention(be, slc_block_len=2 ** 63 - 1), "slc_block_len (l')"),
+    "backward_lp_max": (lambda be: _backward(be, slc_block_len=2 ** 63 - 1), "slc_block_len (l')"),
+    "backward_window_max": (lambda be: _backward(be, window=2 ** 63 - 1), "window (w)"),
+    "n_init_n_local_wrap": (lambda be: _attention(be, n_init=2 ** 62, n_local=2 ** 62), "n_init"),
+    "dense_max_seqlen_max": (lambda be: _dense(be, max_seqlen=2 ** 63 - 1), "seqs.max_seqlen"),
+    "dense_scale_1e300": (lambda be: _dense(be, scale=1e300), "scale"),
+    "attention_scale_1e39": (lambda be: _attention(be, scale=1e39), "scale"),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_out_of_range_sizes_are_named_errors(case, backend):
+    call, parameter = CASES[case]
+    with pytest.raises(nsa.Error) as e:
+        call(backend)
+    assert e.value.parameter == parameter, str(e.value)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_bounds_themselves_are_accepted(backend):
+    # 2^31 - 1 is allowed where it costs nothing (a window longer than the sequence), and the
+    # largest fp32 scale is a finite number in every stage.
+    q, k, v, g = _layer()
+    base = dict(cmp_block_len=8, cmp_stride=1, slc_block_len=8, n_selected=3, n_init=1, n_local=1)
+    wide = nsa.attention(q, k, v, g, window=2 ** 31 - 1, backend=backend, **base)
+    whole = nsa.attention(q, k, v, g, window=q.shape[0], backend=backend, **base)
+    np.testing.assert_allclose(wide, whole, rtol=0, atol=0)
+    o = nsa.dense_attention(q, k, v, scale=3.4e38, backend=backend)
+    assert np.isfinite(o).all()
