@@ -10,6 +10,7 @@
 //    phi's backward to the raw keys/values and phi's parameters.
 // No atomics and no reduction whose order depends on scheduling: bitwise the same result for
 // any number of threads.
+#include <algorithm>
 #include <cmath>
 
 #include "cpu/ops.h"
@@ -64,7 +65,9 @@ void build_inv(const Plan& p, const TensorView& indices, InvIndex& inv) {
                                hk * indices.stride[1];
           for (int64_t k = 0; k < n; ++k) {
             const int64_t j = row[k];
-            if (j >= 0 && j * lp <= t) fn((inv.seq_block0[b] + j) * H + hk, t);
+            // A row is a set (api.h): a repeated index adds nothing, as in the forward.
+            if (j < 0 || j * lp > t || std::find(row, row + k, row[k]) != row + k) continue;
+            fn((inv.seq_block0[b] + j) * H + hk, t);
           }
         }
   };

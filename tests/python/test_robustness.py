@@ -81,3 +81,24 @@ def test_the_bounds_themselves_are_accepted(backend):
     np.testing.assert_allclose(wide, whole, rtol=0, atol=0)
     o = nsa.dense_attention(q, k, v, scale=3.4e38, backend=backend)
     assert np.isfinite(o).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backward_treats_an_index_row_as_a_set(backend):
+    # A repeated block index adds nothing (api.h), in the backward as in the forward: block 0 twice
+    # gives the gradients of block 0 once (the CPU backward used to count it twice in dk and dv).
+    T = 16
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((T, 1, 4)).astype(np.float32) for _ in range(3))
+    g = rng.random((T, 1, 3)).astype(np.float32)
+    cfg = nsa.Config(cmp_block_len=4, cmp_stride=2, slc_block_len=4, n_selected=2, n_init=1, n_local=0, window=2)
+    o, aux = nsa.attention(q, k, v, g, config=cfg, return_aux=True)
+    once = np.tile(np.array([0, -1], np.int32), (T, 1, 1))
+    twice = np.zeros((T, 1, 2), np.int32)
+    lse = aux.lse.copy()
+    lse[..., 1] = nsa.selected_attention(q, k, v, once, config=cfg)[1]
+    d_o = np.ones_like(o)
+    a, b = (nsa.attention_backward(q, k, v, g, None, None, lse, i, d_o, config=cfg, backend=backend)
+            for i in (once, twice))
+    for name in ("dq", "dk", "dv", "dg"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
