@@ -259,8 +259,19 @@ class TorchArrays:
 
     def to_int32(self, cu):
         if cu.dtype != self.torch.int32 and not cu.is_floating_point():
-            cu = cu.to(self.torch.int32)
+            cu = torch_offsets_to_int32(cu)
         return self.prepare(cu)
+
+
+def torch_offsets_to_int32(cu):
+    """An integer offsets tensor as int32. Host offsets are range-checked like NumPy's (reading
+    device ones would need a sync; the library checks those it can)."""
+    import torch
+
+    if (cu.device.type == "cpu" and cu.numel() and not torch.compiler.is_compiling()
+            and (int(cu.max()) > 2**31 - 1 or int(cu.min()) < 0)):
+        raise error("cu_seqlens", "out of int32 range", "must fit in int32")
+    return cu.to(torch.int32)
 
 
 class _NoGuard:

@@ -28,6 +28,17 @@ from . import torch_ops
 _PHI_KINDS = ("mean", "linear", "mlp")
 
 
+def _check_offsets(cu: List[int], T: int) -> None:
+    """Host cu_seqlens of T packed tokens: [0, ..., T], non-decreasing, int32 (named errors)."""
+    if len(cu) < 1 or cu[0] != 0:
+        raise error("cu_seqlens[0]", cu[0] if cu else "absent", "must be 0")
+    for b in range(1, len(cu)):
+        if cu[b] < cu[b - 1]:
+            raise error(f"cu_seqlens[{b}]", cu[b], f"must be >= cu_seqlens[{b - 1}] = {cu[b - 1]}")
+    if cu[-1] != T:
+        raise error(f"cu_seqlens[{len(cu) - 1}]", cu[-1], f"must equal the number of packed tokens T = {T}")
+
+
 class NSACache:
     """A paged KV cache of one ``NativeSparseAttention`` layer (spec §10, include/nsa/cache.h):
     tensors you own, in the layout inference engines use.
@@ -337,7 +348,12 @@ class NativeSparseAttention(nn.Module):
         if cu_seqlens is None:
             positions = torch.arange(T, device=x.device)
         else:
-            cu = torch.as_tensor(cu_seqlens).to(device=x.device, dtype=torch.int64)
+            cu = torch.as_tensor(cu_seqlens)
+            # Host offsets: checked here, before they become positions (not while torch.compile
+            # traces: the values are data there; the library checks them when the call runs).
+            if cu.device.type == "cpu" and not torch.compiler.is_compiling():
+                _check_offsets([int(c) for c in cu.tolist()], T)
+            cu = cu.to(device=x.device, dtype=torch.int64)
             lengths = cu[1:] - cu[:-1]
             starts = torch.repeat_interleave(cu[:-1], lengths, output_size=T)
             positions = torch.arange(T, device=x.device) - starts

@@ -324,19 +324,36 @@ def sequences(cu_seqlens, max_seqlen, like: Tensor):
     if cu_seqlens.is_floating_point():
         raise _core.error("cu_seqlens.dtype", str(cu_seqlens.dtype), "must be an integer type")
     ms = int(max_seqlen or 0)
+    if cu_seqlens.dtype != torch.int32:
+        cu_seqlens = _core.torch_offsets_to_int32(cu_seqlens)
     if cu_seqlens.device != like.device:
         if cu_seqlens.device.type == "cpu" and not ms and cu_seqlens.numel() > 1:
             ms = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         cu_seqlens = cu_seqlens.to(like.device)
-    if cu_seqlens.dtype != torch.int32:
-        cu_seqlens = cu_seqlens.to(torch.int32)
     return cu_seqlens, ms
+
+
+def same_device(like: Tensor, like_name: str, **named) -> None:
+    """Every tensor in named (tensors, tuples of them or Phi; None skipped) on like's device: a
+    named error otherwise (with a meta tensor among real ones the dispatcher would run the fake
+    implementation and return uninitialised memory)."""
+    for name, value in named.items():
+        items = value if isinstance(value, tuple) else (value,)
+        fields = getattr(value, "_fields", None)
+        for i, t in enumerate(items):
+            if isinstance(t, Tensor) and t.device != like.device:
+                label = f"{name}.{fields[i]}" if fields else (f"{name}[{i}]" if len(items) > 1 else name)
+                raise _core.error(f"{label}.device", str(t.device), f"must be {like.device} ({like_name}'s device)")
+
+
+_KV6 = ("k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win")
 
 
 def attention(q, kv6, g, phi_k, phi_v, cfg: Config, cu_seqlens, max_seqlen, backend, num_threads,
               save_branches: bool = False):
     """(o, lse, indices); save_branches keeps each branch's output for the backward (see
     nsa.attention's save_branch_outputs): only when autograd records, since nothing else reads it."""
+    same_device(q, "q", g=g, phi_k=phi_k, phi_v=phi_v, **dict(zip(_KV6, kv6)))
     cu, ms = sequences(cu_seqlens, max_seqlen, q)
     save = bool(save_branches) and torch.is_grad_enabled()
     o, lse, idx, _ = torch.ops.nsa.forward(q, *kv6, g, *_phi_args(phi_k), *_phi_args(phi_v), cu, ms, cfg.ints(),
@@ -345,16 +362,19 @@ def attention(q, kv6, g, phi_k, phi_v, cfg: Config, cu_seqlens, max_seqlen, back
 
 
 def compress(x, phi, cfg: Config, cu_seqlens, max_seqlen, backend, num_threads):
+    same_device(x, "x", phi=phi)
     cu, ms = sequences(cu_seqlens, max_seqlen, x)
     return torch.ops.nsa.compress(x, *_phi_args(phi), cu, ms, cfg.ints(), backend, int(num_threads))
 
 
 def dense_attention(q, k, v, scale, cu_seqlens, max_seqlen, backend, num_threads):
+    same_device(q, "q", k=k, v=v)
     cu, ms = sequences(cu_seqlens, max_seqlen, q)
     return torch.ops.nsa.dense_attention(q, k, v, cu, ms, float(scale), backend, int(num_threads))
 
 
 def compressed_attention(q, kc, vc, cfg: Config, cu_seqlens, max_seqlen, scores, backend, num_threads):
+    same_device(q, "q", kc=kc, vc=vc)
     cu, ms = sequences(cu_seqlens, max_seqlen, q)
     if not ms:  # S's width depends on it; read host offsets (or T for one sequence)
         if cu is None:
@@ -374,12 +394,14 @@ def select_topn(scores, cfg: Config, cu_seqlens, max_seqlen, backend, num_thread
 
 
 def selected_attention(q, k, v, indices, cfg: Config, cu_seqlens, max_seqlen, backend, num_threads):
+    same_device(q, "q", k=k, v=v, indices=indices)
     cu, ms = sequences(cu_seqlens, max_seqlen, q)
     return torch.ops.nsa.selected_attention(q, k, v, indices, cu, ms, cfg.ints(), float(cfg.scale), backend,
                                             int(num_threads))
 
 
 def window_attention(q, k, v, cfg: Config, cu_seqlens, max_seqlen, backend, num_threads):
+    same_device(q, "q", k=k, v=v)
     cu, ms = sequences(cu_seqlens, max_seqlen, q)
     return torch.ops.nsa.window_attention(q, k, v, cu, ms, cfg.ints(), float(cfg.scale), backend,
                                           int(num_threads))

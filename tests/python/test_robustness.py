@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conftest import needs_torch
+
 import nsa
 
 BACKENDS = ("cpu", "reference")
@@ -102,3 +104,38 @@ def test_backward_treats_an_index_row_as_a_set(backend):
             for i in (once, twice))
     for name in ("dq", "dk", "dv", "dg"):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+
+
+@needs_torch
+def test_torch_offsets_out_of_int32_are_named_errors():
+    import torch
+
+    q, k, v = torch.randn(24, 2, 8), torch.randn(24, 1, 8), torch.randn(24, 1, 8)
+    with pytest.raises(nsa.Error) as e:  # 2^32 + 10 used to act as 10
+        nsa.dense_attention(q, k, v, cu_seqlens=torch.tensor([0, 2 ** 32 + 10, 2 ** 33 + 24]))
+    assert e.value.parameter == "cu_seqlens"
+    layer = nsa.NativeSparseAttention(32, 4, 2)
+    with pytest.raises(nsa.Error) as e:  # used to be torch's "repeats can not be negative"
+        layer(torch.randn(20, 32), cu_seqlens=torch.tensor([0, 2 ** 32 + 10, 20]))
+    assert e.value.parameter == "cu_seqlens[2]"
+    with pytest.raises(nsa.Error) as e:
+        layer(torch.randn(20, 32), cu_seqlens=[0, 7, 19])
+    assert e.value.parameter == "cu_seqlens[2]"
+
+
+@needs_torch
+def test_a_tensor_on_another_device_is_a_named_error():
+    # A meta tensor among CPU ones used to run the fake implementation: uninitialised output.
+    import torch
+
+    q, k, v, g = (torch.from_numpy(a) for a in _layer())
+    cfg = nsa.Config(cmp_block_len=8, cmp_stride=4, slc_block_len=8, n_selected=3, n_init=1, n_local=1, window=8)
+    with pytest.raises(nsa.Error) as e:
+        nsa.attention(q, k.to("meta"), v, g, config=cfg)
+    assert e.value.parameter == "k_cmp.device"
+    with pytest.raises(nsa.Error) as e:
+        nsa.dense_attention(q, k, v.to("meta"))
+    assert e.value.parameter == "v.device"
+    with pytest.raises(nsa.Error) as e:
+        nsa.window_attention(q.to("meta"), k, v, config=cfg)
+    assert e.value.parameter == "k.device"
