@@ -94,6 +94,32 @@ bool same(double a, double b) { return (std::isnan(a) && std::isnan(b)) || std::
   return ::testing::AssertionSuccess();
 }
 
+// Appends the problem's tokens to a fresh cache by `schedule` on backend ctx, calling
+// on_step(step, rows, done, cache) after each step's append and decode.
+template <typename OnStep>
+HostCache run_schedule(const Context& ctx, const DecodeCase& c, LayerProblem& p,
+                       const std::vector<std::vector<int64_t>>& schedule, uint64_t seed, OnStep on_step) {
+  HostCache cache = make_cache(c.cfg, p.sizes, c.page_size, longest(p.sizes) + 5, seed);
+  std::vector<int64_t> done(p.sizes.seqlens.size(), 0);
+  for (const auto& step : schedule) {
+    for (size_t b = 0; b < step.size(); ++b) cache.seq_lens.set(int64_t(b), double(done[b] + step[b]));
+    StepRows s = step_rows(p, done, step);
+    CacheAppend a = s.append();
+    a.phi_k = LayerProblem::params(p.phi_k);
+    a.phi_v = LayerProblem::params(p.phi_v);
+    PagedCache view = cache.view();
+    const Problem pa = problem_of(c.cfg, view, a);
+    OwnedWorkspace wa(workspace_size(ctx, Op::cache_append, c.cfg, pa));
+    cache_append(ctx, c.cfg, view, a, wa.ws);
+    const Problem pd = problem_of(c.cfg, view, s.queries());
+    OwnedWorkspace wd(workspace_size(ctx, Op::decode, c.cfg, pd));
+    decode(ctx, c.cfg, view, s.queries(), s.outputs(), wd.ws);
+    on_step(step, s, done, cache);
+    for (size_t b = 0; b < step.size(); ++b) done[b] += step[b];
+  }
+  return cache;
+}
+
 // The reference's decode is the prefill's rows bit for bit in fp64 (same per-query code, same
 // compressed keys), every step of a random schedule, with each compressed block appearing
 // exactly when its last token arrives.
@@ -111,17 +137,9 @@ TEST(ReferenceDecode, EqualsPrefillRowsAtEveryStep) {
     compress_fwd(ref, c.cfg, LayerProblem::params(p.phi_k), p.k[0].view(), seqs, kc.view());
     compress_fwd(ref, c.cfg, LayerProblem::params(p.phi_v), p.v[0].view(), seqs, vc.view());
 
-    HostCache cache = make_cache(c.cfg, c.sizes, c.page_size, longest(c.sizes) + 5, seed++);
     const auto schedule = random_schedule(c.sizes.seqlens, seed++, 40, 4);
-    std::vector<int64_t> done(c.sizes.seqlens.size(), 0);
-    for (const auto& step : schedule) {
-      for (size_t b = 0; b < step.size(); ++b) cache.seq_lens.set(int64_t(b), double(done[b] + step[b]));
-      StepRows s = step_rows(p, done, step);
-      CacheAppend a = s.append();
-      a.phi_k = LayerProblem::params(p.phi_k);
-      a.phi_v = LayerProblem::params(p.phi_v);
-      cache_append(ref, c.cfg, cache.view(), a);
-      decode(ref, c.cfg, cache.view(), s.queries(), s.outputs());
+    run_schedule(ref, c, p, schedule, seed++, [&](const std::vector<int64_t>& step, const StepRows& s,
+                                                  const std::vector<int64_t>& done, HostCache& cache) {
       int64_t r0 = 0, s0 = 0;
       for (size_t b = 0; b < step.size(); ++b) {
         const int64_t f0 = s0 + done[b];
@@ -135,8 +153,7 @@ TEST(ReferenceDecode, EqualsPrefillRowsAtEveryStep) {
         r0 += step[b];
         s0 += c.sizes.seqlens[b];
       }
-      for (size_t b = 0; b < step.size(); ++b) done[b] += step[b];
-    }
+    });
   }
 }
 
@@ -167,31 +184,6 @@ TEST(ReferenceDecode, DenseDecodeEqualsDenseRows) {
 
 // ---- The CPU backend -------------------------------------------------------------------------
 
-// Appends the problem's tokens to a fresh cache by `schedule` on backend ctx, calling
-// on_step(step, rows, done, cache) after each step's append and decode.
-template <typename OnStep>
-HostCache run_schedule(const Context& ctx, const DecodeCase& c, LayerProblem& p,
-                       const std::vector<std::vector<int64_t>>& schedule, uint64_t seed, OnStep on_step) {
-  HostCache cache = make_cache(c.cfg, p.sizes, c.page_size, longest(p.sizes) + 5, seed);
-  std::vector<int64_t> done(p.sizes.seqlens.size(), 0);
-  for (const auto& step : schedule) {
-    for (size_t b = 0; b < step.size(); ++b) cache.seq_lens.set(int64_t(b), double(done[b] + step[b]));
-    StepRows s = step_rows(p, done, step);
-    CacheAppend a = s.append();
-    a.phi_k = LayerProblem::params(p.phi_k);
-    a.phi_v = LayerProblem::params(p.phi_v);
-    PagedCache view = cache.view();
-    const Problem pa = problem_of(c.cfg, view, a);
-    OwnedWorkspace wa(workspace_size(ctx, Op::cache_append, c.cfg, pa));
-    cache_append(ctx, c.cfg, view, a, wa.ws);
-    const Problem pd = problem_of(c.cfg, view, s.queries());
-    OwnedWorkspace wd(workspace_size(ctx, Op::decode, c.cfg, pd));
-    decode(ctx, c.cfg, view, s.queries(), s.outputs(), wd.ws);
-    on_step(step, s, done, cache);
-    for (size_t b = 0; b < step.size(); ++b) done[b] += step[b];
-  }
-  return cache;
-}
 
 class CpuDecode : public ::testing::TestWithParam<DType> {};
 
