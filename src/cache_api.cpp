@@ -19,6 +19,7 @@ using detail::BackendOps;
 using detail::Checker;
 using detail::Plan;
 using detail::kAny;
+using detail::read_host_offsets;
 using detail::str;
 
 namespace {
@@ -84,18 +85,7 @@ void fill_rows(Plan& p, const Sequences& seqs, int64_t rows, const Checker& chk)
   } else {
     chk.tensor("seqs.cu_seqlens", cu, "[B+1]", {p.B + 1}, DType::i32);
     if (cu.device == Device::cpu) {
-      for (int64_t b = 0; b <= p.B; ++b) {
-        const int64_t v = read_i32(cu, b);
-        if (b == 0 && v != 0) throw Error("seqs.cu_seqlens[0]", str(v), "must be 0");
-        if (b > 0 && v < p.cu.back())
-          throw Error("seqs.cu_seqlens[" + str(b) + "]", str(v),
-                      "must be >= cu_seqlens[" + str(b - 1) + "] = " + str(p.cu.back()));
-        if (b > 0) longest = std::max(longest, v - p.cu.back());
-        p.cu.push_back(v);
-      }
-      if (p.cu.back() != rows)
-        throw Error("seqs.cu_seqlens[" + str(p.B) + "]", str(p.cu.back()),
-                    "must equal the number of rows " + str(rows));
+      p.cu = read_host_offsets(cu, "seqs.cu_seqlens", rows, "the number of rows", longest);
     } else if (seqs.max_seqlen == 0) {
       throw Error("seqs.max_seqlen", "0", "must be given (>= the most rows of one sequence) when cu_seqlens is on the GPU");
     }

@@ -61,6 +61,26 @@ const BackendOps& resolve_backend(Context& ctx, const TensorView& main, const ch
   return *ops;
 }
 
+std::vector<int64_t> read_host_offsets(const TensorView& cu, const std::string& name, int64_t total,
+                                       const char* total_what, int64_t& longest) {
+  const auto* c = static_cast<const int32_t*>(cu.data);
+  std::vector<int64_t> out(static_cast<size_t>(cu.shape[0]));
+  longest = 0;
+  for (size_t b = 0; b < out.size(); ++b) {
+    const int64_t v = c[static_cast<int64_t>(b) * cu.stride[0]];
+    if (b == 0 && v != 0) throw Error(name + "[0]", str(v), "must be 0");
+    if (b > 0 && v < out[b - 1])
+      throw Error(name + "[" + str(int64_t(b)) + "]", str(v),
+                  "must be >= " + name + "[" + str(int64_t(b) - 1) + "] = " + str(out[b - 1]));
+    out[b] = v;
+    if (b > 0) longest = std::max(longest, v - out[b - 1]);
+  }
+  if (out.back() != total)
+    throw Error(name + "[" + str(int64_t(out.size()) - 1) + "]", str(out.back()),
+                "must equal " + std::string(total_what) + " = " + str(total));
+  return out;
+}
+
 // Reads/validates the sequence table. T is the number of packed tokens of the call.
 void fill_sequences(Plan& p, const Sequences& seqs, int64_t T, const Checker& chk) {
   p.T = T;
@@ -81,21 +101,8 @@ void fill_sequences(Plan& p, const Sequences& seqs, int64_t T, const Checker& ch
     if (cu.shape[0] < 1) throw Error("cu_seqlens.shape[0]", str(cu.shape[0]), "must be >= 1 (B+1 entries)");
     p.B = cu.shape[0] - 1;
     if (cu.device == Device::cpu) {
-      const auto* c = static_cast<const int32_t*>(cu.data);
-      p.cu.resize(static_cast<size_t>(cu.shape[0]));
       int64_t longest = 0;
-      for (int64_t b = 0; b <= p.B; ++b) {
-        const int64_t v = c[b * cu.stride[0]];
-        if (b == 0 && v != 0) throw Error("cu_seqlens[0]", str(v), "must be 0");
-        if (b > 0 && v < p.cu[static_cast<size_t>(b - 1)])
-          throw Error("cu_seqlens[" + str(b) + "]", str(v),
-                      "must be >= cu_seqlens[" + str(b - 1) + "] = " + str(p.cu[static_cast<size_t>(b - 1)]));
-        p.cu[static_cast<size_t>(b)] = v;
-        if (b > 0) longest = std::max(longest, v - p.cu[static_cast<size_t>(b - 1)]);
-      }
-      if (p.cu.back() != T)
-        throw Error("cu_seqlens[" + str(p.B) + "]", str(p.cu.back()),
-                    "must equal the number of packed tokens T = " + str(T));
+      p.cu = read_host_offsets(cu, "cu_seqlens", T, "the number of packed tokens T", longest);
       if (seqs.max_seqlen != 0 && seqs.max_seqlen < longest)
         throw Error("seqs.max_seqlen", str(seqs.max_seqlen), "must be >= the longest sequence, " + str(longest));
       p.max_seqlen = seqs.max_seqlen ? seqs.max_seqlen : longest;

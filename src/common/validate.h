@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <vector>
 
 #include "common/plan.h"
 #include "nsa/error.h"
@@ -75,6 +76,12 @@ void require_absent(const std::string& name, const TensorView& t, const std::str
 
 // Resolves ctx.backend (automatic -> a real one) for a call whose main tensor is `main`.
 const BackendOps& resolve_backend(Context& ctx, const TensorView& main, const char* main_name);
+
+// Host offsets `cu` [B+1] (int32, checked by the caller): 0 first, non-decreasing, `total` last;
+// errors name `<name>[b]` (`total_what` says what `total` counts). Returns them as int64, and the
+// largest difference (the longest sequence) in `longest`.
+std::vector<int64_t> read_host_offsets(const TensorView& cu, const std::string& name, int64_t total,
+                                       const char* total_what, int64_t& longest);
 
 // Reads/validates the sequence table. T is the number of packed tokens of the call.
 void fill_sequences(Plan& p, const Sequences& seqs, int64_t T, const Checker& chk);
