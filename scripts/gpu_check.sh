@@ -6,9 +6,9 @@
 #   scripts/gpu_check.sh [SOURCE_DIR]        (default: this repository)
 #
 # Environment: OUT (log folder), BUILD_DIR (default /tmp/nsa-gpu-build), JOBS (default 16),
-# SKIP="sass_check host_tests cuda_tests memcheck cli_bench bench bench_backward bench_decode gather_bench python_tests
+# SKIP="sass_check host_tests cuda_tests memcheck racecheck cli_bench bench bench_backward bench_decode gather_bench python_tests
 # bench_decode_layer public_decode bench_backbone sm80_tests" (any subset), BENCH_ARGS (e.g. --quick), DECODE_ARGS (nsa_decode_bench's),
-# MEMCHECK_FILTER (memcheck's --gtest_filter), BUILD_TARGETS (build only these, e.g. "nsa_cuda_tests nsa_cli"), CUDA_TEST_FILTER (a --gtest_filter for cuda_tests, e.g. '*CudaBackward*'), BREAK_TESTS=1 (last step:
+# MEMCHECK_FILTER (memcheck's --gtest_filter), RACECHECK_FILTER (racecheck's), BUILD_TARGETS (build only these, e.g. "nsa_cuda_tests nsa_cli"), CUDA_TEST_FILTER (a --gtest_filter for cuda_tests, e.g. '*CudaBackward*'), BREAK_TESTS=1 (last step:
 # scripts/break_tests.sh, the GPU tests must catch the bugs planted by tests/cuda/breaks/*.patch).
 # To add a step: write a function and call `step NAME function` below; its output lands in
 # $OUT/NAME.log and its status in $OUT/summary.txt.
@@ -91,6 +91,11 @@ memcheck() {
   compute-sanitizer --tool memcheck --error-exitcode 3 "$(bin nsa_cuda_tests)" \
     --gtest_filter="${MEMCHECK_FILTER:-*f16_d64_G1_packed_linear*:*bf16_d128_G16_paper*:*CudaDecode*f16_d128x64*:*CudaDecodeStatus*:*backbone*:*CudaBackbone*}"
 }
+# compute-sanitizer racecheck (shared-memory hazards) on the decode kernels' pipelines, one case.
+racecheck() {
+  compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 3 "$(bin nsa_cuda_tests)" \
+    --gtest_filter="${RACECHECK_FILTER:-*CudaDecode.Matches*f16_d128x64*}"
+}
 # `nsa bench` (tools/nsa) takes the CUDA backend when a device is visible: a short smoke run.
 cli_bench() { "$(bin nsa)" bench --seqlens 8192 --hq 64 --hkv 4 --phi mean --repeats 3 --no-backward; }
 bench() {
@@ -166,6 +171,7 @@ step sass_check sass_check
 step host_tests host_tests
 step cuda_tests cuda_tests
 step memcheck memcheck
+step racecheck racecheck
 step cli_bench cli_bench
 step bench bench
 step bench_backward bench_backward

@@ -26,7 +26,7 @@ constexpr int cmp_kv_ld() {
 template <typename S, int kDqk, int kDv>
 constexpr size_t cmp_partial_smem(int chunk) {
   return sizeof(S) * (kRows * (kDqk + 8) + 2 * kKeyTile * cmp_kv_ld<kDqk, kDv>() + kRows * (chunk + 8)) +
-         sizeof(float) * kRows * (chunk + 4) + sizeof(TileRow) * kKeyTile;
+         sizeof(float) * kRows * (chunk + 4) + sizeof(TileRow) * 2 * kKeyTile;
 }
 
 template <typename S, int kDqk, int kDv>
@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(kCmpThreads) cmp_partial_kernel(const DecodePa
   S* sKV = sQ + kRows * kLdq;  // [2][64][kLdkv]: K tiles, then V tiles
   S* sP = sKV + 2 * kKeyTile * kLdkv;
   float* sS = reinterpret_cast<float*>(sP + kRows * ldp);
-  TileRow* rows = reinterpret_cast<TileRow*>(sS + kRows * lds);
+  TileRow* rows = reinterpret_cast<TileRow*>(sS + kRows * lds);  // [2][64]: one per buffer
 
   const RowInfo ri = row_info(p.pages, row);
   const int64_t C = ri.ok ? visible_cmp_blocks(ri.t, p.l, p.d) : 0;
@@ -64,8 +64,8 @@ __global__ void __launch_bounds__(kCmpThreads) cmp_partial_kernel(const DecodePa
       ntiles,
       [&](int i, int buf) {
         const int k0 = i * kKeyTile;
-        tile_rows(p.pages, b, i0 + k0, n - k0 < kKeyTile ? n - k0 : kKeyTile, rpp, rows);
-        load_rows<S, kDqk, kCmpThreads>(sKV + buf * kKeyTile * kLdkv, kLdkv, rows, p.kc, hk);
+        tile_rows(p.pages, b, i0 + k0, n - k0 < kKeyTile ? n - k0 : kKeyTile, rpp, rows + buf * kKeyTile);
+        load_rows<S, kDqk, kCmpThreads>(sKV + buf * kKeyTile * kLdkv, kLdkv, rows + buf * kKeyTile, p.kc, hk);
       },
       [&](int i, int buf) {
         const int k0 = i * kKeyTile;
@@ -129,8 +129,8 @@ __global__ void __launch_bounds__(kCmpThreads) cmp_partial_kernel(const DecodePa
       ntiles,
       [&](int i, int buf) {
         const int k0 = i * kKeyTile;
-        tile_rows(p.pages, b, i0 + k0, n - k0 < kKeyTile ? n - k0 : kKeyTile, rpp, rows);
-        load_rows<S, kDv, kCmpThreads>(sKV + buf * kKeyTile * kLdkv, kLdkv, rows, p.vc, hk);
+        tile_rows(p.pages, b, i0 + k0, n - k0 < kKeyTile ? n - k0 : kKeyTile, rpp, rows + buf * kKeyTile);
+        load_rows<S, kDv, kCmpThreads>(sKV + buf * kKeyTile * kLdkv, kLdkv, rows + buf * kKeyTile, p.vc, hk);
       },
       [&](int i, int buf) { pv_16x64<S, kTiles>(sP, ldp, i * kKeyTile, sKV + buf * kKeyTile * kLdkv, kLdkv, warp * (kDv / 4), o); });
   store_rows<kTiles>(o, p.cmp_o + item * G * p.dv, p.dv, warp * (kDv / 4), G);

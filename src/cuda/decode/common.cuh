@@ -95,8 +95,9 @@ struct TileRow {
   int32_t page, slot;
 };
 
-// Rows [first, first + n) of sequence b (rows_per_page a page) into rows[0..64): one page lookup
-// per row, by the first 64 threads at once, then a barrier; the copies that follow read no table.
+// Rows [first, first + n) of sequence b (rows_per_page a page) into rows[0..64) (the buffer's own:
+// pipelined_tiles): one page lookup per row, by the first 64 threads at once, then a barrier; the
+// copies that follow read no table.
 __device__ __forceinline__ void tile_rows(const Pages& p, int b, int64_t first, int n, int rows_per_page, TileRow* rows) {
   if (threadIdx.x < kKeyTile) {
     TileRow r{-1, 0};
@@ -196,7 +197,10 @@ __device__ __forceinline__ void store_rows(const float (&o)[kTiles][4], float* o
 
 // A two-stage cp.async pipeline over tiles 0..n-1: load(i, buffer) issues tile i's copies into one
 // of two buffers, body(i, buffer) consumes it. The next tile's copies run while a tile is computed;
-// copies issued before the call (the queries) join the first tile's group.
+// copies issued before the call (the queries) join the first tile's group. load(1) follows load(0)
+// with no barrier between them, so whatever load keeps in shared memory (tile_rows' lookups) needs
+// one copy per buffer too (with one, load(1)'s lookups overwrite those that load(0)'s slower
+// threads still read).
 template <typename Load, typename Body>
 __device__ __forceinline__ void pipelined_tiles(int n, Load load, Body body) {
   if (n <= 0) return;

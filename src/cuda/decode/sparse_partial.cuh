@@ -18,7 +18,7 @@ inline constexpr int kSparseThreads = 128;
 template <typename S, int kDqk, int kDv>
 constexpr size_t sparse_partial_smem() {
   return sizeof(S) * (kRows * (kDqk + 8) + 2 * kKeyTile * (kDqk + 8) + 2 * kKeyTile * (kDv + 8) + kRows * (kKeyTile + 8)) +
-         sizeof(float) * (kRows * (kKeyTile + 4) + kRows * 3) + sizeof(TileRow) * kKeyTile;
+         sizeof(float) * (kRows * (kKeyTile + 4) + kRows * 3) + sizeof(TileRow) * 2 * kKeyTile;
 }
 
 // The tiles of one piece: selected blocks (each cut at the query) or one stretch of tokens.
@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(kSparseThreads) sparse_partial_kernel(const De
   float* sM = sS + kRows * kLds;  // running max, sum and this tile's correction per row
   float* sL = sM + kRows;
   float* sC = sL + kRows;
-  TileRow* rows = reinterpret_cast<TileRow*>(sC + kRows);
+  TileRow* rows = reinterpret_cast<TileRow*>(sC + kRows);  // [2][64]: one per buffer
 
   const RowInfo ri = row_info(p.pages, row);
   const int slc_ctas = p.dense ? 0 : p.slc_ctas;
@@ -98,9 +98,10 @@ __global__ void __launch_bounds__(kSparseThreads) sparse_partial_kernel(const De
     int64_t first;
     int n;
     piece.tile(i, first, n);
-    tile_rows(p.pages, b, first, n, ps, rows);
-    load_rows<S, kDqk, kSparseThreads>(sK + buf * kKeyTile * kLdq, kLdq, rows, kpool, hk);
-    load_rows<S, kDv, kSparseThreads>(sV + buf * kKeyTile * kLdv, kLdv, rows, vpool, hk);
+    TileRow* r = rows + buf * kKeyTile;
+    tile_rows(p.pages, b, first, n, ps, r);
+    load_rows<S, kDqk, kSparseThreads>(sK + buf * kKeyTile * kLdq, kLdq, r, kpool, hk);
+    load_rows<S, kDv, kSparseThreads>(sV + buf * kKeyTile * kLdv, kLdv, r, vpool, hk);
   };
   auto body = [&](int i, int buf) {
     int64_t first;
