@@ -1,4 +1,4 @@
-// Benchmark of the CUDA backward (issue 5): forward, backward and forward+backward of the whole
+// Benchmark of the CUDA backward: forward, backward and forward+backward of the whole
 // layer, bf16, random data, CUDA events, warm-up, median of repeats; plus branch ablations
 // (window off, selection off) that show where the backward's time goes, the full layer at 64K
 // with locally alike queries (local_q, as the forward benchmark's), both also with the
@@ -35,7 +35,6 @@
 #include <string>
 #include <vector>
 
-#include "cuda/testing.h"
 #include "cuda_bench_common.cuh"
 #include "nsa/nsa.h"
 
@@ -127,8 +126,10 @@ int main(int argc, char** argv) {
   std::vector<Shape> shapes = {{64, 4, 128, 128}, {64, 4, 192, 128}, {16, 4, 128, 128}};
   if (g16_only) shapes.resize(1);
   if (only_shape.hq) shapes = {only_shape};
+  nsa::CudaKernelChoices choices;  // per variant: the selection's union tiles or its per-token kernels
   nsa::Context ctx;
   ctx.backend = nsa::Backend::cuda;
+  ctx.cuda_choices = &choices;
   const nsa::DType bf16 = nsa::DType::bf16;
 
   for (const Shape& s : shapes) {
@@ -175,7 +176,7 @@ int main(int argc, char** argv) {
         if (only_variant != nullptr && std::strcmp(only_variant, var.name) != 0) continue;
         if (var.local_q)  // (q is this length's own: the variants after it, if any, would see it too)
           fill_local<<<1024, 256>>>(static_cast<__nv_bfloat16*>(q.data), q.view.numel(), s.hq * s.dqk, 64, 21);
-        nsa::cuda::testing::set_slc_union_tiles_enabled(!var.per_token);
+        choices.slc_union_tiles = !var.per_token;
         nsa::Config cfg;
         cfg.phi = var.phi;
         cfg.n_selected = var.n;

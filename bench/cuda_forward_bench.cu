@@ -1,10 +1,10 @@
-// Benchmark of the CUDA forward (issue 4): the whole forward and each stage, bf16, random data,
+// Benchmark of the CUDA forward: the whole forward and each stage, bf16, random data,
 // CUDA events, warm-up, median of repeats. Writes a CSV that bench/sdpa_baseline.py joins with
 // PyTorch SDPA (dense causal GQA attention) measured in the same gpu_check.sh run.
 //
 //   nsa_cuda_bench [--out FILE.csv] [--quick] [--no-locality] [--lengths 8192,65536]
 //
-// Shapes (issue 4): T in {8K .. 128K}; Hq = 64, Hkv = 4 (G = 16) with D = 128 and with the
+// Shapes: T in {8K .. 128K}; Hq = 64, Hkv = 4 (G = 16) with D = 128 and with the
 // paper's Dqk = 192 / Dv = 128; and G = 4 (Hq = 16, Hkv = 4), D = 128. Paper block settings
 // l = 32, d = 16, l' = 64, n = 16, n_init = 1, n_local = 2, w = 512, phi = mean (the public NSA
 // kernels' compression; mlp is timed once separately).

@@ -73,7 +73,7 @@ bin() {
   return 1
 }
 
-# The wgmma register-clobbering hazard (docs/cuda.md, "Compressed attention on sm_90a"): every sm_90a
+# The wgmma register-clobbering hazard (docs/cuda.md, "sm_80 and sm_90a"): every sm_90a
 # kernel's SASS, checked by tools/check_wgmma_a_regs.py.
 sass_check() {
   local lib; lib="$(find "$BUILD_DIR" -name libnsa.a | head -1)"
@@ -131,7 +131,7 @@ public_decode() {
 # The selection's gather patterns (bench/gather_patterns.cu, docs/cuda.md, "what bounds the
 # selection"): a few seconds.
 gather_bench() { timeout 120 "$(bin nsa_gather_bench)"; }  # (a hung pattern must not eat the call)
-bench_backward() {  # issue 5: forward+backward against SDPA forward+backward, same run
+bench_backward() {  # forward+backward against SDPA forward+backward, same run
   "$(bin nsa_cuda_backward_bench)" --out "$OUT/nsa_backward_bench.csv" ${BENCH_ARGS:-} || return 1
   PYTHONUNBUFFERED=1 python3 "$SRC/bench/sdpa_backward_baseline.py" "$OUT/nsa_backward_bench.csv" --markdown "$OUT/bench_backward.md"
 }
@@ -157,7 +157,7 @@ sm80_tests() {
   "$SRC/scripts/gtest_sharded.sh" "$tests" ${SM80_TEST_FILTER:+--gtest_filter=$SM80_TEST_FILTER} --gtest_brief=1
 }
 
-# issue 6: the whole Python suite with the CUDA backend built in (the GPU machine has torch, numpy,
+# The whole Python suite with the CUDA backend built in (the GPU machine has torch, numpy,
 # nanobind and pytest; the extension is built with CMake, no network needed).
 python_tests() { NSA_PY_BUILD=cmake NSA_PY_CUDA=ON PYTHON=python3 "$SRC/scripts/test_python.sh"; }
 # The layer's decode step (needs the package python_tests built in build-py/stage).

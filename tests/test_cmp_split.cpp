@@ -1,4 +1,4 @@
-// The query splits of the CUDA backward's compressed dK/dV (src/cuda/backward/cmp_split.h), checked
+// The query splits of the CUDA backward's compressed dK/dV (src/cuda/tile_sizes.h), checked
 // on the host over many shapes: the splits partition the queries, the last split sees every block,
 // and every block an earlier split's queries see has a row in that split's partial (the kernel
 // writes only those rows and the reduction reads only those).
@@ -6,15 +6,15 @@
 
 #include <cstdint>
 
-#include "cuda/backward/cmp_split.h"
+#include "cuda/tile_sizes.h"
 #include "nsa/blocks.h"
 
 namespace nsa::test {
 namespace {
 
-using cuda_bwd::cmp_split_of;
-using cuda_bwd::cmp_split_rows;
-using cuda_bwd::kMaxCmpSplits;
+using cuda::bwd::cmp_split_of;
+using cuda::bwd::cmp_split_rows;
+using cuda::bwd::kMaxCmpSplits;
 
 TEST(CmpSplit, PartitionTheQueriesAndCoverWhatEachSplitSees) {
   int checked = 0;
@@ -75,7 +75,7 @@ TEST(CmpSplit, OneSequenceOf64KKeepsAboutOneAndAHalfCopiesOfTheRows) {
 }
 
 TEST(CmpSplit, SplitsFollowTheLongestSequenceAndTheGroup) {
-  using cuda_bwd::cmp_splits_for;
+  using cuda::bwd::cmp_splits_for;
   EXPECT_EQ(cmp_splits_for(0, 16), 1);
   EXPECT_EQ(cmp_splits_for(1, 16), 1);
   EXPECT_EQ(cmp_splits_for(1024, 16), 1);

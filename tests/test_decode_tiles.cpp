@@ -1,4 +1,4 @@
-// The CUDA decode's split plan (src/cuda/decode/tile_sizes.h), checked on the host over many
+// The CUDA decode's split plan (src/cuda/tile_sizes.h), checked on the host over many
 // shapes: the splits cover every key, chunks are whole tiles within the shared-memory bound, the
 // partial-score window of every compressed split holds every selection block its blocks touch,
 // and the plan aims at the target CTA count without more splits than tiles.
@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "cuda/decode/tile_sizes.h"
+#include "cuda/tile_sizes.h"
 #include "nsa/blocks.h"
 
 namespace nsa::test {

@@ -32,11 +32,26 @@ Backend parse_backend(const char* text);  // "auto", "reference", "cpu", "cuda"
 // Whether the backend was compiled in and (for cuda) a device is present.
 bool backend_available(Backend backend);
 
+// Kernel paths of the cuda backend that its own rules would not take on small inputs, forced so
+// that tests reach every path and benchmarks compare them. Every choice computes the same result
+// up to rounding; the defaults are the library's rules. Pass the same choices to workspace_size
+// and to the call (some change the workspace's layout).
+struct CudaKernelChoices {
+  bool tma = true;              // false: no TMA tensor maps (cp.async copies everywhere)
+  bool slc_union_tiles = true;  // false: the selection's per-token kernels (forward and backward)
+  int slc_union_ctas = 0;       // > 0: at most this many CTAs of the selection's union-tile kernel
+  int cmp_splits = 0;           // > 0: the backward's query splits of the compressed dK/dV (<= 16)
+  bool raw_pieces = true;       // false: the backward's raw selection lists are never cut
+  int raw_piece_tiles = 0;      // > 0: lists longer than this many query tiles are cut (else the rule)
+  bool packed_sort = true;      // false: the inverted index sorts (key, token) pairs, not packed keys
+};
+
 struct Context {
   Backend backend = Backend::automatic;
   void* stream = nullptr;     // cudaStream_t for the CUDA backend (nullptr: default stream)
   int num_threads = 0;        // CPU backends: 0 = OpenMP's default; results never depend on it
   bool deterministic = true;  // false allows a faster non-deterministic backward where one exists
+  const CudaKernelChoices* cuda_choices = nullptr;  // null: the cuda backend's own rules
 };
 
 struct Workspace {

@@ -13,19 +13,13 @@
 #include <string>
 
 #include "common/plan.h"
-// The backward (issue 5) is built from src/cuda/backward/ when present; without it the table's
-// backward entry is null and calling it is an nsa::Error ("does not implement backward").
-#if __has_include("cuda/backward/backward.h")
 #include "cuda/backward/backward.h"
-#define NSA_CUDA_HAS_BACKWARD 1
-#else
-#define NSA_CUDA_HAS_BACKWARD 0
-#endif
 #include "cuda/common/check.h"
+#include "cuda/common/dispatch.h"
 #include "cuda/common/launch.h"
 #include "cuda/decode/decode.h"
-#include "cuda/forward_params.h"
-#include "cuda/topn.cuh"
+#include "cuda/params.h"
+#include "cuda/forward/topn.cuh"
 #include "nsa/blocks.h"
 #include "nsa/error.h"
 
@@ -35,7 +29,6 @@ namespace {
 
 using detail::Plan;
 
-constexpr float kLog2e = 1.4426950408889634f;
 
 int log2_exact(int64_t v) {
   int r = 0;
@@ -56,32 +49,6 @@ SeqParams seq_params(const Plan& p) {
   s.batch = static_cast<int>(p.B);
   s.max_seqlen = p.max_seqlen;
   return s;
-}
-
-// Runs fn.template operator()<Storage, Dqk, Dv>() for the compiled combination.
-template <typename Storage, typename Fn>
-void dispatch_dims(int64_t dqk, int64_t dv, Fn&& fn) {
-  switch (dqk * 1000 + dv) {
-    case 64064: fn.template operator()<Storage, 64, 64>(); return;
-    case 64128: fn.template operator()<Storage, 64, 128>(); return;
-    case 128064: fn.template operator()<Storage, 128, 64>(); return;
-    case 128128: fn.template operator()<Storage, 128, 128>(); return;
-    case 192064: fn.template operator()<Storage, 192, 64>(); return;
-    case 192128: fn.template operator()<Storage, 192, 128>(); return;
-  }
-  require_supported_dims(dqk, dv);  // throws naming the value
-}
-template <typename Fn>
-void dispatch(DType dtype, int64_t dqk, int64_t dv, Fn&& fn) {
-  require_storage_dtype(dtype);
-  if (dtype == DType::bf16) dispatch_dims<__nv_bfloat16>(dqk, dv, fn);
-  else dispatch_dims<__half>(dqk, dv, fn);
-}
-template <typename Fn>
-void dispatch_storage(DType dtype, Fn&& fn) {
-  require_storage_dtype(dtype);
-  if (dtype == DType::bf16) fn.template operator()<__nv_bfloat16>();
-  else fn.template operator()<__half>();
 }
 
 // Columns of the running S accumulator of the compressed kernel: the selection blocks one chunk
@@ -136,7 +103,7 @@ struct ForwardWorkspace {
   }
 };
 
-size_t workspace_size(const Context&, Op op, const Config& cfg, const Problem& pr) {
+size_t workspace_size(const Context& ctx, Op op, const Config& cfg, const Problem& pr) {
   switch (op) {
     case Op::compress_fwd:
       return cfg.phi == PhiKind::mlp
@@ -147,10 +114,8 @@ size_t workspace_size(const Context&, Op op, const Config& cfg, const Problem& p
     case Op::cache_append:
     case Op::decode:
     case Op::dense_decode: return decode::workspace_size(op, cfg, pr);
-#if NSA_CUDA_HAS_BACKWARD
-    case Op::backward: return cuda_bwd::backward_workspace_size(cfg, pr);  // issue 5
-    case Op::compress_bwd: return cuda_bwd::compress_bwd_workspace_size(cfg, pr);
-#endif
+    case Op::backward: return bwd::backward_workspace_size(ctx, cfg, pr);
+    case Op::compress_bwd: return bwd::compress_bwd_workspace_size(ctx, cfg, pr);
     default: return 0;
   }
 }
@@ -193,6 +158,7 @@ void compress_fwd(const Plan& p, const PhiParams& phi, const TensorView& x, cons
 CmpAttnParams cmp_params(const Plan& p, const TensorView& q, const void* kc, int64_t kc_rows, int64_t kc_st,
                          int64_t kc_sh, const void* vc, int64_t vc_st, int64_t vc_sh) {
   CmpAttnParams c{};
+  c.choices = choices_of(p.ctx);
   c.seqs = seq_params(p);
   c.q = q.data;
   c.q_st = q.stride[0];
@@ -271,6 +237,7 @@ void select_topn(const Plan& p, const TensorView& scores, const TensorView& indi
 
 BranchParams branch_params(const Plan& p, const TensorView& q) {
   BranchParams s{};
+  s.choices = choices_of(p.ctx);
   s.seqs = seq_params(p);
   s.q = q.data;
   s.q_st = q.stride[0];
@@ -450,21 +417,13 @@ const detail::BackendOps kOps = {
     "cuda",
     workspace_size,
     compress_fwd,
-#if NSA_CUDA_HAS_BACKWARD
-    cuda_bwd::compress_bwd,
-#else
-    nullptr,
-#endif
+    bwd::compress_bwd,
     compressed_attention_fwd,
     select_topn,
     selected_attention_fwd,
     window_attention_fwd,
     forward,
-#if NSA_CUDA_HAS_BACKWARD
-    cuda_bwd::backward,  // issue 5: src/cuda/backward/
-#else
-    nullptr,
-#endif
+    bwd::backward,
     nullptr,  // dense_attention_fwd
     nullptr,  // dense_attention_bwd
     decode::cache_append,

@@ -12,7 +12,6 @@
 #include <string>
 #include <vector>
 
-#include "cuda/testing.h"
 #include "support.h"
 
 namespace nsa::test {
@@ -23,41 +22,57 @@ namespace nsa::test {
     if (!::nsa::backend_available(::nsa::Backend::cuda)) GTEST_SKIP() << "no CUDA device"; \
   } while (0)
 
+// The cuda backend's kernel choices of every GPU test's Context (Context::cuda_choices): the
+// defaults, except while one of the guards below lives.
+inline CudaKernelChoices& kernel_choices() {
+  static CudaKernelChoices choices;
+  return choices;
+}
+
+// The Context of a GPU test: the cuda backend with kernel_choices().
+inline Context cuda_context() {
+  Context c;
+  c.backend = Backend::cuda;
+  c.cuda_choices = &kernel_choices();
+  return c;
+}
+
 // While one lives, no tensor map is made, so every kernel takes the path it takes where a map
-// cannot be encoded (cuda/testing.h).
+// cannot be encoded (CudaKernelChoices::tma).
 struct NoTensorMaps {
-  NoTensorMaps() { ::nsa::cuda::testing::set_tma_enabled(false); }
-  ~NoTensorMaps() { ::nsa::cuda::testing::set_tma_enabled(true); }
+  NoTensorMaps() { kernel_choices().tma = false; }
+  ~NoTensorMaps() { kernel_choices().tma = true; }
   NoTensorMaps(const NoTensorMaps&) = delete;
   NoTensorMaps& operator=(const NoTensorMaps&) = delete;
 };
 
-// While alive, the selection runs without its union tiles (testing::set_slc_union_tiles_enabled):
+// While alive, the selection runs without its union tiles (CudaKernelChoices::slc_union_tiles):
 // the forward's per-token kernel and the backward's slc_dq_kernel take every tile.
 struct NoSelectionUnionTiles {
-  NoSelectionUnionTiles() { ::nsa::cuda::testing::set_slc_union_tiles_enabled(false); }
-  ~NoSelectionUnionTiles() { ::nsa::cuda::testing::set_slc_union_tiles_enabled(true); }
+  NoSelectionUnionTiles() { kernel_choices().slc_union_tiles = false; }
+  ~NoSelectionUnionTiles() { kernel_choices().slc_union_tiles = true; }
   NoSelectionUnionTiles(const NoSelectionUnionTiles&) = delete;
   NoSelectionUnionTiles& operator=(const NoSelectionUnionTiles&) = delete;
 };
 
 // While alive, the backward takes paths its rules keep for long sequences: the compressed dK/dV's
-// queries in `cmp_splits` parts (testing::set_cmp_splits; 0: by the sequence length), with
-// pair_sort the inverted index's (key, token) pair sort
-// (testing::set_packed_sort_enabled), and the raw blocks' selection lists in pieces of at most
-// `raw_piece_tiles` query tiles (testing::set_raw_piece_tiles; 0: the rule, < 0: no pieces).
+// queries in `cmp_splits` parts (0: by the sequence length), with pair_sort the inverted index's
+// (key, token) pair sort, and the raw blocks' selection lists in pieces of at most
+// `raw_piece_tiles` query tiles (0: the rule, < 0: no pieces).
 struct LongSequencePaths {
   LongSequencePaths(int cmp_splits, bool pair_sort, int raw_piece_tiles = 0) {
-    ::nsa::cuda::testing::set_cmp_splits(cmp_splits);
-    ::nsa::cuda::testing::set_packed_sort_enabled(!pair_sort);
-    ::nsa::cuda::testing::set_raw_pieces_enabled(raw_piece_tiles >= 0);
-    ::nsa::cuda::testing::set_raw_piece_tiles(raw_piece_tiles > 0 ? raw_piece_tiles : 0);
+    CudaKernelChoices& c = kernel_choices();
+    c.cmp_splits = cmp_splits;
+    c.packed_sort = !pair_sort;
+    c.raw_pieces = raw_piece_tiles >= 0;
+    c.raw_piece_tiles = raw_piece_tiles > 0 ? raw_piece_tiles : 0;
   }
   ~LongSequencePaths() {
-    ::nsa::cuda::testing::set_cmp_splits(0);
-    ::nsa::cuda::testing::set_packed_sort_enabled(true);
-    ::nsa::cuda::testing::set_raw_pieces_enabled(true);
-    ::nsa::cuda::testing::set_raw_piece_tiles(0);
+    CudaKernelChoices& c = kernel_choices();
+    c.cmp_splits = 0;
+    c.packed_sort = true;
+    c.raw_pieces = true;
+    c.raw_piece_tiles = 0;
   }
   LongSequencePaths(const LongSequencePaths&) = delete;
   LongSequencePaths& operator=(const LongSequencePaths&) = delete;

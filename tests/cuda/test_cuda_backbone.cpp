@@ -14,7 +14,7 @@ using namespace nsa::test;
 namespace {
 
 Context ctx_of(Backend b) {
-  Context c;
+  Context c = cuda_context();
   c.backend = b;
   return c;
 }

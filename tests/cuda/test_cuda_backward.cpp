@@ -85,7 +85,7 @@ const std::vector<BwdCase>& bwd_cases() {
 }
 
 Context ctx_of(Backend b) {
-  Context c;
+  Context c = cuda_context();
   c.backend = b;
   return c;
 }
@@ -303,7 +303,7 @@ TEST_P(CudaBackward, EveryGradientMatchesReference) {
   check_against_reference(GetParam(), false);
 }
 
-// With no tensor maps (testing::set_tma_enabled(false)) dq_kernel copies its K/V tiles by
+// With no tensor maps (CudaKernelChoices::tma = false) dq_kernel copies its K/V tiles by
 // cp.async, as it does where a map cannot be encoded.
 TEST_P(CudaBackward, EveryGradientWithoutTmaMatchesReference) {
   NSA_REQUIRE_GPU();
@@ -311,7 +311,7 @@ TEST_P(CudaBackward, EveryGradientWithoutTmaMatchesReference) {
   check_against_reference(GetParam(), false);
 }
 
-// With the selection's union tiles off (testing::set_slc_union_tiles_enabled(false)) every row
+// With the selection's union tiles off (CudaKernelChoices::slc_union_tiles = false) every row
 // tile's selection dq goes through slc_dq_kernel; with them on (the other tests), the tiles whose
 // union is small (at the tests' lengths: most tiles of l' = 64) go through dq_kernel.
 TEST_P(CudaBackward, EveryGradientWithPerTokenSelectionMatchesReference) {

@@ -58,7 +58,7 @@ Sizes sizes_of(const DCase& c) {
 }
 
 Context ctx_of(Backend b) {
-  Context c;
+  Context c = cuda_context();
   c.backend = b;
   return c;
 }

@@ -90,11 +90,7 @@ auto attention_tol(DType dtype, double vmax) {
 auto lse_tol = [](double want, size_t) { return 2e-4 * (1.0 + std::fabs(want)); };
 auto score_tol = [](double want, size_t) { return 1e-4 * std::max(1.0, std::fabs(want)); };
 
-Context cuda_ctx() {
-  Context c;
-  c.backend = Backend::cuda;
-  return c;
-}
+Context cuda_ctx() { return cuda_context(); }
 Context ref_ctx() {
   Context c;
   c.backend = Backend::reference;
@@ -302,12 +298,12 @@ void expect_selection_matches_reference(const Case& c, const Config& cfg, LayerP
   DeviceTensor q(p.q), k(p.k[0]), v(p.v[0]), didx(idx), dout(o), dlse(lse);
   const DeviceWorkspace ws(
       workspace_size(cuda_ctx(), Op::selected_attention_fwd, cfg, attention_problem(c, p, Device::cuda)));
-  cuda::testing::set_slc_union_tiles_enabled(union_tiles);
-  cuda::testing::set_slc_union_ctas(union_tiles ? union_ctas : 0);
+  kernel_choices().slc_union_tiles = union_tiles;
+  kernel_choices().slc_union_ctas = union_tiles ? union_ctas : 0;
   selected_attention_fwd(cuda_ctx(), cfg, q.view(), k.view(), v.view(), didx.view(), ds.seqs, dout.view(), dlse.view(),
                          ws.view());
-  cuda::testing::set_slc_union_tiles_enabled(true);
-  cuda::testing::set_slc_union_ctas(0);
+  kernel_choices().slc_union_tiles = true;
+  kernel_choices().slc_union_ctas = 0;
   sync();
   dout.download(o);
   dlse.download(lse);
@@ -519,7 +515,7 @@ TEST_P(CudaForward, ForwardMatchesReferencePipeline) {
   check_forward_pipeline(GetParam());
 }
 
-// The same with no tensor maps (testing::set_tma_enabled(false)): the sm_90a kernels copy their
+// The same with no tensor maps (CudaKernelChoices::tma = false): the sm_90a kernels copy their
 // K/V tiles by cp.async, as they do where a map cannot be encoded (the 192-row pass 1, the S
 // pass's and the window's cp.async loops). Elsewhere the same kernels run as above.
 TEST_P(CudaForward, ForwardWithoutTmaMatchesReferencePipeline) {

@@ -1,4 +1,4 @@
-// `nsa bench` on the CUDA backend (issue 4, item 5): used by tools/nsa/main.cpp when a CUDA device
+// `nsa bench` on the CUDA backend: used by tools/nsa/main.cpp when a CUDA device
 // is visible (tools/CMakeLists.txt compiles this file and sets NSA_CLI_CUDA_BENCH).
 //
 // Same options and table as the CPU bench: random inputs (generated on the host, copied to the

@@ -1,5 +1,5 @@
-// sm_90a building blocks of dq_kernel (attention.cuh, which includes this header after its
-// constants and helpers): warpgroup MMAs (common/wgmma.h) instead of mma.sync.
+// sm_90a building blocks of dq_kernel (dq_kernel.cuh), some also used by dkv_kernel (its swizzled
+// row copies, its exponentials): warpgroup MMAs (common/wgmma.h) instead of mma.sync.
 //
 // The CTA of dq_kernel is one warpgroup: 4 warps, kRows = 64 query rows, warp w owning rows
 // 16w..16w+15 in both bodies.
@@ -16,7 +16,7 @@
 // Q and dO are stored 128-byte swizzled too and read by the products from shared
 // memory (before: padded tiles and ldmatrix fragments per batch, 32 + 32 registers at D = 128),
 // and the dg epilogue reads dO from the swizzled tile. No A operand is held in registers across
-// the tile loop (the ptxas hazard of docs/cuda.md, "wgmma"); dS and P are built in the iteration
+// the tile loop (the ptxas hazard of docs/cuda.md, "sm_80 and sm_90a"); dS and P are built in the iteration
 // that uses them. K and V tiles are stored in the 128-byte swizzle layout (sw128_offset, 64-column
 // blocks of 64 keys x 128 bytes, 1024-byte aligned); their rows past the tile's keys are
 // zero-filled by the same copies, so the products there are 0 (and masked anyway).
@@ -36,12 +36,13 @@
 // copies and descriptors (`9ae5052`). ncu then: 2 warps per scheduler, 0.46 instructions issued per
 // cycle, bound by latency and instruction issue, not by the tensor cores. Q and dO from shared
 // memory (one warpgroup per CTA, branch bwd-dq-q-smem-64): ncu 39.5 -> 35.6 ms (`3831e9f`); two
-// warpgroups per CTA (bwd-dq-q-smem) measured slower (attention.cuh, at kRows).
+// warpgroups per CTA (bwd-dq-q-smem) measured slower (tile.cuh, at kRows).
 #pragma once
 
+#include "cuda/backward/tile.cuh"
 #include "cuda/common/wgmma.h"
 
-namespace nsa::cuda_bwd {
+namespace nsa::cuda::bwd {
 
 constexpr bool kDqWgmma = cuda::kWgmmaCompiled;
 
@@ -120,4 +121,4 @@ __device__ __forceinline__ void wgmma_ab_issue(float (&acc)[D / 8][4], const uin
   }
 }
 
-}  // namespace nsa::cuda_bwd
+}  // namespace nsa::cuda::bwd

@@ -1,7 +1,7 @@
 // dq of the selection branch (and its dg when the forward's o_branch was not kept): one warp per
 // 16 query rows, no CTA barrier.
 //
-// dq_kernel (attention.cuh) runs first and writes dq of the compressed and window branches (and,
+// dq_kernel (dq_kernel.cuh) runs first and writes dq of the compressed and window branches (and,
 // with BwdArgs::slc_union, the whole dq and dg of the row tiles whose union of selected blocks is
 // small: this kernel recounts those unions and leaves their tiles); this kernel then adds the
 // selection's part:
@@ -23,10 +23,10 @@
 // whole-line copies save. Deterministic: every sum in a fixed order, no atomics.
 #pragma once
 
-#include "cuda/forward_params.h"
-#include "cuda/slc_union.cuh"
+#include "cuda/params.h"
+#include "cuda/common/slc_union.cuh"
 
-namespace nsa::cuda_bwd {
+namespace nsa::cuda::bwd {
 
 constexpr int kSlcDqWarps = 4;
 
@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
   constexpr bool kBf16 = cuda::StorageTraits<E>::is_bf16;
   constexpr int kKStride = DQK + 8, kVStride = DV + 8;
   constexpr int kStage = int(slc_dq_stage_elems(DQK, DV));
-  extern __shared__ __align__(128) unsigned char smem[];  // 128: as dq_kernel's declaration of the same array (attention.cuh)
+  extern __shared__ __align__(128) unsigned char smem[];  // 128: as dq_kernel's declaration of the same array (dq_kernel.cuh)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, quad = lane % 4;
@@ -298,4 +298,4 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
   }
 }
 
-}  // namespace nsa::cuda_bwd
+}  // namespace nsa::cuda::bwd

@@ -9,15 +9,21 @@
 #include <string>
 
 #include "common/plan.h"
+#include "cuda/common/constants.h"
 #include "nsa/error.h"
 
 namespace nsa::cuda {
 
 inline cudaStream_t stream_of(const detail::Plan& p) { return static_cast<cudaStream_t>(p.ctx.stream); }
 
-// Opt-in dynamic shared memory per block on sm_90 (the host checks kernels' needs against it up
-// front, so that a too-large configuration is an nsa::Error naming the value; A100: 163 KB).
-inline constexpr size_t kMaxSmem = 227 * 1024;
+// The call's kernel choices (Context::cuda_choices; the defaults when it has none).
+inline const CudaKernelChoices& choices_of(const Context& ctx) {
+  static const CudaKernelChoices kDefaults;
+  return ctx.cuda_choices != nullptr ? *ctx.cuda_choices : kDefaults;
+}
+
+// CTAs of `threads` threads that cover n items (one item per thread).
+inline unsigned blocks_for(int64_t n, int threads = 256) { return unsigned((n + threads - 1) / threads); }
 
 inline constexpr size_t kWorkspaceAlign = 256;
 inline constexpr size_t align_up(size_t bytes) { return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
@@ -40,7 +46,7 @@ class WorkspaceCarver {
   size_t used_ = 0;
 };
 
-// The head dims, group sizes and dtypes the CUDA kernels are compiled for (issue 4).
+// The head dims, group sizes and dtypes the CUDA kernels are compiled for.
 inline void require_supported_dims(int64_t dqk, int64_t dv) {
   if (dqk != 64 && dqk != 128 && dqk != 192)
     throw Error("Dqk", std::to_string(dqk), "is not supported by the cuda backend (supported: 64, 128, 192)");

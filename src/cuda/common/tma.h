@@ -20,12 +20,10 @@
 #include <cstdint>
 
 #include "cuda/common/mma.h"
-#include "cuda/testing.h"
 
 namespace nsa::cuda {
 
-// False where the driver has no encoder or rejects the layout, or while testing::tma_enabled() is
-// false (the caller then copies without TMA).
+// False where the driver has no encoder or rejects the layout (the caller then copies without TMA).
 inline bool make_tensor_map_3d(CUtensorMap* map, bool bf16, const void* base, uint64_t cols, uint64_t heads,
                                uint64_t rows, uint64_t head_stride_bytes, uint64_t row_stride_bytes,
                                uint32_t box_rows, uint32_t box_heads = 1) {
@@ -40,7 +38,7 @@ inline bool make_tensor_map_3d(CUtensorMap* map, bool bf16, const void* base, ui
     }
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }();
-  if (!testing::tma_enabled() || encode == nullptr || rows == 0 || heads == 0) return false;
+  if (encode == nullptr || rows == 0 || heads == 0) return false;
   const cuuint64_t dims[3] = {cols, heads, rows};
   const cuuint64_t strides[2] = {head_stride_bytes, row_stride_bytes};  // dims 1 and 2
   const cuuint32_t box[3] = {64, box_heads, box_rows};

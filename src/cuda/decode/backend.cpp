@@ -9,9 +9,10 @@
 #include <string>
 
 #include "cuda/common/check.h"
+#include "cuda/common/dispatch.h"
 #include "cuda/common/launch.h"
 #include "cuda/decode/decode.h"
-#include "cuda/decode/tile_sizes.h"
+#include "cuda/tile_sizes.h"
 #include "nsa/blocks.h"
 #include "nsa/error.h"
 
@@ -21,32 +22,8 @@ namespace {
 
 using detail::Plan;
 
-constexpr float kLog2e = 1.4426950408889634f;
 // Grid dimensions y and z hold at most 65535 blocks; the call's rows (grid x) at most 2^31 - 1.
 constexpr int64_t kMaxGridYZ = 65535;
-
-template <typename Fn>
-void dispatch_storage(DType dtype, Fn&& fn) {
-  require_storage_dtype(dtype);
-  if (dtype == DType::bf16) fn.template operator()<__nv_bfloat16>();
-  else fn.template operator()<__half>();
-}
-
-// Runs fn.template operator()<S, Dqk, Dv>() for the compiled combination (launch.h's dims).
-template <typename Fn>
-void dispatch(DType dtype, int64_t dqk, int64_t dv, Fn&& fn) {
-  require_supported_dims(dqk, dv);
-  dispatch_storage(dtype, [&]<typename S>() {
-    switch (dqk * 1000 + dv) {
-      case 64064: fn.template operator()<S, 64, 64>(); return;
-      case 64128: fn.template operator()<S, 64, 128>(); return;
-      case 128064: fn.template operator()<S, 128, 64>(); return;
-      case 128128: fn.template operator()<S, 128, 128>(); return;
-      case 192064: fn.template operator()<S, 192, 64>(); return;
-      case 192128: fn.template operator()<S, 192, 128>(); return;
-    }
-  });
-}
 
 Pages pages_of_call(const Plan& p, const PageTable& pt) {
   Pages g;

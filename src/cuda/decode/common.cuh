@@ -10,8 +10,8 @@
 
 #include "cuda/common/dtype.h"
 #include "cuda/common/mma.h"
-#include "cuda/decode/params.h"
-#include "cuda/decode/tile_sizes.h"
+#include "cuda/params.h"
+#include "cuda/tile_sizes.h"
 #include "nsa/blocks.h"
 #include "nsa/cache.h"
 

@@ -11,7 +11,7 @@
 #include <cstdint>
 
 #include "common/plan.h"
-#include "cuda/decode/params.h"
+#include "cuda/params.h"
 
 namespace nsa::cuda::decode {
 

@@ -1,8 +1,0 @@
-// Backward attention kernels for bf16, Dqk = 192 (Dv = 64 and 128): one instantiation per file
-// so that builds run in parallel.
-#include "cuda/backward/attention.cuh"
-
-namespace nsa::cuda_bwd {
-template void launch_attention<__nv_bfloat16, 192, 64>(const BwdArgs&, cudaStream_t, int);
-template void launch_attention<__nv_bfloat16, 192, 128>(const BwdArgs&, cudaStream_t, int);
-}  // namespace nsa::cuda_bwd

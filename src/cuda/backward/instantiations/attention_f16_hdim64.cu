@@ -1,0 +1,8 @@
+// Backward attention kernels for f16, Dqk = 64 (Dv = 64 and 128): one instantiation per file
+// so that builds run in parallel.
+#include "cuda/backward/launch.cuh"
+
+namespace nsa::cuda::bwd {
+template void launch_attention<__half, 64, 64>(const BwdArgs&, cudaStream_t, BwdKernel);
+template void launch_attention<__half, 64, 128>(const BwdArgs&, cudaStream_t, BwdKernel);
+}  // namespace nsa::cuda::bwd

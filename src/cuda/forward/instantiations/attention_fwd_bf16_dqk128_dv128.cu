@@ -1,0 +1,10 @@
+// One explicit instantiation of the forward attention kernels: bf16, Dqk = 128, Dv = 128.
+#include "cuda/forward/cmp_attention.cuh"
+#include "cuda/forward/slc_attention.cuh"
+#include "cuda/forward/win_attention.cuh"
+
+namespace nsa::cuda {
+template void launch_cmp_attention<__nv_bfloat16, 128, 128>(const CmpAttnParams&, cudaStream_t);
+template void launch_win_attention<__nv_bfloat16, 128, 128>(const BranchParams&, cudaStream_t);
+template void launch_slc_attention<__nv_bfloat16, 128, 128>(const BranchParams&, cudaStream_t);
+}  // namespace nsa::cuda

@@ -1,0 +1,44 @@
+// Top-n block selection (spec §4) and the compression function phi (spec §2) on the GPU.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/params.h"
+#include "nsa/blocks.h"
+#include "nsa/config.h"
+
+namespace nsa::cuda {
+
+struct TopnParams {
+  SeqParams seqs;
+  const float* scores;  // [T, Hkv, Ns]
+  int64_t s_st, s_sh;
+  int32_t* indices;  // [T, Hkv, n]
+  int64_t i_st, i_sh;
+  int hkv;
+  int lp, n_sel;
+  ForcedBlocks forced;  // n_init, n_local, the backbone's offsets
+  int64_t n_slc_max;  // Ns: scores columns a row may read (ceil(max_seqlen / l'))
+};
+void launch_select_topn(const TopnParams& p, cudaStream_t stream);
+// Shared bytes per warp of the top-n kernel (its scores row and its chosen list).
+size_t topn_smem_per_warp(int64_t n_slc_max, int n_sel);
+
+struct PhiLaunch {
+  SeqParams seqs;
+  PhiKind kind;
+  const void* x;  // [T, H, D]
+  int64_t x_st, x_sh;
+  void* xc;  // [T/d, H, D]
+  int64_t xc_st, xc_sh;
+  int heads, dim, l, d;
+  const void *w1, *b1, *w2, *b2, *pe;  // contiguous, shapes as nsa::PhiParams
+  int hidden;                          // F (mlp)
+  float* hidden_buf;                   // [T/d * H, F] f32 workspace (mlp)
+};
+template <typename Storage>
+void launch_phi_forward(const PhiLaunch& p, cudaStream_t stream);
+
+}  // namespace nsa::cuda
