@@ -1,0 +1,269 @@
+"""Offline training data: Python's own standard library as text, plus synthetic retrieval.
+
+Nothing is downloaded. The language-modelling text is every ``.py`` file of the standard library
+of the interpreter that runs this (``sysconfig.get_paths()['stdlib']``, without site-packages),
+split into train and held-out *by file*: a file is held out when ``crc32(relative path) % 100 <
+heldout_percent``, so the split depends only on the file's path, not on the machine's folder
+layout or the order of a directory listing. Another Python version ships other files: compare
+arms trained by the same interpreter (``corpus_info`` records its version and a fingerprint).
+
+Tokens are bytes (0..255) plus three specials, so there is no tokenizer to train or fetch:
+
+  BOS     starts every source file
+  NEEDLE  brackets a planted fact: NEEDLE key value NEEDLE
+  QUERY   starts the question at the end of a retrieval sample: QUERY key -> value
+
+Retrieval samples are ``length + 1`` tokens (inputs ``[:-1]``, targets ``[1:]``):
+``BOS haystack... NEEDLE key value NEEDLE ...haystack QUERY key value``, where the haystack is a
+window of the corpus and the queried needle sits at ``depth`` (0: right after BOS, 1: right
+before the query) of the haystack.
+
+  passkey   one needle, key " pass key: ", value 5 random digits
+  multikey  ``n_keys`` needles with distinct random 3-letter keys (" abc=") and 5-digit values at
+            independent uniform depths; the query asks for one of them (associative recall)
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import sysconfig
+import zlib
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+BOS = 256
+NEEDLE = 257
+QUERY = 258
+VOCAB_SIZE = 264  # 256 bytes + 3 specials, rounded up to a multiple of 8 for the matrix shapes
+
+TASKS = ("passkey", "multikey")
+_PASSKEY_KEY = b" pass key: "
+_DIGITS = 5
+
+
+def encode(text) -> np.ndarray:
+    """Bytes (or str as UTF-8) -> int64 tokens."""
+    if isinstance(text, str):
+        text = text.encode("utf-8")
+    return np.frombuffer(text, dtype=np.uint8).astype(np.int64)
+
+
+def decode(tokens) -> str:
+    """Tokens -> text; specials shown as <bos>, <needle>, <query>."""
+    names = {BOS: "<bos>", NEEDLE: "<needle>", QUERY: "<query>"}
+    out, run = [], bytearray()
+    for t in (int(x) for x in tokens):
+        if t < 256:
+            run.append(t)
+            continue
+        out.append(run.decode("utf-8", "replace"))
+        run = bytearray()
+        out.append(names.get(t, f"<{t}>"))
+    out.append(run.decode("utf-8", "replace"))
+    return "".join(out)
+
+
+# ---- the corpus -----------------------------------------------------------------------------
+
+
+@dataclass
+class Corpus:
+    tokens: np.ndarray  # [N] uint16: BOS + bytes of each file, files in path order
+    files: int
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def window(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """n consecutive tokens [n] int64 from a uniform random start."""
+        if n <= 0:
+            return np.zeros(0, dtype=np.int64)
+        if n > len(self):
+            raise ValueError(f"window of {n} tokens: the corpus has only {len(self)}")
+        start = int(rng.integers(0, len(self) - n + 1))
+        return self.tokens[start:start + n].astype(np.int64)
+
+
+def stdlib_root() -> str:
+    return sysconfig.get_paths()["stdlib"]
+
+
+def stdlib_files(root: Optional[str] = None) -> List[Tuple[str, str]]:
+    """(relative posix path, absolute path) of every .py file under the standard library, sorted."""
+    root = root or stdlib_root()
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in ("site-packages", "dist-packages", "__pycache__"))
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                found.append((os.path.relpath(path, root).replace(os.sep, "/"), path))
+    return sorted(found)
+
+
+def is_heldout(relpath: str, heldout_percent: int) -> bool:
+    return zlib.crc32(relpath.encode("utf-8")) % 100 < heldout_percent
+
+
+@functools.lru_cache(maxsize=4)
+def load_corpora(heldout_percent: int = 5, root: Optional[str] = None) -> Tuple[Corpus, Corpus, dict]:
+    """(train, held-out, info) from the standard library's source files."""
+    if not 0 < heldout_percent < 100:
+        raise ValueError(f"heldout_percent = {heldout_percent}: must be in 1..99")
+    parts = {False: [], True: []}
+    for rel, path in stdlib_files(root):
+        with open(path, "rb") as f:
+            body = f.read()
+        parts[is_heldout(rel, heldout_percent)].append(np.concatenate(
+            [np.array([BOS], dtype=np.uint16), np.frombuffer(body, dtype=np.uint8).astype(np.uint16)]))
+    if not parts[False] or not parts[True]:
+        raise RuntimeError(f"no standard-library sources found under {root or stdlib_root()}")
+    train = Corpus(np.concatenate(parts[False]), len(parts[False]))
+    held = Corpus(np.concatenate(parts[True]), len(parts[True]))
+    info = {
+        "source": "python stdlib .py files", "stdlib": root or stdlib_root(), "python": sys.version.split()[0],
+        "heldout_rule": f"crc32(relative path) % 100 < {heldout_percent}",
+        "train_files": train.files, "heldout_files": held.files,
+        "train_tokens": len(train), "heldout_tokens": len(held),
+        "fingerprint": f"{zlib.crc32(train.tokens.tobytes()):08x}-{zlib.crc32(held.tokens.tobytes()):08x}",
+    }
+    return train, held, info
+
+
+# ---- samples --------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    tokens: np.ndarray  # [length + 1] int64
+    answer: Optional[Tuple[int, int]] = None  # answer tokens' span [start, end) in tokens
+    needle: Optional[Tuple[int, int]] = None  # the queried needle's value span [start, end)
+    depth: float = 0.0
+
+    def answer_rows(self) -> np.ndarray:
+        """The input positions whose next-token prediction is an answer token."""
+        if self.answer is None:
+            return np.zeros(0, dtype=np.int64)
+        return np.arange(self.answer[0] - 1, self.answer[1] - 1)
+
+
+def lm_sample(rng: np.random.Generator, corpus: Corpus, length: int) -> Sample:
+    return Sample(corpus.window(rng, length + 1))
+
+
+def _digits(rng: np.random.Generator, n: int) -> bytes:
+    return bytes(int(d) + ord("0") for d in rng.integers(0, 10, n))
+
+
+def _keys(rng: np.random.Generator, n: int) -> List[bytes]:
+    seen: List[bytes] = []
+    while len(seen) < n:
+        key = b" " + bytes(int(c) + ord("a") for c in rng.integers(0, 26, 3)) + b"="
+        if key not in seen:
+            seen.append(key)
+    return seen
+
+
+def retrieval_sample(rng: np.random.Generator, corpus: Corpus, length: int, task: str,
+                     depth: Optional[float] = None, n_keys: int = 4) -> Sample:
+    """One retrieval sample of length + 1 tokens; the queried needle at `depth` (uniform if None)."""
+    if task == "passkey":
+        facts = [(_PASSKEY_KEY, _digits(rng, _DIGITS))]
+        asked = 0
+    elif task == "multikey":
+        facts = [(key, _digits(rng, _DIGITS)) for key in _keys(rng, n_keys)]
+        asked = int(rng.integers(0, n_keys))
+    else:
+        raise ValueError(f"task = {task!r}: must be one of {TASKS}")
+    depths = [float(rng.random()) for _ in facts]
+    if depth is not None:
+        depths[asked] = float(depth)
+    needles = [np.concatenate([[NEEDLE], encode(k), encode(v), [NEEDLE]]) for k, v in facts]
+    tail = np.concatenate([[QUERY], encode(facts[asked][0])])
+    answer = encode(facts[asked][1])
+    hay_len = length + 1 - 1 - sum(len(n) for n in needles) - len(tail) - len(answer)
+    if hay_len < 0:
+        raise ValueError(f"length = {length}: too short for a {task} sample (needs >= {length - hay_len})")
+    hay = corpus.window(rng, hay_len)
+    order = sorted(range(len(facts)), key=lambda i: (round(depths[i] * hay_len), i))
+    out, prev, value_span = [np.array([BOS])], 0, None
+    at = 1
+    for i in order:
+        off = int(round(depths[i] * hay_len))
+        out.append(hay[prev:off])
+        at += off - prev
+        if i == asked:
+            start = at + 1 + len(facts[i][0])
+            value_span = (start, start + len(facts[i][1]))
+        out.append(needles[i])
+        at += len(needles[i])
+        prev = off
+    out += [hay[prev:], tail]
+    at += hay_len - prev + len(tail)
+    out.append(answer)
+    tokens = np.concatenate(out).astype(np.int64)
+    assert tokens.shape[0] == length + 1
+    return Sample(tokens, (at, at + len(answer)), value_span, depths[asked])
+
+
+class DataStream:
+    """The training batches: plain text windows mixed with retrieval samples.
+
+    Each sample is retrieval with probability `retrieval_frac` (then multikey with probability
+    `multikey_frac`, else passkey). All randomness comes from one numpy Generator whose state a
+    checkpoint saves, so a resumed run sees exactly the batches a single run would have seen.
+    """
+
+    def __init__(self, corpus: Corpus, seq_len: int, seed: int, retrieval_frac: float = 0.5,
+                 multikey_frac: float = 0.5, n_keys: int = 4, answer_weight: float = 1.0):
+        if not 0.0 <= retrieval_frac <= 1.0 or not 0.0 <= multikey_frac <= 1.0:
+            raise ValueError(f"retrieval_frac = {retrieval_frac}, multikey_frac = {multikey_frac}: must be in [0, 1]")
+        self.corpus, self.seq_len = corpus, seq_len
+        self.retrieval_frac, self.multikey_frac = retrieval_frac, multikey_frac
+        self.n_keys, self.answer_weight = n_keys, answer_weight
+        self.rng = np.random.default_rng(seed)
+
+    def sample(self) -> Sample:
+        if self.rng.random() < self.retrieval_frac:
+            task = "multikey" if self.rng.random() < self.multikey_frac else "passkey"
+            return retrieval_sample(self.rng, self.corpus, self.seq_len, task, None, self.n_keys)
+        return lm_sample(self.rng, self.corpus, self.seq_len)
+
+    def next_batch(self, batch: int) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+        """tokens [batch, seq_len + 1] int64 and per-target loss weights [batch, seq_len] (None:
+        all ones; answer targets get answer_weight otherwise)."""
+        samples = [self.sample() for _ in range(batch)]
+        tokens = np.stack([s.tokens for s in samples])
+        if self.answer_weight == 1.0:
+            return tokens, None
+        weights = np.ones((batch, self.seq_len), dtype=np.float32)
+        for b, s in enumerate(samples):
+            if s.answer is not None:
+                weights[b, s.answer_rows()] = self.answer_weight
+        return tokens, weights
+
+    def state(self) -> dict:
+        return self.rng.bit_generator.state
+
+    def set_state(self, state: dict) -> None:
+        self.rng.bit_generator.state = state
+
+
+# ---- evaluation sets (identical for every arm: seeded by the cell, not by the run) -----------
+
+
+def retrieval_eval_set(corpus: Corpus, length: int, depth: float, depth_index: int, task: str, samples: int,
+                       seed: int = 1234, n_keys: int = 4) -> List[Sample]:
+    rng = np.random.default_rng([seed, length, depth_index, TASKS.index(task)])
+    return [retrieval_sample(rng, corpus, length, task, depth, n_keys) for _ in range(samples)]
+
+
+def heldout_windows(corpus: Corpus, length: int, count: int) -> np.ndarray:
+    """count evenly spaced windows [count, length + 1] int64 of the held-out corpus."""
+    if length + 1 > len(corpus):
+        raise ValueError(f"held-out windows of {length + 1} tokens: the held-out corpus has {len(corpus)}")
+    starts = np.linspace(0, len(corpus) - length - 1, count).astype(np.int64)
+    return np.stack([corpus.tokens[s:s + length + 1].astype(np.int64) for s in starts])
