@@ -11,9 +11,10 @@
 #   NSA_PY_CUDA   NSA_CUDA for the extension: AUTO builds the CUDA backend when nvcc is found.
 #                 Default: AUTO when nvidia-smi sees a GPU, else OFF (compiling the CUDA kernels
 #                 takes long on 2 cores and nothing could run them)
-#   NSA_PY_BUILD  pip (default) or cmake: build the extension with CMake into build-py/ and test
-#                 it from there (no scikit-build-core, no network: for machines that have torch,
-#                 numpy, nanobind and pytest but cannot install anything)
+#   NSA_PY_BUILD  pip (default) or cmake: build the extension and the nsa program with CMake into
+#                 build-py/ and test them from there (no scikit-build-core, no network: for
+#                 machines that have torch, numpy, nanobind and pytest but cannot install
+#                 anything; tests/python/test_packaging.py skips without scikit-build-core)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -26,13 +27,15 @@ export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc 2>/dev/n
 echo "test_python: interpreter $PYTHON, venv $VENV, build $BUILD, NSA_CUDA=$NSA_PY_CUDA"
 
 if [ "$BUILD" = cmake ]; then
-  cmake -S . -B build-py -G Ninja -DNSA_BUILD_PYTHON=ON -DNSA_BUILD_TESTS=OFF -DNSA_BUILD_TOOLS=OFF \
-    -DNSA_CUDA="$NSA_PY_CUDA" -DPython_EXECUTABLE="$(command -v "$PYTHON")"
-  cmake --build build-py --target _nsa
+  cmake -S . -B build-py -G Ninja -DNSA_BUILD_PYTHON=ON -DNSA_BUILD_TESTS=OFF -DNSA_BUILD_TOOLS=ON \
+    -DNSA_BUILD_BENCHMARKS=OFF -DNSA_INSTALL=OFF -DNSA_CUDA="$NSA_PY_CUDA" -DPython_EXECUTABLE="$(command -v "$PYTHON")"
+  cmake --build build-py --target _nsa nsa_cli
+  # The package as pip lays it out: the sources, the extension, and the program in nsa/bin.
   stage=build-py/stage
-  rm -rf "$stage" && mkdir -p "$stage/nsa"
+  rm -rf "$stage" && mkdir -p "$stage/nsa/bin"
   cp python/nsa/*.py "$stage/nsa/"
   cp build-py/python/_nsa*.so "$stage/nsa/"
+  cp build-py/bin/nsa "$stage/nsa/bin/"
   export PYTHONPATH="$PWD/$stage${PYTHONPATH:+:$PYTHONPATH}"
 else
   if [ "$VENV" != none ]; then

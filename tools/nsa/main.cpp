@@ -2,7 +2,8 @@
 //
 //   nsa bench [options]   NSA forward and forward+backward against dense causal attention on the
 //                         best available backend, checked against the reference, as a table
-//   nsa --help
+//   nsa --version         the library's version and the backends this program can run
+//   nsa --help            (-h and --help are understood after `bench` too)
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -45,8 +46,13 @@ struct Options {
   bool dense = true;
 };
 
+#ifndef NSA_VERSION
+#error "NSA_VERSION (the project version) is set by tools/CMakeLists.txt"
+#endif
+
 const char* kHelp = R"(usage: nsa bench [options]
-       nsa --help
+       nsa --version
+       nsa --help          (or -h; also `nsa bench -h`)
 
 bench: times the NSA layer (forward, and forward+backward) and this backend's dense causal
 attention on random data, one sequence per length, and prints one table row per length and pass:
@@ -578,18 +584,33 @@ int bench(const Options& o) {
   return failed ? 1 : 0;
 }
 
+bool is_help(const char* arg) {
+  return std::strcmp(arg, "--help") == 0 || std::strcmp(arg, "-h") == 0;
+}
+
+// "nsa 0.1.0" and the backends that can run here (cuda: compiled in and a device visible).
+void print_version() {
+  std::printf("nsa %s\nbackends available here:", NSA_VERSION);
+  for (Backend b : {Backend::reference, Backend::cpu, Backend::cuda})
+    if (nsa::backend_available(b)) std::printf(" %s", nsa::backend_name(b));
+  std::printf("\n");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
-    if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0 ||
-        std::strcmp(argv[1], "help") == 0) {
+    if (argc < 2 || is_help(argv[1]) || std::strcmp(argv[1], "help") == 0) {
       std::fputs(kHelp, stdout);
       return argc < 2 ? 2 : 0;
     }
+    if (std::strcmp(argv[1], "--version") == 0) {
+      print_version();
+      return 0;
+    }
     if (std::strcmp(argv[1], "bench") != 0) throw UsageError(std::string("unknown command ") + argv[1] + " (see nsa --help)");
     for (int i = 2; i < argc; ++i)
-      if (std::strcmp(argv[i], "--help") == 0) {
+      if (is_help(argv[i])) {
         std::fputs(kHelp, stdout);
         return 0;
       }
