@@ -134,7 +134,8 @@ size_t workspace_size(const Context& ctx, Op op, const Config& cfg, const Proble
   probe.device = problem.device;
   Context c = ctx;
   const BackendOps& ops = resolve_backend(c, probe, "problem");
-  return ops.workspace_size ? ops.workspace_size(c, op, cfg, problem) : 0;
+  const Problem pr = detail::checked_problem(op, cfg, problem);
+  return ops.workspace_size ? ops.workspace_size(c, op, cfg, pr) : 0;
 }
 
 void compress_fwd(const Context& ctx, const Config& cfg, const PhiParams& phi, const TensorView& x,

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -68,7 +69,7 @@ inline HostTensor gather_rows(const HostTensor& t, const LayerProblem& p, const 
                               const std::vector<int64_t>& count) {
   if (!t.defined()) return HostTensor();
   std::vector<int64_t> shape = t.shape();
-  const int64_t inner = t.numel() / shape[0];
+  const int64_t inner = std::accumulate(shape.begin() + 1, shape.end(), int64_t{1}, std::multiplies<int64_t>());
   shape[0] = std::accumulate(count.begin(), count.end(), int64_t{0});
   HostTensor out(t.dtype(), shape);
   int64_t r = 0, s0 = 0;

@@ -3,11 +3,13 @@
 // build runs these too.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
+#include <random>
 #include <string>
 
-#include "support.h"
+#include "test_cpu_support.h"
 
 namespace nsa::test {
 namespace {
@@ -232,6 +234,124 @@ TEST(BadInputStages, ViewsWithStridesAreAccepted) {
   p.o.poison();
   forward(context_of(Backend::reference), p.cfg, in, p.outputs());
   EXPECT_EQ(max_abs_diff(p.o.values(), want), 0.0);
+}
+
+// ---- Sizes that follow the tensors, not the configuration integers -----------------------------
+
+// workspace_size of a small problem is small whatever the (valid) configuration: l' = 2^31 - 1,
+// n = 2^31 - 1, a window of 2^31 - 1 and a declared max_seqlen of 2^31 - 1 once asked for hundreds
+// of GiB (a selection block's chunks, the top-n lists and the inverted index grew with l' and n).
+TEST(WorkspaceSizes, FollowTheTensorsNotTheConfiguration) {
+  if (!backend_available(Backend::cpu)) GTEST_SKIP() << "no cpu backend";
+  Problem pr;
+  pr.total_tokens = 24;
+  pr.max_seqlen = kMaxLength;  // declared; no sequence is longer than T
+  pr.hq = 4, pr.hkv = 2, pr.dqk = 8, pr.dv = 8, pr.phi_hidden = 6;
+  pr.dtype = DType::f32;
+  pr.max_query_len = 3;
+  Config huge_lp = small_config();
+  huge_lp.cmp_stride = 1;
+  huge_lp.slc_block_len = kMaxLength;
+  Config huge_n = small_config();
+  huge_n.n_selected = kMaxLength;
+  Config huge_w = small_config();
+  huge_w.window = kMaxLength;
+  const Context ctx = context_of(Backend::cpu, 4);
+  for (const Config& cfg : {huge_lp, huge_n, huge_w})
+    for (Op op : {Op::forward, Op::backward, Op::selected_attention_fwd, Op::compressed_attention_fwd, Op::select_topn,
+                  Op::decode, Op::cache_append}) {
+      Problem p = pr;
+      if (op == Op::decode || op == Op::cache_append) p.max_seqlen = 4096;  // the cache's capacity
+      EXPECT_LE(workspace_size(ctx, op, cfg, p), size_t{64} << 20) << "op " << static_cast<int>(op);
+    }
+}
+
+// Problem fields outside [0, 2^31 - 1], and sizes whose tensors could not exist, are named errors
+// (they used to wrap into small or negative byte counts).
+TEST(WorkspaceSizes, BadProblemsAreNamedErrors) {
+  Problem pr;
+  pr.total_tokens = 24;
+  pr.hq = 4, pr.hkv = 2, pr.dqk = 8, pr.dv = 8;
+  pr.dtype = DType::f32;
+  for (Backend b : {Backend::reference, Backend::cpu}) {
+    const Context ctx = context_of(b);
+    Problem p = pr;
+    p.hq = -1;
+    expect_error("problem.hq", [&] { workspace_size(ctx, Op::forward, small_config(), p); });
+    p = pr;
+    p.max_seqlen = INT64_MAX;
+    expect_error("problem.max_seqlen", [&] { workspace_size(ctx, Op::forward, small_config(), p); });
+    p = pr;
+    p.total_tokens = p.hq = p.dqk = kMaxLength;  // each allowed, together 2^93 elements
+    expect_error("problem", [&] { workspace_size(ctx, Op::backward, small_config(), p); });
+    expect_error("op", [&] { workspace_size(ctx, static_cast<Op>(99), small_config(), pr); });
+  }
+}
+
+// A declared max_seqlen above T (here 2^31 - 1) bounds nothing past T: the same result as the
+// derived one, and a scores tensor ceil(T / l') wide is enough (the reference used to allocate
+// per declared position and hang).
+TEST(DeclaredBounds, MaxSeqlenAboveTCountsAsT) {
+  for (Backend b : {Backend::reference, Backend::cpu}) {
+    SCOPED_TRACE(backend_name(b));
+    const Context ctx = context_of(b);
+    LayerProblem a = make_problem(small_config(), Sizes{{20, 13}, 4, 2, 8, 8, 6, DType::f32}, 3), c = a;
+    Inputs in = a.inputs();
+    OwnedWorkspace ws(workspace_size(ctx, Op::forward, a.cfg, problem_of(a.cfg, in)));
+    forward(ctx, a.cfg, in, a.outputs(), ws.ws);
+    Inputs declared = c.inputs();
+    declared.seqs.max_seqlen = kMaxLength;
+    OwnedWorkspace ws2(workspace_size(ctx, Op::forward, c.cfg, problem_of(c.cfg, declared)));
+    forward(ctx, c.cfg, declared, c.outputs(), ws2.ws);
+    EXPECT_EQ(max_abs_diff(a.o.values(), c.o.values()), 0.0);
+    EXPECT_EQ(a.indices.values(), c.indices.values());
+  }
+}
+
+// The CPU backward without selection (n = 0) read the inverted index's offsets from the
+// workspace without writing them: with a workspace of arbitrary bytes (numpy.empty's) it crashed.
+TEST(WorkspaceContents, BackwardWithoutSelectionReliesOnNothing) {
+  if (!backend_available(Backend::cpu)) GTEST_SKIP() << "no cpu backend";
+  Config cfg = small_config();
+  cfg.n_selected = cfg.n_init = cfg.n_local = 0;
+  LayerProblem p = make_problem(cfg, Sizes{{29}, 4, 2, 3, 8, 6, DType::f32}, 5);
+  LayerProblem truth = p;
+  const Context ref = context_of(Backend::reference);
+  forward(ref, cfg, truth.inputs(), truth.outputs());
+  p.lse = truth.lse;
+  p.indices = truth.indices;
+  backward(ref, cfg, truth.inputs(), truth.outputs(), truth.d_o.view(), truth.gradients());
+  for (int threads : {1, 2}) {
+    const Context ctx = context_of(Backend::cpu, threads);
+    std::vector<unsigned char> bytes(workspace_size(ctx, Op::backward, cfg, problem_of(cfg, p.inputs())) + 256);
+    std::mt19937_64 rng(threads);
+    for (auto& b : bytes) b = static_cast<unsigned char>(rng());
+    const Workspace ws{bytes.data() + (256 - reinterpret_cast<uintptr_t>(bytes.data()) % 256) % 256, bytes.size() - 256};
+    ForwardOutputs saved{TensorView(), p.lse.view(), p.indices.view(), TensorView()};
+    backward(ctx, cfg, p.inputs(), saved, p.d_o.view(), p.gradients(), ws);
+    EXPECT_LE(max_abs_diff(p.dq.values(), truth.dq.values()), 1e-4);
+    EXPECT_LE(max_abs_diff(p.dk[kSlc].values(), truth.dk[kSlc].values()), 1e-4);
+  }
+}
+
+// A row of caller indices with many repeats costs time linear in n (the backward's inverted index
+// used to look each entry up in the entries before it: 50,000 repeats took seconds a row).
+TEST(CallerIndices, ManyRepeatsAreLinear) {
+  Config cfg = small_config();
+  cfg.n_selected = 50000;
+  cfg.n_init = cfg.n_local = 0;
+  LayerProblem p = make_problem(cfg, Sizes{{16}, 2, 1, 4, 4, 6, DType::f32}, 9);
+  for (int64_t i = 0; i < p.indices.numel(); ++i) p.indices.set(i, i % 3 == 0 ? 0 : -1);
+  std::mt19937_64 rng(1);
+  p.lse.fill_uniform(rng, 0.0, 1.0);
+  for (Backend b : {Backend::reference, Backend::cpu}) {
+    const Context ctx = context_of(b);
+    ForwardOutputs saved{TensorView(), p.lse.view(), p.indices.view(), TensorView()};
+    OwnedWorkspace ws(workspace_size(ctx, Op::backward, cfg, problem_of(cfg, p.inputs())));
+    const auto t0 = std::chrono::steady_clock::now();
+    backward(ctx, cfg, p.inputs(), saved, p.d_o.view(), p.gradients(), ws.ws);
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0) << backend_name(b);
+  }
 }
 
 }  // namespace

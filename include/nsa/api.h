@@ -63,7 +63,8 @@ struct Workspace {
 struct Sequences {
   TensorView cu_seqlens;   // [B+1] int32, cu_seqlens[0] = 0, non-decreasing; absent: one sequence
   int64_t max_seqlen = 0;  // >= max_b T_b; 0 = derive it from host cu_seqlens (required when
-                           // cu_seqlens is on the GPU: the library never syncs to read it)
+                           // cu_seqlens is on the GPU: the library never syncs to read it); a
+                           // value above T counts as T (no sequence is longer)
 };
 
 // Parameters of one phi (spec §2), shared by all KV heads. D is the head dim of what phi
@@ -137,7 +138,9 @@ struct Problem {
 // Reads the sizes off the inputs (derives max_seqlen from host cu_seqlens when it is 0).
 Problem problem_of(const Config& cfg, const Inputs& in);
 
-// Bytes of workspace `op` needs on the backend that `ctx` resolves to for `problem`.
+// Bytes of workspace `op` needs on the backend that `ctx` resolves to for `problem`. Every field
+// of `problem` must lie in [0, 2^31 - 1] and no tensor it describes may exceed 2^48 elements
+// (nsa::Error naming problem.<field> or problem); the size follows the tensors, not l', n or w.
 size_t workspace_size(const Context& ctx, Op op, const Config& cfg, const Problem& problem);
 
 // ---- Stages -----------------------------------------------------------------------------------
@@ -155,8 +158,8 @@ void compress_bwd(const Context& ctx, const Config& cfg, const PhiParams& phi, c
 
 // Spec §2-§3: attention of q over the visible compressed blocks, and the group-summed selection
 // scores S.  q [T, Hq, Dqk], kc [T/d, Hkv, Dqk], vc [T/d, Hkv, Dv] -> o [T, Hq, Dv],
-// lse [T, Hq] f32, scores [T, Hkv, Ns] f32 (optional; Ns >= ceil(max_seqlen / l'); entries past a
-// query's admissible blocks are 0).
+// lse [T, Hq] f32, scores [T, Hkv, Ns] f32 (optional; Ns >= ceil(min(max_seqlen, T) / l');
+// entries past a query's admissible blocks are 0).
 void compressed_attention_fwd(const Context& ctx, const Config& cfg, const TensorView& q,
                               const TensorView& kc, const TensorView& vc, const Sequences& seqs,
                               const TensorView& o, const TensorView& lse, const TensorView& scores,

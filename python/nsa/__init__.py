@@ -6,7 +6,8 @@ Functional API (numpy arrays and torch tensors, host or CUDA): ``attention`` and
 (imported on first use, so that numpy users never import torch). See docs/python.md.
 """
 from ._core import CacheArrays, Config, Error, Phi
-from ._nsa import backbone_schedule, backend_available
+# __version__: CMakeLists.txt's project version, compiled into the extension.
+from ._nsa import __version__, backbone_schedule, backend_available
 from .functional import (
     AttentionAux,
     Gradients,
@@ -25,8 +26,6 @@ from .functional import (
     selected_attention,
     window_attention,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AttentionAux", "CacheArrays", "Config", "Error", "Gradients", "NSACache", "NativeSparseAttention", "Phi",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from typing import Any, NamedTuple, Optional, Sequence
 
 from . import _nsa
@@ -29,6 +30,59 @@ def error(parameter: str, value: Any, allowed: str) -> Error:
     err = Error(f"nsa: invalid {parameter} = {value}: {allowed}")
     err.parameter, err.value, err.allowed = parameter, str(value), allowed
     return err
+
+
+_INT64_MIN, _INT64_MAX = -2 ** 63, 2 ** 63 - 1
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_int(value: Any, parameter: str, lo: int = _INT64_MIN, hi: int = _INT64_MAX,
+              allowed: Optional[str] = None) -> int:
+    """value as a Python int (ints, numpy and torch integers; not floats or strings) in [lo, hi],
+    else an nsa.Error naming `parameter`. The extension takes int64 (int for threads): a Python int
+    past that range would otherwise be a bare TypeError from the binding."""
+    if type(value).__name__ == "SymInt":  # a symbolic size while torch.compile traces: checked when it runs
+        return value
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise error(parameter, _shown(value), "must be an integer") from None
+    if not lo <= v <= hi:
+        raise error(parameter, v, allowed or f"must be in [{lo}, {hi}]")
+    return v
+
+
+def check_float(value: Any, parameter: str) -> float:
+    """value as a float (NaN and infinities pass: the library names them), else an nsa.Error."""
+    try:
+        return value if type(value).__name__ == "SymFloat" else float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise error(parameter, _shown(value), "must be a real number that fits a double") from None
+
+
+# The largest array the package allocates for a call (an output or a workspace) without trying:
+# 2^48 bytes. Larger ones, and ones the framework fails to allocate, are an nsa.Error naming the
+# parameter that sized them (e.g. n_selected for the indices [T, Hkv, n]), not a MemoryError.
+_MAX_ALLOCATION = 2 ** 48
+
+
+def allocate(make, shape, itemsize: int, parameter: str, value: Any, what: str):
+    """make() (an allocation of `shape` with `itemsize` bytes an element), checked first."""
+    nbytes = itemsize
+    for n in shape:
+        nbytes *= max(int(n), 0)  # Python ints: no overflow
+    if nbytes > _MAX_ALLOCATION:
+        raise error(parameter, value, f"gives {what} of {nbytes} bytes, above the 2^48 bytes nsa allocates")
+    try:
+        return make()
+    except (MemoryError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and "memory" not in str(e).lower() and "alloc" not in str(e).lower():
+            raise
+        raise error(parameter, value, f"gives {what} of {nbytes} bytes, which could not be allocated") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,19 +105,28 @@ class Config:
     # distinct, >= 1; n_init + n_local + len(backbone_offsets) <= n. Empty: plain NSA.
     backbone_offsets: tuple = ()
 
-    def native(self, phi: str = "mean", shared_kv: bool = False) -> "_nsa.Config":
-        c = _nsa.Config()
-        c.cmp_block_len = int(self.cmp_block_len)
-        c.cmp_stride = int(self.cmp_stride)
-        c.slc_block_len = int(self.slc_block_len)
-        c.n_selected = int(self.n_selected)
-        c.n_init = int(self.n_init)
-        c.n_local = int(self.n_local)
-        c.window = int(self.window)
-        c.scale = float(self.scale)
+    def checked(self) -> "Config":
+        """The same Config with every field a Python int (or float for scale) that the extension
+        can take: a non-integer, or an integer past int64, is an nsa.Error under the library's name
+        for the field (the library itself bounds the fields at 2^31 - 1)."""
+        fields = {f: check_int(getattr(self, f), name) for f, name in _CONFIG_NAMES.items()}
         if not isinstance(self.backbone_offsets, (tuple, list)):
-            raise error("backbone_offsets", repr(self.backbone_offsets), "must be a tuple of block offsets")
-        c.backbone_offsets = [int(o) for o in self.backbone_offsets]
+            raise error("backbone_offsets", _shown(self.backbone_offsets), "must be a tuple of block offsets")
+        offsets = tuple(check_int(o, f"backbone_offsets[{k}]") for k, o in enumerate(self.backbone_offsets))
+        return Config(**fields, scale=check_float(self.scale, "scale"), backbone_offsets=offsets)
+
+    def native(self, phi: str = "mean", shared_kv: bool = False) -> "_nsa.Config":
+        v = self.checked()
+        c = _nsa.Config()
+        c.cmp_block_len = v.cmp_block_len
+        c.cmp_stride = v.cmp_stride
+        c.slc_block_len = v.slc_block_len
+        c.n_selected = v.n_selected
+        c.n_init = v.n_init
+        c.n_local = v.n_local
+        c.window = v.window
+        c.scale = v.scale
+        c.backbone_offsets = list(v.backbone_offsets)
         c.phi = _nsa.parse_phi_kind(phi)
         c.shared_kv = bool(shared_kv)
         return c
@@ -71,8 +134,9 @@ class Config:
     def ints(self) -> list:
         """The integer fields, in declaration order, then the backbone's offsets (how the torch
         operators receive a Config)."""
-        return [self.cmp_block_len, self.cmp_stride, self.slc_block_len, self.n_selected,
-                self.n_init, self.n_local, self.window, *[int(o) for o in self.backbone_offsets]]
+        v = self.checked()
+        return [v.cmp_block_len, v.cmp_stride, v.slc_block_len, v.n_selected, v.n_init, v.n_local, v.window,
+                *v.backbone_offsets]
 
     @staticmethod
     def from_ints(ints: Sequence[int], scale: float) -> "Config":
@@ -80,6 +144,12 @@ class Config:
             raise error("config", list(ints), "must hold 7 integers (l, d, l', n, n_init, n_local, w) and the "
                                                "backbone's offsets")
         return Config(*[int(i) for i in ints[:7]], scale=float(scale), backbone_offsets=tuple(int(i) for i in ints[7:]))
+
+
+# The library's names for the integer fields (src/common/core.cpp Config::validate).
+_CONFIG_NAMES = {"cmp_block_len": "cmp_block_len (l)", "cmp_stride": "cmp_stride (d)",
+                 "slc_block_len": "slc_block_len (l')", "n_selected": "n_selected (n)", "n_init": "n_init",
+                 "n_local": "n_local", "window": "window (w)"}
 
 
 def make_config(config: Optional[Config], overrides: dict) -> Config:
@@ -193,15 +263,28 @@ class NumpyArrays:
         return _NoGuard()
 
     def dtype_name(self, x) -> str:
-        names = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16"}
+        names = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16", "int32": "i32"}
         return names.get(str(x.dtype), str(x.dtype))
 
     def to_int32(self, cu):
-        cu = self.np.asarray(cu)
-        if cu.dtype != self.np.int32 and self.np.issubdtype(cu.dtype, self.np.integer):
-            if cu.size and (cu.max() > 2**31 - 1 or cu.min() < 0):
+        np = self.np
+        if not isinstance(cu, np.ndarray):
+            try:  # a list of Python ints: checked as ints (numpy would make [0, 2**63] float64)
+                values = [operator.index(v) for v in cu]
+            except TypeError:
+                values = None
+            if values is not None:
+                if values and (max(values) > 2**31 - 1 or min(values) < 0):
+                    raise error("cu_seqlens", "out of int32 range", "must fit in int32")
+                cu = np.array(values, dtype=np.int32)
+            else:
+                cu = np.asarray(cu)
+        if not np.issubdtype(cu.dtype, np.integer):
+            raise error("cu_seqlens.dtype", str(cu.dtype), "must be an integer type (offsets)")
+        if cu.dtype != np.int32:
+            if cu.size and (int(cu.max()) > 2**31 - 1 or int(cu.min()) < 0):
                 raise error("cu_seqlens", "out of int32 range", "must fit in int32")
-            cu = cu.astype(self.np.int32)
+            cu = cu.astype(np.int32)
         return self.prepare(cu)
 
 
@@ -254,8 +337,8 @@ class TorchArrays:
 
     def dtype_name(self, x) -> str:
         t = self.torch
-        names = {t.float32: "f32", t.float64: "f64", t.float16: "f16", t.bfloat16: "bf16"}
-        return names.get(x.dtype, str(x.dtype))
+        names = {t.float32: "f32", t.float64: "f64", t.float16: "f16", t.bfloat16: "bf16", t.int32: "i32"}
+        return names.get(x.dtype, str(x.dtype).replace("torch.", ""))
 
     def to_int32(self, cu):
         if cu.dtype != self.torch.int32 and not cu.is_floating_point():
@@ -263,11 +346,24 @@ class TorchArrays:
         return self.prepare(cu)
 
 
-def torch_offsets_to_int32(cu):
-    """An integer offsets tensor as int32. Host offsets are range-checked like NumPy's (reading
-    device ones would need a sync; the library checks those it can)."""
+def check_device_offsets(cu) -> None:
+    """Offsets on a GPU must be int32 already. Converting an int64 tensor there would need a range
+    check (2^32 + 10 would act as 10), and reading it a synchronisation, which the library never
+    makes (CUDA graphs); host offsets of any integer type are checked and converted instead."""
     import torch
 
+    if cu.device.type != "cpu" and cu.dtype != torch.int32:
+        raise error("cu_seqlens.dtype", f"{str(cu.dtype).replace('torch.', '')} on {cu.device}",
+                    "must be int32 for offsets on a GPU (convert with .int(), or pass host offsets, which are "
+                    "range-checked)")
+
+
+def torch_offsets_to_int32(cu):
+    """An integer offsets tensor as int32. Host offsets are range-checked like NumPy's; device
+    offsets must be int32 already (check_device_offsets)."""
+    import torch
+
+    check_device_offsets(cu)
     if (cu.device.type == "cpu" and cu.numel() and not torch.compiler.is_compiling()
             and (int(cu.max()) > 2**31 - 1 or int(cu.min()) < 0)):
         raise error("cu_seqlens", "out of int32 range", "must fit in int32")
@@ -305,40 +401,75 @@ def arrays_for(x) -> Any:
 # ---- Calls ------------------------------------------------------------------------------------
 
 
-class Call:
-    """What every call shares: framework, context, sequences and the workspace request."""
+# The dtypes a call's main array (q, x, ...) may have; the library's own words (validate.cpp).
+_FLOAT_DTYPES = ("f32", "bf16", "f16", "f64")
 
-    def __init__(self, fw, main, backend: str, num_threads: int, cu_seqlens, max_seqlen: Optional[int]):
+
+class Call:
+    """What every call shares: framework, context, sequences and the workspace request.
+
+    ``main`` is the array that decides the backend, dtype and device (``main_name`` in messages).
+    Its dtype is checked here, before the workspace query, so that a wrong one is reported under
+    its own name (``q.dtype = i32``) rather than as the workspace query's ``dtype`` argument.
+    """
+
+    def __init__(self, fw, main, backend: str, num_threads: int, cu_seqlens, max_seqlen: Optional[int],
+                 main_name: str = "q"):
         if not isinstance(backend, str):
             raise error("backend", repr(backend), "must be one of 'auto', 'reference', 'cpu', 'cuda'")
+        if main is not None and fw.dtype_name(main) not in _FLOAT_DTYPES:
+            raise error(main_name + ".dtype", fw.dtype_name(main), "must be f32, bf16, f16 or f64")
         self.fw = fw
         self.main = main
         self.backend = backend
-        self.num_threads = int(num_threads)
+        self.num_threads = threads(num_threads)
         self.cu = fw.to_int32(cu_seqlens) if cu_seqlens is not None else None
-        self.max_seqlen = int(max_seqlen) if max_seqlen else 0
+        self.max_seqlen = (check_int(max_seqlen, "seqs.max_seqlen", 0, allowed="must be >= 0 (0: derive it)")
+                           if max_seqlen is not None else 0)
         self.stream = fw.stream(main)
         self.ctx = (backend, self.stream, self.num_threads, True)
 
     def batch(self) -> int:
-        return int(self.cu.shape[0]) - 1 if self.cu is not None and len(self.cu.shape) == 1 else 1
+        # An empty or malformed table sizes nothing here; the library names it (cu_seqlens.shape[0]).
+        return max(int(self.cu.shape[0]) - 1, 0) if self.cu is not None and len(self.cu.shape) == 1 else 1
 
     def longest(self, T: int) -> int:
-        """max_seqlen for workspace sizes and score widths; host cu_seqlens are read here."""
+        """max_seqlen for workspace sizes and score widths; host cu_seqlens are read here. A
+        declared bound above T counts as T (no sequence is longer), as in the library."""
         if self.max_seqlen:
-            return self.max_seqlen
+            return min(self.max_seqlen, T) if self.max_seqlen > 0 else self.max_seqlen
         if self.cu is None:
             return T
         if self.fw.device(self.cu) != "cpu":
             raise error("max_seqlen", 0, "must be given (>= the longest sequence) when cu_seqlens is on the GPU")
-        c = [int(v) for v in self.cu.tolist()]
-        return max([b - a for a, b in zip(c, c[1:])], default=0)
+        c = [int(v) for v in self.cu.tolist()] if len(self.cu.shape) == 1 else []
+        return max([b - a for a, b in zip(c, c[1:])] + [0])
 
     def workspace(self, op: str, cfg, T: int, hq: int, hkv: int, dqk: int, dv: int, hidden: int = 0):
         nbytes = _nsa.workspace_size(op, self.backend, self.num_threads, cfg, T, self.batch(),
                                      self.longest(T), hq, hkv, dqk, dv, hidden,
                                      self.fw.dtype_name(self.main), self.fw.device(self.main))
-        return self.fw.workspace(nbytes, self.main) if nbytes else None
+        return workspace(self.fw, nbytes, self.main)
+
+
+def threads(num_threads: Any) -> int:
+    """num_threads as the extension's int: 0 (the default) or a thread count."""
+    return check_int(num_threads, "ctx.num_threads", 0, 2 ** 31 - 1, "must be in [0, 2^31 - 1] (0: the default)")
+
+
+def workspace(fw, nbytes: int, like):
+    """The workspace a call asked for (None for 0 bytes), allocated through `allocate`."""
+    if not nbytes:
+        return None
+    return allocate(lambda: fw.workspace(nbytes, like), (nbytes,), 1, "workspace", nbytes, "a workspace")
+
+
+def indices_like(fw, T: int, Hkv: int, n: int, like):
+    """An indices output [T, Hkv, n] int32: its size is the configuration's n times the rows (a
+    negative n allocates nothing here; the library names it)."""
+    n = max(n, 0)
+    return allocate(lambda: fw.empty((T, Hkv, n), fw.i32, like), (T, Hkv, n), 4, "n_selected (n)", n,
+                    f"an indices output [{T}, {Hkv}, {n}] int32")
 
 
 def _phi_tuple(fw, phi: Optional[Phi]):
@@ -350,10 +481,10 @@ def compress(fw, cfg: Config, phi: Optional[Phi], x, cu_seqlens=None, max_seqlen
     """xc [T/d, Hkv, D] = phi(x [T, Hkv, D]); rows no compressed block uses are zero."""
     x = fw.prepare(x)
     T, H, D = dims(x, "x", 3, "[T, Hkv, D]")
-    call = Call(fw, x, backend, num_threads, cu_seqlens, max_seqlen)
+    call = Call(fw, x, backend, num_threads, cu_seqlens, max_seqlen, "x")
     kind = phi_kind(phi)
     c = cfg.native(kind)
-    xc = fw.zeros((T // max(cfg.cmp_stride, 1), H, D), x.dtype, x)
+    xc = fw.zeros((T // max(c.cmp_stride, 1), H, D), x.dtype, x)
     ws = call.workspace("compress_fwd", c, T, H, H, D, D, phi_hidden(phi))
     with fw.device_guard(x):
         _nsa.compress_fwd(*call.ctx, c, _phi_tuple(fw, phi), x, call.cu, call.max_seqlen, xc, ws)
@@ -365,7 +496,7 @@ def compress_backward(fw, cfg: Config, phi: Optional[Phi], x, dxc, cu_seqlens=No
     """(dx [T, Hkv, D], dphi: Phi of gradients or None for mean) from dxc [T/d, Hkv, D]."""
     x, dxc = fw.prepare(x), fw.prepare(dxc)
     T, H, D = dims(x, "x", 3, "[T, Hkv, D]")
-    call = Call(fw, x, backend, num_threads, cu_seqlens, max_seqlen)
+    call = Call(fw, x, backend, num_threads, cu_seqlens, max_seqlen, "x")
     kind = phi_kind(phi)
     c = cfg.native(kind)
     dx = fw.empty((T, H, D), x.dtype, x)
@@ -390,7 +521,7 @@ def compressed_attention(fw, cfg: Config, q, kc, vc, cu_seqlens=None, max_seqlen
     lse = fw.empty((T, Hq), fw.f32, q)
     S = None
     if scores:
-        ns = -(-call.longest(T) // max(cfg.slc_block_len, 1))
+        ns = -(-call.longest(T) // max(c.slc_block_len, 1))
         S = fw.empty((T, Hkv, ns), fw.f32, q)
     ws = call.workspace("compressed_attention_fwd", c, T, Hq, Hkv, Dqk, Dv)
     with fw.device_guard(q):
@@ -402,9 +533,9 @@ def select_topn(fw, cfg: Config, scores, cu_seqlens=None, max_seqlen=None, backe
     """indices [T, Hkv, n] int32 (ascending, padded with -1) from scores [T, Hkv, Ns] f32."""
     scores = fw.prepare(scores)
     T, Hkv, _ = dims(scores, "scores", 3, "[T, Hkv, Ns]")
-    call = Call(fw, scores, backend, num_threads, cu_seqlens, max_seqlen)
+    call = Call(fw, scores, backend, num_threads, cu_seqlens, max_seqlen, "scores")
     c = cfg.native()
-    idx = fw.empty((T, Hkv, cfg.n_selected), fw.i32, scores)
+    idx = indices_like(fw, T, Hkv, c.n_selected, scores)
     ws = call.workspace("select_topn", c, T, Hkv, Hkv, 1, 1)
     with fw.device_guard(scores):
         _nsa.select_topn(*call.ctx, c, scores, call.cu, call.max_seqlen, idx, ws)
@@ -415,7 +546,8 @@ def _branch_attention(fw, op: str, cfg: Config, q, k, v, indices, cu_seqlens, ma
                       num_threads):
     """(o, lse) of one branch through the native op `op`; indices only for the selection branch."""
     q, k, v = fw.prepare(q), fw.prepare(k), fw.prepare(v)
-    extra = () if indices is None else (fw.prepare(indices),)
+    # The selection's indices (None too: the library names an absent one); no argument for the window.
+    extra = (fw.prepare(indices),) if op == "selected_attention_fwd" else ()
     T, Hq, Dqk = dims(q, "q", 3, "[T, Hq, Dqk]")
     Hkv = dims(k, "k", 3, "[T, Hkv, Dqk]")[1]
     Dv = dims(v, "v", 3, "[T, Hkv, Dv]")[2]
@@ -476,7 +608,7 @@ def forward(fw, cfg: Config, q, kv6, g, phi_k: Optional[Phi], phi_v: Optional[Ph
     c = cfg.native(phi_pair_kind(phi_k, phi_v), shared)
     o = fw.empty((T, Hq, Dv), q.dtype, q)
     lse = fw.empty((T, Hq, 3), fw.f32, q)
-    idx = fw.empty((T, Hkv, cfg.n_selected), fw.i32, q)
+    idx = indices_like(fw, T, Hkv, c.n_selected, q)
     ob = fw.empty((3, T, Hq, Dv), q.dtype, q) if branches else None
     ws = call.workspace("forward", c, T, Hq, Hkv, Dqk, Dv, max(phi_hidden(phi_k), phi_hidden(phi_v)))
     with fw.device_guard(q):
@@ -584,26 +716,33 @@ class CacheArrays(NamedTuple):
 
 def _cache_bound(cache: CacheArrays) -> int:
     if cache.max_cache_len:
-        return int(cache.max_cache_len)
+        return check_int(cache.max_cache_len, "pages.max_seqlen", 0)
     return int(cache.block_table.shape[1]) * int(cache.pools[0].shape[1])
 
 
 def _rows_per_sequence(fw, cu, rows: int, batch: int, max_new) -> int:
     """The most new rows of one sequence: given, or read off host cu_seqlens, or rows / B."""
     if max_new:
-        return int(max_new)
+        return check_int(max_new, "seqs.max_seqlen", 0)
     if cu is None:
         return rows // batch if batch else 0
     if fw.device(cu) != "cpu":
         raise error("max_new", 0, "must be given (>= the most new rows of one sequence) when cu_seqlens is on the GPU")
-    c = [int(v) for v in cu.tolist()]
-    return max([b - a for a, b in zip(c, c[1:])], default=0)
+    c = [int(v) for v in cu.tolist()] if len(cu.shape) == 1 else []
+    return max([b - a for a, b in zip(c, c[1:])] + [0])
 
 
 def _prepare_cache(fw, cache: CacheArrays) -> CacheArrays:
+    """The cache's arrays as the library takes them; the shapes this package reads first (the
+    pools' and the block table's) are checked here with the library's names."""
+    if not isinstance(cache.pools, (tuple, list)) or len(cache.pools) != 8:
+        raise error("pools", _shown(cache.pools), "must be (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, kc, vc)")
     pools = tuple(fw.prepare(p) if p is not None else None for p in cache.pools)
+    dims(pools[0], "cache.k_cmp", 4, "[P, page_size, Hkv, Dqk]")
+    dims(pools[1], "cache.v_cmp", 4, "[P, page_size, Hkv, Dv]")
+    dims(cache.block_table, "pages.block_table", 2, "[B, max_pages]")
     return CacheArrays(pools, fw.prepare(cache.block_table), fw.prepare(cache.seq_lens),
-                       cache.status, int(cache.max_cache_len or 0))
+                       cache.status, check_int(cache.max_cache_len or 0, "pages.max_seqlen", 0))
 
 
 def cache_append(fw, cfg: Config, cache: CacheArrays, kv6, phi_k: Optional[Phi], phi_v: Optional[Phi],
@@ -616,7 +755,7 @@ def cache_append(fw, cfg: Config, cache: CacheArrays, kv6, phi_k: Optional[Phi],
     cache = _prepare_cache(fw, cache)
     rows, Hkv, Dqk = dims(kv6[0], "k_cmp", 3, "[Tn, Hkv, Dqk]")
     Dv = dims(kv6[1], "v_cmp", 3, "[Tn, Hkv, Dv]")[2]
-    call = Call(fw, kv6[0], backend, num_threads, cu_seqlens, None)
+    call = Call(fw, kv6[0], backend, num_threads, cu_seqlens, None, "k_cmp")
     kind = phi_pair_kind(phi_k, phi_v)
     c = cfg.native(kind, shared)
     B = int(cache.block_table.shape[0])
@@ -624,7 +763,7 @@ def cache_append(fw, cfg: Config, cache: CacheArrays, kv6, phi_k: Optional[Phi],
     nbytes = _nsa.workspace_size("cache_append", backend, call.num_threads, c, rows, B, _cache_bound(cache), Hkv, Hkv,
                                  Dqk, Dv, max(phi_hidden(phi_k), phi_hidden(phi_v)), fw.dtype_name(kv6[0]),
                                  fw.device(kv6[0]), m)
-    ws = fw.workspace(nbytes, kv6[0]) if nbytes else None
+    ws = workspace(fw, nbytes, kv6[0])
     with fw.device_guard(kv6[0]):
         _nsa.cache_append(*call.ctx, c, cache.pools, cache.block_table, cache.seq_lens, cache.status,
                           cache.max_cache_len, kv6, _phi_tuple(fw, phi_k), _phi_tuple(fw, phi_v), call.cu, m, ws)
@@ -645,11 +784,11 @@ def decode(fw, cfg: Config, cache: CacheArrays, q, g, cu_seqlens=None, max_new=N
     m = _rows_per_sequence(fw, call.cu, rows, B, max_new)
     o = fw.empty((rows, Hq, Dv), q.dtype, q)
     lse = fw.empty((rows, Hq, 3), fw.f32, q)
-    idx = fw.empty((rows, Hkv, cfg.n_selected), fw.i32, q)
+    idx = indices_like(fw, rows, Hkv, c.n_selected, q)
     ob = fw.empty((3, rows, Hq, Dv), q.dtype, q) if branches else None
     nbytes = _nsa.workspace_size("decode", backend, call.num_threads, c, rows, B, _cache_bound(cache), Hq, Hkv, Dqk,
                                  Dv, 0, fw.dtype_name(q), fw.device(q), m)
-    ws = fw.workspace(nbytes, q) if nbytes else None
+    ws = workspace(fw, nbytes, q)
     with fw.device_guard(q):
         _nsa.decode(*call.ctx, c, cache.pools, cache.block_table, cache.seq_lens, cache.status, cache.max_cache_len,
                     q, g, call.cu, m, o, lse, idx, ob, ws)
@@ -663,17 +802,20 @@ def dense_decode(fw, scale: float, k_pages, v_pages, block_table, seq_lens, stat
     q, k_pages, v_pages = fw.prepare(q), fw.prepare(k_pages), fw.prepare(v_pages)
     block_table, seq_lens = fw.prepare(block_table), fw.prepare(seq_lens)
     rows, Hq, Dqk = dims(q, "q", 3, "[Tq, Hq, Dqk]")
-    Hkv, Dv = int(k_pages.shape[2]), int(v_pages.shape[3])
+    Hkv = dims(k_pages, "pages_k", 4, "[P, page_size, Hkv, Dqk]")[2]
+    Dv = dims(v_pages, "pages_v", 4, "[P, page_size, Hkv, Dv]")[3]
+    dims(block_table, "pages.block_table", 2, "[B, max_pages]")
     call = Call(fw, q, backend, num_threads, cu_seqlens, None)
     B = int(block_table.shape[0])
     m = _rows_per_sequence(fw, call.cu, rows, B, max_new)
-    bound = int(max_cache_len) or int(block_table.shape[1]) * int(k_pages.shape[1])
+    max_cache_len = check_int(max_cache_len or 0, "pages.max_seqlen", 0)
+    bound = max_cache_len or int(block_table.shape[1]) * int(k_pages.shape[1])
     o = fw.empty((rows, Hq, Dv), q.dtype, q)
     lse = fw.empty((rows, Hq), fw.f32, q)
     nbytes = _nsa.workspace_size("dense_decode", backend, call.num_threads, Config(scale=scale).native(), rows, B,
                                  bound, Hq, Hkv, Dqk, Dv, 0, fw.dtype_name(q), fw.device(q), m)
-    ws = fw.workspace(nbytes, q) if nbytes else None
+    ws = workspace(fw, nbytes, q)
     with fw.device_guard(q):
-        _nsa.dense_decode(*call.ctx, float(scale), k_pages, v_pages, block_table, seq_lens, status, int(max_cache_len),
-                          q, call.cu, m, o, lse, ws)
+        _nsa.dense_decode(*call.ctx, check_float(scale, "scale"), k_pages, v_pages, block_table, seq_lens, status,
+                          max_cache_len, q, call.cu, m, o, lse, ws)
     return o, lse

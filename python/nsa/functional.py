@@ -8,7 +8,8 @@ framework on the same device. Torch tensors go through the operators of ``nsa.to
 Shapes (spec §1; T = packed tokens of all sequences, see ``cu_seqlens``):
   q [T, Hq, Dqk]; k [T, Hkv, Dqk]; v [T, Hkv, Dv]; g [T, Hq, 3] gates (cmp, slc, win).
 Common keyword arguments:
-  cu_seqlens  [B+1] integer offsets of B packed sequences (None: one sequence); converted to int32.
+  cu_seqlens  [B+1] integer offsets of B packed sequences (None: one sequence); host offsets are
+              range-checked and converted to int32, offsets on a GPU must be int32.
   max_seqlen  the longest sequence; required only when cu_seqlens is on a GPU.
   config      an nsa.Config (default: the paper's values); single fields may also be given as
               keywords, e.g. ``window=64``.
@@ -174,7 +175,7 @@ def dense_attention(q, k, v, *, scale: Optional[float] = None, cu_seqlens=None, 
     """Dense causal attention with GQA, per sequence (the baseline NSA is compared with).
     scale None means 1/sqrt(Dqk). Returns o [T, Hq, Dv] (and lse [T, Hq] f32 with return_lse).
     Differentiable for torch tensors."""
-    s = 0.0 if scale is None else float(scale)
+    s = 0.0 if scale is None else _core.check_float(scale, "scale")
     if is_torch(q):
         o, lse = _torch_ops().dense_attention(q, k, v, s, cu_seqlens, max_seqlen, backend, num_threads)
     else:
@@ -185,7 +186,7 @@ def dense_attention(q, k, v, *, scale: Optional[float] = None, cu_seqlens=None, 
 def dense_attention_backward(q, k, v, o, lse, d_o, *, scale: Optional[float] = None, cu_seqlens=None,
                              max_seqlen=None, backend: str = "auto", num_threads: int = 0):
     """(dq, dk, dv) of ``dense_attention`` given its o and lse."""
-    s = 0.0 if scale is None else float(scale)
+    s = 0.0 if scale is None else _core.check_float(scale, "scale")
     return _core.dense_attention_backward(arrays_for(q), s, q, k, v, o, lse, d_o, cu_seqlens, max_seqlen,
                                           backend, num_threads)
 

@@ -22,10 +22,12 @@ from typing import List, Optional
 import torch
 from torch import Tensor, nn
 
-from ._core import Config, Phi, error
+from ._core import Config, Phi, arrays_for, check_int, error
 from . import torch_ops
 
 _PHI_KINDS = ("mean", "linear", "mlp")
+# The largest hidden size, head count or head dim the layer accepts: the library's kMaxLength.
+_MAX_SIZE = 2 ** 31 - 1
 
 
 def _check_offsets(cu: List[int], T: int) -> None:
@@ -197,11 +199,17 @@ class NativeSparseAttention(nn.Module):
                  max_seqlen: Optional[int] = None, backbone_per_layer: int = 1, device=None, dtype=None):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        head_dim = hidden_size // num_heads if head_dim is None else head_dim
-        v_head_dim = head_dim if v_head_dim is None else v_head_dim
-        if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+        # Sizes first (head_dim's default divides by num_heads), each an integer of a sane range.
+        hidden_size = check_int(hidden_size, "hidden_size", 1, _MAX_SIZE, f"must be in [1, {_MAX_SIZE}]")
+        num_heads = check_int(num_heads, "num_heads", 1, _MAX_SIZE, f"must be in [1, {_MAX_SIZE}]")
+        num_kv_heads = num_heads if num_kv_heads is None else check_int(num_kv_heads, "num_kv_heads")
+        if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
             raise error("num_heads", num_heads, f"must be a positive multiple of num_kv_heads = {num_kv_heads}")
+        head_dim = hidden_size // num_heads if head_dim is None else check_int(head_dim, "head_dim")
+        v_head_dim = head_dim if v_head_dim is None else check_int(v_head_dim, "v_head_dim")
+        for name, value in (("head_dim", head_dim), ("v_head_dim", v_head_dim)):
+            if value > _MAX_SIZE:
+                raise error(name, value, f"must be in [1, {_MAX_SIZE}]")
         if head_dim < 1 or v_head_dim < 1:
             raise error("head_dim", head_dim, "must be >= 1 (and v_head_dim too)")
         if rotary and head_dim % 2:
@@ -215,7 +223,8 @@ class NativeSparseAttention(nn.Module):
                             "must be given with backbone=True (the schedule depends on them)")
             from ._nsa import backbone_schedule
 
-            offsets = backbone_schedule(int(layer_idx), int(max_seqlen), self.config.slc_block_len, int(backbone_per_layer))
+            offsets = backbone_schedule(check_int(layer_idx, "layer_idx"), check_int(max_seqlen, "max_seqlen"),
+                                        self.config.checked().slc_block_len, check_int(backbone_per_layer, "per_layer"))
             self.config = dataclasses.replace(self.config, backbone_offsets=tuple(offsets))
         self.config.native(phi, shared_kv).validate()
         self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_heads, num_kv_heads
@@ -337,6 +346,12 @@ class NativeSparseAttention(nn.Module):
             raise error("x.ndim", x.dim(), "must be 2 ([T, hidden], packed) or 3 ([B, S, hidden])")
         if x.shape[-1] != self.hidden_size:
             raise error("x.shape[-1]", x.shape[-1], f"must be hidden_size = {self.hidden_size}")
+        weight = self.q_proj.weight
+        # The projections need x in the parameters' dtype (autocast converts both itself).
+        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            fw = arrays_for(x)
+            raise error("x.dtype", fw.dtype_name(x),
+                        f"must be the layer's dtype, {fw.dtype_name(weight)} (convert x, or the layer with .to(dtype))")
         if cache is None:
             out = self._prefill(x, cu_seqlens, max_seqlen)
         else:

@@ -263,7 +263,7 @@ def _compressed_attention_fake(q, kc, vc, cu_seqlens, max_seqlen, config, scale,
     T, Hq = q.shape[0], q.shape[1]
     o = q.new_empty((T, Hq, vc.shape[2]))
     lse = q.new_empty((T, Hq), dtype=torch.float32)
-    ns = -(-max_seqlen // config[2])
+    ns = -(-torch.sym_min(max_seqlen, T) // config[2])  # a declared bound above T counts as T
     s = q.new_empty((T, kc.shape[1], ns) if scores else (0,), dtype=torch.float32)
     return o, lse, s
 
@@ -312,18 +312,27 @@ def _window_attention_fake(q, k, v, *rest):
 # ---- Python wrappers (what nsa.functional calls for torch tensors) -------------------------------
 
 
+def _scale(scale) -> float:
+    return _core.check_float(scale, "scale")
+
+
+def _cache_bound(max_cache_len) -> int:
+    return _core.check_int(max_cache_len or 0, "pages.max_seqlen", 0)
+
+
 def sequences(cu_seqlens, max_seqlen, like: Tensor):
     """cu_seqlens as an int32 tensor on like's device, and max_seqlen (0: the library derives it).
 
     Host offsets for device inputs are read here (no device sync) and then copied over, so that
     the library, which never syncs to read device offsets, gets max_seqlen."""
     if cu_seqlens is None:
-        return None, int(max_seqlen or 0)
+        return None, _core.check_int(max_seqlen or 0, "seqs.max_seqlen", 0)
     if not isinstance(cu_seqlens, Tensor):
         cu_seqlens = torch.as_tensor(cu_seqlens)
     if cu_seqlens.is_floating_point():
         raise _core.error("cu_seqlens.dtype", str(cu_seqlens.dtype), "must be an integer type")
-    ms = int(max_seqlen or 0)
+    _core.check_device_offsets(cu_seqlens)
+    ms = _core.check_int(max_seqlen or 0, "seqs.max_seqlen", 0)
     if cu_seqlens.dtype != torch.int32:
         cu_seqlens = _core.torch_offsets_to_int32(cu_seqlens)
     if cu_seqlens.device != like.device:
@@ -357,20 +366,20 @@ def attention(q, kv6, g, phi_k, phi_v, cfg: Config, cu_seqlens, max_seqlen, back
     cu, ms = sequences(cu_seqlens, max_seqlen, q)
     save = bool(save_branches) and torch.is_grad_enabled()
     o, lse, idx, _ = torch.ops.nsa.forward(q, *kv6, g, *_phi_args(phi_k), *_phi_args(phi_v), cu, ms, cfg.ints(),
-                                           float(cfg.scale), backend, int(num_threads), save)
+                                           _scale(cfg.scale), backend, _core.threads(num_threads), save)
     return o, lse, idx
 
 
 def compress(x, phi, cfg: Config, cu_seqlens, max_seqlen, backend, num_threads):
     same_device(x, "x", phi=phi)
     cu, ms = sequences(cu_seqlens, max_seqlen, x)
-    return torch.ops.nsa.compress(x, *_phi_args(phi), cu, ms, cfg.ints(), backend, int(num_threads))
+    return torch.ops.nsa.compress(x, *_phi_args(phi), cu, ms, cfg.ints(), backend, _core.threads(num_threads))
 
 
 def dense_attention(q, k, v, scale, cu_seqlens, max_seqlen, backend, num_threads):
     same_device(q, "q", k=k, v=v)
     cu, ms = sequences(cu_seqlens, max_seqlen, q)
-    return torch.ops.nsa.dense_attention(q, k, v, cu, ms, float(scale), backend, int(num_threads))
+    return torch.ops.nsa.dense_attention(q, k, v, cu, ms, _scale(scale), backend, _core.threads(num_threads))
 
 
 def compressed_attention(q, kc, vc, cfg: Config, cu_seqlens, max_seqlen, scores, backend, num_threads):
@@ -383,28 +392,28 @@ def compressed_attention(q, kc, vc, cfg: Config, cu_seqlens, max_seqlen, scores,
             ms = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
         else:
             raise _core.error("max_seqlen", 0, "must be given (>= the longest sequence) when cu_seqlens is on the GPU")
-    o, lse, s = torch.ops.nsa.compressed_attention(q, kc, vc, cu, ms, cfg.ints(), float(cfg.scale), bool(scores),
-                                                   backend, int(num_threads))
+    o, lse, s = torch.ops.nsa.compressed_attention(q, kc, vc, cu, ms, cfg.ints(), _scale(cfg.scale), bool(scores),
+                                                   backend, _core.threads(num_threads))
     return o, lse, (s if scores else None)
 
 
 def select_topn(scores, cfg: Config, cu_seqlens, max_seqlen, backend, num_threads):
     cu, ms = sequences(cu_seqlens, max_seqlen, scores)
-    return torch.ops.nsa.select_topn(scores, cu, ms, cfg.ints(), backend, int(num_threads))
+    return torch.ops.nsa.select_topn(scores, cu, ms, cfg.ints(), backend, _core.threads(num_threads))
 
 
 def selected_attention(q, k, v, indices, cfg: Config, cu_seqlens, max_seqlen, backend, num_threads):
     same_device(q, "q", k=k, v=v, indices=indices)
     cu, ms = sequences(cu_seqlens, max_seqlen, q)
-    return torch.ops.nsa.selected_attention(q, k, v, indices, cu, ms, cfg.ints(), float(cfg.scale), backend,
-                                            int(num_threads))
+    return torch.ops.nsa.selected_attention(q, k, v, indices, cu, ms, cfg.ints(), _scale(cfg.scale), backend,
+                                            _core.threads(num_threads))
 
 
 def window_attention(q, k, v, cfg: Config, cu_seqlens, max_seqlen, backend, num_threads):
     same_device(q, "q", k=k, v=v)
     cu, ms = sequences(cu_seqlens, max_seqlen, q)
-    return torch.ops.nsa.window_attention(q, k, v, cu, ms, cfg.ints(), float(cfg.scale), backend,
-                                          int(num_threads))
+    return torch.ops.nsa.window_attention(q, k, v, cu, ms, cfg.ints(), _scale(cfg.scale), backend,
+                                          _core.threads(num_threads))
 
 
 # ---- Decoding: nsa::cache_append, nsa::decode, nsa::dense_decode ------------------------------------
@@ -495,20 +504,20 @@ def cache_append(cache: _core.CacheArrays, kv6, phi_k, phi_v, cfg: Config, cu_se
                  phi: str = "mean"):
     cu, ms = sequences(cu_seqlens, max_new, kv6[0])
     torch.ops.nsa.cache_append(*_pool_args(cache, kv6[0]), cache.block_table, cache.seq_lens, cache.status,
-                               int(cache.max_cache_len), *kv6, *_phi_args(phi_k), *_phi_args(phi_v), cu, ms,
-                               cfg.ints(), backend, int(num_threads))
+                               _cache_bound(cache.max_cache_len), *kv6, *_phi_args(phi_k), *_phi_args(phi_v), cu, ms,
+                               cfg.ints(), backend, _core.threads(num_threads))
 
 
 def decode(cache: _core.CacheArrays, q, g, cfg: Config, cu_seqlens, max_new, shared_kv: bool, backend, num_threads,
            branches: bool = False):
     cu, ms = sequences(cu_seqlens, max_new, q)
     return torch.ops.nsa.decode(q, g, *_pool_args(cache, q), cache.block_table, cache.seq_lens, cache.status,
-                                int(cache.max_cache_len), cu, ms, cfg.ints(), float(cfg.scale), bool(shared_kv),
-                                backend, int(num_threads), bool(branches))
+                                _cache_bound(cache.max_cache_len), cu, ms, cfg.ints(), _scale(cfg.scale),
+                                bool(shared_kv), backend, _core.threads(num_threads), bool(branches))
 
 
 def dense_decode(k_pages, v_pages, block_table, seq_lens, status, q, scale, cu_seqlens, max_new, max_cache_len,
                  backend, num_threads):
     cu, ms = sequences(cu_seqlens, max_new, q)
-    return torch.ops.nsa.dense_decode(q, k_pages, v_pages, block_table, seq_lens, status, int(max_cache_len), cu, ms,
-                                      float(scale), backend, int(num_threads))
+    return torch.ops.nsa.dense_decode(q, k_pages, v_pages, block_table, seq_lens, status, _cache_bound(max_cache_len),
+                                      cu, ms, _scale(scale), backend, _core.threads(num_threads))

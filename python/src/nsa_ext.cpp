@@ -39,10 +39,12 @@ nsa::DType dtype_of(const nb::dlpack::dtype& t, const std::string& name) {
     if (t.code == static_cast<uint8_t>(dtype_code::Bfloat) && t.bits == 16) return nsa::DType::bf16;
     if (t.code == static_cast<uint8_t>(dtype_code::Int) && t.bits == 32) return nsa::DType::i32;
   }
+  static const char* const kCodes[] = {"int", "uint", "float", "opaque", "bfloat", "complex", "bool"};
+  const std::string kind = t.code < 7 ? kCodes[t.code] : "code " + std::to_string(t.code) + " ";
   throw nsa::Error(name + ".dtype",
-                   "(DLPack code " + std::to_string(t.code) + ", " + std::to_string(t.bits) +
-                       " bits, " + std::to_string(t.lanes) + " lanes)",
-                   "must be float32, float16, bfloat16, float64 or int32");
+                   (kind == "bool" ? kind : kind + std::to_string(t.bits)) +
+                       (t.lanes != 1 ? " x " + std::to_string(t.lanes) + " lanes" : std::string()),
+                   "must be a float (f32, bf16, f16, f64) or, for indices and offsets, int32");
 }
 
 // Keeps the imported arrays alive for the duration of one call and turns them into views.
@@ -127,12 +129,20 @@ class Arrays {
   std::vector<nb::ndarray<>> held_outputs_;
 };
 
+// A sequence argument (kv, pools, phi parameters): None or another object is a named error.
+nb::sequence as_sequence(nb::handle obj, const std::string& name, const std::string& allowed) {
+  if (obj.is_none() || !PySequence_Check(obj.ptr()) || nb::isinstance<nb::str>(obj))
+    throw nsa::Error(name, obj.is_none() ? std::string("None") : std::string("an object of type ") + nb::inst_name(obj).c_str(),
+                     allowed);
+  return nb::borrow<nb::sequence>(obj);
+}
+
 // output: the arrays are written (gradients), else read.
 nsa::PhiParams phi_views(Arrays& arrays, nb::handle params, const std::string& name, bool output = false) {
   // params: None (mean) or a sequence (w1, b1, w2, b2, pe) whose entries may be None.
   nsa::PhiParams p;
   if (params.is_none()) return p;
-  nb::sequence seq = nb::cast<nb::sequence>(params);
+  nb::sequence seq = as_sequence(params, name, "must be None or (w1, b1, w2, b2, pe)");
   if (nb::len(seq) != 5)
     throw nsa::Error(name, "a sequence of " + std::to_string(nb::len(seq)) + " entries",
                      "must be None or (w1, b1, w2, b2, pe)");
@@ -154,7 +164,7 @@ nsa::Sequences sequences(Arrays& arrays, nb::handle cu_seqlens, int64_t max_seql
 
 // The six raw K/V arrays (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win); None where absent.
 void kv_views(Arrays& arrays, nb::handle kv, nsa::KV out[3], const char* const names[6], bool output = false) {
-  nb::sequence seq = nb::cast<nb::sequence>(kv);
+  nb::sequence seq = as_sequence(kv, "kv", "must be (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win), None where absent");
   if (nb::len(seq) != 6)
     throw nsa::Error("kv", "a sequence of " + std::to_string(nb::len(seq)) + " entries",
                      "must be (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win), None where absent");
@@ -194,7 +204,7 @@ nsa::PagedCache cache_views(Arrays& arrays, nb::handle pools, nb::handle block_t
                             nb::handle status, int64_t max_seqlen, bool write) {
   static const char* const kNames[8] = {"cache.k_cmp", "cache.v_cmp", "cache.k_slc", "cache.v_slc",
                                         "cache.k_win", "cache.v_win", "cache.kc", "cache.vc"};
-  nb::sequence seq = nb::cast<nb::sequence>(pools);
+  nb::sequence seq = as_sequence(pools, "pools", "must be (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, kc, vc), None where absent");
   if (nb::len(seq) != 8)
     throw nsa::Error("pools", "a sequence of " + std::to_string(nb::len(seq)) + " entries",
                      "must be (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, kc, vc), None where absent");
@@ -255,8 +265,13 @@ nsa::Context make_context(const std::string& backend, uintptr_t stream, int num_
 
 }  // namespace
 
+#ifndef NSA_VERSION
+#error "NSA_VERSION (the project version) is set by python/CMakeLists.txt"
+#endif
+
 NB_MODULE(_nsa, m) {
   m.doc() = "Native Sparse Attention: bindings of the C++ library (see the nsa package).";
+  m.attr("__version__") = NSA_VERSION;
 
   g_error_type = PyErr_NewExceptionWithDoc(
       "nsa._nsa.Error",
@@ -357,8 +372,8 @@ NB_MODULE(_nsa, m) {
         nb::gil_scoped_release release;
         nsa::compress_fwd(ctx, cfg, p, vx, s, vxc, ws);
       },
-      NSA_CONTEXT_ARGS, nb::arg("cfg"), nb::arg("phi").none(), nb::arg("x"),
-      nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("xc"), nb::arg("workspace").none());
+      NSA_CONTEXT_ARGS, nb::arg("cfg"), nb::arg("phi").none(), nb::arg("x").none(),
+      nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("xc").none(), nb::arg("workspace").none());
 
   m.def(
       "compress_bwd",
@@ -374,8 +389,8 @@ NB_MODULE(_nsa, m) {
         nb::gil_scoped_release release;
         nsa::compress_bwd(ctx, cfg, p, vx, s, vdxc, vdx, dp, ws);
       },
-      NSA_CONTEXT_ARGS, nb::arg("cfg"), nb::arg("phi").none(), nb::arg("x"),
-      nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("dxc"), nb::arg("dx"),
+      NSA_CONTEXT_ARGS, nb::arg("cfg"), nb::arg("phi").none(), nb::arg("x").none(),
+      nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("dxc").none(), nb::arg("dx").none(),
       nb::arg("dphi").none(), nb::arg("workspace").none());
 
   m.def(
@@ -392,8 +407,8 @@ NB_MODULE(_nsa, m) {
         nb::gil_scoped_release release;
         nsa::compressed_attention_fwd(ctx, cfg, vq, vkc, vvc, s, vo, vl, vs, ws);
       },
-      NSA_CONTEXT_ARGS, nb::arg("cfg"), nb::arg("q"), nb::arg("kc"), nb::arg("vc"),
-      nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("o"), nb::arg("lse"),
+      NSA_CONTEXT_ARGS, nb::arg("cfg"), nb::arg("q").none(), nb::arg("kc").none(), nb::arg("vc").none(),
+      nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("o").none(), nb::arg("lse").none(),
       nb::arg("scores").none(), nb::arg("workspace").none());
 
   m.def(
@@ -409,8 +424,8 @@ NB_MODULE(_nsa, m) {
         nb::gil_scoped_release release;
         nsa::select_topn(ctx, cfg, vs, s, vi, ws);
       },
-      NSA_CONTEXT_ARGS, nb::arg("cfg"), nb::arg("scores"), nb::arg("cu_seqlens").none(),
-      nb::arg("max_seqlen"), nb::arg("indices"), nb::arg("workspace").none());
+      NSA_CONTEXT_ARGS, nb::arg("cfg"), nb::arg("scores").none(), nb::arg("cu_seqlens").none(),
+      nb::arg("max_seqlen"), nb::arg("indices").none(), nb::arg("workspace").none());
 
   m.def(
       "selected_attention_fwd",
@@ -427,8 +442,8 @@ NB_MODULE(_nsa, m) {
         nb::gil_scoped_release release;
         nsa::selected_attention_fwd(ctx, cfg, vq, vk, vv, vi, s, vo, vl, ws);
       },
-      NSA_CONTEXT_ARGS, nb::arg("cfg"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
-      nb::arg("indices"), nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("o"),
+      NSA_CONTEXT_ARGS, nb::arg("cfg"), nb::arg("q").none(), nb::arg("k").none(), nb::arg("v").none(),
+      nb::arg("indices").none(), nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("o").none(),
       nb::arg("lse").none(), nb::arg("workspace").none());
 
   m.def(
@@ -445,8 +460,8 @@ NB_MODULE(_nsa, m) {
         nb::gil_scoped_release release;
         nsa::window_attention_fwd(ctx, cfg, vq, vk, vv, s, vo, vl, ws);
       },
-      NSA_CONTEXT_ARGS, nb::arg("cfg"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
-      nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("o"), nb::arg("lse").none(),
+      NSA_CONTEXT_ARGS, nb::arg("cfg"), nb::arg("q").none(), nb::arg("k").none(), nb::arg("v").none(),
+      nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("o").none(), nb::arg("lse").none(),
       nb::arg("workspace").none());
 
   static const char* const kDkvNames[6] = {"dk_cmp", "dv_cmp", "dk_slc", "dv_slc", "dk_win", "dv_win"};
@@ -465,9 +480,9 @@ NB_MODULE(_nsa, m) {
         nb::gil_scoped_release release;
         nsa::forward(ctx, cfg, in, out, ws);
       },
-      NSA_CONTEXT_ARGS, nb::arg("cfg"), nb::arg("q"), nb::arg("kv"), nb::arg("g"),
+      NSA_CONTEXT_ARGS, nb::arg("cfg"), nb::arg("q").none(), nb::arg("kv").none(), nb::arg("g").none(),
       nb::arg("phi_k").none(), nb::arg("phi_v").none(), nb::arg("cu_seqlens").none(),
-      nb::arg("max_seqlen"), nb::arg("o"), nb::arg("lse"), nb::arg("indices"),
+      nb::arg("max_seqlen"), nb::arg("o").none(), nb::arg("lse").none(), nb::arg("indices").none(),
       nb::arg("o_branch").none(), nb::arg("workspace").none());
 
   m.def(
@@ -496,10 +511,10 @@ NB_MODULE(_nsa, m) {
         nb::gil_scoped_release release;
         nsa::backward(ctx, cfg, in, saved, vdo, grads, ws);
       },
-      NSA_CONTEXT_ARGS, nb::arg("cfg"), nb::arg("q"), nb::arg("kv"), nb::arg("g"),
+      NSA_CONTEXT_ARGS, nb::arg("cfg"), nb::arg("q").none(), nb::arg("kv").none(), nb::arg("g").none(),
       nb::arg("phi_k").none(), nb::arg("phi_v").none(), nb::arg("cu_seqlens").none(),
-      nb::arg("max_seqlen"), nb::arg("o").none(), nb::arg("lse"), nb::arg("indices"),
-      nb::arg("o_branch").none(), nb::arg("d_o"), nb::arg("dq"), nb::arg("dkv"), nb::arg("dg"), nb::arg("dphi_k").none(),
+      nb::arg("max_seqlen"), nb::arg("o").none(), nb::arg("lse").none(), nb::arg("indices").none(),
+      nb::arg("o_branch").none(), nb::arg("d_o").none(), nb::arg("dq").none(), nb::arg("dkv").none(), nb::arg("dg").none(), nb::arg("dphi_k").none(),
       nb::arg("dphi_v").none(), nb::arg("workspace").none());
 
   m.def(
@@ -516,8 +531,8 @@ NB_MODULE(_nsa, m) {
         nb::gil_scoped_release release;
         nsa::dense_attention_fwd(ctx, scale, vq, vk, vv, s, vo, vl, ws);
       },
-      NSA_CONTEXT_ARGS, nb::arg("scale"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
-      nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("o"), nb::arg("lse").none(),
+      NSA_CONTEXT_ARGS, nb::arg("scale"), nb::arg("q").none(), nb::arg("k").none(), nb::arg("v").none(),
+      nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("o").none(), nb::arg("lse").none(),
       nb::arg("workspace").none());
 
   m.def(
@@ -536,12 +551,12 @@ NB_MODULE(_nsa, m) {
         nb::gil_scoped_release release;
         nsa::dense_attention_bwd(ctx, scale, vq, vk, vv, s, vo, vl, vdo, vdq, vdk, vdv, ws);
       },
-      NSA_CONTEXT_ARGS, nb::arg("scale"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
-      nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("o"), nb::arg("lse"),
-      nb::arg("d_o"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), nb::arg("workspace").none());
+      NSA_CONTEXT_ARGS, nb::arg("scale"), nb::arg("q").none(), nb::arg("k").none(), nb::arg("v").none(),
+      nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("o").none(), nb::arg("lse").none(),
+      nb::arg("d_o").none(), nb::arg("dq").none(), nb::arg("dk").none(), nb::arg("dv").none(), nb::arg("workspace").none());
   // Decoding (nsa/cache.h). The cache arrives as (pools, block_table, seq_lens, status, max_cache_len).
 #define NSA_CACHE_ARGS                                                                         \
-  nb::arg("pools"), nb::arg("block_table"), nb::arg("seq_lens"), nb::arg("status").none(), \
+  nb::arg("pools").none(), nb::arg("block_table").none(), nb::arg("seq_lens").none(), nb::arg("status").none(), \
       nb::arg("max_cache_len")
 
   m.def(
@@ -563,7 +578,7 @@ NB_MODULE(_nsa, m) {
         nb::gil_scoped_release release;
         nsa::cache_append(ctx, cfg, cache, in, ws);
       },
-      NSA_CONTEXT_ARGS, nb::arg("cfg"), NSA_CACHE_ARGS, nb::arg("kv"), nb::arg("phi_k").none(),
+      NSA_CONTEXT_ARGS, nb::arg("cfg"), NSA_CACHE_ARGS, nb::arg("kv").none(), nb::arg("phi_k").none(),
       nb::arg("phi_v").none(), nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("workspace").none());
 
   m.def(
@@ -584,8 +599,8 @@ NB_MODULE(_nsa, m) {
         nb::gil_scoped_release release;
         nsa::decode(ctx, cfg, cache, in, out, ws);
       },
-      NSA_CONTEXT_ARGS, nb::arg("cfg"), NSA_CACHE_ARGS, nb::arg("q"), nb::arg("g"), nb::arg("cu_seqlens").none(),
-      nb::arg("max_seqlen"), nb::arg("o"), nb::arg("lse").none(), nb::arg("indices").none(),
+      NSA_CONTEXT_ARGS, nb::arg("cfg"), NSA_CACHE_ARGS, nb::arg("q").none(), nb::arg("g").none(), nb::arg("cu_seqlens").none(),
+      nb::arg("max_seqlen"), nb::arg("o").none(), nb::arg("lse").none(), nb::arg("indices").none(),
       nb::arg("o_branch").none(), nb::arg("workspace").none());
 
   m.def(
@@ -608,9 +623,9 @@ NB_MODULE(_nsa, m) {
         nb::gil_scoped_release release;
         nsa::dense_decode(ctx, scale, pages, table, vq, s, vo, vl, ws);
       },
-      NSA_CONTEXT_ARGS, nb::arg("scale"), nb::arg("k_pages"), nb::arg("v_pages"), nb::arg("block_table"),
-      nb::arg("seq_lens"), nb::arg("status").none(), nb::arg("max_cache_len"), nb::arg("q"),
-      nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("o"), nb::arg("lse").none(),
+      NSA_CONTEXT_ARGS, nb::arg("scale"), nb::arg("k_pages").none(), nb::arg("v_pages").none(), nb::arg("block_table").none(),
+      nb::arg("seq_lens").none(), nb::arg("status").none(), nb::arg("max_cache_len"), nb::arg("q").none(),
+      nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("o").none(), nb::arg("lse").none(),
       nb::arg("workspace").none());
 #undef NSA_CACHE_ARGS
 #undef NSA_CONTEXT_ARGS

@@ -2,7 +2,9 @@
 #include "common/validate.h"
 
 #include <algorithm>
+#include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "nsa/blocks.h"
@@ -113,6 +115,9 @@ void fill_sequences(Plan& p, const Sequences& seqs, int64_t T, const Checker& ch
       p.max_seqlen = seqs.max_seqlen;
     }
   }
+  // No sequence is longer than the packed tokens: a declared bound above T sizes nothing past T
+  // (scores widths, workspaces, launch grids follow the tensors, not the declaration).
+  p.max_seqlen = std::min(p.max_seqlen, T);
   p.n_slc_max = num_slc_blocks(p.max_seqlen, p.cfg.slc_block_len);
 }
 
@@ -176,6 +181,48 @@ Plan start_plan(const Context& ctx, const Config& cfg, const TensorView& main, c
   p.dtype = main.dtype;
   p.device = main.device;
   return p;
+}
+
+int64_t mul_sat(int64_t a, int64_t b) {
+  int64_t r;
+  return __builtin_mul_overflow(a, b, &r) ? std::numeric_limits<int64_t>::max() : r;
+}
+
+Problem checked_problem(Op op, const Config& call_cfg, const Problem& problem) {
+  if (static_cast<int32_t>(op) < static_cast<int32_t>(Op::compress_fwd) ||
+      static_cast<int32_t>(op) > static_cast<int32_t>(Op::dense_decode))
+    throw Error("op", str(static_cast<int32_t>(op)), "must be an nsa::Op");
+  Problem pr = problem;
+  const std::pair<const char*, int64_t> fields[] = {
+      {"problem.total_tokens", pr.total_tokens}, {"problem.batch", pr.batch}, {"problem.max_seqlen", pr.max_seqlen},
+      {"problem.hq", pr.hq}, {"problem.hkv", pr.hkv}, {"problem.dqk", pr.dqk}, {"problem.dv", pr.dv},
+      {"problem.phi_hidden", pr.phi_hidden}, {"problem.max_query_len", pr.max_query_len}};
+  for (const auto& [name, value] : fields)
+    if (value < 0 || value > kMaxLength)
+      throw Error(name, str(value), "must be in [0, 2^31 - 1] (kMaxLength)");
+  const bool decoding = op == Op::cache_append || op == Op::decode || op == Op::dense_decode;
+  const bool dense = op == Op::dense_attention_fwd || op == Op::dense_attention_bwd || op == Op::dense_decode;
+  const Config cfg = dense ? Config{} : call_cfg;  // dense attention has no NSA configuration
+  // Prefill: no sequence is longer than the packed tokens (fill_sequences bounds a call so).
+  if (!decoding) pr.max_seqlen = std::min(pr.max_seqlen, pr.total_tokens);
+  // Rows a backend may lay out per tensor: the tokens, one partial chunk per sequence, and (decoding)
+  // each sequence's new rows plus a compressed block's worth of cached tokens.
+  const int64_t rows = decoding ? mul_sat(pr.batch + 1, pr.max_query_len + cfg.cmp_block_len) + pr.total_tokens
+                                : pr.total_tokens + pr.batch + 1;
+  const int64_t heads = std::max({pr.hq, pr.hkv, int64_t{1}}), dim = std::max({pr.dqk, pr.dv, int64_t{1}});
+  const int64_t width = std::max({dim, pr.phi_hidden, cfg.n_selected});
+  const std::pair<const char*, int64_t> tensors[] = {
+      {"rows x heads x max(Dqk, Dv, F, n)", mul_sat(mul_sat(rows, heads), width)},
+      {"phi's w1 [max(F, D), l * D]", mul_sat(mul_sat(std::max(pr.phi_hidden, dim), cfg.cmp_block_len), dim)},
+      {"heads x max_seqlen", mul_sat(heads, std::max<int64_t>(pr.max_seqlen, 1))},
+      {"batch x max_seqlen", decoding ? mul_sat(pr.batch, pr.max_seqlen) : 0},
+  };
+  for (const auto& [what, elements] : tensors)
+    if (elements > kMaxElements)
+      throw Error("problem", std::string(what) + " = " + (elements == std::numeric_limits<int64_t>::max()
+                                                               ? std::string("more than 2^63") : str(elements)),
+                  "must be at most 2^48 elements (kMaxElements): no tensor of the call can be larger");
+  return pr;
 }
 
 void check_workspace(const BackendOps& ops, const Plan& p, Op op, const Problem& prob, Workspace ws) {

@@ -104,4 +104,18 @@ Fn require_op(const BackendOps& ops, Fn fn, const char* op) {
 
 void check_workspace(const BackendOps& ops, const Plan& p, Op op, const Problem& prob, Workspace ws);
 
+// The largest tensor a Problem may describe, in elements: 2^48 (a PiB of fp32, more than any
+// machine holds). With every Problem field at most kMaxLength and every tensor at most this many
+// elements, each size a backend derives (a few small factors more) fits int64 and size_t.
+inline constexpr int64_t kMaxElements = int64_t{1} << 48;
+
+// The Problem workspace_size() is asked with, checked and normalised in one place: every field in
+// [0, kMaxLength] (named problem.<field>), no tensor it describes above kMaxElements (named
+// problem), and for the prefill operations max_seqlen at most total_tokens (as fill_sequences
+// bounds it for a call).
+Problem checked_problem(Op op, const Config& cfg, const Problem& problem);
+
+// a * b for non-negative a, b, saturated at INT64_MAX.
+int64_t mul_sat(int64_t a, int64_t b);
+
 }  // namespace nsa::detail

@@ -63,10 +63,11 @@ inline Dims make_dims(const Config& cfg, int64_t G, int64_t dqk, int64_t dv, dou
   d.ns_max = num_slc_blocks(max_seqlen, cfg.slc_block_len);
   d.ns_max_p = round_up(std::max<int64_t>(d.ns_max, 1), kColPad);
   // Dense/window/compressed: one chunk per 64 keys of the longest span. Selection: every block
-  // the tile's tokens chose, each split into 64-key chunks.
+  // the tile's tokens chose, each split into 64-key chunks; the blocks are distinct and lie within
+  // the longest sequence (tile_chunks keeps each once), so their chunks number at most one per 64
+  // keys plus one partial chunk per block: a bound that follows the tensors, whatever n and l' are.
   const int64_t dense_chunks = max_seqlen / kChunk + 2;
-  const int64_t slc_chunks =
-      d.tile_tokens * std::max<int64_t>(cfg.n_selected, 1) * ((cfg.slc_block_len + kChunk - 1) / kChunk + 1);
+  const int64_t slc_chunks = max_seqlen / kChunk + d.ns_max + 2;
   d.max_chunks = std::max(dense_chunks, slc_chunks);
   return d;
 }
@@ -157,14 +158,15 @@ struct Scratch {
   float *psum;                  // [max_cmp_p]
   float *scores;                // [tile_tokens][ns_max_p]
   int32_t* tokens;              // [max(tile_tokens, kChunk)]
-  int32_t* blocks;              // [tile_tokens * n + 1]
+  int32_t* blocks;              // [2 * ns_max_p + 2] the union of the tile's selected blocks
+  int64_t blocks_cap;
   Chunk* chunks;                // [max_chunks]
   Chunk* chunks_own;            // [max_chunks] selection chunks not every token of the tile chose
   int32_t* topn;                // [ns_max_p] candidates for top-n
 };
 
 template <typename A>
-Scratch layout_scratch(A& a, const Dims& d, int64_t n_selected) {
+Scratch layout_scratch(A& a, const Dims& d) {
   Scratch s{};
   const int64_t R = d.max_rows, Rp = d.max_rows_p;
   s.q = a.template take<float>(R * d.dqkp);
@@ -193,7 +195,9 @@ Scratch layout_scratch(A& a, const Dims& d, int64_t n_selected) {
   s.psum = a.template take<float>(d.max_cmp_p);
   s.scores = a.template take<float>(d.tile_tokens * d.ns_max_p);
   s.tokens = a.template take<int32_t>(std::max(d.tile_tokens, kChunk));
-  s.blocks = a.template take<int32_t>(d.tile_tokens * std::max<int64_t>(n_selected, 1) + 1);
+  // Room for the ns_max distinct blocks a tile can select and as many more before a compaction.
+  s.blocks_cap = 2 * d.ns_max_p + 2;
+  s.blocks = a.template take<int32_t>(s.blocks_cap);
   s.chunks = a.template take<Chunk>(d.max_chunks);
   s.chunks_own = a.template take<Chunk>(d.max_chunks);
   s.topn = a.template take<int32_t>(d.ns_max_p);
@@ -307,15 +311,24 @@ inline int64_t tile_chunks(const Branch& br, const Seq& s, int64_t hk, const int
       break;
     case Kind::dense: add_range(0, t_last + 1, -1); break;
     case Kind::slc: {
-      // The union of the tokens' selected blocks, ascending.
+      // The union of the tokens' selected blocks, ascending, each once. A row is a set (api.h):
+      // repeats, negative entries and blocks past the query add nothing. The valid blocks are
+      // fewer than ns_max, so compacting (sort, unique) whenever the list is full keeps it within
+      // its room whatever n and the repeats are.
       int64_t nb = 0;
+      auto compact = [&] {
+        std::sort(sc.blocks, sc.blocks + nb);
+        nb = std::unique(sc.blocks, sc.blocks + nb) - sc.blocks;
+      };
       for (int64_t i = 0; i < nt; ++i) {
         const int32_t* row = idx_row(br, s, tokens[i], hk);
         for (int64_t k = 0; k < br.n; ++k)
-          if (row[k] >= 0 && row[k] * br.lp <= tokens[i]) sc.blocks[nb++] = row[k];
+          if (row[k] >= 0 && row[k] * br.lp <= tokens[i]) {
+            if (nb == sc.blocks_cap) compact();
+            sc.blocks[nb++] = row[k];
+          }
       }
-      std::sort(sc.blocks, sc.blocks + nb);
-      nb = std::unique(sc.blocks, sc.blocks + nb) - sc.blocks;
+      compact();
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t j = sc.blocks[b];
         add_range(j * br.lp, std::min((j + 1) * br.lp, t_last + 1), j);
@@ -513,7 +526,8 @@ inline void attend_cmp_fwd(const Dims& d, const Branch& br, int64_t lp, const Se
 
 // Spec §4 for one (token, KV head): forced blocks (§11's backbone too), then the best others by
 // descending S (ties to the smaller j), reported ascending and padded with -1. nth_element: no full sort.
-inline void topn_row(const Config& cfg, int64_t t, const float* S, int32_t* cand, int32_t* out) {
+// `out` holds out_len >= min(n, J_t + 1) entries: the selected blocks, then -1 up to out_len.
+inline void topn_row(const Config& cfg, int64_t t, const float* S, int32_t* cand, int32_t* out, int64_t out_len) {
   const int64_t n = cfg.n_selected, lp = cfg.slc_block_len;
   const int64_t Jt = last_slc_block(t, lp);
   const int64_t count = std::min(n, Jt + 1);
@@ -531,7 +545,7 @@ inline void topn_row(const Config& cfg, int64_t t, const float* S, int32_t* cand
     for (int64_t k = 0; k < rest; ++k) out[nout++] = cand[k];
   }
   std::sort(out, out + nout);
-  for (int64_t k = nout; k < n; ++k) out[k] = -1;
+  for (int64_t k = nout; k < out_len; ++k) out[k] = -1;
 }
 
 // ---- Backward -----------------------------------------------------------------------------

@@ -1,4 +1,6 @@
 // The fast CPU backend's table of operations and its workspace sizes.
+#include <string>
+
 #include "cpu/ops.h"
 
 namespace nsa::cpu {
@@ -15,7 +17,13 @@ size_t workspace_bytes(Op op, const Config& call_cfg, const Problem& problem, in
                         ? backward_sizes(op, cfg, problem)
                         : forward_sizes(op, cfg, problem);
   if (w.shared == 0 && w.slot == 0) return 0;
-  return Arena::round_bytes(w.shared) + w.slot * static_cast<size_t>(std::max(threads, 1));
+  // Sizes of a checked Problem fit comfortably; only a huge thread count can overflow here.
+  size_t slots = 0, total = 0;
+  if (__builtin_mul_overflow(w.slot, static_cast<size_t>(std::max(threads, 1)), &slots) ||
+      __builtin_add_overflow(Arena::round_bytes(w.shared), slots, &total) || total > (size_t{1} << 62))
+    throw Error("ctx.num_threads", std::to_string(threads),
+                "gives a workspace of more than 2^62 bytes (" + std::to_string(w.slot) + " per thread)");
+  return total;
 }
 
 namespace {

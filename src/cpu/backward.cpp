@@ -37,17 +37,17 @@ Branch branch_of(const Plan& p, Kind kind, const Rows& k, const Rows& v) {
 struct InvIndex {
   int64_t* seq_block0;  // [B+1] first global block id of each sequence
   int64_t* offset;      // [(blocks) * Hkv + 1]
-  int32_t* tokens;      // [T * Hkv * n]
+  int32_t* tokens;      // [T * Hkv * min(n, ns_max)]: a row holds each of its blocks once
 };
 
 int64_t total_slc_blocks_bound(int64_t T, int64_t B, int64_t lp) { return T / lp + B + 1; }
 
 template <typename A>
-InvIndex layout_inv(A& a, int64_t T, int64_t B, int64_t hkv, int64_t n, int64_t lp) {
+InvIndex layout_inv(A& a, int64_t T, int64_t B, int64_t hkv, int64_t n, int64_t lp, int64_t max_seqlen) {
   InvIndex inv{};
   inv.seq_block0 = a.template take<int64_t>(B + 1);
   inv.offset = a.template take<int64_t>(total_slc_blocks_bound(T, B, lp) * hkv + 1);
-  inv.tokens = a.template take<int32_t>(T * hkv * n);
+  inv.tokens = a.template take<int32_t>(T * hkv * std::min(n, num_slc_blocks(max_seqlen, lp)));
   return inv;
 }
 
@@ -57,21 +57,29 @@ void build_inv(const Plan& p, const TensorView& indices, InvIndex& inv) {
   for (int64_t b = 0; b < p.B; ++b) inv.seq_block0[b + 1] = inv.seq_block0[b] + num_slc_blocks(p.seq_len(b), lp);
   const int64_t nb = inv.seq_block0[p.B];
   std::fill(inv.offset, inv.offset + nb * H + 1, 0);
+  if (n == 0) return;  // every list empty (indices [T, Hkv, 0] may have no data at all)
+  // seen[j]: the last row (a running count) that listed block j, so that a repeat is found in O(1)
+  // whatever n is. The valid blocks of a row are [0, J_t], fewer than n_slc_max.
+  std::vector<int64_t> seen(static_cast<size_t>(std::max<int64_t>(p.n_slc_max, 1)), -1);
   auto for_each_pick = [&](auto fn) {
+    int64_t row_id = 0;
     for (int64_t b = 0; b < p.B; ++b)
       for (int64_t t = 0; t < p.seq_len(b); ++t)
-        for (int64_t hk = 0; hk < H; ++hk) {
+        for (int64_t hk = 0; hk < H; ++hk, ++row_id) {
           const int32_t* row = static_cast<const int32_t*>(indices.data) + (p.seq_start(b) + t) * indices.stride[0] +
                                hk * indices.stride[1];
           for (int64_t k = 0; k < n; ++k) {
             const int64_t j = row[k];
             // A row is a set (api.h): a repeated index adds nothing, as in the forward.
-            if (j < 0 || j * lp > t || std::find(row, row + k, row[k]) != row + k) continue;
+            if (j < 0 || j * lp > t || seen[static_cast<size_t>(j)] == row_id) continue;
+            seen[static_cast<size_t>(j)] = row_id;
             fn((inv.seq_block0[b] + j) * H + hk, t);
           }
         }
   };
+  auto reset = [&] { std::fill(seen.begin(), seen.end(), -1); };
   for_each_pick([&](int64_t slot, int64_t) { ++inv.offset[slot + 1]; });
+  reset();
   for (int64_t i = 0; i < nb * H; ++i) inv.offset[i + 1] += inv.offset[i];
   // Fill in token order, with a running cursor per list kept in the list's first free entry.
   std::vector<int64_t> cursor(inv.offset, inv.offset + nb * H);
@@ -83,7 +91,9 @@ void build_inv(const Plan& p, const TensorView& indices, InvIndex& inv) {
 template <typename Emit>
 void key_major(const Plan& p, const Dims& d, const Branch& br, const QuerySide& qs, const InvIndex* inv,
                const Slots& slots, Emit emit) {
-  const int64_t subs = (br.lp + kChunk - 1) / kChunk;  // 64-key chunks per selection block
+  // 64-key chunks per selection block: a block holds at most the longest sequence's keys, so the
+  // work items follow the tensors, not l' (2^31 - 1 would make 2^25 empty items a block).
+  const int64_t subs = (std::max<int64_t>(std::min(br.lp, p.max_seqlen), 1) + kChunk - 1) / kChunk;
   auto chunks_of = [&](int64_t b) -> int64_t {
     const int64_t len = p.seq_len(b);
     switch (br.kind) {
@@ -95,7 +105,7 @@ void key_major(const Plan& p, const Dims& d, const Branch& br, const QuerySide& 
   std::vector<int64_t> first(static_cast<size_t>(p.B) + 1, 0);
   for (int64_t b = 0; b < p.B; ++b) first[static_cast<size_t>(b) + 1] = first[static_cast<size_t>(b)] + chunks_of(b) * p.hkv;
   parallel_for(first.back(), slots, [&](int64_t id, Arena arena) {
-    Scratch sc = layout_scratch(arena, d, p.cfg.n_selected);
+    Scratch sc = layout_scratch(arena, d);
     const int64_t b = std::upper_bound(first.begin(), first.end(), id) - first.begin() - 1;
     const int64_t local = id - first[static_cast<size_t>(b)];
     const int64_t ci = local / p.hkv, hk = local % p.hkv;
@@ -164,7 +174,7 @@ struct BackwardShared {
 
 template <typename A>
 BackwardShared layout_backward(A& a, const Config& cfg, int64_t T, int64_t B, int64_t hq, int64_t hkv,
-                               int64_t dqk, int64_t dv) {
+                               int64_t dqk, int64_t dv, int64_t max_seqlen) {
   BackwardShared s{};
   const int64_t rows = cmp_rows(T, cfg.cmp_stride);
   s.kc = a.template take<float>(rows * hkv * dqk);
@@ -176,7 +186,7 @@ BackwardShared layout_backward(A& a, const Config& cfg, int64_t T, int64_t B, in
     s.dk_acc = a.template take<float>(T * hkv * dqk);
     s.dv_acc = a.template take<float>(T * hkv * dv);
   }
-  s.inv = layout_inv(a, T, B, hkv, cfg.n_selected, cfg.slc_block_len);
+  s.inv = layout_inv(a, T, B, hkv, cfg.n_selected, cfg.slc_block_len, max_seqlen);
   return s;
 }
 
@@ -232,7 +242,7 @@ void backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, cons
   const WsSizes sizes = backward_sizes(Op::backward, p.cfg, pr);
   const Slots slots = carve_slots(p, ws, sizes.shared, sizes.slot);
   Arena shared(ws.data, sizes.shared);
-  BackwardShared bs = layout_backward(shared, p.cfg, p.T, p.B, p.hq, p.hkv, p.dqk, p.dv);
+  BackwardShared bs = layout_backward(shared, p.cfg, p.T, p.B, p.hq, p.hkv, p.dqk, p.dv, p.max_seqlen);
   const int64_t rows = cmp_rows(p.T, p.cfg.cmp_stride);
   std::fill(bs.kc, bs.kc + rows * p.hkv * p.dqk, 0.0f);
   std::fill(bs.vc, bs.vc + rows * p.hkv * p.dv, 0.0f);
@@ -271,7 +281,7 @@ void backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, cons
 
   // ---- Query-major: branch outputs, dg, delta, dq.
   for_each_tile(p, d.tile_tokens, p.hkv, slots, [&](const Seq& s, int64_t t0, int64_t nt, int64_t hk, Arena arena) {
-    Scratch sc = layout_scratch(arena, d, p.cfg.n_selected);
+    Scratch sc = layout_scratch(arena, d);
     fill_tokens(sc.tokens, t0, nt);
     const int64_t M = nt * d.G;
     pack_rows(qrows, s, sc.tokens, nt, hk, d.G, d.scale, sc.q, d.dqkp);
@@ -311,8 +321,9 @@ void backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, cons
   });
 
   // ---- Key-major: dk/dv per branch.
-  if (p.cfg.n_selected > 0) build_inv(p, saved.indices, bs.inv);
-  else std::fill(bs.inv.seq_block0, bs.inv.seq_block0 + p.B + 1, 0);
+  // Also without selection (n = 0): the selection's key-major pass still writes its zero dk/dv
+  // and reads every list's offsets, which the workspace does not hold initialised.
+  build_inv(p, saved.indices, bs.inv);
   if (p.cfg.shared_kv) {
     std::fill(bs.dk_acc, bs.dk_acc + p.T * p.hkv * p.dqk, 0.0f);
     std::fill(bs.dv_acc, bs.dv_acc + p.T * p.hkv * p.dv, 0.0f);
@@ -426,7 +437,7 @@ void dense_attention_bwd(const Plan& p, const TensorView& q, const TensorView& k
   const Rows qrows = Rows::of(q), dorows = Rows::of(d_o), orows = Rows::of(o);
   const float* lse_all = static_cast<const float*>(lse.data);
   for_each_tile(p, d.tile_tokens, p.hkv, slots, [&](const Seq& s, int64_t t0, int64_t nt, int64_t hk, Arena arena) {
-    Scratch sc = layout_scratch(arena, d, p.cfg.n_selected);
+    Scratch sc = layout_scratch(arena, d);
     fill_tokens(sc.tokens, t0, nt);
     pack_rows(qrows, s, sc.tokens, nt, hk, d.G, d.scale, sc.q, d.dqkp);
     pack_rows(dorows, s, sc.tokens, nt, hk, d.G, 1.0f, sc.dout, d.dvp);
@@ -488,16 +499,16 @@ WsSizes backward_sizes(Op op, const Config& cfg, const Problem& pr) {
       Sizer shared;
       shared.take<float>(pr.total_tokens * pr.hq);
       w.shared = shared.bytes + pack_bytes(cfg, pr, d, Kind::dense, kBackwardNeeds);
-      w.slot = attention_slot_bytes(cfg, d);
+      w.slot = attention_slot_bytes(d);
       return w;
     }
     case Op::backward: {
       Sizer shared;
-      layout_backward(shared, cfg, pr.total_tokens, pr.batch, pr.hq, pr.hkv, pr.dqk, pr.dv);
+      layout_backward(shared, cfg, pr.total_tokens, pr.batch, pr.hq, pr.hkv, pr.dqk, pr.dv, pr.max_seqlen);
       size_t phi_slot = 0;
       const size_t packed = layer_pack_bytes(cfg, pr, d, kBackwardNeeds);
       w.shared = shared.bytes + std::max(phi_backward_shared(cfg, pr, &phi_slot), packed);
-      w.slot = std::max(attention_slot_bytes(cfg, d), phi_slot);
+      w.slot = std::max(attention_slot_bytes(d), phi_slot);
       return w;
     }
     default: return w;

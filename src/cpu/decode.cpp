@@ -31,15 +31,19 @@ Dims decode_dims(const Config& cfg, const Problem& pr, double scale) {
 
 struct DecodeScratch {
   Scratch sc;
-  int32_t* idx;  // [n] the query's selected blocks
+  int32_t* idx;  // [min(n, ns_max)] the query's selected blocks (no query selects more)
   float* o;      // [dvp] a gated output row
 };
+
+// Entries of a query's selection the decode keeps: at most one per selection block of the longest
+// sequence (the indices output is padded with -1 up to n).
+inline int64_t kept_selection(const Dims& d, int64_t n) { return std::min(n, d.ns_max); }
 
 template <typename A>
 DecodeScratch layout_decode(A& a, const Dims& d, int64_t n) {
   DecodeScratch s;
-  s.sc = layout_scratch(a, d, n);
-  s.idx = a.template take<int32_t>(std::max<int64_t>(n, 1));
+  s.sc = layout_scratch(a, d);
+  s.idx = a.template take<int32_t>(std::max<int64_t>(kept_selection(d, n), 1));
   s.o = a.template take<float>(d.dvp);
   return s;
 }
@@ -229,7 +233,7 @@ void cache_append(const Plan& p, const PagedCache& cache, const CacheAppend& in,
 void decode(const Plan& p, const PagedCache& cache, const DecodeInputs& in, const ForwardOutputs& out, Workspace ws) {
   const Problem pr = detail::problem_of(p);
   const Dims d = decode_dims(p.cfg, pr, p.scale);
-  const int64_t n = p.cfg.n_selected, G = d.G, Rp = d.max_rows_p;
+  const int64_t n = p.cfg.n_selected, G = d.G, Rp = d.max_rows_p, kept = kept_selection(d, n);
   Sizer slot_size;
   layout_decode(slot_size, d, n);
   const Slots slots = carve_slots(p, ws, 0, slot_size.bytes);
@@ -250,9 +254,10 @@ void decode(const Plan& p, const PagedCache& cache, const DecodeInputs& in, cons
     // §2-§4: the compressed branch with its scores, then this query's own top-n.
     const Branch cmp = paged_branch(p.cfg, Kind::cmp, cache.cmp, pt, at.b, p.page_size / p.cfg.cmp_stride);
     attend_cmp_fwd(d, cmp, p.cfg.slc_block_len, keys, hk, sc.tokens, 1, sc.q, sc, sc.o[kCmp], lse, sc.scores);
-    if (n > 0) topn_row(p.cfg, at.t, sc.scores, sc.topn, ds.idx);
+    if (n > 0) topn_row(p.cfg, at.t, sc.scores, sc.topn, ds.idx, kept);
     Branch sel = paged_branch(p.cfg, Kind::slc, slc, pt, at.b, p.page_size);
     sel.idx = ds.idx;  // one query: the row does not depend on t or hk
+    sel.n = kept;
     attend_fwd(d, sel, keys, hk, sc.tokens, 1, sc.q, sc, sc.o[kSlc], lse + Rp);
     const Branch wnd = paged_branch(p.cfg, Kind::win, win, pt, at.b, p.page_size);
     attend_fwd(d, wnd, keys, hk, sc.tokens, 1, sc.q, sc, sc.o[kWin], lse + 2 * Rp);
@@ -282,7 +287,7 @@ void decode(const Plan& p, const PagedCache& cache, const DecodeInputs& in, cons
     }
     if (out.indices.defined()) {
       int32_t* dst = static_cast<int32_t*>(out.indices.data) + row * out.indices.stride[0] + hk * out.indices.stride[1];
-      for (int64_t k = 0; k < n; ++k) dst[k * out.indices.stride[2]] = ds.idx[k];
+      for (int64_t k = 0; k < n; ++k) dst[k * out.indices.stride[2]] = k < kept ? ds.idx[k] : -1;
     }
   });
 }

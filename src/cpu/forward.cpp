@@ -46,14 +46,14 @@ void branch_op(const Plan& p, Branch br, const TensorView& q, const TensorView& 
                const TensorView& lse, Workspace ws) {
   const Dims d = dims_of(p);
   const size_t shared_bytes = pack_bytes(p.cfg, problem_of(p), d, br.kind, kForwardNeeds);
-  const Slots slots = carve_slots(p, ws, shared_bytes, attention_slot_bytes(p.cfg, d));
+  const Slots slots = carve_slots(p, ws, shared_bytes, attention_slot_bytes(d));
   if (branch_packs(p.cfg, br.kind)) {
     Arena shared(ws.data, shared_bytes);
     prepack(p, d, br, kForwardNeeds, shared, slots);
   }
   const Rows qrows = Rows::of(q);
   for_each_tile(p, d.tile_tokens, p.hkv, slots, [&](const Seq& s, int64_t t0, int64_t nt, int64_t hk, Arena arena) {
-    Scratch sc = layout_scratch(arena, d, p.cfg.n_selected);
+    Scratch sc = layout_scratch(arena, d);
     fill_tokens(sc.tokens, t0, nt);
     pack_rows(qrows, s, sc.tokens, nt, hk, d.G, d.scale, sc.q, d.dqkp);
     attend_fwd(d, br, s, hk, sc.tokens, nt, sc.q, sc, sc.o[0], sc.lse);
@@ -68,7 +68,7 @@ void compressed_attention_fwd(const Plan& p, const TensorView& q, const TensorVi
                               const TensorView& scores, Workspace ws) {
   const Dims d = dims_of(p);
   const size_t shared_bytes = pack_bytes(p.cfg, problem_of(p), d, Kind::cmp, kForwardNeeds);
-  const Slots slots = carve_slots(p, ws, shared_bytes, attention_slot_bytes(p.cfg, d));
+  const Slots slots = carve_slots(p, ws, shared_bytes, attention_slot_bytes(d));
   Branch br = make_branch(p, Kind::cmp, kc, vc);
   {
     Arena shared(ws.data, shared_bytes);
@@ -77,7 +77,7 @@ void compressed_attention_fwd(const Plan& p, const TensorView& q, const TensorVi
   const Rows qrows = Rows::of(q);
   const int64_t ns_out = scores.defined() ? scores.shape[2] : 0;
   for_each_tile(p, d.tile_tokens, p.hkv, slots, [&](const Seq& s, int64_t t0, int64_t nt, int64_t hk, Arena arena) {
-    Scratch sc = layout_scratch(arena, d, p.cfg.n_selected);
+    Scratch sc = layout_scratch(arena, d);
     fill_tokens(sc.tokens, t0, nt);
     pack_rows(qrows, s, sc.tokens, nt, hk, d.G, d.scale, sc.q, d.dqkp);
     attend_cmp_fwd(d, br, p.cfg.slc_block_len, s, hk, sc.tokens, nt, sc.q, sc, sc.o[0], sc.lse,
@@ -106,7 +106,7 @@ void select_topn(const Plan& p, const TensorView& scores, const TensorView& indi
     const int64_t t = row - p.seq_start(b);
     const float* S = static_cast<const float*>(scores.data) + row * scores.stride[0] + hk * scores.stride[1];
     int32_t* out = static_cast<int32_t*>(indices.data) + row * indices.stride[0] + hk * indices.stride[1];
-    topn_row(p.cfg, t, S, cand, out);
+    topn_row(p.cfg, t, S, cand, out, n);
   });
 }
 
@@ -194,7 +194,7 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
   const int64_t n = p.cfg.n_selected;
 
   for_each_tile(p, d.tile_tokens, p.hkv, slots, [&](const Seq& s, int64_t t0, int64_t nt, int64_t hk, Arena arena) {
-    Scratch sc = layout_scratch(arena, d, n);
+    Scratch sc = layout_scratch(arena, d);
     fill_tokens(sc.tokens, t0, nt);
     pack_rows(qrows, s, sc.tokens, nt, hk, d.G, d.scale, sc.q, d.dqkp);
     const int64_t M = nt * d.G;
@@ -207,7 +207,7 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
       for (int64_t i = 0; i < nt; ++i) {
         int32_t* row = static_cast<int32_t*>(out.indices.data) + (s.s0 + sc.tokens[i]) * out.indices.stride[0] +
                        hk * out.indices.stride[1];
-        topn_row(p.cfg, sc.tokens[i], sc.scores + i * d.ns_max_p, sc.topn, row);
+        topn_row(p.cfg, sc.tokens[i], sc.scores + i * d.ns_max_p, sc.topn, row, n);
       }
     // §5, §6.
     attend_fwd(d, br_slc, s, hk, sc.tokens, nt, sc.q, sc, sc.o[kSlc], sc.lse);
@@ -258,7 +258,7 @@ WsSizes forward_sizes(Op op, const Config& cfg, const Problem& pr) {
                         : op == Op::window_attention_fwd   ? Kind::win
                                                            : Kind::dense;
       w.shared = pack_bytes(cfg, pr, d, kind, kForwardNeeds);
-      w.slot = attention_slot_bytes(cfg, d);
+      w.slot = attention_slot_bytes(d);
       return w;
     }
     case Op::select_topn:
@@ -271,7 +271,7 @@ WsSizes forward_sizes(Op op, const Config& cfg, const Problem& pr) {
       const size_t packed = layer_pack_bytes(cfg, pr, d, kForwardNeeds);
       // phi's scratch and the packed keys/values share the space after kc/vc (one after the other).
       w.shared = s.bytes + std::max(phi_shared_bytes(cfg, pr, false, &phi_slot), packed);
-      w.slot = std::max(attention_slot_bytes(cfg, d), phi_slot);
+      w.slot = std::max(attention_slot_bytes(d), phi_slot);
       return w;
     }
     default: return w;

@@ -72,9 +72,9 @@ inline Dims dims_of(const Plan& p) {
 }
 
 // Bytes of one slot of the attention engine.
-inline size_t attention_slot_bytes(const Config& cfg, const Dims& d) {
+inline size_t attention_slot_bytes(const Dims& d) {
   Sizer s;
-  layout_scratch(s, d, cfg.n_selected);
+  layout_scratch(s, d);
   return s.bytes;
 }
 

@@ -139,3 +139,116 @@ def test_a_tensor_on_another_device_is_a_named_error():
     with pytest.raises(nsa.Error) as e:
         nsa.window_attention(q.to("meta"), k, v, config=cfg)
     assert e.value.parameter == "k.device"
+
+
+# ---- Integers past int64, None arrays, allocations, layer sizes, device offsets -----------------
+
+
+@pytest.mark.parametrize("value", [2 ** 63, 2 ** 64, -(2 ** 63) - 1, 2.5, "8"])
+@pytest.mark.parametrize("field,parameter", [("window", "window (w)"), ("n_local", "n_local"),
+                                             ("slc_block_len", "slc_block_len (l')")])
+def test_config_integers_beyond_int64_are_named_errors(field, parameter, value):
+    # They used to be nanobind's "incompatible function arguments" TypeError with a signature dump.
+    q, k, v, g = _layer()
+    base = dict(cmp_block_len=8, cmp_stride=1, slc_block_len=8, n_selected=3, n_init=1, n_local=1, window=8)
+    base[field] = value
+    with pytest.raises(nsa.Error) as e:
+        nsa.attention(q, k, v, g, **base)
+    assert e.value.parameter == parameter, str(e.value)
+
+
+@pytest.mark.parametrize("kw,parameter", [
+    (dict(max_seqlen=2 ** 63), "seqs.max_seqlen"), (dict(max_seqlen=-1), "seqs.max_seqlen"),
+    (dict(num_threads=2 ** 63), "ctx.num_threads"), (dict(num_threads=2 ** 31), "ctx.num_threads"),
+    (dict(scale=10 ** 400), "scale"), (dict(backbone_offsets=(2 ** 64,)), "backbone_offsets[0]"),
+    (dict(cu_seqlens=[0, 2 ** 63, 24]), "cu_seqlens"), (dict(cu_seqlens=np.array([0.0, 24.0])), "cu_seqlens.dtype"),
+])
+def test_call_arguments_beyond_their_range_are_named_errors(kw, parameter):
+    q, k, v, g = _layer()
+    with pytest.raises(nsa.Error) as e:
+        nsa.attention(q, k, v, g, cmp_block_len=8, cmp_stride=4, slc_block_len=8, n_selected=3, n_init=1, n_local=1,
+                      window=8, **kw)
+    assert e.value.parameter == parameter, str(e.value)
+
+
+def test_none_arrays_are_named_by_the_library():
+    q, k, v, g = _layer()
+    cfg = nsa.Config(cmp_block_len=8, cmp_stride=4, slc_block_len=8, n_selected=3, n_init=1, n_local=1, window=8)
+    calls = {
+        "g": lambda: nsa.attention(q, k, v, None, config=cfg),
+        "indices": lambda: nsa.selected_attention(q, k, v, None, config=cfg),
+        "kc": lambda: nsa.compressed_attention(q, None, v[:6], config=cfg),
+        "d_o": lambda: nsa.attention_backward(q, k, v, g, None, None, np.zeros((24, 2, 3), np.float32),
+                                              np.zeros((24, 1, 3), np.int32), None, config=cfg),
+    }
+    for parameter, call in calls.items():
+        with pytest.raises(nsa.Error) as e:
+            call()
+        assert e.value.parameter == parameter, str(e.value)
+
+
+def test_a_huge_valid_selection_block_needs_no_huge_workspace():
+    # l' = 2^31 - 1 is valid (d = 1 divides it): the CPU workspace used to grow with l' (288 GiB,
+    # a MemoryError from numpy); it follows the tensors now, and the result is the reference's.
+    q, k, v, g = _layer()
+    cfg = dict(cmp_block_len=8, cmp_stride=1, slc_block_len=2 ** 31 - 1, n_selected=3, n_init=1, n_local=1, window=8)
+    o, aux = nsa.attention(q, k, v, g, backend="cpu", return_aux=True, **cfg)
+    want = nsa.attention(*(a.astype(np.float64) for a in (q, k, v, g)), backend="reference", **cfg)
+    np.testing.assert_allclose(o, want, rtol=1e-4, atol=1e-5)
+    assert nsa._nsa.workspace_size("backward", "cpu", 2, nsa.Config(**cfg).native(), 24, 1, 24, 2, 1, 8, 8, 0,
+                                   "f32", "cpu") < 2 ** 24
+
+
+def test_an_output_too_large_to_allocate_names_its_parameter(monkeypatch):
+    # n = 2^31 - 1 is valid; its indices output [T, Hkv, n] (192 GiB at T = 24) cannot be
+    # allocated: a named error, not numpy's MemoryError. The bound is lowered here so that the
+    # test does not depend on the machine's memory.
+    from nsa import _core
+
+    monkeypatch.setattr(_core, "_MAX_ALLOCATION", 2 ** 20)
+    q, k, v, g = _layer()
+    with pytest.raises(nsa.Error) as e:
+        nsa.attention(q, k, v, g, cmp_block_len=8, cmp_stride=4, slc_block_len=8, n_selected=2 ** 31 - 1, n_init=1,
+                      n_local=1, window=8)
+    assert e.value.parameter == "n_selected (n)", str(e.value)
+
+
+def test_a_declared_max_seqlen_above_t_counts_as_t():
+    # The scores' width follows min(max_seqlen, T); the reference used to allocate per declared
+    # position (2^31 - 1) and hang.
+    q, k, v, g = _layer()
+    cfg = nsa.Config(cmp_block_len=8, cmp_stride=4, slc_block_len=8, n_selected=3, n_init=1, n_local=1, window=8)
+    kc, vc = k[:6], v[:6]
+    for backend in BACKENDS:
+        o, lse, S = nsa.compressed_attention(q, kc, vc, config=cfg, max_seqlen=2 ** 31 - 1, backend=backend)
+        o2, lse2, S2 = nsa.compressed_attention(q, kc, vc, config=cfg, backend=backend)
+        assert S.shape == S2.shape == (24, 1, 3)
+        np.testing.assert_array_equal(o, o2)
+
+
+@needs_torch
+def test_layer_sizes_are_named_errors():
+    # num_heads = 0 used to be a ZeroDivisionError (head_dim's default divides by it).
+    for kw, parameter in [(dict(num_heads=0), "num_heads"), (dict(num_heads=2 ** 63), "num_heads"),
+                          (dict(hidden_size=-4), "hidden_size"), (dict(head_dim=2 ** 64), "head_dim"),
+                          (dict(num_kv_heads=1.5), "num_kv_heads")]:
+        args = dict(hidden_size=32, num_heads=4, num_kv_heads=2)
+        args.update(kw)
+        with pytest.raises(nsa.Error) as e:
+            nsa.NativeSparseAttention(**args)
+        assert e.value.parameter == parameter, str(e.value)
+
+
+@needs_torch
+def test_device_offsets_must_be_int32():
+    # Offsets on a GPU are not read (no synchronisation): an int64 tensor there cannot be
+    # range-checked, so it is refused; host ones of any integer type are checked and converted.
+    import torch
+
+    from nsa import _core
+
+    with pytest.raises(nsa.Error) as e:
+        _core.check_device_offsets(torch.zeros(3, dtype=torch.int64, device="meta"))
+    assert e.value.parameter == "cu_seqlens.dtype"
+    _core.check_device_offsets(torch.zeros(3, dtype=torch.int32, device="meta"))
+    _core.check_device_offsets(torch.zeros(3, dtype=torch.int64))
