@@ -20,7 +20,7 @@ Per run folder (train/train.py's --out-dir) it writes ``eval.json`` there and pr
 - train: the run's final loss, median step time, tokens/s and peak memory from its log.
 
 The NSA layer returns only its output; the selection's indices and the gates are taken from the
-override of its ``_attend`` in train/model.py (``capture``).
+layer's ``capture`` switch (``aux``).
 """
 from __future__ import annotations
 

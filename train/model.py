@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -141,44 +141,18 @@ class DenseAttention(nn.Module):
 
 
 def sparse_attention(cfg: ModelConfig, layer_idx: int) -> nn.Module:
-    """The project's NativeSparseAttention with two additions made by overriding its ``_attend``
-    (the layer has no switch for either):
-
-    - under autocast the projections give bf16 q/k/v/g while phi's parameters stay fp32, and the
-      library wants one dtype: phi is cast to q's dtype for the call (gradients flow to fp32);
-    - with ``capture = True`` the layer keeps what the library returns besides o (``indices``
-      [T, Hkv, n], ``lse`` [T, Hq, 3]) and the gates g [T, Hq, 3], for the evaluation's
-      selection statistics.
-    """
+    """The project's NativeSparseAttention (under autocast it casts phi to the activations' dtype
+    itself; with ``capture = True`` it keeps the selected indices, lse and gates in ``aux`` for the
+    evaluation's selection statistics)."""
     import nsa
-    from nsa import torch_ops
 
-    class SparseAttention(nsa.NativeSparseAttention):
-        capture = False
-        aux: Optional[Dict[str, Tensor]] = None
-
-        def _attend(self, q, ks, vs, g, cu_seqlens, max_seqlen):
-            def cast(phi):
-                return None if phi is None else nsa.Phi(*[None if p is None else p.to(q.dtype) for p in phi])
-
-            kv6 = ((ks[0], vs[0], None, None, None, None) if self.shared_kv
-                   else (ks[0], vs[0], ks[1], vs[1], ks[2], vs[2]))
-            o, lse, indices = torch_ops.attention(q, kv6, g, cast(self._phi(self.phi_k)), cast(self._phi(self.phi_v)),
-                                                  self.config, cu_seqlens, max_seqlen, self.backend,
-                                                  self.num_threads, self.save_branch_outputs)
-            if self.capture:
-                self.aux = {"indices": indices.detach(), "lse": lse.detach(), "gates": g.detach()}
-            return o
-
-    if not hasattr(nsa.NativeSparseAttention, "_attend"):
-        raise RuntimeError("nsa.NativeSparseAttention has no _attend: train/model.py's override needs updating")
     backbone = cfg.attention == "nsa_backbone"
-    return SparseAttention(cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, config=cfg.nsa_config(),
-                           phi=cfg.phi, phi_hidden=cfg.phi_hidden, shared_kv=cfg.shared_kv, rotary=True,
-                           rope_theta=cfg.rope_theta, save_branch_outputs=cfg.save_branch_outputs, backbone=backbone,
-                           layer_idx=layer_idx if backbone else None,
-                           max_seqlen=cfg.backbone_max_seqlen if backbone else None,
-                           backbone_per_layer=cfg.backbone_per_layer)
+    return nsa.NativeSparseAttention(cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, config=cfg.nsa_config(),
+                                     phi=cfg.phi, phi_hidden=cfg.phi_hidden, shared_kv=cfg.shared_kv, rotary=True,
+                                     rope_theta=cfg.rope_theta, save_branch_outputs=cfg.save_branch_outputs,
+                                     backbone=backbone, layer_idx=layer_idx if backbone else None,
+                                     max_seqlen=cfg.backbone_max_seqlen if backbone else None,
+                                     backbone_per_layer=cfg.backbone_per_layer)
 
 
 class SwiGLU(nn.Module):

@@ -183,6 +183,11 @@ class NativeSparseAttention(nn.Module):
             places of n; off by default: plain NSA). layer_idx (0-based) and max_seqlen (the longest
             sequence the model sees) are then required.
 
+    capture (attribute, False by default): while True, each prefill forward keeps, detached, what
+        the library returns besides the output in `layer.aux`: {"indices": [T, Hkv, n] selected
+        blocks (-1 padded), "lse": [T, Hq, 3] per-branch log-sum-exps, "gates": [T, Hq, 3]}, for
+        statistics of what the layer selects (train/evaluate.py).
+
     forward(x, cu_seqlens=None, max_seqlen=None, cache=None):
         x [T, hidden] (packed sequences, cu_seqlens [B+1]) or [B, S, hidden] (B sequences of S).
         With a cache (NSACache), x holds the new tokens of each of the cache's sequences
@@ -232,6 +237,7 @@ class NativeSparseAttention(nn.Module):
         self.phi, self.shared_kv, self.rotary, self.rope_theta = phi, shared_kv, rotary, rope_theta
         self.backend, self.num_threads = backend, num_threads
         self.save_branch_outputs = save_branch_outputs
+        self.capture, self.aux = False, None
         self.num_kv_sets = 1 if shared_kv else 3  # K/V sets: one shared, or (cmp, slc, win)
 
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias, **factory)
@@ -294,10 +300,13 @@ class NativeSparseAttention(nn.Module):
 
     # ---- pieces ----------------------------------------------------------------------------
 
-    def _phi(self, params: nn.ParameterDict) -> Optional[Phi]:
+    def _phi(self, params: nn.ParameterDict, dtype: torch.dtype) -> Optional[Phi]:
+        """phi's parameters in the call's dtype: under autocast the projections give bf16/f16 while
+        the parameters stay fp32, and the library takes one dtype per call (the cast is part of the
+        graph, so the fp32 parameters get their gradients, as autocast's own casts do)."""
         if self.phi == "mean":
             return None
-        return Phi(**{name: p for name, p in params.items()})
+        return Phi(**{name: p if p.dtype == dtype else p.to(dtype) for name, p in params.items()})
 
     def _rotate(self, x: Tensor, positions: Tensor) -> Tensor:
         """x [T, H, D] rotated by positions [T] (pairs (i, i + D/2), GPT-NeoX layout)."""
@@ -325,9 +334,11 @@ class NativeSparseAttention(nn.Module):
         k = ks[0] if self.shared_kv else tuple(ks)
         v = vs[0] if self.shared_kv else tuple(vs)
         kv6 = (k, v, None, None, None, None) if self.shared_kv else (k[0], v[0], k[1], v[1], k[2], v[2])
-        o, _, _ = torch_ops.attention(q, kv6, g, self._phi(self.phi_k), self._phi(self.phi_v), self.config,
-                                      cu_seqlens, max_seqlen, self.backend, self.num_threads,
-                                      self.save_branch_outputs)
+        o, lse, indices = torch_ops.attention(q, kv6, g, self._phi(self.phi_k, q.dtype), self._phi(self.phi_v, q.dtype),
+                                              self.config, cu_seqlens, max_seqlen, self.backend, self.num_threads,
+                                              self.save_branch_outputs)
+        if self.capture:
+            self.aux = {"indices": indices.detach(), "lse": lse.detach(), "gates": g.detach()}
         return o
 
     # ---- forward ---------------------------------------------------------------------------
@@ -419,7 +430,7 @@ class NativeSparseAttention(nn.Module):
         if prefill:
             o = self._attend(q, ks, vs, g, cu_new if cu_new is not None else
                              torch.arange(0, (B + 1) * (T // B), T // B, dtype=torch.int32), None)
-        phi_k, phi_v = self._phi(self.phi_k), self._phi(self.phi_v)
+        phi_k, phi_v = self._phi(self.phi_k, ks[0].dtype), self._phi(self.phi_v, ks[0].dtype)
         detach = (lambda p: None if p is None else Phi(*[None if t is None else t.detach() for t in p]))
         max_new = (T // B) if counts is None else max(counts, default=0)
         torch_ops.cache_append(cache.arrays(), kv6, detach(phi_k), detach(phi_v), self.config, cu_new, max_new,

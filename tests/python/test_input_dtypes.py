@@ -79,3 +79,22 @@ def test_layer_under_autocast_takes_the_autocast_dtype():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = layer(torch.randn(2, 20, 32).to(torch.bfloat16))
     assert y.shape == (2, 20, 32) and torch.isfinite(y.float()).all()
+
+
+@needs_torch
+@pytest.mark.parametrize("phi", ["linear", "mlp"])
+def test_layer_under_autocast_casts_phi_and_trains_its_fp32_parameters(phi):
+    # The projections give bf16 under autocast while phi's parameters stay fp32: the layer casts
+    # them for the call, and their gradients reach the fp32 parameters.
+    import torch
+
+    torch.manual_seed(0)
+    layer = nsa.NativeSparseAttention(hidden_size=32, num_heads=4, num_kv_heads=2, config=SMALL, phi=phi)
+    x = torch.randn(2, 20, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y.float()).all()
+    y.float().square().mean().backward()
+    for name, p in layer.phi_k.items():
+        assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32, name
+    assert any(p.grad.abs().sum() > 0 for p in layer.phi_k.values())

@@ -194,3 +194,20 @@ def test_torch_compile_dynamic_shapes_and_packed_input():
     x = torch.randn(30, HIDDEN)
     cu = torch.tensor([0, 10, 30], dtype=torch.int32)
     torch.testing.assert_close(compiled(x, cu_seqlens=cu), m(x, cu_seqlens=cu), rtol=0, atol=0)
+
+
+def test_capture_keeps_the_selection_lse_and_gates_of_the_last_forward():
+    torch.manual_seed(0)
+    layer = nsa.NativeSparseAttention(hidden_size=32, num_heads=4, num_kv_heads=2, config=SMALL, phi="mean")
+    x = torch.randn(2, 20, 32)
+    layer(x)
+    assert layer.aux is None  # off by default
+    layer.capture = True
+    layer(x)
+    aux = layer.aux
+    T, n = 2 * 20, SMALL.n_selected
+    assert aux["indices"].shape == (T, 2, n) and aux["indices"].dtype == torch.int32
+    assert aux["lse"].shape == (T, 4, 3) and aux["gates"].shape == (T, 4, 3)
+    assert not aux["gates"].requires_grad
+    # The first token's only admissible block is block 0: selected, the rest -1.
+    assert aux["indices"][0, :, 0].tolist() == [0, 0] and (aux["indices"][0, :, 1:] == -1).all()
