@@ -50,7 +50,6 @@ struct Context {
   Backend backend = Backend::automatic;
   void* stream = nullptr;     // cudaStream_t for the CUDA backend (nullptr: default stream)
   int num_threads = 0;        // CPU backends: 0 = OpenMP's default; results never depend on it
-  bool deterministic = true;  // false allows a faster non-deterministic backward where one exists
   const CudaKernelChoices* cuda_choices = nullptr;  // null: the cuda backend's own rules
 };
 

@@ -427,7 +427,7 @@ class Call:
         self.max_seqlen = (check_int(max_seqlen, "seqs.max_seqlen", 0, allowed="must be >= 0 (0: derive it)")
                            if max_seqlen is not None else 0)
         self.stream = fw.stream(main)
-        self.ctx = (backend, self.stream, self.num_threads, True)
+        self.ctx = (backend, self.stream, self.num_threads)
 
     def batch(self) -> int:
         # An empty or malformed table sizes nothing here; the library names it (cu_seqlens.shape[0]).

@@ -253,13 +253,11 @@ nsa::Device parse_device(const std::string& name) {
   throw nsa::Error("device", "\"" + name + "\"", "must be cpu or cuda");
 }
 
-nsa::Context make_context(const std::string& backend, uintptr_t stream, int num_threads,
-                          bool deterministic) {
+nsa::Context make_context(const std::string& backend, uintptr_t stream, int num_threads) {
   nsa::Context ctx;
   ctx.backend = nsa::parse_backend(backend.c_str());
   ctx.stream = reinterpret_cast<void*>(stream);
   ctx.num_threads = num_threads;
-  ctx.deterministic = deterministic;
   return ctx;
 }
 
@@ -344,7 +342,7 @@ NB_MODULE(_nsa, m) {
         pr.phi_hidden = phi_hidden;
         pr.dtype = parse_dtype(dtype);
         pr.device = parse_device(device);
-        return nsa::workspace_size(make_context(backend, 0, num_threads, true), parse_op(op), cfg, pr);
+        return nsa::workspace_size(make_context(backend, 0, num_threads), parse_op(op), cfg, pr);
       },
       nb::arg("op"), nb::arg("backend"), nb::arg("num_threads"), nb::arg("cfg"),
       nb::arg("total_tokens"), nb::arg("batch"), nb::arg("max_seqlen"), nb::arg("hq"),
@@ -352,19 +350,19 @@ NB_MODULE(_nsa, m) {
       nb::arg("device"), nb::arg("max_query_len") = 0,
       "Bytes of workspace nsa::Op `op` needs (nsa::workspace_size).");
 
-  // Every entry point below takes (backend, stream, num_threads, deterministic) as its context,
+  // Every entry point below takes (backend, stream, num_threads) as its context,
   // then the arguments of the C++ function in the same order. The GIL is released while the
   // library runs; the arrays stay alive through `arrays`.
 #define NSA_CONTEXT_ARGS                                                                   \
-  nb::arg("backend"), nb::arg("stream"), nb::arg("num_threads"), nb::arg("deterministic")
+  nb::arg("backend"), nb::arg("stream"), nb::arg("num_threads")
 
   m.def(
       "compress_fwd",
-      [](const std::string& backend, uintptr_t stream, int threads, bool det, const nsa::Config& cfg,
+      [](const std::string& backend, uintptr_t stream, int threads, const nsa::Config& cfg,
          nb::handle phi, nb::handle x, nb::handle cu_seqlens, int64_t max_seqlen, nb::handle xc,
          nb::handle workspace) {
         Arrays a;
-        const nsa::Context ctx = make_context(backend, stream, threads, det);
+        const nsa::Context ctx = make_context(backend, stream, threads);
         const nsa::PhiParams p = phi_views(a, phi, "phi");
         const nsa::TensorView vx = a.in(x, "x"), vxc = a.out(xc, "xc");
         const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
@@ -377,11 +375,11 @@ NB_MODULE(_nsa, m) {
 
   m.def(
       "compress_bwd",
-      [](const std::string& backend, uintptr_t stream, int threads, bool det, const nsa::Config& cfg,
+      [](const std::string& backend, uintptr_t stream, int threads, const nsa::Config& cfg,
          nb::handle phi, nb::handle x, nb::handle cu_seqlens, int64_t max_seqlen, nb::handle dxc,
          nb::handle dx, nb::handle dphi, nb::handle workspace) {
         Arrays a;
-        const nsa::Context ctx = make_context(backend, stream, threads, det);
+        const nsa::Context ctx = make_context(backend, stream, threads);
         const nsa::PhiParams p = phi_views(a, phi, "phi"), dp = phi_views(a, dphi, "dphi", /*output=*/true);
         const nsa::TensorView vx = a.in(x, "x"), vdxc = a.in(dxc, "dxc"), vdx = a.out(dx, "dx");
         const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
@@ -395,11 +393,11 @@ NB_MODULE(_nsa, m) {
 
   m.def(
       "compressed_attention_fwd",
-      [](const std::string& backend, uintptr_t stream, int threads, bool det, const nsa::Config& cfg,
+      [](const std::string& backend, uintptr_t stream, int threads, const nsa::Config& cfg,
          nb::handle q, nb::handle kc, nb::handle vc, nb::handle cu_seqlens, int64_t max_seqlen,
          nb::handle o, nb::handle lse, nb::handle scores, nb::handle workspace) {
         Arrays a;
-        const nsa::Context ctx = make_context(backend, stream, threads, det);
+        const nsa::Context ctx = make_context(backend, stream, threads);
         const nsa::TensorView vq = a.in(q, "q"), vkc = a.in(kc, "kc"), vvc = a.in(vc, "vc");
         const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
         const nsa::TensorView vo = a.out(o, "o"), vl = a.out(lse, "lse"), vs = a.out(scores, "scores");
@@ -413,11 +411,11 @@ NB_MODULE(_nsa, m) {
 
   m.def(
       "select_topn",
-      [](const std::string& backend, uintptr_t stream, int threads, bool det, const nsa::Config& cfg,
+      [](const std::string& backend, uintptr_t stream, int threads, const nsa::Config& cfg,
          nb::handle scores, nb::handle cu_seqlens, int64_t max_seqlen, nb::handle indices,
          nb::handle workspace) {
         Arrays a;
-        const nsa::Context ctx = make_context(backend, stream, threads, det);
+        const nsa::Context ctx = make_context(backend, stream, threads);
         const nsa::TensorView vs = a.in(scores, "scores"), vi = a.out(indices, "indices");
         const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
         const nsa::Workspace ws = a.workspace(workspace);
@@ -429,11 +427,11 @@ NB_MODULE(_nsa, m) {
 
   m.def(
       "selected_attention_fwd",
-      [](const std::string& backend, uintptr_t stream, int threads, bool det, const nsa::Config& cfg,
+      [](const std::string& backend, uintptr_t stream, int threads, const nsa::Config& cfg,
          nb::handle q, nb::handle k, nb::handle v, nb::handle indices, nb::handle cu_seqlens,
          int64_t max_seqlen, nb::handle o, nb::handle lse, nb::handle workspace) {
         Arrays a;
-        const nsa::Context ctx = make_context(backend, stream, threads, det);
+        const nsa::Context ctx = make_context(backend, stream, threads);
         const nsa::TensorView vq = a.in(q, "q"), vk = a.in(k, "k"), vv = a.in(v, "v");
         const nsa::TensorView vi = a.in(indices, "indices");
         const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
@@ -448,11 +446,11 @@ NB_MODULE(_nsa, m) {
 
   m.def(
       "window_attention_fwd",
-      [](const std::string& backend, uintptr_t stream, int threads, bool det, const nsa::Config& cfg,
+      [](const std::string& backend, uintptr_t stream, int threads, const nsa::Config& cfg,
          nb::handle q, nb::handle k, nb::handle v, nb::handle cu_seqlens, int64_t max_seqlen,
          nb::handle o, nb::handle lse, nb::handle workspace) {
         Arrays a;
-        const nsa::Context ctx = make_context(backend, stream, threads, det);
+        const nsa::Context ctx = make_context(backend, stream, threads);
         const nsa::TensorView vq = a.in(q, "q"), vk = a.in(k, "k"), vv = a.in(v, "v");
         const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
         const nsa::TensorView vo = a.out(o, "o"), vl = a.out(lse, "lse");
@@ -468,12 +466,12 @@ NB_MODULE(_nsa, m) {
 
   m.def(
       "forward",
-      [](const std::string& backend, uintptr_t stream, int threads, bool det, const nsa::Config& cfg,
+      [](const std::string& backend, uintptr_t stream, int threads, const nsa::Config& cfg,
          nb::handle q, nb::handle kv, nb::handle g, nb::handle phi_k, nb::handle phi_v,
          nb::handle cu_seqlens, int64_t max_seqlen, nb::handle o, nb::handle lse,
          nb::handle indices, nb::handle o_branch, nb::handle workspace) {
         Arrays a;
-        const nsa::Context ctx = make_context(backend, stream, threads, det);
+        const nsa::Context ctx = make_context(backend, stream, threads);
         const nsa::Inputs in = layer_inputs(a, q, kv, g, phi_k, phi_v, cu_seqlens, max_seqlen);
         const nsa::ForwardOutputs out = forward_outputs(a, o, lse, indices, o_branch);
         const nsa::Workspace ws = a.workspace(workspace);
@@ -487,13 +485,13 @@ NB_MODULE(_nsa, m) {
 
   m.def(
       "backward",
-      [](const std::string& backend, uintptr_t stream, int threads, bool det, const nsa::Config& cfg,
+      [](const std::string& backend, uintptr_t stream, int threads, const nsa::Config& cfg,
          nb::handle q, nb::handle kv, nb::handle g, nb::handle phi_k, nb::handle phi_v,
          nb::handle cu_seqlens, int64_t max_seqlen, nb::handle o, nb::handle lse,
          nb::handle indices, nb::handle o_branch, nb::handle d_o, nb::handle dq, nb::handle dkv, nb::handle dg,
          nb::handle dphi_k, nb::handle dphi_v, nb::handle workspace) {
         Arrays a;
-        const nsa::Context ctx = make_context(backend, stream, threads, det);
+        const nsa::Context ctx = make_context(backend, stream, threads);
         const nsa::Inputs in = layer_inputs(a, q, kv, g, phi_k, phi_v, cu_seqlens, max_seqlen);
         nsa::ForwardOutputs saved;
         saved.o = a.in(o, "o");
@@ -519,11 +517,11 @@ NB_MODULE(_nsa, m) {
 
   m.def(
       "dense_attention_fwd",
-      [](const std::string& backend, uintptr_t stream, int threads, bool det, double scale,
+      [](const std::string& backend, uintptr_t stream, int threads, double scale,
          nb::handle q, nb::handle k, nb::handle v, nb::handle cu_seqlens, int64_t max_seqlen,
          nb::handle o, nb::handle lse, nb::handle workspace) {
         Arrays a;
-        const nsa::Context ctx = make_context(backend, stream, threads, det);
+        const nsa::Context ctx = make_context(backend, stream, threads);
         const nsa::TensorView vq = a.in(q, "q"), vk = a.in(k, "k"), vv = a.in(v, "v");
         const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
         const nsa::TensorView vo = a.out(o, "o"), vl = a.out(lse, "lse");
@@ -537,12 +535,12 @@ NB_MODULE(_nsa, m) {
 
   m.def(
       "dense_attention_bwd",
-      [](const std::string& backend, uintptr_t stream, int threads, bool det, double scale,
+      [](const std::string& backend, uintptr_t stream, int threads, double scale,
          nb::handle q, nb::handle k, nb::handle v, nb::handle cu_seqlens, int64_t max_seqlen,
          nb::handle o, nb::handle lse, nb::handle d_o, nb::handle dq, nb::handle dk,
          nb::handle dv, nb::handle workspace) {
         Arrays a;
-        const nsa::Context ctx = make_context(backend, stream, threads, det);
+        const nsa::Context ctx = make_context(backend, stream, threads);
         const nsa::TensorView vq = a.in(q, "q"), vk = a.in(k, "k"), vv = a.in(v, "v");
         const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
         const nsa::TensorView vo = a.in(o, "o"), vl = a.in(lse, "lse"), vdo = a.in(d_o, "d_o");
@@ -561,13 +559,13 @@ NB_MODULE(_nsa, m) {
 
   m.def(
       "cache_append",
-      [](const std::string& backend, uintptr_t stream, int threads, bool det, const nsa::Config& cfg,
+      [](const std::string& backend, uintptr_t stream, int threads, const nsa::Config& cfg,
          nb::handle pools, nb::handle block_table, nb::handle seq_lens, nb::handle status, int64_t max_cache_len,
          nb::handle kv, nb::handle phi_k, nb::handle phi_v, nb::handle cu_seqlens, int64_t max_seqlen,
          nb::handle workspace) {
         static const char* const kKvNames[6] = {"k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win"};
         Arrays a;
-        const nsa::Context ctx = make_context(backend, stream, threads, det);
+        const nsa::Context ctx = make_context(backend, stream, threads);
         const nsa::PagedCache cache = cache_views(a, pools, block_table, seq_lens, status, max_cache_len, true);
         nsa::CacheAppend in;
         kv_views(a, kv, in.kv, kKvNames);
@@ -583,12 +581,12 @@ NB_MODULE(_nsa, m) {
 
   m.def(
       "decode",
-      [](const std::string& backend, uintptr_t stream, int threads, bool det, const nsa::Config& cfg,
+      [](const std::string& backend, uintptr_t stream, int threads, const nsa::Config& cfg,
          nb::handle pools, nb::handle block_table, nb::handle seq_lens, nb::handle status, int64_t max_cache_len,
          nb::handle q, nb::handle g, nb::handle cu_seqlens, int64_t max_seqlen, nb::handle o, nb::handle lse,
          nb::handle indices, nb::handle o_branch, nb::handle workspace) {
         Arrays a;
-        const nsa::Context ctx = make_context(backend, stream, threads, det);
+        const nsa::Context ctx = make_context(backend, stream, threads);
         const nsa::PagedCache cache = cache_views(a, pools, block_table, seq_lens, status, max_cache_len, false);
         nsa::DecodeInputs in;
         in.q = a.in(q, "q");
@@ -605,11 +603,11 @@ NB_MODULE(_nsa, m) {
 
   m.def(
       "dense_decode",
-      [](const std::string& backend, uintptr_t stream, int threads, bool det, double scale, nb::handle k_pages,
+      [](const std::string& backend, uintptr_t stream, int threads, double scale, nb::handle k_pages,
          nb::handle v_pages, nb::handle block_table, nb::handle seq_lens, nb::handle status, int64_t max_cache_len,
          nb::handle q, nb::handle cu_seqlens, int64_t max_seqlen, nb::handle o, nb::handle lse, nb::handle workspace) {
         Arrays a;
-        const nsa::Context ctx = make_context(backend, stream, threads, det);
+        const nsa::Context ctx = make_context(backend, stream, threads);
         const nsa::KV pages{a.in(k_pages, "pages_k"), a.in(v_pages, "pages_v")};
         nsa::PageTable table;
         table.block_table = a.in(block_table, "pages.block_table");
