@@ -29,10 +29,11 @@ inline CudaKernelChoices& kernel_choices() {
   return choices;
 }
 
-// The Context of a GPU test: the cuda backend with kernel_choices().
-inline Context cuda_context() {
+// The Context of a GPU test: the cuda backend (or `backend`, for the reference it is compared
+// with) with kernel_choices().
+inline Context cuda_context(Backend backend = Backend::cuda) {
   Context c;
-  c.backend = Backend::cuda;
+  c.backend = backend;
   c.cuda_choices = &kernel_choices();
   return c;
 }

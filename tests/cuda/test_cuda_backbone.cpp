@@ -13,12 +13,6 @@ using namespace nsa::test;
 
 namespace {
 
-Context ctx_of(Backend b) {
-  Context c = cuda_context();
-  c.backend = b;
-  return c;
-}
-
 TEST(CudaBackbone, TopnMatchesReference) {
   NSA_REQUIRE_GPU();
   for (const std::vector<int64_t>& offs : {std::vector<int64_t>{1}, {2, 8}, {1, 2, 4, 16, 64}}) {
@@ -37,12 +31,12 @@ TEST(CudaBackbone, TopnMatchesReference) {
     got.poison();
     Sequences hs;
     hs.cu_seqlens = cu.view();
-    select_topn(ctx_of(Backend::reference), c, scores.view(), hs, want.view());
+    select_topn(cuda_context(Backend::reference), c, scores.view(), hs, want.view());
     DeviceTensor ds(scores), dcu(cu), di(got);
     Sequences dseq;
     dseq.cu_seqlens = dcu.view();
     dseq.max_seqlen = 5000;
-    select_topn(ctx_of(Backend::cuda), c, ds.view(), dseq, di.view());
+    select_topn(cuda_context(Backend::cuda), c, ds.view(), dseq, di.view());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     di.download(got);
     const std::vector<double> a = got.values(), b = want.values();

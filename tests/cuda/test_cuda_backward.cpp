@@ -84,12 +84,6 @@ const std::vector<BwdCase>& bwd_cases() {
   return all;
 }
 
-Context ctx_of(Backend b) {
-  Context c = cuda_context();
-  c.backend = b;
-  return c;
-}
-
 // Rounds every random input to `dtype` once, and keeps an exact fp64 twin for the reference.
 struct Twin {
   LayerProblem low;  // storage dtype (what the GPU reads)
@@ -121,7 +115,7 @@ Twin make_twin(const BwdCase& c, uint64_t seed) {
 // forward in fp64) in both twins.
 Twin make_saved_twin(const BwdCase& c, uint64_t seed) {
   Twin t = make_twin(c, seed);
-  forward(ctx_of(Backend::reference), config_of(c), t.ref.inputs(), t.ref.outputs());
+  forward(cuda_context(Backend::reference), config_of(c), t.ref.inputs(), t.ref.outputs());
   copy_values(t.ref.lse, t.low.lse);
   copy_values(t.ref.indices, t.low.indices);
   return t;
@@ -169,7 +163,7 @@ struct DeviceLayer {
 
   // Runs the CUDA backward with a fresh (poisoned) workspace.
   void run(const Config& cfg) {
-    const Context ctx = ctx_of(Backend::cuda);
+    const Context ctx = cuda_context(Backend::cuda);
     const DeviceWorkspace ws(workspace_size(ctx, Op::backward, cfg, problem_of(cfg, in)));  // NaN pattern
     backward(ctx, cfg, in, saved, d_o.view(), grads, ws.view());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -236,7 +230,7 @@ Twin& reference_of(const BwdCase& c) {
     t = std::make_unique<Twin>(make_saved_twin(c, 101));
     copy_values(t->ref.o, t->low.o);
     copy_values(t->ref.o_branch, t->low.o_branch);
-    backward(ctx_of(Backend::reference), config_of(c), t->ref.inputs(), t->ref.outputs(), t->ref.d_o.view(),
+    backward(cuda_context(Backend::reference), config_of(c), t->ref.inputs(), t->ref.outputs(), t->ref.d_o.view(),
              t->ref.gradients());
   }
   return *t;
@@ -407,7 +401,7 @@ TEST_P(CudaBackward, SequencesAreIsolated) {
   const Config cfg = config_of(c);
   const int64_t longest = *std::max_element(c.seqlens.begin(), c.seqlens.end());
   Twin saved = make_twin(c, 404);
-  forward(ctx_of(Backend::reference), cfg, saved.ref.inputs(), saved.ref.outputs());
+  forward(cuda_context(Backend::reference), cfg, saved.ref.inputs(), saved.ref.outputs());
   // The backward of the inputs of make_twin(c, 404) with rows [r0, r1) poisoned (none: r0 == r1).
   auto gradients = [&](int64_t r0, int64_t r1) {
     Twin t = make_twin(c, 404);
@@ -458,7 +452,7 @@ TEST_P(CudaBackward, CompressBackwardMatchesReference) {
   HostTensor dx_ref(DType::f64, {T, H, D}), dx(c.dtype, {T, H, D});
   dx.poison();
   const Sequences seqs_ref = t.ref.inputs().seqs;
-  compress_bwd(ctx_of(Backend::reference), cfg, LayerProblem::params(t.ref.phi_k), t.ref.k[kCmp].view(), seqs_ref,
+  compress_bwd(cuda_context(Backend::reference), cfg, LayerProblem::params(t.ref.phi_k), t.ref.k[kCmp].view(), seqs_ref,
                dxc64.view(), dx_ref.view(), LayerProblem::params(t.ref.dphi_k));
 
   DeviceTensor x(t.low.k[kCmp]), d_xc(dxc), d_dx(dx), cu(t.low.cu), phi[5], dphi[5];
@@ -470,7 +464,7 @@ TEST_P(CudaBackward, CompressBackwardMatchesReference) {
   Sequences seqs;
   if (c.seqlens.size() != 1) seqs.cu_seqlens = cu.view();
   seqs.max_seqlen = *std::max_element(c.seqlens.begin(), c.seqlens.end());
-  const Context ctx = ctx_of(Backend::cuda);
+  const Context ctx = cuda_context(Backend::cuda);
   Problem pr = problem_of(cfg, t.low.inputs());  // sizes from the host twin; the tensors run on the GPU
   pr.device = Device::cuda;
   pr.hq = pr.hkv;
@@ -507,7 +501,7 @@ TEST(CudaBackwardErrors, UnsupportedHeadDimNamesTheValue) {
   Twin t = make_saved_twin(c, 1);
   DeviceLayer dev(t.low, 40);
   try {
-    backward(ctx_of(Backend::cuda), cfg, dev.in, dev.saved, dev.d_o.view(), dev.grads);
+    backward(cuda_context(Backend::cuda), cfg, dev.in, dev.saved, dev.d_o.view(), dev.grads);
     FAIL() << "expected nsa::Error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("32"), std::string::npos) << e.what();
@@ -526,7 +520,7 @@ TEST(CudaBackwardErrors, SelectionTablesTooLargeNameN) {
   DeviceLayer dev(t.low, 40);
   // With a workspace of the size asked for (the check under test comes after the workspace
   // check); the size query itself may already name n.
-  const Context ctx = ctx_of(Backend::cuda);
+  const Context ctx = cuda_context(Backend::cuda);
   void* ws = nullptr;
   try {
     const size_t bytes = workspace_size(ctx, Op::backward, cfg, problem_of(cfg, dev.in));
@@ -549,7 +543,7 @@ TEST(CudaBackwardErrors, UnalignedRowsNameTheTensor) {
   BwdCase c{"x", DType::bf16, 64, 64, 4, 1, {40}, 32, 16, 64, 2, 1, 1, 16, PhiKind::mean, false};
   const Config cfg = config_of(c);
   Twin t = make_saved_twin(c, 1);
-  const Context ctx = ctx_of(Backend::cuda);
+  const Context ctx = cuda_context(Backend::cuda);
   auto shifted = [](TensorView v) {
     v.data = static_cast<char*>(v.data) + dtype_size(v.dtype);
     return v;

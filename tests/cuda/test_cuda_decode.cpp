@@ -57,12 +57,6 @@ Sizes sizes_of(const DCase& c) {
   return s;
 }
 
-Context ctx_of(Backend b) {
-  Context c = cuda_context();
-  c.backend = b;
-  return c;
-}
-
 void sync() { ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess); }
 
 // Every head dim and group size the backend compiles, each phi, shared and independent K/V,
@@ -203,7 +197,7 @@ TEST_P(CudaDecode, MatchesReferenceAndPrefillAtEveryStep) {
   const Sizes sz = sizes_of(c);
   LayerProblem p = make_problem(cfg, sz, 11);
   const int64_t T = p.T, hq = c.hq, hkv = c.hkv, n = c.n, longest = *std::max_element(c.seqlens.begin(), c.seqlens.end());
-  const Context cuda = ctx_of(Backend::cuda), ref = ctx_of(Backend::reference);
+  const Context cuda = cuda_context(Backend::cuda), ref = cuda_context(Backend::reference);
   const auto phk = device_phi(p.phi_k), phv = device_phi(p.phi_v);
   HostCache host = make_cache(cfg, sz, c.page_size, longest + 3, 12);
   DeviceCache dev(host);
@@ -423,7 +417,7 @@ TEST(CudaDecodeStatus, BadDeviceMetadataIsReportedAndContained) {
   Sizes sz = make_sizes({101, 91, 81, 71}, 4, 2, 64, 64, 24);
   sz.dtype = DType::bf16;
   LayerProblem p = make_problem(cfg, sz, 21);
-  const Context cuda = ctx_of(Backend::cuda);
+  const Context cuda = cuda_context(Backend::cuda);
   const auto phk = device_phi(p.phi_k), phv = device_phi(p.phi_v);
   const std::vector<int64_t> prompt = {100, 90, 80, 70}, one = {1, 1, 1, 1}, none = {0, 0, 0, 0};
   struct Bad {
@@ -523,7 +517,7 @@ TEST(CudaDecodeGraph, ReplayEqualsEager) {
   const int steps = 20;  // crosses compressed-block ends (every 16 tokens)
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
-  Context cuda = ctx_of(Backend::cuda);
+  Context cuda = cuda_context(Backend::cuda);
   cuda.stream = stream;
   auto prefilled = [&](HostCache& host) {
     for (int b = 0; b < 2; ++b) host.seq_lens.set(b, double(prompt[static_cast<size_t>(b)]));

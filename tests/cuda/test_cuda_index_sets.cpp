@@ -22,12 +22,6 @@ using namespace nsa::test;
 
 namespace {
 
-Context on(Backend b) {
-  Context c = cuda_context();
-  c.backend = b;
-  return c;
-}
-
 void copy_values(const HostTensor& from, HostTensor& to) {
   for (int64_t i = 0; i < from.numel(); ++i) to.set(i, from.get(i));
 }
@@ -84,15 +78,15 @@ TEST_P(CudaIndexSets, RepeatedBlocksAddNothingToTheGradients) {
     copy_values(low.v[b], ref.v[b]);
   }
   // The saved state of the reference forward, and the reference gradients of the plain rows.
-  forward(on(Backend::reference), cfg, ref.inputs(), ref.outputs());
-  backward(on(Backend::reference), cfg, ref.inputs(), ref.outputs(), ref.d_o.view(), ref.gradients());
+  forward(cuda_context(Backend::reference), cfg, ref.inputs(), ref.outputs());
+  backward(cuda_context(Backend::reference), cfg, ref.inputs(), ref.outputs(), ref.d_o.view(), ref.gradients());
   copy_values(ref.lse, low.lse);
   HostTensor dup = ref.indices;
   ASSERT_GT(repeat_padding(dup, 11), 0) << "no row had padding to turn into repeats";
   {  // the reference itself treats the rows as sets
     LayerProblem again = ref;
     again.indices = dup;
-    backward(on(Backend::reference), cfg, again.inputs(), again.outputs(), again.d_o.view(), again.gradients());
+    backward(cuda_context(Backend::reference), cfg, again.inputs(), again.outputs(), again.d_o.view(), again.gradients());
     EXPECT_EQ(max_abs_diff(again.dq.values(), ref.dq.values()), 0.0);
     EXPECT_EQ(max_abs_diff(again.dk[c.shared_kv ? 0 : 1].values(), ref.dk[c.shared_kv ? 0 : 1].values()), 0.0);
   }
@@ -120,7 +114,7 @@ TEST_P(CudaIndexSets, RepeatedBlocksAddNothingToTheGradients) {
   ForwardOutputs saved;
   saved.lse = lse.view();
   saved.indices = indices.view();
-  const Context ctx = on(Backend::cuda);
+  const Context ctx = cuda_context(Backend::cuda);
   const DeviceWorkspace ws(workspace_size(ctx, Op::backward, cfg, problem_of(cfg, in)));
   backward(ctx, cfg, in, saved, d_o.view(), grads, ws.view());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
