@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from typing import List, Optional
 
 import torch
@@ -72,6 +73,18 @@ class NSACache:
         self.fixed = False  # allocate(): capacity fixed, no host bookkeeping
         self.filled = False  # a first call (the prefill) has happened
         self.lengths: List[int] = []  # host copy of seq_lens (growable caches only)
+        self._layer = None  # weak reference to the layer whose keys and values it holds
+
+    def bind(self, layer: "NativeSparseAttention") -> None:
+        """Ties the cache to `layer` (its first call, or allocate(), does it); another layer's call
+        with this cache is an nsa.Error: a cache holds one layer's projected keys and values, and
+        a model needs one cache per layer. reset() unties it."""
+        owner = self._layer() if self._layer is not None else None
+        if owner is None:
+            self._layer = weakref.ref(layer)
+        elif owner is not layer:
+            raise error("cache", "an NSACache that another layer filled",
+                        "one NSACache per layer (it holds that layer's keys and values)")
 
     @classmethod
     def allocate(cls, layer: "NativeSparseAttention", batch_size: int, max_seqlen: int,
@@ -85,6 +98,7 @@ class NSACache:
         ref = layer.q_proj.weight
         c._make(layer, batch_size, max_seqlen, page_size, device or ref.device, dtype or ref.dtype)
         c.fixed = True
+        c.bind(layer)
         return c
 
     # ---- shape and state --------------------------------------------------------------------
@@ -121,6 +135,7 @@ class NSACache:
             self.status.zero_()
         self.lengths = [0] * len(self)
         self.filled = False
+        self._layer = None
 
     # ---- allocation -------------------------------------------------------------------------
 
@@ -391,6 +406,8 @@ class NativeSparseAttention(nn.Module):
         """Appends the new tokens x of each sequence to the cache and returns their rows: the
         prefill kernels on the first call, the library's decode afterwards (NSACache says more).
         batch: B for a [B, S, hidden] input (S new tokens each), else None (cu_seqlens over x)."""
+        if not torch.compiler.is_compiling():  # (a host-side check, as the offsets' below)
+            cache.bind(self)
         T = x.shape[0]
         if T == 0:
             return x.new_zeros((0, self.hidden_size))

@@ -113,6 +113,20 @@ if has_torch():
         args.update(kw)
         return nsa.NativeSparseAttention(**args)
 
+    def test_a_cache_serves_one_layer():
+        # Two layers of the same shapes must not share a cache (each holds its own layer's keys):
+        # the second layer's call is a named error; reset() frees the cache for another layer.
+        a, b = make_layer(0), make_layer(1)
+        x = torch.randn(2, 10, HIDDEN, dtype=torch.float64)
+        for cache in (nsa.NSACache(), nsa.NSACache.allocate(a, 2, 32)):
+            with torch.no_grad():
+                a(x, cache=cache)
+                with pytest.raises(nsa.Error, match="cache"):
+                    b(x[:, :1], cache=cache)
+                a(x[:, :1], cache=cache)  # its own layer still decodes with it
+                cache.reset()
+                b(x, cache=cache)
+
     @pytest.mark.parametrize("shared_kv", [False, True])
     def test_layer_fixed_cache_batched_steps_equal_prefill(shared_kv):
         """NSACache.allocate with [B, S, hidden] inputs: a prompt, then steps of 1, 2 and 4 tokens
