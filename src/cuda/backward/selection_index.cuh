@@ -27,15 +27,18 @@ __device__ __forceinline__ int seq_of_token(const BwdArgs& a, int64_t tok) {
 
 
 // Pair i (< T * Hkv * n, in token order) of the selection: its token, and its key
-// (hk * B + b) * n_slc_max + j, or `sentinel` for a padding or not admissible entry.
+// (hk * B + b) * n_slc_max + j, or `sentinel` for a padding, not admissible or repeated entry.
 __device__ __forceinline__ uint32_t selection_pair(const BwdArgs& a, int64_t i, uint32_t sentinel, int64_t& tok) {
   const int k = int(i % a.n);
   const int hk = int((i / a.n) % a.hkv);
   tok = i / (int64_t(a.n) * a.hkv);
   const int b = seq_of_token(a, tok);
   const int t = int(tok - a.cu[b]);
-  const int j = static_cast<const int32_t*>(a.indices.p)[tok * a.indices.s0 + hk * a.indices.s1 + k];
-  const bool valid = j >= 0 && int64_t(j) * a.lp <= t;
+  const int32_t* row = static_cast<const int32_t*>(a.indices.p) + tok * a.indices.s0 + hk * a.indices.s1;
+  const int j = row[k];
+  bool valid = j >= 0 && int64_t(j) * a.lp <= t;
+  // A row is a set (api.h): a block repeated in the row counts at its first entry only.
+  for (int e = 0; valid && e < k; ++e) valid = row[e] != j;
   return valid ? uint32_t((int64_t(hk) * a.B + b) * a.n_slc_max + j) : sentinel;
 }
 
