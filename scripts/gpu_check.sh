@@ -7,7 +7,7 @@
 #
 # Environment: OUT (log folder), BUILD_DIR (default /tmp/nsa-gpu-build), JOBS (default 16),
 # SKIP="sass_check host_tests cuda_tests memcheck racecheck cli_bench bench bench_backward bench_decode gather_bench python_tests
-# bench_decode_layer public_decode bench_backbone sm80_tests" (any subset), BENCH_ARGS (e.g. --quick), DECODE_ARGS (nsa_decode_bench's),
+# bench_decode_layer bench_phi bench_layer public_decode bench_backbone sm80_tests" (any subset), LAYER_ARGS (bench/layer_bench.py's), BENCH_ARGS (e.g. --quick), DECODE_ARGS (nsa_decode_bench's),
 # MEMCHECK_FILTER (memcheck's --gtest_filter), RACECHECK_FILTER (racecheck's), BUILD_TARGETS (build only these, e.g. "nsa_cuda_tests nsa_cli"), CUDA_TEST_FILTER (a --gtest_filter for cuda_tests, e.g. '*CudaBackward*'), BREAK_TESTS=1 (last step:
 # scripts/break_tests.sh, the GPU tests must catch the bugs planted by tests/cuda/breaks/*.patch).
 # To add a step: write a function and call `step NAME function` below; its output lands in
@@ -160,6 +160,20 @@ sm80_tests() {
 # The whole Python suite with the CUDA backend built in (the GPU machine has torch, numpy,
 # nanobind and pytest; the extension is built with CMake, no network needed).
 python_tests() { NSA_PY_BUILD=cmake NSA_PY_CUDA=ON PYTHON=python3 "$SRC/scripts/test_python.sh"; }
+# phi's cost in the kernels: `nsa bench` forward+backward at 8K and 64K (Hq 64, Hkv 4, D 128) with
+# phi = mean and phi = mlp (F = 4D), same run.
+bench_phi() {
+  local phi
+  for phi in mean mlp; do
+    "$(bin nsa)" bench --seqlens 8192,65536 --hq 64 --hkv 4 --phi $phi --phi-hidden 512 --repeats 3 || return 1
+  done
+}
+# The training layer against its dense twin (bench/layer_bench.py; the package from scripts/py_stage.sh).
+bench_layer() {
+  local stage; stage=$(bash "$SRC/scripts/py_stage.sh" | tail -1) || return 1
+  PYTHONUNBUFFERED=1 PYTHONPATH="$stage:${PYTHONPATH:-}" python3 "$SRC/bench/layer_bench.py" ${LAYER_ARGS:-} \
+    --csv "$OUT/layer_bench.csv" --markdown "$OUT/bench_layer.md"
+}
 # The layer's decode step (needs the package python_tests built in build-py/stage).
 bench_decode_layer() {
   PYTHONUNBUFFERED=1 PYTHONPATH="$SRC/build-py/stage:${PYTHONPATH:-}" python3 "$SRC/bench/decode_layer_bench.py" \
@@ -181,6 +195,8 @@ step public_decode public_decode
 step gather_bench gather_bench
 step python_tests python_tests
 step bench_decode_layer bench_decode_layer
+step bench_phi bench_phi
+step bench_layer bench_layer
 step sm80_tests sm80_tests
 # Last: it rebuilds the GPU tests with the planted bugs (the source tree is restored).
 [[ "${BREAK_TESTS:-0}" == 1 ]] && step break_tests "$SRC/scripts/break_tests.sh" "$BUILD_DIR" "$SRC"

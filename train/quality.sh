@@ -4,8 +4,8 @@
 #
 #   bash train/quality.sh            (from the repository root, on the GPU machine)
 #
-# 1. builds the Python extension with the CUDA backend into build-py/stage (as
-#    scripts/test_python.sh's NSA_PY_BUILD=cmake does; sm_90a only) unless it imports already;
+# 1. builds the Python extension with the CUDA backend into build-py/stage (scripts/py_stage.sh;
+#    sm_90a only) unless it imports already;
 # 2. trains each arm not yet complete (train/train.py --resume --time-limit: stops cleanly and
 #    checkpoints before the budget ends; the next call continues it);
 # 3. evaluates each complete arm that has no eval.json yet (train/evaluate.py);
@@ -48,22 +48,11 @@ pack() {  # logs, settings, evaluations and plots; checkpoints stay (hundreds of
 complete() {  # the run in folder $1 has done all its steps
   "$PYTHON" -c "import json, sys; sys.exit(0 if json.load(open('$1/meta.json')).get('complete') else 1)" 2>/dev/null
 }
-cuda_ok() { "$PYTHON" -c "import nsa, sys; sys.exit(0 if nsa.backend_available('cuda') else 1)" 2>/dev/null; }
 
 echo "quality: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), budget ${BUDGET} s"
 if [[ $BUILD != 0 ]]; then
-  export PYTHONPATH="$PWD/build-py/stage${PYTHONPATH:+:$PYTHONPATH}"
-  if ! cuda_ok; then
-    start=$SECONDS
-    export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
-    cmake -S . -B build-py -G Ninja -DNSA_BUILD_PYTHON=ON -DNSA_BUILD_TESTS=OFF -DNSA_BUILD_TOOLS=OFF -DNSA_CUDA=ON \
-      -DNSA_CUDA_ARCHITECTURES=90a -DPython_EXECUTABLE="$(command -v "$PYTHON")" > /dev/null || exit 1
-    cmake --build build-py --target _nsa || exit 1
-    rm -rf build-py/stage && mkdir -p build-py/stage/nsa
-    cp python/nsa/*.py build-py/stage/nsa/ && cp build-py/python/_nsa*.so build-py/stage/nsa/
-    cuda_ok || { echo "quality: the extension has no usable CUDA backend"; exit 1; }
-    echo "quality: extension built in $(( SECONDS - start )) s"
-  fi
+  stage=$(PYTHON="$PYTHON" bash scripts/py_stage.sh | tail -1) || exit 1
+  export PYTHONPATH="$stage${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
 for arm in $ARMS; do
