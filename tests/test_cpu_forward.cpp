@@ -26,10 +26,10 @@ std::vector<Case> cases() {
   };
 }
 
-class CpuForward : public ::testing::TestWithParam<DType> {};
+class CpuForward : public IsaTest {};
 
 TEST_P(CpuForward, LayerMatchesReference) {
-  const DType dtype = GetParam();
+  const DType dtype = this->dtype();
   uint64_t seed = 10;
   for (const Case& c : cases()) {
     SCOPED_TRACE(c.name);
@@ -68,14 +68,13 @@ TEST_P(CpuForward, LayerMatchesReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, CpuForward, ::testing::Values(DType::f32, DType::bf16, DType::f16),
-                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+INSTANTIATE_TEST_SUITE_P(Isas, CpuForward, ::testing::ValuesIn(isa_dtype_params()), isa_dtype_name);
 
 // The stages on their own, each fed identical inputs (so top-n sees the very same scores).
-class CpuStages : public ::testing::TestWithParam<DType> {};
+class CpuStages : public IsaTest {};
 
 TEST_P(CpuStages, StagesMatchReference) {
-  const DType dtype = GetParam();
+  const DType dtype = this->dtype();
   uint64_t seed = 100;
   for (const Case& c : cases()) {
     SCOPED_TRACE(c.name);
@@ -200,7 +199,6 @@ TEST_P(CpuStages, StagesMatchReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, CpuStages, ::testing::Values(DType::f32, DType::bf16, DType::f16),
-                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+INSTANTIATE_TEST_SUITE_P(Isas, CpuStages, ::testing::ValuesIn(isa_dtype_params()), isa_dtype_name);
 
 }  // namespace

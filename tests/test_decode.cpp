@@ -185,7 +185,7 @@ TEST(ReferenceDecode, DenseDecodeEqualsDenseRows) {
 // ---- The CPU backend -------------------------------------------------------------------------
 
 
-class CpuDecode : public ::testing::TestWithParam<DType> {};
+class CpuDecode : public IsaTest {};
 
 // Decode on the CPU backend against the reference's decode of the same cache contents in fp64
 // (the style.md tolerance: twice the error of that result rounded to the storage dtype), at every
@@ -197,7 +197,7 @@ TEST_P(CpuDecode, MatchesPrefillRowsAtEveryStep) {
   for (const DecodeCase& c : cases()) {
     SCOPED_TRACE(c.name);
     Sizes sz = c.sizes;
-    sz.dtype = GetParam();
+    sz.dtype = dtype();
     LayerProblem p = make_problem(c.cfg, sz, seed++);
     LayerProblem prefill = p;
     const Context ref = context_of(Backend::reference), cpu = context_of(Backend::cpu);
@@ -280,7 +280,7 @@ TEST_P(CpuDecode, MatchesPrefillRowsAtEveryStep) {
 TEST_P(CpuDecode, DeterministicAndChunkFree) {
   const DecodeCase c = cases()[0];
   Sizes sz = c.sizes;
-  sz.dtype = GetParam();
+  sz.dtype = dtype();
   LayerProblem p = make_problem(c.cfg, sz, 77);
   const auto schedule = random_schedule(sz.seqlens, 78, 30, 3);
   std::vector<HostTensor> first;
@@ -318,7 +318,7 @@ TEST_P(CpuDecode, DeterministicAndChunkFree) {
 TEST_P(CpuDecode, DenseDecodeMatchesReference) {
   const DecodeCase c = cases()[1];
   Sizes sz = c.sizes;
-  sz.dtype = GetParam();
+  sz.dtype = dtype();
   LayerProblem p = make_problem(c.cfg, sz, 90);
   LayerProblem truth = to_f64(p);
   const Context ref = context_of(Backend::reference), cpu = context_of(Backend::cpu);
@@ -432,7 +432,6 @@ TEST(DecodeErrors, BadInputsAreNamedErrorsAndTouchNothing) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, CpuDecode, ::testing::Values(DType::f32, DType::bf16, DType::f16),
-                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+INSTANTIATE_TEST_SUITE_P(Isas, CpuDecode, ::testing::ValuesIn(isa_dtype_params()), isa_dtype_name);
 
 }  // namespace

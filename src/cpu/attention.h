@@ -15,6 +15,14 @@
 // Backward: dQ query-major (a tile walks its chunks), dK/dV key-major (a key chunk walks the
 // queries that see it), so each output row is written by exactly one work item: no atomics,
 // and the result does not depend on the number of threads.
+//
+// The tile products run on one of two paths, fixed per call (Dims::mm). fp32: every operand
+// packed in fp32, q multiplied by the softmax scale when packed. bf16 matrix (bf16 inputs on a
+// CPU with AMX or AVX-512-BF16): the operands of every product packed in bf16 (the pair-
+// interleaved B layout of pack_vnni), fp32 accumulation; q is packed unscaled (exact) and the
+// scale multiplies S in fp32. The fp32 intermediates a product consumes (P, dS, gate * dO, the
+// fp32 compressed keys/values) are rounded to bf16 first, as FlashAttention does on GPUs;
+// softmax statistics, row sums and every accumulator stay fp32.
 #pragma once
 
 #include <algorithm>
@@ -32,8 +40,13 @@ enum class Kind { cmp, slc, win, dense };
 // Sizes shared by every tile of a call.
 struct Dims {
   int64_t G = 1, dqk = 0, dv = 0;
-  int64_t dqkp = 0, dvp = 0;  // padded to kColPad
+  int64_t dqkp = 0, dvp = 0;  // padded to kColPad (= kKPad: also the bf16 reduction lengths)
   float scale = 1.0f;
+  // bf16 storage: the bf16 scratch and packs are carved (whatever the CPU, so that workspace
+  // sizes do not depend on the kernel table). mm: the tile products run on gemm_bf16.
+  bool b16 = false, mm = false;
+  float qscale = 1.0f;  // factor of q when packed: scale (fp32 path) or 1 (bf16 path)
+  float sscale = 1.0f;  // factor of Q K^T: 1 (fp32 path) or scale (bf16 path)
   int64_t max_rows = 0;       // rows of the largest tile
   int64_t max_rows_p = 0;     // padded to kColPad
   int64_t tile_tokens = 1;    // tokens per query tile
@@ -46,7 +59,8 @@ struct Dims {
 };
 
 inline Dims make_dims(const Config& cfg, int64_t G, int64_t dqk, int64_t dv, double scale,
-                      int64_t max_seqlen) {
+                      int64_t max_seqlen, DType dtype) {
+  static_assert(kKPad == kColPad, "dqkp, dvp and pad_cols(rows) double as bf16 reduction lengths");
   Dims d;
   d.G = G;
   d.dqk = dqk;
@@ -54,6 +68,10 @@ inline Dims make_dims(const Config& cfg, int64_t G, int64_t dqk, int64_t dv, dou
   d.dqkp = pad_cols(dqk);
   d.dvp = pad_cols(dv);
   d.scale = static_cast<float>(scale);
+  d.b16 = dtype == DType::bf16;
+  d.mm = d.b16 && kernels().gemm_bf16 != nullptr;
+  d.qscale = d.mm ? 1.0f : d.scale;
+  d.sscale = d.mm ? d.scale : 1.0f;
   d.tile_tokens = std::max<int64_t>(1, kTileRows / G);
   d.max_rows = d.tile_tokens * G;
   d.max_rows_p = pad_cols(d.max_rows);
@@ -75,11 +93,20 @@ inline Dims make_dims(const Config& cfg, int64_t G, int64_t dqk, int64_t dv, dou
 // A branch's keys and values converted once per call (fp32) into the layouts the matrix kernels
 // read, so that tiles use them in place instead of converting and transposing every chunk they
 // visit. Chunks are 64 keys aligned to the sequence start; chunk0[b] is sequence b's first.
+// On the bf16 path the same four matrices are packed as bf16 product operands (pack_vnni).
 struct Packed {
   const float* kt = nullptr;  // [Hkv][chunks][dqk][kChunk]
   const float* kn = nullptr;  // [Hkv][chunks][kChunk][dqkp]
   const float* vt = nullptr;  // [Hkv][chunks][dv][kChunk]
   const float* vn = nullptr;  // [Hkv][chunks][kChunk][dvp]
+  const uint16_t* ktb = nullptr;  // [Hkv][chunks][dqkp/2][kChunk][2]  K^T as the B of S = Q K^T
+  const uint16_t* knb = nullptr;  // [Hkv][chunks][kChunk/2][dqkp][2]  K as the B of dQ = dS K
+  const uint16_t* vtb = nullptr;  // [Hkv][chunks][dvp/2][kChunk][2]   V^T as the B of dP = dO V^T
+  const uint16_t* vnb = nullptr;  // [Hkv][chunks][kChunk/2][dvp][2]   V as the B of O = P V
+  // Keys not exact in bf16 (the fp32 compressed keys): K^T = ktb + ktb_lo, ktb_lo the rounding
+  // error of ktb in bf16, so that S (and through it lse and the selection scores) keeps about
+  // 16 bits instead of 8. Null for keys stored in bf16.
+  const uint16_t* ktb_lo = nullptr;
   const int64_t* chunk0 = nullptr;
   int64_t chunks = 0;
 };
@@ -153,6 +180,7 @@ struct Scratch {
   float *st, *dpt;              // [kChunk][rows_p]
   float *dk, *dv;               // [kChunk][dqkp], [kChunk][dvp]
   float *m, *l, *lse, *delta;   // [rows]
+  float *gate;                  // [rows] a branch's gate per row (bf16 path: it multiplies dP)
   float *lse3, *delta3;         // [rows][3]
   float *sfull;                 // [rows][max_cmp_p]
   float *psum;                  // [max_cmp_p]
@@ -163,6 +191,13 @@ struct Scratch {
   Chunk* chunks;                // [max_chunks]
   Chunk* chunks_own;            // [max_chunks] selection chunks not every token of the tile chose
   int32_t* topn;                // [ns_max_p] candidates for top-n
+  // bf16 path (Dims::b16; null otherwise). Row-major A operands:
+  uint16_t *qb, *doutb;         // [rows][dqkp], [rows][dvp]
+  uint16_t *pb;                 // [rows][kChunk] P or dS
+  uint16_t *stb, *stb_lo;       // [kChunk][rows_p] P^T or dS^T; dS^T's rounding error (see dkdv_tile)
+  // B operands (pack_vnni): the query side of dK/dV, and a chunk packed in a tile.
+  uint16_t *qv, *dov;           // [rows_p/2][dqkp][2], [rows_p/2][dvp][2]
+  uint16_t *ktb, *knb, *vtb, *vnb, *ktb_lo;  // as Packed, one chunk
 };
 
 template <typename A>
@@ -189,6 +224,7 @@ Scratch layout_scratch(A& a, const Dims& d) {
   s.l = a.template take<float>(Rp);
   s.lse = a.template take<float>(Rp);
   s.delta = a.template take<float>(Rp);
+  s.gate = a.template take<float>(Rp);
   s.lse3 = a.template take<float>(Rp * 3);
   s.delta3 = a.template take<float>(Rp * 3);
   s.sfull = a.template take<float>(R * d.max_cmp_p);
@@ -201,6 +237,20 @@ Scratch layout_scratch(A& a, const Dims& d) {
   s.chunks = a.template take<Chunk>(d.max_chunks);
   s.chunks_own = a.template take<Chunk>(d.max_chunks);
   s.topn = a.template take<int32_t>(d.ns_max_p);
+  if (d.b16) {
+    s.qb = a.template take<uint16_t>(R * d.dqkp);
+    s.doutb = a.template take<uint16_t>(R * d.dvp);
+    s.pb = a.template take<uint16_t>(R * kChunk);
+    s.stb = a.template take<uint16_t>(kChunk * Rp);
+    s.stb_lo = a.template take<uint16_t>(kChunk * Rp);
+    s.qv = a.template take<uint16_t>(Rp * d.dqkp);
+    s.dov = a.template take<uint16_t>(Rp * d.dvp);
+    s.ktb = a.template take<uint16_t>(d.dqkp * kChunk);
+    s.knb = a.template take<uint16_t>(kChunk * d.dqkp);
+    s.vtb = a.template take<uint16_t>(d.dvp * kChunk);
+    s.vnb = a.template take<uint16_t>(kChunk * d.dvp);
+    s.ktb_lo = a.template take<uint16_t>(d.dqkp * kChunk);
+  }
   return s;
 }
 
@@ -217,6 +267,48 @@ inline void pack_rows(const Rows& src, const Seq& s, const int32_t* tokens, int6
         for (int64_t c = 0; c < src.dim; ++c) row[c] *= factor;
       std::fill(row + src.dim, row + ld, 0.0f);
     }
+}
+
+// The query rows of a tile for the products: sc.q [rows][dqkp] = qscale * q in fp32 and, on the
+// bf16 path, the same rows in bf16 (sc.qb; q is unscaled there, so the copy is exact).
+inline void pack_query(const Dims& d, const Rows& src, const Seq& s, const int32_t* tokens, int64_t nt,
+                       int64_t hk, float* q, uint16_t* qb) {
+  pack_rows(src, s, tokens, nt, hk, d.G, d.qscale, q, d.dqkp);
+  if (d.mm) kernels().f32_to_bf16(q, qb, nt * d.G * d.dqkp);
+}
+
+// A matrix B [K][N] (element (k, n) at src[k * sk + n * sn]) as the bf16 B operand of gemm_bf16:
+// dst[(k / 2) * 2 * ldb + 2 * n + k % 2] = bf16(B[k][n]) for k < Kp, n < ldb, zero for k >= K or
+// n >= N (ldb a multiple of kColPad, Kp of kKPad).
+// lo = true packs the rounding error instead: bf16(B - float(bf16(B))).
+inline void pack_vnni(const float* src, int64_t K, int64_t N, int64_t sk, int64_t sn, uint16_t* dst, int64_t Kp,
+                      int64_t ldb, bool lo = false) {
+  for (int64_t k2 = 0; k2 < Kp / 2; ++k2) {
+    uint16_t* out = dst + k2 * 2 * ldb;
+    for (int64_t n = 0; n < ldb; ++n)
+      for (int64_t h = 0; h < 2; ++h) {
+        const int64_t k = 2 * k2 + h;
+        if (k >= K || n >= N) {
+          out[2 * n + h] = 0;
+          continue;
+        }
+        const float x = src[k * sk + n * sn];
+        const uint16_t hi = detail::f32_to_bf16(x);
+        out[2 * n + h] = lo ? detail::f32_to_bf16(x - detail::bf16_to_f32(hi)) : hi;
+      }
+  }
+}
+
+// The four bf16 layouts of one chunk (Packed) from its natural fp32 keys kn [kChunk][dqkp] and
+// values vn [kChunk][dvp] (rows past the chunk's keys zero); a null destination is skipped.
+inline void pack_chunk_b16(const Dims& d, const float* kn, const float* vn, uint16_t* ktb, uint16_t* knb,
+                           uint16_t* vtb, uint16_t* vnb, uint16_t* ktb_lo) {
+  const KernelTable& K = kernels();
+  if (ktb) pack_vnni(kn, d.dqk, kChunk, 1, d.dqkp, ktb, d.dqkp, kChunk);
+  if (ktb_lo) pack_vnni(kn, d.dqk, kChunk, 1, d.dqkp, ktb_lo, d.dqkp, kChunk, true);
+  if (knb) K.pack_b_bf16(kn, d.dqkp, kChunk, d.dqkp, knb, kChunk);
+  if (vtb) pack_vnni(vn, d.dv, kChunk, 1, d.dvp, vtb, d.dvp, kChunk);
+  if (vnb) K.pack_b_bf16(vn, d.dvp, kChunk, d.dvp, vnb, kChunk);
 }
 
 // Transpose of packed rows: dst[c][r] = rows[r][c] for r < M, zero for M <= r < ldt.
@@ -253,6 +345,8 @@ constexpr unsigned kBackwardNeeds = kNeedKt | kNeedKn | kNeedVt;
 
 struct ChunkData {
   const float *kt = nullptr, *kn = nullptr, *vt = nullptr, *vn = nullptr;
+  const uint16_t *ktb = nullptr, *knb = nullptr, *vtb = nullptr, *vnb = nullptr;  // bf16 path
+  const uint16_t* ktb_lo = nullptr;  // see Packed
 };
 
 // Pointers to a chunk's layouts: in place when the branch is pre-packed (and the chunk aligned),
@@ -261,6 +355,33 @@ inline ChunkData chunk_data(const Dims& d, const Branch& br, const Seq& s, int64
                             unsigned need, Scratch& sc) {
   ChunkData cd;
   const bool aligned = c.k0 % kChunk == 0 && (br.kind != Kind::slc || br.slc_aligned());
+  if (d.mm) {
+    if (aligned && (br.pk.ktb || br.pk.knb || br.pk.vtb || br.pk.vnb)) {
+      const int64_t ci = hk * br.pk.chunks + br.pk.chunk0[s.b] + c.k0 / kChunk;
+      if ((need & kNeedKt) && br.pk.ktb) cd.ktb = br.pk.ktb + ci * d.dqkp * kChunk;
+      if ((need & kNeedKt) && br.pk.ktb_lo) cd.ktb_lo = br.pk.ktb_lo + ci * d.dqkp * kChunk;
+      if ((need & kNeedKn) && br.pk.knb) cd.knb = br.pk.knb + ci * kChunk * d.dqkp;
+      if ((need & kNeedVt) && br.pk.vtb) cd.vtb = br.pk.vtb + ci * d.dvp * kChunk;
+      if ((need & kNeedVn) && br.pk.vnb) cd.vnb = br.pk.vnb + ci * kChunk * d.dvp;
+      const bool complete = (!(need & kNeedKt) || cd.ktb) && (!(need & kNeedKn) || cd.knb) &&
+                            (!(need & kNeedVt) || cd.vtb) && (!(need & kNeedVn) || cd.vnb);
+      if (complete) return cd;
+      cd = ChunkData{};
+    }
+    const int64_t row0 = key_row0(br, s);
+    if (need & (kNeedKt | kNeedKn)) pack_keys(br.k, row0, hk, c, sc.kn, d.dqkp);
+    if (need & (kNeedVt | kNeedVn)) pack_keys(br.v, row0, hk, c, sc.vn, d.dvp);
+    const bool split = (need & kNeedKt) && br.k.dtype != DType::bf16;
+    pack_chunk_b16(d, sc.kn, sc.vn, (need & kNeedKt) ? sc.ktb : nullptr, (need & kNeedKn) ? sc.knb : nullptr,
+                   (need & kNeedVt) ? sc.vtb : nullptr, (need & kNeedVn) ? sc.vnb : nullptr,
+                   split ? sc.ktb_lo : nullptr);
+    if (split) cd.ktb_lo = sc.ktb_lo;
+    if (need & kNeedKt) cd.ktb = sc.ktb;
+    if (need & kNeedKn) cd.knb = sc.knb;
+    if (need & kNeedVt) cd.vtb = sc.vtb;
+    if (need & kNeedVn) cd.vnb = sc.vnb;
+    return cd;
+  }
   if (aligned && (br.pk.kt || br.pk.kn || br.pk.vt || br.pk.vn)) {
     const int64_t ci = hk * br.pk.chunks + br.pk.chunk0[s.b] + c.k0 / kChunk;
     if ((need & kNeedKt) && br.pk.kt) cd.kt = br.pk.kt + ci * d.dqk * kChunk;
@@ -359,19 +480,45 @@ inline bool split_selection(const Branch& br, const Seq& s, int64_t hk, const in
   return static_cast<double>(union_chunks * nt) > kUnionSlack * static_cast<double>(own);
 }
 
+// ---- The tile products, on the call's path -----------------------------------------------
+
+// S [M][64] (row stride lds) = Q K^T of a chunk, unscaled on the bf16 path (times sscale later).
+inline void product_qk(const Dims& d, int64_t M, const float* q, const uint16_t* qb, const ChunkData& cd,
+                       float* S, int64_t lds) {
+  const KernelTable& K = kernels();
+  if (d.mm) {
+    K.gemm_bf16(M, kChunk, d.dqkp, qb, d.dqkp, cd.ktb, kChunk, S, lds, false);
+    if (cd.ktb_lo) K.gemm_bf16(M, kChunk, d.dqkp, qb, d.dqkp, cd.ktb_lo, kChunk, S, lds, true);
+  } else {
+    K.gemm(M, kChunk, d.dqk, q, d.dqkp, cd.kt, kChunk, S, lds, false);
+  }
+}
+
+// o [M][dvp] += P V for P [M][64] (row stride ldp; rounded to bf16 on the bf16 path).
+inline void product_pv(const Dims& d, int64_t M, const float* P, int64_t ldp, const ChunkData& cd, float* o,
+                       Scratch& sc) {
+  const KernelTable& K = kernels();
+  if (d.mm) {
+    for (int64_t r = 0; r < M; ++r) K.f32_to_bf16(P + r * ldp, sc.pb + r * kChunk, kChunk);
+    K.gemm_bf16(M, d.dvp, kChunk, sc.pb, kChunk, cd.vnb, d.dvp, o, d.dvp, true);
+  } else {
+    K.gemm(M, d.dvp, kChunk, P, ldp, cd.vn, d.dvp, o, d.dvp, true);
+  }
+}
+
 // ---- Forward ------------------------------------------------------------------------------
 
 // The flash loop over `count` chunks for the rows of tokens[0..nt): q [nt*G][dqkp], running
 // max m, sum l and unnormalised output o [nt*G][dvp] of those rows, updated in place.
 inline void flash_chunks(const Dims& d, const Branch& br, const Seq& s, int64_t hk, const int32_t* tokens,
-                         int64_t nt, const float* q, float* o, float* m, float* l, const Chunk* chunks,
-                         int64_t count, Scratch& sc) {
+                         int64_t nt, const float* q, const uint16_t* qb, float* o, float* m, float* l,
+                         const Chunk* chunks, int64_t count, Scratch& sc) {
   const KernelTable& K = kernels();
   const int64_t G = d.G, M = nt * G;
   for (int64_t ci = 0; ci < count; ++ci) {
     const Chunk& c = chunks[ci];
     const ChunkData cd = chunk_data(d, br, s, hk, c, kForwardNeeds, sc);
-    K.gemm(M, kChunk, d.dqk, q, d.dqkp, cd.kt, kChunk, sc.s, kChunk, false);
+    product_qk(d, M, q, qb, cd, sc.s, kChunk);
     for (int64_t i = 0; i < nt; ++i) {
       const Interval iv = keys_of(br, s, hk, tokens[i], c, true);
       const int64_t a = std::max<int64_t>(iv.lo - c.k0, 0), b = std::min<int64_t>(iv.hi - c.k0, c.nk - 1);
@@ -384,10 +531,10 @@ inline void flash_chunks(const Dims& d, const Branch& br, const Seq& s, int64_t 
         }
         std::fill(srow, srow + a, kNegInf);
         std::fill(srow + b + 1, srow + kChunk, kNegInf);
-        // Whole-row vector max and shift: the masked entries are -inf and stay so.
-        const float mx = std::max(m[r], K.row_max(srow, kChunk));
+        // Whole-row vector max and shift: the masked entries are -inf and stay so (sscale > 0).
+        const float mx = std::max(m[r], K.row_max(srow, kChunk) * d.sscale);
         const float corr = std::exp(m[r] - mx);  // 0 when m was -inf
-        for (int64_t j = 0; j < kChunk; ++j) srow[j] -= mx;
+        for (int64_t j = 0; j < kChunk; ++j) srow[j] = srow[j] * d.sscale - mx;
         m[r] = mx;
         l[r] *= corr;
         if (corr != 1.0f) {
@@ -398,15 +545,16 @@ inline void flash_chunks(const Dims& d, const Branch& br, const Seq& s, int64_t 
     }
     K.exp_inplace(sc.s, M * kChunk);
     for (int64_t r = 0; r < M; ++r) l[r] += K.row_sum(sc.s + r * kChunk, kChunk);
-    K.gemm(M, d.dvp, kChunk, sc.s, kChunk, cd.vn, d.dvp, o, d.dvp, true);
+    product_pv(d, M, sc.s, kChunk, cd, o, sc);
   }
 }
 
-// Flash forward of one branch for a tile. q: [rows][dqkp] already multiplied by the scale.
-// Writes o [rows][dvp] (normalised; zero for rows with no key) and lse [rows] (-inf there).
+// Flash forward of one branch for a tile. q: [rows][dqkp] times qscale, qb its bf16 copy (bf16
+// path; pack_query). Writes o [rows][dvp] (normalised; zero for rows with no key) and lse [rows]
+// (-inf there).
 inline void attend_fwd(const Dims& d, const Branch& br, const Seq& s, int64_t hk,
-                       const int32_t* tokens, int64_t nt, const float* q, Scratch& sc, float* o,
-                       float* lse) {
+                       const int32_t* tokens, int64_t nt, const float* q, const uint16_t* qb, Scratch& sc,
+                       float* o, float* lse) {
   const int64_t G = d.G, M = nt * G;
   const int64_t nchunks = tile_chunks(br, s, hk, tokens, nt, sc);
   std::fill(o, o + M * d.dvp, 0.0f);
@@ -424,14 +572,15 @@ inline void attend_fwd(const Dims& d, const Branch& br, const Seq& s, int64_t hk
       if (all) sc.chunks[shared++] = sc.chunks[ci];
       else sc.chunks_own[own++] = sc.chunks[ci];
     }
-    flash_chunks(d, br, s, hk, tokens, nt, q, o, sc.m, sc.l, sc.chunks, shared, sc);
+    flash_chunks(d, br, s, hk, tokens, nt, q, qb, o, sc.m, sc.l, sc.chunks, shared, sc);
     for (int64_t i = 0; i < nt; ++i)
       for (int64_t ci = 0; ci < own; ++ci)
         if (selected(br, s, tokens[i], hk, sc.chunks_own[ci].block))
-          flash_chunks(d, br, s, hk, tokens + i, 1, q + i * G * d.dqkp, o + i * G * d.dvp, sc.m + i * G,
+          flash_chunks(d, br, s, hk, tokens + i, 1, q + i * G * d.dqkp, d.mm ? qb + i * G * d.dqkp : nullptr,
+                       o + i * G * d.dvp, sc.m + i * G,
                        sc.l + i * G, sc.chunks_own + ci, 1, sc);
   } else {
-    flash_chunks(d, br, s, hk, tokens, nt, q, o, sc.m, sc.l, sc.chunks, nchunks, sc);
+    flash_chunks(d, br, s, hk, tokens, nt, q, qb, o, sc.m, sc.l, sc.chunks, nchunks, sc);
   }
   for (int64_t r = 0; r < M; ++r) {
     float* orow = o + r * d.dvp;
@@ -450,8 +599,8 @@ inline void attend_fwd(const Dims& d, const Branch& br, const Seq& s, int64_t hk
 // group-summed selection scores S of spec §3 for each token: scores [nt][ns_max_p], entries
 // past the token's admissible blocks 0.
 inline void attend_cmp_fwd(const Dims& d, const Branch& br, int64_t lp, const Seq& s, int64_t hk,
-                           const int32_t* tokens, int64_t nt, const float* q, Scratch& sc, float* o,
-                           float* lse, float* scores) {
+                           const int32_t* tokens, int64_t nt, const float* q, const uint16_t* qb, Scratch& sc,
+                           float* o, float* lse, float* scores) {
   const KernelTable& K = kernels();
   const int64_t G = d.G, M = nt * G;
   const int64_t C = visible_cmp_blocks(tokens[nt - 1], br.l, br.d);
@@ -467,7 +616,7 @@ inline void attend_cmp_fwd(const Dims& d, const Branch& br, int64_t lp, const Se
   for (int64_t k0 = 0; k0 < C; k0 += kChunk) {
     const Chunk c{k0, std::min(kChunk, C - k0), -1};
     const ChunkData cd = chunk_data(d, br, s, hk, c, kNeedKt, sc);
-    K.gemm(M, kChunk, d.dqk, q, d.dqkp, cd.kt, kChunk, sc.sfull + k0, Cp, false);
+    product_qk(d, M, q, qb, cd, sc.sfull + k0, Cp);
   }
   for (int64_t i = 0; i < nt; ++i) {
     const int64_t Ct = visible_cmp_blocks(tokens[i], br.l, br.d);
@@ -479,8 +628,8 @@ inline void attend_cmp_fwd(const Dims& d, const Branch& br, int64_t lp, const Se
         sc.m[r] = kNegInf;
         continue;
       }
-      const float mx = K.row_max(srow, Cp);  // entries past Ct are -inf
-      for (int64_t j = 0; j < Ct; ++j) srow[j] -= mx;
+      const float mx = K.row_max(srow, Cp) * d.sscale;  // entries past Ct are -inf
+      for (int64_t j = 0; j < Ct; ++j) srow[j] = srow[j] * d.sscale - mx;
       sc.m[r] = mx;
     }
   }
@@ -499,7 +648,7 @@ inline void attend_cmp_fwd(const Dims& d, const Branch& br, int64_t lp, const Se
   for (int64_t k0 = 0; k0 < C; k0 += kChunk) {
     const Chunk c{k0, std::min(kChunk, C - k0), -1};
     const ChunkData cd = chunk_data(d, br, s, hk, c, kNeedVn, sc);
-    K.gemm(M, d.dvp, kChunk, sc.sfull + k0, Cp, cd.vn, d.dvp, o, d.dvp, true);
+    product_pv(d, M, sc.sfull + k0, Cp, cd, o, sc);
   }
   if (scores == nullptr) return;
   // §3: S[j] = sum_i ov(i, j) * sum_h p_cmp[h, i]; ov is how many stride pieces block i shares
@@ -551,24 +700,29 @@ inline void topn_row(const Config& cfg, int64_t t, const float* S, int32_t* cand
 // ---- Backward -----------------------------------------------------------------------------
 
 // dq [rows][dqkp] += (1/scale) * dS . K for one branch (the caller multiplies by the scale at
-// the end of all branches: dq = scale * sum dS k). q is scaled, dout = gate * dO [rows][dvp],
-// lse and delta per row.
+// the end of all branches: dq = scale * sum dS k). q is packed by pack_query (qb its bf16 copy),
+// dout = gate * dO [rows][dvp], lse and delta per row. The bf16 path reads dO itself in bf16
+// (doutb, exact) and the gates per row (gate; null: 1), and multiplies dP by the gate in fp32:
+// rounding gate * dO instead would break sum_j P_j (dP_j - delta) = 0, whose cancellation keeps
+// the gradients of shift-invariant parameters (phi's output bias) near zero.
 inline void attend_dq(const Dims& d, const Branch& br, const Seq& s, int64_t hk,
-                      const int32_t* tokens, int64_t nt, const float* q, const float* dout,
-                      const float* lse, const float* delta, Scratch& sc, float* dq) {
+                      const int32_t* tokens, int64_t nt, const float* q, const uint16_t* qb, const float* dout,
+                      const uint16_t* doutb, const float* gate, const float* lse, const float* delta, Scratch& sc,
+                      float* dq) {
   const KernelTable& K = kernels();
   const int64_t G = d.G, M = nt * G;
   const int64_t nchunks = tile_chunks(br, s, hk, tokens, nt, sc);
   if (split_selection(br, s, hk, tokens, nt, nchunks)) {
     for (int64_t i = 0; i < nt; ++i)
-      attend_dq(d, br, s, hk, tokens + i, 1, q + i * G * d.dqkp, dout + i * G * d.dvp, lse + i * G, delta + i * G,
-                sc, dq + i * G * d.dqkp);
+      attend_dq(d, br, s, hk, tokens + i, 1, q + i * G * d.dqkp, d.mm ? qb + i * G * d.dqkp : nullptr,
+                dout + i * G * d.dvp, d.mm ? doutb + i * G * d.dvp : nullptr, gate ? gate + i * G : nullptr,
+                lse + i * G, delta + i * G, sc, dq + i * G * d.dqkp);
     return;
   }
   for (int64_t ci = 0; ci < nchunks; ++ci) {
     const Chunk& c = sc.chunks[ci];
     const ChunkData cd = chunk_data(d, br, s, hk, c, kBackwardNeeds, sc);
-    K.gemm(M, kChunk, d.dqk, q, d.dqkp, cd.kt, kChunk, sc.s, kChunk, false);
+    product_qk(d, M, q, qb, cd, sc.s, kChunk);
     for (int64_t i = 0; i < nt; ++i) {
       const Interval iv = keys_of(br, s, hk, tokens[i], c, true);
       const int64_t a = std::max<int64_t>(iv.lo - c.k0, 0), b = std::min<int64_t>(iv.hi - c.k0, c.nk - 1);
@@ -581,17 +735,29 @@ inline void attend_dq(const Dims& d, const Branch& br, const Seq& s, int64_t hk,
         }
         std::fill(srow, srow + a, kNegInf);
         std::fill(srow + b + 1, srow + kChunk, kNegInf);
-        for (int64_t j = a; j <= b; ++j) srow[j] -= lse[r];
+        for (int64_t j = a; j <= b; ++j) srow[j] = srow[j] * d.sscale - lse[r];
       }
     }
     K.exp_inplace(sc.s, M * kChunk);  // P
-    K.gemm(M, kChunk, d.dv, dout, d.dvp, cd.vt, kChunk, sc.dp, kChunk, false);  // dP = dO V^T
+    if (d.mm) {
+      K.gemm_bf16(M, kChunk, d.dvp, doutb, d.dvp, cd.vtb, kChunk, sc.dp, kChunk, false);  // dP = dO V^T
+      if (gate)
+        for (int64_t r = 0; r < M; ++r)
+          for (int64_t j = 0; j < kChunk; ++j) sc.dp[r * kChunk + j] *= gate[r];
+    } else {
+      K.gemm(M, kChunk, d.dv, dout, d.dvp, cd.vt, kChunk, sc.dp, kChunk, false);
+    }
     for (int64_t r = 0; r < M; ++r) {
       float* prow = sc.s + r * kChunk;
       const float* dprow = sc.dp + r * kChunk;
       for (int64_t j = 0; j < kChunk; ++j) prow[j] *= dprow[j] - delta[r];  // dS (unscaled)
     }
-    K.gemm(M, d.dqkp, kChunk, sc.s, kChunk, cd.kn, d.dqkp, dq, d.dqkp, true);
+    if (d.mm) {
+      K.f32_to_bf16(sc.s, sc.pb, M * kChunk);
+      K.gemm_bf16(M, d.dqkp, kChunk, sc.pb, kChunk, cd.knb, d.dqkp, dq, d.dqkp, true);
+    } else {
+      K.gemm(M, d.dqkp, kChunk, sc.s, kChunk, cd.kn, d.dqkp, dq, d.dqkp, true);
+    }
   }
 }
 
@@ -621,23 +787,34 @@ inline void dkdv_tile(const Dims& d, const Branch& br, const Seq& s, int64_t hk,
   const KernelTable& K = kernels();
   const int64_t G = d.G;
   const int64_t M = nt * G, Mp = pad_cols(M);
-  pack_rows(qs.q, s, tk, nt, hk, G, d.scale, sc.q, d.dqkp);
+  pack_query(d, qs.q, s, tk, nt, hk, sc.q, sc.qb);
   pack_rows(qs.dout, s, tk, nt, hk, G, 1.0f, sc.dout, d.dvp);
+  if (d.mm) K.f32_to_bf16(sc.dout, sc.doutb, M * d.dvp);  // dO, exact (see attend_dq)
   for (int64_t i = 0; i < nt; ++i)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = i * G + g, row = s.s0 + tk[i], h = hk * G + g;
+      sc.gate[r] = 1.0f;
       if (qs.g.defined()) {
         const float gate = load_scalar(qs.g, row * qs.g.stride[0] + h * qs.g.stride[1] + qs.gate * qs.g.stride[2]);
         float* dr = sc.dout + r * d.dvp;
         for (int64_t c2 = 0; c2 < d.dv; ++c2) dr[c2] *= gate;
+        sc.gate[r] = gate;
       }
       sc.lse[r] = qs.lse[row * qs.lse_s0 + h * qs.lse_s1];
       sc.delta[r] = qs.delta[row * qs.delta_s0 + h * qs.delta_s1];
     }
   // Row-major like the dq pass (S = Q K^T, dP = dO V^T: no transposed query operands); only the
   // [M, 64] tiles P and dS are transposed for the two products that reduce over the queries.
-  K.gemm(M, kChunk, d.dqk, sc.q, d.dqkp, cd.kt, kChunk, sc.s, kChunk, false);      // S
-  K.gemm(M, kChunk, d.dv, sc.dout, d.dvp, cd.vt, kChunk, sc.dp, kChunk, false);    // dP
+  product_qk(d, M, sc.q, sc.qb, cd, sc.s, kChunk);                                   // S
+  if (d.mm) {
+    K.gemm_bf16(M, kChunk, d.dvp, sc.doutb, d.dvp, cd.vtb, kChunk, sc.dp, kChunk, false);  // dP
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t j = 0; j < kChunk; ++j) sc.dp[r * kChunk + j] *= sc.gate[r];
+    K.pack_b_bf16(sc.dout, d.dvp, M, d.dvp, sc.dov, Mp);  // dO and q as B operands, rows to Mp
+    K.pack_b_bf16(sc.q, d.dqkp, M, d.dqkp, sc.qv, Mp);
+  } else {
+    K.gemm(M, kChunk, d.dv, sc.dout, d.dvp, cd.vt, kChunk, sc.dp, kChunk, false);  // dP
+  }
   for (int64_t i = 0; i < nt; ++i) {
     const Interval iv = keys_of(br, s, hk, tk[i], c, false);
     const int64_t a = std::max<int64_t>(iv.lo - c.k0, 0), b = std::min<int64_t>(iv.hi - c.k0, c.nk - 1);
@@ -650,19 +827,40 @@ inline void dkdv_tile(const Dims& d, const Branch& br, const Seq& s, int64_t hk,
       }
       std::fill(srow, srow + a, kNegInf);
       std::fill(srow + b + 1, srow + kChunk, kNegInf);
-      for (int64_t j = a; j <= b; ++j) srow[j] -= sc.lse[r];
+      for (int64_t j = a; j <= b; ++j) srow[j] = srow[j] * d.sscale - sc.lse[r];
     }
   }
   K.exp_inplace(sc.s, M * kChunk);  // P
   transpose(sc.s, M, kChunk, kChunk, sc.st, Mp);                                     // P^T [64][Mp]
-  K.gemm(kChunk, d.dvp, M, sc.st, Mp, sc.dout, d.dvp, sc.dv, d.dvp, true);           // dV += P^T dO
+  if (d.mm) {
+    K.f32_to_bf16(sc.st, sc.stb, kChunk * Mp);
+    K.gemm_bf16(kChunk, d.dvp, Mp, sc.stb, Mp, sc.dov, d.dvp, sc.dv, d.dvp, true);   // dV += P^T dO
+  } else {
+    K.gemm(kChunk, d.dvp, M, sc.st, Mp, sc.dout, d.dvp, sc.dv, d.dvp, true);         // dV += P^T dO
+  }
   for (int64_t r = 0; r < M; ++r) {
     float* prow = sc.s + r * kChunk;
     const float* dprow = sc.dp + r * kChunk;
     for (int64_t j = 0; j < kChunk; ++j) prow[j] *= dprow[j] - sc.delta[r];        // dS
   }
+  if (d.mm) {  // q is unscaled here: the scale goes on dS before the rounding
+    for (int64_t j = 0; j < M * kChunk; ++j) sc.s[j] *= d.scale;
+  }
   transpose(sc.s, M, kChunk, kChunk, sc.st, Mp);                                     // dS^T
-  K.gemm(kChunk, d.dqkp, M, sc.st, Mp, sc.q, d.dqkp, sc.dk, d.dqkp, true);           // dK += dS^T (scale q)
+  if (d.mm) {
+    K.f32_to_bf16(sc.st, sc.stb, kChunk * Mp);
+    K.gemm_bf16(kChunk, d.dqkp, Mp, sc.stb, Mp, sc.qv, d.dqkp, sc.dk, d.dqkp, true);  // dK += dS^T (scale q)
+    if (br.k.dtype != DType::bf16) {
+      // Keys not stored in bf16 (the compressed keys) feed phi's backward, whose output bias and
+      // position terms get sum_j dK_j, a sum that cancels to zero exactly (softmax ignores a
+      // shift of every key): dS in bf16 alone leaves ~2^-9 of it. dS = hi + lo keeps ~16 bits.
+      for (int64_t j = 0; j < kChunk * Mp; ++j)
+        sc.stb_lo[j] = detail::f32_to_bf16(sc.st[j] - detail::bf16_to_f32(sc.stb[j]));
+      K.gemm_bf16(kChunk, d.dqkp, Mp, sc.stb_lo, Mp, sc.qv, d.dqkp, sc.dk, d.dqkp, true);
+    }
+  } else {
+    K.gemm(kChunk, d.dqkp, M, sc.st, Mp, sc.q, d.dqkp, sc.dk, d.dqkp, true);         // dK += dS^T (scale q)
+  }
 }
 
 }  // namespace nsa::cpu

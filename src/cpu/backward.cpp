@@ -284,17 +284,18 @@ void backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, cons
     Scratch sc = layout_scratch(arena, d);
     fill_tokens(sc.tokens, t0, nt);
     const int64_t M = nt * d.G;
-    pack_rows(qrows, s, sc.tokens, nt, hk, d.G, d.scale, sc.q, d.dqkp);
+    pack_query(d, qrows, s, sc.tokens, nt, hk, sc.q, sc.qb);
     std::fill(sc.dq, sc.dq + M * d.dqkp, 0.0f);
     for (int b = 0; b < 3; ++b) {
       float* ob = sc.o[b];
       if (saved.o_branch.defined()) {
         pack_rows(Rows::of(branch_slice(saved.o_branch, b)), s, sc.tokens, nt, hk, d.G, 1.0f, ob, d.dvp);
       } else {
-        attend_fwd(d, br[b], s, hk, sc.tokens, nt, sc.q, sc, ob, sc.lse);
+        attend_fwd(d, br[b], s, hk, sc.tokens, nt, sc.q, sc.qb, sc, ob, sc.lse);
       }
       // dout = g_b dO; lse and delta of the branch.
       pack_rows(dorows, s, sc.tokens, nt, hk, d.G, 1.0f, sc.dout, d.dvp);
+      if (d.mm) kernels().f32_to_bf16(sc.dout, sc.doutb, M * d.dvp);  // dO, exact (see attend_dq)
       for (int64_t i = 0; i < nt; ++i)
         for (int64_t g = 0; g < d.G; ++g) {
           const int64_t r = i * d.G + g, row = s.s0 + sc.tokens[i], h = hk * d.G + g;
@@ -304,12 +305,14 @@ void backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, cons
           for (int64_t c = 0; c < d.dv; ++c) dg += dr[c] * orow[c];
           const float gate = load_scalar(in.g, row * in.g.stride[0] + h * in.g.stride[1] + b * in.g.stride[2]);
           for (int64_t c = 0; c < d.dv; ++c) dr[c] *= gate;
+          sc.gate[r] = gate;
           store_scalar(grads.dg, row * grads.dg.stride[0] + h * grads.dg.stride[1] + b * grads.dg.stride[2], dg);
           sc.delta[r] = gate * dg;
           bs.delta[(row * p.hq + h) * 3 + b] = sc.delta[r];
           sc.lse3[r] = lse_all[row * saved.lse.stride[0] + h * saved.lse.stride[1] + b * saved.lse.stride[2]];
         }
-      attend_dq(d, br[b], s, hk, sc.tokens, nt, sc.q, sc.dout, sc.lse3, sc.delta, sc, sc.dq);
+      attend_dq(d, br[b], s, hk, sc.tokens, nt, sc.q, sc.qb, sc.dout, sc.doutb, sc.gate, sc.lse3, sc.delta, sc,
+                sc.dq);
     }
     for (int64_t i = 0; i < nt; ++i)
       for (int64_t g = 0; g < d.G; ++g) {
@@ -439,7 +442,7 @@ void dense_attention_bwd(const Plan& p, const TensorView& q, const TensorView& k
   for_each_tile(p, d.tile_tokens, p.hkv, slots, [&](const Seq& s, int64_t t0, int64_t nt, int64_t hk, Arena arena) {
     Scratch sc = layout_scratch(arena, d);
     fill_tokens(sc.tokens, t0, nt);
-    pack_rows(qrows, s, sc.tokens, nt, hk, d.G, d.scale, sc.q, d.dqkp);
+    pack_query(d, qrows, s, sc.tokens, nt, hk, sc.q, sc.qb);
     pack_rows(dorows, s, sc.tokens, nt, hk, d.G, 1.0f, sc.dout, d.dvp);
     pack_rows(orows, s, sc.tokens, nt, hk, d.G, 1.0f, sc.o[0], d.dvp);
     const int64_t M = nt * d.G;
@@ -453,7 +456,8 @@ void dense_attention_bwd(const Plan& p, const TensorView& q, const TensorView& k
         sc.lse[r] = lse_all[row * lse.stride[0] + h * lse.stride[1]];
       }
     std::fill(sc.dq, sc.dq + M * d.dqkp, 0.0f);
-    attend_dq(d, br, s, hk, sc.tokens, nt, sc.q, sc.dout, sc.lse, sc.delta, sc, sc.dq);
+    if (d.mm) kernels().f32_to_bf16(sc.dout, sc.doutb, M * d.dvp);
+    attend_dq(d, br, s, hk, sc.tokens, nt, sc.q, sc.qb, sc.dout, sc.doutb, nullptr, sc.lse, sc.delta, sc, sc.dq);
     for (int64_t i = 0; i < nt; ++i)
       for (int64_t g = 0; g < d.G; ++g) {
         float* row = sc.dq + (i * d.G + g) * d.dqkp;
@@ -484,7 +488,7 @@ void dense_attention_bwd(const Plan& p, const TensorView& q, const TensorView& k
 WsSizes backward_sizes(Op op, const Config& cfg, const Problem& pr) {
   WsSizes w;
   const int64_t G = pr.hkv > 0 ? std::max<int64_t>(pr.hq / pr.hkv, 1) : 1;
-  const Dims d = make_dims(cfg, G, pr.dqk, pr.dv, 1.0, pr.max_seqlen);
+  const Dims d = make_dims(cfg, G, pr.dqk, pr.dv, 1.0, pr.max_seqlen, pr.dtype);
   switch (op) {
     case Op::compress_fwd:
     case Op::compress_bwd: {

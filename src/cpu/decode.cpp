@@ -22,7 +22,7 @@ namespace {
 // A query tile of one token: G rows.
 Dims decode_dims(const Config& cfg, const Problem& pr, double scale) {
   const int64_t G = std::max<int64_t>(pr.hq / std::max<int64_t>(pr.hkv, 1), 1);
-  Dims d = make_dims(cfg, G, pr.dqk, pr.dv, scale, pr.max_seqlen);
+  Dims d = make_dims(cfg, G, pr.dqk, pr.dv, scale, pr.max_seqlen, pr.dtype);
   d.tile_tokens = 1;
   d.max_rows = G;
   d.max_rows_p = pad_cols(G);
@@ -249,18 +249,18 @@ void decode(const Plan& p, const PagedCache& cache, const DecodeInputs& in, cons
     const RowPos at = row_position(p, row);
     const Seq keys{0, p.lens[static_cast<size_t>(at.b)], at.b};  // keys at their positions
     sc.tokens[0] = static_cast<int32_t>(at.t);
-    pack_rows(qrows, Seq{row - at.t, 1, at.b}, sc.tokens, 1, hk, G, d.scale, sc.q, d.dqkp);
+    pack_query(d, qrows, Seq{row - at.t, 1, at.b}, sc.tokens, 1, hk, sc.q, sc.qb);
     float* lse = sc.lse3;  // [3][Rp]: one row of log-sum-exps per branch
     // §2-§4: the compressed branch with its scores, then this query's own top-n.
     const Branch cmp = paged_branch(p.cfg, Kind::cmp, cache.cmp, pt, at.b, p.page_size / p.cfg.cmp_stride);
-    attend_cmp_fwd(d, cmp, p.cfg.slc_block_len, keys, hk, sc.tokens, 1, sc.q, sc, sc.o[kCmp], lse, sc.scores);
+    attend_cmp_fwd(d, cmp, p.cfg.slc_block_len, keys, hk, sc.tokens, 1, sc.q, sc.qb, sc, sc.o[kCmp], lse, sc.scores);
     if (n > 0) topn_row(p.cfg, at.t, sc.scores, sc.topn, ds.idx, kept);
     Branch sel = paged_branch(p.cfg, Kind::slc, slc, pt, at.b, p.page_size);
     sel.idx = ds.idx;  // one query: the row does not depend on t or hk
     sel.n = kept;
-    attend_fwd(d, sel, keys, hk, sc.tokens, 1, sc.q, sc, sc.o[kSlc], lse + Rp);
+    attend_fwd(d, sel, keys, hk, sc.tokens, 1, sc.q, sc.qb, sc, sc.o[kSlc], lse + Rp);
     const Branch wnd = paged_branch(p.cfg, Kind::win, win, pt, at.b, p.page_size);
-    attend_fwd(d, wnd, keys, hk, sc.tokens, 1, sc.q, sc, sc.o[kWin], lse + 2 * Rp);
+    attend_fwd(d, wnd, keys, hk, sc.tokens, 1, sc.q, sc.qb, sc, sc.o[kWin], lse + 2 * Rp);
     // §7: the gated sum, and what the caller asked for.
     for (int64_t gi = 0; gi < G; ++gi) {
       const int64_t h = hk * G + gi;
@@ -307,9 +307,9 @@ void dense_decode(const Plan& p, const KV& pages, const PageTable& table, const 
     const RowPos at = row_position(p, row);
     const Seq keys{0, p.lens[static_cast<size_t>(at.b)], at.b};
     sc.tokens[0] = static_cast<int32_t>(at.t);
-    pack_rows(qrows, Seq{row - at.t, 1, at.b}, sc.tokens, 1, hk, d.G, d.scale, sc.q, d.dqkp);
+    pack_query(d, qrows, Seq{row - at.t, 1, at.b}, sc.tokens, 1, hk, sc.q, sc.qb);
     const Branch all = paged_branch(p.cfg, Kind::dense, pages, table, at.b, p.page_size);
-    attend_fwd(d, all, keys, hk, sc.tokens, 1, sc.q, sc, sc.o[0], sc.lse);
+    attend_fwd(d, all, keys, hk, sc.tokens, 1, sc.q, sc.qb, sc, sc.o[0], sc.lse);
     for (int64_t gi = 0; gi < d.G; ++gi) {
       const int64_t h = hk * d.G + gi;
       store_row(o, row, h, sc.o[0] + gi * d.dvp, d.dv);

@@ -55,8 +55,8 @@ void branch_op(const Plan& p, Branch br, const TensorView& q, const TensorView& 
   for_each_tile(p, d.tile_tokens, p.hkv, slots, [&](const Seq& s, int64_t t0, int64_t nt, int64_t hk, Arena arena) {
     Scratch sc = layout_scratch(arena, d);
     fill_tokens(sc.tokens, t0, nt);
-    pack_rows(qrows, s, sc.tokens, nt, hk, d.G, d.scale, sc.q, d.dqkp);
-    attend_fwd(d, br, s, hk, sc.tokens, nt, sc.q, sc, sc.o[0], sc.lse);
+    pack_query(d, qrows, s, sc.tokens, nt, hk, sc.q, sc.qb);
+    attend_fwd(d, br, s, hk, sc.tokens, nt, sc.q, sc.qb, sc, sc.o[0], sc.lse);
     store_tile(d, s, hk, sc.tokens, nt, sc.o[0], sc.lse, o, lse);
   });
 }
@@ -79,8 +79,8 @@ void compressed_attention_fwd(const Plan& p, const TensorView& q, const TensorVi
   for_each_tile(p, d.tile_tokens, p.hkv, slots, [&](const Seq& s, int64_t t0, int64_t nt, int64_t hk, Arena arena) {
     Scratch sc = layout_scratch(arena, d);
     fill_tokens(sc.tokens, t0, nt);
-    pack_rows(qrows, s, sc.tokens, nt, hk, d.G, d.scale, sc.q, d.dqkp);
-    attend_cmp_fwd(d, br, p.cfg.slc_block_len, s, hk, sc.tokens, nt, sc.q, sc, sc.o[0], sc.lse,
+    pack_query(d, qrows, s, sc.tokens, nt, hk, sc.q, sc.qb);
+    attend_cmp_fwd(d, br, p.cfg.slc_block_len, s, hk, sc.tokens, nt, sc.q, sc.qb, sc, sc.o[0], sc.lse,
                    scores.defined() ? sc.scores : nullptr);
     store_tile(d, s, hk, sc.tokens, nt, sc.o[0], sc.lse, o, lse);
     if (!scores.defined()) return;
@@ -196,11 +196,11 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
   for_each_tile(p, d.tile_tokens, p.hkv, slots, [&](const Seq& s, int64_t t0, int64_t nt, int64_t hk, Arena arena) {
     Scratch sc = layout_scratch(arena, d);
     fill_tokens(sc.tokens, t0, nt);
-    pack_rows(qrows, s, sc.tokens, nt, hk, d.G, d.scale, sc.q, d.dqkp);
+    pack_query(d, qrows, s, sc.tokens, nt, hk, sc.q, sc.qb);
     const int64_t M = nt * d.G;
     // §2-§4: compressed branch, selection scores, top-n (written to out.indices, then read by
     // the selection branch of this same tile).
-    attend_cmp_fwd(d, br_cmp, p.cfg.slc_block_len, s, hk, sc.tokens, nt, sc.q, sc, sc.o[kCmp], sc.lse,
+    attend_cmp_fwd(d, br_cmp, p.cfg.slc_block_len, s, hk, sc.tokens, nt, sc.q, sc.qb, sc, sc.o[kCmp], sc.lse,
                    n > 0 ? sc.scores : nullptr);
     for (int64_t r = 0; r < M; ++r) sc.lse3[r * 3 + kCmp] = sc.lse[r];
     if (n > 0)
@@ -210,9 +210,9 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
         topn_row(p.cfg, sc.tokens[i], sc.scores + i * d.ns_max_p, sc.topn, row, n);
       }
     // §5, §6.
-    attend_fwd(d, br_slc, s, hk, sc.tokens, nt, sc.q, sc, sc.o[kSlc], sc.lse);
+    attend_fwd(d, br_slc, s, hk, sc.tokens, nt, sc.q, sc.qb, sc, sc.o[kSlc], sc.lse);
     for (int64_t r = 0; r < M; ++r) sc.lse3[r * 3 + kSlc] = sc.lse[r];
-    attend_fwd(d, br_win, s, hk, sc.tokens, nt, sc.q, sc, sc.o[kWin], sc.lse);
+    attend_fwd(d, br_win, s, hk, sc.tokens, nt, sc.q, sc.qb, sc, sc.o[kWin], sc.lse);
     for (int64_t r = 0; r < M; ++r) sc.lse3[r * 3 + kWin] = sc.lse[r];
     // §7: the gated combine.
     for (int64_t i = 0; i < nt; ++i)
@@ -247,7 +247,7 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
 WsSizes forward_sizes(Op op, const Config& cfg, const Problem& pr) {
   WsSizes w;
   const int64_t G = pr.hkv > 0 ? pr.hq / pr.hkv : 1;
-  const Dims d = make_dims(cfg, std::max<int64_t>(G, 1), pr.dqk, pr.dv, 1.0, pr.max_seqlen);
+  const Dims d = make_dims(cfg, std::max<int64_t>(G, 1), pr.dqk, pr.dv, 1.0, pr.max_seqlen, pr.dtype);
   switch (op) {
     case Op::compressed_attention_fwd:
     case Op::selected_attention_fwd:

@@ -1,5 +1,6 @@
-// The fp32 inner kernels of the CPU backend, compiled once per instruction set and chosen at
-// run time (kernels.cpp). Everything above this layer works on packed fp32 tiles.
+// The inner kernels of the CPU backend, compiled once per instruction set and chosen at run time
+// (kernels.cpp). Everything above this layer works on packed tiles: fp32, or bf16 for the tile
+// products of bf16 inputs where the CPU has bf16 matrix instructions (gemm_bf16).
 #pragma once
 
 #include <cstdint>
@@ -9,11 +10,14 @@ namespace nsa::cpu {
 // Every packed right-hand matrix has its column count padded to a multiple of this, so the
 // micro-kernels never need a column remainder (32 = two AVX-512 vectors, the widest panel).
 inline constexpr int64_t kColPad = 32;
+// The reduction length of a bf16 product is padded (with zeros) to a multiple of this: one AMX
+// tile row holds 32 bf16 values.
+inline constexpr int64_t kKPad = 32;
 
 inline constexpr int64_t pad_cols(int64_t n) { return (n + kColPad - 1) / kColPad * kColPad; }
 
 struct KernelTable {
-  const char* isa;  // "avx512", "avx2" or "generic"
+  const char* isa;  // "amx", "avx512bf16", "avx512", "avx2" or "generic"
   // C[M, N] (+)= A[M, K] . B[K, N]; all row-major with leading dimensions lda, ldb, ldc.
   // N must be a multiple of kColPad. accumulate = false overwrites C.
   void (*gemm)(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
@@ -27,15 +31,39 @@ struct KernelTable {
   // dst[i] = float(src[i]) for the 16-bit storage formats.
   void (*bf16_to_f32)(const uint16_t* src, float* dst, int64_t n);
   void (*f16_to_f32)(const uint16_t* src, float* dst, int64_t n);
+  // bf16 matrix product with fp32 accumulation, null where the CPU has no bf16 instructions:
+  // C[M, N] (+)= A[M, K] . B[K, N], A bf16 row-major [M][lda]; B bf16 in the pair-interleaved
+  // ("VNNI") layout of the matrix units: element (k, n) at B[(k / 2) * 2 * ldb + 2 * n + k % 2]
+  // (pack_vnni in attention.h); C fp32 row-major. K a multiple of kKPad, N of kColPad.
+  void (*gemm_bf16)(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda,
+                    const uint16_t* B, int64_t ldb, float* C, int64_t ldc, bool accumulate);
+  // dst[i] = bf16(src[i]), rounded to nearest even (null with gemm_bf16).
+  void (*f32_to_bf16)(const float* src, uint16_t* dst, int64_t n);
+  // The B operand of gemm_bf16 from a row-major fp32 matrix B [K][N] (row stride lds >= N): the
+  // pair-interleaved bf16 layout with ldb = N, rows K .. Kp - 1 zero (Kp even; null with
+  // gemm_bf16).
+  void (*pack_b_bf16)(const float* src, int64_t lds, int64_t K, int64_t N, uint16_t* dst, int64_t Kp);
 };
 
-// The table for this CPU: AVX-512 when present, else AVX2+FMA+F16C, else portable code.
-// NSA_CPU_ISA=generic|avx2|avx512 forces one (an unsupported request is an nsa::Error).
+// The table for this CPU, best first: AMX tiles (amx), AVX-512, AVX2+FMA+F16C, portable code.
+// NSA_CPU_ISA=generic|avx2|avx512|avx512bf16|amx forces one (an ISA this CPU, its OS or the
+// compiler lacks is an nsa::Error naming NSA_CPU_ISA); avx512bf16 (AVX-512-BF16 dot products)
+// is chosen only so (kernels.cpp says why).
 const KernelTable& kernels();
 
-// Per-ISA tables (kernels_<isa>.cpp); avx512/avx2 are nullptr when the compiler lacks them.
+// Switches the table of the process to the named ISA, as NSA_CPU_ISA would (nsa::Error naming
+// NSA_CPU_ISA when unsupported). For tests that run every path in one process; not thread-safe
+// against calls in flight.
+void use_isa(const char* isa);
+// Whether the named ISA can run here (CPU, OS and compiler).
+bool isa_available(const char* isa);
+
+// Per-ISA tables (kernels_<isa>.cpp); nullptr when the compiler lacks the ISA (kernels.cpp asks
+// the CPU and the OS).
 const KernelTable* kernels_generic();
 const KernelTable* kernels_avx2();
 const KernelTable* kernels_avx512();
+const KernelTable* kernels_avx512bf16();
+const KernelTable* kernels_amx();
 
 }  // namespace nsa::cpu

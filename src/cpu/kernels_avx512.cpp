@@ -20,7 +20,7 @@ void f16_to_f32(const uint16_t* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = nsa::detail::f16_to_f32(src[i]);
 }
 
-const KernelTable kTable = {"avx512", gemm, exp_inplace, row_max, row_sum, bf16_to_f32, f16_to_f32};
+const KernelTable kTable = {"avx512", gemm, exp_inplace, row_max, row_sum, bf16_to_f32, f16_to_f32, nullptr, nullptr, nullptr};
 }  // namespace nsa::cpu::isa_avx512
 
 namespace nsa::cpu {

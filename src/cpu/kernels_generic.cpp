@@ -15,7 +15,7 @@ void f16_to_f32(const uint16_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = nsa::detail::f16_to_f32(src[i]);
 }
 
-const KernelTable kTable = {"generic", gemm, exp_inplace, row_max, row_sum, bf16_to_f32, f16_to_f32};
+const KernelTable kTable = {"generic", gemm, exp_inplace, row_max, row_sum, bf16_to_f32, f16_to_f32, nullptr, nullptr, nullptr};
 }  // namespace nsa::cpu::isa_generic
 
 namespace nsa::cpu {

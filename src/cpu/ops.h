@@ -68,7 +68,7 @@ void parallel_for(int64_t count, const Slots& slots, Fn fn) {
 }
 
 inline Dims dims_of(const Plan& p) {
-  return make_dims(p.cfg, p.group, p.dqk, p.dv, p.scale, p.max_seqlen);
+  return make_dims(p.cfg, p.group, p.dqk, p.dv, p.scale, p.max_seqlen, p.dtype);
 }
 
 // Bytes of one slot of the attention engine.
@@ -92,6 +92,8 @@ inline int64_t chunk_bound(const Config& cfg, int64_t T, int64_t B, bool cmp) {
 
 struct PackBuffers {
   float *kt = nullptr, *kn = nullptr, *vt = nullptr, *vn = nullptr;
+  uint16_t *ktb = nullptr, *knb = nullptr, *vtb = nullptr, *vnb = nullptr;  // bf16 storage (Dims::b16)
+  uint16_t* ktb_lo = nullptr;  // the compressed keys (fp32): see Packed
   int64_t* chunk0 = nullptr;  // [B+1]
 };
 
@@ -105,6 +107,13 @@ PackBuffers layout_pack(A& a, const Config& cfg, int64_t T, int64_t B, int64_t h
   if (need & kNeedKn) pb.kn = a.template take<float>(chunks * kChunk * d.dqkp);
   if (need & kNeedVt) pb.vt = a.template take<float>(chunks * d.dv * kChunk);
   if (need & kNeedVn) pb.vn = a.template take<float>(chunks * kChunk * d.dvp);
+  if (d.b16) {
+    if (need & kNeedKt) pb.ktb = a.template take<uint16_t>(chunks * d.dqkp * kChunk);
+    if (need & kNeedKn) pb.knb = a.template take<uint16_t>(chunks * kChunk * d.dqkp);
+    if (need & kNeedVt) pb.vtb = a.template take<uint16_t>(chunks * d.dvp * kChunk);
+    if (need & kNeedVn) pb.vnb = a.template take<uint16_t>(chunks * kChunk * d.dvp);
+    if ((need & kNeedKt) && cmp) pb.ktb_lo = a.template take<uint16_t>(chunks * d.dqkp * kChunk);
+  }
   return pb;
 }
 
@@ -156,12 +165,21 @@ inline void prepack(const Plan& p, const Dims& d, Branch& br, unsigned need, Are
     const int64_t at = hk * chunks + ci;
     pack_keys(br.k, row0, hk, c, kn, d.dqkp);
     pack_keys(br.v, row0, hk, c, vn, d.dvp);
+    if (d.mm) {  // the bf16 layouts only
+      pack_chunk_b16(d, kn, vn, pb.ktb ? pb.ktb + at * d.dqkp * kChunk : nullptr,
+                     pb.knb ? pb.knb + at * kChunk * d.dqkp : nullptr, pb.vtb ? pb.vtb + at * d.dvp * kChunk : nullptr,
+                     pb.vnb ? pb.vnb + at * kChunk * d.dvp : nullptr,
+                     pb.ktb_lo && br.k.dtype != DType::bf16 ? pb.ktb_lo + at * d.dqkp * kChunk : nullptr);
+      return;
+    }
     if (pb.kt) transpose_keys(kn, d.dqkp, d.dqk, pb.kt + at * d.dqk * kChunk);
     if (pb.kn) std::copy(kn, kn + kChunk * d.dqkp, pb.kn + at * kChunk * d.dqkp);
     if (pb.vt) transpose_keys(vn, d.dvp, d.dv, pb.vt + at * d.dv * kChunk);
     if (pb.vn) std::copy(vn, vn + kChunk * d.dvp, pb.vn + at * kChunk * d.dvp);
   });
-  br.pk = Packed{pb.kt, pb.kn, pb.vt, pb.vn, pb.chunk0, chunks};
+  const uint16_t* ktb_lo = br.k.dtype != DType::bf16 ? pb.ktb_lo : nullptr;
+  br.pk = d.mm ? Packed{nullptr, nullptr, nullptr, nullptr, pb.ktb, pb.knb, pb.vtb, pb.vnb, ktb_lo, pb.chunk0, chunks}
+               : Packed{pb.kt, pb.kn, pb.vt, pb.vn, nullptr, nullptr, nullptr, nullptr, nullptr, pb.chunk0, chunks};
 }
 
 // BackendOps entries.

@@ -18,6 +18,7 @@
 
 #include <sys/resource.h>
 
+#include "cpu/kernels.h"
 #include "nsa/nsa.h"
 
 namespace {
@@ -493,6 +494,25 @@ double check_rows(const Options& o, Layer& L, int64_t rows, int64_t* disagree, i
   return err;
 }
 
+// The CPU's model name (/proc/cpuinfo), or "unknown".
+std::string cpu_model() {
+  std::FILE* f = std::fopen("/proc/cpuinfo", "r");
+  if (f == nullptr) return "unknown";
+  char line[512];
+  std::string model = "unknown";
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    const char* colon = std::strchr(line, ':');
+    if (std::strncmp(line, "model name", 10) == 0 && colon != nullptr) {
+      model = colon + 1;
+      model.erase(0, model.find_first_not_of(" \t"));
+      model.erase(model.find_last_not_of(" \n\r\t") + 1);
+      break;
+    }
+  }
+  std::fclose(f);
+  return model;
+}
+
 int bench(const Options& o) {
   nsa::Context ctx;
   ctx.backend = o.backend;
@@ -502,6 +522,13 @@ int bench(const Options& o) {
   if (ctx.backend == Backend::cuda)
     throw UsageError("--backend cuda: the CUDA benchmark is not built into this nsa program yet");
   const char* bname = nsa::backend_name(ctx.backend);
+  if (ctx.backend == Backend::cpu) {
+    // The kernel table (NSA_CPU_ISA forces one) and whether this run's products use bf16 units.
+    const nsa::cpu::KernelTable& K = nsa::cpu::kernels();
+    const bool matrix = K.gemm_bf16 != nullptr && o.dtype == nsa::DType::bf16;
+    std::printf("cpu: %s; kernels: %s; tile products: %s\n", cpu_model().c_str(), K.isa,
+                matrix ? "bf16 (fp32 accumulation)" : "fp32");
+  }
   std::vector<Row> rows;
   bool failed = false;
   for (int64_t T : o.seqlens) {
