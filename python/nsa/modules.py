@@ -323,25 +323,32 @@ class NativeSparseAttention(nn.Module):
             return None
         return Phi(**{name: p if p.dtype == dtype else p.to(dtype) for name, p in params.items()})
 
-    def _rotate(self, x: Tensor, positions: Tensor) -> Tensor:
-        """x [T, H, D] rotated by positions [T] (pairs (i, i + D/2), GPT-NeoX layout)."""
+    def _rotation(self, positions: Tensor, dtype: torch.dtype):
+        """(cos, sin) [T, 1, D/2] of the positions, for tensors of `dtype`: at least float32
+        (bf16/fp16 angles would be far off at long positions); float64 stays."""
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        angles = positions.to(work)[:, None] * self.inv_freq.to(work)[None, :]  # [T, D/2]
+        return torch.cos(angles)[:, None, :], torch.sin(angles)[:, None, :]
+
+    def _rotate(self, x: Tensor, positions: Tensor, rotation=None) -> Tensor:
+        """x [T, H, D] rotated by positions [T] (pairs (i, i + D/2), GPT-NeoX layout); rotation:
+        _rotation(positions, x.dtype) when the caller rotates several tensors by the same positions."""
         if not self.rotary:
             return x
-        # At least float32 (bf16/fp16 angles would be far off at long positions); float64 stays.
-        work = torch.float64 if x.dtype == torch.float64 else torch.float32
-        angles = positions.to(work)[:, None] * self.inv_freq.to(work)[None, :]  # [T, D/2]
-        cos = torch.cos(angles)[:, None, :]
-        sin = torch.sin(angles)[:, None, :]
-        x1, x2 = x.to(work).chunk(2, dim=-1)
+        cos, sin = self._rotation(positions, x.dtype) if rotation is None else rotation
+        x1, x2 = x.to(cos.dtype).chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
     def _project(self, x: Tensor, positions: Tensor):
-        """q [T, Hq, Dqk], K/V sets (lists of [T, Hkv, D]), gates [T, Hq, 3] of the tokens x [T, hidden]."""
+        """q [T, Hq, Dqk], K/V sets (lists of [T, Hkv, D]), gates [T, Hq, 3] of the tokens x [T, hidden].
+        The angles are computed once, and every K set is rotated in one pass."""
         T = x.shape[0]
-        q = self._rotate(self.q_proj(x).view(T, self.num_heads, self.head_dim), positions)
-        ks = self.k_proj(x).view(T, self.num_kv_sets, self.num_kv_heads, self.head_dim).unbind(1)
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        rotation = self._rotation(positions, q.dtype) if self.rotary else None
+        q = self._rotate(q, positions, rotation)
+        k = self._rotate(self.k_proj(x).view(T, self.num_kv_sets * self.num_kv_heads, self.head_dim), positions, rotation)
+        ks = k.view(T, self.num_kv_sets, self.num_kv_heads, self.head_dim).unbind(1)
         vs = self.v_proj(x).view(T, self.num_kv_sets, self.num_kv_heads, self.v_head_dim).unbind(1)
-        ks = [self._rotate(k, positions) for k in ks]
         g = torch.sigmoid(self.gate(x)).view(T, self.num_heads, 3)
         return q, list(ks), list(vs), g
 
