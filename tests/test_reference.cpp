@@ -4,10 +4,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <functional>
 #include <string>
 
 #include "support.h"
+#include "test_cpu_support.h"
 
 namespace nsa::test {
 namespace {
@@ -386,13 +388,23 @@ TEST(Selection, OverlapWeightsOfThePaper) {
 }
 
 // Runs select_topn on hand-made scores [T, 1, Ns] for one sequence.
-std::vector<int32_t> topn(const Config& cfg, int64_t T, const std::vector<double>& S_row, int64_t Ns) {
+std::vector<int32_t> topn(const Config& cfg, int64_t T, const std::vector<double>& S_row, int64_t Ns,
+                          Backend backend = Backend::reference) {
   HostTensor S(DType::f32, {T, 1, Ns});
   for (int64_t t = 0; t < T; ++t)
     for (int64_t j = 0; j < Ns; ++j) S.set(t * Ns + j, S_row[static_cast<size_t>(j)]);
   HostTensor idx(DType::i32, {T, 1, cfg.n_selected});
   idx.poison();
-  select_topn(context_of(Backend::reference), cfg, S.view(), {}, idx.view());
+  OwnedWorkspace ws(workspace_size(context_of(backend), Op::select_topn, cfg, [&] {
+    Problem pr;
+    pr.total_tokens = T;
+    pr.hq = pr.hkv = 1;
+    pr.dqk = pr.dv = 1;
+    pr.max_seqlen = T;
+    pr.dtype = DType::f32;
+    return pr;
+  }()));
+  select_topn(context_of(backend), cfg, S.view(), {}, idx.view(), ws.ws);
   std::vector<int32_t> out;
   for (double v : idx.values()) out.push_back(static_cast<int32_t>(v));
   return out;
@@ -433,6 +445,27 @@ TEST(Selection, ExactTiesGoToTheSmallerBlock) {
   const auto idx = topn(cfg, T, std::vector<double>(Ns, 0.25), Ns);
   // t = 11: J_t = 5 forced, then the two smallest of the tied blocks.
   EXPECT_EQ(std::vector<int32_t>(idx.begin() + 33, idx.begin() + 36), (std::vector<int32_t>{0, 1, 5}));
+}
+
+// A NaN score ranks above every number (as torch.topk ranks it), NaNs among themselves by the
+// smaller block; the same on every host backend (they disagreed: the comparisons were no order).
+TEST(Selection, NanScoresRankFirst) {
+  Config cfg;
+  cfg.cmp_block_len = cfg.cmp_stride = cfg.slc_block_len = 2;
+  cfg.n_selected = 3;
+  cfg.n_init = 0;
+  cfg.n_local = 1;
+  const int64_t T = 16, Ns = 8;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const std::vector<double> S = {5.0, nan, 3.0, nan, 9.0, -1.0, 2.0, 0.0};
+  for (Backend b : {Backend::reference, Backend::cpu}) {
+    const auto idx = topn(cfg, T, S, Ns, b);
+    auto row = [&](int64_t t) { return std::vector<int32_t>(idx.begin() + t * 3, idx.begin() + t * 3 + 3); };
+    // t = 15: J_t = 7 forced; then the NaNs 1 and 3 before 9.0.
+    EXPECT_EQ(row(15), (std::vector<int32_t>{1, 3, 7})) << backend_name(b);
+    // t = 7: J_t = 3 forced; then NaN 1, then 5.0 (block 0).
+    EXPECT_EQ(row(7), (std::vector<int32_t>{0, 1, 3})) << backend_name(b);
+  }
 }
 
 TEST(Selection, ShortSequencesAndEmptyCompression) {

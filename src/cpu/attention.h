@@ -688,7 +688,12 @@ inline void topn_row(const Config& cfg, int64_t t, const float* S, int32_t* cand
   }
   const int64_t rest = std::min(count - nout, ncand);
   if (rest > 0) {
-    auto better = [S](int32_t a, int32_t b) { return S[a] > S[b] || (S[a] == S[b] && a < b); };
+    // A NaN score ranks above every number (as in the reference), NaNs among themselves by j.
+    auto better = [S](int32_t a, int32_t b) {
+      const bool na = std::isnan(S[a]), nb = std::isnan(S[b]);
+      if (na || nb) return na != nb ? na : a < b;
+      return S[a] > S[b] || (S[a] == S[b] && a < b);
+    };
     // Afterwards cand[0 .. rest) are the `rest` best (better is a strict total order).
     if (rest < ncand) std::nth_element(cand, cand + rest - 1, cand + ncand, better);
     for (int64_t k = 0; k < rest; ++k) out[nout++] = cand[k];

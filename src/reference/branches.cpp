@@ -141,13 +141,16 @@ std::vector<int64_t> select_blocks(const Config& cfg, int64_t t, const double* S
   const int64_t Jt = last_slc_block(t, cfg.slc_block_len);
   const int64_t count = std::min(cfg.n_selected, Jt + 1);
   const ForcedBlocks forced = forced_blocks(cfg);
-  // §4 (§11): forced blocks first, then the rest by descending S, ties to the smaller j.
+  // §4 (§11): forced blocks first, then the rest by descending S, ties to the smaller j; a NaN
+  // score ranks above every number (as torch.topk ranks it), NaNs among themselves by j.
   std::vector<int64_t> order(static_cast<size_t>(Jt + 1));
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) {
     const bool fa = forced.contains(a, Jt);
     const bool fc = forced.contains(c, Jt);
     if (fa != fc) return fa;
+    const bool na = std::isnan(S[a]), nc = std::isnan(S[c]);
+    if (na || nc) return na && !nc;
     return S[a] > S[c];
   });
   std::vector<int64_t> chosen(order.begin(), order.begin() + count);
