@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The long fuzz run (docs/errors.md, "The fuzzer"): the C++ API fuzzer (tests/fuzz/fuzz_api.cpp)
+# The long fuzz run (docs/errors.md, "The fuzzer"): the C++ API fuzzer (tests/fuzz/, fuzz_main.cpp)
 # in Release and under AddressSanitizer + UBSan, then the Python package's fuzzer
 # (tests/python/fuzz_cases.py), each for several seeds. Every case must end in a result that
 # matches the reference backend or an nsa::Error / nsa.Error naming the parameter it broke; a

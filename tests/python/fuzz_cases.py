@@ -63,7 +63,7 @@ def _f64(x):
 
 def expect_close(what: str, got, truth, dtype: str):
     """style.md: within twice the error of the truth rounded to the storage dtype (widened by an
-    ulp of the largest value, as tests/fuzz/fuzz_api.cpp does), plus a floor of 2e-5 relative."""
+    ulp of the largest value, as tests/fuzz/fuzz_support.h does), plus a floor of 2e-5 relative."""
     got, truth = _f64(got), _f64(truth)
     if got.shape != truth.shape:
         raise Mismatch(f"{what}: shape {got.shape} instead of {truth.shape}")
