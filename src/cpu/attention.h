@@ -277,7 +277,9 @@ inline void pack_query(const Dims& d, const Rows& src, const Seq& s, const int32
   if (d.mm) kernels().f32_to_bf16(q, qb, nt * d.G * d.dqkp);
 }
 
-// A matrix B [K][N] (element (k, n) at src[k * sk + n * sn]) as the bf16 B operand of gemm_bf16:
+// A matrix B [K][N] (element (k, n) at src[k * sk + n * sn]) as the bf16 B operand of gemm_bf16,
+// in plain scalar code (the definition the vector packers pack_b_bf16 and pack_bt_bf16 are tested
+// against):
 // dst[(k / 2) * 2 * ldb + 2 * n + k % 2] = bf16(B[k][n]) for k < Kp, n < ldb, zero for k >= K or
 // n >= N (ldb a multiple of kColPad, Kp of kKPad).
 // lo = true packs the rounding error instead: bf16(B - float(bf16(B))).
@@ -304,10 +306,10 @@ inline void pack_vnni(const float* src, int64_t K, int64_t N, int64_t sk, int64_
 inline void pack_chunk_b16(const Dims& d, const float* kn, const float* vn, uint16_t* ktb, uint16_t* knb,
                            uint16_t* vtb, uint16_t* vnb, uint16_t* ktb_lo) {
   const KernelTable& K = kernels();
-  if (ktb) pack_vnni(kn, d.dqk, kChunk, 1, d.dqkp, ktb, d.dqkp, kChunk);
-  if (ktb_lo) pack_vnni(kn, d.dqk, kChunk, 1, d.dqkp, ktb_lo, d.dqkp, kChunk, true);
+  if (ktb) K.pack_bt_bf16(kn, d.dqkp, kChunk, d.dqk, ktb, d.dqkp, kChunk, false);
+  if (ktb_lo) K.pack_bt_bf16(kn, d.dqkp, kChunk, d.dqk, ktb_lo, d.dqkp, kChunk, true);
   if (knb) K.pack_b_bf16(kn, d.dqkp, kChunk, d.dqkp, knb, kChunk);
-  if (vtb) pack_vnni(vn, d.dv, kChunk, 1, d.dvp, vtb, d.dvp, kChunk);
+  if (vtb) K.pack_bt_bf16(vn, d.dvp, kChunk, d.dv, vtb, d.dvp, kChunk, false);
   if (vnb) K.pack_b_bf16(vn, d.dvp, kChunk, d.dvp, vnb, kChunk);
 }
 
@@ -494,12 +496,14 @@ inline void product_qk(const Dims& d, int64_t M, const float* q, const uint16_t*
   }
 }
 
-// o [M][dvp] += P V for P [M][64] (row stride ldp; rounded to bf16 on the bf16 path).
+// o [M][dvp] += P V for P [M][64] (row stride ldp; rounded to bf16 on the bf16 path, unless
+// sc.pb holds it already: pb_ready).
 inline void product_pv(const Dims& d, int64_t M, const float* P, int64_t ldp, const ChunkData& cd, float* o,
-                       Scratch& sc) {
+                       Scratch& sc, bool pb_ready = false) {
   const KernelTable& K = kernels();
   if (d.mm) {
-    for (int64_t r = 0; r < M; ++r) K.f32_to_bf16(P + r * ldp, sc.pb + r * kChunk, kChunk);
+    if (!pb_ready)
+      for (int64_t r = 0; r < M; ++r) K.f32_to_bf16(P + r * ldp, sc.pb + r * kChunk, kChunk);
     K.gemm_bf16(M, d.dvp, kChunk, sc.pb, kChunk, cd.vnb, d.dvp, o, d.dvp, true);
   } else {
     K.gemm(M, d.dvp, kChunk, P, ldp, cd.vn, d.dvp, o, d.dvp, true);
@@ -522,30 +526,16 @@ inline void flash_chunks(const Dims& d, const Branch& br, const Seq& s, int64_t 
     for (int64_t i = 0; i < nt; ++i) {
       const Interval iv = keys_of(br, s, hk, tokens[i], c, true);
       const int64_t a = std::max<int64_t>(iv.lo - c.k0, 0), b = std::min<int64_t>(iv.hi - c.k0, c.nk - 1);
+      // P (and its bf16 copy for the product), the running max and sum; the output rescaled
+      // when the max grew.
       for (int64_t g = 0; g < G; ++g) {
         const int64_t r = i * G + g;
-        float* srow = sc.s + r * kChunk;
-        if (a > b) {  // this token sees nothing here: zero probabilities, state unchanged
-          std::fill(srow, srow + kChunk, kNegInf);
-          continue;
-        }
-        std::fill(srow, srow + a, kNegInf);
-        std::fill(srow + b + 1, srow + kChunk, kNegInf);
-        // Whole-row vector max and shift: the masked entries are -inf and stay so (sscale > 0).
-        const float mx = std::max(m[r], K.row_max(srow, kChunk) * d.sscale);
-        const float corr = std::exp(m[r] - mx);  // 0 when m was -inf
-        for (int64_t j = 0; j < kChunk; ++j) srow[j] = srow[j] * d.sscale - mx;
-        m[r] = mx;
-        l[r] *= corr;
-        if (corr != 1.0f) {
-          float* orow = o + r * d.dvp;
-          for (int64_t c2 = 0; c2 < d.dv; ++c2) orow[c2] *= corr;
-        }
+        const float corr = K.softmax_row(sc.s + r * kChunk, kChunk, a, b, d.sscale, m + r, l + r,
+                                         d.mm ? sc.pb + r * kChunk : nullptr);
+        if (corr != 1.0f) K.scale_row(o + r * d.dvp, d.dv, corr);
       }
     }
-    K.exp_inplace(sc.s, M * kChunk);
-    for (int64_t r = 0; r < M; ++r) l[r] += K.row_sum(sc.s + r * kChunk, kChunk);
-    product_pv(d, M, sc.s, kChunk, cd, o, sc);
+    product_pv(d, M, sc.s, kChunk, cd, o, sc, true);
   }
 }
 
@@ -582,11 +572,11 @@ inline void attend_fwd(const Dims& d, const Branch& br, const Seq& s, int64_t hk
   } else {
     flash_chunks(d, br, s, hk, tokens, nt, q, qb, o, sc.m, sc.l, sc.chunks, nchunks, sc);
   }
+  const KernelTable& K = kernels();
   for (int64_t r = 0; r < M; ++r) {
     float* orow = o + r * d.dvp;
     if (sc.l[r] > 0.0f) {
-      const float inv = 1.0f / sc.l[r];
-      for (int64_t c2 = 0; c2 < d.dv; ++c2) orow[c2] *= inv;
+      K.scale_row(orow, d.dv, 1.0f / sc.l[r]);
       lse[r] = sc.m[r] + std::log(sc.l[r]);
     } else {
       std::fill(orow, orow + d.dvp, 0.0f);
@@ -618,31 +608,20 @@ inline void attend_cmp_fwd(const Dims& d, const Branch& br, int64_t lp, const Se
     const ChunkData cd = chunk_data(d, br, s, hk, c, kNeedKt, sc);
     product_qk(d, M, q, qb, cd, sc.sfull + k0, Cp);
   }
+  // p_cmp, exact per row: the softmax of the whole row at once, then normalised.
   for (int64_t i = 0; i < nt; ++i) {
     const int64_t Ct = visible_cmp_blocks(tokens[i], br.l, br.d);
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = i * G + g;
       float* srow = sc.sfull + r * Cp;
-      std::fill(srow + Ct, srow + Cp, kNegInf);
-      if (Ct == 0) {
-        sc.m[r] = kNegInf;
-        continue;
+      float mx = kNegInf, sum = 0.0f;
+      K.softmax_row(srow, Cp, 0, Ct - 1, d.sscale, &mx, &sum, nullptr);
+      if (sum > 0.0f) {
+        K.scale_row(srow, Cp, 1.0f / sum);
+        lse[r] = mx + std::log(sum);
+      } else {
+        lse[r] = kNegInf;
       }
-      const float mx = K.row_max(srow, Cp) * d.sscale;  // entries past Ct are -inf
-      for (int64_t j = 0; j < Ct; ++j) srow[j] = srow[j] * d.sscale - mx;
-      sc.m[r] = mx;
-    }
-  }
-  K.exp_inplace(sc.sfull, M * Cp);
-  for (int64_t r = 0; r < M; ++r) {
-    float* srow = sc.sfull + r * Cp;
-    const float sum = K.row_sum(srow, Cp);
-    if (sum > 0.0f) {
-      const float inv = 1.0f / sum;
-      for (int64_t j = 0; j < Cp; ++j) srow[j] *= inv;  // p_cmp, exact per row
-      lse[r] = sc.m[r] + std::log(sum);
-    } else {
-      lse[r] = kNegInf;
     }
   }
   for (int64_t k0 = 0; k0 < C; k0 += kChunk) {
@@ -728,37 +707,21 @@ inline void attend_dq(const Dims& d, const Branch& br, const Seq& s, int64_t hk,
     const Chunk& c = sc.chunks[ci];
     const ChunkData cd = chunk_data(d, br, s, hk, c, kBackwardNeeds, sc);
     product_qk(d, M, q, qb, cd, sc.s, kChunk);
-    for (int64_t i = 0; i < nt; ++i) {
+    for (int64_t i = 0; i < nt; ++i) {  // P
       const Interval iv = keys_of(br, s, hk, tokens[i], c, true);
       const int64_t a = std::max<int64_t>(iv.lo - c.k0, 0), b = std::min<int64_t>(iv.hi - c.k0, c.nk - 1);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t r = i * G + g;
-        float* srow = sc.s + r * kChunk;
-        if (a > b || lse[r] == kNegInf) {
-          std::fill(srow, srow + kChunk, kNegInf);
-          continue;
-        }
-        std::fill(srow, srow + a, kNegInf);
-        std::fill(srow + b + 1, srow + kChunk, kNegInf);
-        for (int64_t j = a; j <= b; ++j) srow[j] = srow[j] * d.sscale - lse[r];
+        if (lse[r] == kNegInf) K.exp_row(sc.s + r * kChunk, kChunk, 0, -1, d.sscale, 0.0f);
+        else K.exp_row(sc.s + r * kChunk, kChunk, a, b, d.sscale, lse[r]);
       }
     }
-    K.exp_inplace(sc.s, M * kChunk);  // P
+    if (d.mm) K.gemm_bf16(M, kChunk, d.dvp, doutb, d.dvp, cd.vtb, kChunk, sc.dp, kChunk, false);  // dP = dO V^T
+    else K.gemm(M, kChunk, d.dv, dout, d.dvp, cd.vt, kChunk, sc.dp, kChunk, false);
+    for (int64_t r = 0; r < M; ++r)  // dS (unscaled); the bf16 path applies the gate to dP here
+      K.ds_row(sc.s + r * kChunk, sc.dp + r * kChunk, kChunk, d.mm && gate ? gate[r] : 1.0f, delta[r], 1.0f,
+               d.mm ? sc.pb + r * kChunk : nullptr);
     if (d.mm) {
-      K.gemm_bf16(M, kChunk, d.dvp, doutb, d.dvp, cd.vtb, kChunk, sc.dp, kChunk, false);  // dP = dO V^T
-      if (gate)
-        for (int64_t r = 0; r < M; ++r)
-          for (int64_t j = 0; j < kChunk; ++j) sc.dp[r * kChunk + j] *= gate[r];
-    } else {
-      K.gemm(M, kChunk, d.dv, dout, d.dvp, cd.vt, kChunk, sc.dp, kChunk, false);
-    }
-    for (int64_t r = 0; r < M; ++r) {
-      float* prow = sc.s + r * kChunk;
-      const float* dprow = sc.dp + r * kChunk;
-      for (int64_t j = 0; j < kChunk; ++j) prow[j] *= dprow[j] - delta[r];  // dS (unscaled)
-    }
-    if (d.mm) {
-      K.f32_to_bf16(sc.s, sc.pb, M * kChunk);
       K.gemm_bf16(M, d.dqkp, kChunk, sc.pb, kChunk, cd.knb, d.dqkp, dq, d.dqkp, true);
     } else {
       K.gemm(M, d.dqkp, kChunk, sc.s, kChunk, cd.kn, d.dqkp, dq, d.dqkp, true);
@@ -812,9 +775,7 @@ inline void dkdv_tile(const Dims& d, const Branch& br, const Seq& s, int64_t hk,
   // [M, 64] tiles P and dS are transposed for the two products that reduce over the queries.
   product_qk(d, M, sc.q, sc.qb, cd, sc.s, kChunk);                                   // S
   if (d.mm) {
-    K.gemm_bf16(M, kChunk, d.dvp, sc.doutb, d.dvp, cd.vtb, kChunk, sc.dp, kChunk, false);  // dP
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t j = 0; j < kChunk; ++j) sc.dp[r * kChunk + j] *= sc.gate[r];
+    K.gemm_bf16(M, kChunk, d.dvp, sc.doutb, d.dvp, cd.vtb, kChunk, sc.dp, kChunk, false);  // dP (gate: ds_row)
     K.pack_b_bf16(sc.dout, d.dvp, M, d.dvp, sc.dov, Mp);  // dO and q as B operands, rows to Mp
     K.pack_b_bf16(sc.q, d.dqkp, M, d.dqkp, sc.qv, Mp);
   } else {
@@ -825,45 +786,32 @@ inline void dkdv_tile(const Dims& d, const Branch& br, const Seq& s, int64_t hk,
     const int64_t a = std::max<int64_t>(iv.lo - c.k0, 0), b = std::min<int64_t>(iv.hi - c.k0, c.nk - 1);
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = i * G + g;
-      float* srow = sc.s + r * kChunk;
-      if (a > b || sc.lse[r] == kNegInf) {
-        std::fill(srow, srow + kChunk, kNegInf);
-        continue;
-      }
-      std::fill(srow, srow + a, kNegInf);
-      std::fill(srow + b + 1, srow + kChunk, kNegInf);
-      for (int64_t j = a; j <= b; ++j) srow[j] = srow[j] * d.sscale - sc.lse[r];
+      if (sc.lse[r] == kNegInf) K.exp_row(sc.s + r * kChunk, kChunk, 0, -1, d.sscale, 0.0f);
+      else K.exp_row(sc.s + r * kChunk, kChunk, a, b, d.sscale, sc.lse[r]);  // P
     }
   }
-  K.exp_inplace(sc.s, M * kChunk);  // P
-  transpose(sc.s, M, kChunk, kChunk, sc.st, Mp);                                     // P^T [64][Mp]
   if (d.mm) {
-    K.f32_to_bf16(sc.st, sc.stb, kChunk * Mp);
+    K.transpose_bf16(sc.s, M, kChunk, kChunk, sc.stb, Mp, nullptr);                 // P^T [64][Mp]
     K.gemm_bf16(kChunk, d.dvp, Mp, sc.stb, Mp, sc.dov, d.dvp, sc.dv, d.dvp, true);   // dV += P^T dO
   } else {
+    transpose(sc.s, M, kChunk, kChunk, sc.st, Mp);                                   // P^T [64][Mp]
     K.gemm(kChunk, d.dvp, M, sc.st, Mp, sc.dout, d.dvp, sc.dv, d.dvp, true);         // dV += P^T dO
   }
-  for (int64_t r = 0; r < M; ++r) {
-    float* prow = sc.s + r * kChunk;
-    const float* dprow = sc.dp + r * kChunk;
-    for (int64_t j = 0; j < kChunk; ++j) prow[j] *= dprow[j] - sc.delta[r];        // dS
-  }
-  if (d.mm) {  // q is unscaled here: the scale goes on dS before the rounding
-    for (int64_t j = 0; j < M * kChunk; ++j) sc.s[j] *= d.scale;
-  }
-  transpose(sc.s, M, kChunk, kChunk, sc.st, Mp);                                     // dS^T
+  // dS; on the bf16 path dP times the gate, and q is unscaled there: the scale goes on dS
+  // before the rounding.
+  for (int64_t r = 0; r < M; ++r)
+    K.ds_row(sc.s + r * kChunk, sc.dp + r * kChunk, kChunk, d.mm ? sc.gate[r] : 1.0f, sc.delta[r],
+             d.mm ? d.scale : 1.0f, nullptr);
   if (d.mm) {
-    K.f32_to_bf16(sc.st, sc.stb, kChunk * Mp);
+    // Keys not stored in bf16 (the compressed keys) feed phi's backward, whose output bias and
+    // position terms get sum_j dK_j, a sum that cancels to zero exactly (softmax ignores a
+    // shift of every key): dS in bf16 alone leaves ~2^-9 of it. dS = hi + lo keeps ~16 bits.
+    const bool split = br.k.dtype != DType::bf16;
+    K.transpose_bf16(sc.s, M, kChunk, kChunk, sc.stb, Mp, split ? sc.stb_lo : nullptr);  // dS^T
     K.gemm_bf16(kChunk, d.dqkp, Mp, sc.stb, Mp, sc.qv, d.dqkp, sc.dk, d.dqkp, true);  // dK += dS^T (scale q)
-    if (br.k.dtype != DType::bf16) {
-      // Keys not stored in bf16 (the compressed keys) feed phi's backward, whose output bias and
-      // position terms get sum_j dK_j, a sum that cancels to zero exactly (softmax ignores a
-      // shift of every key): dS in bf16 alone leaves ~2^-9 of it. dS = hi + lo keeps ~16 bits.
-      for (int64_t j = 0; j < kChunk * Mp; ++j)
-        sc.stb_lo[j] = detail::f32_to_bf16(sc.st[j] - detail::bf16_to_f32(sc.stb[j]));
-      K.gemm_bf16(kChunk, d.dqkp, Mp, sc.stb_lo, Mp, sc.qv, d.dqkp, sc.dk, d.dqkp, true);
-    }
+    if (split) K.gemm_bf16(kChunk, d.dqkp, Mp, sc.stb_lo, Mp, sc.qv, d.dqkp, sc.dk, d.dqkp, true);
   } else {
+    transpose(sc.s, M, kChunk, kChunk, sc.st, Mp);                                   // dS^T
     K.gemm(kChunk, d.dqkp, M, sc.st, Mp, sc.q, d.dqkp, sc.dk, d.dqkp, true);         // dK += dS^T (scale q)
   }
 }

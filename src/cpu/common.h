@@ -98,11 +98,7 @@ inline void store_row(const TensorView& t, int64_t row, int64_t head, const floa
   const int64_t off = row * t.stride[0] + head * t.stride[1];
   switch (t.dtype) {
     case DType::f32: std::memcpy(static_cast<float*>(t.data) + off, src, static_cast<size_t>(n) * 4); return;
-    case DType::bf16: {
-      uint16_t* d = static_cast<uint16_t*>(t.data) + off;
-      for (int64_t i = 0; i < n; ++i) d[i] = detail::f32_to_bf16(src[i]);
-      return;
-    }
+    case DType::bf16: kernels().f32_to_bf16(src, static_cast<uint16_t*>(t.data) + off, n); return;
     case DType::f16: {
       uint16_t* d = static_cast<uint16_t*>(t.data) + off;
       for (int64_t i = 0; i < n; ++i) d[i] = detail::f32_to_f16(src[i]);

@@ -37,12 +37,40 @@ struct KernelTable {
   // (pack_vnni in attention.h); C fp32 row-major. K a multiple of kKPad, N of kColPad.
   void (*gemm_bf16)(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda,
                     const uint16_t* B, int64_t ldb, float* C, int64_t ldc, bool accumulate);
-  // dst[i] = bf16(src[i]), rounded to nearest even (null with gemm_bf16).
+  // dst[i] = bf16(src[i]), rounded to nearest even (a NaN stays a quiet NaN), as
+  // detail::f32_to_bf16 (every table).
   void (*f32_to_bf16)(const float* src, uint16_t* dst, int64_t n);
   // The B operand of gemm_bf16 from a row-major fp32 matrix B [K][N] (row stride lds >= N): the
   // pair-interleaved bf16 layout with ldb = N, rows K .. Kp - 1 zero (Kp even; null with
   // gemm_bf16).
   void (*pack_b_bf16)(const float* src, int64_t lds, int64_t K, int64_t N, uint16_t* dst, int64_t Kp);
+
+  // ---- Row kernels of the attention engine (kernels_rows_impl.h; every table) ----
+  // Rows are n floats, n a multiple of kColPad; [a, b] the visible columns (empty when a > b).
+  //
+  // One row of the flash forward over a chunk: s holds the raw scores q.k. With m, l the row's
+  // running max and sum (m = -inf, l = 0 before the first chunk):
+  //   mx = max(m, max_{a<=j<=b} scale s_j), p_j = exp(scale s_j - mx) (0 outside [a, b]),
+  //   l = l exp(m - mx) + sum_j p_j, m = mx; s_j = p_j and, when pb is not null, pb_j = bf16(p_j).
+  // Returns exp(m_old - mx), the factor of the row's output accumulator (1 when a > b: then s
+  // and pb are zeroed and m, l unchanged).
+  float (*softmax_row)(float* s, int64_t n, int64_t a, int64_t b, float scale, float* m, float* l, uint16_t* pb);
+  // s_j = exp(scale s_j - shift) for a <= j <= b, 0 elsewhere (P from the saved lse = shift).
+  void (*exp_row)(float* s, int64_t n, int64_t a, int64_t b, float scale, float shift);
+  // dS: p_j = p_j (gate dp_j - delta) factor; pb_j = bf16 of it when pb is not null.
+  void (*ds_row)(float* p, const float* dp, int64_t n, float gate, float delta, float factor, uint16_t* pb);
+  // x_j *= f for j < n (any n).
+  void (*scale_row)(float* x, int64_t n, float f);
+  // The B operand of gemm_bf16 from the transpose of a row-major fp32 matrix: B[k][n] =
+  // src[n * lds + k] for n < N, k < K, zero for k in [K, Kp) and n in [N, ldb) (Kp even, ldb a
+  // multiple of kColPad). lo = true packs the rounding error instead: bf16(x - float(bf16(x))).
+  // Equal to pack_vnni (attention.h) with sk = 1, sn = lds.
+  void (*pack_bt_bf16)(const float* src, int64_t lds, int64_t N, int64_t K, uint16_t* dst, int64_t Kp, int64_t ldb,
+                       bool lo);
+  // dst[c][r] = bf16(src[r * lds + c]) for c < n, r < M; zero for M <= r < ldt (ldt even): the
+  // transpose of M rows as a bf16 A operand. lo (not null): the rounding errors, as pack_bt_bf16.
+  void (*transpose_bf16)(const float* src, int64_t M, int64_t n, int64_t lds, uint16_t* dst, int64_t ldt,
+                         uint16_t* lo);
 };
 
 // The table for this CPU, best first: AMX tiles (amx), AVX-512, AVX2+FMA+F16C, portable code.

@@ -1,6 +1,6 @@
 // AMX kernels (compiled with -mamx-tile -mamx-bf16; called only when the CPU has them and the OS
 // has granted this process the tile data state, kernels.cpp): the bf16 matrix product on the
-// tile units. The fp32 kernels are the AVX-512 ones, the fp32 -> bf16 conversions AVX-512-BF16's.
+// tile units. Everything else is the avx512bf16 table's (AVX-512 fp32 kernels, AVX-512-BF16 conversions).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -9,10 +9,6 @@
 #include "cpu/kernels.h"
 
 namespace nsa::cpu {
-
-// kernels_avx512bf16.cpp
-void f32_to_bf16_avx512bf16(const float* src, uint16_t* dst, int64_t n);
-void pack_b_bf16_avx512bf16(const float* src, int64_t lds, int64_t K, int64_t N, uint16_t* dst, int64_t Kp);
 
 namespace {
 
@@ -117,11 +113,9 @@ void gemm_bf16(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, 
 
 const KernelTable* kernels_amx() {
   static const KernelTable table = [] {
-    KernelTable t = *kernels_avx512();
+    KernelTable t = *kernels_avx512bf16();  // all but the product
     t.isa = "amx";
     t.gemm_bf16 = gemm_bf16;
-    t.f32_to_bf16 = f32_to_bf16_avx512bf16;
-    t.pack_b_bf16 = pack_b_bf16_avx512bf16;
     return t;
   }();
   return &table;

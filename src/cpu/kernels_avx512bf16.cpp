@@ -6,7 +6,15 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common/half.h"
 #include "cpu/kernels.h"
+
+// The row kernels again, with vcvtneps2bf16 for their bf16 roundings.
+#define NSA_VEC_BYTES 64
+#define NSA_CVT_BF16(x) bits_as<vh>(_mm512_cvtneps_pbh(x))
+namespace nsa::cpu::isa_avx512bf16 {
+#include "cpu/kernels_rows_impl.h"
+}  // namespace nsa::cpu::isa_avx512bf16
 
 namespace nsa::cpu {
 
@@ -74,7 +82,8 @@ void gemm_bf16(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, 
 
 }  // namespace
 
-// Shared with the AMX table (kernels_amx.cpp): every AMX CPU has AVX-512-BF16.
+namespace {
+
 void f32_to_bf16_avx512bf16(const float* src, uint16_t* dst, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
@@ -115,6 +124,9 @@ void pack_b_bf16_avx512bf16(const float* src, int64_t lds, int64_t K, int64_t N,
   }
 }
 
+}  // namespace
+
+// The AMX table (kernels_amx.cpp) starts from this one: every AMX CPU has AVX-512-BF16.
 const KernelTable* kernels_avx512bf16() {
   static const KernelTable table = [] {
     KernelTable t = *kernels_avx512();
@@ -122,6 +134,12 @@ const KernelTable* kernels_avx512bf16() {
     t.gemm_bf16 = gemm_bf16;
     t.f32_to_bf16 = f32_to_bf16_avx512bf16;
     t.pack_b_bf16 = pack_b_bf16_avx512bf16;
+    t.softmax_row = isa_avx512bf16::softmax_row;
+    t.exp_row = isa_avx512bf16::exp_row;
+    t.ds_row = isa_avx512bf16::ds_row;
+    t.scale_row = isa_avx512bf16::scale_row;
+    t.pack_bt_bf16 = isa_avx512bf16::pack_bt_bf16;
+    t.transpose_bf16 = isa_avx512bf16::transpose_bf16;
     return t;
   }();
   return &table;

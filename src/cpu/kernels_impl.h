@@ -5,16 +5,8 @@
 // Before including, define:
 //   NSA_VEC_BYTES  vector width in bytes (16 SSE2, 32 AVX2, 64 AVX-512)
 //   NSA_MR         rows of the micro-kernel (register blocking; see kMr below)
-#include <cstdint>
-#include <cstring>
+#include "cpu/kernels_rows_impl.h"
 
-#include "common/half.h"
-#include "cpu/kernels.h"
-
-typedef float vf __attribute__((vector_size(NSA_VEC_BYTES)));
-typedef int32_t vi __attribute__((vector_size(NSA_VEC_BYTES)));
-
-constexpr int kW = NSA_VEC_BYTES / 4;  // floats per vector
 // The micro-kernel keeps kMr x 2 vectors of C in registers: 12 of AVX2's 16 registers (the
 // other 4 hold two B vectors, one broadcast A value and a spare), 24 of AVX-512's 32.
 constexpr int kMr = NSA_MR;
@@ -23,15 +15,8 @@ constexpr int kNr = 2 * kW;
 constexpr int64_t kPrefetchRows = 8;
 static_assert(nsa::cpu::kColPad % kNr == 0, "kColPad must be a multiple of the panel width");
 
-__attribute__((always_inline)) inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-__attribute__((always_inline)) inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 // A broadcast of *p. NSA_BROADCAST (a one-instruction broadcast load) comes from the ISA's TU;
 // the portable `vf{} + x` costs an extra add and a register shuffle per use.
-__attribute__((always_inline)) inline vf splat(float x) { return vf{} + x; }
 __attribute__((always_inline)) inline vf splat_load(const float* p) {
 #ifdef NSA_BROADCAST
   return NSA_BROADCAST(p);
@@ -96,63 +81,20 @@ void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const fl
   }
 }
 
-// exp by range reduction x = n ln2 + r, |r| <= ln2/2, and a degree-6 polynomial for e^r
-// (the Cephes expf coefficients, ~1 ulp); 2^n is built in the exponent bits.
+// x[i] = exp(x[i]) (vexp).
 void exp_inplace(float* x, int64_t n) {
-  constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kLn2Hi = 0.693359375f;  // ln2 split so that n * kLn2Hi is exact
-  constexpr float kLn2Lo = -2.12194440e-4f;
-  constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  constexpr float kUnderflow = -87.0f;        // below this e^x is under FLT_MIN: return 0
-  for (int64_t i = 0; i < n; i += kW) {
-    const vf v = load(x + i);
-    const vi dead = v < kUnderflow;
-    const vf xc = dead ? splat(kUnderflow) : v;
-    const vf t = xc * kLog2e;
-    const vf nf = (t + kRoundMagic) - kRoundMagic;
-    vf r = xc - nf * kLn2Hi;
-    r = r - nf * kLn2Lo;
-    vf p = splat(1.9875691500E-4f);
-    p = p * r + 1.3981999507E-3f;
-    p = p * r + 8.3334519073E-3f;
-    p = p * r + 4.1665795894E-2f;
-    p = p * r + 1.6666665459E-1f;
-    p = p * r + 5.0000001201E-1f;
-    p = p * (r * r) + r + 1.0f;
-    const vi e = (__builtin_convertvector(nf, vi) + 127) << 23;
-    vf scale;
-    std::memcpy(&scale, &e, sizeof scale);
-    vf out = p * scale;
-    vi bits;
-    std::memcpy(&bits, &out, sizeof bits);
-    bits &= ~dead;
-    std::memcpy(&out, &bits, sizeof out);
-    store(x + i, out);
-  }
+  for (int64_t i = 0; i < n; i += kW) store(x + i, vexp(load(x + i)));
 }
 
 float row_max(const float* x, int64_t n) {
   vf m = load(x);
-  for (int64_t i = kW; i < n; i += kW) {
-    const vf v = load(x + i);
-    m = v > m ? v : m;
-  }
-  float r = m[0];
-  for (int i = 1; i < kW; ++i) r = m[i] > r ? m[i] : r;
-  return r;
+  for (int64_t i = kW; i < n; i += kW) m = kMaxOp(m, load(x + i));
+  return fold(m, kMaxOp);
 }
 
 float row_sum(const float* x, int64_t n) {
   vf s = vf{};
   for (int64_t i = 0; i < n; i += kW) s += load(x + i);
-  float r = 0.0f;
-  for (int i = 0; i < kW; ++i) r += s[i];
-  return r;
+  return fold(s, kSumOp);
 }
 
-void bf16_to_f32(const uint16_t* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t u = static_cast<uint32_t>(src[i]) << 16;
-    std::memcpy(dst + i, &u, 4);
-  }
-}
