@@ -84,3 +84,22 @@ def test_bench_runs_from_the_python_install():
         assert r.returncode == 0, r.stdout + r.stderr
         rows = [line.split() for line in r.stdout.splitlines() if line.strip().startswith("96 ")]
         assert [row[2] for row in rows] == ["fwd", "fwd+bwd"], r.stdout
+
+
+def test_bench_adds_torch_on_the_cpu():
+    """With torch importable, ``nsa bench`` on the CPU times torch's SDPA on the same shapes in the
+    same run (a table with both and the ratio); ``--no-torch`` leaves it out."""
+    pytest.importorskip("torch")
+    args = ["bench", "--backend", "cpu", "--seqlens", "96,128", "--hq", "2", "--dqk", "16", "--dv", "16",
+            "--phi-hidden", "8", "--cmp-block-len", "8", "--cmp-stride", "4", "--slc-block-len", "16",
+            "--n-selected", "4", "--window", "32", "--check-tokens", "0", "--threads", "1", "--no-dense"]
+    for cmd in _commands():
+        r = _run(cmd, *args)
+        assert r.returncode == 0, r.stdout + r.stderr
+        table = [line for line in r.stdout.splitlines() if re.match(r"\| (96|128) \| fwd", line)]
+        assert len(table) == 4, r.stdout
+        assert all(re.search(r"\| [\d.]+ \| [\d.]+ \| [\d.]+x \|$", line) for line in table), table
+        assert "torch " in r.stdout and "CPU capability" in r.stdout, r.stdout
+        r = _run(cmd, *args, "--no-torch")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "torch SDPA ms" not in r.stdout, r.stdout
