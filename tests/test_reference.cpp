@@ -435,12 +435,18 @@ TEST(Selection, ForcedBlocksTiesAndPadding) {
   EXPECT_EQ(row(23), (std::vector<int32_t>{0, 2, 3, 5}));
 }
 
-TEST(Selection, ExactTiesGoToTheSmallerBlock) {
+// Blocks of 2 tokens, n = 3 with one local block and no initial one.
+Config three_of_pairs() {
   Config cfg;
   cfg.cmp_block_len = cfg.cmp_stride = cfg.slc_block_len = 2;
   cfg.n_selected = 3;
   cfg.n_init = 0;
   cfg.n_local = 1;
+  return cfg;
+}
+
+TEST(Selection, ExactTiesGoToTheSmallerBlock) {
+  const Config cfg = three_of_pairs();
   const int64_t T = 12, Ns = 6;
   const auto idx = topn(cfg, T, std::vector<double>(Ns, 0.25), Ns);
   // t = 11: J_t = 5 forced, then the two smallest of the tied blocks.
@@ -450,11 +456,7 @@ TEST(Selection, ExactTiesGoToTheSmallerBlock) {
 // A NaN score ranks above every number (as torch.topk ranks it), NaNs among themselves by the
 // smaller block; the same on every host backend (they disagreed: the comparisons were no order).
 TEST(Selection, NanScoresRankFirst) {
-  Config cfg;
-  cfg.cmp_block_len = cfg.cmp_stride = cfg.slc_block_len = 2;
-  cfg.n_selected = 3;
-  cfg.n_init = 0;
-  cfg.n_local = 1;
+  const Config cfg = three_of_pairs();
   const int64_t T = 16, Ns = 8;
   const double nan = std::numeric_limits<double>::quiet_NaN();
   const std::vector<double> S = {5.0, nan, 3.0, nan, 9.0, -1.0, 2.0, 0.0};
