@@ -20,6 +20,7 @@
 #include "cuda/decode/decode.h"
 #include "cuda/params.h"
 #include "cuda/forward/topn.cuh"
+#include "cuda/phi/phi.h"
 #include "nsa/blocks.h"
 #include "nsa/error.h"
 
@@ -80,6 +81,7 @@ struct ForwardWorkspace {
   void* kc = nullptr;        // [T/d, Hkv, Dqk] storage dtype
   void* vc = nullptr;        // [T/d, Hkv, Dv]
   float* hidden = nullptr;   // [T/d * Hkv, F] f32 (mlp)
+  int32_t* first_token = nullptr;  // [T/d] phi's row table
   float* scores = nullptr;   // [T, Hkv, Ns] f32
   void* o_cmp = nullptr;     // [T, Hq, Dv] storage dtype (when o_branch is absent)
   void* o_slc = nullptr;     // [T, Hq, Dv] storage dtype (when o_branch is absent and n > 0)
@@ -94,6 +96,7 @@ struct ForwardWorkspace {
     kc = w.take<char>(rows * pr.hkv * pr.dqk * es);
     vc = w.take<char>(rows * pr.hkv * pr.dv * es);
     hidden = w.take<float>(cfg.phi == PhiKind::mlp ? rows * pr.hkv * pr.phi_hidden : 0);
+    first_token = w.take<int32_t>(rows);
     scores = w.take<float>(cfg.n_selected > 0 ? pr.total_tokens * pr.hkv * ns : 0);
     o_cmp = w.take<char>(pr.total_tokens * pr.hq * pr.dv * es);
     o_slc = w.take<char>(cfg.n_selected > 0 ? pr.total_tokens * pr.hq * pr.dv * es : 0);
@@ -103,12 +106,23 @@ struct ForwardWorkspace {
   }
 };
 
+// compress_fwd's: phi's row table and mlp's hidden layer.
+struct CompressWorkspace {
+  int32_t* first_token = nullptr;  // [T/d]
+  float* hidden = nullptr;         // [T/d * Hkv, F] f32 (mlp)
+  size_t bytes = 0;
+  CompressWorkspace(const Config& cfg, const Problem& pr, void* base) {
+    WorkspaceCarver w(base);
+    const int64_t rows = cmp_rows(pr.total_tokens, cfg.cmp_stride);
+    first_token = w.take<int32_t>(rows);
+    hidden = w.take<float>(cfg.phi == PhiKind::mlp ? rows * pr.hkv * pr.phi_hidden : 0);
+    bytes = w.bytes();
+  }
+};
+
 size_t workspace_size(const Context& ctx, Op op, const Config& cfg, const Problem& pr) {
   switch (op) {
-    case Op::compress_fwd:
-      return cfg.phi == PhiKind::mlp
-                 ? align_up(cmp_rows(pr.total_tokens, cfg.cmp_stride) * pr.hkv * pr.phi_hidden * sizeof(float))
-                 : 0;
+    case Op::compress_fwd: return CompressWorkspace(cfg, pr, nullptr).bytes;
     case Op::forward: return ForwardWorkspace(cfg, pr, nullptr).bytes;
     case Op::selected_attention_fwd: return align_up(slc_union_list_len(cfg, pr) * sizeof(int32_t));
     case Op::cache_append:
@@ -122,37 +136,33 @@ size_t workspace_size(const Context& ctx, Op op, const Config& cfg, const Proble
 
 // ---- Stages -----------------------------------------------------------------------------------
 
+// xc = phi(x) on every compressed row a sequence uses (rows of none are left as they are).
 void run_phi(const Plan& p, const PhiParams& phi, const TensorView& x, const TensorView& xc, int64_t hidden_width,
-             float* hidden) {
+             float* hidden, int32_t* first_token) {
   require_storage_dtype(p.dtype);
   for (const TensorView* t : {&phi.w1, &phi.b1, &phi.w2, &phi.b2, &phi.pe})
     if (t->defined() && !t->is_contiguous())
       throw Error("phi parameters", "strided", "must be contiguous on the cuda backend");
-  PhiLaunch l{};
-  l.seqs = seq_params(p);
-  l.kind = p.cfg.phi;
-  l.x = x.data;
-  l.x_st = x.stride[0];
-  l.x_sh = x.stride[1];
-  l.xc = xc.data;
-  l.xc_st = xc.stride[0];
-  l.xc_sh = xc.stride[1];
-  l.heads = static_cast<int>(x.shape[1]);
-  l.dim = static_cast<int>(x.shape[2]);
-  l.l = static_cast<int>(p.cfg.cmp_block_len);
-  l.d = static_cast<int>(p.cfg.cmp_stride);
-  l.w1 = phi.w1.data;
-  l.b1 = phi.b1.data;
-  l.w2 = phi.w2.data;
-  l.b2 = phi.b2.data;
-  l.pe = phi.pe.data;
-  l.hidden = static_cast<int>(hidden_width);
-  l.hidden_buf = hidden;
-  dispatch_storage(p.dtype, [&]<typename S>() { launch_phi_forward<S>(l, stream_of(p)); });
+  const SeqParams seqs = seq_params(p);
+  phi::Rows r;
+  r.kind = p.cfg.phi;
+  r.first_token = first_token;
+  r.rc = cmp_rows(p.T, p.cfg.cmp_stride);
+  r.hkv = static_cast<int>(x.shape[1]);
+  r.D = static_cast<int>(x.shape[2]);
+  r.l = static_cast<int>(p.cfg.cmp_block_len);
+  r.d = static_cast<int>(p.cfg.cmp_stride);
+  r.F = p.cfg.phi == PhiKind::mlp ? static_cast<int>(hidden_width) : 0;
+  if (r.rc == 0) return;
+  phi::row_table(seqs.cu_seqlens, seqs.batch, p.T, r.l, r.d, first_token, stream_of(p));
+  dispatch_storage(p.dtype, [&]<typename S>() {
+    phi::forward<S>(r, phi, x, hidden, xc.data, xc.stride[0], xc.stride[1], false, stream_of(p));
+  });
 }
 
 void compress_fwd(const Plan& p, const PhiParams& phi, const TensorView& x, const TensorView& xc, Workspace ws) {
-  run_phi(p, phi, x, xc, p.phi_hidden_k, static_cast<float*>(ws.data));
+  const CompressWorkspace w(p.cfg, detail::problem_of(p), ws.data);
+  run_phi(p, phi, x, xc, p.phi_hidden_k, w.hidden, w.first_token);
 }
 
 CmpAttnParams cmp_params(const Plan& p, const TensorView& q, const void* kc, int64_t kc_rows, int64_t kc_st,
@@ -344,8 +354,8 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
   TensorView kc = make_view(w.kc, p.dtype, {rows, p.hkv, p.dqk}, Device::cuda);
   TensorView vc = make_view(w.vc, p.dtype, {rows, p.hkv, p.dv}, Device::cuda);
   if (rows > 0) {
-    run_phi(p, in.phi_k, cmp.k, kc, p.phi_hidden_k, w.hidden);
-    run_phi(p, in.phi_v, cmp.v, vc, p.phi_hidden_v, w.hidden);
+    run_phi(p, in.phi_k, cmp.k, kc, p.phi_hidden_k, w.hidden, w.first_token);
+    run_phi(p, in.phi_v, cmp.v, vc, p.phi_hidden_v, w.hidden, w.first_token);
   }
 
   // §2-§3: o_cmp, lse_cmp and S in one kernel.

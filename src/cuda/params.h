@@ -124,16 +124,6 @@ struct OutMat3 {
   int64_t s0 = 0, s1 = 0;
 };
 
-// phi's gradient reaching the raw keys (shared_kv fuses it into the raw dk/dv epilogue).
-struct PhiDxArgs {
-  int kind = 0;              // PhiKind
-  const float* dy = nullptr;    // [Rc, Hkv, D] dLoss/d(phi output), fp32
-  const float* dpre = nullptr;  // [Rc, Hkv, F] dLoss/d(W1 u + b1) (mlp)
-  const void* w = nullptr;      // linear: W [D, l*D]; mlp: W1 [F, l*D]
-  int64_t w_s0 = 0;
-  int F = 0;
-};
-
 // The raw lists' pieces (BwdArgs::raw; the workspace's slots: backward.cu's Layout).
 struct RawPieces {
   int pool = 0;             // slots (0: no pieces)
@@ -207,7 +197,10 @@ struct BwdArgs {
   bool slc_union = false;
   int slc_cap = 0;
   int64_t rc = 0;  // rows of the compressed tensors, floor(T / d)
-  PhiDxArgs phi_k, phi_v;
+  // Shared K/V: phi's gradient to every raw token, fp32 [T, Hkv, Dqk] / [T, Hkv, Dv], added by the
+  // raw dk/dv epilogue before its one rounding (nullptr: no compressed block, nothing to add).
+  const float* phi_dk32 = nullptr;
+  const float* phi_dv32 = nullptr;
   CudaKernelChoices choices;  // Context::cuda_choices (tma, slc_union_tiles)
 };
 

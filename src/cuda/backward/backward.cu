@@ -1,15 +1,16 @@
-// The CUDA backward pass (spec §8): orchestration, the inverted selection index, and phi.
-// docs/cuda_backward.md describes the design; launch.cuh (dq_kernel.cuh, dkv_kernel.cuh, slc_dq.cuh) holds the attention kernels.
+// The CUDA backward pass (spec §8): orchestration and the inverted selection index.
+// docs/cuda_backward.md describes the design; launch.cuh (dq_kernel.cuh, dkv_kernel.cuh, slc_dq.cuh) holds the attention
+// kernels, phi/phi.h phi's forward and gradients.
 //
 // Order of work on the stream:
-//   1. sequence table on the device; compressed keys/values recomputed through phi (fp32
-//      accumulation, rounded to the storage dtype like the forward's), phi's hidden layer kept;
+//   1. sequence table on the device; compressed keys/values recomputed through phi (as the
+//      forward computes them), phi's hidden pre-activation kept;
 //   2. the inverted index of the selection (stable radix sort of (KV head, block) -> token);
 //   3. dq_kernel: per-branch outputs recomputed from lse -> dg; dq of all branches at once;
 //   4. dkv_kernel<cmp>: dkc/dvc partials per query split, reduced in a fixed order;
-//   5. phi backward: parameter gradients (split-K GEMMs, fixed-order reductions), dpre;
-//   6. dkv_kernel<raw>: window + selection dk/dv (shared_kv: plus phi's gradient, one rounding);
-//      independent K/V: phi's gradient to k_cmp/v_cmp by its own kernel.
+//   5. phi backward: parameter gradients (split-K products, fixed-order reductions), dpre; phi's
+//      gradient to the raw tokens (independent K/V: into dk_cmp / dv_cmp; shared: fp32 for 6.);
+//   6. dkv_kernel<raw>: window + selection dk/dv (shared_kv: plus phi's gradient, one rounding).
 // Nothing uses floating-point atomics: same inputs, same bits.
 #include "cuda/backward/backward.h"
 
@@ -19,13 +20,13 @@
 #include <vector>
 
 #include "cuda/backward/launch.cuh"
-#include "cuda/backward/phi_gemm.cuh"
 #include "cuda/backward/raw_pieces.cuh"
 #include "cuda/backward/selection_index.cuh"
 #include "cuda/backward/workspace.h"
 #include "cuda/common/check.h"
 #include "cuda/common/dispatch.h"
 #include "cuda/common/launch.h"
+#include "cuda/phi/phi.h"
 #include "nsa/error.h"
 
 namespace nsa::cuda::bwd {
@@ -49,23 +50,6 @@ using detail::Plan;
 using cuda::WorkspaceCarver;
 
 // crow_token[crow] = packed first token of compressed row crow, or -1 when no block uses it.
-__global__ void crow_token_kernel(const int32_t* cu, int B, int64_t rc, int l, int d, int32_t* crow_token) {
-  const int64_t crow = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (crow >= rc) return;
-  // The last sequence whose first compressed row is <= crow (rows of sequences never overlap).
-  int lo = 0, hi = B - 1, b = -1;
-  while (lo <= hi) {
-    const int mid = (lo + hi) / 2;
-    if (cu[mid] / d <= crow) { b = mid; lo = mid + 1; } else { hi = mid - 1; }
-  }
-  int32_t tok = -1;
-  if (b >= 0) {
-    const int64_t i = crow - cu[b] / d;
-    if (i < num_cmp_blocks(cu[b + 1] - cu[b], l, d)) tok = int32_t(cu[b] + i * d);
-  }
-  crow_token[crow] = tok;
-}
-
 constexpr int kInlineCu = 64;
 struct InlineCu {
   int32_t v[kInlineCu];
@@ -128,20 +112,19 @@ __global__ void reduce_cmp_parts_kernel(BwdArgs a, const float* part, const int3
   out[e] = acc + out[e];
 }
 
-// Independent K/V: dk_cmp/dv_cmp = phi's gradient alone.
-template <typename E>
-__global__ void phi_dx_kernel(BwdArgs a, PhiDxArgs P, int D, OutMat3 out) {
-  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (i >= a.T * a.hkv * D) return;
-  const int c = int(i % D);
-  const int hk = int((i / D) % a.hkv);
-  const int64_t tok = i / (int64_t(D) * a.hkv);
-  const int b = seq_of_token(a, tok);
-  const int64_t s0 = a.cu[b];
-  const float v = phi_dx<E>(P, a, D, s0, int(a.cu[b + 1] - s0), int(tok - s0), hk, c);
-  static_cast<E*>(out.p)[tok * out.s0 + hk * out.s1 + c] = cuda::from_float<E>(v);
+// phi's rows (phi.h) for one compressed tensor: head dim D, hidden width F (mlp).
+phi::Rows phi_rows(const Plan& p, const Layout& L, int64_t D, int64_t F) {
+  phi::Rows r;
+  r.kind = p.cfg.phi;
+  r.first_token = L.crow_token;
+  r.rc = cmp_rows(p.T, p.cfg.cmp_stride);
+  r.hkv = int(p.hkv);
+  r.D = int(D);
+  r.l = int(p.cfg.cmp_block_len);
+  r.d = int(p.cfg.cmp_stride);
+  r.F = p.cfg.phi == PhiKind::mlp ? int(F) : 0;
+  return r;
 }
-
 
 Mat3 mat3(const TensorView& t) { return Mat3{t.data, t.ndim > 0 ? t.stride[0] : 0, t.ndim > 1 ? t.stride[1] : 0}; }
 OutMat3 out3(const TensorView& t) { return OutMat3{t.data, t.ndim > 0 ? t.stride[0] : 0, t.ndim > 1 ? t.stride[1] : 0}; }
@@ -275,11 +258,11 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
   a.rc = rc;
 
   // 1b. Compressed keys/values through phi (as the forward computes them).
+  const phi::Rows rows_k = phi_rows(p, L, a.dqk, p.phi_hidden_k), rows_v = phi_rows(p, L, a.dv, p.phi_hidden_v);
   if (rc > 0) {
-    crow_token_kernel<<<blocks_for(rc), 256, 0, s>>>(L.cu, a.B, rc, a.l, a.d, L.crow_token);
-    NSA_CUDA_CHECK_LAUNCH();
-    phi_forward<E>(p, s, in.phi_k, in.kv[kCmp].k, a.dqk, L, L.kc, L.pre_k);
-    phi_forward<E>(p, s, in.phi_v, in.kv[kCmp].v, a.dv, L, L.vc, L.pre_v);
+    phi::row_table(L.cu, a.B, p.T, a.l, a.d, L.crow_token, s);
+    phi::forward<E>(rows_k, in.phi_k, in.kv[kCmp].k, L.pre_k, L.kc, p.hkv * a.dqk, a.dqk, true, s);
+    phi::forward<E>(rows_v, in.phi_v, in.kv[kCmp].v, L.pre_v, L.vc, p.hkv * a.dv, a.dv, true, s);
   }
 
   // 2. Inverted selection index (selection_index.cuh).
@@ -319,8 +302,10 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
       NSA_CUDA_CHECK_LAUNCH();
     }
     // 5. phi's parameter gradients (and dpre for the raw keys).
-    phi_backward_params<E>(p, s, in.phi_k, in.kv[kCmp].k, a.dqk, L, L.dkc, L.pre_k, grads.dphi_k);
-    phi_backward_params<E>(p, s, in.phi_v, in.kv[kCmp].v, a.dv, L, L.dvc, L.pre_v, grads.dphi_v);
+    phi::backward_params<E>(rows_k, in.phi_k, in.kv[kCmp].k, L.dkc, L.pre_k, grads.dphi_k, L.gemm_part, L.row_splits,
+                            L.colsum, s);
+    phi::backward_params<E>(rows_v, in.phi_v, in.kv[kCmp].v, L.dvc, L.pre_v, grads.dphi_v, L.gemm_part, L.row_splits,
+                            L.colsum, s);
   } else {
     // No compressed block anywhere: phi's parameters get no gradient.
     auto zero = [&](const TensorView& t) {
@@ -333,13 +318,21 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
       zero(d->w1); zero(d->b1); zero(d->w2); zero(d->b2); zero(d->pe);
     }
   }
-  const int kind = int(p.cfg.phi);
-  a.phi_k = PhiDxArgs{kind, L.dkc, L.pre_k, in.phi_k.w1.data, in.phi_k.w1.defined() ? in.phi_k.w1.stride[0] : 0,
-                      int(p.phi_hidden_k)};
-  a.phi_v = PhiDxArgs{kind, L.dvc, L.pre_v, in.phi_v.w1.data, in.phi_v.w1.defined() ? in.phi_v.w1.stride[0] : 0,
-                      int(p.phi_hidden_v)};
-  if (rc == 0) {  // phi_dx reads dkc/dvc only for existing blocks; keep the pointers harmless
-    a.phi_k.kind = a.phi_v.kind = 0;
+  // phi's gradient to the raw tokens: independent K/V straight into dk_cmp / dv_cmp; shared K/V
+  // in fp32 for the raw dk/dv epilogue to add before its one rounding.
+  phi::slot_table(L.cu, a.B, p.T, a.d, L.slots, s);
+  const int64_t n_slots = phi::slot_count(p.T, p.B, a.d);
+  if (p.cfg.shared_kv) {
+    if (rc > 0) {
+      phi::backward_x<E>(rows_k, in.phi_k, L.dkc, L.pre_k, L.slots, n_slots, phi::DxOut{L.dx_k32, 0, 0, true}, s);
+      phi::backward_x<E>(rows_v, in.phi_v, L.dvc, L.pre_v, L.slots, n_slots, phi::DxOut{L.dx_v32, 0, 0, true}, s);
+      a.phi_dk32 = L.dx_k32;
+      a.phi_dv32 = L.dx_v32;
+    }
+  } else {
+    const OutMat3 ok = a.grad_k[kCmp], ov = a.grad_v[kCmp];
+    phi::backward_x<E>(rows_k, in.phi_k, L.dkc, L.pre_k, L.slots, n_slots, phi::DxOut{ok.p, ok.s0, ok.s1, false}, s);
+    phi::backward_x<E>(rows_v, in.phi_v, L.dvc, L.pre_v, L.slots, n_slots, phi::DxOut{ov.p, ov.s0, ov.s1, false}, s);
   }
 
   // 6. Window + selection dk/dv (shared K/V: plus phi's gradient).
@@ -348,12 +341,6 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
     NSA_CUDA_CHECK_LAUNCH();
   }
   dispatch_dims<E>(a, s, BwdKernel::dkv_raw);
-  if (!p.cfg.shared_kv) {
-    phi_dx_kernel<E><<<blocks_for(p.T * p.hkv * p.dqk), 256, 0, s>>>(a, a.phi_k, a.dqk, a.grad_k[kCmp]);
-    NSA_CUDA_CHECK_LAUNCH();
-    phi_dx_kernel<E><<<blocks_for(p.T * p.hkv * p.dv), 256, 0, s>>>(a, a.phi_v, a.dv, a.grad_v[kCmp]);
-    NSA_CUDA_CHECK_LAUNCH();
-  }
 }
 
 void check_supported(const Config& cfg, const Problem& p) {
@@ -433,6 +420,7 @@ Layout carve_compress(const Sizes& z, void* base) {
     L.pre_k = w.take<float>(size_t(rows * z.F));
   }
   L.colsum = w.take<float>(size_t(std::max(z.F, z.dqk)));
+  L.slots = w.take<int32_t>(size_t(4 * (z.T / z.d + z.B)));
   if (z.has_params) carve_phi_partials(z, rows, w, L);
   L.bytes = w.bytes();
   return L;
@@ -459,26 +447,15 @@ void run_compress_bwd(const Plan& p, const PhiParams& phi, const TensorView& x, 
   const int64_t rc = cmp_rows(p.T, p.cfg.cmp_stride);
   const int D = int(p.dqk);
   upload_cu(p, L.cu, s);
-  BwdArgs a;
-  a.choices = choices_of(p.ctx);
-  a.T = p.T;
-  a.max_seqlen = p.max_seqlen;
-  a.B = int(p.B);
-  a.cu = L.cu;
-  a.hq = a.hkv = int(p.hkv);
-  a.dqk = a.dv = D;
-  a.l = int(p.cfg.cmp_block_len);
-  a.d = int(p.cfg.cmp_stride);
-  a.rc = rc;
+  const phi::Rows rows = phi_rows(p, L, D, F);
   if (rc > 0) {
-    crow_token_kernel<<<blocks_for(rc), 256, 0, s>>>(L.cu, a.B, rc, a.l, a.d, L.crow_token);
-    NSA_CUDA_CHECK_LAUNCH();
+    phi::row_table(L.cu, int(p.B), p.T, int(p.cfg.cmp_block_len), int(p.cfg.cmp_stride), L.crow_token, s);
     dy_from_dxc_kernel<E><<<blocks_for(rc * p.hkv * D), 256, 0, s>>>(
         static_cast<const E*>(dxc.data), dxc.stride[0], dxc.stride[1], dxc.stride[2], rc, int(p.hkv), D,
         L.crow_token, L.dkc);
     NSA_CUDA_CHECK_LAUNCH();
-    if (p.cfg.phi == PhiKind::mlp) phi_forward<E>(p, s, phi, x, D, L, L.kc, L.pre_k);
-    phi_backward_params<E>(p, s, phi, x, D, L, L.dkc, L.pre_k, dphi);
+    if (p.cfg.phi == PhiKind::mlp) phi::forward<E>(rows, phi, x, L.pre_k, L.kc, p.hkv * D, D, true, s);
+    phi::backward_params<E>(rows, phi, x, L.dkc, L.pre_k, dphi, L.gemm_part, L.row_splits, L.colsum, s);
   } else {
     // No compressed block: phi's parameters get no gradient.
     for (const TensorView* t : {&dphi.w1, &dphi.b1, &dphi.w2, &dphi.b2, &dphi.pe}) {
@@ -488,10 +465,9 @@ void run_compress_bwd(const Plan& p, const PhiParams& phi, const TensorView& x, 
                                        size_t(t->shape[t->ndim - 1]) * 2, s));
     }
   }
-  PhiDxArgs P{int(p.cfg.phi), L.dkc, L.pre_k, phi.w1.data, phi.w1.defined() ? phi.w1.stride[0] : 0, int(F)};
-  if (rc == 0) P.kind = 0;  // phi_dx then reads no row
-  phi_dx_kernel<E><<<blocks_for(p.T * p.hkv * D), 256, 0, s>>>(a, P, D, out3(dx));
-  NSA_CUDA_CHECK_LAUNCH();
+  phi::slot_table(L.cu, int(p.B), p.T, int(p.cfg.cmp_stride), L.slots, s);
+  phi::backward_x<E>(rows, phi, L.dkc, L.pre_k, L.slots, phi::slot_count(p.T, p.B, p.cfg.cmp_stride),
+                     phi::DxOut{dx.data, dx.stride[0], dx.stride[1], false}, s);
 }
 
 }  // namespace

@@ -76,30 +76,6 @@ struct DkvSmem {
   static constexpr int kSwLaunch = kSwEnd + 1024;
 };
 
-template <typename E>
-__device__ __forceinline__ float phi_dx(const PhiDxArgs& P, const BwdArgs& a, int D, int64_t s0,
-                                        int len, int p, int hk, int c) {
-  const int nc = int(num_cmp_blocks(len, a.l, a.d));
-  if (nc == 0) return 0.f;
-  const int i_lo = p >= a.l - 1 ? (p - a.l + 1 + a.d - 1) / a.d : 0;
-  const int i_hi = min(p / a.d, nc - 1);
-  float acc = 0.f;
-  for (int i = i_lo; i <= i_hi; ++i) {
-    const int64_t m = (cmp_row_offset(s0, a.d) + i) * a.hkv + hk;
-    const int r = p - i * a.d;
-    if (P.kind == 0) {
-      acc += P.dy[m * D + c] / float(a.l);
-    } else if (P.kind == 1) {
-      const E* w = static_cast<const E*>(P.w);
-      for (int cc = 0; cc < D; ++cc) acc += to_float(w[cc * P.w_s0 + r * D + c]) * P.dy[m * D + cc];
-    } else {
-      const E* w = static_cast<const E*>(P.w);
-      for (int f = 0; f < P.F; ++f) acc += to_float(w[f * P.w_s0 + r * D + c]) * P.dpre[m * P.F + f];
-    }
-  }
-  return acc;
-}
-
 // The tensor maps of q and dO for dkv_kernel<cmp> and <raw> on sm_90a ([T, Hq, D] views, boxes of
 // kRows / G tokens x G heads x 64 columns: one query tile's 64 rows); `on` = 0 elsewhere.
 struct DkvMaps {
@@ -497,7 +473,10 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
   // Element (c, col) of the tile's dK (which = 0) or dV rows, from its fp32 sum: shared K/V add
   // phi's gradient (add_phi), then it is rounded once into out.
   auto finish_raw = [&](int which, int D, int c, int col, float val, OutMat3 out, bool add_phi) {
-    if (add_phi) val += phi_dx<E>(which == 0 ? a.phi_k : a.phi_v, a, D, s0, len, key0 + c, hk, col);
+    if (add_phi) {  // phi's gradient to this token (phi::backward_x, fp32 [T, Hkv, D]; none: no block)
+      const float* dx = which == 0 ? a.phi_dk32 : a.phi_dv32;
+      if (dx != nullptr) val += dx[((s0 + key0 + c) * a.hkv + hk) * D + col];
+    }
     static_cast<E*>(out.p)[(s0 + key0 + c) * out.s0 + hk * out.s1 + col] = from_float<E>(val);
   };
   auto emit_column_block = [&](int which, int D, int col0, OutMat3 out, bool add_phi, float* part) {

@@ -46,6 +46,9 @@ struct Layout {
   int32_t* offsets = nullptr; // [Hkv*B*n_slc_max + 1]
   void* sort_temp = nullptr;
   size_t sort_temp_bytes = 0;
+  int32_t* slots = nullptr;   // phi::slot_table [slot_count * 4]
+  float* dx_k32 = nullptr;    // shared K/V: phi's gradient to the raw tokens [T, Hkv, Dqk]
+  float* dx_v32 = nullptr;    // [T, Hkv, Dv]
   float* gemm_part = nullptr; // [splits][max phi parameter size]
   float* colsum = nullptr;    // [max(F, D)]
   RawPieces raw;                // the raw lists' pieces' slots (pool, part_k / part_v, split, slot, arrived)
@@ -57,6 +60,7 @@ struct Layout {
 struct Sizes {
   int64_t T, B, max_seqlen, hq, hkv, dqk, dv, F, l, d, lp, n;
   bool has_params;  // phi = linear or mlp
+  bool shared_kv;
   CudaKernelChoices choices;  // Context::cuda_choices (cmp_splits, packed_sort, raw pieces)
 };
 
@@ -86,6 +90,11 @@ inline Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
   }
   L.dkc = w.take<float>(size_t(rows * z.dqk));
   L.dvc = w.take<float>(size_t(rows * z.dv));
+  L.slots = w.take<int32_t>(size_t(4 * (z.T / z.d + z.B)));
+  if (z.shared_kv && rc > 0) {
+    L.dx_k32 = w.take<float>(size_t(z.T * z.hkv * z.dqk));
+    L.dx_v32 = w.take<float>(size_t(z.T * z.hkv * z.dv));
+  }
   const int test_splits = std::min(z.choices.cmp_splits, kMaxCmpSplits);  // forced (0: the rule)
   L.cmp_splits = test_splits > 0 ? test_splits : cmp_splits_for(z.max_seqlen, z.hq / z.hkv, z.B);
   // Rows of each split's partial: with one sequence the blocks its queries see; with several (whose
@@ -196,7 +205,7 @@ inline Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
 inline Sizes sizes_of(const Context& ctx, const Config& cfg, const Problem& p, int64_t F) {
   return Sizes{p.total_tokens, p.batch, p.max_seqlen, p.hq, p.hkv, p.dqk, p.dv, F,
                cfg.cmp_block_len, cfg.cmp_stride, cfg.slc_block_len, cfg.n_selected,
-               cfg.phi != PhiKind::mean, choices_of(ctx)};
+               cfg.phi != PhiKind::mean, cfg.shared_kv, choices_of(ctx)};
 }
 
 }  // namespace nsa::cuda::bwd

@@ -26,19 +26,4 @@ void launch_select_topn(const TopnParams& p, cudaStream_t stream);
 // Shared bytes per warp of the top-n kernel (its scores row and its chosen list).
 size_t topn_smem_per_warp(int64_t n_slc_max, int n_sel);
 
-struct PhiLaunch {
-  SeqParams seqs;
-  PhiKind kind;
-  const void* x;  // [T, H, D]
-  int64_t x_st, x_sh;
-  void* xc;  // [T/d, H, D]
-  int64_t xc_st, xc_sh;
-  int heads, dim, l, d;
-  const void *w1, *b1, *w2, *b2, *pe;  // contiguous, shapes as nsa::PhiParams
-  int hidden;                          // F (mlp)
-  float* hidden_buf;                   // [T/d * H, F] f32 workspace (mlp)
-};
-template <typename Storage>
-void launch_phi_forward(const PhiLaunch& p, cudaStream_t stream);
-
 }  // namespace nsa::cuda

@@ -1,0 +1,487 @@
+// phi on the GPU: tables, operand functors and the forward / backward products (phi.h says what
+// each computes; gemm.cuh how the products run).
+#include "cuda/phi/phi.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "cuda/common/check.h"
+#include "cuda/common/dtype.h"
+#include "cuda/common/launch.h"
+#include "cuda/phi/gemm.cuh"
+#include "nsa/blocks.h"
+
+namespace nsa::cuda::phi {
+
+namespace {
+
+constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2 / pi), GELU's tanh form
+constexpr float kGeluA = 0.044715f;
+
+__device__ __forceinline__ float gelu(float x) {
+  return 0.5f * x * (1.f + tanhf(kGeluC * (x + kGeluA * x * x * x)));
+}
+__device__ __forceinline__ float gelu_grad(float x) {
+  const float th = tanhf(kGeluC * (x + kGeluA * x * x * x));
+  return 0.5f * (1.f + th) + 0.5f * x * (1.f - th * th) * kGeluC * (1.f + 3.f * kGeluA * x * x);
+}
+
+// ---- tables ---------------------------------------------------------------------------------
+
+__global__ void row_table_kernel(const int32_t* cu, int B, int64_t T, int64_t rc, int l, int d,
+                                 int32_t* first_token) {
+  const int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (r >= rc) return;
+  int64_t s0 = 0, len = T;
+  if (cu != nullptr) {  // the last sequence whose first compressed row is <= r (rows never overlap)
+    int lo = 0, hi = B - 1, b = 0;
+    while (lo <= hi) {
+      const int mid = (lo + hi) / 2;
+      if (cu[mid] / d <= r) { b = mid; lo = mid + 1; } else { hi = mid - 1; }
+    }
+    s0 = cu[b];
+    len = cu[b + 1] - s0;
+  }
+  const int64_t i = r - cmp_row_offset(s0, d);
+  first_token[r] = (i >= 0 && i < num_cmp_blocks(len, l, d)) ? int32_t(s0 + i * d) : -1;
+}
+
+__global__ void slot_table_kernel(const int32_t* cu, int B, int64_t T, int d, int64_t n_slots, int4* slots) {
+  const int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (j >= n_slots) return;
+  int b = 0;
+  int64_t s0 = 0, end = T;
+  if (cu != nullptr) {  // the last sequence whose first slot is <= j
+    int lo = 0, hi = B - 1;
+    while (lo <= hi) {
+      const int mid = (lo + hi) / 2;
+      if (cu[mid] / d + mid <= j) { b = mid; lo = mid + 1; } else { hi = mid - 1; }
+    }
+    s0 = cu[b];
+    end = cu[b + 1];
+  }
+  const int64_t q = j - s0 / d - b;
+  slots[j] = (q >= 0 && s0 + q * d < end) ? make_int4(int(s0 + q * d), int(s0 / d + q), int(end), int(q))
+                                          : make_int4(-1, 0, 0, 0);
+}
+
+// ---- operands (gemm.cuh: row / col / element; kKFast = k contiguous; kExact = exact in tf32) --------
+
+template <typename E>
+struct BlockInput {  // A(m, k) = u_m[k] = x[row m's block, token k / D, column k % D] + pe[k]
+  static constexpr bool kKFast = true, kExact = false;
+  const E* x;
+  int64_t s0, s1;
+  const E* pe;  // [l, D] rows of stride pe_s0 (nullptr: none)
+  int64_t pe_s0;
+  const int32_t* first;
+  int hkv, D;
+  using RowInfo = int64_t;  // x's offset of the block's first token at the row's head; -1: no block
+  struct KInfo {
+    int64_t off;     // of (token k / D, column k % D) from the block's first token
+    int64_t pe_off;
+  };
+  __device__ RowInfo row(int, int64_t m) const {
+    const int64_t r = m / hkv;
+    const int tok = first[r];
+    return tok < 0 ? -1 : tok * s0 + (m - r * hkv) * s1;
+  }
+  __device__ KInfo col(int, int k) const {
+    const int r = k / D, c = k - r * D;
+    return KInfo{r * s0 + c, r * pe_s0 + c};
+  }
+  // The 8 elements of a run stay in one token's row: D and the run's first k are multiples of 8.
+  __device__ void elements(RowInfo a, const KInfo& b, int count, float (&v)[kRun]) const {
+    if (a < 0) return zero_run(v);
+    load_run(x + a + b.off, count, v);
+    if (pe == nullptr) return;
+    float p[kRun];
+    load_run(pe + b.pe_off, count, p);
+#pragma unroll
+    for (int j = 0; j < kRun; ++j) v[j] += p[j];
+  }
+  __device__ void load8(RowInfo a, const KInfo& b, int count, float (&v)[kRun]) const { elements(a, b, count, v); }
+};
+template <typename E>
+struct BlockInputT {  // B(k, n) = u_k[n]
+  static constexpr bool kKFast = false, kExact = false;
+  BlockInput<E> u;
+  using RowInfo = typename BlockInput<E>::KInfo;
+  using KInfo = int64_t;
+  __device__ RowInfo row(int b, int64_t n) const { return u.col(b, int(n)); }
+  __device__ KInfo col(int b, int k) const { return u.row(b, k); }
+  __device__ void load8(const RowInfo& a, KInfo b, int count, float (&v)[kRun]) const { u.elements(b, a, count, v); }
+};
+template <typename E>
+struct WeightT {  // B(k, n) = W[n, k]: phi's weights as stored, [out, in]
+  static constexpr bool kKFast = true, kExact = true;
+  const E* w;
+  int64_t s0;
+  using RowInfo = int64_t;
+  using KInfo = int;
+  __device__ RowInfo row(int, int64_t n) const { return n * s0; }
+  __device__ KInfo col(int, int k) const { return k; }
+  __device__ void load8(RowInfo a, KInfo b, int count, float (&v)[kRun]) const { load_run(w + a + b, count, v); }
+};
+template <typename E>
+struct Weight {  // B(k, n) = W[k, n]
+  static constexpr bool kKFast = false, kExact = true;
+  const E* w;
+  int64_t s0;
+  using RowInfo = int;
+  using KInfo = int64_t;
+  __device__ RowInfo row(int, int64_t n) const { return int(n); }
+  __device__ KInfo col(int, int k) const { return k * s0; }
+  __device__ void load8(RowInfo a, KInfo b, int count, float (&v)[kRun]) const { load_run(w + b + a, count, v); }
+};
+template <bool kGelu>
+__device__ __forceinline__ void gelu_run(float (&v)[kRun]) {
+  if constexpr (kGelu) {
+#pragma unroll
+    for (int j = 0; j < kRun; ++j) v[j] = gelu(v[j]);
+  }
+}
+template <bool kGelu>
+struct Rows32 {  // A(m, k) = a[m, k] (fp32 rows of ld), or GELU of it
+  static constexpr bool kKFast = true, kExact = false;
+  const float* a;
+  int64_t ld;
+  using RowInfo = int64_t;
+  using KInfo = int;
+  __device__ RowInfo row(int, int64_t m) const { return m * ld; }
+  __device__ KInfo col(int, int k) const { return k; }
+  __device__ void load8(RowInfo r, KInfo k, int count, float (&v)[kRun]) const {
+    load_run(a + r + k, count, v);
+    gelu_run<kGelu>(v);  // (GELU(0) = 0 past the count)
+  }
+};
+template <bool kGelu>
+struct Cols32 {  // A(m, k) = a[k, m] or B(k, n) = a[k, n] (fp32 rows of ld), or GELU of it
+  static constexpr bool kKFast = false, kExact = false;
+  const float* a;
+  int64_t ld;
+  using RowInfo = int64_t;
+  using KInfo = int64_t;
+  __device__ RowInfo row(int, int64_t i) const { return i; }
+  __device__ KInfo col(int, int k) const { return k * ld; }
+  __device__ void load8(RowInfo r, KInfo k, int count, float (&v)[kRun]) const {
+    load_run(a + k + r, count, v);
+    gelu_run<kGelu>(v);
+  }
+};
+
+// x's gradient (phi.h): batch b = rr * Hkv + h; A's row is slot j, its column s * F + f.
+struct DxRows {
+  const int4* slots;  // {first token, compressed row, sequence end, q}
+  int hkv, l, d;
+  // Of slot j's token at rr: the range of s (block q - s) that exist and reach it, and the row
+  // index (compressed row * Hkv + h) of block q; an empty range for no slot.
+  struct Range {
+    int64_t row0;
+    int lo, hi;
+  };
+  __device__ Range range(int b, int64_t j) const {
+    const int4 sl = slots[j];
+    const int rr = b / hkv, h = b - rr * hkv;
+    if (sl.x < 0) return Range{0, 1, 0};
+    const int q = sl.w;
+    const int64_t len = int64_t(sl.z) - (int64_t(sl.x) - int64_t(q) * d);
+    const int64_t nc = num_cmp_blocks(len, l, d);
+    const int lo = q - nc + 1 > 0 ? int(q - nc + 1) : 0;
+    const int hi = min(q, (l - 1 - rr) / d);
+    return Range{int64_t(sl.y) * hkv + h, lo, hi};
+  }
+};
+struct DxGrad {  // A(j, s * F + f) = g[row of block q - s, h][f] when that block holds the token
+  static constexpr bool kKFast = true, kExact = false;
+  DxRows rows;
+  const float* g;  // dpre [rc * Hkv, F] (mlp) or dy [rc * Hkv, D] (linear, F = D)
+  int F;
+  using RowInfo = DxRows::Range;
+  struct KInfo {
+    int s, f;
+  };
+  __device__ RowInfo row(int b, int64_t j) const { return rows.range(b, j); }
+  __device__ KInfo col(int, int k) const { return KInfo{k / F, k % F}; }
+  __device__ float element(const RowInfo& r, int s, int f) const {
+    return (s < r.lo || s > r.hi) ? 0.f : g[(r.row0 - int64_t(s) * rows.hkv) * F + f];
+  }
+  __device__ void load8(const RowInfo& r, KInfo k, int count, float (&v)[kRun]) const {
+    if (k.f + count <= F) {  // the run within one block's row
+      if (k.s < r.lo || k.s > r.hi) return zero_run(v);
+      return load_run(g + (r.row0 - int64_t(k.s) * rows.hkv) * F + k.f, count, v);
+    }
+#pragma unroll
+    for (int j = 0; j < kRun; ++j) {  // F not a multiple of 8: the run crosses into the next block
+      const int f = k.f + j, s = k.s + f / F;
+      v[j] = j < count ? element(r, s, f % F) : 0.f;
+    }
+  }
+};
+template <typename E>
+struct DxWeight {  // B(s * F + f, n) = W[f, (rr + s d) * D + n] (0 past the block's l rows)
+  static constexpr bool kKFast = false, kExact = true;
+  const E* w;
+  int64_t s0;
+  int F, hkv, d, l, D;
+  using RowInfo = int;
+  using KInfo = int64_t;
+  __device__ RowInfo row(int, int64_t n) const { return int(n); }
+  __device__ KInfo col(int b, int k) const {
+    const int s = k / F, f = k - s * F;
+    const int r = b / hkv + s * d;
+    return r < l ? f * s0 + int64_t(r) * D : -1;
+  }
+  __device__ void load8(RowInfo n, KInfo k, int count, float (&v)[kRun]) const {
+    if (k < 0) return zero_run(v);
+    load_run(w + k + n, count, v);
+  }
+};
+
+// ---- stores (st(batch, m, n, split, value)) ----------------------------------------------------
+
+template <typename E>
+struct StorePre {  // pre[m, n] = v + b1[n]
+  float* pre;
+  int F;
+  const E* b1;
+  __device__ void operator()(int, int64_t m, int n, int, float v) const { pre[m * F + n] = v + to_float(b1[n]); }
+};
+template <typename E>
+struct StoreOut {  // xc[row, head, n] = v (+ b2[n]), rounded to the storage dtype
+  E* xc;
+  int64_t st, sh;
+  int hkv;
+  const E* b2;  // nullptr: none
+  const int32_t* first;
+  bool write_unused;
+  __device__ void operator()(int, int64_t m, int n, int, float v) const {
+    const int64_t r = m / hkv;
+    if (!write_unused && first[r] < 0) return;
+    if (b2 != nullptr) v += to_float(b2[n]);
+    xc[r * st + (m % hkv) * sh + n] = from_float<E>(v);
+  }
+};
+struct StorePartial {  // part[split][m, n] = v
+  float* part;
+  int N;
+  int64_t plane;
+  __device__ void operator()(int, int64_t m, int n, int z, float v) const { part[z * plane + m * N + n] = v; }
+};
+struct StoreDpre {  // in place: pre[m, n] := v * gelu'(pre[m, n])
+  float* pre;
+  int F;
+  __device__ void operator()(int, int64_t m, int n, int, float v) const {
+    float& p = pre[m * F + n];
+    p = v * gelu_grad(p);
+  }
+};
+template <typename E>
+struct StoreDx {  // dx[slot j's token + rr, h, n] = v (tokens past the sequence: none)
+  const int4* slots;
+  int hkv, D;
+  DxOut out;
+  __device__ void operator()(int b, int64_t j, int n, int, float v) const {
+    const int4 sl = slots[j];
+    if (sl.x < 0) return;
+    const int64_t tok = int64_t(sl.x) + b / hkv;
+    if (tok >= sl.z) return;
+    const int h = b % hkv;
+    if (out.f32) static_cast<float*>(out.p)[(tok * hkv + h) * D + n] = v;
+    else static_cast<E*>(out.p)[tok * out.s0 + h * out.s1 + n] = from_float<E>(v);
+  }
+};
+
+// ---- the small kernels around the products -----------------------------------------------------
+
+template <typename E>
+__global__ void mean_kernel(const E* x, int64_t s0, int64_t s1, const int32_t* first, int64_t rc, int hkv, int D,
+                            int l, E* xc, int64_t xc_st, int64_t xc_sh, bool write_unused) {
+  const int64_t total = rc * hkv * D;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x) {
+    const int c = int(e % D);
+    const int64_t m = e / D;
+    const int64_t r = m / hkv;
+    const int h = int(m % hkv);
+    const int tok = first[r];
+    if (tok < 0 && !write_unused) continue;
+    float sum = 0.f;
+    if (tok >= 0)
+      for (int k = 0; k < l; ++k) sum += to_float(x[(int64_t(tok) + k) * s0 + h * s1 + c]);
+    xc[r * xc_st + h * xc_sh + c] = from_float<E>(sum / float(l));
+  }
+}
+
+// mean's x gradient: dx[token] = sum over its blocks of dy[block] / l (block q first).
+template <typename E>
+__global__ void mean_dx_kernel(DxRows rows, const float* dy, int D, int64_t n_slots, StoreDx<E> st) {
+  const int batches = rows.d * rows.hkv;
+  const int64_t total = n_slots * batches * D;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x) {
+    const int c = int(e % D);
+    const int b = int((e / D) % batches);
+    const int64_t j = e / (int64_t(D) * batches);
+    const DxRows::Range r = rows.range(b, j);
+    float acc = 0.f;
+    for (int s = r.lo; s <= r.hi; ++s) acc += dy[(r.row0 - int64_t(s) * rows.hkv) * D + c] / float(rows.l);
+    st(b, j, c, 0, acc);
+  }
+}
+
+// out[m, n] (storage dtype, rows of stride s0) = sum over z of part[z][m, n], z ascending.
+template <typename E>
+__global__ void reduce_parts_kernel(const float* part, int splits, int M, int N, E* out, int64_t s0) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= int64_t(M) * N) return;
+  float acc = 0.f;
+  for (int z = 0; z < splits; ++z) acc += part[z * int64_t(M) * N + i];
+  out[(i / N) * s0 + i % N] = from_float<E>(acc);
+}
+
+// Column sums in a fixed order: sum[n] = sum_m a[m, n]; also stored as E when out != nullptr.
+template <typename E>
+__global__ void column_sum_kernel(const float* a, int64_t M, int N, float* sum, E* out) {
+  const int n = blockIdx.x * blockDim.x + threadIdx.x;
+  if (n >= N) return;
+  float acc = 0.f;
+  for (int64_t m = 0; m < M; ++m) acc += a[m * N + n];
+  sum[n] = acc;
+  if (out != nullptr) out[n] = from_float<E>(acc);
+}
+
+// dpe[k] = sum_n W[n, k] s[n] (u = block + pe: pe's gradient is W^T times the summed dpre).
+template <typename E>
+__global__ void pe_grad_kernel(const E* w, int64_t w_s0, int N, int K, const float* s, E* dpe) {
+  const int k = blockIdx.x * blockDim.x + threadIdx.x;
+  if (k >= K) return;
+  float acc = 0.f;
+  for (int n = 0; n < N; ++n) acc += to_float(w[n * w_s0 + k]) * s[n];
+  dpe[k] = from_float<E>(acc);  // pe [l, D] is contiguous (checked on the host)
+}
+
+constexpr unsigned kMaxGrid = 1u << 20;  // grid-stride beyond this
+unsigned capped_blocks(int64_t n) { return std::min<unsigned>(blocks_for(n), kMaxGrid); }
+
+template <typename E>
+BlockInput<E> block_input(const Rows& r, const PhiParams& phi, const TensorView& x) {
+  return BlockInput<E>{static_cast<const E*>(x.data), x.stride[0], x.stride[1], static_cast<const E*>(phi.pe.data),
+                       phi.pe.defined() ? phi.pe.stride[0] : 0, r.first_token, r.hkv, r.D};
+}
+
+}  // namespace
+
+void row_table(const int32_t* cu, int B, int64_t T, int l, int d, int32_t* first_token, cudaStream_t s) {
+  const int64_t rc = cmp_rows(T, d);
+  if (rc == 0) return;
+  row_table_kernel<<<blocks_for(rc), 256, 0, s>>>(cu, B, T, rc, l, d, first_token);
+  NSA_CUDA_CHECK_LAUNCH();
+}
+
+void slot_table(const int32_t* cu, int B, int64_t T, int d, int32_t* slots, cudaStream_t s) {
+  const int64_t n = slot_count(T, B, d);
+  slot_table_kernel<<<blocks_for(n), 256, 0, s>>>(cu, B, T, d, n, reinterpret_cast<int4*>(slots));
+  NSA_CUDA_CHECK_LAUNCH();
+}
+
+template <typename E>
+void forward(const Rows& r, const PhiParams& phi, const TensorView& x, float* pre, void* xc, int64_t xc_st,
+             int64_t xc_sh, bool write_unused, cudaStream_t s) {
+  const int64_t M = r.rc * r.hkv;
+  if (M == 0) return;
+  if (r.kind == PhiKind::mean) {
+    mean_kernel<E><<<capped_blocks(M * r.D), 256, 0, s>>>(static_cast<const E*>(x.data), x.stride[0], x.stride[1],
+                                                          r.first_token, r.rc, r.hkv, r.D, r.l, static_cast<E*>(xc),
+                                                          xc_st, xc_sh, write_unused);
+    NSA_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  const BlockInput<E> u = block_input<E>(r, phi, x);
+  const int K = r.l * r.D;
+  StoreOut<E> out{static_cast<E*>(xc), xc_st, xc_sh, r.hkv, nullptr, r.first_token, write_unused};
+  const WeightT<E> w1{static_cast<const E*>(phi.w1.data), phi.w1.stride[0]};
+  if (r.kind == PhiKind::linear) {
+    gemm(s, M, r.D, K, 1, 1, u, w1, out);
+    return;
+  }
+  gemm(s, M, r.F, K, 1, 1, u, w1, StorePre<E>{pre, r.F, static_cast<const E*>(phi.b1.data)});
+  out.b2 = static_cast<const E*>(phi.b2.data);
+  gemm(s, M, r.D, r.F, 1, 1, Rows32<true>{pre, r.F}, WeightT<E>{static_cast<const E*>(phi.w2.data), phi.w2.stride[0]}, out);
+}
+
+template <typename E>
+void backward_params(const Rows& r, const PhiParams& phi, const TensorView& x, const float* dy, float* pre,
+                     const PhiParams& dphi, float* part, int splits, float* colsum, cudaStream_t s) {
+  if (r.kind == PhiKind::mean) return;
+  const int64_t M = r.rc * r.hkv;
+  const int K = r.l * r.D, D = r.D;
+  const BlockInputT<E> u{block_input<E>(r, phi, x)};
+  auto reduce_to = [&](int rows, int cols, const TensorView& out) {
+    reduce_parts_kernel<E><<<blocks_for(int64_t(rows) * cols), 256, 0, s>>>(part, splits, rows, cols,
+                                                                            static_cast<E*>(out.data), out.stride[0]);
+    NSA_CUDA_CHECK_LAUNCH();
+  };
+  if (r.kind == PhiKind::linear) {
+    // dW [D, l*D] = dy^T u; dpe = W^T (column sums of dy).
+    gemm(s, D, K, int(M), splits, 1, Cols32<false>{dy, D}, u, StorePartial{part, K, int64_t(D) * K});
+    reduce_to(D, K, dphi.w1);
+    column_sum_kernel<E><<<blocks_for(D), 256, 0, s>>>(dy, M, D, colsum, nullptr);
+    NSA_CUDA_CHECK_LAUNCH();
+    pe_grad_kernel<E><<<blocks_for(K), 256, 0, s>>>(static_cast<const E*>(phi.w1.data), phi.w1.stride[0], D, K,
+                                                    colsum, static_cast<E*>(dphi.pe.data));
+    NSA_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  const int F = r.F;
+  // db2 = column sums of dy; dW2 [D, F] = dy^T gelu(pre).
+  column_sum_kernel<E><<<blocks_for(D), 256, 0, s>>>(dy, M, D, colsum, static_cast<E*>(dphi.b2.data));
+  NSA_CUDA_CHECK_LAUNCH();
+  gemm(s, D, F, int(M), splits, 1, Cols32<false>{dy, D}, Cols32<true>{pre, F}, StorePartial{part, F, int64_t(D) * F});
+  reduce_to(D, F, dphi.w2);
+  // dpre = (dy W2) gelu'(pre), in place.
+  gemm(s, M, F, D, 1, 1, Rows32<false>{dy, D}, Weight<E>{static_cast<const E*>(phi.w2.data), phi.w2.stride[0]},
+       StoreDpre{pre, F});
+  // db1 = column sums of dpre; dW1 [F, l*D] = dpre^T u; dpe = W1^T db1.
+  column_sum_kernel<E><<<blocks_for(F), 256, 0, s>>>(pre, M, F, colsum, static_cast<E*>(dphi.b1.data));
+  NSA_CUDA_CHECK_LAUNCH();
+  gemm(s, F, K, int(M), splits, 1, Cols32<false>{pre, F}, u, StorePartial{part, K, int64_t(F) * K});
+  reduce_to(F, K, dphi.w1);
+  pe_grad_kernel<E><<<blocks_for(K), 256, 0, s>>>(static_cast<const E*>(phi.w1.data), phi.w1.stride[0], F, K, colsum,
+                                                  static_cast<E*>(dphi.pe.data));
+  NSA_CUDA_CHECK_LAUNCH();
+}
+
+template <typename E>
+void backward_x(const Rows& r, const PhiParams& phi, const float* dy, const float* dpre, const int32_t* slots,
+                int64_t n_slots, const DxOut& out, cudaStream_t s) {
+  if (n_slots == 0) return;
+  const int S = (r.l - 1) / r.d + 1;  // blocks that can hold one token
+  const int batches = r.d * r.hkv;
+  const int4* sl = reinterpret_cast<const int4*>(slots);
+  const DxRows rows{sl, r.hkv, r.l, r.d};
+  const StoreDx<E> st{sl, r.hkv, r.D, out};
+  if (r.kind == PhiKind::mean) {
+    mean_dx_kernel<E><<<capped_blocks(n_slots * batches * r.D), 256, 0, s>>>(rows, dy, r.D, n_slots, st);
+    NSA_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  const bool mlp = r.kind == PhiKind::mlp;
+  const int F = mlp ? r.F : r.D;
+  const DxGrad a{rows, mlp ? dpre : dy, F};
+  const DxWeight<E> b{static_cast<const E*>(phi.w1.data), phi.w1.stride[0], F, r.hkv, r.d, r.l, r.D};
+  gemm(s, n_slots, r.D, S * F, 1, batches, a, b, st);
+}
+
+#define NSA_PHI_INSTANTIATE(E)                                                                                    \
+  template void forward<E>(const Rows&, const PhiParams&, const TensorView&, float*, void*, int64_t, int64_t, bool, \
+                           cudaStream_t);                                                                         \
+  template void backward_params<E>(const Rows&, const PhiParams&, const TensorView&, const float*, float*,         \
+                                   const PhiParams&, float*, int, float*, cudaStream_t);                          \
+  template void backward_x<E>(const Rows&, const PhiParams&, const float*, const float*, const int32_t*, int64_t, \
+                              const DxOut&, cudaStream_t);
+NSA_PHI_INSTANTIATE(__nv_bfloat16)
+NSA_PHI_INSTANTIATE(__half)
+#undef NSA_PHI_INSTANTIATE
+
+}  // namespace nsa::cuda::phi

@@ -1,0 +1,79 @@
+// phi on the GPU (spec §2): the one implementation of the compression function and its
+// gradients that the forward, the backward and the compress stage ops all call. phi.cu holds it;
+// gemm.cuh the tensor-core product under it. (The decode path's append, which compresses one
+// block at a time as tokens arrive, has its own per-block code in decode/append.cu.)
+//
+// Rows: compressed row r of the packed layout (nsa/blocks.h: sequence b's blocks start at row
+// cu[b] / d) and KV head h make matrix row m = r * Hkv + h. Every kernel finds a row's block
+// through one table, first_token[r] (row_table): the block's first packed token, or -1 when no
+// sequence uses the row.
+//   mean:   xc = mean of the block's l rows (fp32 sum).
+//   linear: xc = u W^T, u = flatten(block + pe) gathered straight from x: [M, l*D] x [l*D, D].
+//   mlp:    pre = u W1^T + b1 (fp32, kept: the backward's dpre goes in its place), then
+//           xc = gelu(pre) W2^T + b2.
+// Backward, from dy = dLoss/dxc (fp32 [M, D]):
+//   parameters: dW2 = dy^T gelu(pre), db2 = colsum(dy), dpre = (dy W2) gelu'(pre),
+//               dW1 = dpre^T u, db1 = colsum(dpre), dpe = W1^T colsum(dpre) (linear: dW = dy^T u,
+//               dpe = W^T colsum(dy)); split-K partials added in a fixed order.
+//   x:          dx[token] = sum over the blocks holding it of the row of dpre W1 (linear: dy W)
+//               that belongs to the token. A token at position p = q d + rr of its sequence lies
+//               in blocks q - s, s = 0 .. ceil(l / d) - 1 (those that exist and reach it), at row
+//               rr + s d of each: for a fixed rr that is one product over "slots" q,
+//               [slots, S*F] x [S*F, D], A's row q holding dpre of blocks q, q-1, .. and B
+//               W1's columns of rows rr, rr + d, ..; batched over (rr, head). No atomics, no
+//               [M, l*D] intermediate.
+// Products run on tensor cores in tf32 with fp32 accumulation (gemm.cuh); every output is one
+// thread's fixed-order sum: the same inputs give the same bits.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "nsa/api.h"
+
+namespace nsa::cuda::phi {
+
+struct Rows {
+  PhiKind kind = PhiKind::mean;
+  const int32_t* first_token = nullptr;  // [rc] (row_table)
+  int64_t rc = 0;                        // compressed rows, floor(T / d)
+  int hkv = 0, D = 0, l = 0, d = 0;
+  int F = 0;  // mlp: hidden width
+};
+
+// first_token[r] for r < floor(T / d); cu: device offsets [B + 1], or nullptr for one sequence of T.
+void row_table(const int32_t* cu, int B, int64_t T, int l, int d, int32_t* first_token, cudaStream_t s);
+
+// Slots of x's gradient: slot j is (sequence b, q) with j = cu[b] / d + b + q, q < ceil(len_b / d);
+// 4 ints each: first token q d of the sequence's (packed), its compressed row cu[b] / d + q, the
+// sequence's end, unused (-1 first: no slot).
+inline int64_t slot_count(int64_t T, int64_t B, int64_t d) { return T / d + B; }
+void slot_table(const int32_t* cu, int B, int64_t T, int d, int32_t* slots, cudaStream_t s);
+
+// xc [rc, Hkv, D] (strides xc_st, xc_sh) = phi(x); pre: mlp's [rc * Hkv, F] fp32 workspace.
+// write_unused = false leaves rows of no block untouched (the forward's contract); true writes
+// them from a zero block (the backward's workspace).
+template <typename E>
+void forward(const Rows& r, const PhiParams& phi, const TensorView& x, float* pre, void* xc, int64_t xc_st,
+             int64_t xc_sh, bool write_unused, cudaStream_t s);
+
+// Parameter gradients into dphi (storage dtype, rows of stride stride[0]) from dy [rc * Hkv, D]
+// fp32 (rows of no block: 0); mlp: pre (from forward) becomes dpre in place. part: splits
+// partial planes of the largest parameter; colsum: max(F, D) floats.
+template <typename E>
+void backward_params(const Rows& r, const PhiParams& phi, const TensorView& x, const float* dy, float* pre,
+                     const PhiParams& dphi, float* part, int splits, float* colsum, cudaStream_t s);
+
+// x's gradient: every token of x (tokens of no block: 0). f32: contiguous [T, Hkv, D] floats at
+// p; else the storage dtype with strides s0, s1.
+struct DxOut {
+  void* p = nullptr;
+  int64_t s0 = 0, s1 = 0;
+  bool f32 = false;
+};
+template <typename E>
+void backward_x(const Rows& r, const PhiParams& phi, const float* dy, const float* dpre, const int32_t* slots,
+                int64_t n_slots, const DxOut& out, cudaStream_t s);
+
+}  // namespace nsa::cuda::phi
