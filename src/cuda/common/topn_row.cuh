@@ -68,10 +68,16 @@ struct LaneList {
 };
 
 // Stages one row: srow[j] = the score of block j, or kTakenBits for a forced block (j <= J).
-// Lane-strided; the caller syncs the warp before warp_topn reads it.
+// Every NaN, of either sign and any payload, is staged as the one positive NaN 0x7fffffff: it
+// ranks above every number (+inf included) and NaNs among themselves by the smaller j, as on the
+// host backends; no score can look like kTakenBits. Lane-strided; the caller syncs the warp before
+// warp_topn reads it.
 template <typename Score>
 __device__ __forceinline__ void stage_topn_row(float* srow, int64_t J, const ForcedBlocks& forced, int lane, Score score) {
-  for (int64_t j = lane; j <= J; j += 32) srow[j] = forced.contains(j, J) ? __uint_as_float(kTakenBits) : score(j);
+  for (int64_t j = lane; j <= J; j += 32) {
+    const float s = score(j);
+    srow[j] = forced.contains(j, J) ? __uint_as_float(kTakenBits) : (s != s ? __uint_as_float(0x7fffffffu) : s);
+  }
 }
 
 // The whole warp: selects min(n_sel, J + 1) blocks of a staged row (forced blocks first: the
