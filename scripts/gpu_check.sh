@@ -6,7 +6,7 @@
 #   scripts/gpu_check.sh [SOURCE_DIR]        (default: this repository)
 #
 # Environment: OUT (log folder), BUILD_DIR (default /tmp/nsa-gpu-build), JOBS (default 16),
-# SKIP="sass_check host_tests cuda_tests memcheck racecheck cli_bench bench bench_backward bench_decode gather_bench python_tests
+# SKIP="sass_check host_tests cuda_tests memcheck cuda_fuzz racecheck cli_bench bench bench_backward bench_decode gather_bench python_tests
 # bench_decode_layer bench_phi bench_layer public_decode bench_backbone sm80_tests" (any subset), LAYER_ARGS (bench/layer_bench.py's), BENCH_ARGS (e.g. --quick), DECODE_ARGS (nsa_decode_bench's),
 # MEMCHECK_FILTER (memcheck's --gtest_filter), RACECHECK_FILTER (racecheck's), BUILD_TARGETS (build only these, e.g. "nsa_cuda_tests nsa_cli"), CUDA_TEST_FILTER (a --gtest_filter for cuda_tests, e.g. '*CudaBackward*'), BREAK_TESTS=1 (last step:
 # scripts/break_tests.sh, the GPU tests must catch the bugs planted by tests/cuda/breaks/*.patch).
@@ -90,6 +90,15 @@ cuda_tests() { "$SRC/scripts/gtest_sharded.sh" "$(bin nsa_cuda_tests)" ${CUDA_TE
 memcheck() {
   compute-sanitizer --tool memcheck --error-exitcode 3 "$(bin nsa_cuda_tests)" \
     --gtest_filter="${MEMCHECK_FILTER:-*f16_d64_G1_packed_linear*:*bf16_d128_G16_paper*:*CudaDecode*f16_d128x64*:*CudaDecodeStatus*:*backbone*:*CudaBackbone*}"
+}
+# The CUDA fuzz pass: drawn cases (tests/cuda/random_cases.h: FUZZ_CASES per suite, default 16,
+# seed FUZZ_SEED, default 1) through the forward, backward and decode suites' end-to-end tests under
+# compute-sanitizer memcheck, in shards; FUZZ_FILTER replaces the test list.
+cuda_fuzz() {
+  NSA_CUDA_RANDOM_CASES="${FUZZ_CASES:-16}" NSA_CUDA_RANDOM_SEED="${FUZZ_SEED:-1}" \
+    NSA_TEST_WRAPPER="compute-sanitizer --tool memcheck --error-exitcode 3" \
+    timeout "${FUZZ_TIMEOUT:-480}" "$SRC/scripts/gtest_sharded.sh" "$(bin nsa_cuda_tests)" --gtest_brief=1 \
+    --gtest_filter="${FUZZ_FILTER:-Random/CudaForward.ForwardMatchesReferencePipeline/*:Random/CudaForward.SequencesAreIsolated/*:Random/CudaBackward.EveryGradientMatchesReference/*:Random/CudaBackward.SequencesAreIsolated/*:Random/CudaDecode.*}"
 }
 # compute-sanitizer racecheck (shared-memory hazards) on the decode kernels' pipelines, one case.
 racecheck() {
@@ -185,6 +194,7 @@ step sass_check sass_check
 step host_tests host_tests
 step cuda_tests cuda_tests
 step memcheck memcheck
+step cuda_fuzz cuda_fuzz
 step racecheck racecheck
 step cli_bench cli_bench
 step bench bench

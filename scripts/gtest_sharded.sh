@@ -6,7 +6,8 @@
 #
 #   scripts/gtest_sharded.sh BINARY [GTEST ARGS...]
 #
-# Environment: NSA_TEST_SHARDS (default 8, or 1 where nvidia-smi reports a non-Default compute mode).
+# Environment: NSA_TEST_SHARDS (default 8, or 1 where nvidia-smi reports a non-Default compute mode);
+# NSA_TEST_WRAPPER, a command every shard runs under (e.g. "compute-sanitizer --tool memcheck").
 # Exit status: 0 when every shard passed, else the first failing shard's. The summary line, last
 # (also with one shard, so that callers read one format):
 #   [==========] sharded: T tests ran in N shards (P passed, F failed)
@@ -31,7 +32,7 @@ pids=()
 trap 'rm -rf "$dir"' EXIT
 trap 'kill "${pids[@]}" 2>/dev/null; exit 143' TERM INT  # (a timeout around this script stops the shards too)
 for ((i = 0; i < shards; ++i)); do
-  GTEST_TOTAL_SHARDS="$shards" GTEST_SHARD_INDEX="$i" "$bin" "$@" > "$dir/$i.log" 2>&1 &
+  GTEST_TOTAL_SHARDS="$shards" GTEST_SHARD_INDEX="$i" ${NSA_TEST_WRAPPER:-} "$bin" "$@" > "$dir/$i.log" 2>&1 &
   pids+=("$!")
 done
 rc=0
