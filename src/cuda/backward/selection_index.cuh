@@ -80,45 +80,40 @@ __global__ void unpack_tokens_kernel(const uint32_t* src, int64_t n, uint32_t ma
   if (i < n) dst[i] = int32_t(src[i] & mask);
 }
 
-// cu [B+1] int32 from host values passed by value (up to kInlineCu entries: 256 bytes of
-// kernel arguments), so that no host buffer has to outlive an asynchronous copy.
-
-// Sorts the selection's pairs into L.tokens[0] (the lists, returned) and L.offsets (where each
-// key's list starts), on stream s.
+// Sorts the selection's pairs (T * Hkv * n of them, at least one: the caller skips the index
+// without selection) into L.tokens[0] (the lists, returned) and L.offsets (where each key's list
+// starts), on stream s.
 inline const int32_t* build_selection_index(const Plan& p, const BwdArgs& a, const Layout& L, cudaStream_t s) {
   const int64_t pairs = p.T * p.hkv * p.cfg.n_selected;
   const int64_t nkeys = p.hkv * p.B * p.n_slc_max;
-  if (pairs > 0) {
-    if (pairs > INT32_MAX || nkeys >= INT32_MAX)
-      throw Error("T * Hkv * n_selected", std::to_string(pairs), "must be < 2^31 for the cuda backward");
-    size_t temp = L.sort_temp_bytes;
-    if (L.packed_sort) {  // (carve: key and token bits fit in 32)
-      uint32_t* packed = reinterpret_cast<uint32_t*>(L.tokens[0]);
-      selection_packed_kernel<<<blocks_for(pairs), 256, 0, s>>>(a, uint32_t(nkeys), L.key_shift, packed);
-      NSA_CUDA_CHECK_LAUNCH();
-      cub::DoubleBuffer<uint32_t> kb(packed, L.keys[1]);
-      NSA_CUDA_CHECK(cub::DeviceRadixSort::SortKeys(L.sort_temp, temp, kb, int(pairs), 0, L.sort_bits, s));
-      segment_offsets_kernel<<<blocks_for(nkeys + 1), 256, 0, s>>>(kb.Current(), L.key_shift, pairs, nkeys, L.offsets);
-      NSA_CUDA_CHECK_LAUNCH();
-      // The token lists outlive the sort's scratch (which later phases reuse): into tokens[0].
-      unpack_tokens_kernel<<<blocks_for(pairs), 256, 0, s>>>(kb.Current(), pairs, (uint32_t(1) << L.key_shift) - 1u,
-                                                             L.tokens[0]);
-      NSA_CUDA_CHECK_LAUNCH();
-    } else {
-      selection_pairs_kernel<<<blocks_for(pairs), 256, 0, s>>>(a, uint32_t(nkeys), L.keys[0], L.tokens[0]);
-      NSA_CUDA_CHECK_LAUNCH();
-      cub::DoubleBuffer<uint32_t> kb(L.keys[0], L.keys[1]);
-      cub::DoubleBuffer<int32_t> vb(L.tokens[0], L.tokens[1]);
-      NSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(L.sort_temp, temp, kb, vb, int(pairs), 0, L.sort_bits, s));
-      segment_offsets_kernel<<<blocks_for(nkeys + 1), 256, 0, s>>>(kb.Current(), 0, pairs, nkeys, L.offsets);
-      NSA_CUDA_CHECK_LAUNCH();
-      // The token lists outlive the sort's scratch (which later phases reuse): keep them in tokens[0].
-      if (vb.Current() != L.tokens[0])
-        NSA_CUDA_CHECK(cudaMemcpyAsync(L.tokens[0], vb.Current(), sizeof(int32_t) * size_t(pairs),
-                                       cudaMemcpyDeviceToDevice, s));
-    }
+  if (pairs > INT32_MAX || nkeys >= INT32_MAX)
+    throw Error("T * Hkv * n_selected", std::to_string(pairs), "must be < 2^31 for the cuda backward");
+  size_t temp = L.sort_temp_bytes;
+  if (L.packed_sort) {  // (carve: key and token bits fit in 32)
+    uint32_t* packed = reinterpret_cast<uint32_t*>(L.tokens[0]);
+    selection_packed_kernel<<<blocks_for(pairs), 256, 0, s>>>(a, uint32_t(nkeys), L.key_shift, packed);
+    NSA_CUDA_CHECK_LAUNCH();
+    cub::DoubleBuffer<uint32_t> kb(packed, L.keys[1]);
+    NSA_CUDA_CHECK(cub::DeviceRadixSort::SortKeys(L.sort_temp, temp, kb, int(pairs), 0, L.sort_bits, s));
+    segment_offsets_kernel<<<blocks_for(nkeys + 1), 256, 0, s>>>(kb.Current(), L.key_shift, pairs, nkeys, L.offsets);
+    NSA_CUDA_CHECK_LAUNCH();
+    // The token lists outlive the sort's scratch (which later phases reuse): into tokens[0].
+    unpack_tokens_kernel<<<blocks_for(pairs), 256, 0, s>>>(kb.Current(), pairs, (uint32_t(1) << L.key_shift) - 1u,
+                                                           L.tokens[0]);
+    NSA_CUDA_CHECK_LAUNCH();
+  } else {
+    selection_pairs_kernel<<<blocks_for(pairs), 256, 0, s>>>(a, uint32_t(nkeys), L.keys[0], L.tokens[0]);
+    NSA_CUDA_CHECK_LAUNCH();
+    cub::DoubleBuffer<uint32_t> kb(L.keys[0], L.keys[1]);
+    cub::DoubleBuffer<int32_t> vb(L.tokens[0], L.tokens[1]);
+    NSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(L.sort_temp, temp, kb, vb, int(pairs), 0, L.sort_bits, s));
+    segment_offsets_kernel<<<blocks_for(nkeys + 1), 256, 0, s>>>(kb.Current(), 0, pairs, nkeys, L.offsets);
+    NSA_CUDA_CHECK_LAUNCH();
+    // The token lists outlive the sort's scratch (which later phases reuse): keep them in tokens[0].
+    if (vb.Current() != L.tokens[0])
+      NSA_CUDA_CHECK(cudaMemcpyAsync(L.tokens[0], vb.Current(), sizeof(int32_t) * size_t(pairs),
+                                     cudaMemcpyDeviceToDevice, s));
   }
-
   return L.tokens[0];
 }
 

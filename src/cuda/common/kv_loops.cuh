@@ -9,8 +9,21 @@
 
 #include "cuda/common/attention_tile.cuh"
 #include "cuda/common/tma.h"
+#include "cuda/tile_sizes.h"
+#include "nsa/api.h"
 
 namespace nsa::cuda {
+
+// The tensor map every forward kernel takes of its keys or values: a [rows, Hkv, kD] view of
+// 16-bit elements with strides (st, sh), boxes of box_rows rows x 64 columns. False where the
+// call's choices turn tensor maps off (CudaKernelChoices::tma) or one cannot be made: the kernel
+// then copies by cp.async.
+template <typename Storage, int kD>
+inline bool kv_rows_tensor_map(CUtensorMap* map, const CudaKernelChoices& choices, const void* base, int64_t hkv,
+                               int64_t rows, int64_t st, int64_t sh, uint32_t box_rows = kKeyChunk) {
+  return choices.tma && make_rows_tensor_map(map, StorageTraits<Storage>::is_bf16, base, kD, uint64_t(hkv),
+                                             uint64_t(rows), st, sh, box_rows);
+}
 
 // Shared-memory plan of the kernels: [Q tile | 2 K buffers | 2 V buffers or the score buffers].
 // sm_90a (wgmma): K/V in the 128-byte swizzle layout without padding, from a 1024-byte boundary;

@@ -450,16 +450,6 @@ inline void cmp_launch(Kernel kernel, int rows, size_t smem, const CmpAttnParams
   NSA_CUDA_CHECK_LAUNCH();
 }
 
-// Tensor maps of kc or vc ([kc_rows, Hkv, kD], boxes of kKeyChunk rows x 64 columns) for the S
-// pass and pass 1; false where one cannot be made (the kernel then copies by cp.async).
-template <typename Storage, int kD>
-inline bool cmp_rows_tensor_map(CUtensorMap* map, const CmpAttnParams& p, const void* base, int64_t st, int64_t sh,
-                                uint32_t box_rows = kKeyChunk) {
-  return p.choices.tma &&
-         make_rows_tensor_map(map, StorageTraits<Storage>::is_bf16, base, kD, uint64_t(p.hkv), uint64_t(p.kc_rows),
-                              st, sh, box_rows);
-}
-
 // sm_90a: pass 1 in 128-row tiles and 128-key chunks by TMA (cmp_pass1_wide_kernel; the 192-row
 // cp.async kernel where no tensor map can be made), then the S pass as its own kernel: at Dqk = 192 in
 // kScoresRows = 128-row tiles (two warpgroups share every K chunk) at 2 CTAs per SM, except where
@@ -477,8 +467,9 @@ void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream) {
     return;
   }
   CUtensorMap kc_wide{}, vc_wide{};
-  if (cmp_rows_tensor_map<Storage, kDqk>(&kc_wide, p, p.kc, p.kc_st, p.kc_sh, kCmpWideChunk) &&
-      cmp_rows_tensor_map<Storage, kDv>(&vc_wide, p, p.vc, p.vc_st, p.vc_sh, kCmpWideChunk)) {
+  const uint32_t wide = kCmpWideChunk;
+  if (kv_rows_tensor_map<Storage, kDqk>(&kc_wide, p.choices, p.kc, p.hkv, p.kc_rows, p.kc_st, p.kc_sh, wide) &&
+      kv_rows_tensor_map<Storage, kDv>(&vc_wide, p.choices, p.vc, p.hkv, p.kc_rows, p.vc_st, p.vc_sh, wide)) {
     static_assert(cmp_wide_smem_bytes(kDqk, kDv) <= kMaxSmem, "the 128 x 128 pass 1 fits in shared memory");
     cmp_launch(cmp_pass1_wide_kernel<Storage, kDqk, kDv>, kCmpWideRows, cmp_wide_smem_bytes(kDqk, kDv), p, stream,
                kc_wide, vc_wide);
@@ -487,7 +478,8 @@ void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream) {
   }
   if (p.scores == nullptr) return;
   CUtensorMap kc_map{};  // the S pass's (64-row boxes)
-  const int kc_tma = cmp_rows_tensor_map<Storage, kDqk>(&kc_map, p, p.kc, p.kc_st, p.kc_sh) ? 1 : 0;
+  const int kc_tma =
+      kv_rows_tensor_map<Storage, kDqk>(&kc_map, p.choices, p.kc, p.hkv, p.kc_rows, p.kc_st, p.kc_sh) ? 1 : 0;
   if constexpr (scores_wide_tiles(kDqk)) {  // else the 128-row S kernel is not instantiated
     if (scores_rows(kDqk, kDv, p.group, p.score_ring, kMaxSmem) == kScoresRows) {
       cmp_launch(cmp_scores_kernel<Storage, kDqk, kDv, kScoresRows, 2>, kScoresRows,

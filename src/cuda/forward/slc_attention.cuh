@@ -389,14 +389,6 @@ __global__ void __launch_bounds__(kSlcWarpThreads)
   }
 }
 
-// Tensor map of the selection's k or v ([T, Hkv, kD], boxes of 64 rows x 64 columns).
-template <typename Storage, int kD>
-inline bool slc_tensor_map(CUtensorMap* map, const BranchParams& p, const void* base, int64_t st, int64_t sh) {
-  return p.choices.tma &&
-         make_rows_tensor_map(map, StorageTraits<Storage>::is_bf16, base, kD, uint64_t(p.hkv),
-                              uint64_t(p.seqs.total_tokens), st, sh, kKeyChunk);
-}
-
 // sm_90a with l' = 64 (and tensor maps, the warps' sorts fitting the ring, and the list in the
 // workspace): the per-token kernel, which leaves the tiles with a small union in the list, then
 // the union tiles' kernel for those; elsewhere the per-token kernel alone.
@@ -410,8 +402,8 @@ void launch_slc_attention(const BranchParams& p_in, cudaStream_t stream) {
   CUtensorMap k_map{}, v_map{};
   if (p.lp == kKeyChunk && p.slc_union_list != nullptr && p.choices.slc_union_tiles &&
       cmp_runs_wgmma(ukernel) && slc_union_sorts_fit(kDqk, kDv, p.sort_capacity) &&
-      slc_tensor_map<Storage, kDqk>(&k_map, p, p.k_slc, p.ks_st, p.ks_sh) &&
-      slc_tensor_map<Storage, kDv>(&v_map, p, p.v_slc, p.vs_st, p.vs_sh)) {
+      kv_rows_tensor_map<Storage, kDqk>(&k_map, p.choices, p.k_slc, p.hkv, p.seqs.total_tokens, p.ks_st, p.ks_sh) &&
+      kv_rows_tensor_map<Storage, kDv>(&v_map, p.choices, p.v_slc, p.hkv, p.seqs.total_tokens, p.vs_st, p.vs_sh)) {
     p.slc_union_tiles = true;
     NSA_CUDA_CHECK(cudaMemsetAsync(p.slc_union_list, 0, sizeof(int32_t), stream));  // the count
   }

@@ -343,15 +343,6 @@ constexpr size_t win_wgmma_smem_bytes(int dqk, int dv) {
   return cp > tma ? cp : tma;
 }
 
-// Tensor map of the window's k or v ([T, Hkv, kD], boxes of 64 rows x 64 columns); false where
-// one cannot be made (the kernel then copies by cp.async).
-template <typename Storage, int kD>
-inline bool win_tensor_map(CUtensorMap* map, const BranchParams& p, const void* base, int64_t st, int64_t sh) {
-  return p.choices.tma &&
-         make_rows_tensor_map(map, StorageTraits<Storage>::is_bf16, base, kD, uint64_t(p.hkv),
-                              uint64_t(p.seqs.total_tokens), st, sh, kKeyChunk);
-}
-
 template <typename Storage, int kDqk, int kDv>
 __global__ void __launch_bounds__(kWinWgRows / 16 * 32)
     win_attention_wgmma_kernel(const BranchParams p, const __grid_constant__ CUtensorMap kw_map,
@@ -434,10 +425,12 @@ void launch_win_attention(const BranchParams& p, cudaStream_t stream) {
     const dim3 grid = row_tile_grid(p.seqs.max_seqlen, p.seqs.batch, kWinWgRows / p.group, p.hkv);
     if (grid.x == 0) return;
     CUtensorMap kw_map{}, vw_map{};
-    const int kv_tma = p.window > 0 && win_tensor_map<Storage, kDqk>(&kw_map, p, p.k_win, p.kw_st, p.kw_sh) &&
-                               win_tensor_map<Storage, kDv>(&vw_map, p, p.v_win, p.vw_st, p.vw_sh)
-                           ? 1
-                           : 0;
+    const int64_t T = p.seqs.total_tokens;
+    const int kv_tma =
+        p.window > 0 && kv_rows_tensor_map<Storage, kDqk>(&kw_map, p.choices, p.k_win, p.hkv, T, p.kw_st, p.kw_sh) &&
+                kv_rows_tensor_map<Storage, kDv>(&vw_map, p.choices, p.v_win, p.hkv, T, p.vw_st, p.vw_sh)
+            ? 1
+            : 0;
     wg<<<grid, kWinWgRows / 16 * 32, smem, stream>>>(p, kw_map, vw_map, kv_tma);
     NSA_CUDA_CHECK_LAUNCH();
     return;
