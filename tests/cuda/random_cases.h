@@ -97,4 +97,14 @@ inline std::vector<RandomDraw> random_draws(uint64_t suite, int64_t max_tokens =
   return out;
 }
 
+// The draws as a suite's case struct C, whose fields are RandomDraw's from name to shared_kv.
+template <typename C>
+std::vector<C> random_attention_cases(uint64_t suite) {
+  std::vector<C> out;
+  for (const RandomDraw& r : random_draws(suite))
+    out.push_back({r.name, r.dtype, r.dqk, r.dv, r.hq, r.hkv, r.seqlens, r.l, r.d, r.lp, r.n, r.n_init, r.n_local, r.w,
+                   r.phi, r.shared_kv});
+  return out;
+}
+
 }  // namespace nsa::test

@@ -444,14 +444,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaBackward, ::testing::ValuesIn(bwd_cases()),
                          [](const ::testing::TestParamInfo<BwdCase>& info) { return info.param.name; });
 
 // Drawn cases (random_cases.h), through every test of the suite.
-std::vector<BwdCase> random_cases() {
-  std::vector<BwdCase> out;
-  for (const RandomDraw& r : random_draws(2))
-    out.push_back({r.name, r.dtype, r.dqk, r.dv, r.hq, r.hkv, r.seqlens, r.l, r.d, r.lp, r.n, r.n_init, r.n_local, r.w,
-                   r.phi, r.shared_kv});
-  return out;
-}
-INSTANTIATE_TEST_SUITE_P(Random, CudaBackward, ::testing::ValuesIn(random_cases()),
+INSTANTIATE_TEST_SUITE_P(Random, CudaBackward, ::testing::ValuesIn(random_attention_cases<BwdCase>(2)),
                          [](const ::testing::TestParamInfo<BwdCase>& info) { return info.param.name; });
 
 // compress_bwd on the GPU (the stage op: phi's backward alone) against the fp64 reference: dx and

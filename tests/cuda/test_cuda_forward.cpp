@@ -587,14 +587,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaForward, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 // Drawn cases (random_cases.h), through every test of the suite.
-std::vector<Case> random_cases() {
-  std::vector<Case> out;
-  for (const RandomDraw& r : random_draws(1))
-    out.push_back({r.name, r.dtype, r.dqk, r.dv, r.hq, r.hkv, r.seqlens, r.l, r.d, r.lp, r.n, r.n_init, r.n_local, r.w,
-                   r.phi, r.shared_kv});
-  return out;
-}
-INSTANTIATE_TEST_SUITE_P(Random, CudaForward, ::testing::ValuesIn(random_cases()),
+INSTANTIATE_TEST_SUITE_P(Random, CudaForward, ::testing::ValuesIn(random_attention_cases<Case>(1)),
                          [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 // Top-n where most picks come from the columns of one lane of the kernel's warp (j = 7 mod 32):
