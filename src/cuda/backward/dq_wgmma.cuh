@@ -1,5 +1,6 @@
-// sm_90a building blocks of dq_kernel (dq_kernel.cuh), some also used by dkv_kernel (its swizzled
-// row copies, its exponentials): warpgroup MMAs (common/wgmma.h) instead of mma.sync.
+// sm_90a building blocks of dq_kernel (dq_kernel.cuh; its sm_90a mainloop: dq_mainloop_sm90.cuh),
+// some also used by dkv_kernel (its swizzled row copies, its exponentials): warpgroup MMAs
+// (common/wgmma.h) instead of mma.sync.
 //
 // The CTA of dq_kernel is one warpgroup: 4 warps, kRows = 64 query rows, warp w owning rows
 // 16w..16w+15 in both bodies.
