@@ -21,67 +21,21 @@
 // DkvSmem::kSwLaunch, where this body runs); each thread fences its landed copies to the async proxy before the barrier that
 // publishes them. Each batch is fence / issue / commit / wait 0, so the accumulation order is
 // fixed and the result deterministic (it differs in rounding from the sm_80 body's).
+//
+// This file: the kernel's key tile and query tiles, P and dS of a query tile's scores and the
+// writes; the copies, products and pipeline of each target are its mainloop
+// (dkv_mainloop_sm80.cuh, dkv_mainloop_sm90.cuh; the layouts: dkv_smem.cuh).
 #pragma once
 
-#include "cuda/backward/dq_wgmma.cuh"
-#include "cuda/backward/tile.cuh"
+#include <type_traits>
+
+#include "cuda/backward/dkv_mainloop_sm80.cuh"
+#include "cuda/backward/dkv_mainloop_sm90.cuh"
+#include "cuda/backward/dkv_smem.cuh"
 
 namespace nsa::cuda::bwd {
 
 // ---- dkv_kernel --------------------------------------------------------------------------
-
-enum class KeySet : int { raw = 0, cmp = 1 };
-
-// One query tile of the key-centric kernel (one per pipeline buffer).
-struct RowTile {
-  const void* q[kRows];   // the row's Q and dO (nullptr: padding row, zero-filled)
-  const void* dO[kRows];
-  float4 st[kRows];   // (lse * log2 e, gate, dg, unused) of the current branch
-  int2 vis[kRows];    // visible key positions [lo, hi]; hi = -1 for a padding row
-};
-
-template <typename E, int DQK, int DV>
-struct DkvSmem {
-  static constexpr int kK = 0;                             // [kKeys][DQK + kPad], resident
-  static constexpr int kV = kK + tile_bytes<DQK>();        // [kKeys][DV + kPad]
-  static constexpr int kQ = kV + tile_bytes<DV>();         // [2][kRows][DQK + kPad], double-buffered
-  static constexpr int kDo = kQ + 2 * tile_bytes<DQK>();   // [2][kRows][DV + kPad]
-  static constexpr int kRi = kDo + 2 * tile_bytes<DV>();   // [2] RowTile
-  static constexpr int kPaddedEnd = kRi + 2 * int(sizeof(RowTile));
-  static_assert(kRi % 16 == 0, "RowTile holds float4");
-  // sm_90a (wgmma): the same tiles unpadded in the 128-byte swizzle layout (common/wgmma.h), from
-  // a 1024-byte boundary of the dynamic shared memory (the host adds 1024 bytes of slack).
-  // Q / dO buffers of the swizzled layout: two where two CTAs of that size still fit an SM, else
-  // one (Dqk 192 / Dv 128: two make 129 KB, 134 KB with the padded layout's size that the launch
-  // asked for before `b4155de`: one CTA per SM, dkv_kernel 1.8-2.25x its Dqk 128 time at 64K; one
-  // makes 88 KB, two CTAs per SM). The RowTiles stay two (prefetch fills
-  // the next one). kSwQdo: one Q and one dO buffer; kSwFixed: the rest (K, V, RowTiles, mbarriers;
-  // static_assert below).
-  static constexpr int kSwQdo = kRows * (DQK + DV) * 2;
-  static constexpr int kSwFixed = kKeys * (DQK + DV) * 2 + 2 * int(sizeof(RowTile)) + 2 * int(sizeof(uint64_t));
-  static constexpr int kSwBufs = two_ctas_fit_sm90(1024 + size_t(2 * kSwQdo + kSwFixed)) ? 2 : 1;
-  static constexpr int kSwK = 0;                                    // [kKeys][DQK], resident
-  static constexpr int kSwV = kSwK + kKeys * DQK * 2;               // [kKeys][DV]
-  static constexpr int kSwQ = kSwV + kKeys * DV * 2;                // [kSwBufs][kRows][DQK]
-  static constexpr int kSwDo = kSwQ + kSwBufs * kRows * DQK * 2;    // [kSwBufs][kRows][DV]
-  static constexpr int kSwRi = kSwDo + kSwBufs * kRows * DV * 2;    // [2] RowTile
-  static constexpr int kSwBars = kSwRi + 2 * int(sizeof(RowTile));  // [2] mbarriers (Q / dO by TMA)
-  static constexpr int kSwEnd = kSwBars + 2 * int(sizeof(uint64_t));
-  static_assert(kSwBars % 8 == 0, "mbarriers on 8 bytes");
-  static_assert(DQK % 64 == 0 && DV % 64 == 0, "swizzled tiles are whole 64-column blocks");
-  static_assert(kSwEnd == kSwBufs * kSwQdo + kSwFixed, "kSwFixed is the layout but the Q / dO buffers");
-  // Bytes the launch asks for: enough for either layout (the device picks one per target).
-  static constexpr int kEnd = kPaddedEnd > kSwEnd + 1024 ? kPaddedEnd : kSwEnd + 1024;
-  // Where the sm_90a body runs (runs_sm90): the swizzled layout and its alignment slack only.
-  static constexpr int kSwLaunch = kSwEnd + 1024;
-};
-
-// The tensor maps of q and dO for dkv_kernel<cmp> and <raw> on sm_90a ([T, Hq, D] views, boxes of
-// kRows / G tokens x G heads x 64 columns: one query tile's 64 rows); `on` = 0 elsewhere.
-struct DkvMaps {
-  CUtensorMap q, d_o;
-  int on;
-};
 
 // dkv_kernel<cmp>'s query split: the last split first (blockIdx.z = 0). CTAs start roughly in
 // blockIdx order (x, then y, then z). A later split has more whole key tiles (tiles every one of
@@ -94,32 +48,14 @@ __device__ __forceinline__ int cmp_split_index() { return int(gridDim.z - 1 - bl
 
 template <typename E, int DQK, int DV, KeySet kSet>
 __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __grid_constant__ DkvMaps maps) {
-  using L = DkvSmem<E, DQK, DV>;
-  constexpr int kLdK = DQK + kPad, kLdV = DV + kPad;
-  // sm_90a: the four products on wgmma, tiles in the swizzle layout (compute below).
-  constexpr bool kWg = cuda::kWgmmaCompiled;
+  // The copies, products and pipeline of this target (sm_90a: the four products on wgmma, tiles
+  // in the swizzle layout; else mma.sync, padded tiles).
+  using Mainloop = std::conditional_t<cuda::kWgmmaCompiled, DkvMainloopSm90<E, DQK, DV, kSet>,
+                                      DkvMainloopSm80<E, DQK, DV, kSet>>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  unsigned char* smem = smem_raw;
-  if constexpr (kWg) smem += (1024u - (cuda::smem_address(smem_raw) & 1023u)) & 1023u;
-  E* sK = reinterpret_cast<E*>(smem + (kWg ? L::kSwK : L::kK));
-  E* sV = reinterpret_cast<E*>(smem + (kWg ? L::kSwV : L::kV));
-  E* sQ = reinterpret_cast<E*>(smem + (kWg ? L::kSwQ : L::kQ));
-  E* sDo = reinterpret_cast<E*>(smem + (kWg ? L::kSwDo : L::kDo));
-  RowTile* ri = reinterpret_cast<RowTile*>(smem + (kWg ? L::kSwRi : L::kRi));
-  // Elements from one Q (dO) buffer to the next; 0 where the swizzled layout has one buffer.
-  constexpr bool kOneBuf = kWg && L::kSwBufs == 1;
-  constexpr int kQBuf = kOneBuf ? 0 : kWg ? kRows * DQK : kRows * kLdK;
-  constexpr int kDoBuf = kOneBuf ? 0 : kWg ? kRows * DV : kRows * kLdV;
-  // copy_rows into the layout of this target (copy_rows_sw128: dq_wgmma.cuh, kKeys = kRows rows).
-  auto copy_tile = [&](auto dim, E* dst, auto row_ptr, const E* any) {
-    constexpr int D = decltype(dim)::value;
-    if constexpr (kWg)
-      copy_rows_sw128<E, D>(dst, row_ptr, a.vec, any);
-    else
-      copy_rows<E, D>(dst, row_ptr, a.vec, any);
-  };
-  using DimK = std::integral_constant<int, DQK>;
-  using DimV = std::integral_constant<int, DV>;
+  using L = DkvSmem<E, DQK, DV>;
+  Mainloop ml(smem_raw);
+  unsigned char* const smem = ml.smem;
   const int tq = kRows / a.G;
   int hk = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -223,7 +159,6 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
     n0 = (cmp_q1 - cmp_q0 + tq - 1) / tq;
     if (z < cs.last) nk_emit = int(min(int64_t(nk), cmp_split_rows(len, z, cs, a.l, a.d) - key0));
   }
-
   // Starts copying the key tile of `phase` (raw: window or selection keys; else the only one).
   auto load_kv = [&](int phase) {
     const E* kb;
@@ -244,8 +179,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
       ks = K.s0;
       vs = V.s0;
     }
-    copy_tile(DimK{}, sK, [&](int c) -> const E* { return c < nk ? kb + c * ks : nullptr; }, qb);
-    copy_tile(DimV{}, sV, [&](int c) -> const E* { return c < nk ? vb + c * vs : nullptr; }, qb);
+    ml.load_kv(a, kb, ks, vb, vs, nk, qb);
   };
 
   // Fills RowTile `buf` for query tile i of the sequence and starts copying its Q and dO rows into
@@ -255,29 +189,9 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
   // skips the per-key mask.
   const int first_pos = kt.kp0, last_pos = kt.kp0 + (nk - 1) * kt.kstep;
   int whole = 0;
-  // sm_90a, tensor maps made: thread 0 copies each query tile of consecutive tokens (the compressed
-  // keys' tiles, the raw keys' window tiles; not the selection's gathered ones) by TMA (DQK / 64 +
-  // DV / 64 boxes of tq tokens x G heads), completing on the buffer's mbarrier. A box reads whole
-  // tokens past the tile's (the next sequence's or split's, or TMA's zeros past the end); those
-  // rows are zeroed after the wait (tile_rows), as the copies' zero fill did. tile_rows < 0: the
-  // buffer's tile came by cp.async.
-  // (<raw> at Dqk 192 keeps its copies: there the TMA path's registers raised its spills from 22 to
-  // 70 bytes.)
-  constexpr bool kTmaSet = kWg && (kSet == KeySet::cmp || (kSet == KeySet::raw && DQK <= 128));
-  const bool tma = kTmaSet && maps.on != 0;
-  uint64_t* const bars = reinterpret_cast<uint64_t*>(smem + L::kSwBars);
-  uint32_t bar_phase = 0;  // bit b: the parity of buffer b's next fill
-  int tile_rows0 = -1, tile_rows1 = -1;  // rows of real queries in buffers 0 / 1 (TMA: the rest zeroed)
-  if constexpr (kTmaSet) {
-    if (tma && threadIdx.x == 0) {
-      cuda::mbarrier_init(bars, 1);
-      cuda::mbarrier_init(bars + 1, 1);
-      cuda::fence_mbarrier_init();
-    }
-    // (every thread waits on them only after the prefetch's __syncthreads_and)
-  }
+  ml.start(maps);  // sm_90a with tensor maps: the Q / dO buffers' mbarriers
   auto prefetch = [&](int i, int buf) {
-    RowTile& R = ri[buf];
+    RowTile& R = ml.ri[buf];
     const bool list = kSet == KeySet::raw && i >= n0;
     const int branch = kSet == KeySet::cmp ? kCmp : list ? kSlc : kWin;
     int t0 = 0, i0 = 0, ntok;
@@ -316,150 +230,53 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
     // the row pointers are in place for the copies; every thread learns the tile's flag
     const int all = __syncthreads_and(sees_all);
     whole = (whole & ~(1 << buf)) | (all ? 1 << buf : 0);
-    if constexpr (kTmaSet) {
-      (buf ? tile_rows1 : tile_rows0) = tma && !list ? ntok * a.G : -1;
-      if (tma && !list) {
-        if (threadIdx.x == 0) {
-          uint64_t* bar = bars + buf;
-          cuda::mbarrier_expect_tx(bar, kRows * (DQK + DV) * sizeof(E));
-          const int tok = int(s0) + t0, h0 = hk * a.G;
-#pragma unroll
-          for (int blk = 0; blk < DQK / 64; ++blk)
-            cuda::tma_load_3d(sQ + buf * kQBuf + blk * kRows * 64, &maps.q, 64 * blk, h0, tok, bar);
-#pragma unroll
-          for (int blk = 0; blk < DV / 64; ++blk)
-            cuda::tma_load_3d(sDo + buf * kDoBuf + blk * kRows * 64, &maps.d_o, 64 * blk, h0, tok, bar);
-        }
-        return;
-      }
-    }
-    copy_tile(DimK{}, sQ + buf * kQBuf, [&](int r) { return static_cast<const E*>(R.q[r]); }, qb);
-    copy_tile(DimV{}, sDo + buf * kDoBuf, [&](int r) { return static_cast<const E*>(R.dO[r]); }, dob);
-  };
-  // TMA: waits for buffer buf's Q and dO, then zeroes its rows past the tile's queries (a NaN
-  // there would survive P = 0) and makes the zeros visible to wgmma.
-  auto land_tma = [&](int buf) {
-    if constexpr (kTmaSet) {
-      const int r0 = buf ? tile_rows1 : tile_rows0;
-      if (r0 < 0) return;  // copied by cp.async
-      cuda::mbarrier_wait_parity(bars + buf, (bar_phase >> buf) & 1u);
-      bar_phase ^= 1u << buf;
-      if (r0 < kRows) {
-        cuda::zero_sw128_rows<kRows, kThreads>(sQ + buf * kQBuf, DQK / 64, r0);
-        cuda::zero_sw128_rows<kRows, kThreads>(sDo + buf * kDoBuf, DV / 64, r0);
-        cuda::fence_proxy_async();  // the zeros, for wgmma
-        __syncthreads();
-      }
-    }
+    ml.load_rows(a, R, buf, list, t0, ntok, s0, hk, qb, dob);
   };
 
   float acc_k[DQK / 8][4], acc_v[DV / 8][4];
   zero(acc_k);
   zero(acc_v);
 
-  // sm_90a: the products of one half (rows r0 .. r0 + 31 of query buffer `buf`) as warpgroup MMAs.
-  // The K and V tiles are A operands read from shared memory (K-major descriptors, never held in
-  // registers); P^T and dS^T are register A operands packed from this half's accumulators.
-  constexpr int kSwBlock = kRows * 128;  // bytes of one 64-column block of a 64-row swizzled tile
-  auto sw_desc = [](uint32_t base, uint32_t off, uint32_t lbo) { return cuda::wgmma_desc_sw128(base, off, lbo, 1024); };
-  // S^T = K Q^T and dP^T = V dO^T (64 keys x 32 rows each): m64n32k16, A and B both K-major.
-  auto wg_scores = [&](float (&s)[kSubTiles][4], float (&dp)[kSubTiles][4], int buf, int r0) {
-    const uint32_t k_base = cuda::smem_address(sK), v_base = cuda::smem_address(sV);
-    const uint32_t q_base = cuda::smem_address(sQ + buf * kQBuf) + r0 * 128;
-    const uint32_t do_base = cuda::smem_address(sDo + buf * kDoBuf) + r0 * 128;
-    // (s and dp are overwritten: each one's first product has scale_d 0.)
-    cuda::wgmma_batch([&] {
+  // g P = g exp2(scale S log2 e - lse log2 e) and dS = scale g P (dP - dg) of one half (rows r0 ..
+  // r0 + 31 of RowTile R's query tile) from S^T in s and dP^T in dp (both overwritten); P uses
+  // ex2.approx (dq_exp2: probabilities below 2^-126 flush to 0). Keys past the tile's nk (zero
+  // rows) need no mask: their dK / dV rows are never written.
+  auto grads = [&](float (&s)[kSubTiles][4], float (&dp)[kSubTiles][4], const RowTile& R, int buf, int r0) {
+    if (whole >> buf & 1) {
 #pragma unroll
-      for (int kk = 0; kk < DQK / 16; ++kk) {
-        const uint32_t off = (kk >> 2) * kSwBlock + (kk & 3) * 32;
-        cuda::wgmma_ss<kSub, kIsBf16<E>, 0>(s, sw_desc(k_base, off, 16), sw_desc(q_base, off, 16), kk == 0 ? 0 : 1);
-      }
+      for (int nt = 0; nt < kSubTiles; ++nt) {
 #pragma unroll
-      for (int kk = 0; kk < DV / 16; ++kk) {
-        const uint32_t off = (kk >> 2) * kSwBlock + (kk & 3) * 32;
-        cuda::wgmma_ss<kSub, kIsBf16<E>, 0>(dp, sw_desc(v_base, off, 16), sw_desc(do_base, off, 16), kk == 0 ? 0 : 1);
-      }
-    }, s, dp);
-  };
-  // dV += (g P)^T dO and dK += scale dS^T Q: m64n{Dv}k16 and m64n{Dqk}k16, two k16 steps (the
-  // half's 32 rows) each, B = the same Q / dO buffers read MN-major (LBO: the next 64 columns).
-  auto wg_accumulate = [&](const uint32_t (&pf)[kSubTiles / 2][4], const uint32_t (&df)[kSubTiles / 2][4], int buf,
-                           int r0) {
-    const uint32_t q_base = cuda::smem_address(sQ + buf * kQBuf) + r0 * 128;
-    const uint32_t do_base = cuda::smem_address(sDo + buf * kDoBuf) + r0 * 128;
-    cuda::wgmma_batch([&] {
+        for (int i = 0; i < 2; ++i) {
+          const float4 st = R.st[r0 + nt * 8 + 2 * quad + i];
 #pragma unroll
-      for (int kk = 0; kk < kSubTiles / 2; ++kk)
-        cuda::wgmma_rs<DV, kIsBf16<E>, 1>(acc_v, pf[kk], sw_desc(do_base, kk * 16 * 128, kSwBlock), 1);
-#pragma unroll
-      for (int kk = 0; kk < kSubTiles / 2; ++kk)
-        cuda::wgmma_rs<DQK, kIsBf16<E>, 1>(acc_k, df[kk], sw_desc(q_base, kk * 16 * 128, kSwBlock), 1);
-    }, acc_v, acc_k);
-  };
-
-  // One query tile (buffer `buf`) against the resident key tile: this warp's 16 keys, the tile's
-  // rows in two halves of 32.
-  auto compute = [&](int buf) {
-    const RowTile& R = ri[buf];
-#pragma unroll 1
-    for (int r0 = 0; r0 < kRows; r0 += kSub) {
-      float s[kSubTiles][4], dp[kSubTiles][4];
-      if constexpr (kWg) {
-        wg_scores(s, dp, buf, r0);
-      } else {
-        const E* q = sQ + (buf * kRows + r0) * kLdK;
-        const E* dO = sDo + (buf * kRows + r0) * kLdV;
-        mma_abt<E, DQK, kSubTiles>(s, sK + key_w * kLdK, q);   // S^T: keys x rows
-        mma_abt<E, DV, kSubTiles>(dp, sV + key_w * kLdV, dO);  // dP^T
-      }
-      // g P = g exp2(scale S log2 e - lse log2 e) and dS = scale g P (dP - dg); P uses ex2.approx
-      // (dq_exp2: probabilities below 2^-126 flush to 0). Keys past the tile's nk (zero rows) need
-      // no mask: their dK / dV rows are never written.
-      if (whole >> buf & 1) {
-#pragma unroll
-        for (int nt = 0; nt < kSubTiles; ++nt) {
-#pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            const float4 st = R.st[r0 + nt * 8 + 2 * quad + i];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              float& x = s[nt][2 * h + i];
-              x = st.y * dq_exp2(fmaf(x, scale_log2, -st.x));
-              dp[nt][2 * h + i] = a.scale * x * (dp[nt][2 * h + i] - st.z);
-            }
-          }
-        }
-      } else {
-#pragma unroll
-        for (int nt = 0; nt < kSubTiles; ++nt) {
-#pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            const int r = r0 + nt * 8 + 2 * quad + i;
-            const float4 st = R.st[r];
-            const int2 vis = R.vis[r];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const bool v = kin[h] && kpos[h] >= vis.x && kpos[h] <= vis.y;
-              float& x = s[nt][2 * h + i];
-              x = v ? st.y * dq_exp2(fmaf(x, scale_log2, -st.x)) : 0.f;
-              dp[nt][2 * h + i] = a.scale * x * (dp[nt][2 * h + i] - st.z);
-            }
+          for (int h = 0; h < 2; ++h) {
+            float& x = s[nt][2 * h + i];
+            x = st.y * dq_exp2(fmaf(x, scale_log2, -st.x));
+            dp[nt][2 * h + i] = a.scale * x * (dp[nt][2 * h + i] - st.z);
           }
         }
       }
-      uint32_t pf[kSubTiles / 2][4], df[kSubTiles / 2][4];
-      to_operand<E, kSubTiles>(s, pf);
-      to_operand<E, kSubTiles>(dp, df);
-      if constexpr (kWg) {
-        wg_accumulate(pf, df, buf, r0);
-      } else {
-        const E* q = sQ + (buf * kRows + r0) * kLdK;
-        const E* dO = sDo + (buf * kRows + r0) * kLdV;
-        mma_ab<E, DV, kSubTiles / 2>(acc_v, pf, dO);  // dV += (g P)^T dO
-        mma_ab<E, DQK, kSubTiles / 2>(acc_k, df, q);  // dK += scale dS^T Q
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < kSubTiles; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int r = r0 + nt * 8 + 2 * quad + i;
+          const float4 st = R.st[r];
+          const int2 vis = R.vis[r];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const bool v = kin[h] && kpos[h] >= vis.x && kpos[h] <= vis.y;
+            float& x = s[nt][2 * h + i];
+            x = v ? st.y * dq_exp2(fmaf(x, scale_log2, -st.x)) : 0.f;
+            dp[nt][2 * h + i] = a.scale * x * (dp[nt][2 * h + i] - st.z);
+          }
+        }
       }
     }
   };
+  // One query tile (buffer `buf`) against the resident key tile.
+  auto compute = [&](int buf) { ml.compute(acc_k, acc_v, key_w, buf, grads); };
 
   // Writes the accumulated dK (which = 0) or dV rows through an fp32 scratch over the key tile's
   // shared memory (free: the caller has passed a barrier after the last compute and reloads K/V
@@ -518,8 +335,8 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
     emit(acc_v, 1, dv_out, add_phi, part_v);
   };
 
-  // The two-stage pipeline: query tile i + 1's rows and copies go out before tile i is computed
-  // (kOneBuf: after, into the same Q / dO buffer; the SM's other CTA computes meanwhile).
+  // The query tiles through the mainloop's two-stage pipeline (ml.run), the key tile and the first
+  // query tile's copies started here.
   const int n_tiles = n0 + n1;
   if (kSet == KeySet::raw && !a.shared_kv && n0 == 0 && piece == 0)
     epilogue(a.grad_k[kWin], a.grad_v[kWin], false, nullptr, nullptr);  // no window: zeros
@@ -528,34 +345,17 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
     prefetch(0, 0);
   }
   cuda::cp_async_commit();
-  for (int i = 0; i < n_tiles; ++i) {
-    if (!kOneBuf && i + 1 < n_tiles) prefetch(i + 1, (i + 1) & 1);  // its buffer's last reader (tile i-1) is done
-    cuda::cp_async_commit();
-    if constexpr (kOneBuf)
-      cuda::cp_async_wait<0>();
-    else
-      cuda::cp_async_wait<1>();
-    if constexpr (kWg) cuda::fence_proxy_async();  // landed copies (and plain stores) -> wgmma
-    __syncthreads();
-    if (kSet == KeySet::raw && i == n0 && i > 0) {
-      // Window done, selection next: independent K/V write the window's gradient now; the
-      // selection's keys replace the window's (tile i + 1's copies may stay in flight).
-      if (!a.shared_kv) epilogue(a.grad_k[kWin], a.grad_v[kWin], false, nullptr, nullptr);
-      __syncthreads();
-      load_kv(1);
-      cuda::cp_async_commit();
-      cuda::cp_async_wait<0>();
-      if constexpr (kWg) cuda::fence_proxy_async();
-      __syncthreads();
-    }
-    if (tma) land_tma(i & 1);
-    compute(i & 1);
-    __syncthreads();
-    if constexpr (kOneBuf)
-      if (i + 1 < n_tiles) prefetch(i + 1, (i + 1) & 1);  // the one buffer's readers are done
-  }
-  cuda::cp_async_wait<0>();
-  __syncthreads();
+  ml.run(
+      n_tiles, n0, prefetch,
+      [&] {
+        // Window done, selection next: independent K/V write the window's gradient now; the
+        // selection's keys replace the window's (tile n0 + 1's copies may stay in flight).
+        if (!a.shared_kv) epilogue(a.grad_k[kWin], a.grad_v[kWin], false, nullptr, nullptr);
+        __syncthreads();
+        load_kv(1);
+        ml.wait_kv();
+      },
+      compute);
 
   if constexpr (kSet == KeySet::raw) {
     if (!a.shared_kv && n0 > 0 && n1 == 0) epilogue(a.grad_k[kWin], a.grad_v[kWin], false, nullptr, nullptr);
