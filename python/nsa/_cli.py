@@ -5,7 +5,7 @@
 ``python -m nsa``) start it with the same arguments, so ``nsa bench``, ``nsa --version`` and
 ``nsa --help`` behave as the CMake build's ``build/<preset>/bin/nsa``; where torch is importable,
 ``nsa bench`` on the CPU also times PyTorch's CPU attention on the same shapes (_torch_bench.py;
-``--no-torch`` leaves it out).
+``--no-torch`` leaves it out; ``nsa bench --suite ...`` runs the program alone).
 """
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ def main() -> None:
                  "pip install . builds it (NSA_BUILD_TOOLS=ON in pyproject.toml)")
     args = sys.argv[1:]
     # `nsa bench` with torch importable: the program, then torch's CPU attention on the same shapes
-    # (_torch_bench.py; --no-torch: the program alone). Help goes to the program.
-    if (args[:1] == ["bench"] and "--no-torch" not in args and not {"-h", "--help"} & set(args)
+    # (_torch_bench.py; --no-torch: the program alone). Help and the CUDA suites (--suite: their
+    # CSV has its own SDPA baselines, bench/sdpa_*baseline.py) go to the program.
+    if (args[:1] == ["bench"] and "--no-torch" not in args and not {"-h", "--help", "--suite"} & set(args)
             and importlib.util.find_spec("torch") is not None):
         from ._torch_bench import main as bench_with_torch
 

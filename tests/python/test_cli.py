@@ -75,6 +75,16 @@ def test_usage_errors_keep_their_exit_status():
         assert r.returncode == 2 and "unknown option --no-such-option" in r.stderr, (r.returncode, r.stderr)
 
 
+def test_suite_usage_errors_name_the_option():
+    """``nsa bench --suite``: an unknown suite names the allowed ones; a suite's unknown option is a
+    usage error too (on a build without CUDA, the suite itself is: it needs the CUDA backend)."""
+    for cmd in _commands():
+        r = _run(cmd, "bench", "--suite", "nonesuch")
+        assert r.returncode == 2 and '--suite must be forward or backward, got "nonesuch"' in r.stderr, r.stderr
+        r = _run(cmd, "bench", "--suite", "forward", "--no-such-option")
+        assert r.returncode == 2 and "--suite forward" in r.stderr, (r.returncode, r.stderr)
+
+
 def test_bench_runs_from_the_python_install():
     args = ["bench", "--seqlens", "96", "--hq", "2", "--dqk", "16", "--dv", "16", "--phi-hidden", "8",
             "--cmp-block-len", "8", "--cmp-stride", "4", "--slc-block-len", "16", "--n-selected", "4",

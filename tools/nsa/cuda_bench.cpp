@@ -1,11 +1,16 @@
-// `nsa bench` on the CUDA backend: used by tools/nsa/main.cpp when a CUDA device
-// is visible (tools/CMakeLists.txt compiles this file and sets NSA_CLI_CUDA_BENCH).
+// `nsa bench` on the CUDA backend: used by tools/nsa/main.cpp when a CUDA device is visible
+// (tools/CMakeLists.txt compiles this file into nsa_cli with CUDA builds and sets
+// NSA_CLI_CUDA_BENCH).
 //
-// Same options and table as the CPU bench: random inputs (generated on the host, copied to the
-// device once), CUDA-event timing (warm-up, median of --repeats), and the first --check-tokens
-// rows compared with the fp64 reference on the truncated problem (rows whose selected blocks differ
-// from the reference's are counted, not compared). The CUDA backend has no dense attention: the
-// dense baseline on the GPU is PyTorch SDPA (bench/sdpa_baseline.py, run by scripts/gpu_check.sh).
+// run_cuda_bench: the default table. Same options and table as the CPU bench: random inputs
+// (generated on the host, copied to the device once), CUDA-event timing (warm-up, median of
+// --repeats), and the first --check-tokens rows compared with the fp64 reference on the truncated
+// problem (rows whose selected blocks differ from the reference's are counted, not compared). The
+// CUDA backend has no dense attention: the dense baseline on the GPU is PyTorch SDPA
+// (bench/sdpa_baseline.py, run by scripts/gpu_check.sh).
+//
+// run_cuda_suite: `nsa bench --suite forward|backward`, the CSV benchmarks
+// (cuda_suite_forward.cpp, cuda_suite_backward.cpp).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -20,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_timing.h"
 #include "nsa/nsa.h"
 
 namespace {
@@ -34,7 +40,7 @@ struct CudaBenchOptions {
   bool backward = true;
 };
 
-[[noreturn]] void usage(const std::string& msg) { throw std::invalid_argument(msg); }
+[[noreturn]] void usage(const std::string& msg) { throw nsa_cli::UsageError(msg); }
 
 int64_t to_int(const std::string& opt, const std::string& v) {
   size_t used = 0;
@@ -115,12 +121,6 @@ CudaBenchOptions parse_options(int argc, char** argv) {
   return o;
 }
 
-#define CLI_CUDA(expr)                                                                      \
-  do {                                                                                      \
-    const cudaError_t e_ = (expr);                                                          \
-    if (e_ != cudaSuccess) throw std::runtime_error(std::string(#expr) + ": " + cudaGetErrorString(e_)); \
-  } while (0)
-
 uint16_t to_storage(float x, nsa::DType dt) {
   if (dt == nsa::DType::bf16) return static_cast<__nv_bfloat16_raw>(__float2bfloat16(x)).x;
   return static_cast<__half_raw>(__float2half(x)).x;
@@ -145,7 +145,7 @@ struct Pair {
   Pair() = default;
   Pair(nsa::DType dt, std::vector<int64_t> s) : dtype(dt), shape(std::move(s)) {
     host.assign(static_cast<size_t>(numel()) * nsa::dtype_size(dt) + 16, 0);
-    CLI_CUDA(cudaMalloc(&dev, host.size()));
+    NSA_CLI_CUDA(cudaMalloc(&dev, host.size()));
   }
   Pair(const Pair&) = delete;
   Pair(Pair&& o) noexcept { *this = std::move(o); }
@@ -168,9 +168,9 @@ struct Pair {
     std::uniform_real_distribution<float> u(lo, hi);
     auto* h = reinterpret_cast<uint16_t*>(host.data());
     for (int64_t i = 0; i < numel(); ++i) h[i] = to_storage(u(rng), dtype);
-    CLI_CUDA(cudaMemcpy(dev, host.data(), host.size(), cudaMemcpyHostToDevice));
+    NSA_CLI_CUDA(cudaMemcpy(dev, host.data(), host.size(), cudaMemcpyHostToDevice));
   }
-  void download() { CLI_CUDA(cudaMemcpy(host.data(), dev, host.size(), cudaMemcpyDeviceToHost)); }
+  void download() { NSA_CLI_CUDA(cudaMemcpy(host.data(), dev, host.size(), cudaMemcpyDeviceToHost)); }
   nsa::TensorView device_view() const { return view(dev, nsa::Device::cuda, shape[0]); }
   // The host copy's first `rows` rows (dim 0), for the reference check.
   nsa::TensorView host_rows(int64_t rows) { return view(host.data(), nsa::Device::cpu, rows); }
@@ -190,34 +190,13 @@ struct Pair {
   }
 };
 
-double median_ms(int warmup, int repeats, const std::function<void()>& fn) {
-  cudaEvent_t a, b;
-  CLI_CUDA(cudaEventCreate(&a));
-  CLI_CUDA(cudaEventCreate(&b));
-  for (int i = 0; i < warmup; ++i) fn();
-  std::vector<float> ms;
-  for (int i = 0; i < repeats; ++i) {
-    CLI_CUDA(cudaEventRecord(a));
-    fn();
-    CLI_CUDA(cudaEventRecord(b));
-    CLI_CUDA(cudaEventSynchronize(b));
-    float t = 0;
-    CLI_CUDA(cudaEventElapsedTime(&t, a, b));
-    ms.push_back(t);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
-
 }  // namespace
 
 int run_cuda_bench(int argc, char** argv) {
   CudaBenchOptions o;
   try {
     o = parse_options(argc, argv);
-  } catch (const std::invalid_argument& e) {
+  } catch (const std::invalid_argument& e) {  // (UsageError, and std::stod's)
     std::fprintf(stderr, "nsa: %s\n", e.what());
     return 2;
   }
@@ -284,9 +263,9 @@ int run_cuda_bench(int argc, char** argv) {
     size_t bytes = nsa::workspace_size(ctx, nsa::Op::forward, o.cfg, pr);
     if (o.backward) bytes = std::max(bytes, nsa::workspace_size(ctx, nsa::Op::backward, o.cfg, pr));
     void* ws = nullptr;
-    if (bytes) CLI_CUDA(cudaMalloc(&ws, bytes));
+    if (bytes) NSA_CLI_CUDA(cudaMalloc(&ws, bytes));
     const nsa::Workspace w{ws, bytes};
-    const double fwd = median_ms(o.warmup, o.repeats, [&] { nsa::forward(ctx, o.cfg, in, out, w); });
+    const double fwd = nsa_cli::median_ms(o.warmup, o.repeats, [&] { nsa::forward(ctx, o.cfg, in, out, w); });
 
     // Check the first rows against the fp64 reference on the truncated problem.
     o_out.download();
@@ -354,7 +333,7 @@ int run_cuda_bench(int argc, char** argv) {
         gr.dg = dgg.device_view();
         gr.dphi_k = params(dpk, true, 0);
         gr.dphi_v = params(dpv, true, 0);
-        const double fb = median_ms(o.warmup, o.repeats, [&] {
+        const double fb = nsa_cli::median_ms(o.warmup, o.repeats, [&] {
           nsa::forward(ctx, o.cfg, in, out, w);
           nsa::backward(ctx, o.cfg, in, out, d_o.device_view(), gr, w);
         });
@@ -368,4 +347,15 @@ int run_cuda_bench(int argc, char** argv) {
   }
   std::printf("dense baseline on the GPU: PyTorch SDPA, bench/sdpa_baseline.py (scripts/gpu_check.sh)\n");
   return 0;
+}
+
+int run_cuda_suite(const std::string& suite, const std::vector<std::string>& args) {
+  try {
+    if (suite == "forward") return nsa_cli::run_forward_suite(args);
+    if (suite == "backward") return nsa_cli::run_backward_suite(args);
+    throw nsa_cli::UsageError("--suite must be forward or backward, got \"" + suite + "\"");
+  } catch (const nsa_cli::UsageError& e) {
+    std::fprintf(stderr, "nsa: %s\n", e.what());
+    return 2;
+  }
 }

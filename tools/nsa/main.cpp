@@ -2,6 +2,8 @@
 //
 //   nsa bench [options]   NSA forward and forward+backward against dense causal attention on the
 //                         best available backend, checked against the reference, as a table
+//   nsa bench --suite forward|backward [suite options]
+//                         the CUDA backend's CSV benchmarks (tools/nsa/cuda_suite_*.cpp)
 //   nsa --version         the library's version and the backends this program can run
 //   nsa --help            (-h and --help are understood after `bench` too)
 #include <algorithm>
@@ -11,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -52,6 +55,7 @@ struct Options {
 #endif
 
 const char* kHelp = R"(usage: nsa bench [options]
+       nsa bench --suite forward|backward [--out FILE.csv] [suite options]
        nsa --version
        nsa --help          (or -h; also `nsa bench -h`)
 
@@ -91,7 +95,39 @@ NSA configuration (defaults: the paper's):
   --scale X             softmax scale, 0 = 1/sqrt(dqk) (0)
   --phi K               mean, linear or mlp (mlp)
   --shared-kv           one K/V for all three branches (default: independent K/V per branch)
+
+suites (CUDA backend only; bf16, random data, the paper's block settings with phi = mean, CUDA
+events, warm-up, median of repeats; one CSV row per measurement, progress on stdout; none of the
+options above apply):
+  --suite forward       the whole forward and each stage (compress(mean), cmp_attn+scores,
+                        cmp_attn(no scores), topn, selection, window; forward(local_q) and
+                        selection(local_q) with queries alike over 64 tokens; at 64K
+                        compress(mlp_F=4D_k_only)) for Hq/Hkv/Dqk/Dv = 64/4/128/128, 64/4/192/128
+                        and 16/4/128/128. CSV columns: T,hq,hkv,dqk,dv,stage,ms,tflops
+                        (bench/sdpa_baseline.py adds PyTorch SDPA)
+  --suite backward      forward, backward and forward+backward of the layer, same shapes, with the
+                        variants full, saved_o_branch, no_window, no_selection, phi_mlp_F4D,
+                        full_without_o, per_token, local_q, local_q_per_token (each where its
+                        length and shape have it). CSV columns: T,hq,hkv,dqk,dv,variant,fwd_ms,
+                        bwd_ms,fwd_bwd_ms,bwd_tflops,ws_mb,qkvo_mb,peak_mb
+                        (bench/sdpa_backward_baseline.py adds PyTorch SDPA)
+ both suites:
+  --out FILE            the CSV (default nsa_bench.csv, backward: nsa_backward_bench.csv)
+  --quick               T = 8192 only
+  --lengths LIST        comma-separated T (default 8192,16384,32768,65536,131072;
+                        backward: 8192,16384,32768,65536)
+ forward only:
+  --no-locality         leave out the local_q rows
+ backward only:
+  --g16-only            the first shape only (Hq 64, Hkv 4, D 128)
+  --shape HQ,HKV,DQK,DV that shape only (HQ a multiple of HKV, DQK 64, 128 or 192, DV 64 or 128)
+  --variant NAME        that variant only (one of the names above)
+  --once                one forward and one backward of the first shape, length and variant, then
+                        exit: no timing, no CSV rows (for a profiler that should see every kernel once)
 )";
+
+// `nsa bench --suite NAME`: the suites' names, in the order of the help.
+const char* const kSuites[] = {"forward", "backward"};
 
 int64_t parse_int(const std::string& opt, const std::string& text) {
   try {
@@ -451,16 +487,37 @@ struct Row {
   int64_t idx_disagree, checked;
 };
 
-// ---- CUDA plug-in point ---------------------------------------------------------------------
-// The CUDA backend's benchmark lives in tools/nsa/cuda_bench.cpp (owned by the CUDA engineers):
-// it defines run_cuda_bench() and tools/CMakeLists.txt sets NSA_CLI_CUDA_BENCH when it exists.
-// It receives the parsed options as plain values and prints rows in the same table format.
+// ---- The CUDA backend's benchmarks ----------------------------------------------------------
+// tools/nsa/cuda_bench.cpp, compiled in by CUDA builds (tools/CMakeLists.txt sets
+// NSA_CLI_CUDA_BENCH): run_cuda_bench() parses the same options as bench() and prints rows in the
+// same table format; run_cuda_suite() runs `--suite NAME` with the other options after `bench`.
 #ifdef NSA_CLI_CUDA_BENCH
 }  // namespace
 // Defined in another file: declared outside the anonymous namespace (external linkage).
 int run_cuda_bench(int argc, char** argv);
+int run_cuda_suite(const std::string& suite, const std::vector<std::string>& args);
 namespace {
 #endif
+
+// `--suite NAME` among the options after `bench`: the name ("" when not given) and the other
+// options. An unknown name, a missing one or a second --suite is a usage error.
+std::string find_suite(int argc, char** argv, std::vector<std::string>* rest) {
+  std::string suite;
+  for (int i = 2; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--suite") != 0) {
+      rest->push_back(argv[i]);
+      continue;
+    }
+    std::string names;
+    for (const char* n : kSuites) names += std::string(names.empty() ? "" : " or ") + n;
+    if (!suite.empty()) throw UsageError("--suite given twice");
+    if (i + 1 >= argc) throw UsageError("--suite needs a value: " + names);
+    suite = argv[++i];
+    if (std::none_of(std::begin(kSuites), std::end(kSuites), [&](const char* n) { return suite == n; }))
+      throw UsageError("--suite must be " + names + ", got \"" + suite + "\"");
+  }
+  return suite;
+}
 
 // Compares the first `rows` tokens of the NSA output with the fp64 reference on the truncated
 // problem. Returns the max error over rows whose indices agree; counts the others.
@@ -641,8 +698,15 @@ int main(int argc, char** argv) {
         std::fputs(kHelp, stdout);
         return 0;
       }
+    std::vector<std::string> suite_args;
+    const std::string suite = find_suite(argc, argv, &suite_args);
 #ifdef NSA_CLI_CUDA_BENCH
+    if (!suite.empty()) return run_cuda_suite(suite, suite_args);  // (it checks for a device)
     if (nsa::backend_available(Backend::cuda)) return run_cuda_bench(argc, argv);
+#else
+    if (!suite.empty())
+      throw UsageError("--suite " + suite + " times the CUDA backend, which this nsa program was built without " +
+                       "(a CUDA build: cmake -DNSA_CUDA=ON)");
 #endif
     return bench(parse(argc, argv));
   } catch (const UsageError& e) {

@@ -1,0 +1,276 @@
+// `nsa bench --suite backward`: forward, backward and forward+backward of the whole CUDA layer,
+// bf16, random data (cuda_fill.cu), CUDA events, warm-up, median of repeats; plus branch ablations
+// (window off, selection off) that show where the backward's time goes, the full layer at 64K
+// with locally alike queries (local_q, as the forward suite's), both also with the selection's
+// union tiles off (per_token, local_q_per_token: their same-run A/B), the full layer with the
+// backward not given the forward's o (full_without_o: the selection then recomputes o_slc for its
+// D; every other variant passes o, as a training step would), and the backward's extra memory (its
+// workspace) against the memory of q, k, v and o. Writes a CSV (T,hq,hkv,dqk,dv,variant,fwd_ms,
+// bwd_ms,fwd_bwd_ms,bwd_tflops,ws_mb,qkvo_mb,peak_mb) that bench/sdpa_backward_baseline.py joins
+// with PyTorch SDPA forward+backward measured in the same scripts/gpu_check.sh run.
+//
+//   nsa bench --suite backward [--out FILE.csv] [--quick] [--lengths 8192,65536] [--g16-only] [--once]
+//                              [--variant NAME] [--shape HQ,HKV,DQK,DV]
+//
+// --once: one forward and one backward of the first shape and length, then exit (for a profiler
+// such as `ncu --metrics gpu__time_duration.sum`, which then sees each kernel exactly once).
+// --variant NAME: only that variant (kVariantNames) where the length has it; with --once, the one
+// that runs. --shape HQ,HKV,DQK,DV: only that shape (e.g. 64,4,192,128 to profile the paper's head
+// dims).
+//
+// Shapes: Hq = 64, Hkv = 4 (G = 16), D = 128; the same with the paper's head dims Dqk = 192,
+// Dv = 128 (the full layer only); and G = 4 (Hq = 16, Hkv = 4), D = 128; paper block settings
+// (l = 32, d = 16, l' = 64, n = 16, n_init = 1, n_local = 2, w = 512), phi = mean (the public
+// NSA kernels' compression) and once phi = mlp (F = 4 D) at 64K.
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <iterator>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "cuda_timing.h"
+#include "nsa/nsa.h"
+
+namespace nsa_cli {
+namespace {
+
+const char* const kVariantNames[] = {"full",           "saved_o_branch", "no_window", "no_selection", "phi_mlp_F4D",
+                                     "full_without_o", "per_token",      "local_q",   "local_q_per_token"};
+
+struct Shape {
+  int64_t hq, hkv, dqk, dv;
+};
+
+struct BackwardSuiteOptions {
+  std::string out = "nsa_backward_bench.csv";
+  std::vector<int64_t> lengths = {8192, 16384, 32768, 65536};
+  std::vector<Shape> shapes = {{64, 4, 128, 128}, {64, 4, 192, 128}, {16, 4, 128, 128}};
+  std::string variant;  // empty: every variant
+  bool once = false;
+};
+
+std::string variant_list() {
+  std::string s;
+  for (const char* v : kVariantNames) s += (s.empty() ? "" : ", ") + std::string(v);
+  return s;
+}
+
+Shape parse_shape(const std::string& opt, const std::string& text) {
+  std::vector<int64_t> v;
+  bool ok = true;
+  std::string item;
+  for (size_t p = 0; p <= text.size(); ++p) {
+    if (p < text.size() && text[p] != ',') {
+      item += text[p];
+      continue;
+    }
+    size_t used = 0;
+    long long x = 0;
+    try {
+      x = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    ok = ok && used != 0 && used == item.size();
+    v.push_back(x);
+    item.clear();
+  }
+  if (!ok || v.size() != 4 || v[0] <= 0 || v[1] <= 0 || v[0] % v[1] != 0 || (v[2] != 64 && v[2] != 128 && v[2] != 192) ||
+      (v[3] != 64 && v[3] != 128))
+    throw UsageError(opt + " \"" + text +
+                                "\": expected HQ,HKV,DQK,DV with HQ a multiple of HKV, DQK in {64,128,192}, DV in {64,128}");
+  return Shape{v[0], v[1], v[2], v[3]};
+}
+
+BackwardSuiteOptions parse_backward(const std::vector<std::string>& args) {
+  BackwardSuiteOptions o;
+  bool quick = false, g16_only = false;
+  Shape only_shape{0, 0, 0, 0};
+  std::vector<int64_t> chosen;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= args.size()) throw UsageError(a + " needs a value");
+      return args[++i];
+    };
+    if (a == "--out") o.out = value();
+    else if (a == "--quick") quick = true;
+    else if (a == "--g16-only") g16_only = true;
+    else if (a == "--once") o.once = true;
+    else if (a == "--lengths") chosen = parse_lengths(a, value());
+    else if (a == "--shape") only_shape = parse_shape(a, value());
+    else if (a == "--variant") {
+      o.variant = value();
+      if (std::none_of(std::begin(kVariantNames), std::end(kVariantNames), [&](const char* v) { return o.variant == v; }))
+        throw UsageError("--variant must be one of " + variant_list() + ", got \"" + o.variant + "\"");
+    } else
+      throw UsageError("--suite backward: unknown option " + a +
+                                  " (its options: --out FILE, --quick, --lengths LIST, --g16-only, --once, "
+                                  "--variant NAME, --shape HQ,HKV,DQK,DV; see nsa --help)");
+  }
+  if (quick) o.lengths = {8192};
+  if (!chosen.empty()) o.lengths = chosen;
+  if (g16_only) o.shapes.resize(1);
+  if (only_shape.hq) o.shapes = {only_shape};
+  return o;
+}
+
+struct Variant {
+  const char* name;
+  int64_t n, w;
+  nsa::PhiKind phi;
+  bool o_branch;           // the forward keeps each branch's output, the backward takes dg from it
+  bool local_q = false;    // queries alike over 64 tokens (fill_local_bf16), as in trained models: last
+  bool per_token = false;  // the selection's union tiles off (forward and backward): the A/B of them
+  bool without_o = false;  // the backward is not given the forward's o (its selection recomputes o_slc)
+};
+
+// The variants of one shape and length: the full layer, then one branch off at a time (64K and 8K
+// only, G = 16); at Dqk 192 the full layer only.
+std::vector<Variant> variants_of(const Shape& s, int64_t T) {
+  const bool square = s.dqk == s.dv;
+  std::vector<Variant> variants = {{"full", 16, 512, nsa::PhiKind::mean, false}};
+  if (square) variants.push_back({"saved_o_branch", 16, 512, nsa::PhiKind::mean, true});
+  if (square && s.hq == 64 && (T == 65536 || T == 8192)) {
+    variants.push_back({"no_window", 16, 0, nsa::PhiKind::mean, false});
+    variants.push_back({"no_selection", 0, 512, nsa::PhiKind::mean, false});
+    if (T == 65536) variants.push_back({"phi_mlp_F4D", 16, 512, nsa::PhiKind::mlp, false});
+  }
+  if (square && T == 65536) {
+    variants.push_back({"full_without_o", 16, 512, nsa::PhiKind::mean, false, false, false, true});
+    variants.push_back({"per_token", 16, 512, nsa::PhiKind::mean, false, false, true});
+    variants.push_back({"local_q", 16, 512, nsa::PhiKind::mean, false, true});
+    variants.push_back({"local_q_per_token", 16, 512, nsa::PhiKind::mean, false, true, true});
+  }
+  return variants;
+}
+
+}  // namespace
+
+int run_backward_suite(const std::vector<std::string>& args) {
+  const BackwardSuiteOptions opt = parse_backward(args);
+  require_device("backward");
+  CsvFile file(opt.out);
+  FILE* csv = file.f;
+  std::fprintf(csv, "T,hq,hkv,dqk,dv,variant,fwd_ms,bwd_ms,fwd_bwd_ms,bwd_tflops,ws_mb,qkvo_mb,peak_mb\n");
+  nsa::CudaKernelChoices choices;  // per variant: the selection's union tiles or its per-token kernels
+  nsa::Context ctx;
+  ctx.backend = nsa::Backend::cuda;
+  ctx.cuda_choices = &choices;
+  const nsa::DType bf16 = nsa::DType::bf16;
+
+  for (const Shape& s : opt.shapes) {
+    for (int64_t T : opt.lengths) {
+      const std::vector<Variant> variants = variants_of(s, T);
+      DeviceTensor q(bf16, {T, s.hq, s.dqk}, 1);
+      std::unique_ptr<DeviceTensor> k[3], v[3], dk[3], dv[3];
+      for (int b = 0; b < 3; ++b) {
+        k[b] = std::make_unique<DeviceTensor>(bf16, std::initializer_list<int64_t>{T, s.hkv, s.dqk}, 2 + 2 * b);
+        v[b] = std::make_unique<DeviceTensor>(bf16, std::initializer_list<int64_t>{T, s.hkv, s.dv}, 3 + 2 * b);
+        dk[b] = std::make_unique<DeviceTensor>(bf16, std::initializer_list<int64_t>{T, s.hkv, s.dqk});
+        dv[b] = std::make_unique<DeviceTensor>(bf16, std::initializer_list<int64_t>{T, s.hkv, s.dv});
+      }
+      DeviceTensor g(bf16, {T, s.hq, 3}, 8, 0.f, 1.f);
+      DeviceTensor d_o(bf16, {T, s.hq, s.dv}, 9);
+      DeviceTensor o(bf16, {T, s.hq, s.dv}), lse(nsa::DType::f32, {T, s.hq, 3});
+      DeviceTensor dq(bf16, {T, s.hq, s.dqk}), dg(bf16, {T, s.hq, 3});
+      const double qkvo_bytes = double(q.bytes()) + double(o.bytes()) + 3.0 * double(k[0]->bytes() + v[0]->bytes());
+      for (const Variant& var : variants) {
+        if (!opt.variant.empty() && opt.variant != var.name) continue;
+        if (var.local_q)  // (q is this length's own: the variants after it, if any, would see it too)
+          fill_local_bf16(q.data(), q.view.numel(), s.hq * s.dqk, 64, 21);
+        choices.slc_union_tiles = !var.per_token;
+        nsa::Config cfg;
+        cfg.phi = var.phi;
+        cfg.n_selected = var.n;
+        cfg.n_init = var.n ? 1 : 0;
+        cfg.n_local = var.n ? 2 : 0;
+        cfg.window = var.w;
+        const int64_t l = cfg.cmp_block_len;
+        const bool mlp = var.phi == nsa::PhiKind::mlp;
+        // phi's parameters and their gradients (mlp only): w1, b1, w2, b2, pe per phi_k / phi_v.
+        std::vector<std::unique_ptr<DeviceTensor>> params;
+        nsa::PhiParams phik, phiv, dphik, dphiv;
+        if (mlp) {
+          auto make = [&](std::initializer_list<int64_t> shape, uint32_t seed, float lo, float hi) {
+            params.push_back(std::make_unique<DeviceTensor>(bf16, shape, seed, lo, hi));
+            return params.back()->view;
+          };
+          auto make_phi = [&](uint32_t seed, int64_t D) {  // F = 4 D
+            const int64_t F = 4 * D;
+            return nsa::PhiParams{make({F, l * D}, seed, -0.01f, 0.01f), make({F}, seed + 1, -1.f, 1.f),
+                                  make({D, F}, seed + 2, -0.05f, 0.05f), make({D}, seed + 3, -1.f, 1.f),
+                                  make({l, D}, seed + 4, -1.f, 1.f)};
+          };
+          phik = make_phi(21, s.dqk);
+          phiv = make_phi(31, s.dv);
+          dphik = make_phi(0, s.dqk);
+          dphiv = make_phi(0, s.dv);
+        }
+        DeviceTensor idx(nsa::DType::i32, {T, s.hkv, cfg.n_selected});
+        nsa::Inputs in;
+        in.q = q.view;
+        for (int b = 0; b < 3; ++b) in.kv[b] = {k[b]->view, v[b]->view};
+        in.g = g.view;
+        in.phi_k = phik;
+        in.phi_v = phiv;
+        std::unique_ptr<DeviceTensor> ob;
+        if (var.o_branch) ob = std::make_unique<DeviceTensor>(bf16, std::initializer_list<int64_t>{3, T, s.hq, s.dv});
+        const nsa::ForwardOutputs out{o.view, lse.view, idx.view, ob ? ob->view : nsa::TensorView()};
+        // What the backward is given: the forward's outputs, o left out for `without_o`.
+        const nsa::ForwardOutputs saved{var.without_o ? nsa::TensorView() : o.view, lse.view, idx.view, out.o_branch};
+        nsa::Gradients grads;
+        grads.dq = dq.view;
+        for (int b = 0; b < 3; ++b) grads.dkv[b] = {dk[b]->view, dv[b]->view};
+        grads.dg = dg.view;
+        grads.dphi_k = dphik;
+        grads.dphi_v = dphiv;
+        const nsa::Problem pr = nsa::problem_of(cfg, in);
+        const size_t fws = nsa::workspace_size(ctx, nsa::Op::forward, cfg, pr);
+        const size_t bws = nsa::workspace_size(ctx, nsa::Op::backward, cfg, pr);
+        const DeviceBuffer fbuf(fws), bbuf(bws);
+        const nsa::Workspace fw{fbuf.data, fws}, bw{bbuf.data, bws};
+        const int reps = T >= 65536 ? 5 : 9;
+        nsa::forward(ctx, cfg, in, out, fw);  // lse and indices for the backward
+        NSA_CLI_CUDA(cudaDeviceSynchronize());
+        if (opt.once) {
+          nsa::backward(ctx, cfg, in, saved, d_o.view, grads, bw);
+          NSA_CLI_CUDA(cudaDeviceSynchronize());
+          std::printf("T=%lld Hq=%lld: one forward and one backward done\n", (long long)T, (long long)s.hq);
+          return 0;
+        }
+        const double t_f = median_ms(1, reps, [&] { nsa::forward(ctx, cfg, in, out, fw); });
+        const double t_b = median_ms(1, reps, [&] { nsa::backward(ctx, cfg, in, saved, d_o.view, grads, bw); });
+        const double t_fb = median_ms(1, reps, [&] {
+          nsa::forward(ctx, cfg, in, out, fw);
+          nsa::backward(ctx, cfg, in, saved, d_o.view, grads, bw);
+        });
+        // Useful backward FLOPs as a plain attention backward counts them: per (token, head, key)
+        // QK^T, dO V^T, dQ, dK, dV = 2 * (3 Dqk + 2 Dv).
+        double keys[3];
+        attended_keys(cfg, T, keys);
+        const double bwd_flops = (keys[0] + keys[1] + keys[2]) * s.hq * 2.0 * (3.0 * s.dqk + 2.0 * s.dv);
+        const double tf = bwd_flops / (t_b * 1e-3) / 1e12;
+        // Peak device memory of a training step through the layer: every tensor it reads or writes
+        // (inputs with three K/V pairs, o, lse, indices, o_branch where kept, dO, every gradient, phi's
+        // parameters) and the larger of the two workspaces (the forward's is not needed once it ran).
+        const double peak_bytes = double(g_tensor_bytes) + double(std::max(fws, bws));
+        std::printf("T=%6lld Hq=%2lld Hkv=%lld D=%lld/%lld %-12s fwd %8.2f ms  bwd %8.2f ms  fwd+bwd %8.2f ms  "
+                    "(bwd %5.1f TFLOP/s)  bwd workspace %.1f MB = %.1f%% of q,k,v,o (%.0f MB), peak %.0f MB\n",
+                    (long long)T, (long long)s.hq, (long long)s.hkv, (long long)s.dqk, (long long)s.dv, var.name, t_f, t_b,
+                    t_fb, tf, bws / 1e6, 100.0 * bws / qkvo_bytes, qkvo_bytes / 1e6, peak_bytes / 1e6);
+        std::fflush(stdout);
+        std::fprintf(csv, "%lld,%lld,%lld,%lld,%lld,%s,%.4f,%.4f,%.4f,%.2f,%.2f,%.2f,%.2f\n", (long long)T,
+                     (long long)s.hq, (long long)s.hkv, (long long)s.dqk, (long long)s.dv, var.name, t_f, t_b, t_fb, tf,
+                     bws / 1e6, qkvo_bytes / 1e6, peak_bytes / 1e6);
+        std::fflush(csv);
+      }
+    }
+  }
+  return 0;
+}
+
+}  // namespace nsa_cli
