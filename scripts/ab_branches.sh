@@ -7,13 +7,15 @@
 #                     -> .snap/<branch>/ for each (ignored by git; carry ".snap" and ".gtest")
 # There (no git):     scripts/ab_branches.sh run [NAME...]
 #                     -> for each .snap/<branch> (or only the NAMEs given): build (Release, CUDA, sm_90a only), nsa_cuda_tests,
-#                        then the forward and backward benchmarks at AB_LENGTHS; logs in $OUT/<branch>/
+#                        then the forward and backward suites (`nsa bench --suite forward|backward`) at
+#                        AB_LENGTHS; logs in $OUT/<branch>/
 #                        and one table of the benchmark lines in $OUT/ab_summary.txt.
 # Environment: OUT (default ./out), AB_LENGTHS (default 65536), AB_STEPS (default "build tests bench
 # bench_backward"; add "profile" for every kernel's ncu time, scripts/profile_gpu.sh, and "gather" for
 # nsa_gather_bench), AB_BENCH_ARGS (default --no-locality; "" adds the local_q stages),
-# AB_BWD_ARGS (more flags of nsa_cuda_backward_bench, e.g. "--shape 64,4,192,128"; a snapshot's bench
-# must know them), AB_TEST_TIMEOUT / AB_BENCH_TIMEOUT (seconds, default 240 / 180: a hung snapshot fails its step
+# AB_BWD_ARGS (more options of the backward suite, e.g. "--shape 64,4,192,128"; a snapshot's bench
+# must know them). A snapshot older than the suites (one with bench/cuda_forward_bench.cu) runs its
+# own programs nsa_cuda_bench and nsa_cuda_backward_bench with the same options, AB_TEST_TIMEOUT / AB_BENCH_TIMEOUT (seconds, default 240 / 180: a hung snapshot fails its step
 # instead of the device call), AB_PACK (default 1: the per-snapshot log folders packed into $OUT/ab_logs.tgz,
 # since the device tool brings back only a few files), AB_TEST_FILTER
 # (a --gtest_filter; the parameterised suites are Cases/CudaForward.*, so write *CudaForward*), JOBS (default 16), AB_ARCH (default 90a).
@@ -115,9 +117,17 @@ for dir in "${dirs[@]}"; do
     echo "  nsa_cuda_tests: rc=$rc, $(grep -o 'sharded: .*' "$log/cuda_tests.log")" | tee -a "$SUMMARY"
     [[ $rc -eq 0 ]] || rc_all=1
   fi
+  # The suites' command: `nsa bench --suite NAME`, or a snapshot's own programs from before the suites.
+  if [[ -f "$dir/bench/cuda_forward_bench.cu" ]]; then
+    fwd_cmd=("$build/bin/nsa_cuda_bench")
+    bwd_cmd=("$build/bin/nsa_cuda_backward_bench")
+  else
+    fwd_cmd=("$build/bin/nsa" bench --suite forward)
+    bwd_cmd=("$build/bin/nsa" bench --suite backward)
+  fi
   if has bench; then
     # shellcheck disable=SC2086  # AB_BENCH_ARGS: several words (default: no local_q stages)
-    timeout "${AB_BENCH_TIMEOUT:-180}" "$build/bin/nsa_cuda_bench" --out "$log/nsa_bench.csv" --lengths "$LENGTHS" \
+    timeout "${AB_BENCH_TIMEOUT:-180}" "${fwd_cmd[@]}" --out "$log/nsa_bench.csv" --lengths "$LENGTHS" \
       ${AB_BENCH_ARGS---no-locality} > "$log/bench.log" 2>&1 ||
       { echo "  bench FAILED" | tee -a "$SUMMARY"; rc_all=1; }
     # Every row (the G = 4 shape's too: 3 shapes x ~8 stages per length).
@@ -125,7 +135,7 @@ for dir in "${dirs[@]}"; do
   fi
   if has bench_backward; then
     # shellcheck disable=SC2086  # AB_BWD_ARGS: several words
-    timeout "${AB_BENCH_TIMEOUT:-180}" "$build/bin/nsa_cuda_backward_bench" --out "$log/nsa_backward_bench.csv" \
+    timeout "${AB_BENCH_TIMEOUT:-180}" "${bwd_cmd[@]}" --out "$log/nsa_backward_bench.csv" \
       --lengths "$LENGTHS" ${AB_BWD_ARGS:-} > "$log/bench_backward.log" 2>&1 || { echo "  bench_backward FAILED" | tee -a "$SUMMARY"; rc_all=1; }
     sed 's/^/  bwd: /' "$log/nsa_backward_bench.csv" | head -60 >> "$SUMMARY"
   fi

@@ -7,7 +7,7 @@
 #
 # Environment: OUT (log folder), BUILD_DIR (default /tmp/nsa-gpu-build), JOBS (default 16),
 # SKIP="sass_check host_tests cuda_tests memcheck cuda_fuzz racecheck cli_bench bench bench_backward bench_decode gather_bench python_tests
-# bench_decode_layer bench_phi bench_layer public_decode bench_backbone sm80_tests" (any subset), LAYER_ARGS (bench/layer_bench.py's), BENCH_ARGS (e.g. --quick), DECODE_ARGS (nsa_decode_bench's),
+# bench_decode_layer bench_phi bench_layer public_decode bench_backbone sm80_tests" (any subset), LAYER_ARGS (bench/layer_bench.py's), BENCH_ARGS (options of both `nsa bench --suite` runs, e.g. --quick or --lengths 8192,65536), DECODE_ARGS (nsa_decode_bench's),
 # MEMCHECK_FILTER (memcheck's --gtest_filter), RACECHECK_FILTER (racecheck's), BUILD_TARGETS (build only these, e.g. "nsa_cuda_tests nsa_cli"), CUDA_TEST_FILTER (a --gtest_filter for cuda_tests, e.g. '*CudaBackward*'), BREAK_TESTS=1 (last step:
 # scripts/break_tests.sh, the GPU tests must catch the bugs planted by tests/cuda/breaks/*.patch).
 # To add a step: write a function and call `step NAME function` below; its output lands in
@@ -107,8 +107,10 @@ racecheck() {
 }
 # `nsa bench` (tools/nsa) takes the CUDA backend when a device is visible: a short smoke run.
 cli_bench() { "$(bin nsa)" bench --seqlens 8192 --hq 64 --hkv 4 --phi mean --repeats 3 --no-backward; }
+# The forward suite (`nsa bench --suite forward`: whole forward and each stage) and the dense SDPA
+# baseline on the same shapes.
 bench() {
-  "$(bin nsa_cuda_bench)" --out "$OUT/nsa_bench.csv" ${BENCH_ARGS:-} || return 1
+  "$(bin nsa)" bench --suite forward --out "$OUT/nsa_bench.csv" ${BENCH_ARGS:-} || return 1
   PYTHONUNBUFFERED=1 python3 "$SRC/bench/sdpa_baseline.py" "$OUT/nsa_bench.csv" --markdown "$OUT/bench.md"
 }
 
@@ -140,8 +142,8 @@ public_decode() {
 # The selection's gather patterns (bench/gather_patterns.cu, docs/cuda.md, "what bounds the
 # selection"): a few seconds.
 gather_bench() { timeout 120 "$(bin nsa_gather_bench)"; }  # (a hung pattern must not eat the call)
-bench_backward() {  # forward+backward against SDPA forward+backward, same run
-  "$(bin nsa_cuda_backward_bench)" --out "$OUT/nsa_backward_bench.csv" ${BENCH_ARGS:-} || return 1
+bench_backward() {  # the backward suite (forward+backward and its variants) against SDPA forward+backward, same run
+  "$(bin nsa)" bench --suite backward --out "$OUT/nsa_backward_bench.csv" ${BENCH_ARGS:-} || return 1
   PYTHONUNBUFFERED=1 python3 "$SRC/bench/sdpa_backward_baseline.py" "$OUT/nsa_backward_bench.csv" --markdown "$OUT/bench_backward.md"
 }
 

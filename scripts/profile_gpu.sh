@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine, after scripts/gpu_check.sh built $BUILD_DIR: Nsight Compute on one forward
-# and one backward (nsa_cuda_backward_bench --once: every kernel of both runs exactly once).
+# and one backward (`nsa bench --suite backward --once`: every kernel of both runs exactly once).
 #
 #   scripts/profile_gpu.sh [KERNEL_REGEX]
 #
@@ -16,12 +16,20 @@ set -u -o pipefail
 OUT="${OUT:-./out}"
 mkdir -p "$OUT"
 BUILD_DIR="${BUILD_DIR:-/tmp/nsa-gpu-build}"
-BENCH="$BUILD_DIR/bin/nsa_cuda_backward_bench"
-[[ -x "$BENCH" ]] || { echo "no $BENCH: run scripts/gpu_check.sh first"; exit 1; }
+# The backward suite of the nsa program; a build from before the suites (scripts/ab_branches.sh
+# profiles older snapshots too) has it as its own program, nsa_cuda_backward_bench, same options.
+if [[ -x "$BUILD_DIR/bin/nsa" && "$("$BUILD_DIR/bin/nsa" --help)" == *"--suite"* ]]; then
+  BENCH=("$BUILD_DIR/bin/nsa" bench --suite backward)
+elif [[ -x "$BUILD_DIR/bin/nsa_cuda_backward_bench" ]]; then
+  BENCH=("$BUILD_DIR/bin/nsa_cuda_backward_bench")
+else
+  echo "no $BUILD_DIR/bin/nsa with \`nsa bench --suite\`: run scripts/gpu_check.sh first"; exit 1
+fi
 command -v ncu >/dev/null || { echo "ncu (Nsight Compute) is not installed here"; exit 1; }
+# shellcheck disable=SC2206  # BENCH_FLAGS: several words
 ARGS=(--once --lengths "${T:-65536}" ${BENCH_FLAGS---g16-only} --out /tmp/profile_bench.csv)
 
-ncu --clock-control none --metrics gpu__time_duration.sum "$BENCH" "${ARGS[@]}" > "$OUT/ncu_times.log" 2>&1 || {
+ncu --clock-control none --metrics gpu__time_duration.sum "${BENCH[@]}" "${ARGS[@]}" > "$OUT/ncu_times.log" 2>&1 || {
   tail -20 "$OUT/ncu_times.log"; exit 1; }
 # "  void name<...>(...) (grid)x(block), ..." followed by "gpu__time_duration.sum  ms  12.34"
 awk '/^  [a-zA-Z_].*\(.*\)x\(/ { name = $0; sub(/^  (void )?/, "", name); sub(/\(.*/, "", name) }
@@ -42,7 +50,7 @@ if [[ $# -ge 1 && -n "$1" ]]; then
   # SourceCounters: the SASS lines where the warps stall most (sampled), and uncoalesced accesses.
   ncu --clock-control none -k "regex:$1" --launch-count "${LAUNCHES:-8}" --section SpeedOfLight --section WarpStateStats \
     --section SchedulerStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
-    --section SourceCounters "$BENCH" "${ARGS[@]}" > "$OUT/kernel_detail.txt" 2>&1
+    --section SourceCounters "${BENCH[@]}" "${ARGS[@]}" > "$OUT/kernel_detail.txt" 2>&1
   echo "details of '$1': $OUT/kernel_detail.txt (rc=$?)"
 fi
 
@@ -51,7 +59,7 @@ fi
 # (one row per instruction; tools/sass_hotspots.py summarises it).
 if [[ -n "${SOURCE_REGEX:-}" ]]; then
   ncu --clock-control none -k "regex:$SOURCE_REGEX" --launch-count "${SOURCE_LAUNCHES:-1}" --section SourceCounters \
-    --section WarpStateStats --import-source no -f -o /tmp/nsa_source "$BENCH" "${ARGS[@]}" > "$OUT/source_run.log" 2>&1
+    --section WarpStateStats --import-source no -f -o /tmp/nsa_source "${BENCH[@]}" "${ARGS[@]}" > "$OUT/source_run.log" 2>&1
   ncu -i /tmp/nsa_source.ncu-rep --page source --csv --print-source sass 2> "$OUT/source_page.err" | gzip > "$OUT/source.csv.gz"
   echo "per-instruction counters of '$SOURCE_REGEX': $OUT/source.csv.gz ($(zcat "$OUT/source.csv.gz" | wc -l) lines)"
 fi
