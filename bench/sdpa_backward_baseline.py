@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Dense baseline for the CUDA NSA backward benchmark: PyTorch SDPA forward+backward.
 
-Reads the CSV that nsa_cuda_backward_bench wrote, times torch.nn.functional.
+Reads the CSV that `nsa bench --suite backward` wrote, times torch.nn.functional.
 scaled_dot_product_attention (is_causal=True, enable_gqa=True, bf16; PyTorch picks its backend)
 forward and forward+backward for every shape in it with CUDA events (warm-up, median of repeats,
 random data), and prints a markdown table: NSA forward, backward, forward+backward, the dense

@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Dense baseline for the CUDA NSA benchmark: PyTorch SDPA, causal, GQA, bf16, same shapes.
 
-Reads the CSV that nsa_cuda_bench wrote, times torch.nn.functional.scaled_dot_product_attention
-(is_causal=True, enable_gqa=True; PyTorch picks its backend, cuDNN on an H200) for every shape in
-it with CUDA events (warm-up, median of repeats, random data), and prints one markdown table per
-shape: NSA forward and its stages, dense forward, achieved TFLOP/s and the speedup over dense.
+Reads the CSV that `nsa bench --suite forward` wrote, times
+torch.nn.functional.scaled_dot_product_attention (is_causal=True, enable_gqa=True; PyTorch picks
+its backend, cuDNN on an H200) for every shape in it with CUDA events (warm-up, median of
+repeats, random data), and prints one markdown table per shape: NSA forward and its stages,
+dense forward, achieved TFLOP/s and the speedup over dense.
 
     python3 bench/sdpa_baseline.py nsa_bench.csv [--markdown OUT.md]
 """

@@ -14,8 +14,9 @@
 # bench_backward"; add "profile" for every kernel's ncu time, scripts/profile_gpu.sh, and "gather" for
 # nsa_gather_bench), AB_BENCH_ARGS (default --no-locality; "" adds the local_q stages),
 # AB_BWD_ARGS (more options of the backward suite, e.g. "--shape 64,4,192,128"; a snapshot's bench
-# must know them). A snapshot older than the suites (one with bench/cuda_forward_bench.cu) runs its
-# own programs nsa_cuda_bench and nsa_cuda_backward_bench with the same options, AB_TEST_TIMEOUT / AB_BENCH_TIMEOUT (seconds, default 240 / 180: a hung snapshot fails its step
+# must know them; a snapshot older than the suites, one with bench/cuda_forward_bench.cu, runs its
+# own programs nsa_cuda_bench and nsa_cuda_backward_bench with the same options), AB_TEST_TIMEOUT /
+# AB_BENCH_TIMEOUT (seconds, default 240 / 180: a hung snapshot fails its step
 # instead of the device call), AB_PACK (default 1: the per-snapshot log folders packed into $OUT/ab_logs.tgz,
 # since the device tool brings back only a few files), AB_TEST_FILTER
 # (a --gtest_filter; the parameterised suites are Cases/CudaForward.*, so write *CudaForward*), JOBS (default 16), AB_ARCH (default 90a).
