@@ -122,9 +122,11 @@ int run_forward_suite(const std::vector<std::string>& args) {
 
       const double full = median_ms(2, reps, [&] { nsa::forward(ctx, cfg, in, out, w); });
       report("forward", full, flops_branch[0] + flops_branch[1] + flops_branch[2]);
+      const size_t cws_bytes = nsa::workspace_size(ctx, nsa::Op::compress_fwd, cfg, nsa::problem_of(cfg, in));
+      DeviceBuffer cws(cws_bytes);  // phi's row table
       const double t_phi = median_ms(1, reps, [&] {
-        nsa::compress_fwd(ctx, cfg, {}, k0.view, seqs, kc.view);
-        nsa::compress_fwd(ctx, cfg, {}, v0.view, seqs, vc.view);
+        nsa::compress_fwd(ctx, cfg, {}, k0.view, seqs, kc.view, {cws.data, cws_bytes});
+        nsa::compress_fwd(ctx, cfg, {}, v0.view, seqs, vc.view, {cws.data, cws_bytes});
       });
       report("compress(mean)", t_phi, 0);
       const double t_cmp = median_ms(1, reps, [&] {
