@@ -91,7 +91,7 @@ memcheck() {
   compute-sanitizer --tool memcheck --error-exitcode 3 "$(bin nsa_cuda_tests)" \
     --gtest_filter="${MEMCHECK_FILTER:-*f16_d64_G1_packed_linear*:*bf16_d128_G16_paper*:*CudaDecode*f16_d128x64*:*CudaDecodeStatus*:*backbone*:*CudaBackbone*}"
 }
-# The CUDA fuzz pass: drawn cases (tests/cuda/random_cases.h: FUZZ_CASES per suite, default 16,
+# The CUDA fuzz pass: drawn cases (tests/cuda/cases.h: FUZZ_CASES per suite, default 16,
 # seed FUZZ_SEED, default 1) through the forward, backward and decode suites' end-to-end tests under
 # compute-sanitizer memcheck, in shards; FUZZ_FILTER replaces the test list.
 cuda_fuzz() {

@@ -26,41 +26,14 @@
 #include <vector>
 
 #include "cuda_support.h"
-#include "random_cases.h"
+#include "cases.h"
 
 using namespace nsa;
 using namespace nsa::test;
 
 namespace {
 
-struct BwdCase {
-  std::string name;
-  DType dtype;
-  int64_t dqk, dv, hq, hkv;
-  std::vector<int32_t> seqlens;
-  int64_t l, d, lp, n, n_init, n_local, w;
-  PhiKind phi;
-  bool shared_kv;
-};
-
-// gtest prints a parameter with this (instead of its raw bytes).
-void PrintTo(const BwdCase& c, std::ostream* os) { *os << c.name; }
-
-Config config_of(const BwdCase& c) {
-  return make_config(c.l, c.d, c.lp, c.n, c.n_init, c.n_local, c.w, c.phi, c.shared_kv);
-}
-
-Sizes sizes_of(const BwdCase& c, DType dtype) {
-  Sizes s;
-  s.seqlens = c.seqlens;
-  s.hq = c.hq;
-  s.hkv = c.hkv;
-  s.dqk = c.dqk;
-  s.dv = c.dv;
-  s.phi_hidden = 24;
-  s.dtype = dtype;
-  return s;
-}
+using BwdCase = AttentionCase;  // cases.h
 
 const std::vector<BwdCase>& bwd_cases() {
   static const std::vector<BwdCase> all = {
@@ -443,8 +416,8 @@ TEST_P(CudaBackward, SequencesAreIsolated) {
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackward, ::testing::ValuesIn(bwd_cases()),
                          [](const ::testing::TestParamInfo<BwdCase>& info) { return info.param.name; });
 
-// Drawn cases (random_cases.h), through every test of the suite.
-INSTANTIATE_TEST_SUITE_P(Random, CudaBackward, ::testing::ValuesIn(random_attention_cases<BwdCase>(2)),
+// Drawn cases (cases.h), through every test of the suite.
+INSTANTIATE_TEST_SUITE_P(Random, CudaBackward, ::testing::ValuesIn(random_attention_cases(2)),
                          [](const ::testing::TestParamInfo<BwdCase>& info) { return info.param.name; });
 
 // compress_bwd on the GPU (the stage op: phi's backward alone) against the fp64 reference: dx and

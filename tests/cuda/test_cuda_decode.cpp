@@ -18,7 +18,7 @@
 
 #include "cuda_support.h"
 #include "decode_support.h"
-#include "random_cases.h"
+#include "cases.h"
 
 using namespace nsa;
 using namespace nsa::test;
@@ -340,12 +340,12 @@ TEST_P(CudaDecode, MatchesReferenceAndPrefillAtEveryStep) {
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaDecode, ::testing::ValuesIn(cases()), [](const auto& info) { return info.param.name; });
 
-// Drawn cases (random_cases.h), with their page sizes, first appends and backbone offsets.
+// Drawn cases (cases.h), with their page sizes, first appends and backbone offsets.
 std::vector<DCase> random_cases() {
   std::vector<DCase> out;
   for (const RandomDraw& r : random_draws(3, 1200))
-    out.push_back({r.name, r.dtype, r.dqk, r.dv, r.hq, r.hkv, r.seqlens, r.l, r.d, r.lp, r.n, r.n_init, r.n_local, r.w,
-                   r.phi, r.shared_kv, r.page_size, r.first_max, r.backbone});
+    out.push_back({r.c.name, r.c.dtype, r.c.dqk, r.c.dv, r.c.hq, r.c.hkv, r.c.seqlens, r.c.l, r.c.d, r.c.lp, r.c.n,
+                   r.c.n_init, r.c.n_local, r.c.w, r.c.phi, r.c.shared_kv, r.page_size, r.first_max, r.backbone});
   return out;
 }
 INSTANTIATE_TEST_SUITE_P(Random, CudaDecode, ::testing::ValuesIn(random_cases()), [](const auto& info) { return info.param.name; });

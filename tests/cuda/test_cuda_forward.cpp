@@ -21,43 +21,14 @@
 #include <vector>
 
 #include "cuda_support.h"
-#include "random_cases.h"
+#include "cases.h"
 
 using namespace nsa;
 using namespace nsa::test;
 
 namespace {
 
-struct Case {
-  std::string name;
-  DType dtype;
-  int64_t dqk, dv, hq, hkv;
-  std::vector<int32_t> seqlens;
-  int64_t l, d, lp, n, n_init, n_local, w;
-  PhiKind phi;
-  bool shared_kv;
-};
-
-// gtest prints a parameter with this (instead of its raw bytes).
-void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
-
-Config config_of(const Case& c) {
-  return make_config(c.l, c.d, c.lp, c.n, c.n_init, c.n_local, c.w, c.phi, c.shared_kv);
-}
-
-Sizes sizes_of(const Case& c) {
-  Sizes s;
-  s.seqlens = c.seqlens;
-  s.hq = c.hq;
-  s.hkv = c.hkv;
-  s.dqk = c.dqk;
-  s.dv = c.dv;
-  s.phi_hidden = 24;
-  s.dtype = c.dtype;
-  return s;
-}
-
-int64_t max_seqlen(const Case& c) { return *std::max_element(c.seqlens.begin(), c.seqlens.end()); }
+using Case = AttentionCase;  // cases.h
 
 Sequences host_seqs(LayerProblem& p) {
   Sequences s;
@@ -586,8 +557,8 @@ TEST_P(CudaForward, SequencesAreIsolated) {
 INSTANTIATE_TEST_SUITE_P(Cases, CudaForward, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
-// Drawn cases (random_cases.h), through every test of the suite.
-INSTANTIATE_TEST_SUITE_P(Random, CudaForward, ::testing::ValuesIn(random_attention_cases<Case>(1)),
+// Drawn cases (cases.h), through every test of the suite.
+INSTANTIATE_TEST_SUITE_P(Random, CudaForward, ::testing::ValuesIn(random_attention_cases(1)),
                          [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 // Top-n where most picks come from the columns of one lane of the kernel's warp (j = 7 mod 32):
