@@ -168,8 +168,11 @@ def _keys(rng: np.random.Generator, n: int) -> List[bytes]:
 
 
 def retrieval_sample(rng: np.random.Generator, corpus: Corpus, length: int, task: str,
-                     depth: Optional[float] = None, n_keys: int = 4) -> Sample:
-    """One retrieval sample of length + 1 tokens; the queried needle at `depth` (uniform if None)."""
+                     depth: Optional[float] = None, n_keys: int = 4, max_distance: Optional[int] = None) -> Sample:
+    """One retrieval sample of length + 1 tokens; the queried needle at `depth` (uniform if None).
+    max_distance (with depth None): the queried needle uniform among the last max_distance haystack
+    tokens before the question instead of over the whole haystack (the same random draw, scaled:
+    other needles stay uniform)."""
     if task == "passkey":
         facts = [(_PASSKEY_KEY, _digits(rng, _DIGITS))]
         asked = 0
@@ -187,6 +190,8 @@ def retrieval_sample(rng: np.random.Generator, corpus: Corpus, length: int, task
     hay_len = length + 1 - 1 - sum(len(n) for n in needles) - len(tail) - len(answer)
     if hay_len < 0:
         raise ValueError(f"length = {length}: too short for a {task} sample (needs >= {length - hay_len})")
+    if depth is None and max_distance is not None:
+        depths[asked] = 1.0 - depths[asked] * min(1.0, max_distance / max(hay_len, 1))
     hay = corpus.window(rng, hay_len)
     order = sorted(range(len(facts)), key=lambda i: (round(depths[i] * hay_len), i))
     out, prev, value_span = [np.array([BOS])], 0, None
@@ -215,21 +220,42 @@ class DataStream:
     Each sample is retrieval with probability `retrieval_frac` (then multikey with probability
     `multikey_frac`, else passkey). All randomness comes from one numpy Generator whose state a
     checkpoint saves, so a resumed run sees exactly the batches a single run would have seen.
+
+    Distance curriculum (distance_start > 0): at step s (set_step) the queried needle lies within
+    distance_start * (seq_len / distance_start) ** (s / distance_steps) haystack tokens of the
+    question, growing geometrically to the whole sequence at step distance_steps, uniform after.
+    It depends only on the step, so a resumed run draws the same samples too.
     """
 
     def __init__(self, corpus: Corpus, seq_len: int, seed: int, retrieval_frac: float = 0.5,
-                 multikey_frac: float = 0.5, n_keys: int = 4, answer_weight: float = 1.0):
+                 multikey_frac: float = 0.5, n_keys: int = 4, answer_weight: float = 1.0,
+                 distance_start: int = 0, distance_steps: int = 0):
         if not 0.0 <= retrieval_frac <= 1.0 or not 0.0 <= multikey_frac <= 1.0:
             raise ValueError(f"retrieval_frac = {retrieval_frac}, multikey_frac = {multikey_frac}: must be in [0, 1]")
+        if distance_start < 0 or distance_start > seq_len or (distance_start > 0 and distance_steps < 1):
+            raise ValueError(f"distance_start = {distance_start}, distance_steps = {distance_steps}: the start must be "
+                             f"in [0, seq_len = {seq_len}] (0: off), and the steps >= 1 with a start")
         self.corpus, self.seq_len = corpus, seq_len
         self.retrieval_frac, self.multikey_frac = retrieval_frac, multikey_frac
         self.n_keys, self.answer_weight = n_keys, answer_weight
+        self.distance_start, self.distance_steps = distance_start, distance_steps
+        self.step = 0
         self.rng = np.random.default_rng(seed)
+
+    def set_step(self, step: int) -> None:
+        self.step = step
+
+    def max_distance(self) -> Optional[int]:
+        """The curriculum's bound on the queried needle's distance at this step (None: uniform)."""
+        if self.distance_start <= 0 or self.step >= self.distance_steps:
+            return None
+        grow = (self.seq_len / self.distance_start) ** (self.step / self.distance_steps)
+        return int(round(self.distance_start * grow))
 
     def sample(self) -> Sample:
         if self.rng.random() < self.retrieval_frac:
             task = "multikey" if self.rng.random() < self.multikey_frac else "passkey"
-            return retrieval_sample(self.rng, self.corpus, self.seq_len, task, None, self.n_keys)
+            return retrieval_sample(self.rng, self.corpus, self.seq_len, task, None, self.n_keys, self.max_distance())
         return lm_sample(self.rng, self.corpus, self.seq_len)
 
     def next_batch(self, batch: int) -> Tuple[np.ndarray, Optional[np.ndarray]]:

@@ -89,6 +89,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--multikey-frac", type=float, default=0.5, help="share of retrieval samples that are multikey")
     g.add_argument("--n-keys", type=int, default=4, help="needles per multikey sample")
     g.add_argument("--answer-weight", type=float, default=1.0, help="loss weight of retrieval answer tokens")
+    g.add_argument("--needle-distance-start", type=int, default=0,
+                   help="distance curriculum: the queried needle within this many tokens of the question at step 0, "
+                        "growing geometrically to the whole sequence (0: off, needles uniform from the start)")
+    g.add_argument("--needle-distance-steps", type=int,
+                   help="steps over which the curriculum's distance grows to the whole sequence (default: half the run)")
     g.add_argument("--heldout-percent", type=int, default=5)
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, help="total optimizer steps of the run")
@@ -118,6 +123,12 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, k, v)
     if args.backbone_max_seqlen is None:
         args.backbone_max_seqlen = 4 * args.seq_len
+    if not 0 <= args.needle_distance_start <= args.seq_len:
+        p.error(f"--needle-distance-start {args.needle_distance_start}: must be in [0, seq-len = {args.seq_len}]")
+    if args.needle_distance_steps is None:
+        args.needle_distance_steps = max(1, args.steps // 2) if args.needle_distance_start > 0 else 0
+    elif args.needle_distance_start > 0 and args.needle_distance_steps < 1:
+        p.error(f"--needle-distance-steps {args.needle_distance_steps}: must be >= 1")
     if args.out_dir is None:
         args.out_dir = os.path.join("out", "quality", args.arm)
     return args
@@ -266,7 +277,8 @@ def main(argv=None) -> dict:
     train_corpus, _, corpus_info = data_mod.load_corpora(args.heldout_percent)
     stream = data_mod.DataStream(train_corpus, args.seq_len, seed=args.seed, retrieval_frac=args.retrieval_frac,
                                  multikey_frac=args.multikey_frac, n_keys=args.n_keys,
-                                 answer_weight=args.answer_weight)
+                                 answer_weight=args.answer_weight, distance_start=args.needle_distance_start,
+                                 distance_steps=args.needle_distance_steps)
     step, tokens_seen, wall = 0, 0, 0.0
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
@@ -333,6 +345,7 @@ def main(argv=None) -> dict:
                                                 ).next_batch(args.batch)
                 tokens_np, weights_np = fixed
             else:
+                stream.set_step(step)
                 tokens_np, weights_np = stream.next_batch(args.batch)
             tokens = torch.from_numpy(tokens_np).to(device, non_blocking=True)
             weights = None if weights_np is None else torch.from_numpy(weights_np).to(device)

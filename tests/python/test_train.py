@@ -113,6 +113,43 @@ def test_stream_state_replays_batches():
     np.testing.assert_array_equal(w1, w2)
 
 
+def test_distance_curriculum_brings_the_needle_close_then_lets_it_go():
+    train, _, _ = data.load_corpora(5)
+    plain = data.DataStream(train, SEQ, seed=5, retrieval_frac=1.0)
+    off = data.DataStream(train, SEQ, seed=5, retrieval_frac=1.0, distance_start=0)
+    np.testing.assert_array_equal(plain.next_batch(4)[0], off.next_batch(4)[0])  # off: the stream as it was
+    cur = data.DataStream(train, SEQ, seed=5, retrieval_frac=1.0, multikey_frac=0.0, distance_start=16,
+                          distance_steps=10)
+    assert cur.max_distance() == 16
+    cur.set_step(5)
+    assert cur.max_distance() == 64  # 16 * (256 / 16) ** 0.5
+    cur.set_step(10)
+    assert cur.max_distance() is None
+    rng = np.random.default_rng(1)
+    for bound in (16, 64):
+        far = []
+        for _ in range(40):
+            s = data.retrieval_sample(rng, train, SEQ, "passkey", max_distance=bound)
+            # haystack tokens between the needle's end and the question
+            far.append(int(np.nonzero(s.tokens == data.QUERY)[0][0]) - s.needle[1] - 1)
+        assert max(far) <= bound and min(far) >= 0
+    free = [data.retrieval_sample(rng, train, SEQ, "passkey").depth for _ in range(40)]
+    assert min(free) < 0.5  # without the bound the needle goes anywhere
+    with pytest.raises(ValueError, match="distance_start"):
+        data.DataStream(train, SEQ, seed=5, distance_start=SEQ + 1, distance_steps=3)
+    with pytest.raises(ValueError, match="distance_steps"):
+        data.DataStream(train, SEQ, seed=5, distance_start=8, distance_steps=0)
+
+
+def test_distance_curriculum_flags_are_checked():
+    with pytest.raises(SystemExit):
+        train_cli.parse_args(["--arm", "dense", *TINY, "--needle-distance-start", "100000"])
+    with pytest.raises(SystemExit):
+        train_cli.parse_args(["--arm", "dense", *TINY, "--needle-distance-start", "8", "--needle-distance-steps", "0"])
+    args = train_cli.parse_args(["--arm", "dense", *TINY, "--needle-distance-start", "8", "--steps", "40"])
+    assert args.needle_distance_steps == 20
+
+
 # ---- model ------------------------------------------------------------------------------------
 
 
@@ -200,6 +237,20 @@ def test_resumed_run_equals_a_single_run(runs, tmp_path, arm):
     straight = [r["loss"] for r in read_log(single)]
     assert chunked == pytest.approx(straight, rel=1e-6, abs=1e-6)
     assert straight[-1] != straight[0]
+
+
+def test_curriculum_run_resumes_as_one_run(tmp_path):
+    # The curriculum depends on the step: a run cut in two chunks trains on the same batches.
+    flags = ["--arm", "dense", "--steps", "3", "--retrieval-frac", "1.0", "--needle-distance-start", "8", *TINY]
+    train_cli.main(["--out-dir", str(tmp_path / "one"), *flags])
+    train_cli.main(["--out-dir", str(tmp_path / "two"), "--chunk-steps", "2", *flags])
+    train_cli.main(["--out-dir", str(tmp_path / "two"), "--resume", *flags])
+    train_cli.main(["--out-dir", str(tmp_path / "plain"), *flags[:-len(TINY) - 2], *TINY])  # no curriculum
+    one, two, plain = ([r["loss"] for r in read_log(tmp_path / d)] for d in ("one", "two", "plain"))
+    assert len(one) == 3 and one == pytest.approx(two, rel=1e-6, abs=1e-6)
+    assert one[0] != plain[0]  # step 0 drew needles near the question
+    meta = json.loads((tmp_path / "one" / "meta.json").read_text())
+    assert meta["args"]["needle_distance_start"] == 8 and meta["args"]["needle_distance_steps"] == 1
 
 
 def test_run_settings_are_fixed(runs):
