@@ -9,8 +9,10 @@ Per run folder (train/train.py's --out-dir) it writes ``eval.json`` there and pr
   trained length from the held-out files;
 - retrieval: for each task (passkey, multikey), the share of samples whose every answer token is
   the model's argmax given the prompt and the earlier answer tokens (exactly what greedy decoding
-  would produce), on a grid of 10 needle depths x lengths (default: the trained length, 2x, 4x).
-  The samples are seeded by their cell alone, so every arm sees the same ones;
+  would produce), on a grid of 10 needle depths x lengths (default: the trained length, 2x, 4x),
+  and the share of answer tokens (the value's digits) that are the argmax (``token_accuracy``: a
+  graded signal, about 0.1 for a model that knows only that digits come, 1 for retrieval). The
+  samples are seeded by their cell alone, so every arm sees the same ones;
 - selection (NSA arms): at the rows that predict the answer, per layer, how often a block holding
   the needle's value is among the selected blocks (``needle_selected``), how often it was forced
   there (initial, local or backbone blocks: ``needle_forced``), how often it was selected where it
@@ -152,12 +154,13 @@ def retrieval(model, cfg: ModelConfig, corpus, lengths, depths, tasks, samples: 
     out, stats = {}, {}
     for task in tasks:
         acc = np.zeros((len(lengths), len(depths)))
+        tok = np.zeros((len(lengths), len(depths)))
         st = SelectionStats(cfg, layers, len(lengths), len(depths)) if sparse else None
         for li, length in enumerate(lengths):
             per_batch = max(1, tokens_per_batch // length)
             for di, depth in enumerate(depths):
                 cell = data_mod.retrieval_eval_set(corpus, length, float(depth), di, task, samples, seed, n_keys)
-                correct = 0
+                correct, right_tokens, answer_tokens = 0, 0, 0
                 for i in range(0, len(cell), per_batch):
                     chunk = cell[i:i + per_batch]
                     tokens = torch.from_numpy(np.stack([s.tokens for s in chunk])).to(device)
@@ -168,13 +171,18 @@ def retrieval(model, cfg: ModelConfig, corpus, lengths, depths, tasks, samples: 
                         rows = [torch.from_numpy(s.answer_rows()).to(device) for s in chunk]
                         logits = torch.stack([model.lm_head(h[b, r]) for b, r in enumerate(rows)])  # [b, answer, V]
                     targets = torch.stack([tokens[b, r + 1] for b, r in enumerate(rows)])
-                    correct += int((logits.argmax(-1) == targets).all(dim=-1).sum())
+                    hit = logits.argmax(-1) == targets
+                    correct += int(hit.all(dim=-1).sum())
+                    right_tokens += int(hit.sum())
+                    answer_tokens += hit.numel()
                     if st is not None:
                         st.add(chunk, length, li, di)
                     for layer in layers:
                         layer.capture, layer.aux = False, None
                 acc[li, di] = correct / len(cell)
-        out[task] = {"accuracy": [[round(float(x), 4) for x in row] for row in acc]}
+                tok[li, di] = right_tokens / max(answer_tokens, 1)
+        out[task] = {"accuracy": [[round(float(x), 4) for x in row] for row in acc],
+                     "token_accuracy": [[round(float(x), 4) for x in row] for row in tok]}
         if st is not None:
             stats[task] = st.result()
     return out, stats
@@ -207,12 +215,13 @@ def markdown(result: dict) -> str:
                      f"{t['median_tok_per_s']:,.0f} tok/s, peak memory {t['peak_mem_mib']:,.0f} MiB")
     r = result["retrieval"]
     for task, cell in r["tasks"].items():
-        lines += ["", f"{task} accuracy (rows: depth, columns: length)", "",
+        lines += ["", f"{task} accuracy / answer-token accuracy (rows: depth, columns: length)", "",
                   "| depth | " + " | ".join(str(n) for n in r["lengths"]) + " |",
                   "| --- |" + " --- |" * len(r["lengths"])]
         for di, d in enumerate(r["depths"]):
-            lines.append(f"| {d:.2f} | " + " | ".join(f"{cell['accuracy'][li][di]:.2f}"
-                                                      for li in range(len(r["lengths"]))) + " |")
+            pairs = (f"{cell['accuracy'][li][di]:.2f} / {cell['token_accuracy'][li][di]:.2f}"
+                     for li in range(len(r["lengths"])))
+            lines.append(f"| {d:.2f} | " + " | ".join(pairs) + " |")
         sel = result.get("selection", {}).get(task)
         if sel:
             lines += ["", f"{task} selection at the answer rows, mean over depths (rows: layer, columns: length): "

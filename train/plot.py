@@ -153,6 +153,8 @@ def summary_rows(runs) -> list:
             for task, cell in ret["tasks"].items():
                 for li, n in enumerate(ret["lengths"]):
                     row[f"{task}_acc_{n}"] = round(statistics.fmean(cell["accuracy"][li]), 4)
+                    if "token_accuracy" in cell:  # (evaluations written before it have none)
+                        row[f"{task}_tokacc_{n}"] = round(statistics.fmean(cell["token_accuracy"][li]), 4)
         rows.append(row)
     return rows
 

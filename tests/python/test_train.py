@@ -271,6 +271,29 @@ def evaluated(runs):
     return runs
 
 
+def test_retrieval_counts_whole_answers_and_answer_tokens():
+    # A stand-in model whose prediction at every position is that position's own token: an answer
+    # digit counts where it repeats the token before it, and a whole answer where all of them do.
+    class Echo(torch.nn.Module):
+        def hidden_states(self, tokens):
+            return torch.nn.functional.one_hot(tokens, data.VOCAB_SIZE).float()
+
+        def lm_head(self, h):
+            return h
+
+    from train.evaluate import retrieval
+    train, _, _ = data.load_corpora(5)
+    depths = [0.0, 0.5, 1.0]
+    out, _ = retrieval(Echo(), ModelConfig(attention="dense", **TINY_MODEL), train, [SEQ], depths, ["passkey"],
+                       samples=40, n_keys=4, tokens_per_batch=4 * SEQ, device=torch.device("cpu"), seed=3)
+    for di, depth in enumerate(depths):
+        cell = data.retrieval_eval_set(train, SEQ, depth, di, "passkey", 40, 3, 4)
+        same = [s.tokens[s.answer_rows()] == s.tokens[s.answer_rows() + 1] for s in cell]
+        assert out["passkey"]["token_accuracy"][0][di] == pytest.approx(np.mean(np.concatenate(same)), abs=1e-4)
+        assert out["passkey"]["accuracy"][0][di] == pytest.approx(np.mean([x.all() for x in same]), abs=1e-4)
+        assert out["passkey"]["token_accuracy"][0][di] > 0  # 5 random digits repeat their predecessor often
+
+
 @pytest.mark.parametrize("arm", ARMS)
 def test_evaluate_writes_every_table(evaluated, arm):
     result = json.loads((evaluated / arm / "eval.json").read_text())
@@ -279,8 +302,9 @@ def test_evaluate_writes_every_table(evaluated, arm):
     ret = result["retrieval"]
     assert ret["lengths"] == [SEQ, 2 * SEQ] and ret["depths"] == [0.0, 0.5, 1.0]
     for task in data.TASKS:
-        acc = ret["tasks"][task]["accuracy"]
+        acc, tok = ret["tasks"][task]["accuracy"], ret["tasks"][task]["token_accuracy"]
         assert len(acc) == 2 and all(len(row) == 3 and all(0.0 <= x <= 1.0 for x in row) for row in acc)
+        assert all(t >= a for ra, rt in zip(acc, tok) for a, t in zip(ra, rt))  # a whole answer: all its tokens
     assert result["train"]["steps"] == 4 and result["train"]["peak_mem_mib"] > 0
     if arm == "dense":
         assert "selection" not in result
