@@ -222,19 +222,27 @@ void expect_topn_matches_reference(const Case& c, const Config& cfg, LayerProble
   EXPECT_EQ(idx.values(), idx_ref.values());
 }
 
-TEST_P(CudaForward, TopnMatchesReferenceOnIdenticalScores) {
-  NSA_REQUIRE_GPU();
-  const Case& c = GetParam();
+// expect_topn_matches_reference on scores [T, Hkv, blocks] that fill(s, rng) writes, for the case's
+// problem (seed problem_seed; n = 3 where the case selects nothing), rng seeded with score_seed.
+template <typename Fill>
+void expect_topn_on_scores(const Case& c, uint64_t problem_seed, uint64_t score_seed, Fill&& fill) {
   Config cfg = config_of(c);
   if (cfg.n_selected == 0) cfg.n_selected = 3;
-  LayerProblem p = make_problem(cfg, sizes_of(c), 31);
+  LayerProblem p = make_problem(cfg, sizes_of(c), problem_seed);
   const int64_t ns = num_slc_blocks(max_seqlen(c), cfg.slc_block_len);
-  std::mt19937_64 rng(7);
-  // Few distinct values: many exact ties, so the tie rule (smaller j first) decides often.
+  std::mt19937_64 rng(score_seed);
   HostTensor s(DType::f32, {p.T, c.hkv, ns});
-  std::uniform_int_distribution<int> level(0, 3);
-  for (int64_t i = 0; i < s.numel(); ++i) s.set(i, 0.25 * level(rng));
+  fill(s, rng);
   expect_topn_matches_reference(c, cfg, p, s);
+}
+
+TEST_P(CudaForward, TopnMatchesReferenceOnIdenticalScores) {
+  NSA_REQUIRE_GPU();
+  // Few distinct values: many exact ties, so the tie rule (smaller j first) decides often.
+  expect_topn_on_scores(GetParam(), 31, 7, [](HostTensor& s, std::mt19937_64& rng) {
+    std::uniform_int_distribution<int> level(0, 3);
+    for (int64_t i = 0; i < s.numel(); ++i) s.set(i, 0.25 * level(rng));
+  });
 }
 
 // NaN scores of every sign and payload (the positive quiet NaN, a negative one, the all-ones
@@ -242,23 +250,17 @@ TEST_P(CudaForward, TopnMatchesReferenceOnIdenticalScores) {
 // smaller block: the reference's order.
 TEST_P(CudaForward, TopnRanksEveryNanFirstAsTheReference) {
   NSA_REQUIRE_GPU();
-  const Case& c = GetParam();
-  Config cfg = config_of(c);
-  if (cfg.n_selected == 0) cfg.n_selected = 3;
-  LayerProblem p = make_problem(cfg, sizes_of(c), 37);
-  const int64_t ns = num_slc_blocks(max_seqlen(c), cfg.slc_block_len);
-  std::mt19937_64 rng(13);
-  HostTensor s(DType::f32, {p.T, c.hkv, ns});
-  s.fill_uniform(rng, -1, 1);
-  const uint32_t nans[] = {0x7fc00000u, 0xffc00000u, 0xffffffffu, 0x7f800001u};
-  float* f = static_cast<float*>(s.data());
-  std::uniform_int_distribution<int> pick(0, 9);
-  for (int64_t i = 0; i < s.numel(); ++i) {
-    const int r = pick(rng);
-    if (r < 4) std::memcpy(&f[i], &nans[r], 4);
-    else if (r == 4) f[i] = std::numeric_limits<float>::infinity();
-  }
-  expect_topn_matches_reference(c, cfg, p, s);
+  expect_topn_on_scores(GetParam(), 37, 13, [](HostTensor& s, std::mt19937_64& rng) {
+    s.fill_uniform(rng, -1, 1);
+    const uint32_t nans[] = {0x7fc00000u, 0xffc00000u, 0xffffffffu, 0x7f800001u};
+    float* f = static_cast<float*>(s.data());
+    std::uniform_int_distribution<int> pick(0, 9);
+    for (int64_t i = 0; i < s.numel(); ++i) {
+      const int r = pick(rng);
+      if (r < 4) std::memcpy(&f[i], &nans[r], 4);
+      else if (r == 4) f[i] = std::numeric_limits<float>::infinity();
+    }
+  });
 }
 
 // ---- selection branch on identical indices, window branch -----------------------------------
