@@ -17,6 +17,9 @@ BUILD_DIR="$1"
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 SRC="$(cd "${2:-$SCRIPT_DIR/..}" && pwd)"
 cd "$SRC" || exit 1
+# A source folder that is no repository of its own (a snapshot inside another checkout): git apply
+# would take the outer repository's root as the patches' base and silently skip every path.
+[[ -e .git ]] || export GIT_CEILING_DIRECTORIES="$(dirname "$SRC")"
 mapfile -t PATCHES < <(ls tests/cuda/breaks/*.patch)
 [[ ${#PATCHES[@]} -gt 0 ]] || { echo "no patches"; exit 1; }
 round_of() { local r; r="$(sed -n '2s/^# round: //p' "$1")"; echo "${r:-1}"; }
@@ -43,6 +46,7 @@ for round in "${ROUNDS[@]}"; do
   echo "round $round: ${#mine[@]} patch(es)"
   for p in "${mine[@]}"; do
     git apply "$p" || { echo "FAIL: $p does not apply (the code it breaks has changed: update it)"; exit 1; }
+    git apply -R --check "$p" 2>/dev/null || { echo "FAIL: $p reported applied but is not in the tree"; exit 1; }
     APPLIED+=("$p")
   done
   cmake --build "$BUILD_DIR" --target nsa_cuda_tests -j "${JOBS:-16}" > "$BUILD_DIR/break_build.log" 2>&1 ||
