@@ -142,12 +142,13 @@ class Sample:
     answer: Optional[Tuple[int, int]] = None  # answer tokens' span [start, end) in tokens
     needle: Optional[Tuple[int, int]] = None  # the queried needle's value span [start, end)
     depth: float = 0.0
+    more_answers: Tuple[Tuple[int, int], ...] = ()  # the spans of further queries' answers
 
     def answer_rows(self) -> np.ndarray:
-        """The input positions whose next-token prediction is an answer token."""
+        """The input positions whose next-token prediction is an answer token (every query's)."""
         if self.answer is None:
             return np.zeros(0, dtype=np.int64)
-        return np.arange(self.answer[0] - 1, self.answer[1] - 1)
+        return np.concatenate([np.arange(a - 1, b - 1) for a, b in (self.answer, *self.more_answers)])
 
 
 def lm_sample(rng: np.random.Generator, corpus: Corpus, length: int) -> Sample:
@@ -168,30 +169,36 @@ def _keys(rng: np.random.Generator, n: int) -> List[bytes]:
 
 
 def retrieval_sample(rng: np.random.Generator, corpus: Corpus, length: int, task: str,
-                     depth: Optional[float] = None, n_keys: int = 4, max_distance: Optional[int] = None) -> Sample:
+                     depth: Optional[float] = None, n_keys: int = 4, max_distance: Optional[int] = None,
+                     queries: int = 1) -> Sample:
     """One retrieval sample of length + 1 tokens; the queried needle at `depth` (uniform if None).
     max_distance (with depth None): the queried needle uniform among the last max_distance haystack
     tokens before the question instead of over the whole haystack (the same random draw, scaled:
-    other needles stay uniform)."""
+    other needles stay uniform). queries (multikey): the sample ends with that many questions
+    ``QUERY key value`` about distinct needles (max_distance then bounds each asked needle); the
+    first is the one `depth`, `needle` and `answer` describe, the others' answers are in
+    more_answers. queries = 1 draws exactly as before the option existed."""
     if task == "passkey":
         facts = [(_PASSKEY_KEY, _digits(rng, _DIGITS))]
-        asked = 0
+        asked = [0]
     elif task == "multikey":
+        if not 1 <= queries <= n_keys:
+            raise ValueError(f"queries = {queries}: must be in [1, n_keys = {n_keys}]")
         facts = [(key, _digits(rng, _DIGITS)) for key in _keys(rng, n_keys)]
-        asked = int(rng.integers(0, n_keys))
+        asked = [int(rng.integers(0, n_keys))] if queries == 1 else [int(i) for i in rng.permutation(n_keys)[:queries]]
     else:
         raise ValueError(f"task = {task!r}: must be one of {TASKS}")
     depths = [float(rng.random()) for _ in facts]
     if depth is not None:
-        depths[asked] = float(depth)
+        depths[asked[0]] = float(depth)
     needles = [np.concatenate([[NEEDLE], encode(k), encode(v), [NEEDLE]]) for k, v in facts]
-    tail = np.concatenate([[QUERY], encode(facts[asked][0])])
-    answer = encode(facts[asked][1])
-    hay_len = length + 1 - 1 - sum(len(n) for n in needles) - len(tail) - len(answer)
+    questions = [(np.concatenate([[QUERY], encode(facts[i][0])]), encode(facts[i][1])) for i in asked]
+    hay_len = length + 1 - 1 - sum(len(n) for n in needles) - sum(len(q) + len(a) for q, a in questions)
     if hay_len < 0:
         raise ValueError(f"length = {length}: too short for a {task} sample (needs >= {length - hay_len})")
     if depth is None and max_distance is not None:
-        depths[asked] = 1.0 - depths[asked] * min(1.0, max_distance / max(hay_len, 1))
+        for i in asked:
+            depths[i] = 1.0 - depths[i] * min(1.0, max_distance / max(hay_len, 1))
     hay = corpus.window(rng, hay_len)
     order = sorted(range(len(facts)), key=lambda i: (round(depths[i] * hay_len), i))
     out, prev, value_span = [np.array([BOS])], 0, None
@@ -200,18 +207,23 @@ def retrieval_sample(rng: np.random.Generator, corpus: Corpus, length: int, task
         off = int(round(depths[i] * hay_len))
         out.append(hay[prev:off])
         at += off - prev
-        if i == asked:
+        if i == asked[0]:
             start = at + 1 + len(facts[i][0])
             value_span = (start, start + len(facts[i][1]))
         out.append(needles[i])
         at += len(needles[i])
         prev = off
-    out += [hay[prev:], tail]
-    at += hay_len - prev + len(tail)
-    out.append(answer)
+    out.append(hay[prev:])
+    at += hay_len - prev
+    answers = []
+    for question, answer in questions:
+        at += len(question)
+        answers.append((at, at + len(answer)))
+        out += [question, answer]
+        at += len(answer)
     tokens = np.concatenate(out).astype(np.int64)
     assert tokens.shape[0] == length + 1
-    return Sample(tokens, (at, at + len(answer)), value_span, depths[asked])
+    return Sample(tokens, answers[0], value_span, depths[asked[0]], tuple(answers[1:]))
 
 
 class DataStream:
@@ -225,11 +237,14 @@ class DataStream:
     distance_start * (seq_len / distance_start) ** (s / distance_steps) haystack tokens of the
     question, growing geometrically to the whole sequence at step distance_steps, uniform after.
     It depends only on the step, so a resumed run draws the same samples too.
+
+    queries > 1: every multikey sample ends with that many questions about distinct needles
+    (associative recall with several queries: more answer tokens to learn from per sample).
     """
 
     def __init__(self, corpus: Corpus, seq_len: int, seed: int, retrieval_frac: float = 0.5,
                  multikey_frac: float = 0.5, n_keys: int = 4, answer_weight: float = 1.0,
-                 distance_start: int = 0, distance_steps: int = 0):
+                 distance_start: int = 0, distance_steps: int = 0, queries: int = 1):
         if not 0.0 <= retrieval_frac <= 1.0 or not 0.0 <= multikey_frac <= 1.0:
             raise ValueError(f"retrieval_frac = {retrieval_frac}, multikey_frac = {multikey_frac}: must be in [0, 1]")
         if distance_start < 0 or distance_start > seq_len or (distance_start > 0 and distance_steps < 1):
@@ -237,7 +252,9 @@ class DataStream:
                              f"in [0, seq_len = {seq_len}] (0: off), and the steps >= 1 with a start")
         self.corpus, self.seq_len = corpus, seq_len
         self.retrieval_frac, self.multikey_frac = retrieval_frac, multikey_frac
-        self.n_keys, self.answer_weight = n_keys, answer_weight
+        if not 1 <= queries <= n_keys:
+            raise ValueError(f"queries = {queries}: must be in [1, n_keys = {n_keys}]")
+        self.n_keys, self.answer_weight, self.queries = n_keys, answer_weight, queries
         self.distance_start, self.distance_steps = distance_start, distance_steps
         self.step = 0
         self.rng = np.random.default_rng(seed)
@@ -255,7 +272,8 @@ class DataStream:
     def sample(self) -> Sample:
         if self.rng.random() < self.retrieval_frac:
             task = "multikey" if self.rng.random() < self.multikey_frac else "passkey"
-            return retrieval_sample(self.rng, self.corpus, self.seq_len, task, None, self.n_keys, self.max_distance())
+            return retrieval_sample(self.rng, self.corpus, self.seq_len, task, None, self.n_keys, self.max_distance(),
+                                    self.queries if task == "multikey" else 1)
         return lm_sample(self.rng, self.corpus, self.seq_len)
 
     def next_batch(self, batch: int) -> Tuple[np.ndarray, Optional[np.ndarray]]:

@@ -89,6 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--multikey-frac", type=float, default=0.5, help="share of retrieval samples that are multikey")
     g.add_argument("--n-keys", type=int, default=4, help="needles per multikey sample")
     g.add_argument("--answer-weight", type=float, default=1.0, help="loss weight of retrieval answer tokens")
+    g.add_argument("--queries", type=int, default=1,
+                   help="questions at the end of each multikey sample, about distinct needles (<= --n-keys)")
     g.add_argument("--needle-distance-start", type=int, default=0,
                    help="distance curriculum: the queried needle within this many tokens of the question at step 0, "
                         "growing geometrically to the whole sequence (0: off, needles uniform from the start)")
@@ -123,6 +125,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, k, v)
     if args.backbone_max_seqlen is None:
         args.backbone_max_seqlen = 4 * args.seq_len
+    if not 1 <= args.queries <= args.n_keys:
+        p.error(f"--queries {args.queries}: must be in [1, --n-keys = {args.n_keys}]")
     if not 0 <= args.needle_distance_start <= args.seq_len:
         p.error(f"--needle-distance-start {args.needle_distance_start}: must be in [0, seq-len = {args.seq_len}]")
     if args.needle_distance_steps is None:
@@ -278,7 +282,7 @@ def main(argv=None) -> dict:
     stream = data_mod.DataStream(train_corpus, args.seq_len, seed=args.seed, retrieval_frac=args.retrieval_frac,
                                  multikey_frac=args.multikey_frac, n_keys=args.n_keys,
                                  answer_weight=args.answer_weight, distance_start=args.needle_distance_start,
-                                 distance_steps=args.needle_distance_steps)
+                                 distance_steps=args.needle_distance_steps, queries=args.queries)
     step, tokens_seen, wall = 0, 0, 0.0
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])

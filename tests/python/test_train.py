@@ -100,6 +100,44 @@ def test_retrieval_sample_layout(task):
             assert s.tokens[s.needle[1] + 1] == data.QUERY  # right before the question
 
 
+def test_multikey_samples_with_several_queries():
+    train, _, _ = data.load_corpora(5)
+    rng = np.random.default_rng(4)
+    for max_distance in (None, 40):
+        s = data.retrieval_sample(rng, train, SEQ, "multikey", n_keys=4, queries=3, max_distance=max_distance)
+        assert s.tokens.shape == (SEQ + 1,) and (s.tokens == data.QUERY).sum() == 3
+        spans = [s.answer, *s.more_answers]
+        assert len(spans) == 3 and spans[-1][1] == SEQ + 1
+        needles = {}  # key -> (value, position of the needle's closing NEEDLE) of every planted needle
+        marks = np.nonzero(s.tokens == data.NEEDLE)[0]
+        for a, b in zip(marks[0::2], marks[1::2]):
+            text = data.decode(s.tokens[a + 1:b])
+            needles[text[:-5]] = (text[-5:], int(b))
+        first_question = int(np.nonzero(s.tokens == data.QUERY)[0][0])
+        asked = set()
+        for a, b in spans:
+            q = int(np.nonzero(s.tokens[:a] == data.QUERY)[0][-1])  # the question this answer follows
+            key = data.decode(s.tokens[q + 1:a])
+            value, end = needles[key]
+            assert data.decode(s.tokens[a:b]) == value
+            asked.add(key)
+            if max_distance is not None:  # within the bound (plus the other needles' 12 tokens each)
+                assert first_question - end - 1 <= max_distance + 3 * 12
+        assert len(asked) == 3  # distinct needles
+        np.testing.assert_array_equal(s.answer_rows() + 1, np.concatenate([np.arange(a, b) for a, b in spans]))
+        # the first question is the one the sample's needle and answer describe
+        np.testing.assert_array_equal(s.tokens[s.answer[0]:s.answer[1]], s.tokens[s.needle[0]:s.needle[1]])
+    stream = data.DataStream(train, SEQ, seed=2, retrieval_frac=1.0, multikey_frac=1.0, queries=4, answer_weight=3.0)
+    _, w = stream.next_batch(2)
+    assert (w == 3.0).sum() == 2 * 4 * 5  # every query's 5 digits weighted
+    one = data.DataStream(train, SEQ, seed=2, retrieval_frac=1.0, multikey_frac=0.0, queries=4, answer_weight=3.0)
+    assert (one.next_batch(2)[1] == 3.0).sum() == 2 * 5  # passkey samples keep one question
+    with pytest.raises(ValueError, match="queries"):
+        data.DataStream(train, SEQ, seed=2, n_keys=4, queries=5)
+    with pytest.raises(ValueError, match="queries"):
+        data.retrieval_sample(rng, train, SEQ, "multikey", n_keys=2, queries=0)
+
+
 def test_stream_state_replays_batches():
     train, _, _ = data.load_corpora(5)
     a = data.DataStream(train, SEQ, seed=7, answer_weight=2.0)
@@ -148,6 +186,9 @@ def test_distance_curriculum_flags_are_checked():
         train_cli.parse_args(["--arm", "dense", *TINY, "--needle-distance-start", "8", "--needle-distance-steps", "0"])
     args = train_cli.parse_args(["--arm", "dense", *TINY, "--needle-distance-start", "8", "--steps", "40"])
     assert args.needle_distance_steps == 20
+    with pytest.raises(SystemExit):
+        train_cli.parse_args(["--arm", "dense", *TINY, "--queries", "5"])  # more than --n-keys (4)
+    assert train_cli.parse_args(["--arm", "dense", *TINY, "--queries", "4"]).queries == 4
 
 
 # ---- model ------------------------------------------------------------------------------------
