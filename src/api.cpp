@@ -337,4 +337,56 @@ void dense_attention_bwd(const Context& ctx, double scale, const TensorView& q, 
   require_op(*ops, ops->dense_attention_bwd, "dense_attention_bwd")(p, q, k, v, o, lse, d_o, dq, dk, dv, ws);
 }
 
+namespace {
+// The bytes [first, last + 1) a view's elements span (none when it has no element).
+struct ByteRange {
+  uintptr_t first = 0, end = 0;
+};
+ByteRange byte_range(const TensorView& t) {
+  if (t.numel() == 0) return {};
+  int64_t last = 0;  // element offset of the last element (strides are >= 0, checked)
+  for (int d = 0; d < t.ndim; ++d) last += (t.shape[d] - 1) * t.stride[d];
+  const auto first = reinterpret_cast<uintptr_t>(t.data);
+  return {first, first + static_cast<uintptr_t>(last + 1) * dtype_size(t.dtype)};
+}
+}  // namespace
+
+void rotary(const Context& ctx, const TensorView& x, const TensorView& inv_freq, const Sequences& seqs,
+            const TensorView& positions, const TensorView& out, bool inverse) {
+  const BackendOps* ops;
+  Plan p = start_plan(ctx, Config{}, x, "x", ops);  // no NSA configuration: the defaults validate
+  const Checker chk(p.dtype, p.device, x.device_index);
+  chk.floats("x", x, "[T, H, D]", {kAny, kAny, kAny});
+  const int64_t T = x.shape[0], H = x.shape[1], D = x.shape[2];
+  if (H < 1) throw Error("x.shape[1] (H)", str(H), "must be >= 1");
+  if (D < 2 || D % 2 != 0)
+    throw Error("x.shape[2] (D)", str(D), "must be even and >= 2 (channel i rotates with channel i + D/2)");
+  p.hq = p.hkv = H;
+  p.dqk = p.dv = D;
+  chk.floats("out", out, "[T, H, D]", {T, H, D});
+  // In place, or apart: a partial overlap would read elements another one has already written.
+  const ByteRange xr = byte_range(x), orr = byte_range(out);
+  bool same = out.data == x.data;
+  for (int d = 0; d < 3; ++d) same = same && out.stride[d] == x.stride[d];
+  if (!same && xr.first < orr.end && orr.first < xr.end)
+    throw Error("out", "a view overlapping x", "must be x itself (same data and strides: in place) or share no "
+                                               "memory with x");
+  chk.tensor("inv_freq", inv_freq, "[D/2]", {D / 2}, DType::f32);
+  if (positions.defined()) {
+    chk.tensor("positions", positions, "[T]", {T}, DType::i32);
+    if (positions.device == Device::cpu) {  // device positions are the caller's contract (no sync)
+      const auto* pos = static_cast<const int32_t*>(positions.data);
+      for (int64_t t = 0; t < T; ++t)
+        if (pos[t * positions.stride[0]] < 0)
+          throw Error("positions[" + str(t) + "]", str(pos[t * positions.stride[0]]), "must be >= 0");
+    }
+  }
+  // The longest sequence sizes nothing here: with device offsets and no bound given, T bounds it.
+  Sequences s = seqs;
+  if (s.cu_seqlens.defined() && s.cu_seqlens.device == Device::cuda && s.max_seqlen == 0) s.max_seqlen = T;
+  fill_sequences(p, s, T, chk);
+  const auto run = require_op(*ops, ops->rotary, "rotary");
+  if (T > 0) run(p, x, inv_freq, positions, out, inverse);
+}
+
 }  // namespace nsa

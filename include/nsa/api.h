@@ -211,4 +211,23 @@ void dense_attention_bwd(const Context& ctx, double scale, const TensorView& q, 
                          const TensorView& lse, const TensorView& d_o, const TensorView& dq,
                          const TensorView& dk, const TensorView& dv, Workspace ws = {});
 
+// ---- Rotary position embeddings ---------------------------------------------------------------
+
+// Rotary position embeddings, GPT-NeoX layout: x [T, H, D] (D even) -> out [T, H, D]; out may be x
+// itself (same data and strides: in place), else the address ranges of the two (first to last
+// element) must not meet. With h = D/2 and i < h:
+// angle = float(pos(t)) * inv_freq[i] (an fp32 product), c = cos(angle), s = sin(angle)
+// (inverse: s = -sin(angle), the transpose of the rotation, which is its gradient);
+//   out[t, :, i]     = x1 * c - x2 * s,   out[t, :, i + h] = x2 * c + x1 * s,
+// x1 = x[t, :, i], x2 = x[t, :, i + h] read as fp32 (f64 tensors: everything in f64, the angle
+// double(pos) * double(inv_freq[i])), the products and the difference/sum in that precision,
+// rounded once to the dtype. pos(t) = positions[t] (int32 [T], >= 0) when positions is given (seqs
+// is then only checked), else the token's position within its own sequence of seqs (t - cu_seqlens[b];
+// t without cu_seqlens). inv_freq: f32 [h]. seqs.max_seqlen is not needed (0 is fine with device
+// cu_seqlens too). Host positions are checked (>= 0); device positions are not read before the
+// launch (no sync): there a negative position rotates by its negative angle. No workspace. The
+// cuda backend takes bf16 and f16 (as every other operation of it), the reference also f64.
+void rotary(const Context& ctx, const TensorView& x, const TensorView& inv_freq, const Sequences& seqs,
+            const TensorView& positions, const TensorView& out, bool inverse = false);
+
 }  // namespace nsa

@@ -78,6 +78,9 @@ struct BackendOps {
                  Workspace ws);
   void (*dense_decode)(const Plan&, const KV& pages, const PageTable& table, const TensorView& q,
                        const TensorView& o, const TensorView& lse, Workspace ws);
+  // Rotary embeddings (api.h rotary): T, B and the sequences are set; positions may be absent.
+  void (*rotary)(const Plan&, const TensorView& x, const TensorView& inv_freq, const TensorView& positions,
+                 const TensorView& out, bool inverse);
 };
 
 // Each backend defines its table; a backend that is not compiled in returns nullptr.

@@ -215,7 +215,7 @@ const detail::BackendOps kOps = {
     "reference",           workspace_size,          compress_fwd,         compress_bwd,
     compressed_attention_fwd, select_topn_op,      selected_attention_fwd, window_attention_fwd,
     forward,               backward,                dense_fwd,            dense_bwd,
-    cache_append,          decode,                  dense_decode,
+    cache_append,          decode,                  dense_decode,         rotary,
 };
 
 }  // namespace

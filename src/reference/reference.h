@@ -109,4 +109,10 @@ void decode(const detail::Plan& p, const PagedCache& cache, const DecodeInputs& 
 void dense_decode(const detail::Plan& p, const KV& pages, const PageTable& table, const TensorView& q,
                   const TensorView& o, const TensorView& lse, Workspace ws);
 
+// ---- Rotary embeddings (reference/rotary.cpp) --------------------------------------------------
+
+// api.h rotary, in the precision it defines (fp32, or fp64 for f64 tensors), not in fp64 throughout.
+void rotary(const detail::Plan& p, const TensorView& x, const TensorView& inv_freq, const TensorView& positions,
+            const TensorView& out, bool inverse);
+
 }  // namespace nsa::reference
