@@ -50,6 +50,7 @@ const detail::BackendOps kOps = {
     cache_append,
     decode,
     dense_decode,
+    rotary,
 };
 
 }  // namespace

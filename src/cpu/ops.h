@@ -208,6 +208,10 @@ void decode(const Plan&, const PagedCache& cache, const DecodeInputs& in, const 
 void dense_decode(const Plan&, const KV& pages, const PageTable& table, const TensorView& q, const TensorView& o,
                   const TensorView& lse, Workspace ws);
 
+// Rotary embeddings (rotary.cpp): no workspace.
+void rotary(const Plan&, const TensorView& x, const TensorView& inv_freq, const TensorView& positions,
+            const TensorView& out, bool inverse);
+
 // Workspace sizes of each op: shared bytes and bytes per thread.
 struct WsSizes {
   size_t shared = 0, slot = 0;
