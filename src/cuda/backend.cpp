@@ -21,6 +21,7 @@
 #include "cuda/params.h"
 #include "cuda/forward/topn.cuh"
 #include "cuda/phi/phi.h"
+#include "cuda/rotary/rotary.h"
 #include "nsa/blocks.h"
 #include "nsa/error.h"
 
@@ -423,6 +424,25 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
   launch_win(p, s);
 }
 
+// Rotary embeddings: bf16 and f16, as every kernel of the backend.
+void rotary_op(const Plan& p, const TensorView& x, const TensorView& inv_freq, const TensorView& positions,
+               const TensorView& out, bool inverse) {
+  rotary::Params r;
+  r.seqs = seq_params(p);
+  r.x = x.data;
+  r.x_st = x.stride[0];
+  r.x_sh = x.stride[1];
+  r.out = out.data;
+  r.o_st = out.stride[0];
+  r.o_sh = out.stride[1];
+  r.inv_freq = static_cast<const float*>(inv_freq.data);
+  r.positions = positions.defined() ? static_cast<const int32_t*>(positions.data) : nullptr;
+  r.H = x.shape[1];
+  r.h = x.shape[2] / 2;
+  r.inverse = inverse;
+  dispatch_storage(p.dtype, [&]<typename S>() { rotary::launch<S>(r, stream_of(p)); });
+}
+
 const detail::BackendOps kOps = {
     "cuda",
     workspace_size,
@@ -439,6 +459,7 @@ const detail::BackendOps kOps = {
     decode::cache_append,
     decode::decode,
     decode::dense_decode,
+    rotary_op,
 };
 
 }  // namespace

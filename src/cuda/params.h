@@ -1,6 +1,7 @@
 // Parameter structs of every CUDA kernel: the contract between the launchers and the kernels, one
 // section per room (forward: nsa::cuda; backward: nsa::cuda::bwd, read by the kernels of
-// backward/; decode: nsa::cuda::decode, read by the kernels of decode/); the rules that size them
+// backward/; decode: nsa::cuda::decode, read by the kernels of decode/; rotary embeddings:
+// nsa::cuda::rotary, read by rotary/rotary.cu); the rules that size them
 // are in tile_sizes.h. Plain data: pointers with their shapes, strides in elements,
 // sizes and the configuration. Nothing here knows about the public API's TensorView.
 #pragma once
@@ -294,3 +295,20 @@ struct AppendParams {
 };
 
 }  // namespace nsa::cuda::decode
+
+namespace nsa::cuda::rotary {
+
+// Rotary embeddings (api.h rotary): out = rotation of x by each token's angles.
+struct Params {
+  SeqParams seqs;                      // positions within each sequence when `positions` is null
+  const void* x = nullptr;             // [T, H, D] storage dtype, last dimension contiguous
+  int64_t x_st = 0, x_sh = 0;
+  void* out = nullptr;                 // [T, H, D]; x itself (same strides) or apart from it
+  int64_t o_st = 0, o_sh = 0;
+  const float* inv_freq = nullptr;     // [h] f32, contiguous
+  const int32_t* positions = nullptr;  // [T] int32, contiguous; null: from seqs
+  int64_t H = 0, h = 0;                // heads, half the head dim
+  bool inverse = false;                // rotate by -angle (the transpose: the gradient)
+};
+
+}  // namespace nsa::cuda::rotary

@@ -1,7 +1,8 @@
 // Every tuning rule of the CUDA backend, as pure functions of sizes (never of device data, so a
 // CUDA graph captured once replays with the same launches): tile rows, chunk sizes, shared-memory
 // plans and the CTAs they let share an SM, split counts. One section per room (forward:
-// nsa::cuda; backward: nsa::cuda::bwd; decode: nsa::cuda::decode). Plain C++ with NSA_HOST_DEVICE,
+// nsa::cuda; backward: nsa::cuda::bwd; decode: nsa::cuda::decode; rotary embeddings:
+// nsa::cuda::rotary). Plain C++ with NSA_HOST_DEVICE,
 // so the host tests check the invariants the kernels rely on (tests/test_cmp_split.cpp,
 // tests/test_decode_tiles.cpp) and the kernels use the same functions.
 #pragma once
@@ -308,3 +309,42 @@ inline SplitPlan split_plan(const Config& cfg, int64_t rows, int64_t hkv, int64_
 }
 
 }  // namespace nsa::cuda::decode
+
+// ---- rotary embeddings (rotary/rotary.cu): one thread rotates one chunk of channel pairs of one
+// token for a group of heads, computing the chunk's cos and sin once for all of them. The
+// operation is memory-bound: every element is read and written once.
+
+namespace nsa::cuda::rotary {
+
+inline constexpr int kThreads = 256;  // per CTA
+// Pairs per chunk on the vector path: their first halves are one 16-byte load of 2-byte elements,
+// their second halves another (the scalar path, for other h or unaligned rows, takes 1 pair).
+inline constexpr int kVecPairs = 8;
+// Heads one thread rotates with its cos and sin: the trigonometry costs 1/8 of a pass per head
+// group; the loads of kHeadBatch heads are in flight at once.
+inline constexpr int64_t kHeadsPerGroup = 8;
+inline constexpr int kHeadBatch = 4;
+inline constexpr int64_t kMaxGridY = 65535;  // gridDim.y's limit
+
+struct Shape {
+  int lanes = 1;                // threads across one token's chunks (blockDim.x): a power of 2, <= 32
+  int tokens = kThreads;        // tokens per CTA (blockDim.y): lanes * tokens = kThreads
+  int64_t heads_per_group = 1;  // heads one thread rotates
+  int64_t grid_x = 0;           // CTAs over the tokens (<= T <= 2^31 - 1)
+  int64_t grid_y = 0;           // head groups (<= kMaxGridY)
+};
+
+// chunks: pair chunks of one head (h / kVecPairs on the vector path, h on the scalar one). More
+// chunks than 32: each lane loops over several. More heads than kHeadsPerGroup * kMaxGridY: larger
+// groups, so that gridDim.y stays within its limit.
+inline Shape shape_of(int64_t T, int64_t H, int64_t chunks) {
+  Shape s;
+  while (s.lanes < chunks && s.lanes < 32) s.lanes *= 2;
+  s.tokens = kThreads / s.lanes;
+  s.heads_per_group = std::max(kHeadsPerGroup, (H + kMaxGridY - 1) / kMaxGridY);
+  s.grid_x = (T + s.tokens - 1) / s.tokens;
+  s.grid_y = (H + s.heads_per_group - 1) / s.heads_per_group;
+  return s;
+}
+
+}  // namespace nsa::cuda::rotary
