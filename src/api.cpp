@@ -381,9 +381,11 @@ void rotary(const Context& ctx, const TensorView& x, const TensorView& inv_freq,
           throw Error("positions[" + str(t) + "]", str(pos[t * positions.stride[0]]), "must be >= 0");
     }
   }
-  // The longest sequence sizes nothing here: with device offsets and no bound given, T bounds it.
+  // The longest sequence sizes nothing here: with device offsets and no bound given, T bounds it
+  // (and 1 when T = 0, since 0 means "not given").
   Sequences s = seqs;
-  if (s.cu_seqlens.defined() && s.cu_seqlens.device == Device::cuda && s.max_seqlen == 0) s.max_seqlen = T;
+  if (s.cu_seqlens.defined() && s.cu_seqlens.device == Device::cuda && s.max_seqlen == 0)
+    s.max_seqlen = std::max<int64_t>(T, 1);
   fill_sequences(p, s, T, chk);
   const auto run = require_op(*ops, ops->rotary, "rotary");
   if (T > 0) run(p, x, inv_freq, positions, out, inverse);
