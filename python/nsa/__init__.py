@@ -2,8 +2,9 @@
 
 Functional API (numpy arrays and torch tensors, host or CUDA): ``attention`` and its stages
 ``compress``, ``compressed_attention``, ``select_topn``, ``selected_attention``,
-``window_attention``, plus ``dense_attention``. PyTorch layer: ``nsa.NativeSparseAttention``
-(imported on first use, so that numpy users never import torch). See docs/python.md.
+``window_attention``, plus ``dense_attention`` and ``rotary`` (rotary position embeddings).
+PyTorch layer: ``nsa.NativeSparseAttention`` (imported on first use, so that numpy users never
+import torch). See docs/python.md.
 """
 from ._core import CacheArrays, Config, Error, Phi
 # __version__: CMakeLists.txt's project version, compiled into the extension.
@@ -22,6 +23,7 @@ from .functional import (
     dense_attention_backward,
     dense_decode,
     decode,
+    rotary,
     select_topn,
     selected_attention,
     window_attention,
@@ -32,7 +34,7 @@ __all__ = [
     "attention", "attention_backward", "attention_branches", "backbone_schedule", "backend_available", "cache_append",
     "compress",
     "compress_backward", "compressed_attention", "decode", "dense_attention", "dense_attention_backward",
-    "dense_decode", "select_topn", "selected_attention", "window_attention",
+    "dense_decode", "rotary", "select_topn", "selected_attention", "window_attention",
 ]
 
 

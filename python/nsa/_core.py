@@ -287,6 +287,19 @@ class NumpyArrays:
             cu = cu.astype(np.int32)
         return self.prepare(cu)
 
+    def to_positions(self, positions, like):
+        """Explicit rotary positions [T] as int32: any integer array, range-checked (a negative
+        one is the library's error, named positions[t])."""
+        np = self.np
+        p = np.asarray(positions)
+        if not np.issubdtype(p.dtype, np.integer):
+            raise error("positions.dtype", str(p.dtype), "must be an integer type")
+        if p.dtype != np.int32:
+            if p.size and (int(p.max()) > 2**31 - 1 or int(p.min()) < -2**31):
+                raise error("positions", "out of int32 range", "must fit in int32")
+            p = p.astype(np.int32)
+        return self.prepare(p)
+
 
 class TorchArrays:
     """Allocation through PyTorch (its caching allocator on CUDA) on the inputs' device."""
@@ -344,6 +357,28 @@ class TorchArrays:
         if cu.dtype != self.torch.int32 and not cu.is_floating_point():
             cu = torch_offsets_to_int32(cu)
         return self.prepare(cu)
+
+    def to_positions(self, positions, like):
+        """Explicit rotary positions [T] as int32 on like's device. Host positions of any integer
+        type are range-checked and copied over; positions on a GPU must be int32 already (checking
+        an int64 tensor's range there would need a synchronisation, as for offsets)."""
+        torch = self.torch
+        if not isinstance(positions, torch.Tensor):
+            positions = torch.as_tensor(positions)
+        if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+            raise error("positions.dtype", self.dtype_name(positions), "must be an integer type")
+        if positions.dtype != torch.int32:
+            if positions.device.type != "cpu":
+                raise error("positions.dtype", f"{self.dtype_name(positions)} on {positions.device}",
+                            "must be int32 for positions on a GPU (convert with .int(), or pass host positions, "
+                            "which are range-checked)")
+            if (positions.numel() and not torch.compiler.is_compiling()
+                    and (int(positions.max()) > 2**31 - 1 or int(positions.min()) < -2**31)):
+                raise error("positions", "out of int32 range", "must fit in int32")
+            positions = positions.to(torch.int32)
+        if positions.device.type == "cpu" and like.device.type != "cpu":
+            positions = positions.to(like.device)
+        return self.prepare(positions)
 
 
 def check_device_offsets(cu) -> None:
@@ -692,6 +727,21 @@ def dense_attention_backward(fw, scale: float, q, k, v, o, lse, d_o, cu_seqlens=
         _nsa.dense_attention_bwd(*call.ctx, float(scale), q, k, v, call.cu, call.max_seqlen, o, lse, d_o,
                                  dq, dk, dv, ws)
     return dq, dk, dv
+
+
+def rotary(fw, x, inv_freq, positions=None, cu_seqlens=None, max_seqlen=None, inverse=False, backend="auto",
+           num_threads=0):
+    """x [T, H, D] rotated by its tokens' positions (include/nsa/api.h rotary: GPT-NeoX pairs (i,
+    i + D/2), angles float(pos) * inv_freq [D/2] f32), into a new array. positions: int32 [T]
+    (fw.to_positions) or None: each token's place in its sequence of cu_seqlens. inverse rotates
+    back (the transpose: the gradient)."""
+    x, inv_freq, positions = fw.prepare(x), fw.prepare(inv_freq), fw.prepare(positions)
+    dims(x, "x", 3, "[T, H, D]")
+    call = Call(fw, x, backend, num_threads, cu_seqlens, max_seqlen, "x")
+    out = fw.empty(tuple(x.shape), x.dtype, x)
+    with fw.device_guard(x):
+        _nsa.rotary(*call.ctx, x, inv_freq, call.cu, call.max_seqlen, positions, out, bool(inverse))
+    return out
 
 
 def default_scale(dqk: int) -> float:

@@ -3,7 +3,7 @@
 Every function takes host or CUDA arrays of one framework and returns arrays of the same
 framework on the same device. Torch tensors go through the operators of ``nsa.torch_ops``
 (``torch.ops.nsa.*``), so autograd and ``torch.compile`` work where the library has a backward
-(``attention``, ``compress``, ``dense_attention``); the other stages are forward-only.
+(``attention``, ``compress``, ``dense_attention``, ``rotary``); the other stages are forward-only.
 
 Shapes (spec §1; T = packed tokens of all sequences, see ``cu_seqlens``):
   q [T, Hq, Dqk]; k [T, Hkv, Dqk]; v [T, Hkv, Dv]; g [T, Hq, 3] gates (cmp, slc, win).
@@ -189,6 +189,21 @@ def dense_attention_backward(q, k, v, o, lse, d_o, *, scale: Optional[float] = N
     s = 0.0 if scale is None else _core.check_float(scale, "scale")
     return _core.dense_attention_backward(arrays_for(q), s, q, k, v, o, lse, d_o, cu_seqlens, max_seqlen,
                                           backend, num_threads)
+
+
+def rotary(x, inv_freq, *, positions=None, cu_seqlens=None, inverse: bool = False, backend: str = "auto",
+           num_threads: int = 0):
+    """Rotary position embeddings, GPT-NeoX layout (channel i pairs with i + D/2): x [T, H, D] ->
+    [T, H, D], each token rotated by angle float(pos) * inv_freq[i] (inv_freq [D/2] float32), in
+    float32 (float64 for float64 arrays) as ``x1 * cos - x2 * sin, x2 * cos + x1 * sin``, rounded once
+    to x's dtype. pos: ``positions`` [T] (integers >= 0), else the token's place in its sequence of
+    ``cu_seqlens`` (None: one sequence). ``inverse`` rotates back (the gradient). Differentiable for
+    torch tensors (x only: inv_freq and the positions are constants)."""
+    if is_torch(x):
+        return _torch_ops().rotary(x, inv_freq, positions, cu_seqlens, inverse, backend, num_threads)
+    fw = arrays_for(x)
+    return _core.rotary(fw, x, inv_freq, None if positions is None else fw.to_positions(positions, x), cu_seqlens,
+                        None, inverse, backend, num_threads)
 
 
 # ---- Decoding (spec §10, include/nsa/cache.h) ------------------------------------------------------

@@ -10,6 +10,9 @@ uses the library's own backward through ``register_autograd``:
   nsa::compressed_attention, nsa::select_topn, nsa::selected_attention, nsa::window_attention
                                                    forward-only stages (the library has no
                                                    per-stage backward; use nsa::forward to train)
+  nsa::rotary                                      rotary position embeddings (GPT-NeoX layout),
+                                                   out of place; its backward is nsa::rotary with
+                                                   inverse flipped (the rotation's transpose)
 
 Outputs and workspaces are allocated with torch on the inputs' device (the caching allocator on
 CUDA) and the library runs on ``torch.cuda.current_stream()``. Config travels as a list of 7
@@ -309,6 +312,42 @@ def _window_attention_fake(q, k, v, *rest):
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
+# ---- nsa::rotary ------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("nsa::rotary", mutates_args=())
+def rotary_op(
+    x: Tensor, inv_freq: Tensor, cu_seqlens: Optional[Tensor], positions: Optional[Tensor], inverse: bool,
+    backend: str, num_threads: int,
+) -> Tensor:
+    """x [T, H, D] rotated by each token's angles float(pos) * inv_freq [D/2] f32 (pairs (i, i + D/2));
+    pos = positions [T] int32, or the token's place in its sequence of cu_seqlens. inverse: rotate
+    back. A new tensor; inv_freq, positions and cu_seqlens get no gradient."""
+    return _core.rotary(_fw, x, inv_freq, positions, cu_seqlens, 0, inverse, backend, num_threads)
+
+
+@rotary_op.register_fake
+def _rotary_fake(x, *rest):
+    return x.new_empty(x.shape)
+
+
+def _rotary_setup(ctx, inputs, output):
+    x, inv_freq, cu_seqlens, positions, inverse, backend, num_threads = inputs
+    ctx.save_for_backward(inv_freq, cu_seqlens, positions)
+    ctx.statics = (inverse, backend, num_threads)
+
+
+def _rotary_backward(ctx, d_out):
+    # The rotation is orthogonal: its gradient is the rotation by -angle, the same kernel.
+    inv_freq, cu_seqlens, positions = ctx.saved_tensors
+    inverse, backend, num_threads = ctx.statics
+    dx = torch.ops.nsa.rotary(d_out, inv_freq, cu_seqlens, positions, not inverse, backend, num_threads)
+    return dx, None, None, None, None, None, None
+
+
+rotary_op.register_autograd(_rotary_backward, setup_context=_rotary_setup)
+
+
 # ---- Python wrappers (what nsa.functional calls for torch tensors) -------------------------------
 
 
@@ -356,6 +395,16 @@ def same_device(like: Tensor, like_name: str, **named) -> None:
 
 
 _KV6 = ("k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win")
+
+
+def rotary(x, inv_freq, positions=None, cu_seqlens=None, inverse=False, backend="auto", num_threads=0):
+    """nsa::rotary with its arguments checked and placed: positions of any integer dtype on the host
+    (range-checked) or int32 on x's device; host offsets copied to x's device (they need no
+    max_seqlen here)."""
+    positions = None if positions is None else _fw.to_positions(positions, x)
+    same_device(x, "x", inv_freq=inv_freq, positions=positions)
+    cu, _ = sequences(cu_seqlens, None, x)
+    return torch.ops.nsa.rotary(x, inv_freq, cu, positions, bool(inverse), backend, _core.threads(num_threads))
 
 
 def attention(q, kv6, g, phi_k, phi_v, cfg: Config, cu_seqlens, max_seqlen, backend, num_threads,

@@ -552,6 +552,21 @@ NB_MODULE(_nsa, m) {
       NSA_CONTEXT_ARGS, nb::arg("scale"), nb::arg("q").none(), nb::arg("k").none(), nb::arg("v").none(),
       nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("o").none(), nb::arg("lse").none(),
       nb::arg("d_o").none(), nb::arg("dq").none(), nb::arg("dk").none(), nb::arg("dv").none(), nb::arg("workspace").none());
+  m.def(
+      "rotary",
+      [](const std::string& backend, uintptr_t stream, int threads, nb::handle x, nb::handle inv_freq,
+         nb::handle cu_seqlens, int64_t max_seqlen, nb::handle positions, nb::handle out, bool inverse) {
+        Arrays a;
+        const nsa::Context ctx = make_context(backend, stream, threads);
+        const nsa::TensorView vx = a.in(x, "x"), vf = a.in(inv_freq, "inv_freq"), vp = a.in(positions, "positions");
+        const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
+        const nsa::TensorView vo = a.out(out, "out");  // may be x itself (in place)
+        nb::gil_scoped_release release;
+        nsa::rotary(ctx, vx, vf, s, vp, vo, inverse);
+      },
+      NSA_CONTEXT_ARGS, nb::arg("x").none(), nb::arg("inv_freq").none(), nb::arg("cu_seqlens").none(),
+      nb::arg("max_seqlen"), nb::arg("positions").none(), nb::arg("out").none(), nb::arg("inverse"));
+
   // Decoding (nsa/cache.h). The cache arrives as (pools, block_table, seq_lens, status, max_cache_len).
 #define NSA_CACHE_ARGS                                                                         \
   nb::arg("pools").none(), nb::arg("block_table").none(), nb::arg("seq_lens").none(), nb::arg("status").none(), \
