@@ -1,7 +1,7 @@
 """``NativeSparseAttention``: the paper's attention layer as a ``torch.nn.Module``.
 
 x -> q, k, v projections (independent K/V per branch, or one shared K/V) -> rotary embeddings
--> NSA (compression with a learned phi, top-n selection, sliding window) gated by
+(the library's fused nsa::rotary) -> NSA (compression with a learned phi, top-n selection, sliding window) gated by
 sigmoid(MLP(x)) -> output projection. Packed variable-length input with ``cu_seqlens`` or a
 padded-free ``[B, S, hidden]`` batch; decoding through a paged KV cache, ``NSACache``.
 
@@ -323,30 +323,28 @@ class NativeSparseAttention(nn.Module):
             return None
         return Phi(**{name: p if p.dtype == dtype else p.to(dtype) for name, p in params.items()})
 
-    def _rotation(self, positions: Tensor, dtype: torch.dtype):
-        """(cos, sin) [T, 1, D/2] of the positions, for tensors of `dtype`: at least float32
-        (bf16/fp16 angles would be far off at long positions); float64 stays."""
-        work = torch.float64 if dtype == torch.float64 else torch.float32
-        angles = positions.to(work)[:, None] * self.inv_freq.to(work)[None, :]  # [T, D/2]
-        return torch.cos(angles)[:, None, :], torch.sin(angles)[:, None, :]
-
-    def _rotate(self, x: Tensor, positions: Tensor, rotation=None) -> Tensor:
-        """x [T, H, D] rotated by positions [T] (pairs (i, i + D/2), GPT-NeoX layout); rotation:
-        _rotation(positions, x.dtype) when the caller rotates several tensors by the same positions."""
+    def _rotate(self, x: Tensor, positions: Optional[Tensor] = None, cu_seqlens=None) -> Tensor:
+        """x [T, H, D] rotated (pairs (i, i + D/2), GPT-NeoX layout) by each token's position:
+        positions [T] (integers), or without them the token's place in its sequence of cu_seqlens
+        (None: one sequence). One library call, nsa::rotary, forward and backward: angles
+        float(pos) * inv_freq and the rotation in float32 (float64 for float64 tensors; bf16/fp16
+        angles would be far off at long positions), rounded once to x's dtype."""
         if not self.rotary:
             return x
-        cos, sin = self._rotation(positions, x.dtype) if rotation is None else rotation
-        x1, x2 = x.to(cos.dtype).chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        # The buffer follows module.to(dtype); its values are float32 ones (the library takes f32).
+        inv_freq = self.inv_freq if self.inv_freq.dtype == torch.float32 else self.inv_freq.float()
+        if positions is not None:  # positions within sequences: they fit int32 (lengths do)
+            positions = positions.to(device=x.device, dtype=torch.int32)
+        return torch_ops.rotary(x, inv_freq, positions, cu_seqlens, False, self.backend, self.num_threads)
 
-    def _project(self, x: Tensor, positions: Tensor):
-        """q [T, Hq, Dqk], K/V sets (lists of [T, Hkv, D]), gates [T, Hq, 3] of the tokens x [T, hidden].
-        The angles are computed once, and every K set is rotated in one pass."""
+    def _project(self, x: Tensor, positions: Optional[Tensor] = None, cu_seqlens=None):
+        """q [T, Hq, Dqk], K/V sets (lists of [T, Hkv, D]), gates [T, Hq, 3] of the tokens x [T, hidden],
+        q and keys rotated by positions [T] or, without them, by the tokens' places in their sequences
+        of cu_seqlens (every K set in one call)."""
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        rotation = self._rotation(positions, q.dtype) if self.rotary else None
-        q = self._rotate(q, positions, rotation)
-        k = self._rotate(self.k_proj(x).view(T, self.num_kv_sets * self.num_kv_heads, self.head_dim), positions, rotation)
+        q = self._rotate(self.q_proj(x).view(T, self.num_heads, self.head_dim), positions, cu_seqlens)
+        k = self._rotate(self.k_proj(x).view(T, self.num_kv_sets * self.num_kv_heads, self.head_dim), positions,
+                         cu_seqlens)
         ks = k.view(T, self.num_kv_sets, self.num_kv_heads, self.head_dim).unbind(1)
         vs = self.v_proj(x).view(T, self.num_kv_sets, self.num_kv_heads, self.v_head_dim).unbind(1)
         g = torch.sigmoid(self.gate(x)).view(T, self.num_heads, 3)
@@ -393,19 +391,17 @@ class NativeSparseAttention(nn.Module):
 
     def _prefill(self, x: Tensor, cu_seqlens, max_seqlen) -> Tensor:
         T = x.shape[0]
-        if cu_seqlens is None:
-            positions = torch.arange(T, device=x.device)
-        else:
+        if cu_seqlens is not None:
             cu = torch.as_tensor(cu_seqlens)
-            # Host offsets: checked here, before they become positions (not while torch.compile
-            # traces: the values are data there; the library checks them when the call runs).
+            # Host offsets: checked here, before they are copied next to device tensors, where the
+            # library cannot read them (not while torch.compile traces: the values are data there;
+            # the library checks host offsets when the call runs).
             if cu.device.type == "cpu" and not torch.compiler.is_compiling():
                 _check_offsets([int(c) for c in cu.tolist()], T)
-            cu = cu.to(device=x.device, dtype=torch.int64)
-            lengths = cu[1:] - cu[:-1]
-            starts = torch.repeat_interleave(cu[:-1], lengths, output_size=T)
-            positions = torch.arange(T, device=x.device) - starts
-        q, ks, vs, g = self._project(x, positions)
+        # Each token's position within its sequence: the rotary kernel derives it from the offsets
+        # (placed on x's device once for q and the keys).
+        rotary_cu = torch_ops.sequences(cu_seqlens, None, x)[0] if self.rotary else None
+        q, ks, vs, g = self._project(x, None, rotary_cu)
         o = self._attend(q, ks, vs, g, cu_seqlens, max_seqlen)
         return self.o_proj(o.reshape(T, self.num_heads * self.v_head_dim))
 
