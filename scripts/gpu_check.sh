@@ -89,7 +89,7 @@ host_tests() { "$(bin nsa_tests)" --gtest_brief=1; }
 cuda_tests() { "$SRC/scripts/gtest_sharded.sh" "$(bin nsa_cuda_tests)" ${CUDA_TEST_FILTER:+--gtest_filter=$CUDA_TEST_FILTER}; }
 memcheck() {
   compute-sanitizer --tool memcheck --error-exitcode 3 "$(bin nsa_cuda_tests)" \
-    --gtest_filter="${MEMCHECK_FILTER:-*f16_d64_G1_packed_linear*:*bf16_d128_G16_paper*:*CudaDecode*f16_d128x64*:*CudaDecodeStatus*:*backbone*:*CudaBackbone*}"
+    --gtest_filter="${MEMCHECK_FILTER:-*f16_d64_G1_packed_linear*:*bf16_d128_G16_paper*:*CudaDecode*f16_d128x64*:*CudaDecodeStatus*:*backbone*:*CudaBackbone*:*CudaRotary*}"
 }
 # The CUDA fuzz pass: drawn cases (tests/cuda/cases.h: FUZZ_CASES per suite, default 16,
 # seed FUZZ_SEED, default 1) through the forward, backward and decode suites' end-to-end tests under
