@@ -1,9 +1,10 @@
 """``NativeSparseAttention``: the paper's attention layer as a ``torch.nn.Module``.
 
 x -> q, k, v projections (independent K/V per branch, or one shared K/V) -> rotary embeddings
-(the library's fused nsa::rotary) -> NSA (compression with a learned phi, top-n selection, sliding window) gated by
-sigmoid(MLP(x)) -> output projection. Packed variable-length input with ``cu_seqlens`` or a
-padded-free ``[B, S, hidden]`` batch; decoding through a paged KV cache, ``NSACache``.
+(the library's nsa::rotary) -> NSA (compression with a learned phi, top-n selection, sliding
+window) gated by sigmoid(MLP(x)) -> output projection. Packed variable-length input with
+``cu_seqlens`` or a padded-free ``[B, S, hidden]`` batch; decoding through a paged KV cache,
+``NSACache``.
 
 Rotary embeddings (which keys get them, and why): q and the raw keys of *every* branch are
 rotated by their position within their own sequence, values never. One q serves all three
