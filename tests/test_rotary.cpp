@@ -31,8 +31,9 @@ void formula(const RotaryProblem& p, bool inverse, HostTensor& out) {
   const int64_t H = p.c.H, D = p.c.D, h = D / 2;
   for (int64_t t = 0; t < p.T; ++t)
     for (int64_t i = 0; i < h; ++i) {
-      volatile W angle = static_cast<W>(p.position(t)) * static_cast<W>(p.inv_freq.get(i));
-      const W c = std::cos(static_cast<W>(angle)), s = inverse ? -std::sin(static_cast<W>(angle)) : std::sin(static_cast<W>(angle));
+      volatile W rounded = static_cast<W>(p.position(t)) * static_cast<W>(p.inv_freq.get(i));
+      const W angle = rounded;
+      const W c = std::cos(angle), s = inverse ? -std::sin(angle) : std::sin(angle);
       for (int64_t head = 0; head < H; ++head) {
         const int64_t e = (t * H + head) * D + i;
         const W x1 = static_cast<W>(p.x.get(e)), x2 = static_cast<W>(p.x.get(e + h));
@@ -237,14 +238,19 @@ TEST(Rotary, BadArgumentsAreNamedErrors) {
     a.x.dtype = DType::f64;
     a.ctx.backend = Backend::cpu;
   });
-  expect_rotary_error("cuda_with_host_tensors", "ctx.backend", "", [](RotaryArgs& a) { a.ctx.backend = Backend::cuda; });
+  expect_rotary_error("cuda_with_host_tensors", "ctx.backend", "",
+                      [](RotaryArgs& a) { a.ctx.backend = Backend::cuda; });
   expect_rotary_error("threads_negative", "ctx.num_threads", "-1", [](RotaryArgs& a) { a.ctx.num_threads = -1; });
   expect_rotary_error("inv_freq_absent", "inv_freq", "absent", [](RotaryArgs& a) { a.inv_freq = {}; });
   expect_rotary_error("inv_freq_length", "inv_freq.shape[0]", "2", [](RotaryArgs& a) { a.inv_freq.shape[0] = 2; });
-  expect_rotary_error("inv_freq_dtype", "inv_freq.dtype", "f64", [](RotaryArgs& a) { a.inv_freq.dtype = DType::f64; });
-  expect_rotary_error("inv_freq_device", "inv_freq.device", "cuda:0", [](RotaryArgs& a) { a.inv_freq.device = Device::cuda; });
-  expect_rotary_error("positions_length", "positions.shape[0]", "6", [](RotaryArgs& a) { a.positions.shape[0] = 6; });
-  expect_rotary_error("positions_dtype", "positions.dtype", "f32", [](RotaryArgs& a) { a.positions.dtype = DType::f32; });
+  expect_rotary_error("inv_freq_dtype", "inv_freq.dtype", "f64",
+                      [](RotaryArgs& a) { a.inv_freq.dtype = DType::f64; });
+  expect_rotary_error("inv_freq_device", "inv_freq.device", "cuda:0",
+                      [](RotaryArgs& a) { a.inv_freq.device = Device::cuda; });
+  expect_rotary_error("positions_length", "positions.shape[0]", "6",
+                      [](RotaryArgs& a) { a.positions.shape[0] = 6; });
+  expect_rotary_error("positions_dtype", "positions.dtype", "f32",
+                      [](RotaryArgs& a) { a.positions.dtype = DType::f32; });
   expect_rotary_error("positions_rank", "positions.ndim", "2", [](RotaryArgs& a) { a.positions.ndim = 2; });
   expect_rotary_error("positions_negative", "positions[3]", "-1",
                       [](RotaryArgs& a) { static_cast<int32_t*>(a.positions.data)[3] = -1; });

@@ -94,7 +94,8 @@ TEST(CudaRotary, MatchesCpu) {
                inverse);
         const DeviceRotary d(p);
         HostTensor got = run_cuda(p, d, inverse, inverse ? stream : nullptr);  // a stream of its own too
-        EXPECT_TRUE(rotary_close(got, want, p.x, c.D)) << c.name << " " << dtype_name(dt) << (inverse ? " inverse" : "");
+        EXPECT_TRUE(rotary_close(got, want, p.x, c.D))
+            << c.name << " " << dtype_name(dt) << (inverse ? " inverse" : "");
       }
   cudaStreamDestroy(stream);
 }

@@ -170,7 +170,8 @@ def test_opcheck_and_compile():
     f = inv_freq_of(8)
     cu = torch.tensor([0, 7, 7, 20], dtype=torch.int32)
     pos = torch.arange(20, dtype=torch.int32) * 11
-    for args in ((x, f, cu, None, False, "auto", 0), (x, f, None, pos, True, "auto", 0), (x, f, None, None, False, "cpu", 1)):
+    for args in ((x, f, cu, None, False, "auto", 0), (x, f, None, pos, True, "auto", 0),
+                 (x, f, None, None, False, "cpu", 1)):
         torch.library.opcheck(torch.ops.nsa.rotary.default, args)
     torch._dynamo.reset()
 
