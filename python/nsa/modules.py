@@ -343,13 +343,43 @@ class NativeSparseAttention(nn.Module):
         q and keys rotated by positions [T] or, without them, by the tokens' places in their sequences
         of cu_seqlens (every K set in one call)."""
         T = x.shape[0]
-        q = self._rotate(self.q_proj(x).view(T, self.num_heads, self.head_dim), positions, cu_seqlens)
-        k = self._rotate(self.k_proj(x).view(T, self.num_kv_sets * self.num_kv_heads, self.head_dim), positions,
-                         cu_seqlens)
+        if self._fusable():
+            q, k, v, g = self._fused_projection(x)
+            g = self.gate[2](self.gate[1](g))
+        else:
+            q, k, v, g = self.q_proj(x), self.k_proj(x), self.v_proj(x), self.gate(x)
+        q = self._rotate(q.view(T, self.num_heads, self.head_dim), positions, cu_seqlens)
+        k = self._rotate(k.view(T, self.num_kv_sets * self.num_kv_heads, self.head_dim), positions, cu_seqlens)
         ks = k.view(T, self.num_kv_sets, self.num_kv_heads, self.head_dim).unbind(1)
-        vs = self.v_proj(x).view(T, self.num_kv_sets, self.num_kv_heads, self.v_head_dim).unbind(1)
-        g = torch.sigmoid(self.gate(x)).view(T, self.num_heads, 3)
+        vs = v.view(T, self.num_kv_sets, self.num_kv_heads, self.v_head_dim).unbind(1)
+        g = torch.sigmoid(g).view(T, self.num_heads, 3)
         return q, list(ks), list(vs), g
+
+    def _fusable(self) -> bool:
+        """Whether q, k, v and the gate's first layer, which all read x, run as one product: when
+        all four are plain nn.Linear modules and nothing hooks them or the gate (an adapter such as
+        LoRA, a parametrization or a hook replaces or wraps a module: then every module runs as
+        itself), and every part is a multiple of 8 columns (the library needs rows of the parts
+        that reach it aligned to 16 bytes)."""
+        mods = (self.q_proj, self.k_proj, self.v_proj, self.gate[0])
+        hooked = [m for m in (*mods, self.gate)
+                  if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks]
+        global_hooks = getattr(nn.modules.module, "_global_forward_hooks", None) or \
+            getattr(nn.modules.module, "_global_forward_pre_hooks", None)
+        return (not hooked and not global_hooks and all(type(m) is nn.Linear for m in mods)
+                and all(m.out_features % 8 == 0 for m in mods))
+
+    def _fused_projection(self, x: Tensor):
+        """(q, k, v, the gate's hidden pre-activation) of x [T, hidden] from one product with the
+        four weights stacked: x is read once, and the backward's dx is one product, not four and a
+        sum. The parts are column slices of one output (rows of q_proj's width apart)."""
+        mods = (self.q_proj, self.k_proj, self.v_proj, self.gate[0])
+        weight = torch.cat([m.weight for m in mods])
+        bias = None
+        if any(m.bias is not None for m in mods):
+            bias = torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias for m in mods])
+        y = nn.functional.linear(x, weight, bias)
+        return y.split([m.out_features for m in mods], dim=-1)
 
     def _attend(self, q, ks, vs, g, cu_seqlens, max_seqlen) -> Tensor:
         k = ks[0] if self.shared_kv else tuple(ks)

@@ -211,3 +211,72 @@ def test_capture_keeps_the_selection_lse_and_gates_of_the_last_forward():
     assert not aux["gates"].requires_grad
     # The first token's only admissible block is block 0: selected, the rest -1.
     assert aux["indices"][0, :, 0].tolist() == [0, 0] and (aux["indices"][0, :, 1:] == -1).all()
+
+
+def _run(m, x):
+    x = x.clone().requires_grad_(True)
+    y = m(x)
+    y.square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+    m.zero_grad(set_to_none=True)
+    return y.detach(), x.grad, grads
+
+
+@pytest.mark.parametrize("shared_kv", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_projection_product_equals_one_per_module(shared_kv, bias):
+    """q, k, v and the gate's first layer run as one product of x with their stacked weights; a
+    forward hook that changes nothing sends each module through its own call instead."""
+    m = make_module(shared_kv=shared_kv, bias=bias)
+    assert m._fusable()
+    x = torch.randn(30, HIDDEN, dtype=torch.float64)
+    y, dx, grads = _run(m, x)
+    hook = m.q_proj.register_forward_hook(lambda module, args, out: None)
+    assert not m._fusable()
+    y0, dx0, grads0 = _run(m, x)
+    hook.remove()
+    torch.testing.assert_close(y, y0, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dx, dx0, rtol=1e-12, atol=1e-12)
+    for name in grads0:
+        torch.testing.assert_close(grads[name], grads0[name], rtol=1e-12, atol=1e-12, msg=lambda s, n=name: f"{n}: {s}")
+
+
+def test_adapters_and_hooks_on_the_projections_keep_their_effect():
+    class LowRank(torch.nn.Linear):  # a LoRA-style adapter: W x + B A x
+        def __init__(self, base, rank=2):
+            super().__init__(base.in_features, base.out_features, bias=False, dtype=base.weight.dtype)
+            with torch.no_grad():
+                self.weight.copy_(base.weight)
+            self.a = torch.nn.Parameter(torch.randn(rank, base.in_features, dtype=base.weight.dtype))
+            self.b = torch.nn.Parameter(torch.randn(base.out_features, rank, dtype=base.weight.dtype))
+
+        def forward(self, x):
+            return super().forward(x) + x @ self.a.t() @ self.b.t()
+
+    x = torch.randn(30, HIDDEN, dtype=torch.float64)
+    m = make_module()
+    m.q_proj = LowRank(m.q_proj)
+    assert not m._fusable()
+    y, _, grads = _run(m, x)
+    assert grads["q_proj.a"].abs().sum() > 0  # the adapter is trained
+    merged = make_module()  # the same layer with the adapter merged into a plain weight
+    with torch.no_grad():
+        merged.q_proj.weight.add_(m.q_proj.b @ m.q_proj.a)
+    assert merged._fusable()
+    torch.testing.assert_close(merged(x), y, rtol=1e-12, atol=1e-12)
+
+    hooked = make_module()
+    hooked.k_proj.register_forward_hook(lambda module, args, out: 2 * out)
+    doubled = make_module()
+    with torch.no_grad():
+        doubled.k_proj.weight.mul_(2)
+    torch.testing.assert_close(hooked(x), doubled(x), rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(hooked(x), make_module()(x))
+
+
+def test_projection_parts_off_the_alignment_run_one_product_per_module():
+    m = make_module(gate_hidden=5)  # the gate's 5 columns would misalign the parts after them
+    assert not m._fusable()
+    x = torch.randn(20, HIDDEN, dtype=torch.float64, requires_grad=True)
+    m(x).sum().backward()
+    assert torch.isfinite(x.grad).all()
