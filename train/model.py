@@ -11,8 +11,9 @@ Attention, by ``ModelConfig.attention``:
   nsa_backbone  the same with the reach backbone (``backbone=True``; offsets sized for
                 ``backbone_max_seqlen``, the longest sequence the model is evaluated on)
 
-The rotary embedding is the layer's (GPT-NeoX pairs (i, i + D/2), angles in float32, positions
-counted from each sequence's start), written out here for the dense twin.
+The dense twin rotates q and k with the layer's own rotary embedding, the library's
+``nsa.rotary`` (GPT-NeoX pairs (i, i + D/2), angles in float32, positions counted from each
+sequence's start).
 
 Initialisation is the same for both twins wherever they share a parameter name and shape: each
 such tensor is drawn from its own generator seeded by (seed, name), so the embedding, MLPs,
@@ -104,13 +105,17 @@ def rope_inv_freq(head_dim: int, theta: float) -> Tensor:
 
 
 def apply_rope(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
-    """x [..., S, H, D] rotated by positions [S]: pairs (i, i + D/2), angles in float32 (as the
-    NSA layer does: bf16 angles would be far off at long positions)."""
-    work = torch.float64 if x.dtype == torch.float64 else torch.float32
-    angles = positions.to(work)[:, None] * inv_freq.to(device=x.device, dtype=work)[None, :]  # [S, D/2]
-    cos, sin = torch.cos(angles)[:, None, :], torch.sin(angles)[:, None, :]
-    x1, x2 = x.to(work).chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    """x [..., S, H, D] rotated by positions [S] with the NSA layer's own rotary embedding
+    (``nsa.rotary``: GPT-NeoX pairs (i, i + D/2), angles float32(pos) * inv_freq, the rotation in
+    float32 (float64 for float64 tensors), one rounding to x's dtype; differentiable)."""
+    import nsa
+
+    S, H, D = x.shape[-3:]
+    if x.numel() == 0:
+        return x.clone()
+    flat = x.reshape(-1, H, D)
+    pos = positions.to(device=x.device, dtype=torch.int32).repeat(flat.shape[0] // S)
+    return nsa.rotary(flat, inv_freq.to(device=x.device, dtype=torch.float32), positions=pos).view(x.shape)
 
 
 class DenseAttention(nn.Module):

@@ -203,10 +203,10 @@ def test_dense_twin_rotates_like_the_layer():
         pytest.skip("the layer has no _rotate to compare with")
     x = torch.randn(50, 2, 16)
     pos = torch.arange(50) * 37  # long positions too
-    # The same fp32 formula; on the CPU the layer's cos and sin come from the C library and torch's
-    # from its own vectorised functions, which differ by an ulp now and then: 4 fp32 ulps of |x|.
-    torch.testing.assert_close(apply_rope(x, pos, rope_inv_freq(16, 10000.0)), layer._rotate(x, pos),
-                               rtol=0, atol=4 * 2.0 ** -24 * float(x.abs().max()))
+    torch.testing.assert_close(apply_rope(x, pos, rope_inv_freq(16, 10000.0)), layer._rotate(x, pos), rtol=0, atol=0)
+    xb = torch.randn(3, 50, 2, 16)  # a batch: every sequence rotated by the same positions
+    torch.testing.assert_close(apply_rope(xb, pos, rope_inv_freq(16, 10000.0))[2], layer._rotate(xb[2], pos),
+                               rtol=0, atol=0)
 
 
 def test_twins_share_their_common_initialisation():
