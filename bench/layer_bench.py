@@ -4,7 +4,8 @@ forward+backward, on the GPU, in one run.
 
 For each group G (64/4 and 16/4 heads, D 128, hidden = Hq * D), phi (mean, mlp with F = 4D) and
 length T (one sequence, bf16): the layer (independent K/V, gates, rotary, paper blocks) and the
-dense twin (the same q / one K/V set / o projections and rotary, PyTorch SDPA causal with GQA)
+dense twin (the same q / one K/V set / o projections, q, k and v as one product as the layer
+does, the layer's rotary, PyTorch SDPA causal with GQA)
 on the same x. Forward: the layer's call; forward+backward: the call, then backward of
 out.sum() through every parameter and x. Median of CUDA-event timings; peak memory: the most
 allocated during one forward+backward beyond what was allocated before it.
@@ -33,18 +34,17 @@ class DenseTwin(torch.nn.Module):
         h, hq = layer.hidden_size, layer.num_heads
         dev, dt = layer.q_proj.weight.device, layer.q_proj.weight.dtype
         self.layer = layer  # for _rotate (its inv_freq)
-        self.q_proj = torch.nn.Linear(h, hq * D, bias=False, device=dev, dtype=dt)
-        self.k_proj = torch.nn.Linear(h, HKV * D, bias=False, device=dev, dtype=dt)
-        self.v_proj = torch.nn.Linear(h, HKV * D, bias=False, device=dev, dtype=dt)
+        self.qkv_proj = torch.nn.Linear(h, (hq + 2 * HKV) * D, bias=False, device=dev, dtype=dt)  # one product
         self.o_proj = torch.nn.Linear(hq * D, h, bias=False, device=dev, dtype=dt)
         self.hq = hq
 
     def forward(self, x):
         T = x.shape[0]
         pos = torch.arange(T, device=x.device)
-        q = self.layer._rotate(self.q_proj(x).view(T, self.hq, D), pos)
-        k = self.layer._rotate(self.k_proj(x).view(T, HKV, D), pos)
-        v = self.v_proj(x).view(T, HKV, D)
+        q, k, v = self.qkv_proj(x).split([self.hq * D, HKV * D, HKV * D], dim=-1)
+        q = self.layer._rotate(q.view(T, self.hq, D), pos)
+        k = self.layer._rotate(k.view(T, HKV, D), pos)
+        v = v.view(T, HKV, D)
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                            is_causal=True, enable_gqa=True)
         return self.o_proj(o[0].transpose(0, 1).reshape(T, self.hq * D))
