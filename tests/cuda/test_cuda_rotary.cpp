@@ -121,8 +121,9 @@ TEST(CudaRotary, ExplicitPositionsEqualDeviceOffsets) {
     if (c.max_position > 0) continue;
     RotaryProblem p = make_rotary(c, DType::bf16, 13);
     HostTensor from_offsets = run_cuda(p, DeviceRotary(p), false);
-    p.positions = HostTensor(DType::i32, {p.T});
-    for (int64_t t = 0; t < p.T; ++t) p.positions.set(t, double(p.position(t)));
+    HostTensor positions(DType::i32, {p.T});  // filled before p has them: p.position(t) reads p.positions
+    for (int64_t t = 0; t < p.T; ++t) positions.set(t, double(p.position(t)));
+    p.positions = positions;
     HostTensor from_positions = run_cuda(p, DeviceRotary(p), false);
     EXPECT_TRUE(same_bits(from_positions, from_offsets)) << c.name;
   }
