@@ -93,19 +93,33 @@ struct Rows {
   }
 };
 
-// Writes n floats into element (row, head, 0..n) of a caller's view, rounding to its dtype.
-inline void store_row(const TensorView& t, int64_t row, int64_t head, const float* src, int64_t n) {
-  const int64_t off = row * t.stride[0] + head * t.stride[1];
+// dst[0..n) = float(element offset .. offset + n) of a float view (contiguous last dimension).
+inline void load_f32(const TensorView& t, int64_t offset, float* dst, int64_t n) {
   switch (t.dtype) {
-    case DType::f32: std::memcpy(static_cast<float*>(t.data) + off, src, static_cast<size_t>(n) * 4); return;
-    case DType::bf16: kernels().f32_to_bf16(src, static_cast<uint16_t*>(t.data) + off, n); return;
+    case DType::f32: std::memcpy(dst, static_cast<const float*>(t.data) + offset, static_cast<size_t>(n) * 4); return;
+    case DType::bf16: kernels().bf16_to_f32(static_cast<const uint16_t*>(t.data) + offset, dst, n); return;
+    case DType::f16: kernels().f16_to_f32(static_cast<const uint16_t*>(t.data) + offset, dst, n); return;
+    default: return;  // f64 runs on the reference backend only (api.cpp)
+  }
+}
+
+// Elements offset .. offset + n of a float view = src[0..n), rounded to its dtype.
+inline void store_f32(const TensorView& t, int64_t offset, const float* src, int64_t n) {
+  switch (t.dtype) {
+    case DType::f32: std::memcpy(static_cast<float*>(t.data) + offset, src, static_cast<size_t>(n) * 4); return;
+    case DType::bf16: kernels().f32_to_bf16(src, static_cast<uint16_t*>(t.data) + offset, n); return;
     case DType::f16: {
-      uint16_t* d = static_cast<uint16_t*>(t.data) + off;
+      uint16_t* d = static_cast<uint16_t*>(t.data) + offset;
       for (int64_t i = 0; i < n; ++i) d[i] = detail::f32_to_f16(src[i]);
       return;
     }
     default: return;
   }
+}
+
+// Writes n floats into element (row, head, 0..n) of a caller's view, rounding to its dtype.
+inline void store_row(const TensorView& t, int64_t row, int64_t head, const float* src, int64_t n) {
+  store_f32(t, row * t.stride[0] + head * t.stride[1], src, n);
 }
 
 // Element i of a 1-D or the (row, head, c) element of a 3-D float view, as float.

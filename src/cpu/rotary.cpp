@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "cpu/common.h"
 #include "cpu/ops.h"
 
 namespace nsa::cpu {
@@ -17,30 +18,6 @@ namespace {
 // Pairs per chunk: the chunk's cos and sin and one head's two halves, in and out, live on the
 // stack (6 x 256 bytes), so a call needs no workspace whatever D is.
 constexpr int64_t kPairChunk = 64;
-
-// dst[0..n) = float(element offset .. offset + n) of a float view (contiguous last dimension).
-void load_f32(const TensorView& t, int64_t offset, float* dst, int64_t n) {
-  switch (t.dtype) {
-    case DType::f32: std::memcpy(dst, static_cast<const float*>(t.data) + offset, static_cast<size_t>(n) * 4); return;
-    case DType::bf16: kernels().bf16_to_f32(static_cast<const uint16_t*>(t.data) + offset, dst, n); return;
-    case DType::f16: kernels().f16_to_f32(static_cast<const uint16_t*>(t.data) + offset, dst, n); return;
-    default: return;  // f64 runs on the reference backend only (api.cpp)
-  }
-}
-
-// Elements offset .. offset + n of a float view = src[0..n), rounded to its dtype.
-void store_f32(const TensorView& t, int64_t offset, const float* src, int64_t n) {
-  switch (t.dtype) {
-    case DType::f32: std::memcpy(static_cast<float*>(t.data) + offset, src, static_cast<size_t>(n) * 4); return;
-    case DType::bf16: kernels().f32_to_bf16(src, static_cast<uint16_t*>(t.data) + offset, n); return;
-    case DType::f16: {
-      uint16_t* d = static_cast<uint16_t*>(t.data) + offset;
-      for (int64_t i = 0; i < n; ++i) d[i] = detail::f32_to_f16(src[i]);
-      return;
-    }
-    default: return;
-  }
-}
 
 // Position of token t: positions[t], or t's offset in its sequence.
 int64_t position_of(const Plan& p, const int32_t* positions, int64_t t) {
