@@ -355,13 +355,17 @@ class NativeSparseAttention(nn.Module):
         g = torch.sigmoid(g).view(T, self.num_heads, 3)
         return q, list(ks), list(vs), g
 
+    def _projections_of_x(self):
+        """The modules that read x, in the order of the fused product's parts: q, k, v, gate[0]."""
+        return self.q_proj, self.k_proj, self.v_proj, self.gate[0]
+
     def _fusable(self) -> bool:
         """Whether q, k, v and the gate's first layer, which all read x, run as one product: when
         all four are plain nn.Linear modules and nothing hooks them or the gate (an adapter such as
         LoRA, a parametrization or a hook replaces or wraps a module: then every module runs as
         itself), and every part is a multiple of 8 columns (the library needs rows of the parts
         that reach it aligned to 16 bytes)."""
-        mods = (self.q_proj, self.k_proj, self.v_proj, self.gate[0])
+        mods = self._projections_of_x()
         hooked = [m for m in (*mods, self.gate)
                   if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks]
         global_hooks = getattr(nn.modules.module, "_global_forward_hooks", None) or \
@@ -373,7 +377,7 @@ class NativeSparseAttention(nn.Module):
         """(q, k, v, the gate's hidden pre-activation) of x [T, hidden] from one product with the
         four weights stacked: x is read once, and the backward's dx is one product, not four and a
         sum. The parts are column slices of one output (rows of q_proj's width apart)."""
-        mods = (self.q_proj, self.k_proj, self.v_proj, self.gate[0])
+        mods = self._projections_of_x()
         weight = torch.cat([m.weight for m in mods])
         bias = None
         if any(m.bias is not None for m in mods):
