@@ -240,11 +240,18 @@ class DataStream:
 
     queries > 1: every multikey sample ends with that many questions about distinct needles
     (associative recall with several queries: more answer tokens to learn from per sample).
+
+    pack_len > 0 (with the curriculum): while the curriculum bounds the distance to d, a retrieval
+    row is several retrieval samples back to back, each max(pack_len, 2 d) tokens (the last takes
+    what is left), every one with its own needles, questions and answers. Short distances then
+    teach the lookup from many samples per row instead of one; from d >= seq_len / 4 on a row is
+    one sample again. The samples of a row are not isolated: a question can see earlier samples'
+    needles, which are farther away than its own.
     """
 
     def __init__(self, corpus: Corpus, seq_len: int, seed: int, retrieval_frac: float = 0.5,
                  multikey_frac: float = 0.5, n_keys: int = 4, answer_weight: float = 1.0,
-                 distance_start: int = 0, distance_steps: int = 0, queries: int = 1):
+                 distance_start: int = 0, distance_steps: int = 0, queries: int = 1, pack_len: int = 0):
         if not 0.0 <= retrieval_frac <= 1.0 or not 0.0 <= multikey_frac <= 1.0:
             raise ValueError(f"retrieval_frac = {retrieval_frac}, multikey_frac = {multikey_frac}: must be in [0, 1]")
         if distance_start < 0 or distance_start > seq_len or (distance_start > 0 and distance_steps < 1):
@@ -255,8 +262,12 @@ class DataStream:
         if not 1 <= queries <= n_keys:
             raise ValueError(f"queries = {queries}: must be in [1, n_keys = {n_keys}]")
         self.n_keys, self.answer_weight, self.queries = n_keys, answer_weight, queries
-        self.distance_start, self.distance_steps = distance_start, distance_steps
+        if pack_len < 0 or pack_len > seq_len or (pack_len > 0 and distance_start <= 0):
+            raise ValueError(f"pack_len = {pack_len}: must be in [0, seq_len = {seq_len}] (0: off), and needs the "
+                             f"distance curriculum (distance_start = {distance_start})")
+        self.distance_start, self.distance_steps, self.pack_len = distance_start, distance_steps, pack_len
         self.step = 0
+        self.last_answers: List[np.ndarray] = []
         self.rng = np.random.default_rng(seed)
 
     def set_step(self, step: int) -> None:
@@ -271,15 +282,42 @@ class DataStream:
 
     def sample(self) -> Sample:
         if self.rng.random() < self.retrieval_frac:
-            task = "multikey" if self.rng.random() < self.multikey_frac else "passkey"
-            return retrieval_sample(self.rng, self.corpus, self.seq_len, task, None, self.n_keys, self.max_distance(),
-                                    self.queries if task == "multikey" else 1)
+            bound = self.max_distance()
+            part = self.seq_len if not self.pack_len or bound is None else max(self.pack_len, 2 * bound)
+            if 2 * part > self.seq_len:
+                return self._retrieval(self.seq_len, bound)
+            return self._packed(part, bound)
         return lm_sample(self.rng, self.corpus, self.seq_len)
+
+    def _retrieval(self, length: int, bound: Optional[int]) -> Sample:
+        task = "multikey" if self.rng.random() < self.multikey_frac else "passkey"
+        return retrieval_sample(self.rng, self.corpus, length, task, None, self.n_keys, bound,
+                                self.queries if task == "multikey" else 1)
+
+    def _packed(self, part: int, bound: Optional[int]) -> Sample:
+        """A row of seq_len + 1 tokens holding retrieval samples of part + 1 tokens each (the last
+        one longer by the remainder); the first sample's answer, needle and depth describe the row,
+        every other answer is in more_answers."""
+        count = (self.seq_len + 1) // (part + 1)
+        lengths = [part] * (count - 1) + [self.seq_len - (count - 1) * (part + 1)]
+        pieces, answers, first, at = [], [], None, 0
+        for length in lengths:
+            s = self._retrieval(length, bound)
+            pieces.append(s.tokens)
+            answers += [(at + a, at + b) for a, b in (s.answer, *s.more_answers)]
+            if first is None:
+                first = s
+            at += len(s.tokens)
+        tokens = np.concatenate(pieces)
+        assert tokens.shape[0] == self.seq_len + 1
+        return Sample(tokens, answers[0], first.needle, first.depth, tuple(answers[1:]))
 
     def next_batch(self, batch: int) -> Tuple[np.ndarray, Optional[np.ndarray]]:
         """tokens [batch, seq_len + 1] int64 and per-target loss weights [batch, seq_len] (None:
-        all ones; answer targets get answer_weight otherwise)."""
+        all ones; answer targets get answer_weight otherwise). last_answers then holds each row's
+        answer targets (Sample.answer_rows)."""
         samples = [self.sample() for _ in range(batch)]
+        self.last_answers = [s.answer_rows() for s in samples]
         tokens = np.stack([s.tokens for s in samples])
         if self.answer_weight == 1.0:
             return tokens, None

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import asdict, dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -232,12 +232,28 @@ class LM(nn.Module):
 
     def loss(self, tokens: Tensor, weights: Optional[Tensor] = None) -> Tensor:
         """Mean next-token cross-entropy (nats) of tokens [B, S + 1]; weights [B, S] per target."""
+        return self.loss_terms(tokens, weights)[0]
+
+    def loss_terms(self, tokens: Tensor, weights: Optional[Tensor] = None,
+                   answers: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+        """loss() and, for the targets where answers [B, S] (bool, at least one set) is set, their mean
+        cross-entropy and the share predicted exactly (argmax), both detached; None without answers."""
         logits = self(tokens[:, :-1]).float()
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1), reduction="none")
+        flat = logits.reshape(-1, logits.shape[-1])
+        targets = tokens[:, 1:].reshape(-1)
+        ce = F.cross_entropy(flat, targets, reduction="none")
         if weights is None:
-            return ce.mean()
-        w = weights.reshape(-1).to(ce.dtype)
-        return (ce * w).sum() / w.sum()
+            loss = ce.mean()
+        else:
+            w = weights.reshape(-1).to(ce.dtype)
+            loss = (ce * w).sum() / w.sum()
+        if answers is None:
+            return loss, None, None
+        rows = answers.reshape(-1)
+        with torch.no_grad():
+            answer_loss = ce[rows].mean()
+            answer_acc = (flat[rows].argmax(-1) == targets[rows]).float().mean()
+        return loss, answer_loss, answer_acc
 
     def param_counts(self) -> dict:
         total = sum(p.numel() for p in self.parameters())

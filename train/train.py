@@ -15,7 +15,9 @@ stops after N steps. Model, data and schedule settings are fixed when a run star
 they come from the checkpoint, and an explicit flag that disagrees is an error.
 
 Output in --out-dir: ``log.jsonl`` (one line per step: step, tokens, wall_s (training time summed
-over chunks), loss, lr, step_s, tok_per_s, peak_mem_mib), ``meta.json`` (settings, parameter
+over chunks), loss, lr, step_s, tok_per_s, peak_mem_mib; with retrieval answers in the batch also
+answer_loss, answer_acc (their unweighted cross-entropy and argmax accuracy) and answers (how
+many); during the distance curriculum max_distance), ``meta.json`` (settings, parameter
 counts, data fingerprint, device, versions, one entry per chunk, ``complete``), ``checkpoint.pt``.
 """
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `train` importable as a package
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import numpy as np
 import torch
 
 from train import data as data_mod
@@ -96,6 +99,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "growing geometrically to the whole sequence (0: off, needles uniform from the start)")
     g.add_argument("--needle-distance-steps", type=int,
                    help="steps over which the curriculum's distance grows to the whole sequence (default: half the run)")
+    g.add_argument("--retrieval-pack", type=int, default=0,
+                   help="with the curriculum at distance d: a retrieval row holds samples of max(this, 2 d) tokens back "
+                        "to back, each with its own needles and questions (0: one sample per row; a sample must fit "
+                        "its needles and questions)")
     g.add_argument("--heldout-percent", type=int, default=5)
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, help="total optimizer steps of the run")
@@ -133,6 +140,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.needle_distance_steps = max(1, args.steps // 2) if args.needle_distance_start > 0 else 0
     elif args.needle_distance_start > 0 and args.needle_distance_steps < 1:
         p.error(f"--needle-distance-steps {args.needle_distance_steps}: must be >= 1")
+    if args.retrieval_pack and not (0 < args.retrieval_pack <= args.seq_len and args.needle_distance_start > 0):
+        p.error(f"--retrieval-pack {args.retrieval_pack}: must be in [0, seq-len = {args.seq_len}] (0: off) and needs "
+                f"--needle-distance-start")
     if args.out_dir is None:
         args.out_dir = os.path.join("out", "quality", args.arm)
     return args
@@ -282,7 +292,8 @@ def main(argv=None) -> dict:
     stream = data_mod.DataStream(train_corpus, args.seq_len, seed=args.seed, retrieval_frac=args.retrieval_frac,
                                  multikey_frac=args.multikey_frac, n_keys=args.n_keys,
                                  answer_weight=args.answer_weight, distance_start=args.needle_distance_start,
-                                 distance_steps=args.needle_distance_steps, queries=args.queries)
+                                 distance_steps=args.needle_distance_steps, queries=args.queries,
+                                 pack_len=args.retrieval_pack)
     step, tokens_seen, wall = 0, 0, 0.0
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
@@ -348,13 +359,22 @@ def main(argv=None) -> dict:
                                                 n_keys=args.n_keys, answer_weight=args.answer_weight
                                                 ).next_batch(args.batch)
                 tokens_np, weights_np = fixed
+                answer_rows = []
             else:
                 stream.set_step(step)
                 tokens_np, weights_np = stream.next_batch(args.batch)
+                answer_rows = stream.last_answers
             tokens = torch.from_numpy(tokens_np).to(device, non_blocking=True)
             weights = None if weights_np is None else torch.from_numpy(weights_np).to(device)
+            answers = None
+            if any(len(r) for r in answer_rows):
+                mask = np.zeros((args.batch, args.seq_len), dtype=bool)
+                for b, r in enumerate(answer_rows):
+                    mask[b, r] = True
+                answers = torch.from_numpy(mask).to(device)
+            distance = None if args.overfit else stream.max_distance()
             with autocast:
-                loss = model.loss(tokens, weights)
+                loss, answer_loss, answer_acc = model.loss_terms(tokens, weights, answers)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             optimizer.step()
@@ -371,6 +391,11 @@ def main(argv=None) -> dict:
             row = {"step": step, "tokens": tokens_seen, "wall_s": round(wall, 4), "loss": loss_value, "lr": lr,
                    "step_s": round(last_step_s, 5), "tok_per_s": round(tps, 1),
                    "peak_mem_mib": round(peak_memory_mib(device), 1)}
+            if answers is not None:  # the retrieval answers' targets of this batch (unweighted)
+                row.update(answer_loss=round(answer_loss.item(), 5), answer_acc=round(answer_acc.item(), 5),
+                           answers=int(answers.sum().item()))
+            if distance is not None:
+                row["max_distance"] = distance
             log.write(json.dumps(row) + "\n")
             log.flush()
             progress.update(step, loss_value, tps, lr, last_step_s)

@@ -179,6 +179,48 @@ def test_distance_curriculum_brings_the_needle_close_then_lets_it_go():
         data.DataStream(train, SEQ, seed=5, distance_start=8, distance_steps=0)
 
 
+def test_packed_rows_hold_several_samples_while_the_distance_is_short():
+    train, _, _ = data.load_corpora(5)
+    seq, bound = 2048, 40
+    stream = data.DataStream(train, seq, seed=3, retrieval_frac=1.0, multikey_frac=0.0, answer_weight=5.0,
+                             distance_start=bound, distance_steps=100, pack_len=300)
+    key = data.encode(data._PASSKEY_KEY)
+    tokens, weights = stream.next_batch(2)
+    assert tokens.shape == (2, seq + 1)
+    for row, rows, w in zip(tokens, stream.last_answers, weights):
+        starts = np.nonzero(row == data.BOS)[0]
+        # max(300, 2 * 40) = 300 tokens + 1 per sample: 6 of 301 and the last one 542 long
+        assert list(starts) == [0, 301, 602, 903, 1204, 1505], starts
+        queries = np.nonzero(row == data.QUERY)[0]
+        assert len(queries) == len(starts)
+        assert len(rows) == len(starts) * data._DIGITS and np.all(w[rows] == 5.0)
+        assert np.count_nonzero(w != 1.0) == len(rows)
+        for q, start in zip(queries, starts):
+            a = q + 1 + len(key)  # the answer: the digits after the question's key
+            value = row[a:a + data._DIGITS]
+            assert a - 1 in rows  # the row whose next token is the answer's first digit
+            needle = [i for i in range(start, q) if row[i] == data.NEEDLE and
+                      np.array_equal(row[i + 1:i + 1 + len(key)], key)]
+            assert len(needle) == 1, "one passkey needle in each sample"
+            n0 = needle[0]
+            np.testing.assert_array_equal(row[n0 + 1 + len(key):n0 + 1 + len(key) + data._DIGITS], value)
+            end = n0 + 1 + len(key) + data._DIGITS  # the closing NEEDLE
+            assert 0 <= q - end - 1 <= bound
+    # Grown past a quarter of the row: one sample per row again.
+    stream.set_step(80)
+    assert stream.max_distance() > seq // 4
+    tokens, _ = stream.next_batch(2)
+    assert all(np.count_nonzero(row == data.BOS) == 1 for row in tokens)
+    # Off (the default) or without the curriculum: as before.
+    with pytest.raises(ValueError, match="pack_len"):
+        data.DataStream(train, seq, seed=3, pack_len=300)
+    with pytest.raises(ValueError, match="pack_len"):
+        data.DataStream(train, seq, seed=3, distance_start=8, distance_steps=4, pack_len=seq + 1)
+    with pytest.raises(ValueError, match="too short"):
+        data.DataStream(train, seq, seed=3, retrieval_frac=1.0, multikey_frac=1.0, n_keys=8, queries=8,
+                        distance_start=8, distance_steps=4, pack_len=64).next_batch(1)
+
+
 def test_distance_curriculum_flags_are_checked():
     with pytest.raises(SystemExit):
         train_cli.parse_args(["--arm", "dense", *TINY, "--needle-distance-start", "100000"])
@@ -188,6 +230,10 @@ def test_distance_curriculum_flags_are_checked():
     assert args.needle_distance_steps == 20
     with pytest.raises(SystemExit):
         train_cli.parse_args(["--arm", "dense", *TINY, "--queries", "5"])  # more than --n-keys (4)
+    with pytest.raises(SystemExit):
+        train_cli.parse_args(["--arm", "dense", *TINY, "--retrieval-pack", "64"])  # no curriculum
+    with pytest.raises(SystemExit):
+        train_cli.parse_args(["--arm", "dense", *TINY, "--needle-distance-start", "8", "--retrieval-pack", "257"])
     assert train_cli.parse_args(["--arm", "dense", *TINY, "--queries", "4"]).queries == 4
 
 
@@ -292,6 +338,10 @@ def test_curriculum_run_resumes_as_one_run(tmp_path):
     one, two, plain = ([r["loss"] for r in read_log(tmp_path / d)] for d in ("one", "two", "plain"))
     assert len(one) == 3 and one == pytest.approx(two, rel=1e-6, abs=1e-6)
     assert one[0] != plain[0]  # step 0 drew needles near the question
+    rows = read_log(tmp_path / "one")
+    assert [r.get("max_distance") for r in rows] == [8, None, None]  # the bound while it grows (1 step here)
+    for r in rows:  # every sample is retrieval: one 5-digit answer each
+        assert r["answers"] == BATCH * data._DIGITS and 0 <= r["answer_acc"] <= 1 and r["answer_loss"] > 0
     meta = json.loads((tmp_path / "one" / "meta.json").read_text())
     assert meta["args"]["needle_distance_start"] == 8 and meta["args"]["needle_distance_steps"] == 1
 
