@@ -22,7 +22,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Optional
 
 from . import _core
-from ._core import Config, Phi, as_phi, arrays_for, is_torch, make_config, split_kv
+from ._arrays import arrays_for, is_torch
+from ._core import Config, Phi, as_phi, make_config, split_kv
 
 
 class AttentionAux(NamedTuple):

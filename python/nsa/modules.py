@@ -24,7 +24,8 @@ from typing import List, Optional
 import torch
 from torch import Tensor, nn
 
-from ._core import Config, Phi, arrays_for, check_int, error
+from ._arrays import arrays_for
+from ._core import Config, Phi, check_int, error
 from . import torch_ops
 
 _PHI_KINDS = ("mean", "linear", "mlp")

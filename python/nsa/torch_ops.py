@@ -26,10 +26,10 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _core
+from . import _arrays, _core
 from ._core import Config, Phi
 
-_fw = _core.TorchArrays()
+_fw = _arrays.TorchArrays()
 
 # The differentiable inputs of nsa::forward, in schema order (18): q, six K/V, g, phi_k, phi_v.
 _N_KV = 6
@@ -370,10 +370,10 @@ def sequences(cu_seqlens, max_seqlen, like: Tensor):
         cu_seqlens = torch.as_tensor(cu_seqlens)
     if cu_seqlens.is_floating_point():
         raise _core.error("cu_seqlens.dtype", str(cu_seqlens.dtype), "must be an integer type")
-    _core.check_device_offsets(cu_seqlens)
+    _arrays.check_device_offsets(cu_seqlens)
     ms = _core.check_int(max_seqlen or 0, "seqs.max_seqlen", 0)
     if cu_seqlens.dtype != torch.int32:
-        cu_seqlens = _core.torch_offsets_to_int32(cu_seqlens)
+        cu_seqlens = _arrays.torch_offsets_to_int32(cu_seqlens)
     if cu_seqlens.device != like.device:
         if cu_seqlens.device.type == "cpu" and not ms and cu_seqlens.numel() > 1:
             ms = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())

@@ -279,9 +279,9 @@ def test_unavailable_backend_says_so():
 
 def test_workspaces_are_aligned_and_sized():
     """The package allocates what workspace_size asks for, 256-byte aligned (api.h)."""
-    from nsa import _core, _nsa
+    from nsa import _arrays, _nsa
 
-    fw = _core.NumpyArrays()
+    fw = _arrays.NumpyArrays()
     for nbytes in (1, 255, 4096, 12345):
         ws = fw.workspace(nbytes, None)
         assert ws.nbytes == nbytes and ws.ctypes.data % 256 == 0

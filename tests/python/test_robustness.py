@@ -245,10 +245,10 @@ def test_device_offsets_must_be_int32():
     # range-checked, so it is refused; host ones of any integer type are checked and converted.
     import torch
 
-    from nsa import _core
+    from nsa import _arrays
 
     with pytest.raises(nsa.Error) as e:
-        _core.check_device_offsets(torch.zeros(3, dtype=torch.int64, device="meta"))
+        _arrays.check_device_offsets(torch.zeros(3, dtype=torch.int64, device="meta"))
     assert e.value.parameter == "cu_seqlens.dtype"
-    _core.check_device_offsets(torch.zeros(3, dtype=torch.int32, device="meta"))
-    _core.check_device_offsets(torch.zeros(3, dtype=torch.int64))
+    _arrays.check_device_offsets(torch.zeros(3, dtype=torch.int32, device="meta"))
+    _arrays.check_device_offsets(torch.zeros(3, dtype=torch.int64))
