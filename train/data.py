@@ -234,8 +234,9 @@ class DataStream:
     checkpoint saves, so a resumed run sees exactly the batches a single run would have seen.
 
     Distance curriculum (distance_start > 0): at step s (set_step) the queried needle lies within
-    distance_start * (seq_len / distance_start) ** (s / distance_steps) haystack tokens of the
-    question, growing geometrically to the whole sequence at step distance_steps, uniform after.
+    distance_start haystack tokens of the question while s < distance_hold, then within
+    distance_start * (seq_len / distance_start) ** ((s - distance_hold) / distance_steps), growing
+    geometrically to the whole sequence at step distance_hold + distance_steps, uniform after.
     It depends only on the step, so a resumed run draws the same samples too.
 
     queries > 1: every multikey sample ends with that many questions about distinct needles
@@ -251,7 +252,8 @@ class DataStream:
 
     def __init__(self, corpus: Corpus, seq_len: int, seed: int, retrieval_frac: float = 0.5,
                  multikey_frac: float = 0.5, n_keys: int = 4, answer_weight: float = 1.0,
-                 distance_start: int = 0, distance_steps: int = 0, queries: int = 1, pack_len: int = 0):
+                 distance_start: int = 0, distance_steps: int = 0, queries: int = 1, pack_len: int = 0,
+                 distance_hold: int = 0):
         if not 0.0 <= retrieval_frac <= 1.0 or not 0.0 <= multikey_frac <= 1.0:
             raise ValueError(f"retrieval_frac = {retrieval_frac}, multikey_frac = {multikey_frac}: must be in [0, 1]")
         if distance_start < 0 or distance_start > seq_len or (distance_start > 0 and distance_steps < 1):
@@ -265,7 +267,10 @@ class DataStream:
         if pack_len < 0 or pack_len > seq_len or (pack_len > 0 and distance_start <= 0):
             raise ValueError(f"pack_len = {pack_len}: must be in [0, seq_len = {seq_len}] (0: off), and needs the "
                              f"distance curriculum (distance_start = {distance_start})")
+        if distance_hold < 0:
+            raise ValueError(f"distance_hold = {distance_hold}: must be >= 0")
         self.distance_start, self.distance_steps, self.pack_len = distance_start, distance_steps, pack_len
+        self.distance_hold = distance_hold
         self.step = 0
         self.last_answers: List[np.ndarray] = []
         self.rng = np.random.default_rng(seed)
@@ -275,9 +280,10 @@ class DataStream:
 
     def max_distance(self) -> Optional[int]:
         """The curriculum's bound on the queried needle's distance at this step (None: uniform)."""
-        if self.distance_start <= 0 or self.step >= self.distance_steps:
+        grown = self.step - self.distance_hold
+        if self.distance_start <= 0 or grown >= self.distance_steps:
             return None
-        grow = (self.seq_len / self.distance_start) ** (self.step / self.distance_steps)
+        grow = (self.seq_len / self.distance_start) ** (max(grown, 0) / self.distance_steps)
         return int(round(self.distance_start * grow))
 
     def sample(self) -> Sample:

@@ -99,6 +99,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "growing geometrically to the whole sequence (0: off, needles uniform from the start)")
     g.add_argument("--needle-distance-steps", type=int,
                    help="steps over which the curriculum's distance grows to the whole sequence (default: half the run)")
+    g.add_argument("--needle-distance-hold", type=int, default=0,
+                   help="steps the curriculum stays at --needle-distance-start before it grows")
     g.add_argument("--retrieval-pack", type=int, default=0,
                    help="with the curriculum at distance d: a retrieval row holds samples of max(this, 2 d) tokens back "
                         "to back, each with its own needles and questions (0: one sample per row; a sample must fit "
@@ -140,6 +142,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.needle_distance_steps = max(1, args.steps // 2) if args.needle_distance_start > 0 else 0
     elif args.needle_distance_start > 0 and args.needle_distance_steps < 1:
         p.error(f"--needle-distance-steps {args.needle_distance_steps}: must be >= 1")
+    if args.needle_distance_hold < 0 or (args.needle_distance_hold and args.needle_distance_start <= 0):
+        p.error(f"--needle-distance-hold {args.needle_distance_hold}: must be >= 0 and needs --needle-distance-start")
     if args.retrieval_pack and not (0 < args.retrieval_pack <= args.seq_len and args.needle_distance_start > 0):
         p.error(f"--retrieval-pack {args.retrieval_pack}: must be in [0, seq-len = {args.seq_len}] (0: off) and needs "
                 f"--needle-distance-start")
@@ -293,7 +297,7 @@ def main(argv=None) -> dict:
                                  multikey_frac=args.multikey_frac, n_keys=args.n_keys,
                                  answer_weight=args.answer_weight, distance_start=args.needle_distance_start,
                                  distance_steps=args.needle_distance_steps, queries=args.queries,
-                                 pack_len=args.retrieval_pack)
+                                 pack_len=args.retrieval_pack, distance_hold=args.needle_distance_hold)
     step, tokens_seen, wall = 0, 0, 0.0
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])

@@ -163,6 +163,10 @@ def test_distance_curriculum_brings_the_needle_close_then_lets_it_go():
     assert cur.max_distance() == 64  # 16 * (256 / 16) ** 0.5
     cur.set_step(10)
     assert cur.max_distance() is None
+    held = data.DataStream(train, SEQ, seed=5, distance_start=16, distance_steps=10, distance_hold=4)
+    for step, bound in ((0, 16), (3, 16), (4, 16), (9, 64), (13, 16 * 16 ** 0.9), (14, None)):
+        held.set_step(step)
+        assert held.max_distance() == (None if bound is None else round(bound)), step
     rng = np.random.default_rng(1)
     for bound in (16, 64):
         far = []
@@ -232,6 +236,8 @@ def test_distance_curriculum_flags_are_checked():
         train_cli.parse_args(["--arm", "dense", *TINY, "--queries", "5"])  # more than --n-keys (4)
     with pytest.raises(SystemExit):
         train_cli.parse_args(["--arm", "dense", *TINY, "--retrieval-pack", "64"])  # no curriculum
+    with pytest.raises(SystemExit):
+        train_cli.parse_args(["--arm", "dense", *TINY, "--needle-distance-hold", "10"])  # no curriculum
     with pytest.raises(SystemExit):
         train_cli.parse_args(["--arm", "dense", *TINY, "--needle-distance-start", "8", "--retrieval-pack", "257"])
     assert train_cli.parse_args(["--arm", "dense", *TINY, "--queries", "4"]).queries == 4
