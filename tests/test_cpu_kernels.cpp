@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <random>
 #include <string>
@@ -343,6 +344,29 @@ TEST(CpuKernelChoice, Fp32TablesHaveNoMatrixPath) {
     nsa::cpu::use_isa(previous.c_str());
   }
   EXPECT_TRUE(nsa::cpu::isa_available("generic"));
+}
+
+// The automatic choice: amx where it runs, else avx512bf16 on an AMD CPU of family 26 or later,
+// else the widest fp32 table. The vendor and family come from /proc/cpuinfo here, not cpuid.
+TEST(CpuKernelChoice, AutomaticChoiceFollowsTheCpu) {
+  std::ifstream info("/proc/cpuinfo");
+  if (!info) GTEST_SKIP() << "no /proc/cpuinfo";
+  std::string line, vendor;
+  int family = -1;
+  while (std::getline(info, line) && (vendor.empty() || family < 0)) {
+    const auto colon = line.find(':');
+    if (colon == std::string::npos) continue;
+    const std::string value = line.substr(colon + 1 + (colon + 1 < line.size() && line[colon + 1] == ' '));
+    if (line.rfind("vendor_id", 0) == 0) vendor = value;
+    if (line.rfind("cpu family", 0) == 0) family = std::stoi(value);
+  }
+  using nsa::cpu::isa_available;
+  const std::string want = isa_available("amx")                                                  ? "amx"
+                           : vendor == "AuthenticAMD" && family >= 26 && isa_available("avx512bf16") ? "avx512bf16"
+                           : isa_available("avx512")                                             ? "avx512"
+                           : isa_available("avx2")                                               ? "avx2"
+                                                                                                 : "generic";
+  EXPECT_EQ(std::string(nsa::cpu::auto_isa()), want) << vendor << ", family " << family;
 }
 
 // An unknown or unavailable NSA_CPU_ISA value is an nsa::Error naming NSA_CPU_ISA and listing

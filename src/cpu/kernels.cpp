@@ -65,6 +65,20 @@ bool cpu_has_avx512bf16() {
 #endif
 }
 
+// An AMD CPU of family 26 (Zen 5) or later: there `vdpbf16ps` beats AVX-512's fp32 FMAs.
+bool cpu_prefers_avx512bf16() {
+#if defined(__x86_64__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+  const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "AuthenticAMD"
+  if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return false;
+  const unsigned family = ((a >> 8) & 0xfu) + (((a >> 8) & 0xfu) == 0xfu ? (a >> 20) & 0xffu : 0u);
+  return family >= 0x1a && cpu_has_avx512bf16();
+#else
+  return false;
+#endif
+}
+
 // AMX needs the CPU's tiles, XCR0's XTILECFG/XTILEDATA bits (17, 18), and on Linux a once per
 // process request for the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM): without it the first
 // tile instruction kills the process with SIGILL.
@@ -95,9 +109,10 @@ const KernelTable* table_of(const std::string& isa) {
 }
 
 constexpr const char* kIsas[] = {"amx", "avx512bf16", "avx512", "avx2", "generic"};  // every value
-// The automatic choice, best first. avx512bf16 only when forced: on the Sapphire Rapids it was
-// measured on, the NSA forward at T = 4K took 575 ms with it against 295 ms with avx512's fp32
-// FMAs (docs/cpu.md), so it is not a better default where AMX is missing.
+// The automatic choice, best first; automatic() puts avx512bf16 before avx512 only on the CPUs
+// where it was measured faster than avx512's fp32 FMAs (docs/benchmarks/cpu.md): on a Zen 5 the bf16 NSA forward at T = 16K
+// takes 674 ms with it against 1017 ms; on the Sapphire Rapids, without its AMX, 575 ms against
+// 295 ms at T = 4K, so elsewhere it is used only when forced.
 constexpr const char* kAutoOrder[] = {"amx", "avx512", "avx2", "generic"};
 
 const KernelTable& resolve(const std::string& want) {
@@ -108,12 +123,19 @@ const KernelTable& resolve(const std::string& want) {
   throw Error("NSA_CPU_ISA", "\"" + want + "\"", "must be one of " + allowed + " on this CPU");
 }
 
+const KernelTable& automatic() {
+  for (const std::string isa : kAutoOrder) {
+    if (isa == "avx512" && cpu_prefers_avx512bf16())  // before avx512 where it is faster
+      if (const KernelTable* t = table_of("avx512bf16")) return *t;
+    if (const KernelTable* t = table_of(isa)) return *t;
+  }
+  return *kernels_generic();
+}
+
 const KernelTable& choose() {
   const char* forced = std::getenv("NSA_CPU_ISA");
   if (forced != nullptr && *forced != '\0') return resolve(forced);
-  for (const char* isa : kAutoOrder)
-    if (const KernelTable* t = table_of(isa)) return *t;
-  return *kernels_generic();
+  return automatic();
 }
 
 std::atomic<const KernelTable*> g_override{nullptr};
@@ -129,5 +151,7 @@ const KernelTable& kernels() {
 void use_isa(const char* isa) { g_override.store(&resolve(isa), std::memory_order_release); }
 
 bool isa_available(const char* isa) { return table_of(isa) != nullptr; }
+
+const char* auto_isa() { return automatic().isa; }
 
 }  // namespace nsa::cpu

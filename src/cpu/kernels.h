@@ -73,11 +73,14 @@ struct KernelTable {
                          uint16_t* lo);
 };
 
-// The table for this CPU, best first: AMX tiles (amx), AVX-512, AVX2+FMA+F16C, portable code.
-// NSA_CPU_ISA=generic|avx2|avx512|avx512bf16|amx forces one (an ISA this CPU, its OS or the
-// compiler lacks is an nsa::Error naming NSA_CPU_ISA); avx512bf16 (AVX-512-BF16 dot products)
-// is chosen only so (kernels.cpp says why).
+// The table for this CPU, best first: AMX tiles (amx), AVX-512, AVX2+FMA+F16C, portable code;
+// AVX-512-BF16 dot products (avx512bf16) before AVX-512 only on AMD CPUs of family 26 or later,
+// elsewhere slower (kernels.cpp says where it was measured). NSA_CPU_ISA=generic|avx2|avx512|
+// avx512bf16|amx forces one (an ISA this CPU, its OS or the compiler lacks is an nsa::Error
+// naming NSA_CPU_ISA).
 const KernelTable& kernels();
+// The ISA of the table kernels() takes on this CPU when NSA_CPU_ISA is unset.
+const char* auto_isa();
 
 // Switches the table of the process to the named ISA, as NSA_CPU_ISA would (nsa::Error naming
 // NSA_CPU_ISA when unsupported). For tests that run every path in one process; not thread-safe
