@@ -11,6 +11,9 @@ Writes (PNG, matplotlib):
   selection_<task>.png   NSA arms: how often the needle's block is selected at the answer rows,
                          mean over layers, depth x length
   speed_memory.png       median step time and peak memory per arm
+  answers.png            retrieval answers' token accuracy in training against tokens seen (moving
+                         average over the steps with answers), and the curriculum's distance bound
+                         (when the logs have them)
 and summary.csv / summary.md: one row per arm (parameters, steps, tokens, wall-clock, final
 training loss, held-out loss, step time, tokens/s, peak memory, mean retrieval accuracy per task
 and length).
@@ -74,6 +77,39 @@ def plot_loss(runs, key: str, xlabel: str, scale: float, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_answers(runs, path: Path) -> bool:
+    """Answer accuracy in training against tokens, one line per arm, and the curriculum's bound
+    on a second (log) axis. False, and nothing written, when no log has answers."""
+    logged = [run for run in runs if any("answer_acc" in r for r in run["log"])]
+    if not logged:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    bound = None
+    for run in logged:
+        rows = [r for r in run["log"] if "answer_acc" in r]
+        x = [r["tokens"] / 1e6 for r in rows]
+        y = [r["answer_acc"] for r in rows]
+        color = COLORS.get(run["arm"])
+        ax.plot(x, y, color=color, alpha=0.2, linewidth=0.8)
+        ax.plot(x, ema(y, min(1.0, 20.0 / max(1, len(y)))), color=color, linewidth=1.8, label=run["arm"])
+        if bound is None and any("max_distance" in r for r in run["log"]):
+            bound = [(r["tokens"] / 1e6, r["max_distance"]) for r in run["log"] if "max_distance" in r]
+    ax.set_xlabel("tokens seen (millions)")
+    ax.set_ylabel("answer tokens predicted (argmax), training batches")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left")
+    if bound:
+        twin = ax.twinx()
+        twin.plot([b[0] for b in bound], [b[1] for b in bound], color="0.4", linestyle="--", linewidth=1.2)
+        twin.set_yscale("log")
+        twin.set_ylabel("curriculum: needle within this many tokens (dashed)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 def heatmaps(panels, lengths, depths, title: str, path: Path) -> None:
@@ -191,6 +227,8 @@ def main(argv=None) -> list:
     plot_loss(runs, "tokens", "tokens seen (millions)", 1e6, done("loss_tokens.png"))
     plot_loss(runs, "wall_s", "training wall-clock (s)", 1.0, done("loss_wallclock.png"))
     plot_speed_memory(runs, done("speed_memory.png"))
+    if plot_answers(runs, out / "answers.png"):
+        done("answers.png")
     evals = [r for r in runs if r["eval"]]
     if evals:
         ref = evals[0]["eval"]["retrieval"]

@@ -429,7 +429,7 @@ def test_plot_writes_the_figures(evaluated, tmp_path):
 
     written = plot.main([str(evaluated / arm) for arm in ARMS] + ["--out", str(tmp_path)])
     names = {p.name for p in written}
-    for name in ("loss_tokens.png", "loss_wallclock.png", "speed_memory.png", "retrieval_passkey.png",
+    for name in ("loss_tokens.png", "loss_wallclock.png", "speed_memory.png", "answers.png", "retrieval_passkey.png",
                  "retrieval_multikey.png", "selection_passkey.png", "selection_multikey.png", "summary.csv"):
         assert name in names
         assert (tmp_path / name).stat().st_size > 1000 or name.endswith(".csv")
