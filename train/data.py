@@ -328,9 +328,8 @@ class DataStream:
         if self.answer_weight == 1.0:
             return tokens, None
         weights = np.ones((batch, self.seq_len), dtype=np.float32)
-        for b, s in enumerate(samples):
-            if s.answer is not None:
-                weights[b, s.answer_rows()] = self.answer_weight
+        for b, rows in enumerate(self.last_answers):
+            weights[b, rows] = self.answer_weight
         return tokens, weights
 
     def state(self) -> dict:

@@ -370,8 +370,8 @@ def main(argv=None) -> dict:
                 answer_rows = stream.last_answers
             tokens = torch.from_numpy(tokens_np).to(device, non_blocking=True)
             weights = None if weights_np is None else torch.from_numpy(weights_np).to(device)
-            answers = None
-            if any(len(r) for r in answer_rows):
+            answers, n_answers = None, sum(len(r) for r in answer_rows)
+            if n_answers:
                 mask = np.zeros((args.batch, args.seq_len), dtype=bool)
                 for b, r in enumerate(answer_rows):
                     mask[b, r] = True
@@ -397,7 +397,7 @@ def main(argv=None) -> dict:
                    "peak_mem_mib": round(peak_memory_mib(device), 1)}
             if answers is not None:  # the retrieval answers' targets of this batch (unweighted)
                 row.update(answer_loss=round(answer_loss.item(), 5), answer_acc=round(answer_acc.item(), 5),
-                           answers=int(answers.sum().item()))
+                           answers=n_answers)
             if distance is not None:
                 row["max_distance"] = distance
             log.write(json.dumps(row) + "\n")

@@ -110,9 +110,9 @@ const KernelTable* table_of(const std::string& isa) {
 
 constexpr const char* kIsas[] = {"amx", "avx512bf16", "avx512", "avx2", "generic"};  // every value
 // The automatic choice, best first; automatic() puts avx512bf16 before avx512 only on the CPUs
-// where it was measured faster than avx512's fp32 FMAs (docs/benchmarks/cpu.md): on a Zen 5 the bf16 NSA forward at T = 16K
-// takes 674 ms with it against 1017 ms; on the Sapphire Rapids, without its AMX, 575 ms against
-// 295 ms at T = 4K, so elsewhere it is used only when forced.
+// where it was measured faster than avx512's fp32 FMAs (docs/benchmarks/cpu.md): on a Zen 5 the
+// bf16 NSA forward at T = 16K takes 674 ms with it against 1017 ms; on the Sapphire Rapids,
+// without its AMX, 575 ms against 295 ms at T = 4K, so elsewhere it is used only when forced.
 constexpr const char* kAutoOrder[] = {"amx", "avx512", "avx2", "generic"};
 
 const KernelTable& resolve(const std::string& want) {
