@@ -52,26 +52,12 @@ class Arrays {
  public:
   // An input (read-only arrays welcome; the library only reads it). None gives an absent view.
   nsa::TensorView in(nb::handle obj, const std::string& name) {
-    if (obj.is_none()) return {};
-    nb::ndarray<nb::ro> array;
-    if (!nb::try_cast(obj, array))
-      throw nsa::Error(name, std::string("an object of type ") + nb::inst_name(obj).c_str(),
-                       "must be an array that supports DLPack (numpy, torch, ...) or None");
-    const nsa::TensorView t = describe(array, name);
-    held_inputs_.push_back(std::move(array));
-    return t;
+    return hold(obj, name, "must be an array that supports DLPack (numpy, torch, ...) or None", held_inputs_);
   }
 
   // An output: a writable array. None gives an absent view.
   nsa::TensorView out(nb::handle obj, const std::string& name) {
-    if (obj.is_none()) return {};
-    nb::ndarray<> array;
-    if (!nb::try_cast(obj, array))
-      throw nsa::Error(name, std::string("an object of type ") + nb::inst_name(obj).c_str(),
-                       "must be a writable array that supports DLPack (numpy, torch, ...) or None");
-    const nsa::TensorView t = describe(array, name);
-    held_outputs_.push_back(std::move(array));
-    return t;
+    return hold(obj, name, "must be a writable array that supports DLPack (numpy, torch, ...) or None", held_outputs_);
   }
 
   // A flat byte buffer (any dtype) used as a workspace; None gives no workspace.
@@ -89,6 +75,19 @@ class Arrays {
   }
 
  private:
+  // The view of obj imported as an Array and kept alive in `held`; None gives an absent view, another
+  // object an error that names it and says what is `allowed`.
+  template <typename Array>
+  static nsa::TensorView hold(nb::handle obj, const std::string& name, const char* allowed, std::vector<Array>& held) {
+    if (obj.is_none()) return {};
+    Array array;
+    if (!nb::try_cast(obj, array))
+      throw nsa::Error(name, std::string("an object of type ") + nb::inst_name(obj).c_str(), allowed);
+    const nsa::TensorView t = describe(array, name);
+    held.push_back(std::move(array));
+    return t;
+  }
+
   // The view of an imported array (the caller keeps the array alive).
   template <typename Array>
   static nsa::TensorView describe(const Array& array, const std::string& name) {
@@ -221,21 +220,15 @@ nsa::PagedCache cache_views(Arrays& arrays, nb::handle pools, nb::handle block_t
 }
 
 nsa::Op parse_op(const std::string& name) {
+  // Each operation under the name of its enumerator.
+#define NSA_OP(op) {#op, nsa::Op::op}
   static const std::pair<const char*, nsa::Op> kOps[] = {
-      {"compress_fwd", nsa::Op::compress_fwd},
-      {"compress_bwd", nsa::Op::compress_bwd},
-      {"compressed_attention_fwd", nsa::Op::compressed_attention_fwd},
-      {"select_topn", nsa::Op::select_topn},
-      {"selected_attention_fwd", nsa::Op::selected_attention_fwd},
-      {"window_attention_fwd", nsa::Op::window_attention_fwd},
-      {"forward", nsa::Op::forward},
-      {"backward", nsa::Op::backward},
-      {"dense_attention_fwd", nsa::Op::dense_attention_fwd},
-      {"dense_attention_bwd", nsa::Op::dense_attention_bwd},
-      {"cache_append", nsa::Op::cache_append},
-      {"decode", nsa::Op::decode},
-      {"dense_decode", nsa::Op::dense_decode},
+      NSA_OP(compress_fwd), NSA_OP(compress_bwd), NSA_OP(compressed_attention_fwd), NSA_OP(select_topn),
+      NSA_OP(selected_attention_fwd), NSA_OP(window_attention_fwd), NSA_OP(forward), NSA_OP(backward),
+      NSA_OP(dense_attention_fwd), NSA_OP(dense_attention_bwd), NSA_OP(cache_append), NSA_OP(decode),
+      NSA_OP(dense_decode),
   };
+#undef NSA_OP
   for (const auto& [text, op] : kOps)
     if (name == text) return op;
   throw nsa::Error("op", "\"" + name + "\"", "must name an operation of nsa::Op, e.g. \"forward\"");
@@ -259,6 +252,39 @@ nsa::Context make_context(const std::string& backend, uintptr_t stream, int num_
   ctx.stream = reinterpret_cast<void*>(stream);
   ctx.num_threads = num_threads;
   return ctx;
+}
+
+// The context arguments every entry point takes first.
+#define NSA_CONTEXT_ARGS                                                                   \
+  nb::arg("backend"), nb::arg("stream"), nb::arg("num_threads")
+
+// An attention over (q, k, v) that writes o and lse: window_attention_fwd, whose Param is the
+// Config, and dense_attention_fwd, whose Param is the softmax scale.
+template <typename Param>
+using QkvAttentionFwd = void (*)(const nsa::Context&, Param, const nsa::TensorView&, const nsa::TensorView&,
+                                 const nsa::TensorView&, const nsa::Sequences&, const nsa::TensorView&,
+                                 const nsa::TensorView&, nsa::Workspace);
+
+// Binds `fn` as the entry point `name`; `param` is the Python name of its Param argument.
+template <typename Param>
+void def_qkv_attention_fwd(nb::module_& m, const char* name, QkvAttentionFwd<Param> fn, const char* param) {
+  m.def(
+      name,
+      [fn](const std::string& backend, uintptr_t stream, int threads, Param p, nb::handle q, nb::handle k,
+           nb::handle v, nb::handle cu_seqlens, int64_t max_seqlen, nb::handle o, nb::handle lse,
+           nb::handle workspace) {
+        Arrays a;
+        const nsa::Context ctx = make_context(backend, stream, threads);
+        const nsa::TensorView vq = a.in(q, "q"), vk = a.in(k, "k"), vv = a.in(v, "v");
+        const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
+        const nsa::TensorView vo = a.out(o, "o"), vl = a.out(lse, "lse");
+        const nsa::Workspace ws = a.workspace(workspace);
+        nb::gil_scoped_release release;
+        fn(ctx, p, vq, vk, vv, s, vo, vl, ws);
+      },
+      NSA_CONTEXT_ARGS, nb::arg(param), nb::arg("q").none(), nb::arg("k").none(), nb::arg("v").none(),
+      nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("o").none(), nb::arg("lse").none(),
+      nb::arg("workspace").none());
 }
 
 }  // namespace
@@ -350,11 +376,9 @@ NB_MODULE(_nsa, m) {
       nb::arg("device"), nb::arg("max_query_len") = 0,
       "Bytes of workspace nsa::Op `op` needs (nsa::workspace_size).");
 
-  // Every entry point below takes (backend, stream, num_threads) as its context,
+  // Every entry point below takes (backend, stream, num_threads) as its context (NSA_CONTEXT_ARGS),
   // then the arguments of the C++ function in the same order. The GIL is released while the
   // library runs; the arrays stay alive through `arrays`.
-#define NSA_CONTEXT_ARGS                                                                   \
-  nb::arg("backend"), nb::arg("stream"), nb::arg("num_threads")
 
   m.def(
       "compress_fwd",
@@ -444,23 +468,7 @@ NB_MODULE(_nsa, m) {
       nb::arg("indices").none(), nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("o").none(),
       nb::arg("lse").none(), nb::arg("workspace").none());
 
-  m.def(
-      "window_attention_fwd",
-      [](const std::string& backend, uintptr_t stream, int threads, const nsa::Config& cfg,
-         nb::handle q, nb::handle k, nb::handle v, nb::handle cu_seqlens, int64_t max_seqlen,
-         nb::handle o, nb::handle lse, nb::handle workspace) {
-        Arrays a;
-        const nsa::Context ctx = make_context(backend, stream, threads);
-        const nsa::TensorView vq = a.in(q, "q"), vk = a.in(k, "k"), vv = a.in(v, "v");
-        const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
-        const nsa::TensorView vo = a.out(o, "o"), vl = a.out(lse, "lse");
-        const nsa::Workspace ws = a.workspace(workspace);
-        nb::gil_scoped_release release;
-        nsa::window_attention_fwd(ctx, cfg, vq, vk, vv, s, vo, vl, ws);
-      },
-      NSA_CONTEXT_ARGS, nb::arg("cfg"), nb::arg("q").none(), nb::arg("k").none(), nb::arg("v").none(),
-      nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("o").none(), nb::arg("lse").none(),
-      nb::arg("workspace").none());
+  def_qkv_attention_fwd(m, "window_attention_fwd", nsa::window_attention_fwd, "cfg");
 
   static const char* const kDkvNames[6] = {"dk_cmp", "dv_cmp", "dk_slc", "dv_slc", "dk_win", "dv_win"};
 
@@ -515,23 +523,7 @@ NB_MODULE(_nsa, m) {
       nb::arg("o_branch").none(), nb::arg("d_o").none(), nb::arg("dq").none(), nb::arg("dkv").none(), nb::arg("dg").none(), nb::arg("dphi_k").none(),
       nb::arg("dphi_v").none(), nb::arg("workspace").none());
 
-  m.def(
-      "dense_attention_fwd",
-      [](const std::string& backend, uintptr_t stream, int threads, double scale,
-         nb::handle q, nb::handle k, nb::handle v, nb::handle cu_seqlens, int64_t max_seqlen,
-         nb::handle o, nb::handle lse, nb::handle workspace) {
-        Arrays a;
-        const nsa::Context ctx = make_context(backend, stream, threads);
-        const nsa::TensorView vq = a.in(q, "q"), vk = a.in(k, "k"), vv = a.in(v, "v");
-        const nsa::Sequences s = sequences(a, cu_seqlens, max_seqlen);
-        const nsa::TensorView vo = a.out(o, "o"), vl = a.out(lse, "lse");
-        const nsa::Workspace ws = a.workspace(workspace);
-        nb::gil_scoped_release release;
-        nsa::dense_attention_fwd(ctx, scale, vq, vk, vv, s, vo, vl, ws);
-      },
-      NSA_CONTEXT_ARGS, nb::arg("scale"), nb::arg("q").none(), nb::arg("k").none(), nb::arg("v").none(),
-      nb::arg("cu_seqlens").none(), nb::arg("max_seqlen"), nb::arg("o").none(), nb::arg("lse").none(),
-      nb::arg("workspace").none());
+  def_qkv_attention_fwd(m, "dense_attention_fwd", nsa::dense_attention_fwd, "scale");
 
   m.def(
       "dense_attention_bwd",
