@@ -12,7 +12,6 @@ with F = 512, independent K/V, gates, rotary) with an NSACache of T random token
 
     python3 bench/decode_layer_bench.py [--batch 1,8,64] [--lens 8192,32768,65536] [--markdown OUT.md]
 """
-import argparse
 import sys
 
 import torch
@@ -20,7 +19,8 @@ import torch.nn.functional as F
 
 import nsa
 from nsa import torch_ops
-from sdpa_common import graph_ms, time_ms  # the script's folder is on sys.path
+# sdpa_common: the script's folder is on sys.path
+from sdpa_common import add_row, batch_lens_args, graph_ms, table_header, time_ms, write_markdown
 
 HIDDEN, HQ, HKV, D, F_PHI = 4096, 64, 4, 128, 512
 
@@ -91,27 +91,23 @@ def bench(B, T):
     return res
 
 
+def row(B, T, r):
+    """The table's row of r = bench(B, T), in microseconds."""
+    lg, pr, at, dn = (r[k] * 1e3 for k in ("layer graph", "projections graph", "attention graph", "dense layer graph"))
+    return (f"| {B} | {T // 1024}K | {lg:.1f} | {r['layer eager'] * 1e3:.1f} | {pr:.1f} | {at:.1f} | "
+            f"{lg / (pr + at):.2f}x | {dn:.1f} | {dn / lg:.2f}x |")
+
+
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", default="1,8,64")
-    ap.add_argument("--lens", default="8192,32768,65536")
-    ap.add_argument("--markdown", default=None)
-    args = ap.parse_args()
+    args = batch_lens_args("8192,32768,65536")
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    lines = ["| B | T | layer us (graph) | layer us (eager) | projections us | attention us (append + decode) | "
-             "layer / (proj + attn) | dense layer us (graph) | dense / layer |", "|" + " --- |" * 9]
+    lines = table_header("B", "T", "layer us (graph)", "layer us (eager)", "projections us",
+                         "attention us (append + decode)", "layer / (proj + attn)", "dense layer us (graph)",
+                         "dense / layer")
     for B in (int(b) for b in args.batch.split(",")):
         for T in (int(t) for t in args.lens.split(",")):
-            r = bench(B, T)
-            lg, pr, at, dn = (r[k] * 1e3 for k in ("layer graph", "projections graph", "attention graph",
-                                                  "dense layer graph"))
-            line = (f"| {B} | {T // 1024}K | {lg:.1f} | {r['layer eager'] * 1e3:.1f} | {pr:.1f} | {at:.1f} | "
-                    f"{lg / (pr + at):.2f}x | {dn:.1f} | {dn / lg:.2f}x |")
-            print(line, flush=True)
-            lines.append(line)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write("\n".join(lines) + "\n")
+            add_row(lines, row(B, T, bench(B, T)))
+    write_markdown(args.markdown, lines)
     return 0
 
 

@@ -6,13 +6,13 @@ of 128 tokens; one new token per sequence, whose compressed block it writes when
 
     PYTHONPATH=.anchors/mdy_nsa/src python3 bench/public_nsa_decode.py --batch 1,8,64 --lens 8192,65536
 """
-import argparse
 import sys
 
 import torch
 import triton
 
-from sdpa_common import graph_ms, time_ms  # the script's folder is on sys.path
+# sdpa_common: the script's folder is on sys.path
+from sdpa_common import add_row, batch_lens_args, graph_ms, table_header, time_ms, write_markdown
 
 HQ, HKV, D = 64, 4, 128
 KERNEL, STRIDE, BLOCK, TOPN, INIT, LOCAL, WINDOW = 32, 16, 64, 16, 1, 2, 512
@@ -59,12 +59,8 @@ def bench(B, T):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", default="1,8,64")
-    ap.add_argument("--lens", default="8192,16384,32768,65536,131072")
-    ap.add_argument("--markdown", default=None)
-    args = ap.parse_args()
-    lines = ["| B | T | public NSA decode us (eager) | public NSA decode us (graph) |", "| --- | --- | --- | --- |"]
+    args = batch_lens_args("8192,16384,32768,65536,131072")
+    lines = table_header("B", "T", "public NSA decode us (eager)", "public NSA decode us (graph)")
     for B in (int(b) for b in args.batch.split(",")):
         for T in (int(t) for t in args.lens.split(",")):
             try:
@@ -73,11 +69,8 @@ def main():
             except Exception as e:  # keep going: report what failed
                 line = f"| {B} | {T // 1024}K | failed: {type(e).__name__}: {str(e)[:80]} | - |"
                 torch.cuda.empty_cache()
-            print(line, flush=True)
-            lines.append(line)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write("\n".join(lines) + "\n")
+            add_row(lines, line)
+    write_markdown(args.markdown, lines)
     return 0
 
 

@@ -12,14 +12,12 @@ q, k, v and dO); then the ablations.
 
     python3 bench/sdpa_backward_baseline.py nsa_backward_bench.csv [--markdown OUT.md]
 """
-import argparse
-import csv
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from sdpa_common import time_ms  # the script's folder is on sys.path
+from sdpa_common import add_row, csv_args, table_header, time_ms, write_markdown  # the script's folder is on sys.path
 
 
 def dense_ms(T, hq, hkv, dqk, dv):
@@ -48,16 +46,12 @@ def dense_ms(T, hq, hkv, dqk, dv):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("csv")
-    ap.add_argument("--markdown", default=None)
-    args = ap.parse_args()
-    rows = list(csv.DictReader(open(args.csv)))
+    args, rows = csv_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    lines = ["| Hq/Hkv | Dqk/Dv | T | NSA fwd ms | NSA bwd ms | NSA fwd+bwd ms | NSA bwd TFLOP/s | dense fwd ms | "
-             "dense fwd+bwd ms | fwd+bwd speedup | bwd workspace MB (% of q,k,v,o) | NSA peak MB | dense peak MB |",
-             "|" + " --- |" * 13]
-    ablations = ["", "| Hq/Hkv | Dqk/Dv | T | variant | NSA fwd ms | NSA bwd ms | NSA fwd+bwd ms |", "|" + " --- |" * 7]
+    lines = table_header("Hq/Hkv", "Dqk/Dv", "T", "NSA fwd ms", "NSA bwd ms", "NSA fwd+bwd ms", "NSA bwd TFLOP/s",
+                         "dense fwd ms", "dense fwd+bwd ms", "fwd+bwd speedup", "bwd workspace MB (% of q,k,v,o)",
+                         "NSA peak MB", "dense peak MB")
+    ablations = ["", *table_header("Hq/Hkv", "Dqk/Dv", "T", "variant", "NSA fwd ms", "NSA bwd ms", "NSA fwd+bwd ms")]
     for r in rows:
         T, hq, hkv, dqk, dv = (int(r[c]) for c in ("T", "hq", "hkv", "dqk", "dv"))
         f, b, fb = float(r["fwd_ms"]), float(r["bwd_ms"]), float(r["fwd_bwd_ms"])
@@ -75,13 +69,10 @@ def main():
             dense, dense_peak = "failed | failed | -", None
         line = (f"| {hq}/{hkv} | {dqk}/{dv} | {T // 1024}K | {f:.2f} | {b:.2f} | {fb:.2f} | {float(r['bwd_tflops']):.0f} | "
                 f"{dense} | {ws:.0f} ({100 * ws / qkvo:.1f}%) | {nsa_peak} | {'-' if dense_peak is None else f'{dense_peak:.0f}'} |")
-        print(line, flush=True)
-        lines.append(line)
-    text = "\n".join(lines + ablations)
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text + "\n")
+        add_row(lines, line)
+    lines += ablations
+    print("\n".join(lines))
+    write_markdown(args.markdown, lines)
     return 0
 
 

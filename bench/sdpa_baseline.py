@@ -9,14 +9,12 @@ dense forward, achieved TFLOP/s and the speedup over dense.
 
     python3 bench/sdpa_baseline.py nsa_bench.csv [--markdown OUT.md]
 """
-import argparse
-import csv
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from sdpa_common import time_ms  # the script's folder is on sys.path
+from sdpa_common import csv_args, time_ms, write_markdown  # the script's folder is on sys.path
 
 
 def dense_ms(T, hq, hkv, dqk, dv):
@@ -29,11 +27,7 @@ def dense_ms(T, hq, hkv, dqk, dv):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("csv")
-    ap.add_argument("--markdown", default=None)
-    args = ap.parse_args()
-    rows = list(csv.DictReader(open(args.csv)))
+    args, rows = csv_args()
     shapes = []
     for r in rows:
         key = tuple(int(r[c]) for c in ("T", "hq", "hkv", "dqk", "dv"))
@@ -64,11 +58,8 @@ def main():
             lines.append(f"| {T // 1024}K | {nsa_ms:.2f} | {stages['forward'][1]:.0f} | {ms:.2f} | {dense_tf:.0f} | "
                          f"{ms / nsa_ms:.2f}x | "
                          + " | ".join(f"{stages[s][0]:.2f}" if s in stages else "-" for s in stage_names) + " |")
-    text = "\n".join(lines)
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text + "\n")
+    print("\n".join(lines))
+    write_markdown(args.markdown, lines)
     return 0
 
 

@@ -1,4 +1,7 @@
-"""What the PyTorch baselines and decode benchmarks share: timing with CUDA events, eager and graphed."""
+"""What the PyTorch baselines and decode benchmarks share: timing with CUDA events, eager and graphed,
+their command lines and their markdown tables."""
+import argparse
+import csv
 import statistics
 
 import torch
@@ -32,3 +35,40 @@ def graph_ms(fn, replays=20):
     with torch.cuda.graph(graph):
         fn()
     return time_ms(lambda: [graph.replay() for _ in range(replays)], warmup=2, reps=9) / replays
+
+
+def csv_args():
+    """The SDPA baselines' command line, `CSV [--markdown OUT.md]`: (the arguments, the CSV's rows)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("csv")
+    ap.add_argument("--markdown", default=None)
+    args = ap.parse_args()
+    return args, list(csv.DictReader(open(args.csv)))
+
+
+def batch_lens_args(lens):
+    """The decode benchmarks' command line, `[--batch 1,8,64] [--lens LENS] [--markdown OUT.md]`;
+    lens: the default cache lengths."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", default="1,8,64")
+    ap.add_argument("--lens", default=lens)
+    ap.add_argument("--markdown", default=None)
+    return ap.parse_args()
+
+
+def table_header(*columns):
+    """The first two lines of a markdown table with these columns."""
+    return ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+
+
+def add_row(lines, line):
+    """Prints a table row as soon as it is measured and appends it to the table's lines."""
+    print(line, flush=True)
+    lines.append(line)
+
+
+def write_markdown(path, lines):
+    """The table's lines to the --markdown file, if one was given."""
+    if path:
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")

@@ -9,14 +9,13 @@ own dense decode, SDPA, the speedups over SDPA and the bandwidth each reaches.
 
     python3 bench/sdpa_decode_baseline.py nsa_decode.csv [--markdown OUT.md]
 """
-import argparse
-import csv
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from sdpa_common import graph_ms, time_ms  # the script's folder is on sys.path
+# sdpa_common: the script's folder is on sys.path
+from sdpa_common import add_row, csv_args, graph_ms, table_header, time_ms, write_markdown
 
 
 def sdpa_decode_ms(B, T, hq, hkv, dqk, dv):
@@ -38,15 +37,11 @@ def sdpa_decode_ms(B, T, hq, hkv, dqk, dv):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("csv")
-    ap.add_argument("--markdown", default=None)
-    args = ap.parse_args()
-    rows = list(csv.DictReader(open(args.csv)))
+    args, rows = csv_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    lines = ["| B | T | NSA attend us (graph) | NSA step us (graph) | NSA attend GB/s | nsa dense us (graph) | "
-             "SDPA us (eager) | SDPA us (graph) | SDPA GB/s | SDPA / NSA attend | SDPA / NSA step |",
-             "|" + " --- |" * 11]
+    lines = table_header("B", "T", "NSA attend us (graph)", "NSA step us (graph)", "NSA attend GB/s",
+                         "nsa dense us (graph)", "SDPA us (eager)", "SDPA us (graph)", "SDPA GB/s", "SDPA / NSA attend",
+                         "SDPA / NSA step")
     for r in rows:
         B, T, hq, hkv, dqk, dv = (int(r[c]) for c in ("B", "T", "hq", "hkv", "dqk", "dv"))
         eager, graphed = sdpa_decode_ms(B, T, hq, hkv, dqk, dv)
@@ -57,12 +52,8 @@ def main():
         line = (f"| {B} | {T // 1024}K | {attend:.1f} | {step:.1f} | {float(r['attend_bytes']) / attend / 1e3:.0f} | "
                 f"{dense:.1f} | {eager * 1e3:.1f} | {graphed * 1e3:.1f} | {dense_bytes / (graphed * 1e6):.0f} | "
                 f"{graphed * 1e3 / attend:.2f}x | {graphed * 1e3 / step:.2f}x |")
-        print(line, flush=True)
-        lines.append(line)
-    text = "\n".join(lines)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text + "\n")
+        add_row(lines, line)
+    write_markdown(args.markdown, lines)
     return 0
 
 
