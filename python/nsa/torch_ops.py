@@ -54,6 +54,11 @@ def _cfg(config: List[int], scale: float) -> Config:
     return Config.from_ints(config, scale)
 
 
+def _attention_fake(q, k, v, *rest):
+    # The fake of an attention over (q, k, v): o [T, Hq, Dv], lse [T, Hq] f32.
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
 # ---- nsa::forward / nsa::backward ---------------------------------------------------------------
 
 
@@ -208,9 +213,7 @@ def dense_attention_op(
     return _core.dense_attention(_fw, scale, q, k, v, cu_seqlens, max_seqlen, backend, num_threads)
 
 
-@dense_attention_op.register_fake
-def _dense_fake(q, k, v, *rest):
-    return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty(q.shape[:2], dtype=torch.float32)
+dense_attention_op.register_fake(_attention_fake)
 
 
 @torch.library.custom_op("nsa::dense_attention_backward", mutates_args=())
@@ -293,9 +296,7 @@ def selected_attention_op(
                                     num_threads)
 
 
-@selected_attention_op.register_fake
-def _selected_attention_fake(q, k, v, *rest):
-    return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty(q.shape[:2], dtype=torch.float32)
+selected_attention_op.register_fake(_attention_fake)
 
 
 @torch.library.custom_op("nsa::window_attention", mutates_args=())
@@ -307,9 +308,7 @@ def window_attention_op(
                                   num_threads)
 
 
-@window_attention_op.register_fake
-def _window_attention_fake(q, k, v, *rest):
-    return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty(q.shape[:2], dtype=torch.float32)
+window_attention_op.register_fake(_attention_fake)
 
 
 # ---- nsa::rotary ------------------------------------------------------------------------------
