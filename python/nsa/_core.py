@@ -414,14 +414,21 @@ class ForwardResult(NamedTuple):
     o_branch: Any  # [3, T, Hq, Dv] or None
 
 
-def forward(fw, cfg: Config, q, kv6, g, phi_k: Optional[Phi], phi_v: Optional[Phi], cu_seqlens=None,
-            max_seqlen=None, backend="auto", num_threads=0, branches=False) -> ForwardResult:
-    q, g = fw.prepare(q), fw.prepare(g)
+def _layer_kv(fw, q, kv6):
+    """What forward and backward read off the layer's inputs: the six raw K/V arrays prepared,
+    whether they are shared (no slc and win arrays) and the sizes (T, Hq, Hkv, Dqk, Dv)."""
     kv6 = tuple(fw.prepare(x) for x in kv6)
     shared = kv6[2] is None and kv6[3] is None and kv6[4] is None and kv6[5] is None
     T, Hq, Dqk = dims(q, "q", 3, "[T, Hq, Dqk]")
     Hkv = dims(kv6[0], "k_cmp", 3, "[T, Hkv, Dqk]")[1]
     Dv = dims(kv6[1], "v_cmp", 3, "[T, Hkv, Dv]")[2]
+    return kv6, shared, (T, Hq, Hkv, Dqk, Dv)
+
+
+def forward(fw, cfg: Config, q, kv6, g, phi_k: Optional[Phi], phi_v: Optional[Phi], cu_seqlens=None,
+            max_seqlen=None, backend="auto", num_threads=0, branches=False) -> ForwardResult:
+    q, g = fw.prepare(q), fw.prepare(g)
+    kv6, shared, (T, Hq, Hkv, Dqk, Dv) = _layer_kv(fw, q, kv6)
     call = Call(fw, q, backend, num_threads, cu_seqlens, max_seqlen)
     c = cfg.native(phi_pair_kind(phi_k, phi_v), shared)
     o = fw.empty((T, Hq, Dv), q.dtype, q)
@@ -453,11 +460,7 @@ def backward(fw, cfg: Config, q, kv6, g, phi_k: Optional[Phi], phi_v: Optional[P
     q, g, lse, indices, d_o = (fw.prepare(x) for x in (q, g, lse, indices, d_o))
     o_branch = None if o_branch is None else fw.prepare(o_branch)
     o = None if o is None else fw.prepare(o)
-    kv6 = tuple(fw.prepare(x) for x in kv6)
-    shared = kv6[2] is None and kv6[3] is None and kv6[4] is None and kv6[5] is None
-    T, Hq, Dqk = dims(q, "q", 3, "[T, Hq, Dqk]")
-    Hkv = dims(kv6[0], "k_cmp", 3, "[T, Hkv, Dqk]")[1]
-    Dv = dims(kv6[1], "v_cmp", 3, "[T, Hkv, Dv]")[2]
+    kv6, shared, (T, Hq, Hkv, Dqk, Dv) = _layer_kv(fw, q, kv6)
     call = Call(fw, q, backend, num_threads, cu_seqlens, max_seqlen)
     kind = phi_pair_kind(phi_k, phi_v)
     c = cfg.native(kind, shared)
