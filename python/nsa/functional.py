@@ -37,6 +37,14 @@ def _torch_ops():
     return torch_ops
 
 
+def _stage(name: str, cfg: Config, arrays: tuple, *rest):
+    """The forward-only stage `name` on the framework of arrays[0]: torch_ops' wrapper for torch
+    tensors, else _core's call; rest: the arguments after the arrays (cu_seqlens, max_seqlen, ...)."""
+    if is_torch(arrays[0]):
+        return getattr(_torch_ops(), name)(*arrays, cfg, *rest)
+    return getattr(_core, name)(arrays_for(arrays[0]), cfg, *arrays, *rest)
+
+
 def attention(q, k, v, g, phi_k=None, phi_v=None, *, cu_seqlens=None, max_seqlen=None,
               config: Optional[Config] = None, backend: str = "auto", num_threads: int = 0,
               return_aux: bool = False, save_branch_outputs: bool = False, **config_fields):
@@ -131,44 +139,32 @@ def compressed_attention(q, kc, vc, *, cu_seqlens=None, max_seqlen=None, scores:
     """Compression branch and selection scores (spec §2-§3): q [T, Hq, Dqk] against the
     compressed kc [T // d, Hkv, Dqk], vc [T // d, Hkv, Dv] (as ``compress`` lays them out).
     Returns (o [T, Hq, Dv], lse [T, Hq] f32, S [T, Hkv, ceil(max_seqlen / l')] f32 or None)."""
-    cfg = make_config(config, config_fields)
-    if is_torch(q):
-        return _torch_ops().compressed_attention(q, kc, vc, cfg, cu_seqlens, max_seqlen, scores, backend,
-                                                 num_threads)
-    return _core.compressed_attention(arrays_for(q), cfg, q, kc, vc, cu_seqlens, max_seqlen, scores, backend,
-                                      num_threads)
+    return _stage("compressed_attention", make_config(config, config_fields), (q, kc, vc), cu_seqlens, max_seqlen,
+                  scores, backend, num_threads)
 
 
 def select_topn(scores, *, cu_seqlens=None, max_seqlen=None, config: Optional[Config] = None,
                 backend: str = "auto", num_threads: int = 0, **config_fields):
     """Top-n selection (spec §4): scores [T, Hkv, Ns] f32 -> indices [T, Hkv, n] int32, ascending,
     padded with -1; forced initial and local blocks included, ties to the smaller block."""
-    cfg = make_config(config, config_fields)
-    if is_torch(scores):
-        return _torch_ops().select_topn(scores, cfg, cu_seqlens, max_seqlen, backend, num_threads)
-    return _core.select_topn(arrays_for(scores), cfg, scores, cu_seqlens, max_seqlen, backend, num_threads)
+    return _stage("select_topn", make_config(config, config_fields), (scores,), cu_seqlens, max_seqlen, backend,
+                  num_threads)
 
 
 def selected_attention(q, k, v, indices, *, cu_seqlens=None, max_seqlen=None, config: Optional[Config] = None,
                        backend: str = "auto", num_threads: int = 0, **config_fields):
     """Selection branch (spec §5): attention over the blocks in indices [T, Hkv, n].
     Returns (o [T, Hq, Dv], lse [T, Hq] f32)."""
-    cfg = make_config(config, config_fields)
-    if is_torch(q):
-        return _torch_ops().selected_attention(q, k, v, indices, cfg, cu_seqlens, max_seqlen, backend,
-                                               num_threads)
-    return _core.selected_attention(arrays_for(q), cfg, q, k, v, indices, cu_seqlens, max_seqlen, backend,
-                                    num_threads)
+    return _stage("selected_attention", make_config(config, config_fields), (q, k, v, indices), cu_seqlens,
+                  max_seqlen, backend, num_threads)
 
 
 def window_attention(q, k, v, *, cu_seqlens=None, max_seqlen=None, config: Optional[Config] = None,
                      backend: str = "auto", num_threads: int = 0, **config_fields):
     """Sliding-window branch (spec §6): keys max(0, t - w + 1) .. t.
     Returns (o [T, Hq, Dv], lse [T, Hq] f32)."""
-    cfg = make_config(config, config_fields)
-    if is_torch(q):
-        return _torch_ops().window_attention(q, k, v, cfg, cu_seqlens, max_seqlen, backend, num_threads)
-    return _core.window_attention(arrays_for(q), cfg, q, k, v, cu_seqlens, max_seqlen, backend, num_threads)
+    return _stage("window_attention", make_config(config, config_fields), (q, k, v), cu_seqlens, max_seqlen,
+                  backend, num_threads)
 
 
 def dense_attention(q, k, v, *, scale: Optional[float] = None, cu_seqlens=None, max_seqlen=None,
