@@ -72,6 +72,21 @@ def make_problem(seed: int, cfg: nsa.Config = SMALL, seqlens=(37,), hq=4, hkv=2,
                    make_phi(rng, phi, cfg.cmp_block_len, dv, hidden), cu)
 
 
+# The hidden size of make_layer's layers.
+HIDDEN = 32
+
+
+def make_layer(seed=0, **kw):
+    """A small float64 nsa.NativeSparseAttention (4 query and 2 KV heads, SMALL, phi hidden 12) whose
+    weights torch draws from `seed`; kw overrides those arguments or adds others."""
+    import torch
+
+    torch.manual_seed(seed)
+    args = dict(hidden_size=HIDDEN, num_heads=4, num_kv_heads=2, config=SMALL, phi_hidden=12, dtype=torch.float64)
+    args.update(kw)
+    return nsa.NativeSparseAttention(**args)
+
+
 def has_torch() -> bool:
     try:
         import torch  # noqa: F401

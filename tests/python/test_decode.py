@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import SMALL, has_torch
+from conftest import HIDDEN, has_torch, make_layer
 
 import nsa
 
@@ -104,14 +104,6 @@ def test_bad_cache_is_a_named_error():
 
 if has_torch():
     import torch
-
-    HIDDEN = 32
-
-    def make_layer(seed=0, **kw):
-        torch.manual_seed(seed)
-        args = dict(hidden_size=HIDDEN, num_heads=4, num_kv_heads=2, config=SMALL, phi_hidden=12, dtype=torch.float64)
-        args.update(kw)
-        return nsa.NativeSparseAttention(**args)
 
     def test_a_cache_serves_one_layer():
         # Two layers of the same shapes must not share a cache (each holds its own layer's keys):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import SMALL, has_torch
+from conftest import HIDDEN, SMALL, has_torch, make_layer
 
 if not has_torch():
     pytest.skip("PyTorch is not installed", allow_module_level=True)
@@ -13,20 +13,10 @@ import torch  # noqa: E402
 
 import nsa  # noqa: E402
 
-HIDDEN = 32
-
-
-def make_module(seed=0, **kw):
-    torch.manual_seed(seed)
-    args = dict(hidden_size=HIDDEN, num_heads=4, num_kv_heads=2, config=SMALL, phi_hidden=12, dtype=torch.float64)
-    args.update(kw)
-    return nsa.NativeSparseAttention(**args)
-
-
 @pytest.mark.parametrize("phi", ["mlp", "linear", "mean"])
 @pytest.mark.parametrize("shared_kv", [False, True])
 def test_forward_backward_reach_every_parameter(phi, shared_kv):
-    m = make_module(phi=phi, shared_kv=shared_kv)
+    m = make_layer(phi=phi, shared_kv=shared_kv)
     x = torch.randn(50, HIDDEN, dtype=torch.float64, requires_grad=True)
     y = m(x)
     assert y.shape == (50, HIDDEN) and torch.isfinite(y).all()
@@ -40,15 +30,15 @@ def test_forward_backward_reach_every_parameter(phi, shared_kv):
 
 def test_module_gradcheck():
     """Gradients of the whole layer (projections, rotary, gates, phi, NSA) against finite differences."""
-    m = make_module(hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, phi_hidden=3, gate_hidden=4,
-                    config=nsa.Config(cmp_block_len=4, cmp_stride=2, slc_block_len=4, n_selected=3, n_init=1,
-                                      n_local=1, window=3))
+    m = make_layer(hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, phi_hidden=3, gate_hidden=4,
+                   config=nsa.Config(cmp_block_len=4, cmp_stride=2, slc_block_len=4, n_selected=3, n_init=1,
+                                     n_local=1, window=3))
     x = torch.randn(11, 8, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(m, (x,), eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
 def test_batched_input_equals_packed_and_separate_sequences():
-    m = make_module()
+    m = make_layer()
     x = torch.randn(3, 40, HIDDEN, dtype=torch.float64)
     batched = m(x)
     packed = m(x.reshape(120, HIDDEN), cu_seqlens=torch.tensor([0, 40, 80, 120], dtype=torch.int32))
@@ -58,14 +48,14 @@ def test_batched_input_equals_packed_and_separate_sequences():
 
 
 def test_varlen_with_empty_sequence():
-    m = make_module()
+    m = make_layer()
     x = torch.randn(45, HIDDEN, dtype=torch.float64)
     y = m(x, cu_seqlens=[0, 20, 20, 45])
     torch.testing.assert_close(y[20:], m(x[20:]), rtol=1e-12, atol=1e-12)
 
 
 def test_causality():
-    m = make_module()
+    m = make_layer()
     x = torch.randn(60, HIDDEN, dtype=torch.float64)
     y = m(x)
     x2 = x.clone()
@@ -80,7 +70,7 @@ def test_decode_equals_prefill(shared_kv):
     """Prefill, then steps of 1 and 3 tokens for two sequences at once (one of them idle for a
     step), crossing compression, selection and window block boundaries: every new row equals
     the matching row of one prefill over the whole sequences."""
-    m = make_module(shared_kv=shared_kv)
+    m = make_layer(shared_kv=shared_kv)
     xa = torch.randn(45, HIDDEN, dtype=torch.float64)
     xb = torch.randn(35, HIDDEN, dtype=torch.float64)
     full_a, full_b = m(xa), m(xb)
@@ -100,7 +90,7 @@ def test_decode_equals_prefill(shared_kv):
 
 
 def test_cache_must_cover_its_sequences():
-    m = make_module()
+    m = make_layer()
     cache = nsa.NSACache()
     m(torch.randn(10, HIDDEN, dtype=torch.float64), cu_seqlens=[0, 4, 10], cache=cache)
     with pytest.raises(nsa.Error, match="cu_seqlens"):
@@ -113,10 +103,10 @@ def test_rotary_uses_positions_within_each_sequence():
     """Rotary changes the output (it is applied), and positions count from each sequence's start:
     packing a sequence after another one gives the same rows as running it alone."""
     cfg = nsa.Config(cmp_block_len=8, cmp_stride=4, slc_block_len=16, n_selected=0, window=5)
-    m = make_module(config=cfg, phi="mean")
+    m = make_layer(config=cfg, phi="mean")
     x = torch.randn(30, HIDDEN, dtype=torch.float64)
     y = m(x)
-    m_plain = make_module(config=cfg, phi="mean", rotary=False)
+    m_plain = make_layer(config=cfg, phi="mean", rotary=False)
     assert (y - m_plain(x)).abs().max() > 1e-6
     # Each sequence counts positions from its own start: packing after another sequence is a no-op.
     packed = m(torch.cat([torch.randn(7, HIDDEN, dtype=torch.float64), x]), cu_seqlens=[0, 7, 37])
@@ -125,7 +115,7 @@ def test_rotary_uses_positions_within_each_sequence():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dtypes(dtype):
-    m = make_module(dtype=dtype)
+    m = make_layer(dtype=dtype)
     assert all(p.dtype == dtype for p in m.parameters())
     x = torch.randn(2, 33, HIDDEN, dtype=dtype)
     y = m(x)
@@ -133,7 +123,7 @@ def test_dtypes(dtype):
     y.float().sum().backward()
     assert all(p.grad is not None and p.grad.dtype == dtype for p in m.parameters())
     # Against the same weights in float64: bfloat16 storage costs a few percent at most here.
-    m64 = make_module(dtype=torch.float64)
+    m64 = make_layer(dtype=torch.float64)
     m64.load_state_dict({k: v.double() for k, v in m.state_dict().items()})
     ref = m64(x.double())
     tol = {torch.float32: 1e-4, torch.bfloat16: 0.1}[dtype]
@@ -141,7 +131,7 @@ def test_dtypes(dtype):
 
 
 def test_to_dtype_and_reset_parameters():
-    m = make_module(dtype=torch.float32, phi="linear").to(torch.float64)
+    m = make_layer(dtype=torch.float32, phi="linear").to(torch.float64)
     assert all(p.dtype == torch.float64 for p in m.parameters())
     w = m.phi_k["w1"]
     l, D = SMALL.cmp_block_len, m.head_dim
@@ -161,7 +151,7 @@ def test_bad_arguments():
         nsa.NativeSparseAttention(32, num_heads=4, phi="max")
     with pytest.raises(nsa.Error, match="cmp_stride"):
         nsa.NativeSparseAttention(32, num_heads=4, config=nsa.Config(cmp_stride=5))
-    m = make_module()
+    m = make_layer()
     with pytest.raises(nsa.Error, match="x.shape"):
         m(torch.randn(3, 31, dtype=torch.float64))
 
@@ -169,7 +159,7 @@ def test_bad_arguments():
 def test_torch_compile_module_cpu():
     """torch.compile (Inductor on the CPU) of a module using NSA: same output and gradients as eager."""
     torch._dynamo.reset()
-    m = make_module(dtype=torch.float32, phi="mlp")
+    m = make_layer(dtype=torch.float32, phi="mlp")
     x = torch.randn(40, HIDDEN)
     compiled = torch.compile(m, fullgraph=True)
     y_eager = m(x)
@@ -186,7 +176,7 @@ def test_torch_compile_module_cpu():
 def test_torch_compile_dynamic_shapes_and_packed_input():
     """One compiled graph serves several lengths (symbolic shapes in the fake implementations)."""
     torch._dynamo.reset()
-    m = make_module(dtype=torch.float32)
+    m = make_layer(dtype=torch.float32)
     compiled = torch.compile(m, backend="aot_eager", dynamic=True, fullgraph=True)
     for T in (40, 57, 23):
         x = torch.randn(T, HIDDEN)
@@ -227,7 +217,7 @@ def _run(m, x):
 def test_one_projection_product_equals_one_per_module(shared_kv, bias):
     """q, k, v and the gate's first layer run as one product of x with their stacked weights; a
     forward hook that changes nothing sends each module through its own call instead."""
-    m = make_module(shared_kv=shared_kv, bias=bias)
+    m = make_layer(shared_kv=shared_kv, bias=bias)
     assert m._fusable()
     x = torch.randn(30, HIDDEN, dtype=torch.float64)
     y, dx, grads = _run(m, x)
@@ -254,28 +244,28 @@ def test_adapters_and_hooks_on_the_projections_keep_their_effect():
             return super().forward(x) + x @ self.a.t() @ self.b.t()
 
     x = torch.randn(30, HIDDEN, dtype=torch.float64)
-    m = make_module()
+    m = make_layer()
     m.q_proj = LowRank(m.q_proj)
     assert not m._fusable()
     y, _, grads = _run(m, x)
     assert grads["q_proj.a"].abs().sum() > 0  # the adapter is trained
-    merged = make_module()  # the same layer with the adapter merged into a plain weight
+    merged = make_layer()  # the same layer with the adapter merged into a plain weight
     with torch.no_grad():
         merged.q_proj.weight.add_(m.q_proj.b @ m.q_proj.a)
     assert merged._fusable()
     torch.testing.assert_close(merged(x), y, rtol=1e-12, atol=1e-12)
 
-    hooked = make_module()
+    hooked = make_layer()
     hooked.k_proj.register_forward_hook(lambda module, args, out: 2 * out)
-    doubled = make_module()
+    doubled = make_layer()
     with torch.no_grad():
         doubled.k_proj.weight.mul_(2)
     torch.testing.assert_close(hooked(x), doubled(x), rtol=1e-12, atol=1e-12)
-    assert not torch.allclose(hooked(x), make_module()(x))
+    assert not torch.allclose(hooked(x), make_layer()(x))
 
 
 def test_projection_parts_off_the_alignment_run_one_product_per_module():
-    m = make_module(gate_hidden=5)  # the gate's 5 columns would misalign the parts after them
+    m = make_layer(gate_hidden=5)  # the gate's 5 columns would misalign the parts after them
     assert not m._fusable()
     x = torch.randn(20, HIDDEN, dtype=torch.float64, requires_grad=True)
     m(x).sum().backward()
