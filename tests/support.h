@@ -123,16 +123,13 @@ inline Config make_config(int64_t l, int64_t d, int64_t lp, int64_t n, int64_t n
   return c;
 }
 
+// The paper's l = 32, d = 16, l' = 64 scaled down by 4; n = 3 with one initial and one local
+// block, w = 12, phi an MLP.
+inline Config small_config() { return make_config(8, 4, 16, 3, 1, 1, 12, PhiKind::mlp); }
+
 inline Sizes make_sizes(std::vector<int32_t> seqlens, int64_t hq, int64_t hkv, int64_t dqk, int64_t dv,
                         int64_t phi_hidden = 6) {
-  Sizes s;
-  s.seqlens = std::move(seqlens);
-  s.hq = hq;
-  s.hkv = hkv;
-  s.dqk = dqk;
-  s.dv = dv;
-  s.phi_hidden = phi_hidden;
-  return s;
+  return Sizes{std::move(seqlens), hq, hkv, dqk, dv, phi_hidden, DType::f64};
 }
 
 // A whole random problem: inputs, outputs and gradients, all owned.
@@ -149,26 +146,20 @@ struct LayerProblem {
   static PhiParams params(HostTensor* t) {
     return PhiParams{t[0].view(), t[1].view(), t[2].view(), t[3].view(), t[4].view()};
   }
+  // Views of q, k/v, g and phi's parameters in the order Inputs and Gradients share.
+  template <class Views>
+  static Views layer_views(HostTensor& x, HostTensor* ks, HostTensor* vs, HostTensor& gates, HostTensor* pk,
+                           HostTensor* pv) {
+    return Views{x.view(), {KV{ks[0].view(), vs[0].view()}, KV{ks[1].view(), vs[1].view()}, KV{ks[2].view(), vs[2].view()}},
+                 gates.view(), params(pk), params(pv)};
+  }
   Inputs inputs() {
-    Inputs in;
-    in.q = q.view();
-    for (int b = 0; b < 3; ++b) in.kv[b] = KV{k[b].view(), v[b].view()};
-    in.g = g.view();
-    in.phi_k = params(phi_k);
-    in.phi_v = params(phi_v);
+    Inputs in = layer_views<Inputs>(q, k, v, g, phi_k, phi_v);
     if (sizes.seqlens.size() != 1) in.seqs.cu_seqlens = cu.view();
     return in;
   }
   ForwardOutputs outputs() { return ForwardOutputs{o.view(), lse.view(), indices.view(), o_branch.view()}; }
-  Gradients gradients() {
-    Gradients gr;
-    gr.dq = dq.view();
-    for (int b = 0; b < 3; ++b) gr.dkv[b] = KV{dk[b].view(), dv[b].view()};
-    gr.dg = dg.view();
-    gr.dphi_k = params(dphi_k);
-    gr.dphi_v = params(dphi_v);
-    return gr;
-  }
+  Gradients gradients() { return layer_views<Gradients>(dq, dk, dv, dg, dphi_k, dphi_v); }
 };
 
 inline void make_phi(const Config& cfg, int64_t D, int64_t F, DType dt, HostTensor* out,

@@ -14,18 +14,6 @@
 namespace nsa::test {
 namespace {
 
-Config small_config() {
-  Config c;
-  c.cmp_block_len = 8;
-  c.cmp_stride = 4;
-  c.slc_block_len = 16;
-  c.n_selected = 3;
-  c.n_init = 1;
-  c.n_local = 1;
-  c.window = 12;
-  return c;
-}
-
 struct BadCase {
   std::string name;
   std::string parameter;  // what nsa::Error::parameter() must say

@@ -217,12 +217,7 @@ INSTANTIATE_TEST_SUITE_P(Isas, CpuDeterminism,
                          isa_dtype_name);
 
 TEST(CpuWorkspace, SizedForTheCallsThreads) {
-  Config cfg;
-  cfg.cmp_block_len = 8;
-  cfg.cmp_stride = 4;
-  cfg.slc_block_len = 16;
-  cfg.n_selected = 3;
-  cfg.window = 12;
+  const Config cfg = make_config(8, 4, 16, 3, 1, 2, 12, PhiKind::mlp);
   Sizes s = make_sizes({40}, 2, 1, 8, 8);
   s.dtype = DType::f32;
   LayerProblem p = make_problem(cfg, s, 5);
@@ -250,12 +245,7 @@ namespace {
 
 // Empty sequences only (T = 0) and strided (non-contiguous) inputs.
 TEST(CpuEdges, EmptyBatchRuns) {
-  Config cfg;
-  cfg.cmp_block_len = 8;
-  cfg.cmp_stride = 4;
-  cfg.slc_block_len = 16;
-  cfg.n_selected = 3;
-  cfg.window = 12;
+  const Config cfg = make_config(8, 4, 16, 3, 1, 2, 12, PhiKind::mlp);
   Sizes s = make_sizes({0, 0}, 4, 2, 8, 8);
   s.dtype = DType::bf16;
   LayerProblem p = make_problem(cfg, s, 3);
@@ -281,13 +271,7 @@ TensorView padded_copy(const HostTensor& t, std::vector<float>& storage, int64_t
 }
 
 TEST(CpuEdges, StridedInputsGiveTheSameBits) {
-  Config cfg;
-  cfg.cmp_block_len = 8;
-  cfg.cmp_stride = 4;
-  cfg.slc_block_len = 16;
-  cfg.n_selected = 3;
-  cfg.window = 12;
-  cfg.phi = PhiKind::linear;
+  const Config cfg = make_config(8, 4, 16, 3, 1, 2, 12, PhiKind::linear);
   Sizes s = make_sizes({45, 20}, 4, 2, 8, 16);
   s.dtype = DType::f32;
   LayerProblem a = make_problem(cfg, s, 9);

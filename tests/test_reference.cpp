@@ -14,19 +14,6 @@
 namespace nsa::test {
 namespace {
 
-Config small_paper_config() {  // the paper's l=32, d=16, l'=64 scaled down by 4
-  Config c;
-  c.cmp_block_len = 8;
-  c.cmp_stride = 4;
-  c.slc_block_len = 16;
-  c.n_selected = 3;
-  c.n_init = 1;
-  c.n_local = 1;
-  c.window = 12;
-  c.phi = PhiKind::mlp;
-  return c;
-}
-
 void run_forward(LayerProblem& p) { forward(context_of(Backend::reference), p.cfg, p.inputs(), p.outputs()); }
 
 // sum(o * d_o): a scalar loss whose gradient wrt o is d_o.
@@ -49,13 +36,13 @@ struct FdCase {
 std::vector<FdCase> fd_cases() {
   std::vector<FdCase> cases;
   {
-    FdCase c{"paper_scaled_mlp_G2_packed", small_paper_config(), {}};
+    FdCase c{"paper_scaled_mlp_G2_packed", small_config(), {}};
     c.sizes.seqlens = {45, 30};
     c.sizes.hq = 4, c.sizes.hkv = 2, c.sizes.dqk = 6, c.sizes.dv = 4, c.sizes.phi_hidden = 5;
     cases.push_back(c);
   }
   {
-    FdCase c{"l_eq_lp_eq_d_linear_G1", small_paper_config(), {}};
+    FdCase c{"l_eq_lp_eq_d_linear_G1", small_config(), {}};
     c.cfg.cmp_block_len = c.cfg.cmp_stride = c.cfg.slc_block_len = 4;
     c.cfg.phi = PhiKind::linear;
     c.cfg.window = 5;
@@ -64,7 +51,7 @@ std::vector<FdCase> fd_cases() {
     cases.push_back(c);
   }
   {
-    FdCase c{"mean_shared_kv_G3", small_paper_config(), {}};
+    FdCase c{"mean_shared_kv_G3", small_config(), {}};
     c.cfg.phi = PhiKind::mean;
     c.cfg.shared_kv = true;
     c.cfg.n_selected = 2;
@@ -75,7 +62,7 @@ std::vector<FdCase> fd_cases() {
     cases.push_back(c);
   }
   {
-    FdCase c{"mlp_shared_kv_awkward_lengths", small_paper_config(), {}};
+    FdCase c{"mlp_shared_kv_awkward_lengths", small_config(), {}};
     c.cfg.shared_kv = true;
     c.cfg.scale = 0.3;
     c.cfg.n_selected = 4;
@@ -147,7 +134,7 @@ INSTANTIATE_TEST_SUITE_P(Reference, FiniteDifference, ::testing::ValuesIn(fd_cas
 // The stage entry points compress_bwd and the dense attention backward, by finite differences.
 TEST(FiniteDifferenceStages, CompressBackward) {
   for (PhiKind kind : {PhiKind::mean, PhiKind::linear, PhiKind::mlp}) {
-    Config cfg = small_paper_config();
+    Config cfg = small_config();
     cfg.phi = kind;
     std::mt19937_64 rng(7);
     const int64_t T = 27, H = 2, D = 3, F = 4;
@@ -241,7 +228,7 @@ void set_gates(LayerProblem& p, double c, double s, double w) {
 }
 
 TEST(Invariants, SelectingEveryBlockIsDenseAttention) {
-  Config cfg = small_paper_config();
+  Config cfg = small_config();
   Sizes s;
   s.seqlens = {70, 33};  // 5 and 3 selection blocks
   s.hq = 4, s.hkv = 2;
@@ -254,7 +241,7 @@ TEST(Invariants, SelectingEveryBlockIsDenseAttention) {
 }
 
 TEST(Invariants, WindowCoveringTheSequenceIsDenseAttention) {
-  Config cfg = small_paper_config();
+  Config cfg = small_config();
   Sizes s;
   s.seqlens = {41};
   cfg.window = 41;
@@ -266,7 +253,7 @@ TEST(Invariants, WindowCoveringTheSequenceIsDenseAttention) {
 
 TEST(Invariants, WindowIsTheLastWTokens) {
   // With w = 1 each query attends only to itself: o_win[t] = v_win[t].
-  Config cfg = small_paper_config();
+  Config cfg = small_config();
   cfg.window = 1;
   Sizes s;
   s.seqlens = {20};
@@ -278,7 +265,7 @@ TEST(Invariants, WindowIsTheLastWTokens) {
 }
 
 TEST(Invariants, LaterTokensDoNotChangeEarlierOutputs) {
-  Config cfg = small_paper_config();
+  Config cfg = small_config();
   Sizes s;
   s.seqlens = {60};
   s.hq = 4, s.hkv = 2;
@@ -309,7 +296,7 @@ TEST(Invariants, LaterTokensDoNotChangeEarlierOutputs) {
 
 TEST(Invariants, PackedBatchEqualsSequencesAlone) {
   for (bool shared : {false, true}) {
-    Config cfg = small_paper_config();
+    Config cfg = small_config();
     cfg.shared_kv = shared;
     Sizes s;
     s.seqlens = {37, 0, 1, 52, 16};
@@ -356,7 +343,7 @@ TEST(Invariants, PackedBatchEqualsSequencesAlone) {
 }
 
 TEST(Invariants, GatesMixBranchOutputsLinearly) {
-  Config cfg = small_paper_config();
+  Config cfg = small_config();
   Sizes s;
   s.seqlens = {40};
   LayerProblem p = make_problem(cfg, s, 17);
@@ -411,13 +398,7 @@ std::vector<int32_t> topn(const Config& cfg, int64_t T, const std::vector<double
 }
 
 TEST(Selection, ForcedBlocksTiesAndPadding) {
-  Config cfg;
-  cfg.slc_block_len = 4;
-  cfg.cmp_block_len = 4;
-  cfg.cmp_stride = 2;
-  cfg.n_selected = 4;
-  cfg.n_init = 1;
-  cfg.n_local = 1;
+  const Config cfg = make_config(4, 2, 4, 4, 1, 1, 512, PhiKind::mlp);
   const int64_t T = 32, Ns = 8;
   // Scores favour blocks 5 and 3; blocks 2, 4 and 6 tie.
   const std::vector<double> S = {0.0, 0.1, 0.5, 0.9, 0.5, 1.0, 0.5, 0.2};
@@ -436,14 +417,7 @@ TEST(Selection, ForcedBlocksTiesAndPadding) {
 }
 
 // Blocks of 2 tokens, n = 3 with one local block and no initial one.
-Config three_of_pairs() {
-  Config cfg;
-  cfg.cmp_block_len = cfg.cmp_stride = cfg.slc_block_len = 2;
-  cfg.n_selected = 3;
-  cfg.n_init = 0;
-  cfg.n_local = 1;
-  return cfg;
-}
+Config three_of_pairs() { return make_config(2, 2, 2, 3, 0, 1, 512, PhiKind::mlp); }
 
 TEST(Selection, ExactTiesGoToTheSmallerBlock) {
   const Config cfg = three_of_pairs();
@@ -473,7 +447,7 @@ TEST(Selection, NanScoresRankFirst) {
 TEST(Selection, ShortSequencesAndEmptyCompression) {
   // T < l: no compressed block is visible anywhere: o_cmp = 0, lse = -inf, nothing NaN.
   // T < l': one selection block only.
-  Config cfg = small_paper_config();
+  Config cfg = small_config();
   cfg.n_selected = 3;
   Sizes s;
   s.seqlens = {7};
@@ -501,7 +475,7 @@ TEST(Selection, ShortSequencesAndEmptyCompression) {
 }
 
 TEST(Selection, ForcedBlocksAlwaysPresentAndSortedPadded) {
-  Config cfg = small_paper_config();
+  Config cfg = small_config();
   cfg.n_selected = 4;
   cfg.n_init = 1;
   cfg.n_local = 2;
@@ -536,7 +510,7 @@ TEST(Selection, ForcedBlocksAlwaysPresentAndSortedPadded) {
 TEST(Selection, ScoresMatchTheirDefinition) {
   // S[t,hk,j] = sum over the group and visible compressed blocks of ov(i,j) * p_cmp, from the
   // stage entry points, recomputed here from the published p_cmp pieces (lse and q.kc).
-  Config cfg = small_paper_config();
+  Config cfg = small_config();
   const int64_t T = 50, Hq = 4, Hkv = 2, D = 3;
   std::mt19937_64 rng(23);
   HostTensor q(DType::f64, {T, Hq, D}), kc(DType::f64, {T / 4, Hkv, D}), vc(DType::f64, {T / 4, Hkv, D});
@@ -570,7 +544,7 @@ TEST(Selection, ScoresMatchTheirDefinition) {
 }
 
 TEST(Selection, SelectionOffAndWindowOffContributeZero) {
-  Config cfg = small_paper_config();
+  Config cfg = small_config();
   cfg.n_selected = 0;
   cfg.n_init = 0;
   cfg.n_local = 0;
@@ -595,7 +569,7 @@ TEST(Selection, SelectionOffAndWindowOffContributeZero) {
 TEST(Storage, LowPrecisionInputsRoundOnlyAtTheBoundary) {
   // bf16/f16/f32 storage gives the fp64 result of the rounded inputs, rounded once.
   for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
-    Config cfg = small_paper_config();
+    Config cfg = small_config();
     Sizes s;
     s.seqlens = {33};
     s.dtype = dt;
