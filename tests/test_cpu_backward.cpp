@@ -30,42 +30,10 @@ void take_saved(LayerProblem& to, const LayerProblem& from) {
   to.indices = from.indices;
 }
 
-void compare_gradients(const LayerProblem& cpu, const LayerProblem& truth, const LayerProblem& rounded) {
-  expect_close("dq", cpu.dq.values(), truth.dq.values(), rounded.dq.values());
-  expect_close("dg", cpu.dg.values(), truth.dg.values(), rounded.dg.values());
-  static const char* kNames[3] = {"cmp", "slc", "win"};
-  for (int b = 0; b < 3; ++b) {
-    if (!cpu.dk[b].defined()) continue;
-    expect_close(std::string("dk_") + kNames[b], cpu.dk[b].values(), truth.dk[b].values(), rounded.dk[b].values());
-    expect_close(std::string("dv_") + kNames[b], cpu.dv[b].values(), truth.dv[b].values(), rounded.dv[b].values());
-  }
-  static const char* kParams[5] = {"w1", "b1", "w2", "b2", "pe"};
-  // The bf16 matrix rule's scale of phi's gradients: the largest over all parameters of that phi.
-  double max_k = 0, max_v = 0;
-  for (int i = 0; i < 5; ++i)
-    if (truth.dphi_k[i].defined()) {
-      max_k = std::max(max_k, max_abs(truth.dphi_k[i].values()));
-      max_v = std::max(max_v, max_abs(truth.dphi_v[i].values()));
-    }
-  for (int i = 0; i < 5; ++i) {
-    if (!cpu.dphi_k[i].defined()) continue;
-    expect_close(std::string("dphi_k.") + kParams[i], cpu.dphi_k[i].values(), truth.dphi_k[i].values(),
-                 rounded.dphi_k[i].values(), max_k);
-    expect_close(std::string("dphi_v.") + kParams[i], cpu.dphi_v[i].values(), truth.dphi_v[i].values(),
-                 rounded.dphi_v[i].values(), max_v);
-  }
-}
-
 class CpuBackward : public IsaTest {};
 
 TEST_P(CpuBackward, LayerGradientsMatchReference) {
-  const DType dtype = this->dtype();
-  uint64_t seed = 1000;
-  for (const Case& c : cases()) {
-    SCOPED_TRACE(c.name);
-    Sizes s = c.sizes;
-    s.dtype = dtype;
-    LayerProblem cpu = make_problem(c.cfg, s, seed++);
+  for_each_case(cases(), dtype(), 1000, [](const Case& c, const Sizes& s, LayerProblem& cpu, uint64_t) {
     LayerProblem truth = to_f64(cpu);
     Context ref = context_of(Backend::reference);
     forward(ref, c.cfg, truth.inputs(), truth.outputs());  // lse and indices every run uses
@@ -81,7 +49,7 @@ TEST_P(CpuBackward, LayerGradientsMatchReference) {
     backward(ctx, c.cfg, cpu.inputs(), cpu.outputs(), cpu.d_o.view(), cpu.gradients(), ws.ws);
     compare_gradients(cpu, truth, rounded);
 
-    if (dtype == DType::f32) {
+    if (s.dtype == DType::f32) {
       // With saved branch outputs (f32: nothing rounded) the recomputation is skipped.
       LayerProblem again = cpu;
       again.o_branch = convert(truth.o_branch, DType::f32);
@@ -89,17 +57,12 @@ TEST_P(CpuBackward, LayerGradientsMatchReference) {
       backward(ctx, c.cfg, again.inputs(), again.outputs(), again.d_o.view(), again.gradients(), ws.ws);
       compare_gradients(again, truth, rounded);
     }
-  }
+  });
 }
 
 TEST_P(CpuBackward, DenseGradientsMatchReference) {
-  const DType dtype = this->dtype();
-  uint64_t seed = 2000;
-  for (const Case& c : cases()) {
-    SCOPED_TRACE(c.name);
-    Sizes s = c.sizes;
-    s.dtype = dtype;
-    LayerProblem p = make_problem(c.cfg, s, seed++);
+  for_each_case(cases(), dtype(), 2000, [](const Case& c, const Sizes& s, LayerProblem& p, uint64_t) {
+    const DType dtype = s.dtype;
     const int64_t T = p.T;
     Sequences seqs = p.inputs().seqs;
     HostTensor q64 = convert(p.q, DType::f64), k64 = convert(p.k[0], DType::f64), v64 = convert(p.v[0], DType::f64);
@@ -126,22 +89,17 @@ TEST_P(CpuBackward, DenseGradientsMatchReference) {
                         cpu[0].view(), cpu[1].view(), cpu[2].view(), ws.ws);
     const char* names[3] = {"dense dq", "dense dk", "dense dv"};
     for (int i = 0; i < 3; ++i) expect_close(names[i], cpu[i].values(), truth[i].values(), rounded[i].values());
-  }
+  });
 }
 
 TEST_P(CpuBackward, CompressBackwardMatchesReference) {
-  const DType dtype = this->dtype();
-  uint64_t seed = 3000;
-  for (const Case& c : cases()) {
-    SCOPED_TRACE(c.name);
-    Sizes s = c.sizes;
-    s.dtype = dtype;
-    LayerProblem p = make_problem(c.cfg, s, seed++);
+  for_each_case(cases(), dtype(), 3000, [](const Case& c, const Sizes& s, LayerProblem& p, uint64_t seed) {
+    const DType dtype = s.dtype;
     LayerProblem p64 = to_f64(p);
     const int64_t T = p.T, rows = T / c.cfg.cmp_stride;
     Sequences seqs = p.inputs().seqs;
     HostTensor dxc(dtype, {rows, s.hkv, s.dqk});
-    std::mt19937_64 rng(seed);
+    std::mt19937_64 rng(seed + 1);
     dxc.fill_uniform(rng, -1, 1);
     HostTensor dxc64 = convert(dxc, DType::f64);
     Context ref = context_of(Backend::reference);
@@ -165,7 +123,7 @@ TEST_P(CpuBackward, CompressBackwardMatchesReference) {
       if (pc.dphi_k[i].defined())
         expect_close("compress_bwd dphi[" + std::to_string(i) + "]", pc.dphi_k[i].values(), p64.dphi_k[i].values(),
                      p.dphi_k[i].values());
-  }
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Isas, CpuBackward, ::testing::ValuesIn(isa_dtype_params()), isa_dtype_name);

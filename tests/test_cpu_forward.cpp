@@ -29,13 +29,7 @@ std::vector<Case> cases() {
 class CpuForward : public IsaTest {};
 
 TEST_P(CpuForward, LayerMatchesReference) {
-  const DType dtype = this->dtype();
-  uint64_t seed = 10;
-  for (const Case& c : cases()) {
-    SCOPED_TRACE(c.name);
-    Sizes s = c.sizes;
-    s.dtype = dtype;
-    LayerProblem cpu = make_problem(c.cfg, s, seed++);
+  for_each_case(cases(), dtype(), 10, [](const Case& c, const Sizes& s, LayerProblem& cpu, uint64_t) {
     LayerProblem rounded = cpu;          // reference, outputs rounded to the storage dtype
     LayerProblem truth = to_f64(cpu);    // reference in fp64 on the same values
     Context ref = context_of(Backend::reference);
@@ -50,22 +44,13 @@ TEST_P(CpuForward, LayerMatchesReference) {
     const Rowset rows = compare_indices(cpu.indices, truth.indices, T, hkv, n);
     // Near-ties may legitimately pick another block (fp32 vs fp64 scores); nearly all agree.
     EXPECT_LE(rows.disagree, std::max<int64_t>(1, T * hkv / 100)) << "rows with other indices";
-    // Branches that do not depend on the selection: every element.
-    for (int b : {kCmp, kWin})
-      expect_close("o_branch[" + std::to_string(b) + "]",
-                   on_rows(cpu.o_branch, Rowset{std::vector<char>(size_t(T * hkv), 1), 0}, T, hq, hkv, s.dv, b),
-                   on_rows(truth.o_branch, Rowset{std::vector<char>(size_t(T * hkv), 1), 0}, T, hq, hkv, s.dv, b),
-                   on_rows(rounded.o_branch, Rowset{std::vector<char>(size_t(T * hkv), 1), 0}, T, hq, hkv, s.dv, b));
-    expect_close("o_branch[slc]", on_rows(cpu.o_branch, rows, T, hq, hkv, s.dv, kSlc),
-                 on_rows(truth.o_branch, rows, T, hq, hkv, s.dv, kSlc),
-                 on_rows(rounded.o_branch, rows, T, hq, hkv, s.dv, kSlc));
-    expect_close("o", on_rows(cpu.o, rows, T, hq, hkv, s.dv), on_rows(truth.o, rows, T, hq, hkv, s.dv),
-                 on_rows(rounded.o, rows, T, hq, hkv, s.dv));
+    // The branches that do not depend on the selection on every row, the rest where indices agree.
+    compare_layer_outputs(cpu, truth, rounded, rows);
     // lse is f32 in every run: the plain-precision error is the f32 rounding of the truth.
     const std::vector<double> lse_cpu = on_rows(cpu.lse, rows, T, hq, hkv, 3);
     const std::vector<double> lse_truth = on_rows(truth.lse, rows, T, hq, hkv, 3);
     EXPECT_LE(max_abs_diff(lse_cpu, lse_truth), 2e-5 * std::max(1.0, max_abs(lse_truth))) << "lse";
-  }
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Isas, CpuForward, ::testing::ValuesIn(isa_dtype_params()), isa_dtype_name);
@@ -74,13 +59,8 @@ INSTANTIATE_TEST_SUITE_P(Isas, CpuForward, ::testing::ValuesIn(isa_dtype_params(
 class CpuStages : public IsaTest {};
 
 TEST_P(CpuStages, StagesMatchReference) {
-  const DType dtype = this->dtype();
-  uint64_t seed = 100;
-  for (const Case& c : cases()) {
-    SCOPED_TRACE(c.name);
-    Sizes s = c.sizes;
-    s.dtype = dtype;
-    LayerProblem p = make_problem(c.cfg, s, seed++);
+  for_each_case(cases(), dtype(), 100, [](const Case& c, const Sizes& s, LayerProblem& p, uint64_t seed) {
+    const DType dtype = s.dtype;
     const int64_t T = p.T, d = c.cfg.cmp_stride, rows = T / d;
     Context ref = context_of(Backend::reference);
     Context cpu = context_of(Backend::cpu);
@@ -145,7 +125,7 @@ TEST_P(CpuStages, StagesMatchReference) {
     // top-n on identical scores: exactly the reference's choice. Quantised scores make many ties.
     if (c.cfg.n_selected > 0) {
       HostTensor S(DType::f32, {T, s.hkv, ns});
-      std::mt19937_64 rng(seed);
+      std::mt19937_64 rng(seed + 1);
       for (int64_t i = 0; i < S.numel(); ++i) S.set(i, static_cast<double>(rng() % 4));
       HostTensor i_cpu(DType::i32, {T, s.hkv, c.cfg.n_selected}), i_ref(DType::i32, {T, s.hkv, c.cfg.n_selected});
       i_cpu.poison();
@@ -196,7 +176,7 @@ TEST_P(CpuStages, StagesMatchReference) {
       EXPECT_LE(max_abs_diff(wl_cpu.values(), wl_truth.values()), 2e-5 * std::max(1.0, max_abs(wl_truth.values())))
           << what << " lse";
     }
-  }
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Isas, CpuStages, ::testing::ValuesIn(isa_dtype_params()), isa_dtype_name);

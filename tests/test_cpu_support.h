@@ -59,6 +59,21 @@ struct CpuCase {
   Sizes sizes;
 };
 
+// Runs body(c, s, p, seed) for every case in order, under a trace of the case's name: s the case's
+// sizes in `dtype`, p its problem made with `seed`, first_seed for the first case and one more for
+// each next one.
+template <class Body>
+void for_each_case(const std::vector<CpuCase>& cases, DType dtype, uint64_t first_seed, Body body) {
+  uint64_t seed = first_seed;
+  for (const CpuCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    Sizes s = c.sizes;
+    s.dtype = dtype;
+    LayerProblem p = make_problem(c.cfg, s, seed);
+    body(c, s, p, seed++);
+  }
+}
+
 struct OwnedWorkspace {
   std::vector<unsigned char> bytes;
   Workspace ws;
@@ -130,6 +145,39 @@ inline void expect_close(const std::string& name, const std::vector<double>& got
   const double tol = tolerance(truth, rounded);
   EXPECT_LE(err, tol) << name << ": max error " << err << " vs tolerance " << tol
                       << " (plain-precision error " << max_abs_diff(truth, rounded) << ")";
+}
+
+// A check of one tensor against the fp64 truth and the reference on the storage dtype, given the
+// bf16 matrix rule's max|x| (negative: the tensor's own): expect_close, or the fuzzer's.
+using CloseCheck = void (*)(const std::string& name, const std::vector<double>& got, const std::vector<double>& truth,
+                            const std::vector<double>& rounded, double max_x);
+
+// The gradients of `got` against `truth` and `rounded`, each tensor by `close`.
+inline void compare_gradients(const LayerProblem& got, const LayerProblem& truth, const LayerProblem& rounded,
+                              CloseCheck close = expect_close) {
+  close("dq", got.dq.values(), truth.dq.values(), rounded.dq.values(), -1.0);
+  close("dg", got.dg.values(), truth.dg.values(), rounded.dg.values(), -1.0);
+  static const char* kNames[3] = {"cmp", "slc", "win"};
+  for (int b = 0; b < 3; ++b) {
+    if (!got.dk[b].defined()) continue;
+    close(std::string("dk_") + kNames[b], got.dk[b].values(), truth.dk[b].values(), rounded.dk[b].values(), -1.0);
+    close(std::string("dv_") + kNames[b], got.dv[b].values(), truth.dv[b].values(), rounded.dv[b].values(), -1.0);
+  }
+  static const char* kParams[5] = {"w1", "b1", "w2", "b2", "pe"};
+  // The bf16 matrix rule's scale of phi's gradients: the largest over all parameters of that phi.
+  double max_k = 0, max_v = 0;
+  for (int i = 0; i < 5; ++i)
+    if (truth.dphi_k[i].defined()) {
+      max_k = std::max(max_k, max_abs(truth.dphi_k[i].values()));
+      max_v = std::max(max_v, max_abs(truth.dphi_v[i].values()));
+    }
+  for (int i = 0; i < 5; ++i) {
+    if (!got.dphi_k[i].defined()) continue;
+    close(std::string("dphi_k.") + kParams[i], got.dphi_k[i].values(), truth.dphi_k[i].values(),
+          rounded.dphi_k[i].values(), max_k);
+    close(std::string("dphi_v.") + kParams[i], got.dphi_v[i].values(), truth.dphi_v[i].values(),
+          rounded.dphi_v[i].values(), max_v);
+  }
 }
 
 // ---- One run per kernel table of the CPU backend ------------------------------------------------
@@ -206,6 +254,22 @@ inline std::vector<double> on_rows(const HostTensor& t, const Rowset& rows, int6
       for (int64_t x = 0; x < X; ++x) out.push_back(t.get(base + (tok * hq + h) * X + x));
     }
   return out;
+}
+
+// The layer outputs of `got` against `truth` and `rounded`, each by `close`: the compressed and
+// window branches on every row, the selected branch and o on the rows whose indices agree (`rows`).
+inline void compare_layer_outputs(const LayerProblem& got, const LayerProblem& truth, const LayerProblem& rounded,
+                                  const Rowset& rows, CloseCheck close = expect_close) {
+  const int64_t T = got.T, hq = got.sizes.hq, hkv = got.sizes.hkv, dv = got.sizes.dv;
+  const Rowset all{std::vector<char>(static_cast<size_t>(T * hkv), 1), 0};
+  for (int b : {kCmp, kWin})
+    close("o_branch[" + std::to_string(b) + "]", on_rows(got.o_branch, all, T, hq, hkv, dv, b),
+          on_rows(truth.o_branch, all, T, hq, hkv, dv, b), on_rows(rounded.o_branch, all, T, hq, hkv, dv, b), -1.0);
+  close("o_branch[slc]", on_rows(got.o_branch, rows, T, hq, hkv, dv, kSlc),
+        on_rows(truth.o_branch, rows, T, hq, hkv, dv, kSlc), on_rows(rounded.o_branch, rows, T, hq, hkv, dv, kSlc),
+        -1.0);
+  close("o", on_rows(got.o, rows, T, hq, hkv, dv), on_rows(truth.o, rows, T, hq, hkv, dv),
+        on_rows(rounded.o, rows, T, hq, hkv, dv), -1.0);
 }
 
 inline std::vector<double> values_of(const HostTensor& t) { return t.values(); }

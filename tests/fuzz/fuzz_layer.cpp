@@ -61,12 +61,11 @@ double branch_value_bound(const Draw& d, LayerProblem& truth) {
 }
 
 void compare_forward(const Draw& d, LayerProblem& got, LayerProblem& truth, LayerProblem& rounded) {
-  const int64_t T = got.T, hq = d.sizes.hq, hkv = d.sizes.hkv, n = d.cfg.n_selected, dv = d.sizes.dv;
+  const int64_t T = got.T, hq = d.sizes.hq, hkv = d.sizes.hkv, n = d.cfg.n_selected;
   if (d.backend == Backend::reference) {
     // The same fp64 computation on the same values: equal indices, outputs within rounding.
     expect_equal("indices", got.indices.values(), truth.indices.values());
   }
-  const test::Rowset all{std::vector<char>(static_cast<size_t>(T * hkv), 1), 0};
   const test::Rowset rows = test::compare_indices(got.indices, truth.indices, T, hkv, n);
   // Near-ties may pick another block (fp32 against fp64 scores): nearly every row agrees, except at
   // an extreme scale, where every score is within an fp32 ulp of another.
@@ -83,41 +82,8 @@ void compare_forward(const Draw& d, LayerProblem& got, LayerProblem& truth, Laye
         throw Defect{"o outside the range of the values: " + std::to_string(x) + " (bound " + std::to_string(bound) + ")"};
     return;
   }
-  for (int b : {kCmp, kWin})
-    expect_close("o_branch[" + std::to_string(b) + "]", test::on_rows(got.o_branch, all, T, hq, hkv, dv, b),
-                 test::on_rows(truth.o_branch, all, T, hq, hkv, dv, b),
-                 test::on_rows(rounded.o_branch, all, T, hq, hkv, dv, b));
-  expect_close("o_branch[slc]", test::on_rows(got.o_branch, rows, T, hq, hkv, dv, kSlc),
-               test::on_rows(truth.o_branch, rows, T, hq, hkv, dv, kSlc),
-               test::on_rows(rounded.o_branch, rows, T, hq, hkv, dv, kSlc));
-  expect_close("o", test::on_rows(got.o, rows, T, hq, hkv, dv), test::on_rows(truth.o, rows, T, hq, hkv, dv),
-               test::on_rows(rounded.o, rows, T, hq, hkv, dv));
+  test::compare_layer_outputs(got, truth, rounded, rows, expect_close);
   expect_close_f32("lse", test::on_rows(got.lse, rows, T, hq, hkv, 3), test::on_rows(truth.lse, rows, T, hq, hkv, 3));
-}
-
-void compare_gradients(const LayerProblem& got, const LayerProblem& truth, const LayerProblem& rounded) {
-  expect_close("dq", got.dq.values(), truth.dq.values(), rounded.dq.values());
-  expect_close("dg", got.dg.values(), truth.dg.values(), rounded.dg.values());
-  static const char* kNames[3] = {"cmp", "slc", "win"};
-  for (int b = 0; b < 3; ++b) {
-    if (!got.dk[b].defined()) continue;
-    expect_close(std::string("dk_") + kNames[b], got.dk[b].values(), truth.dk[b].values(), rounded.dk[b].values());
-    expect_close(std::string("dv_") + kNames[b], got.dv[b].values(), truth.dv[b].values(), rounded.dv[b].values());
-  }
-  static const char* kParams[5] = {"w1", "b1", "w2", "b2", "pe"};
-  double max_k = 0, max_v = 0;  // over all of a phi's parameter gradients (the bf16 matrix rule)
-  for (int i = 0; i < 5; ++i) {
-    if (!got.dphi_k[i].defined()) continue;
-    max_k = std::max(max_k, test::max_abs(truth.dphi_k[i].values()));
-    max_v = std::max(max_v, test::max_abs(truth.dphi_v[i].values()));
-  }
-  for (int i = 0; i < 5; ++i) {
-    if (!got.dphi_k[i].defined()) continue;
-    expect_close(std::string("dphi_k.") + kParams[i], got.dphi_k[i].values(), truth.dphi_k[i].values(),
-                 rounded.dphi_k[i].values(), max_k);
-    expect_close(std::string("dphi_v.") + kParams[i], got.dphi_v[i].values(), truth.dphi_v[i].values(),
-                 rounded.dphi_v[i].values(), max_v);
-  }
 }
 
 // The common mutation step of a call: config (when `cfg` is given), tensors, sequences, context.
@@ -221,7 +187,7 @@ void case_forward(Rng& r, Case& c, Draw& d, bool backward_too) {
   // At an extreme scale the fp32 scores' rounding (an ulp of scale * q.k) is far above 1, so the
   // gradients are ill-conditioned (docs/errors.md): the call must finish, nothing more.
   if (d.extreme_scale) return;
-  compare_gradients(p, truth, rounded);
+  test::compare_gradients(p, truth, rounded, expect_close);
 }
 
 }  // namespace nsa::fuzz
