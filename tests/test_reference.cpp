@@ -227,41 +227,37 @@ void set_gates(LayerProblem& p, double c, double s, double w) {
   }
 }
 
+// o of a forward in which only `branch`'s gate is open (1; the others 0).
+std::vector<double> single_branch_output(LayerProblem& p, int branch) {
+  set_gates(p, branch == kCmp, branch == kSlc, branch == kWin);
+  run_forward(p);
+  return p.o.values();
+}
+
 TEST(Invariants, SelectingEveryBlockIsDenseAttention) {
   Config cfg = small_config();
-  Sizes s;
-  s.seqlens = {70, 33};  // 5 and 3 selection blocks
-  s.hq = 4, s.hkv = 2;
   cfg.n_selected = 5;
   cfg.n_local = 2;
-  LayerProblem p = make_problem(cfg, s, 11);
-  set_gates(p, 0, 1, 0);
-  run_forward(p);
-  EXPECT_LT(max_abs_diff(p.o.values(), dense_output(p, kSlc)), 1e-12);
+  LayerProblem p = make_problem(cfg, make_sizes({70, 33}, 4, 2, 8, 8), 11);  // 5 and 3 selection blocks
+  const std::vector<double> o = single_branch_output(p, kSlc);
+  EXPECT_LT(max_abs_diff(o, dense_output(p, kSlc)), 1e-12);
 }
 
 TEST(Invariants, WindowCoveringTheSequenceIsDenseAttention) {
   Config cfg = small_config();
-  Sizes s;
-  s.seqlens = {41};
   cfg.window = 41;
-  LayerProblem p = make_problem(cfg, s, 12);
-  set_gates(p, 0, 0, 1);
-  run_forward(p);
-  EXPECT_LT(max_abs_diff(p.o.values(), dense_output(p, kWin)), 1e-12);
+  LayerProblem p = make_problem(cfg, make_sizes({41}, 2, 1, 8, 8), 12);
+  const std::vector<double> o = single_branch_output(p, kWin);
+  EXPECT_LT(max_abs_diff(o, dense_output(p, kWin)), 1e-12);
 }
 
 TEST(Invariants, WindowIsTheLastWTokens) {
   // With w = 1 each query attends only to itself: o_win[t] = v_win[t].
   Config cfg = small_config();
   cfg.window = 1;
-  Sizes s;
-  s.seqlens = {20};
-  s.hq = s.hkv = 1;
-  LayerProblem p = make_problem(cfg, s, 13);
-  set_gates(p, 0, 0, 1);
-  run_forward(p);
-  EXPECT_LT(max_abs_diff(p.o.values(), p.v[kWin].values()), 1e-12);
+  LayerProblem p = make_problem(cfg, make_sizes({20}, 1, 1, 8, 8), 13);
+  const std::vector<double> o = single_branch_output(p, kWin);
+  EXPECT_LT(max_abs_diff(o, p.v[kWin].values()), 1e-12);
 }
 
 TEST(Invariants, LaterTokensDoNotChangeEarlierOutputs) {
