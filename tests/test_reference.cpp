@@ -227,37 +227,37 @@ void set_gates(LayerProblem& p, double c, double s, double w) {
   }
 }
 
-// o of a forward in which only `branch`'s gate is open (1; the others 0).
-std::vector<double> single_branch_output(LayerProblem& p, int branch) {
+// A forward of a fresh problem in which only `branch`'s gate is open (1; the others 0): o equals
+// expected(p) to within 1e-12.
+void expect_single_branch_output(const Config& cfg, const Sizes& s, uint64_t seed, int branch,
+                                 std::vector<double> (*expected)(LayerProblem&)) {
+  LayerProblem p = make_problem(cfg, s, seed);
   set_gates(p, branch == kCmp, branch == kSlc, branch == kWin);
   run_forward(p);
-  return p.o.values();
+  EXPECT_LT(max_abs_diff(p.o.values(), expected(p)), 1e-12);
 }
 
 TEST(Invariants, SelectingEveryBlockIsDenseAttention) {
   Config cfg = small_config();
   cfg.n_selected = 5;
   cfg.n_local = 2;
-  LayerProblem p = make_problem(cfg, make_sizes({70, 33}, 4, 2, 8, 8), 11);  // 5 and 3 selection blocks
-  const std::vector<double> o = single_branch_output(p, kSlc);
-  EXPECT_LT(max_abs_diff(o, dense_output(p, kSlc)), 1e-12);
+  expect_single_branch_output(cfg, make_sizes({70, 33}, 4, 2, 8, 8), 11, kSlc,  // 5 and 3 selection blocks
+                              [](LayerProblem& p) { return dense_output(p, kSlc); });
 }
 
 TEST(Invariants, WindowCoveringTheSequenceIsDenseAttention) {
   Config cfg = small_config();
   cfg.window = 41;
-  LayerProblem p = make_problem(cfg, make_sizes({41}, 2, 1, 8, 8), 12);
-  const std::vector<double> o = single_branch_output(p, kWin);
-  EXPECT_LT(max_abs_diff(o, dense_output(p, kWin)), 1e-12);
+  expect_single_branch_output(cfg, make_sizes({41}, 2, 1, 8, 8), 12, kWin,
+                              [](LayerProblem& p) { return dense_output(p, kWin); });
 }
 
 TEST(Invariants, WindowIsTheLastWTokens) {
   // With w = 1 each query attends only to itself: o_win[t] = v_win[t].
   Config cfg = small_config();
   cfg.window = 1;
-  LayerProblem p = make_problem(cfg, make_sizes({20}, 1, 1, 8, 8), 13);
-  const std::vector<double> o = single_branch_output(p, kWin);
-  EXPECT_LT(max_abs_diff(o, p.v[kWin].values()), 1e-12);
+  expect_single_branch_output(cfg, make_sizes({20}, 1, 1, 8, 8), 13, kWin,
+                              [](LayerProblem& p) { return p.v[kWin].values(); });
 }
 
 TEST(Invariants, LaterTokensDoNotChangeEarlierOutputs) {
