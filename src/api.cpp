@@ -61,6 +61,33 @@ void check_saved(const Plan& p, const Checker& chk, const ForwardOutputs& out, b
   chk.tensor("indices", out.indices, "[T, Hkv, n]", {p.T, p.hkv, p.cfg.n_selected}, DType::i32);
 }
 
+// What the attention stages on q, k, v share (selected, window, dense): q [T, Hq, Dqk],
+// k [T, Hkv, Dqk], v [T, Hkv, Dv], the heads and the sequences.
+Plan plan_qkv(const Context& ctx, const Config& cfg, const TensorView& q, const TensorView& k,
+              const TensorView& v, const Sequences& seqs, const BackendOps*& ops) {
+  Plan p = start_plan(ctx, cfg, q, "q", ops);
+  const Checker chk(p.dtype, p.device, q.device_index);
+  chk.floats("q", q, "[T, Hq, Dqk]", {kAny, kAny, kAny});
+  const int64_t T = q.shape[0];
+  chk.floats("k", k, "[T, Hkv, Dqk]", {T, kAny, q.shape[2]});
+  chk.floats("v", v, "[T, Hkv, Dv]", {T, k.shape[1], kAny});
+  fill_heads(p, q, k, v);
+  fill_sequences(p, seqs, T, chk);
+  return p;
+}
+
+// The rest of window_attention_fwd and dense_attention_fwd once planned: o [T, Hq, Dv], the
+// optional lse [T, Hq], the workspace, then the backend's op.
+void run_qkv_fwd(const Plan& p, const BackendOps& ops, Op op, decltype(BackendOps::window_attention_fwd) fn,
+                 const char* name, const TensorView& q, const TensorView& k, const TensorView& v,
+                 const TensorView& o, const TensorView& lse, Workspace ws) {
+  const Checker chk(p.dtype, p.device, q.device_index);
+  chk.floats("o", o, "[T, Hq, Dv]", {p.T, p.hq, p.dv});
+  if (lse.defined()) chk.tensor("lse", lse, "[T, Hq]", {p.T, p.hq}, DType::f32);
+  check_workspace(ops, p, op, detail::problem_of(p), ws);
+  require_op(ops, fn, name)(p, q, k, v, o, lse, ws);
+}
+
 // What compress_fwd and compress_bwd share: x [T, Hkv, D], phi's parameters, the sequences.
 Plan plan_compress(const Context& ctx, const Config& cfg, const PhiParams& phi, const TensorView& x,
                    const Sequences& seqs, const BackendOps*& ops) {
@@ -212,17 +239,11 @@ void selected_attention_fwd(const Context& ctx, const Config& cfg, const TensorV
                             const Sequences& seqs, const TensorView& o, const TensorView& lse,
                             Workspace ws) {
   const BackendOps* ops;
-  Plan p = start_plan(ctx, cfg, q, "q", ops);
+  Plan p = plan_qkv(ctx, cfg, q, k, v, seqs, ops);
   const Checker chk(p.dtype, p.device, q.device_index);
-  chk.floats("q", q, "[T, Hq, Dqk]", {kAny, kAny, kAny});
-  const int64_t T = q.shape[0];
-  chk.floats("k", k, "[T, Hkv, Dqk]", {T, kAny, q.shape[2]});
-  chk.floats("v", v, "[T, Hkv, Dv]", {T, k.shape[1], kAny});
-  fill_heads(p, q, k, v);
-  fill_sequences(p, seqs, T, chk);
-  chk.tensor("indices", indices, "[T, Hkv, n]", {T, p.hkv, cfg.n_selected}, DType::i32);
-  chk.floats("o", o, "[T, Hq, Dv]", {T, p.hq, p.dv});
-  if (lse.defined()) chk.tensor("lse", lse, "[T, Hq]", {T, p.hq}, DType::f32);
+  chk.tensor("indices", indices, "[T, Hkv, n]", {p.T, p.hkv, cfg.n_selected}, DType::i32);
+  chk.floats("o", o, "[T, Hq, Dv]", {p.T, p.hq, p.dv});
+  if (lse.defined()) chk.tensor("lse", lse, "[T, Hq]", {p.T, p.hq}, DType::f32);
   check_workspace(*ops, p, Op::selected_attention_fwd, detail::problem_of(p), ws);
   require_op(*ops, ops->selected_attention_fwd, "selected_attention_fwd")(p, q, k, v, indices, o, lse, ws);
 }
@@ -231,18 +252,8 @@ void window_attention_fwd(const Context& ctx, const Config& cfg, const TensorVie
                           const TensorView& k, const TensorView& v, const Sequences& seqs,
                           const TensorView& o, const TensorView& lse, Workspace ws) {
   const BackendOps* ops;
-  Plan p = start_plan(ctx, cfg, q, "q", ops);
-  const Checker chk(p.dtype, p.device, q.device_index);
-  chk.floats("q", q, "[T, Hq, Dqk]", {kAny, kAny, kAny});
-  const int64_t T = q.shape[0];
-  chk.floats("k", k, "[T, Hkv, Dqk]", {T, kAny, q.shape[2]});
-  chk.floats("v", v, "[T, Hkv, Dv]", {T, k.shape[1], kAny});
-  fill_heads(p, q, k, v);
-  fill_sequences(p, seqs, T, chk);
-  chk.floats("o", o, "[T, Hq, Dv]", {T, p.hq, p.dv});
-  if (lse.defined()) chk.tensor("lse", lse, "[T, Hq]", {T, p.hq}, DType::f32);
-  check_workspace(*ops, p, Op::window_attention_fwd, detail::problem_of(p), ws);
-  require_op(*ops, ops->window_attention_fwd, "window_attention_fwd")(p, q, k, v, o, lse, ws);
+  const Plan p = plan_qkv(ctx, cfg, q, k, v, seqs, ops);
+  run_qkv_fwd(p, *ops, Op::window_attention_fwd, ops->window_attention_fwd, "window_attention_fwd", q, k, v, o, lse, ws);
 }
 
 void forward(const Context& ctx, const Config& cfg, const Inputs& in, const ForwardOutputs& out,
@@ -296,15 +307,7 @@ Plan plan_dense(const Context& ctx, double scale, const TensorView& q, const Ten
   if (!(scale >= 0.0 && scale <= kMaxScale))
     throw Error("scale", std::to_string(scale), "must be in (0, 3.4e38] (fp32's range), or 0 for 1/sqrt(Dqk)");
   cfg.scale = scale;
-  Plan p = start_plan(ctx, cfg, q, "q", ops);
-  const Checker chk(p.dtype, p.device, q.device_index);
-  chk.floats("q", q, "[T, Hq, Dqk]", {kAny, kAny, kAny});
-  const int64_t T = q.shape[0];
-  chk.floats("k", k, "[T, Hkv, Dqk]", {T, kAny, q.shape[2]});
-  chk.floats("v", v, "[T, Hkv, Dv]", {T, k.shape[1], kAny});
-  fill_heads(p, q, k, v);
-  fill_sequences(p, seqs, T, chk);
-  return p;
+  return plan_qkv(ctx, cfg, q, k, v, seqs, ops);
 }
 }  // namespace
 
@@ -312,12 +315,8 @@ void dense_attention_fwd(const Context& ctx, double scale, const TensorView& q, 
                          const TensorView& v, const Sequences& seqs, const TensorView& o,
                          const TensorView& lse, Workspace ws) {
   const BackendOps* ops;
-  Plan p = plan_dense(ctx, scale, q, k, v, seqs, ops);
-  const Checker chk(p.dtype, p.device, q.device_index);
-  chk.floats("o", o, "[T, Hq, Dv]", {p.T, p.hq, p.dv});
-  if (lse.defined()) chk.tensor("lse", lse, "[T, Hq]", {p.T, p.hq}, DType::f32);
-  check_workspace(*ops, p, Op::dense_attention_fwd, detail::problem_of(p), ws);
-  require_op(*ops, ops->dense_attention_fwd, "dense_attention_fwd")(p, q, k, v, o, lse, ws);
+  const Plan p = plan_dense(ctx, scale, q, k, v, seqs, ops);
+  run_qkv_fwd(p, *ops, Op::dense_attention_fwd, ops->dense_attention_fwd, "dense_attention_fwd", q, k, v, o, lse, ws);
 }
 
 void dense_attention_bwd(const Context& ctx, double scale, const TensorView& q, const TensorView& k,
