@@ -62,18 +62,13 @@ void selected_attention_fwd(const Plan& p, const TensorView& q, const TensorView
   store(l, lse);
 }
 
-void window_attention_fwd(const Plan& p, const TensorView& q, const TensorView& k, const TensorView& v,
-                          const TensorView& o, const TensorView& lse, Workspace) {
+// window_attention_fwd and dense_attention_fwd: a branch of q, k, v alone (win_attention,
+// dense_attention), its output and log-sum-exp stored back.
+template <void (*attend)(const Plan&, const Array&, const Array&, const Array&, Array&, Array&)>
+void qkv_attention_fwd(const Plan& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                       const TensorView& o, const TensorView& lse, Workspace) {
   Array out, l;
-  win_attention(p, load(q), load(k), load(v), out, l);
-  store(out, o);
-  store(l, lse);
-}
-
-void dense_fwd(const Plan& p, const TensorView& q, const TensorView& k, const TensorView& v,
-               const TensorView& o, const TensorView& lse, Workspace) {
-  Array out, l;
-  dense_attention(p, load(q), load(k), load(v), out, l);
+  attend(p, load(q), load(k), load(v), out, l);
   store(out, o);
   store(l, lse);
 }
@@ -213,8 +208,8 @@ size_t workspace_size(const Context&, Op, const Config&, const Problem&) { retur
 
 const detail::BackendOps kOps = {
     "reference",           workspace_size,          compress_fwd,         compress_bwd,
-    compressed_attention_fwd, select_topn_op,      selected_attention_fwd, window_attention_fwd,
-    forward,               backward,                dense_fwd,            dense_bwd,
+    compressed_attention_fwd, select_topn_op,      selected_attention_fwd, qkv_attention_fwd<win_attention>,
+    forward,               backward,                qkv_attention_fwd<dense_attention>, dense_bwd,
     cache_append,          decode,                  dense_decode,         rotary,
 };
 
