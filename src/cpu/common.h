@@ -42,24 +42,20 @@ struct Rows {
   const int32_t* table = nullptr;
   int64_t table_stride = 0, page_rows = 1, page_stride = 0;
 
-  static Rows of(const TensorView& t) {
+  // Dimensions first, first + 1 and first + 2 of t as [rows, heads, D].
+  static Rows of(const TensorView& t, int first = 0) {
     Rows r;
     r.base = static_cast<const char*>(t.data);
     r.dtype = t.dtype;
-    r.row_stride = t.stride[0];
-    r.head_stride = t.stride[1];
-    r.dim = t.shape[2];
+    r.row_stride = t.stride[first];
+    r.head_stride = t.stride[first + 1];
+    r.dim = t.shape[first + 2];
     return r;
   }
   // One sequence's rows of a paged pool [P, rows_per_page, heads, D] (nsa/cache.h): row r lives in
   // page table[(r / rows_per_page) * table_stride], slot r % rows_per_page.
   static Rows paged(const TensorView& pool, const int32_t* table, int64_t table_stride, int64_t rows_per_page) {
-    Rows r;
-    r.base = static_cast<const char*>(pool.data);
-    r.dtype = pool.dtype;
-    r.row_stride = pool.stride[1];
-    r.head_stride = pool.stride[2];
-    r.dim = pool.shape[3];
+    Rows r = of(pool, 1);
     r.table = table;
     r.table_stride = table_stride;
     r.page_rows = rows_per_page;
