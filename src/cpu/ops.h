@@ -10,43 +10,7 @@
 
 namespace nsa::cpu {
 
-// Runs fn(seq, t0, nt, hk, scratch_arena) for every query tile (tile_tokens consecutive tokens of
-// one sequence and one KV head) on slots.count threads. Tiles are independent (each writes its
-// own rows), so dynamic scheduling changes nothing in the results; the heaviest tiles (the
-// latest tokens, which see the most keys) start first.
-template <typename Fn>
-void for_each_tile(const Plan& p, int64_t tile_tokens, int64_t hkv, const Slots& slots, Fn fn) {
-  std::vector<int64_t> first(static_cast<size_t>(p.B) + 1, 0);  // first tile id of each sequence
-  for (int64_t b = 0; b < p.B; ++b)
-    first[static_cast<size_t>(b) + 1] =
-        first[static_cast<size_t>(b)] + (p.seq_len(b) + tile_tokens - 1) / tile_tokens * hkv;
-  const int64_t total = first.back();
-  std::exception_ptr error;
-  std::mutex error_mutex;
-#pragma omp parallel num_threads(slots.count)
-  {
-    Arena arena = slots.slot(omp_get_thread_num());
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t id = 0; id < total; ++id) {
-      try {
-        const int64_t b = std::upper_bound(first.begin(), first.end(), id) - first.begin() - 1;
-        const int64_t local = id - first[static_cast<size_t>(b)];
-        const int64_t ntiles = (p.seq_len(b) + tile_tokens - 1) / tile_tokens;
-        const int64_t tile = ntiles - 1 - local / hkv;
-        const int64_t hk = local % hkv;
-        const Seq s{p.seq_start(b), p.seq_len(b), b};
-        const int64_t t0 = tile * tile_tokens;
-        fn(s, t0, std::min(tile_tokens, s.len - t0), hk, arena);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(error_mutex);
-        if (!error) error = std::current_exception();
-      }
-    }
-  }
-  if (error) std::rethrow_exception(error);
-}
-
-// Runs fn(i, arena) for i in [0, count) in parallel (static schedule), errors rethrown.
+// Runs fn(i, arena) for i in [0, count) in parallel (dynamic schedule), errors rethrown.
 template <typename Fn>
 void parallel_for(int64_t count, const Slots& slots, Fn fn) {
   std::exception_ptr error;
@@ -65,6 +29,28 @@ void parallel_for(int64_t count, const Slots& slots, Fn fn) {
     }
   }
   if (error) std::rethrow_exception(error);
+}
+
+// Runs fn(seq, t0, nt, hk, scratch_arena) for every query tile (tile_tokens consecutive tokens of
+// one sequence and one KV head) on slots.count threads. Tiles are independent (each writes its
+// own rows), so dynamic scheduling changes nothing in the results; the heaviest tiles (the
+// latest tokens, which see the most keys) start first.
+template <typename Fn>
+void for_each_tile(const Plan& p, int64_t tile_tokens, int64_t hkv, const Slots& slots, Fn fn) {
+  std::vector<int64_t> first(static_cast<size_t>(p.B) + 1, 0);  // first tile id of each sequence
+  for (int64_t b = 0; b < p.B; ++b)
+    first[static_cast<size_t>(b) + 1] =
+        first[static_cast<size_t>(b)] + (p.seq_len(b) + tile_tokens - 1) / tile_tokens * hkv;
+  parallel_for(first.back(), slots, [&](int64_t id, Arena& arena) {
+    const int64_t b = std::upper_bound(first.begin(), first.end(), id) - first.begin() - 1;
+    const int64_t local = id - first[static_cast<size_t>(b)];
+    const int64_t ntiles = (p.seq_len(b) + tile_tokens - 1) / tile_tokens;
+    const int64_t tile = ntiles - 1 - local / hkv;
+    const int64_t hk = local % hkv;
+    const Seq s{p.seq_start(b), p.seq_len(b), b};
+    const int64_t t0 = tile * tile_tokens;
+    fn(s, t0, std::min(tile_tokens, s.len - t0), hk, arena);
+  });
 }
 
 inline Dims dims_of(const Plan& p) {
