@@ -20,19 +20,6 @@ namespace nsa::cpu {
 
 namespace {
 
-Branch branch_of(const Plan& p, Kind kind, const Rows& k, const Rows& v) {
-  Branch br;
-  br.kind = kind;
-  br.k = k;
-  br.v = v;
-  br.l = p.cfg.cmp_block_len;
-  br.d = p.cfg.cmp_stride;
-  br.lp = p.cfg.slc_block_len;
-  br.w = p.cfg.window;
-  br.n = p.cfg.n_selected;
-  return br;
-}
-
 // Per KV block of the selection branch, the tokens that selected it (ascending).
 struct InvIndex {
   int64_t* seq_block0;  // [B+1] first global block id of each sequence

@@ -11,19 +11,6 @@ namespace nsa::cpu {
 
 namespace {
 
-Branch make_branch(const Plan& p, Kind kind, const TensorView& k, const TensorView& v) {
-  Branch br;
-  br.kind = kind;
-  br.k = Rows::of(k);
-  br.v = Rows::of(v);
-  br.l = p.cfg.cmp_block_len;
-  br.d = p.cfg.cmp_stride;
-  br.lp = p.cfg.slc_block_len;
-  br.w = p.cfg.window;
-  br.n = p.cfg.n_selected;
-  return br;
-}
-
 void set_indices(Branch& br, const TensorView& indices) {
   br.idx = static_cast<const int32_t*>(indices.data);
   br.idx_s0 = indices.stride[0];
@@ -69,7 +56,7 @@ void compressed_attention_fwd(const Plan& p, const TensorView& q, const TensorVi
   const Dims d = dims_of(p);
   const size_t shared_bytes = pack_bytes(p.cfg, problem_of(p), d, Kind::cmp, kForwardNeeds);
   const Slots slots = carve_slots(p, ws, shared_bytes, attention_slot_bytes(d));
-  Branch br = make_branch(p, Kind::cmp, kc, vc);
+  Branch br = branch_of(p, Kind::cmp, kc, vc);
   {
     Arena shared(ws.data, shared_bytes);
     prepack(p, d, br, kForwardNeeds, shared, slots);
@@ -113,19 +100,19 @@ void select_topn(const Plan& p, const TensorView& scores, const TensorView& indi
 void selected_attention_fwd(const Plan& p, const TensorView& q, const TensorView& k, const TensorView& v,
                             const TensorView& indices, const TensorView& o, const TensorView& lse,
                             Workspace ws) {
-  Branch br = make_branch(p, Kind::slc, k, v);
+  Branch br = branch_of(p, Kind::slc, k, v);
   set_indices(br, indices);
   branch_op(p, br, q, o, lse, ws);
 }
 
 void window_attention_fwd(const Plan& p, const TensorView& q, const TensorView& k, const TensorView& v,
                           const TensorView& o, const TensorView& lse, Workspace ws) {
-  branch_op(p, make_branch(p, Kind::win, k, v), q, o, lse, ws);
+  branch_op(p, branch_of(p, Kind::win, k, v), q, o, lse, ws);
 }
 
 void dense_attention_fwd(const Plan& p, const TensorView& q, const TensorView& k, const TensorView& v,
                          const TensorView& o, const TensorView& lse, Workspace ws) {
-  branch_op(p, make_branch(p, Kind::dense, k, v), q, o, lse, ws);
+  branch_op(p, branch_of(p, Kind::dense, k, v), q, o, lse, ws);
 }
 
 // ---- The fused layer forward --------------------------------------------------------------
@@ -180,9 +167,9 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
   br_cmp.d = p.cfg.cmp_stride;
   const KV& slc = detail::branch_kv(p.cfg, in, kSlc);
   const KV& win = detail::branch_kv(p.cfg, in, kWin);
-  Branch br_slc = make_branch(p, Kind::slc, slc.k, slc.v);
+  Branch br_slc = branch_of(p, Kind::slc, slc.k, slc.v);
   set_indices(br_slc, out.indices);
-  Branch br_win = make_branch(p, Kind::win, win.k, win.v);
+  Branch br_win = branch_of(p, Kind::win, win.k, win.v);
   // Every branch's keys/values converted once (after phi, whose scratch they overwrite).
   {
     Arena packs_area = shared;

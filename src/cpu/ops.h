@@ -53,6 +53,23 @@ void for_each_tile(const Plan& p, int64_t tile_tokens, int64_t hkv, const Slots&
   });
 }
 
+// A branch of the given kind over k and v, with the plan's block sizes, window and n.
+inline Branch branch_of(const Plan& p, Kind kind, const Rows& k, const Rows& v) {
+  Branch br;
+  br.kind = kind;
+  br.k = k;
+  br.v = v;
+  br.l = p.cfg.cmp_block_len;
+  br.d = p.cfg.cmp_stride;
+  br.lp = p.cfg.slc_block_len;
+  br.w = p.cfg.window;
+  br.n = p.cfg.n_selected;
+  return br;
+}
+inline Branch branch_of(const Plan& p, Kind kind, const TensorView& k, const TensorView& v) {
+  return branch_of(p, kind, Rows::of(k), Rows::of(v));
+}
+
 inline Dims dims_of(const Plan& p) {
   return make_dims(p.cfg, p.group, p.dqk, p.dv, p.scale, p.max_seqlen, p.dtype);
 }
