@@ -380,34 +380,42 @@ void backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, cons
   }
 }
 
+// What compress_fwd and compress_bwd (op) work in: phi's per-thread slots, the shared arena
+// and, taken first from it, the fp32 compressed rows [rows, Hkv, D].
+struct CompressScratch {
+  Slots slots;
+  Arena shared;
+  int64_t rows;
+  float* xc32;
+};
+
+CompressScratch compress_scratch(const Plan& p, Op op, Workspace ws) {
+  const Problem pr{p.T, p.B, p.max_seqlen, p.hkv, p.hkv, p.dqk, p.dqk, p.phi_hidden_k, p.dtype, p.device};
+  const WsSizes sizes = backward_sizes(op, p.cfg, pr);
+  CompressScratch c{carve_slots(p, ws, sizes.shared, sizes.slot), Arena(ws.data, sizes.shared),
+                    cmp_rows(p.T, p.cfg.cmp_stride), nullptr};
+  c.xc32 = c.shared.take<float>(c.rows * p.hkv * p.dqk);
+  return c;
+}
+
 void compress_bwd(const Plan& p, const PhiParams& phi, const TensorView& x, const TensorView& dxc,
                   const TensorView& dx, const PhiParams& dphi, Workspace ws) {
-  const Problem pr{p.T, p.B, p.max_seqlen, p.hkv, p.hkv, p.dqk, p.dqk, p.phi_hidden_k, p.dtype, p.device};
-  const WsSizes sizes = backward_sizes(Op::compress_bwd, p.cfg, pr);
-  const Slots slots = carve_slots(p, ws, sizes.shared, sizes.slot);
-  Arena shared(ws.data, sizes.shared);
-  const int64_t rows = cmp_rows(p.T, p.cfg.cmp_stride);
-  float* dxc32 = shared.take<float>(rows * p.hkv * p.dqk);
+  CompressScratch c = compress_scratch(p, Op::compress_bwd, ws);
   const Rows src = Rows::of(dxc);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t h = 0; h < p.hkv; ++h) src.load(r, h, dxc32 + (r * p.hkv + h) * p.dqk);
-  phi_backward(p, phi, x, dxc32, dx, nullptr, dphi, shared, slots);
+  for (int64_t r = 0; r < c.rows; ++r)
+    for (int64_t h = 0; h < p.hkv; ++h) src.load(r, h, c.xc32 + (r * p.hkv + h) * p.dqk);
+  phi_backward(p, phi, x, c.xc32, dx, nullptr, dphi, c.shared, c.slots);
 }
 
 void compress_fwd(const Plan& p, const PhiParams& phi, const TensorView& x, const TensorView& xc, Workspace ws) {
-  const Problem pr{p.T, p.B, p.max_seqlen, p.hkv, p.hkv, p.dqk, p.dqk, p.phi_hidden_k, p.dtype, p.device};
-  const WsSizes sizes = backward_sizes(Op::compress_fwd, p.cfg, pr);
-  const Slots slots = carve_slots(p, ws, sizes.shared, sizes.slot);
-  Arena shared(ws.data, sizes.shared);
-  const int64_t rows = cmp_rows(p.T, p.cfg.cmp_stride);
-  float* xc32 = shared.take<float>(rows * p.hkv * p.dqk);
-  phi_forward(p, phi, x, xc32, shared, slots);
+  CompressScratch c = compress_scratch(p, Op::compress_fwd, ws);
+  phi_forward(p, phi, x, c.xc32, c.shared, c.slots);
   // Only the rows of real blocks are written (api.h: the others are left untouched).
   for (int64_t b = 0; b < p.B; ++b) {
     const int64_t r0 = cmp_row_offset(p.seq_start(b), p.cfg.cmp_stride);
     const int64_t nc = num_cmp_blocks(p.seq_len(b), p.cfg.cmp_block_len, p.cfg.cmp_stride);
     for (int64_t r = r0; r < r0 + nc; ++r)
-      for (int64_t h = 0; h < p.hkv; ++h) store_row(xc, r, h, xc32 + (r * p.hkv + h) * p.dqk, p.dqk);
+      for (int64_t h = 0; h < p.hkv; ++h) store_row(xc, r, h, c.xc32 + (r * p.hkv + h) * p.dqk, p.dqk);
   }
 }
 
