@@ -7,16 +7,22 @@
 
 namespace nsa::detail {
 
-inline float bf16_to_f32(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
+// The bits of an f32, and the f32 of given bits.
+inline uint32_t f32_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float f32_of_bits(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
 }
 
+inline float bf16_to_f32(uint16_t h) { return f32_of_bits(static_cast<uint32_t>(h) << 16); }
+
 inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
+  uint32_t u = f32_bits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
@@ -43,14 +49,11 @@ inline float f16_to_f32(uint16_t h) {
   } else {
     u = sign | ((exp + 127 - 15) << 23) | (man << 13);
   }
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+  return f32_of_bits(u);
 }
 
 inline uint16_t f32_to_f16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
+  const uint32_t u = f32_bits(f);
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t abs = u & 0x7fffffffu;
   if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // nan
