@@ -8,6 +8,7 @@
 
 #include "common/half.h"
 #include "cpu/kernels.h"
+#include "cpu/kernels_blocking.h"
 
 // The row kernels again, with vcvtneps2bf16 for their bf16 roundings.
 #define NSA_VEC_BYTES 64
@@ -59,25 +60,11 @@ __attribute__((always_inline)) inline void micro_kernel(int64_t K, const uint16_
   }
 }
 
-template <int R>
-inline void row_remainder(int64_t K, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
-                          float* C, int64_t ldc, bool accumulate, int rows) {
-  if constexpr (R > 0) {
-    if (rows == R) return micro_kernel<R>(K, A, lda, B, ldb, C, ldc, accumulate);
-    return row_remainder<R - 1>(K, A, lda, B, ldb, C, ldc, accumulate, rows);
-  }
-}
-
 void gemm_bf16(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const uint16_t* B,
                int64_t ldb, float* C, int64_t ldc, bool accumulate) {
-  for (int64_t j = 0; j < N; j += kNr) {
-    int64_t r = 0;
-    for (; r + kMr <= M; r += kMr)
-      micro_kernel<kMr>(K, A + r * lda, lda, B + 2 * j, ldb, C + r * ldc + j, ldc, accumulate);
-    if (r < M)
-      row_remainder<kMr - 1>(K, A + r * lda, lda, B + 2 * j, ldb, C + r * ldc + j, ldc, accumulate,
-                             static_cast<int>(M - r));
-  }
+  gemm_blocks<kMr, kNr>(M, N, [&](auto rows, int64_t r, int64_t j) __attribute__((always_inline)) {
+    micro_kernel<decltype(rows)::value>(K, A + r * lda, lda, B + 2 * j, ldb, C + r * ldc + j, ldc, accumulate);
+  });
 }
 
 }  // namespace

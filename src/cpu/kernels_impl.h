@@ -5,6 +5,9 @@
 // Before including, define:
 //   NSA_VEC_BYTES  vector width in bytes (16 SSE2, 32 AVX2, 64 AVX-512)
 //   NSA_MR         rows of the micro-kernel (register blocking; see kMr below)
+//   NSA_ISA        the table's name ("generic", "avx2", ...)
+// and where the ISA has them, NSA_BROADCAST(p) (see splat_load) and NSA_CVT_F16(src, dst) (kW
+// f16 values at src to f32 at dst in one go).
 #include "cpu/kernels_rows_impl.h"
 
 // The micro-kernel keeps kMr x 2 vectors of C in registers: 12 of AVX2's 16 registers (the
@@ -59,26 +62,11 @@ __attribute__((always_inline)) inline void micro_kernel(int64_t K, const float* 
   }
 }
 
-template <int R>
-inline void row_remainder(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
-                          float* C, int64_t ldc, bool accumulate, int rows) {
-  if constexpr (R > 0) {
-    if (rows == R) return micro_kernel<R>(K, A, lda, B, ldb, C, ldc, accumulate);
-    return row_remainder<R - 1>(K, A, lda, B, ldb, C, ldc, accumulate, rows);
-  }
-}
-
 void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
           int64_t ldb, float* C, int64_t ldc, bool accumulate) {
-  // Column panels outside: one K x kNr panel of B stays in L1 while every row block uses it.
-  for (int64_t j = 0; j < N; j += kNr) {
-    int64_t r = 0;
-    for (; r + kMr <= M; r += kMr)
-      micro_kernel<kMr>(K, A + r * lda, lda, B + j, ldb, C + r * ldc + j, ldc, accumulate);
-    if (r < M)
-      row_remainder<kMr - 1>(K, A + r * lda, lda, B + j, ldb, C + r * ldc + j, ldc, accumulate,
-                             static_cast<int>(M - r));
-  }
+  nsa::cpu::gemm_blocks<kMr, kNr>(M, N, [&](auto rows, int64_t r, int64_t j) __attribute__((always_inline)) {
+    micro_kernel<decltype(rows)::value>(K, A + r * lda, lda, B + j, ldb, C + r * ldc + j, ldc, accumulate);
+  });
 }
 
 // x[i] = exp(x[i]) (vexp).
@@ -98,3 +86,15 @@ float row_sum(const float* x, int64_t n) {
   return fold(s, kSumOp);
 }
 
+void f16_to_f32(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef NSA_CVT_F16
+  for (; i + kW <= n; i += kW) NSA_CVT_F16(src + i, dst + i);
+#endif
+  for (; i < n; ++i) dst[i] = nsa::detail::f16_to_f32(src[i]);
+}
+
+const KernelTable kTable = {.isa = NSA_ISA, .gemm = gemm, .exp_inplace = exp_inplace, .row_max = row_max,
+                            .row_sum = row_sum, .bf16_to_f32 = bf16_to_f32, .f16_to_f32 = f16_to_f32,
+                            .gemm_bf16 = nullptr, .f32_to_bf16 = f32_to_bf16, .pack_b_bf16 = nullptr,
+                            NSA_ROW_KERNELS};
