@@ -15,6 +15,23 @@
 namespace nsa::test {
 
 // A host tensor that owns its (contiguous) storage.
+// A row-major view with no gaps of `shape` at `data` on `device`.
+inline TensorView contiguous_view(void* data, DType dtype, const std::vector<int64_t>& shape,
+                                  Device device = Device::cpu) {
+  TensorView t;
+  t.data = data;
+  t.dtype = dtype;
+  t.ndim = static_cast<int>(shape.size());
+  t.device = device;
+  int64_t st = 1;
+  for (int d = t.ndim - 1; d >= 0; --d) {
+    t.shape[d] = shape[static_cast<size_t>(d)];
+    t.stride[d] = st;
+    st *= t.shape[d];
+  }
+  return t;
+}
+
 class HostTensor {
  public:
   HostTensor() = default;
@@ -33,20 +50,7 @@ class HostTensor {
   DType dtype() const { return dtype_; }
   void* data() { return bytes_.data(); }
 
-  TensorView view() {
-    TensorView t;
-    if (!defined()) return t;
-    t.data = bytes_.data();
-    t.dtype = dtype_;
-    t.ndim = static_cast<int>(shape_.size());
-    int64_t st = 1;
-    for (int d = t.ndim - 1; d >= 0; --d) {
-      t.shape[d] = shape_[static_cast<size_t>(d)];
-      t.stride[d] = st;
-      st *= t.shape[d];
-    }
-    return t;
-  }
+  TensorView view() { return defined() ? contiguous_view(bytes_.data(), dtype_, shape_) : TensorView{}; }
 
   double get(int64_t i) const {
     const char* p = reinterpret_cast<const char*>(bytes_.data());

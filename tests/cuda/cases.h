@@ -44,13 +44,7 @@ inline Config config_of(const AttentionCase& c) {
 
 // The case's sizes in `dtype` (phi = mlp: a hidden width of 24).
 inline Sizes sizes_of(const AttentionCase& c, DType dtype) {
-  Sizes s;
-  s.seqlens = c.seqlens;
-  s.hq = c.hq;
-  s.hkv = c.hkv;
-  s.dqk = c.dqk;
-  s.dv = c.dv;
-  s.phi_hidden = 24;
+  Sizes s = make_sizes(c.seqlens, c.hq, c.hkv, c.dqk, c.dv, 24);
   s.dtype = dtype;
   return s;
 }

@@ -127,19 +127,7 @@ class DeviceTensor {
     if (data_) cudaFree(data_);
   }
   TensorView view() const {
-    TensorView t;
-    if (host_shape_.empty()) return t;
-    t.data = data_;
-    t.dtype = dtype_;
-    t.ndim = static_cast<int>(host_shape_.size());
-    t.device = Device::cuda;
-    int64_t st = 1;
-    for (int d = t.ndim - 1; d >= 0; --d) {
-      t.shape[d] = host_shape_[static_cast<size_t>(d)];
-      t.stride[d] = st;
-      st *= t.shape[d];
-    }
-    return t;
+    return host_shape_.empty() ? TensorView{} : contiguous_view(data_, dtype_, host_shape_, Device::cuda);
   }
   // Copies back into `h` (same shape and dtype).
   void download(HostTensor& h) const {

@@ -47,13 +47,7 @@ Config config_of(const DCase& c) {
 }
 
 Sizes sizes_of(const DCase& c) {
-  Sizes s;
-  s.seqlens = c.seqlens;
-  s.hq = c.hq;
-  s.hkv = c.hkv;
-  s.dqk = c.dqk;
-  s.dv = c.dv;
-  s.phi_hidden = 40;
+  Sizes s = make_sizes(c.seqlens, c.hq, c.hkv, c.dqk, c.dv, 40);
   s.dtype = c.dtype;
   return s;
 }
@@ -366,18 +360,7 @@ class Guarded {
   Guarded& operator=(const Guarded&) = delete;
   ~Guarded() { cudaFree(base_); }
   TensorView view() const {
-    TensorView t;
-    t.data = static_cast<char*>(base_) + kGuard;
-    t.dtype = dtype_;
-    t.ndim = static_cast<int>(shape_.size());
-    t.device = Device::cuda;
-    int64_t st = 1;
-    for (int d = t.ndim - 1; d >= 0; --d) {
-      t.shape[d] = shape_[static_cast<size_t>(d)];
-      t.stride[d] = st;
-      st *= t.shape[d];
-    }
-    return t;
+    return contiguous_view(static_cast<char*>(base_) + kGuard, dtype_, shape_, Device::cuda);
   }
   bool guards_intact() const {
     std::vector<unsigned char> g(2 * kGuard);
