@@ -30,97 +30,6 @@
 
 namespace {
 
-struct CudaBenchOptions {
-  nsa::Config cfg;
-  std::vector<int64_t> seqlens = {8192};
-  int64_t hq = 16, hkv = 1, dqk = 128, dv = 128, phi_hidden = 128;
-  nsa::DType dtype = nsa::DType::bf16;
-  int repeats = 1, warmup = 1;
-  int64_t check_tokens = 256;
-  bool backward = true;
-};
-
-[[noreturn]] void usage(const std::string& msg) { throw nsa_cli::UsageError(msg); }
-
-int64_t to_int(const std::string& opt, const std::string& v) {
-  size_t used = 0;
-  long long x = 0;
-  try {
-    x = std::stoll(v, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used == 0 || used != v.size()) usage(opt + " expects an integer, got \"" + v + "\"");
-  return x;
-}
-
-CudaBenchOptions parse_options(int argc, char** argv) {
-  CudaBenchOptions o;
-  for (int i = 2; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) usage(a + " needs a value");
-      return argv[++i];
-    };
-    if (a == "--seqlens") {
-      o.seqlens.clear();
-      std::string list = value(), item;
-      for (size_t p = 0; p <= list.size(); ++p) {
-        if (p == list.size() || list[p] == ',') {
-          o.seqlens.push_back(to_int(a, item));
-          item.clear();
-        } else {
-          item += list[p];
-        }
-      }
-    } else if (a == "--hq") o.hq = to_int(a, value());
-    else if (a == "--hkv") o.hkv = to_int(a, value());
-    else if (a == "--dqk") o.dqk = to_int(a, value());
-    else if (a == "--dv") o.dv = to_int(a, value());
-    else if (a == "--phi-hidden") o.phi_hidden = to_int(a, value());
-    else if (a == "--dtype") {
-      const std::string t = value();
-      if (t == "bf16") o.dtype = nsa::DType::bf16;
-      else if (t == "f16") o.dtype = nsa::DType::f16;
-      else usage("--dtype on the CUDA backend must be bf16 or f16, got \"" + t + "\"");
-    } else if (a == "--backend") {
-      const nsa::Backend b = nsa::parse_backend(value().c_str());
-      if (b != nsa::Backend::cuda && b != nsa::Backend::automatic)
-        usage("--backend " + std::string(nsa::backend_name(b)) +
-              ": a CUDA device is visible, so this nsa program benchmarks the cuda backend "
-              "(hide the device with CUDA_VISIBLE_DEVICES= to benchmark the CPU backends)");
-    } else if (a == "--threads") value();  // CPU option: no effect on the GPU
-    else if (a == "--repeats") o.repeats = static_cast<int>(std::max<int64_t>(1, to_int(a, value())));
-    else if (a == "--warmup") o.warmup = static_cast<int>(std::max<int64_t>(0, to_int(a, value())));
-    else if (a == "--check-tokens") o.check_tokens = std::max<int64_t>(0, to_int(a, value()));
-    else if (a == "--no-backward") o.backward = false;
-    else if (a == "--no-dense") {
-    } else if (a == "--cmp-block-len") o.cfg.cmp_block_len = to_int(a, value());
-    else if (a == "--cmp-stride") o.cfg.cmp_stride = to_int(a, value());
-    else if (a == "--slc-block-len") o.cfg.slc_block_len = to_int(a, value());
-    else if (a == "--n-selected") o.cfg.n_selected = to_int(a, value());
-    else if (a == "--n-init") o.cfg.n_init = to_int(a, value());
-    else if (a == "--n-local") o.cfg.n_local = to_int(a, value());
-    else if (a == "--backbone") {
-      std::vector<int64_t> offs;
-      const std::string v = value();
-      for (size_t pos = 0; pos <= v.size();) {
-        const size_t comma = std::min(v.find(',', pos), v.size());
-        offs.push_back(to_int(a, v.substr(pos, comma - pos)));
-        pos = comma + 1;
-      }
-      o.cfg.set_backbone(offs);
-    }
-    else if (a == "--window") o.cfg.window = to_int(a, value());
-    else if (a == "--scale") o.cfg.scale = std::stod(value());
-    else if (a == "--phi") o.cfg.phi = nsa::parse_phi_kind(value(), "--phi");
-    else if (a == "--shared-kv") o.cfg.shared_kv = true;
-    else usage("unknown option " + a + " (see nsa --help)");
-  }
-  o.cfg.validate();
-  return o;
-}
-
 uint16_t to_storage(float x, nsa::DType dt) {
   if (dt == nsa::DType::bf16) return static_cast<__nv_bfloat16_raw>(__float2bfloat16(x)).x;
   return static_cast<__half_raw>(__float2half(x)).x;
@@ -192,12 +101,16 @@ struct Pair {
 
 }  // namespace
 
-int run_cuda_bench(int argc, char** argv) {
-  CudaBenchOptions o;
-  try {
-    o = parse_options(argc, argv);
-  } catch (const std::invalid_argument& e) {  // (UsageError, and std::stod's)
-    std::fprintf(stderr, "nsa: %s\n", e.what());
+int run_cuda_bench(const nsa_cli::BenchOptions& o) {
+  if (o.backend != nsa::Backend::cuda && o.backend != nsa::Backend::automatic) {
+    std::fprintf(stderr,
+                 "nsa: --backend %s: a CUDA device is visible, so this nsa program benchmarks the cuda backend "
+                 "(hide the device with CUDA_VISIBLE_DEVICES= to benchmark the CPU backends)\n",
+                 nsa::backend_name(o.backend));
+    return 2;
+  }
+  if (o.dtype == nsa::DType::f32) {
+    std::fprintf(stderr, "nsa: --dtype on the CUDA backend must be bf16 or f16, got f32\n");
     return 2;
   }
   nsa::Context ctx;

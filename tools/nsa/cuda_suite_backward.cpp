@@ -45,8 +45,7 @@ struct Shape {
 };
 
 struct BackwardSuiteOptions {
-  std::string out = "nsa_backward_bench.csv";
-  std::vector<int64_t> lengths = {8192, 16384, 32768, 65536};
+  SuiteOptions common;
   std::vector<Shape> shapes = {{64, 4, 128, 128}, {64, 4, 192, 128}, {16, 4, 128, 128}};
   std::string variant;  // empty: every variant
   bool once = false;
@@ -60,59 +59,33 @@ std::string variant_list() {
 
 Shape parse_shape(const std::string& opt, const std::string& text) {
   std::vector<int64_t> v;
-  bool ok = true;
-  std::string item;
-  for (size_t p = 0; p <= text.size(); ++p) {
-    if (p < text.size() && text[p] != ',') {
-      item += text[p];
-      continue;
-    }
-    size_t used = 0;
-    long long x = 0;
-    try {
-      x = std::stoll(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    ok = ok && used != 0 && used == item.size();
-    v.push_back(x);
-    item.clear();
-  }
-  if (!ok || v.size() != 4 || v[0] <= 0 || v[1] <= 0 || v[0] % v[1] != 0 || (v[2] != 64 && v[2] != 128 && v[2] != 192) ||
+  for (const std::string& item : split_commas(text)) v.push_back(parse_int(opt, item));
+  if (v.size() != 4 || v[0] <= 0 || v[1] <= 0 || v[0] % v[1] != 0 || (v[2] != 64 && v[2] != 128 && v[2] != 192) ||
       (v[3] != 64 && v[3] != 128))
     throw UsageError(opt + " \"" + text +
-                                "\": expected HQ,HKV,DQK,DV with HQ a multiple of HKV, DQK in {64,128,192}, DV in {64,128}");
+                     "\": expected HQ,HKV,DQK,DV with HQ a multiple of HKV, DQK in {64,128,192}, DV in {64,128}");
   return Shape{v[0], v[1], v[2], v[3]};
 }
 
 BackwardSuiteOptions parse_backward(const std::vector<std::string>& args) {
   BackwardSuiteOptions o;
-  bool quick = false, g16_only = false;
+  bool g16_only = false;
   Shape only_shape{0, 0, 0, 0};
-  std::vector<int64_t> chosen;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& a = args[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= args.size()) throw UsageError(a + " needs a value");
-      return args[++i];
-    };
-    if (a == "--out") o.out = value();
-    else if (a == "--quick") quick = true;
-    else if (a == "--g16-only") g16_only = true;
+  auto own = [&](const std::string& a, const std::function<std::string()>& value) {
+    if (a == "--g16-only") g16_only = true;
     else if (a == "--once") o.once = true;
-    else if (a == "--lengths") chosen = parse_lengths(a, value());
     else if (a == "--shape") only_shape = parse_shape(a, value());
     else if (a == "--variant") {
       o.variant = value();
       if (std::none_of(std::begin(kVariantNames), std::end(kVariantNames), [&](const char* v) { return o.variant == v; }))
         throw UsageError("--variant must be one of " + variant_list() + ", got \"" + o.variant + "\"");
     } else
-      throw UsageError("--suite backward: unknown option " + a +
-                                  " (its options: --out FILE, --quick, --lengths LIST, --g16-only, --once, "
-                                  "--variant NAME, --shape HQ,HKV,DQK,DV; see nsa --help)");
-  }
-  if (quick) o.lengths = {8192};
-  if (!chosen.empty()) o.lengths = chosen;
+      return false;
+    return true;
+  };
+  o.common = parse_suite("backward", args, {"nsa_backward_bench.csv", {8192, 16384, 32768, 65536}},
+                         "--out FILE, --quick, --lengths LIST, --g16-only, --once, --variant NAME, --shape HQ,HKV,DQK,DV",
+                         own);
   if (g16_only) o.shapes.resize(1);
   if (only_shape.hq) o.shapes = {only_shape};
   return o;
@@ -153,7 +126,7 @@ std::vector<Variant> variants_of(const Shape& s, int64_t T) {
 int run_backward_suite(const std::vector<std::string>& args) {
   const BackwardSuiteOptions opt = parse_backward(args);
   require_device("backward");
-  CsvFile file(opt.out);
+  CsvFile file(opt.common.out);
   FILE* csv = file.f;
   std::fprintf(csv, "T,hq,hkv,dqk,dv,variant,fwd_ms,bwd_ms,fwd_bwd_ms,bwd_tflops,ws_mb,qkvo_mb,peak_mb\n");
   nsa::CudaKernelChoices choices;  // per variant: the selection's union tiles or its per-token kernels
@@ -163,7 +136,7 @@ int run_backward_suite(const std::vector<std::string>& args) {
   const nsa::DType bf16 = nsa::DType::bf16;
 
   for (const Shape& s : opt.shapes) {
-    for (int64_t T : opt.lengths) {
+    for (int64_t T : opt.common.lengths) {
       const std::vector<Variant> variants = variants_of(s, T);
       DeviceTensor q(bf16, {T, s.hq, s.dqk}, 1);
       std::unique_ptr<DeviceTensor> k[3], v[3], dk[3], dv[3];

@@ -30,31 +30,19 @@ namespace nsa_cli {
 namespace {
 
 struct ForwardSuiteOptions {
-  std::string out = "nsa_bench.csv";
-  std::vector<int64_t> lengths = {8192, 16384, 32768, 65536, 131072};
+  SuiteOptions common;
   bool locality = true;
 };
 
 ForwardSuiteOptions parse_forward(const std::vector<std::string>& args) {
   ForwardSuiteOptions o;
-  bool quick = false;
-  std::vector<int64_t> chosen;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& a = args[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= args.size()) throw UsageError(a + " needs a value");
-      return args[++i];
-    };
-    if (a == "--out") o.out = value();
-    else if (a == "--quick") quick = true;
-    else if (a == "--no-locality") o.locality = false;
-    else if (a == "--lengths") chosen = parse_lengths(a, value());
-    else
-      throw UsageError("--suite forward: unknown option " + a +
-                                  " (its options: --out FILE, --quick, --no-locality, --lengths LIST; see nsa --help)");
-  }
-  if (quick) o.lengths = {8192};
-  if (!chosen.empty()) o.lengths = chosen;
+  o.common = parse_suite("forward", args, {"nsa_bench.csv", {8192, 16384, 32768, 65536, 131072}},
+                         "--out FILE, --quick, --no-locality, --lengths LIST",
+                         [&](const std::string& a, const std::function<std::string()>&) {
+                           if (a != "--no-locality") return false;
+                           o.locality = false;
+                           return true;
+                         });
   return o;
 }
 
@@ -67,7 +55,7 @@ struct Shape {
 int run_forward_suite(const std::vector<std::string>& args) {
   const ForwardSuiteOptions opt = parse_forward(args);
   require_device("forward");
-  CsvFile file(opt.out);
+  CsvFile file(opt.common.out);
   FILE* csv = file.f;
   std::fprintf(csv, "T,hq,hkv,dqk,dv,stage,ms,tflops\n");
 
@@ -79,7 +67,7 @@ int run_forward_suite(const std::vector<std::string>& args) {
   const nsa::DType bf16 = nsa::DType::bf16;
 
   for (const Shape& base : shapes) {
-    for (int64_t T : opt.lengths) {
+    for (int64_t T : opt.common.lengths) {
       const Shape s{T, base.hq, base.hkv, base.dqk, base.dv};
       const int64_t rows = nsa::cmp_rows(T, cfg.cmp_stride);
       const int64_t ns = nsa::num_slc_blocks(T, cfg.slc_block_len);

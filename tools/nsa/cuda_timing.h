@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "nsa/nsa.h"
+#include "options.h"
 
 // A CUDA runtime call that throws std::runtime_error (the call and CUDA's message) on failure;
 // `nsa` prints it and exits with status 1.
@@ -29,11 +30,6 @@
   } while (0)
 
 namespace nsa_cli {
-
-// A command-line mistake in a suite's options: `nsa` prints "nsa: <message>" and exits with status 2.
-struct UsageError : std::invalid_argument {
-  using std::invalid_argument::invalid_argument;
-};
 
 // The suites, run by `nsa bench --suite NAME` (cuda_bench.cpp's run_cuda_suite); `args` are the
 // options after `bench` without `--suite NAME`.
@@ -122,30 +118,6 @@ inline void attended_keys(const nsa::Config& c, int64_t T, double keys[3]) {
     keys[1] += static_cast<double>(std::min<int64_t>(t + 1, blocks * c.slc_block_len - c.slc_block_len / 2));
     keys[2] += static_cast<double>(std::min<int64_t>(t + 1, c.window));
   }
-}
-
-// "--lengths 8192,65536": positive integers separated by commas.
-inline std::vector<int64_t> parse_lengths(const std::string& opt, const std::string& list) {
-  std::vector<int64_t> out;
-  std::string item;
-  for (size_t p = 0; p <= list.size(); ++p) {
-    if (p < list.size() && list[p] != ',') {
-      item += list[p];
-      continue;
-    }
-    size_t used = 0;
-    long long v = 0;
-    try {
-      v = std::stoll(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used == 0 || used != item.size() || v <= 0)
-      throw UsageError(opt + " wants positive integers separated by commas, got \"" + list + "\"");
-    out.push_back(v);
-    item.clear();
-  }
-  return out;
 }
 
 // A file written by a suite (its CSV), closed on destruction.

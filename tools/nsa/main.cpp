@@ -23,6 +23,7 @@
 
 #include "cpu/kernels.h"
 #include "nsa/nsa.h"
+#include "options.h"
 
 namespace {
 
@@ -31,24 +32,8 @@ using nsa::Config;
 using nsa::DType;
 using nsa::TensorView;
 
-// A command-line mistake: printed as "nsa: <message>" with exit status 2.
-struct UsageError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-struct Options {
-  Config cfg;
-  std::vector<int64_t> seqlens = {8192};
-  int64_t hq = 16, hkv = 1, dqk = 128, dv = 128, phi_hidden = 128;
-  DType dtype = DType::bf16;
-  int threads = 0;
-  Backend backend = Backend::automatic;
-  int repeats = 1;
-  int warmup = 1;
-  int64_t check_tokens = 256;
-  bool backward = true;
-  bool dense = true;
-};
+using nsa_cli::BenchOptions;
+using nsa_cli::UsageError;
 
 #ifndef NSA_VERSION
 #error "NSA_VERSION (the project version) is set by tools/CMakeLists.txt"
@@ -128,103 +113,6 @@ options above apply):
 
 // `nsa bench --suite NAME`: the suites' names, in the order of the help.
 const char* const kSuites[] = {"forward", "backward"};
-
-int64_t parse_int(const std::string& opt, const std::string& text) {
-  try {
-    size_t used = 0;
-    const long long v = std::stoll(text, &used);
-    if (used != text.size()) throw std::invalid_argument(text);
-    return v;
-  } catch (const std::exception&) {
-    throw UsageError(opt + " expects an integer, got \"" + text + "\"");
-  }
-}
-
-double parse_double(const std::string& opt, const std::string& text) {
-  try {
-    size_t used = 0;
-    const double v = std::stod(text, &used);
-    if (used != text.size()) throw std::invalid_argument(text);
-    return v;
-  } catch (const std::exception&) {
-    throw UsageError(opt + " expects a number, got \"" + text + "\"");
-  }
-}
-
-std::vector<std::string> split_commas(const std::string& list) {
-  std::vector<std::string> items(1);
-  for (char ch : list) {
-    if (ch == ',') items.emplace_back();
-    else items.back() += ch;
-  }
-  return items;
-}
-
-int64_t positive(const std::string& opt, int64_t v) {
-  if (v < 1) throw UsageError(opt + " must be >= 1, got " + std::to_string(v));
-  return v;
-}
-
-DType parse_dtype(const std::string& text) {
-  if (text == "bf16") return DType::bf16;
-  if (text == "f16") return DType::f16;
-  if (text == "f32") return DType::f32;
-  throw UsageError("--dtype must be bf16, f16 or f32, got \"" + text + "\"");
-}
-
-Options parse(int argc, char** argv) {
-  Options o;
-  for (int i = 2; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw UsageError(a + " needs a value");
-      return argv[++i];
-    };
-    if (a == "--seqlens") {
-      o.seqlens.clear();
-      for (const std::string& item : split_commas(value())) o.seqlens.push_back(positive(a, parse_int(a, item)));
-    } else if (a == "--hq") o.hq = positive(a, parse_int(a, value()));
-    else if (a == "--hkv") o.hkv = positive(a, parse_int(a, value()));
-    else if (a == "--dqk") o.dqk = positive(a, parse_int(a, value()));
-    else if (a == "--dv") o.dv = positive(a, parse_int(a, value()));
-    else if (a == "--phi-hidden") o.phi_hidden = positive(a, parse_int(a, value()));
-    else if (a == "--dtype") o.dtype = parse_dtype(value());
-    else if (a == "--threads") {
-      o.threads = static_cast<int>(parse_int(a, value()));
-      if (o.threads < 0) throw UsageError("--threads must be >= 0 (0: OpenMP default)");
-    } else if (a == "--backend") o.backend = nsa::parse_backend(value().c_str());
-    else if (a == "--repeats") o.repeats = static_cast<int>(positive(a, parse_int(a, value())));
-    else if (a == "--warmup") {
-      o.warmup = static_cast<int>(parse_int(a, value()));
-      if (o.warmup < 0) throw UsageError("--warmup must be >= 0");
-    }
-    else if (a == "--check-tokens") {
-      o.check_tokens = parse_int(a, value());
-      if (o.check_tokens < 0) throw UsageError("--check-tokens must be >= 0");
-    } else if (a == "--no-backward") o.backward = false;
-    else if (a == "--no-dense") o.dense = false;
-    else if (a == "--cmp-block-len") o.cfg.cmp_block_len = parse_int(a, value());
-    else if (a == "--cmp-stride") o.cfg.cmp_stride = parse_int(a, value());
-    else if (a == "--slc-block-len") o.cfg.slc_block_len = parse_int(a, value());
-    else if (a == "--n-selected") o.cfg.n_selected = parse_int(a, value());
-    else if (a == "--n-init") o.cfg.n_init = parse_int(a, value());
-    else if (a == "--n-local") o.cfg.n_local = parse_int(a, value());
-    else if (a == "--backbone") {
-      std::vector<int64_t> offs;
-      for (const std::string& x : split_commas(value())) offs.push_back(parse_int(a, x));
-      o.cfg.set_backbone(offs);
-    }
-    else if (a == "--window") o.cfg.window = parse_int(a, value());
-    else if (a == "--scale") o.cfg.scale = parse_double(a, value());
-    else if (a == "--phi") o.cfg.phi = nsa::parse_phi_kind(value(), "--phi");
-    else if (a == "--shared-kv") o.cfg.shared_kv = true;
-    else throw UsageError("unknown option " + a + " (see nsa --help)");
-  }
-  if (o.hq % o.hkv != 0)
-    throw UsageError("--hq (" + std::to_string(o.hq) + ") must be a multiple of --hkv (" + std::to_string(o.hkv) + ")");
-  o.cfg.validate();  // nsa::Error names the field and the rule
-  return o;
-}
 
 // ---- Host tensors ---------------------------------------------------------------------------
 
@@ -379,7 +267,7 @@ void make_phi(const Config& cfg, int64_t D, int64_t F, DType dt, Tensor* out, st
   if (out[4].numel()) fill(out[4], *rng, -0.5f, 0.5f);
 }
 
-Layer make_layer(const Options& o, int64_t T, uint64_t seed) {
+Layer make_layer(const BenchOptions& o, int64_t T, uint64_t seed) {
   std::mt19937_64 rng(seed);
   Layer L;
   L.T = T;
@@ -489,12 +377,12 @@ struct Row {
 
 // ---- The CUDA backend's benchmarks ----------------------------------------------------------
 // tools/nsa/cuda_bench.cpp, compiled in by CUDA builds (tools/CMakeLists.txt sets
-// NSA_CLI_CUDA_BENCH): run_cuda_bench() parses the same options as bench() and prints rows in the
+// NSA_CLI_CUDA_BENCH): run_cuda_bench() takes the same options as bench() and prints rows in the
 // same table format; run_cuda_suite() runs `--suite NAME` with the other options after `bench`.
 #ifdef NSA_CLI_CUDA_BENCH
 }  // namespace
 // Defined in another file: declared outside the anonymous namespace (external linkage).
-int run_cuda_bench(int argc, char** argv);
+int run_cuda_bench(const nsa_cli::BenchOptions& o);
 int run_cuda_suite(const std::string& suite, const std::vector<std::string>& args);
 namespace {
 #endif
@@ -521,7 +409,7 @@ std::string find_suite(int argc, char** argv, std::vector<std::string>* rest) {
 
 // Compares the first `rows` tokens of the NSA output with the fp64 reference on the truncated
 // problem. Returns the max error over rows whose indices agree; counts the others.
-double check_rows(const Options& o, Layer& L, int64_t rows, int64_t* disagree, int64_t* checked, double* ref_max) {
+double check_rows(const BenchOptions& o, Layer& L, int64_t rows, int64_t* disagree, int64_t* checked, double* ref_max) {
   *disagree = 0;
   *checked = 0;
   *ref_max = 0.0;
@@ -570,7 +458,7 @@ std::string cpu_model() {
   return model;
 }
 
-int bench(const Options& o) {
+int bench(const BenchOptions& o) {
   nsa::Context ctx;
   ctx.backend = o.backend;
   ctx.num_threads = o.threads;
@@ -702,13 +590,16 @@ int main(int argc, char** argv) {
     const std::string suite = find_suite(argc, argv, &suite_args);
 #ifdef NSA_CLI_CUDA_BENCH
     if (!suite.empty()) return run_cuda_suite(suite, suite_args);  // (it checks for a device)
-    if (nsa::backend_available(Backend::cuda)) return run_cuda_bench(argc, argv);
 #else
     if (!suite.empty())
       throw UsageError("--suite " + suite + " times the CUDA backend, which this nsa program was built without " +
                        "(a CUDA build: cmake -DNSA_CUDA=ON)");
 #endif
-    return bench(parse(argc, argv));
+    const BenchOptions options = nsa_cli::parse_bench(argc, argv);
+#ifdef NSA_CLI_CUDA_BENCH
+    if (nsa::backend_available(Backend::cuda)) return run_cuda_bench(options);
+#endif
+    return bench(options);
   } catch (const UsageError& e) {
     std::fprintf(stderr, "nsa: %s\n", e.what());
     return 2;
