@@ -57,8 +57,9 @@ struct RandomDraw {
   AttentionCase c;
   int64_t page_size;              // decode: a multiple of l'
   int64_t first_max;              // decode: most tokens of a sequence's first append
-  std::vector<int64_t> backbone;  // decode: spec §11's offsets
+  std::vector<int64_t> backbone = {};  // decode: spec §11's offsets
 };
+inline void PrintTo(const RandomDraw& r, std::ostream* os) { *os << r.c.name; }
 
 inline int64_t env_int(const char* name, int64_t fallback) {
   const char* v = std::getenv(name);

@@ -25,30 +25,19 @@ using namespace nsa::test;
 
 namespace {
 
-struct DCase {
-  std::string name;
-  DType dtype;
-  int64_t dqk, dv, hq, hkv;
-  std::vector<int32_t> seqlens;
-  int64_t l, d, lp, n, n_init, n_local, w;
-  PhiKind phi;
-  bool shared_kv;
-  int64_t page_size;
-  int64_t first_max;  // most tokens of a sequence's first append
-  std::vector<int64_t> backbone = {};  // spec §11's offsets
-};
+// A decode case: an attention case with its page size, first appends and backbone offsets (the
+// fields cases.h's random draws fill).
+using DCase = RandomDraw;
 
-void PrintTo(const DCase& c, std::ostream* os) { *os << c.name; }
-
-Config config_of(const DCase& c) {
-  Config cfg = make_config(c.l, c.d, c.lp, c.n, c.n_init, c.n_local, c.w, c.phi, c.shared_kv);
-  cfg.set_backbone(c.backbone);
+Config config_of(const DCase& dc) {
+  Config cfg = config_of(dc.c);
+  cfg.set_backbone(dc.backbone);
   return cfg;
 }
 
-Sizes sizes_of(const DCase& c) {
-  Sizes s = make_sizes(c.seqlens, c.hq, c.hkv, c.dqk, c.dv, 40);
-  s.dtype = c.dtype;
+Sizes sizes_of(const DCase& dc) {
+  Sizes s = make_sizes(dc.c.seqlens, dc.c.hq, dc.c.hkv, dc.c.dqk, dc.c.dv, 40);
+  s.dtype = dc.c.dtype;
   return s;
 }
 
@@ -58,14 +47,16 @@ void sync() { ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess); }
 // page sizes from l' to 4 l', lengths that are multiples of nothing.
 std::vector<DCase> cases() {
   return {
-      {"bf16_d128_G16_paper", DType::bf16, 128, 128, 16, 1, {1500, 700}, 32, 16, 64, 16, 1, 2, 512, PhiKind::mlp, false, 64, 900},
-      {"f16_d64_G1_shared_mean", DType::f16, 64, 64, 2, 2, {300, 0, 129}, 16, 8, 32, 4, 0, 1, 40, PhiKind::mean, true, 32, 120},
-      {"bf16_d192x128_G8_linear", DType::bf16, 192, 128, 16, 2, {900}, 32, 16, 64, 8, 1, 1, 100, PhiKind::linear, false, 128, 700},
-      {"f16_d128x64_G4_mlp_packed", DType::f16, 128, 64, 8, 2, {257, 1, 640, 77}, 16, 8, 32, 6, 1, 2, 64, PhiKind::mlp, true, 64, 500},
-      {"bf16_d64_G2_n_above_no_window", DType::bf16, 64, 64, 4, 2, {200}, 8, 4, 16, 20, 2, 1, 0, PhiKind::mlp, false, 16, 60},
-      {"bf16_d192x64_G16_long", DType::bf16, 192, 64, 16, 1, {2100}, 32, 16, 64, 16, 1, 2, 512, PhiKind::mean, false, 256, 1200},
-      {"bf16_d128_G8_backbone", DType::bf16, 128, 128, 16, 2, {1300, 500}, 32, 16, 64, 8, 1, 2, 256, PhiKind::mlp, false, 128,
-       600, {1, 4, 16}},
+      {{"bf16_d128_G16_paper", DType::bf16, 128, 128, 16, 1, {1500, 700}, 32, 16, 64, 16, 1, 2, 512, PhiKind::mlp, false}, 64, 900},
+      {{"f16_d64_G1_shared_mean", DType::f16, 64, 64, 2, 2, {300, 0, 129}, 16, 8, 32, 4, 0, 1, 40, PhiKind::mean, true}, 32, 120},
+      {{"bf16_d192x128_G8_linear", DType::bf16, 192, 128, 16, 2, {900}, 32, 16, 64, 8, 1, 1, 100, PhiKind::linear, false}, 128, 700},
+      {{"f16_d128x64_G4_mlp_packed", DType::f16, 128, 64, 8, 2, {257, 1, 640, 77}, 16, 8, 32, 6, 1, 2, 64, PhiKind::mlp, true}, 64, 500},
+      {{"bf16_d64_G2_n_above_no_window", DType::bf16, 64, 64, 4, 2, {200}, 8, 4, 16, 20, 2, 1, 0, PhiKind::mlp, false}, 16, 60},
+      {{"bf16_d192x64_G16_long", DType::bf16, 192, 64, 16, 1, {2100}, 32, 16, 64, 16, 1, 2, 512, PhiKind::mean, false}, 256, 1200},
+      {{"bf16_d128_G8_backbone", DType::bf16, 128, 128, 16, 2, {1300, 500}, 32, 16, 64, 8, 1, 2, 256, PhiKind::mlp, false},
+       128,
+       600,
+       {1, 4, 16}},
   };
 }
 
@@ -187,16 +178,17 @@ class CudaDecode : public ::testing::TestWithParam<DCase> {};
 // and the compressed pools against phi of the tokens (poisoned slots where no block ended yet).
 TEST_P(CudaDecode, MatchesReferenceAndPrefillAtEveryStep) {
   NSA_REQUIRE_GPU();
-  const DCase& c = GetParam();
-  const Config cfg = config_of(c);
-  const Sizes sz = sizes_of(c);
+  const DCase& dc = GetParam();
+  const AttentionCase& c = dc.c;
+  const Config cfg = config_of(dc);
+  const Sizes sz = sizes_of(dc);
   LayerProblem p = make_problem(cfg, sz, 11);
   const int64_t T = p.T, hq = c.hq, hkv = c.hkv, n = c.n, longest = *std::max_element(c.seqlens.begin(), c.seqlens.end());
   const Context cuda = cuda_context(Backend::cuda), ref = cuda_context(Backend::reference);
   const auto phk = device_phi(p.phi_k), phv = device_phi(p.phi_v);
-  HostCache host = make_cache(cfg, sz, c.page_size, longest + 3, 12);
+  HostCache host = make_cache(cfg, sz, dc.page_size, longest + 3, 12);
   DeviceCache dev(host);
-  const auto schedule = random_schedule(c.seqlens, 13, c.first_max, 4);
+  const auto schedule = random_schedule(c.seqlens, 13, dc.first_max, 4);
   LayerProblem got = p, truth = p;  // the decoded rows: the GPU's, and the reference's (fp64)
   truth.o = HostTensor(DType::f64, p.o.shape());
   truth.o_branch = HostTensor(DType::f64, p.o_branch.shape());
@@ -236,7 +228,7 @@ TEST_P(CudaDecode, MatchesReferenceAndPrefillAtEveryStep) {
     // Compressed blocks exist exactly up to N_c(len) (the poison pattern elsewhere).
     for (int64_t b = 0; b < host.B; ++b) {
       const int64_t len = done[static_cast<size_t>(b)] + step[static_cast<size_t>(b)];
-      const int64_t ready = num_cmp_blocks(len, c.l, c.d), ps = c.page_size, slots = ps / c.d;
+      const int64_t ready = num_cmp_blocks(len, c.l, c.d), ps = dc.page_size, slots = ps / c.d;
       for (int64_t i = 0; i < host.max_pages * slots; ++i) {
         const int64_t page = static_cast<int64_t>(host.block_table.get(b * host.max_pages + cmp_block_page(i, c.d, ps)));
         const double x = host.kc.get((page * slots + cmp_block_slot(i, c.d, ps)) * hkv * c.dqk);
@@ -264,11 +256,11 @@ TEST_P(CudaDecode, MatchesReferenceAndPrefillAtEveryStep) {
       std::vector<double> g, w;
       int64_t s0 = 0;
       for (int64_t b = 0; b < host.B; ++b) {
-        const int64_t slots = c.page_size / c.d;
+        const int64_t slots = dc.page_size / c.d;
         for (int64_t i = 0; i < num_cmp_blocks(c.seqlens[static_cast<size_t>(b)], c.l, c.d); ++i) {
-          const int64_t page = static_cast<int64_t>(host.block_table.get(b * host.max_pages + cmp_block_page(i, c.d, c.page_size)));
+          const int64_t page = static_cast<int64_t>(host.block_table.get(b * host.max_pages + cmp_block_page(i, c.d, dc.page_size)));
           for (int64_t e = 0; e < hkv * D; ++e) {
-            g.push_back(pool->get((page * slots + cmp_block_slot(i, c.d, c.page_size)) * hkv * D + e));
+            g.push_back(pool->get((page * slots + cmp_block_slot(i, c.d, dc.page_size)) * hkv * D + e));
             w.push_back(want->get((s0 / c.d + i) * hkv * D + e));
           }
         }
@@ -332,17 +324,9 @@ TEST_P(CudaDecode, MatchesReferenceAndPrefillAtEveryStep) {
       << "o against the prefill";
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, CudaDecode, ::testing::ValuesIn(cases()), [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Cases, CudaDecode, ::testing::ValuesIn(cases()), [](const auto& info) { return info.param.c.name; });
 
-// Drawn cases (cases.h), with their page sizes, first appends and backbone offsets.
-std::vector<DCase> random_cases() {
-  std::vector<DCase> out;
-  for (const RandomDraw& r : random_draws(3, 1200))
-    out.push_back({r.c.name, r.c.dtype, r.c.dqk, r.c.dv, r.c.hq, r.c.hkv, r.c.seqlens, r.c.l, r.c.d, r.c.lp, r.c.n,
-                   r.c.n_init, r.c.n_local, r.c.w, r.c.phi, r.c.shared_kv, r.page_size, r.first_max, r.backbone});
-  return out;
-}
-INSTANTIATE_TEST_SUITE_P(Random, CudaDecode, ::testing::ValuesIn(random_cases()), [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Random, CudaDecode, ::testing::ValuesIn(random_draws(3, 1200)), [](const auto& info) { return info.param.c.name; });
 
 // ---- bad device metadata, and CUDA graphs --------------------------------------------------------
 

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "cases.h"
 #include "cuda_support.h"
 
 using namespace nsa;
@@ -50,23 +51,13 @@ int64_t repeat_padding(HostTensor& idx, uint64_t seed) {
   return repeats;
 }
 
-struct SetCase {
-  std::string name;
-  DType dtype;
-  int64_t dqk, dv, hq, hkv;
-  std::vector<int32_t> seqlens;
-  int64_t l, d, lp, n, n_init, n_local, w;
-  bool shared_kv;
-};
-
-class CudaIndexSets : public ::testing::TestWithParam<SetCase> {};
+class CudaIndexSets : public ::testing::TestWithParam<AttentionCase> {};
 
 TEST_P(CudaIndexSets, RepeatedBlocksAddNothingToTheGradients) {
   NSA_REQUIRE_GPU();
-  const SetCase& c = GetParam();
-  const Config cfg = make_config(c.l, c.d, c.lp, c.n, c.n_init, c.n_local, c.w, PhiKind::mean, c.shared_kv);
-  Sizes s = make_sizes(c.seqlens, c.hq, c.hkv, c.dqk, c.dv);
-  s.dtype = c.dtype;
+  const AttentionCase& c = GetParam();
+  const Config cfg = config_of(c);
+  Sizes s = sizes_of(c);
   LayerProblem low = make_problem(cfg, s, 7);
   s.dtype = DType::f64;
   LayerProblem ref = make_problem(cfg, s, 7);
@@ -141,11 +132,12 @@ TEST_P(CudaIndexSets, RepeatedBlocksAddNothingToTheGradients) {
 INSTANTIATE_TEST_SUITE_P(
     Cases, CudaIndexSets,
     ::testing::Values(
-        // name, dtype, Dqk, Dv, Hq, Hkv, seqlens, l, d, l', n, n_init, n_local, w, shared_kv
-        SetCase{"bf16_d64_G2_packed", DType::bf16, 64, 64, 2, 1, {150, 37, 1}, 32, 16, 64, 6, 1, 1, 64, false},
-        SetCase{"f16_d128_G4_shared", DType::f16, 128, 128, 8, 2, {300}, 16, 8, 32, 12, 1, 2, 40, true},
-        SetCase{"bf16_d192x128_G16_long_rows", DType::bf16, 192, 128, 16, 1, {200, 64}, 32, 16, 64, 16, 1, 2, 100,
-                false}),
+        // name, dtype, Dqk, Dv, Hq, Hkv, seqlens, l, d, l', n, n_init, n_local, w, phi, shared_kv
+        AttentionCase{"bf16_d64_G2_packed", DType::bf16, 64, 64, 2, 1, {150, 37, 1}, 32, 16, 64, 6, 1, 1, 64, PhiKind::mean,
+                      false},
+        AttentionCase{"f16_d128_G4_shared", DType::f16, 128, 128, 8, 2, {300}, 16, 8, 32, 12, 1, 2, 40, PhiKind::mean, true},
+        AttentionCase{"bf16_d192x128_G16_long_rows", DType::bf16, 192, 128, 16, 1, {200, 64}, 32, 16, 64, 16, 1, 2, 100,
+                      PhiKind::mean, false}),
     [](const auto& info) { return info.param.name; });
 
 }  // namespace
