@@ -8,33 +8,38 @@
 //                           index (count of them valid, the rest 0): one or two 16-byte loads
 //                           where aligned;
 //   kKFast                  whether that index is k (else i);
-//   kExact                  whether every element is exact in tf32 (bf16 / fp16 values are).
+//   kExact                  whether every element is exact in bf16 (bf16 storage values are).
 // The store is a functor st(batch, m, n, split, value) that owns the epilogue (bias, GELU,
 // rounding, scatter, a split-K partial).
 //
-// The product runs on mma.m16n8k8 with tf32 operands (sm_80+, unchanged on sm_90), each fp32
-// element split into hi = tf32(x) and lo = tf32(x - hi): a b = hi_a hi_b + hi_a lo_b + lo_a hi_b
-// ("3xTF32"), which carries about 22 significant bits; an exact operand has lo = 0 and skips
-// its term (weights: 2 products instead of 3). The tensor cores sum 8 products at a time into a
-// zeroed fragment, which is then added to the fp32 accumulator with an ordinary (round-to-nearest)
-// addition: long sums (K = l*D = 4096, or every compressed row) do not accumulate the tensor
-// cores' own rounding of their running sum.
+// The product runs on mma.m16n8k16 with bf16 operands (sm_80+, unchanged on sm_90): each fp32
+// element is split into hi = bf16(x) and lo = bf16(x - hi), which carries about 17 significant
+// bits (bf16 has fp32's exponent range: lo never underflows where x does not), and
+// a b = hi_a hi_b + hi_a lo_b + lo_a hi_b ("3xBF16"); an operand exact in bf16 (bf16 storage)
+// has lo = 0 and skips its term (bf16 weights: 2 products instead of 3). The split happens once,
+// when a step's operands are stored to shared memory, as bf16 pairs along k (the fragments'
+// order). The tensor cores sum 16 products at a time into a zeroed fragment, which is then added
+// to the fp32 accumulator with an ordinary (round-to-nearest) addition: long sums (K = l*D =
+// 4096, or every compressed row) do not accumulate the tensor cores' own rounding of their
+// running sum.
 //
 // Tiles: 128 x 64 outputs per CTA of 8 warps (4 x 2, 32 x 32 each), 32-deep steps. Each step's
 // operands arrive as runs of 8 (A: 2 runs a thread, B: 1), fetched into registers while the
-// previous step multiplies, then stored to shared memory in the operand's own order: [i][k] rows
-// of 36 words for k-contiguous operands, [k][i] rows of tile + 8 words otherwise; either way a
-// fragment read hits 32 different banks and a run is two 16-byte stores.
+// previous step multiplies, then split and stored to shared memory as [i][k] rows of 20 words
+// (16 bf16 pairs + 4: a fragment read hits 32 different banks), one plane for hi and one for lo;
+// a k-contiguous run is one 16-byte store per plane, another run 8 16-bit stores.
 // blockIdx.z = batch * splits + split; a split multiplies its own range of K and stores its own
 // partial: every output is one thread's fixed-order sum, so the same inputs give the same bits.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 #include "cuda/common/check.h"
 #include "cuda/common/dtype.h"
+#include "cuda/common/mma.h"
 
 namespace nsa::cuda::phi {
 
@@ -44,21 +49,27 @@ constexpr int kTileK = 32;
 constexpr int kGemmThreads = 256;  // 8 warps: 4 (m) x 2 (n), 32 x 32 outputs each
 constexpr int kRun = 8;            // elements per fetch
 
-// A shared tile of kRows tile indices x kTileK: [i][k] (kKFast) or [k][i].
+// A shared tile of kRows tile indices x kTileK as bf16 pairs along k: word (i, w) holds k = 2w and
+// 2w + 1 of index i, rows of kLdW words (16 + 4 words: rows 20 words apart put the 8 rows x 4 words
+// of a fragment read on 32 different banks). Runs come in along k (kKFast) or along i.
 template <bool kKFast, int kRows>
 struct TileLayout {
-  static constexpr int kLd = kKFast ? kTileK + 4 : kRows + 8;  // 4 resp. 8 mod 32 words
-  static constexpr int kWords = kKFast ? kRows * kLd : kTileK * kLd;
+  static constexpr int kLdW = kTileK / 2 + 4;
+  static constexpr int kWords = kRows * kLdW;
   static constexpr int kRuns = kRows * kTileK / kRun;
-  __device__ static int at(int i, int k) { return kKFast ? i * kLd + k : k * kLd + i; }
+  __device__ static int word(int i, int k) { return i * kLdW + k / 2; }
   // Run q of a step: its first element (i, k). k-contiguous: a warp takes 8 indices x 4 runs of k.
+  // Otherwise a warp takes 8 k x 4 runs of i (32 consecutive indices): its 16-bit stores of one
+  // element of each run fall on 4 banks, 4 words each (a warp of 2 k x 16 runs: one bank).
+  static_assert(kKFast || kRows % (4 * kRun) == 0, "whole groups of 4 runs of i");
   __device__ static void run(int q, int& i, int& k) {
     if (kKFast) {
       i = q / (kTileK / kRun);
       k = (q % (kTileK / kRun)) * kRun;
     } else {
-      i = (q % (kRows / kRun)) * kRun;
-      k = q / (kRows / kRun);
+      const int lane = q % 32, w = q / 32;
+      k = lane % 8 + 8 * (w % (kTileK / 8));
+      i = (lane / 8 + 4 * (w / (kTileK / 8))) * kRun;
     }
   }
 };
@@ -91,27 +102,48 @@ __device__ __forceinline__ void zero_run(float (&v)[kRun]) {
   for (int j = 0; j < kRun; ++j) v[j] = 0.f;
 }
 
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-  return r;
+// x = hi + lo + (about 2^-17 |x|), both bf16.
+__device__ __forceinline__ void split_bf16(float x, __nv_bfloat16& hi, __nv_bfloat16& lo) {
+  hi = __float2bfloat16_rn(x);
+  lo = __float2bfloat16_rn(x - __bfloat162float(hi));
+}
+__device__ __forceinline__ uint32_t pack_bf16(__nv_bfloat16 a, __nv_bfloat16 b) {
+  return uint32_t(__bfloat16_as_ushort(a)) | (uint32_t(__bfloat16_as_ushort(b)) << 16);
 }
 
-// D = A B + C, 16x8x8, tf32 inputs, fp32 accumulation. Fragments (PTX ISA, m16n8k8 .tf32), with
-// g = lane / 4, t = lane % 4: a = (g, t), (g+8, t), (g, t+4), (g+8, t+4); b = (k t, n g),
-// (k t+4, n g); c = (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1).
-__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+// A run's 8 elements into the hi (and, unless exact, lo) planes of a step's tile at (i, k): one
+// 16-byte store per plane along k, else one 16-bit store per element.
+template <class Tile, bool kKFast, bool kExact>
+__device__ __forceinline__ void stash_run(uint32_t* hi_plane, uint32_t* lo_plane, int i, int k, const float (&v)[kRun]) {
+  __nv_bfloat16 h[kRun], l[kRun];
+#pragma unroll
+  for (int j = 0; j < kRun; ++j) {
+    if constexpr (kExact) {
+      h[j] = __float2bfloat16_rn(v[j]);
+    } else {
+      split_bf16(v[j], h[j], l[j]);
+    }
+  }
+  if constexpr (kKFast) {
+    const int w = Tile::word(i, k);
+    *reinterpret_cast<uint4*>(hi_plane + w) =
+        make_uint4(pack_bf16(h[0], h[1]), pack_bf16(h[2], h[3]), pack_bf16(h[4], h[5]), pack_bf16(h[6], h[7]));
+    if constexpr (!kExact)
+      *reinterpret_cast<uint4*>(lo_plane + w) =
+          make_uint4(pack_bf16(l[0], l[1]), pack_bf16(l[2], l[3]), pack_bf16(l[4], l[5]), pack_bf16(l[6], l[7]));
+  } else {
+    auto* hs = reinterpret_cast<__nv_bfloat16*>(hi_plane);
+    auto* ls = reinterpret_cast<__nv_bfloat16*>(lo_plane);
+#pragma unroll
+    for (int j = 0; j < kRun; ++j) {
+      const int e = (i + j) * 2 * Tile::kLdW + k;  // 16-bit index of (i + j, k)
+      hs[e] = h[j];
+      if constexpr (!kExact) ls[e] = l[j];
+    }
+  }
 }
 
-// Element e (0 .. kTileM * kTileK) of a step's operand tile -> (row, k) within the tile. k-fast
-// operands: a warp takes 8 consecutive k of 4 rows (coalesced 8-element runs; shared stores of a
-// warp fall in 2 words per bank); otherwise 32 consecutive rows of one k (coalesced and
-// conflict-free).
+// C tile of 128 x 64 per CTA; a step's runs are fetched and stored as TileLayout::run says.
 template <class LoadA, class LoadB, class Store>
 __global__ void __launch_bounds__(kGemmThreads, 2) gemm_kernel(int64_t M, int N, int K, int k_chunk, int splits,
                                                                LoadA la, LoadB lb, Store st) {
@@ -119,8 +151,9 @@ __global__ void __launch_bounds__(kGemmThreads, 2) gemm_kernel(int64_t M, int N,
   using TB = TileLayout<LoadB::kKFast, kTileN>;
   constexpr int kRunsA = TA::kRuns / kGemmThreads, kRunsB = TB::kRuns / kGemmThreads;
   static_assert(kRunsA * kGemmThreads == TA::kRuns && kRunsB * kGemmThreads == TB::kRuns, "whole runs per thread");
-  __shared__ __align__(16) float sa[TA::kWords];
-  __shared__ __align__(16) float sb[TB::kWords];
+  constexpr int kPlanesA = LoadA::kExact ? 1 : 2, kPlanesB = LoadB::kExact ? 1 : 2;
+  __shared__ __align__(16) uint32_t sa[kPlanesA][TA::kWords];  // hi (and lo)
+  __shared__ __align__(16) uint32_t sb[kPlanesB][TB::kWords];
   __shared__ typename LoadA::RowInfo rows_a[kTileM];
   __shared__ typename LoadB::RowInfo rows_b[kTileN];
   __shared__ typename LoadA::KInfo ks_a[2][kTileK];
@@ -179,22 +212,14 @@ __global__ void __launch_bounds__(kGemmThreads, 2) gemm_kernel(int64_t M, int N,
     for (int r = 0; r < kRunsA; ++r) {
       int i, kk;
       TA::run(int(threadIdx.x) + r * kGemmThreads, i, kk);
-      float4* d = reinterpret_cast<float4*>(&sa[TA::at(i, kk)]);
-      d[0] = make_float4(ra[r][0], ra[r][1], ra[r][2], ra[r][3]);
-      d[1] = make_float4(ra[r][4], ra[r][5], ra[r][6], ra[r][7]);
+      stash_run<TA, LoadA::kKFast, LoadA::kExact>(sa[0], sa[kPlanesA - 1], i, kk, ra[r]);
     }
 #pragma unroll
     for (int r = 0; r < kRunsB; ++r) {
       int i, kk;
       TB::run(int(threadIdx.x) + r * kGemmThreads, i, kk);
-      float4* d = reinterpret_cast<float4*>(&sb[TB::at(i, kk)]);
-      d[0] = make_float4(rb[r][0], rb[r][1], rb[r][2], rb[r][3]);
-      d[1] = make_float4(rb[r][4], rb[r][5], rb[r][6], rb[r][7]);
+      stash_run<TB, LoadB::kKFast, LoadB::kExact>(sb[0], sb[kPlanesB - 1], i, kk, rb[r]);
     }
-  };
-  auto split_tf32 = [](float x, uint32_t& hi, uint32_t& lo) {
-    hi = to_tf32(x);
-    lo = to_tf32(x - __uint_as_float(hi));
   };
 
   int buf = 0;
@@ -207,28 +232,37 @@ __global__ void __launch_bounds__(kGemmThreads, 2) gemm_kernel(int64_t M, int N,
     __syncthreads();
     if (next) fetch(k0 + kTileK, buf ^ 1);  // in flight while this step multiplies
 #pragma unroll
-    for (int k8 = 0; k8 < kTileK; k8 += 8) {
+    for (int k16 = 0; k16 < kTileK; k16 += 16) {
+      const int kw = k16 + 2 * t;  // the lane's first k of each fragment half
       uint32_t bh[4][2], bl[4][2];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int c = wn + 8 * j + g;
-        split_tf32(sb[TB::at(c, k8 + t)], bh[j][0], bl[j][0]);
-        split_tf32(sb[TB::at(c, k8 + t + 4)], bh[j][1], bl[j][1]);
+#pragma unroll
+        for (int p = 0; p < kPlanesB; ++p) {
+          uint32_t(&b)[2] = p == 0 ? bh[j] : bl[j];
+          b[0] = sb[p][TB::word(c, kw)];
+          b[1] = sb[p][TB::word(c, kw + 8)];
+        }
       }
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const int r = wm + 16 * i + g;
         uint32_t ah[4], al[4];
-        split_tf32(sa[TA::at(r, k8 + t)], ah[0], al[0]);
-        split_tf32(sa[TA::at(r + 8, k8 + t)], ah[1], al[1]);
-        split_tf32(sa[TA::at(r, k8 + t + 4)], ah[2], al[2]);
-        split_tf32(sa[TA::at(r + 8, k8 + t + 4)], ah[3], al[3]);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {  // 8 deep on the tensor cores, then into acc in fp32
+        for (int p = 0; p < kPlanesA; ++p) {
+          uint32_t(&a)[4] = p == 0 ? ah : al;
+          a[0] = sa[p][TA::word(r, kw)];
+          a[1] = sa[p][TA::word(r + 8, kw)];
+          a[2] = sa[p][TA::word(r, kw + 8)];
+          a[3] = sa[p][TA::word(r + 8, kw + 8)];
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {  // 16 deep on the tensor cores, then into acc in fp32
           float c[4] = {0.f, 0.f, 0.f, 0.f};
-          if constexpr (!LoadA::kExact) mma_tf32(c, al, bh[j][0], bh[j][1]);
-          if constexpr (!LoadB::kExact) mma_tf32(c, ah, bl[j][0], bl[j][1]);
-          mma_tf32(c, ah, bh[j][0], bh[j][1]);
+          if constexpr (!LoadA::kExact) mma_16816<true>(c, al, bh[j][0], bh[j][1]);
+          if constexpr (!LoadB::kExact) mma_16816<true>(c, ah, bl[j][0], bl[j][1]);
+          mma_16816<true>(c, ah, bh[j][0], bh[j][1]);
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[i][j][e] += c[e];
         }

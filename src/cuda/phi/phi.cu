@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "cuda/common/check.h"
 #include "cuda/common/dtype.h"
@@ -67,7 +68,7 @@ __global__ void slot_table_kernel(const int32_t* cu, int B, int64_t T, int d, in
                                           : make_int4(-1, 0, 0, 0);
 }
 
-// ---- operands (gemm.cuh: row / col / element; kKFast = k contiguous; kExact = exact in tf32) --------
+// ---- operands (gemm.cuh: row / col / element; kKFast = k contiguous; kExact = exact in bf16) --------
 
 template <typename E>
 struct BlockInput {  // A(m, k) = u_m[k] = x[row m's block, token k / D, column k % D] + pe[k]
@@ -116,7 +117,7 @@ struct BlockInputT {  // B(k, n) = u_k[n]
 };
 template <typename E>
 struct WeightT {  // B(k, n) = W[n, k]: phi's weights as stored, [out, in]
-  static constexpr bool kKFast = true, kExact = true;
+  static constexpr bool kKFast = true, kExact = std::is_same_v<E, __nv_bfloat16>;
   const E* w;
   int64_t s0;
   using RowInfo = int64_t;
@@ -127,7 +128,7 @@ struct WeightT {  // B(k, n) = W[n, k]: phi's weights as stored, [out, in]
 };
 template <typename E>
 struct Weight {  // B(k, n) = W[k, n]
-  static constexpr bool kKFast = false, kExact = true;
+  static constexpr bool kKFast = false, kExact = std::is_same_v<E, __nv_bfloat16>;
   const E* w;
   int64_t s0;
   using RowInfo = int;
@@ -222,7 +223,7 @@ struct DxGrad {  // A(j, s * F + f) = g[row of block q - s, h][f] when that bloc
 };
 template <typename E>
 struct DxWeight {  // B(s * F + f, n) = W[f, (rr + s d) * D + n] (0 past the block's l rows)
-  static constexpr bool kKFast = false, kExact = true;
+  static constexpr bool kKFast = false, kExact = std::is_same_v<E, __nv_bfloat16>;
   const E* w;
   int64_t s0;
   int F, hkv, d, l, D;
