@@ -19,6 +19,7 @@ using detail::Plan;
 using detail::check_phi;
 using detail::check_workspace;
 using detail::fill_heads;
+using detail::fill_query_sequences;
 using detail::fill_sequences;
 using detail::kAny;
 using detail::require_absent;
@@ -29,15 +30,51 @@ using detail::str;
 
 namespace {
 
-// Everything forward() and backward() share: q, the branch K/V, g, phi, sequences.
-Plan plan_layer(const Context& ctx, const Config& cfg, const Inputs& in, const BackendOps*& ops) {
-  Plan p = start_plan(ctx, cfg, in.q, "q", ops);
-  const Checker chk(p.dtype, p.device, in.q.device_index);
-  chk.floats("q", in.q, "[T, Hq, Dqk]", {kAny, kAny, kAny});
-  const int64_t T = in.q.shape[0];
-  chk.floats("k_cmp", in.kv[kCmp].k, "[T, Hkv, Dqk]", {T, kAny, in.q.shape[2]});
+// Whether seqs_q is the very view seqs is (same tensor, same rows): the same as no query packing.
+bool same_packing(const Sequences& seqs, const Sequences& seqs_q) {
+  const TensorView &a = seqs.cu_seqlens, &b = seqs_q.cu_seqlens;
+  if (!a.defined() || !b.defined() || a.data != b.data || a.ndim != b.ndim || a.dtype != b.dtype ||
+      a.device != b.device || a.device_index != b.device_index)
+    return false;
+  for (int d = 0; d < a.ndim; ++d)
+    if (a.shape[d] != b.shape[d] || a.stride[d] != b.stride[d]) return false;
+  return seqs_q.max_seqlen == 0 || seqs_q.max_seqlen == seqs.max_seqlen;
+}
+
+// The layer's inputs with a query packing that is the keys' own dropped (see Inputs).
+Inputs normalised(const Inputs& in) {
+  Inputs out = in;
+  if (same_packing(in.seqs, in.seqs_q)) out.seqs_q = Sequences{};
+  return out;
+}
+
+// The shapes of q, the compression branch's K/V, the heads, phi and both packings, without a
+// backend (problem_of) or after resolving it (plan_layer). T counts the keys, Tq the queries.
+void check_layer_shapes(Plan& p, const Config& cfg, const Inputs& in, const Checker& chk) {
+  const bool packed_q = in.seqs_q.cu_seqlens.defined();
+  chk.floats("q", in.q, packed_q ? "[Tq, Hq, Dqk]" : "[T, Hq, Dqk]", {kAny, kAny, kAny});
+  const int64_t Tq = in.q.shape[0];
+  chk.floats("k_cmp", in.kv[kCmp].k, "[T, Hkv, Dqk]", {packed_q ? kAny : Tq, kAny, in.q.shape[2]});
+  const int64_t T = in.kv[kCmp].k.shape[0];
   chk.floats("v_cmp", in.kv[kCmp].v, "[T, Hkv, Dv]", {T, in.kv[kCmp].k.shape[1], kAny});
   fill_heads(p, in.q, in.kv[kCmp].k, in.kv[kCmp].v);
+  p.phi_hidden_k = check_phi(cfg, chk, "phi_k", in.phi_k, p.dqk);
+  p.phi_hidden_v = check_phi(cfg, chk, "phi_v", in.phi_v, p.dv);
+  fill_sequences(p, in.seqs, T, chk);
+  fill_query_sequences(p, in.seqs_q, Tq, chk);
+}
+
+// Everything forward() and backward() share: q, the branch K/V, g, phi, both packings. `in` is
+// normalised (a query packing that is the keys' own dropped).
+Plan plan_layer(const Context& ctx, const Config& cfg, const Inputs& in, const BackendOps*& ops) {
+  Plan p = start_plan(ctx, cfg, in.q, "q", ops);
+  if (in.seqs_q.cu_seqlens.defined() && p.ctx.backend == Backend::cuda)
+    throw Error("seqs_q.cu_seqlens", "given (a query packing)",
+                "is not supported by the cuda backend yet: leave it absent (queries at every position), or pass "
+                "the very view of seqs.cu_seqlens");
+  const Checker chk(p.dtype, p.device, in.q.device_index);
+  check_layer_shapes(p, cfg, in, chk);
+  const int64_t T = p.T, Tq = p.query_rows();
   static const char* kNames[3][2] = {{"k_cmp", "v_cmp"}, {"k_slc", "v_slc"}, {"k_win", "v_win"}};
   for (int b = 1; b < 3; ++b) {
     if (cfg.shared_kv) {
@@ -48,17 +85,21 @@ Plan plan_layer(const Context& ctx, const Config& cfg, const Inputs& in, const B
       chk.floats(kNames[b][1], in.kv[b].v, "[T, Hkv, Dv]", {T, p.hkv, p.dv});
     }
   }
-  chk.floats("g", in.g, "[T, Hq, 3]", {T, p.hq, 3});
-  p.phi_hidden_k = check_phi(cfg, chk, "phi_k", in.phi_k, p.dqk);
-  p.phi_hidden_v = check_phi(cfg, chk, "phi_v", in.phi_v, p.dv);
-  fill_sequences(p, in.seqs, T, chk);
+  chk.floats("g", in.g, p.has_query_packing() ? "[Tq, Hq, 3]" : "[T, Hq, 3]", {Tq, p.hq, 3});
   return p;
 }
 
+// The dims of a query-side tensor in messages: Tq rows with a query packing, else T.
+const char* qdims(const Plan& p, const char* with_tq, const char* with_t) {
+  return p.has_query_packing() ? with_tq : with_t;
+}
+
 void check_saved(const Plan& p, const Checker& chk, const ForwardOutputs& out, bool need_o) {
-  if (need_o) chk.floats("o", out.o, "[T, Hq, Dv]", {p.T, p.hq, p.dv});
-  chk.tensor("lse", out.lse, "[T, Hq, 3]", {p.T, p.hq, 3}, DType::f32);
-  chk.tensor("indices", out.indices, "[T, Hkv, n]", {p.T, p.hkv, p.cfg.n_selected}, DType::i32);
+  const int64_t Tq = p.query_rows();
+  if (need_o) chk.floats("o", out.o, qdims(p, "[Tq, Hq, Dv]", "[T, Hq, Dv]"), {Tq, p.hq, p.dv});
+  chk.tensor("lse", out.lse, qdims(p, "[Tq, Hq, 3]", "[T, Hq, 3]"), {Tq, p.hq, 3}, DType::f32);
+  chk.tensor("indices", out.indices, qdims(p, "[Tq, Hkv, n]", "[T, Hkv, n]"), {Tq, p.hkv, p.cfg.n_selected},
+             DType::i32);
 }
 
 // What the attention stages on q, k, v share (selected, window, dense): q [T, Hq, Dqk],
@@ -143,13 +184,7 @@ Problem problem_of(const Config& cfg, const Inputs& in) {
   p.dtype = in.q.dtype;
   p.device = in.q.device;
   const Checker chk(p.dtype, p.device, in.q.device_index);
-  chk.floats("q", in.q, "[T, Hq, Dqk]", {kAny, kAny, kAny});
-  chk.floats("k_cmp", in.kv[kCmp].k, "[T, Hkv, Dqk]", {in.q.shape[0], kAny, in.q.shape[2]});
-  chk.floats("v_cmp", in.kv[kCmp].v, "[T, Hkv, Dv]", {in.q.shape[0], in.kv[kCmp].k.shape[1], kAny});
-  fill_heads(p, in.q, in.kv[kCmp].k, in.kv[kCmp].v);
-  p.phi_hidden_k = check_phi(cfg, chk, "phi_k", in.phi_k, p.dqk);
-  p.phi_hidden_v = check_phi(cfg, chk, "phi_v", in.phi_v, p.dv);
-  fill_sequences(p, in.seqs, in.q.shape[0], chk);
+  check_layer_shapes(p, cfg, normalised(in), chk);
   return detail::problem_of(p);
 }
 
@@ -256,27 +291,31 @@ void window_attention_fwd(const Context& ctx, const Config& cfg, const TensorVie
   run_qkv_fwd(p, *ops, Op::window_attention_fwd, ops->window_attention_fwd, "window_attention_fwd", q, k, v, o, lse, ws);
 }
 
-void forward(const Context& ctx, const Config& cfg, const Inputs& in, const ForwardOutputs& out,
+void forward(const Context& ctx, const Config& cfg, const Inputs& call_in, const ForwardOutputs& out,
              Workspace ws) {
   const BackendOps* ops;
+  const Inputs in = normalised(call_in);
   Plan p = plan_layer(ctx, cfg, in, ops);
   const Checker chk(p.dtype, p.device, in.q.device_index);
   check_saved(p, chk, out, /*need_o=*/true);
-  chk.optional_floats("o_branch", out.o_branch, "[3, T, Hq, Dv]", {3, p.T, p.hq, p.dv});
+  chk.optional_floats("o_branch", out.o_branch, qdims(p, "[3, Tq, Hq, Dv]", "[3, T, Hq, Dv]"),
+                      {3, p.query_rows(), p.hq, p.dv});
   check_workspace(*ops, p, Op::forward, detail::problem_of(p), ws);
   require_op(*ops, ops->forward, "forward")(p, in, out, ws);
 }
 
-void backward(const Context& ctx, const Config& cfg, const Inputs& in, const ForwardOutputs& saved,
+void backward(const Context& ctx, const Config& cfg, const Inputs& call_in, const ForwardOutputs& saved,
               const TensorView& d_o, const Gradients& grads, Workspace ws) {
   const BackendOps* ops;
+  const Inputs in = normalised(call_in);
   Plan p = plan_layer(ctx, cfg, in, ops);
   const Checker chk(p.dtype, p.device, in.q.device_index);
+  const int64_t Tq = p.query_rows();
   check_saved(p, chk, saved, /*need_o=*/false);
-  chk.optional_floats("o", saved.o, "[T, Hq, Dv]", {p.T, p.hq, p.dv});
-  chk.optional_floats("o_branch", saved.o_branch, "[3, T, Hq, Dv]", {3, p.T, p.hq, p.dv});
-  chk.floats("d_o", d_o, "[T, Hq, Dv]", {p.T, p.hq, p.dv});
-  chk.floats("dq", grads.dq, "[T, Hq, Dqk]", {p.T, p.hq, p.dqk});
+  chk.optional_floats("o", saved.o, qdims(p, "[Tq, Hq, Dv]", "[T, Hq, Dv]"), {Tq, p.hq, p.dv});
+  chk.optional_floats("o_branch", saved.o_branch, qdims(p, "[3, Tq, Hq, Dv]", "[3, T, Hq, Dv]"), {3, Tq, p.hq, p.dv});
+  chk.floats("d_o", d_o, qdims(p, "[Tq, Hq, Dv]", "[T, Hq, Dv]"), {Tq, p.hq, p.dv});
+  chk.floats("dq", grads.dq, qdims(p, "[Tq, Hq, Dqk]", "[T, Hq, Dqk]"), {Tq, p.hq, p.dqk});
   static const char* kNames[3][2] = {{"dk_cmp", "dv_cmp"}, {"dk_slc", "dv_slc"}, {"dk_win", "dv_win"}};
   for (int b = 0; b < 3; ++b) {
     if (cfg.shared_kv && b > 0) {
@@ -287,7 +326,7 @@ void backward(const Context& ctx, const Config& cfg, const Inputs& in, const For
       chk.floats(kNames[b][1], grads.dkv[b].v, "[T, Hkv, Dv]", {p.T, p.hkv, p.dv});
     }
   }
-  chk.floats("dg", grads.dg, "[T, Hq, 3]", {p.T, p.hq, 3});
+  chk.floats("dg", grads.dg, qdims(p, "[Tq, Hq, 3]", "[T, Hq, 3]"), {Tq, p.hq, 3});
   check_phi(cfg, chk, "dphi_k", grads.dphi_k, p.dqk);
   check_phi(cfg, chk, "dphi_v", grads.dphi_v, p.dv);
   if (cfg.phi == PhiKind::mlp) {

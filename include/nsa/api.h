@@ -83,25 +83,37 @@ struct KV {
 
 enum BranchIndex : int { kCmp = 0, kSlc = 1, kWin = 2 };
 
+// The rows of a layer call. Without a query packing (seqs_q.cu_seqlens absent) every position of
+// every sequence is a query and q, k, v share the packing `seqs`. With one, sequence b has
+// Tk_b = cu_seqlens[b+1] - cu_seqlens[b] keys and Tq_b = cu_seqlens_q[b+1] - cu_seqlens_q[b] <= Tk_b
+// queries, its LAST Tq_b positions Tk_b - Tq_b .. Tk_b - 1 (bottom-right aligned, FlashAttention's
+// varlen convention): the query-side tensors (q, g; o, lse, indices, o_branch; d_o, dq, dg) have
+// Tq = sum_b Tq_b rows, the key side (every branch's k, v; dk, dv) T = sum_b Tk_b rows. A query
+// attends exactly as the same position does in a call on all positions (docs/semantics.md).
+// The cuda backend takes no query packing yet (nsa::Error), unless seqs_q.cu_seqlens is the very
+// view seqs.cu_seqlens is (same data, shape and strides), which is the same as none.
 struct Inputs {
-  TensorView q;  // [T, Hq, Dqk]
-  KV kv[3];      // raw keys/values per branch (cmp, slc, win); shared_kv: only kv[kCmp], others absent
-  TensorView g;  // [T, Hq, 3] gates (cmp, slc, win)
+  TensorView q;  // [Tq, Hq, Dqk] (Tq = T without a query packing)
+  KV kv[3];      // raw keys/values per branch (cmp, slc, win) [T, Hkv, D]; shared_kv: only kv[kCmp]
+  TensorView g;  // [Tq, Hq, 3] gates (cmp, slc, win)
   PhiParams phi_k, phi_v;
-  Sequences seqs;
+  Sequences seqs;    // the keys' packing (spec §9)
+  Sequences seqs_q;  // optional query packing: cu_seqlens [B+1] (cu_seqlens_q), max_seqlen >= max_b Tq_b
+                     // or 0; absent: the queries are every position of `seqs`
 };
 
+// Query-side rows (Tq = T without a query packing; see Inputs).
 struct ForwardOutputs {
-  TensorView o;         // [T, Hq, Dv]
-  TensorView lse;       // [T, Hq, 3] f32: each branch's log-sum-exp, -inf where a branch is empty
-  TensorView indices;   // [T, Hkv, n] int32: selected blocks, ascending, padded with -1
-  TensorView o_branch;  // optional [3, T, Hq, Dv]: each branch's output before gating
+  TensorView o;         // [Tq, Hq, Dv]
+  TensorView lse;       // [Tq, Hq, 3] f32: each branch's log-sum-exp, -inf where a branch is empty
+  TensorView indices;   // [Tq, Hkv, n] int32: selected blocks, ascending, padded with -1
+  TensorView o_branch;  // optional [3, Tq, Hq, Dv]: each branch's output before gating
 };
 
 struct Gradients {
-  TensorView dq;            // [T, Hq, Dqk]
-  KV dkv[3];                // like Inputs::kv; shared_kv: the sum over branches goes to dkv[kCmp]
-  TensorView dg;            // [T, Hq, 3]
+  TensorView dq;            // [Tq, Hq, Dqk]
+  KV dkv[3];                // like Inputs::kv [T, Hkv, D]; shared_kv: the sum over branches goes to dkv[kCmp]
+  TensorView dg;            // [Tq, Hq, 3]
   PhiParams dphi_k, dphi_v; // like the parameters (absent for mean)
 };
 
@@ -134,7 +146,9 @@ struct Problem {
   Device device = Device::cpu;
   int64_t max_query_len = 0;  // decoding (nsa/cache.h): most new rows of one sequence
 };
-// Reads the sizes off the inputs (derives max_seqlen from host cu_seqlens when it is 0).
+// Reads the sizes off the inputs (derives max_seqlen from host cu_seqlens when it is 0). The sizes
+// are the keys' (total_tokens = T): a call with a query packing needs no more workspace than the
+// call on all positions of the same keys.
 Problem problem_of(const Config& cfg, const Inputs& in);
 
 // Bytes of workspace `op` needs on the backend that `ctx` resolves to for `problem`. Every field
@@ -188,7 +202,7 @@ void window_attention_fwd(const Context& ctx, const Config& cfg, const TensorVie
 void forward(const Context& ctx, const Config& cfg, const Inputs& in, const ForwardOutputs& out,
              Workspace ws = {});
 
-// Spec §8: gradients of a loss with respect to every input, given d_o = dLoss/do [T, Hq, Dv] and
+// Spec §8: gradients of a loss with respect to every input, given d_o = dLoss/do [Tq, Hq, Dv] and
 // what forward() saved: lse and indices are read. o and o_branch are optional (the other backends
 // ignore both): with o_branch (as forward() wrote it) the cuda backend takes dg_b = <d_o, o_b>
 // from it instead of recomputing every branch's output (two of the nine products per query and

@@ -36,8 +36,23 @@ struct Plan {
   int64_t max_query_len = 0;  // most new rows of one sequence (declared or derived)
   std::vector<int64_t> lens;  // seq_lens[b] when the page table is host memory (else empty)
 
+  // The query packing of a layer call (Inputs::seqs_q), host offsets [B+1]; empty without one (the
+  // queries are then every position of the keys' sequences). Sequence b's queries are its last
+  // q_len(b) positions, q_first(b) .. seq_len(b) - 1, and position t of it is query row
+  // q_row0(b) + t. Tq: the query rows of the call (T without a query packing).
+  std::vector<int64_t> cu_q;
+  int64_t Tq = 0;
+
   int64_t seq_start(int64_t b) const { return cu[static_cast<size_t>(b)]; }
   int64_t seq_len(int64_t b) const { return cu[static_cast<size_t>(b) + 1] - cu[static_cast<size_t>(b)]; }
+  bool has_query_packing() const { return !cu_q.empty(); }
+  int64_t query_rows() const { return cu_q.empty() ? T : Tq; }
+  int64_t q_len(int64_t b) const {
+    return cu_q.empty() ? seq_len(b) : cu_q[static_cast<size_t>(b) + 1] - cu_q[static_cast<size_t>(b)];
+  }
+  int64_t q_first(int64_t b) const { return seq_len(b) - q_len(b); }
+  // The query row position 0 would have (below the sequence's first query row when q_first(b) > 0).
+  int64_t q_row0(int64_t b) const { return (cu_q.empty() ? seq_start(b) : cu_q[static_cast<size_t>(b)]) - q_first(b); }
 };
 
 // The operations of one backend. A backend that lacks one leaves it null; calling it then is an

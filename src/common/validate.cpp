@@ -121,6 +121,38 @@ void fill_sequences(Plan& p, const Sequences& seqs, int64_t T, const Checker& ch
   p.n_slc_max = num_slc_blocks(p.max_seqlen, p.cfg.slc_block_len);
 }
 
+void fill_query_sequences(Plan& p, const Sequences& seqs_q, int64_t Tq, const Checker& chk) {
+  p.Tq = Tq;
+  p.cu_q.clear();
+  if (seqs_q.max_seqlen < 0)
+    throw Error("seqs_q.max_seqlen", str(seqs_q.max_seqlen), "must be >= 0 (0: derive it)");
+  const TensorView& cu = seqs_q.cu_seqlens;
+  if (!cu.defined()) {
+    if (seqs_q.max_seqlen != 0)
+      throw Error("seqs_q.max_seqlen", str(seqs_q.max_seqlen),
+                  "must be 0 without seqs_q.cu_seqlens (no query packing: the queries are every position)");
+    if (Tq != p.T)
+      throw Error("q.shape[0]", str(Tq),
+                  "must equal the keys' rows T = " + str(p.T) + " without a query packing (seqs_q.cu_seqlens)");
+    return;
+  }
+  chk.tensor("cu_seqlens_q", cu, "[B+1]", {p.B + 1}, DType::i32);
+  if (cu.device != Device::cpu)  // the cuda backend rejects a query packing before this (api.cpp)
+    throw Error("cu_seqlens_q.device", where(cu.device, cu.device_index), "must be cpu");
+  int64_t longest = 0;
+  std::vector<int64_t> cu_q = read_host_offsets(cu, "cu_seqlens_q", Tq, "the number of query rows Tq", longest);
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t tq = cu_q[static_cast<size_t>(b) + 1] - cu_q[static_cast<size_t>(b)];
+    if (tq > p.seq_len(b))
+      throw Error("cu_seqlens_q[" + str(b + 1) + "] - cu_seqlens_q[" + str(b) + "]", str(tq),
+                  "must be <= sequence " + str(b) + "'s keys, cu_seqlens[" + str(b + 1) + "] - cu_seqlens[" +
+                      str(b) + "] = " + str(p.seq_len(b)) + " (the queries are the last positions of their sequence)");
+  }
+  if (seqs_q.max_seqlen != 0 && seqs_q.max_seqlen < longest)
+    throw Error("seqs_q.max_seqlen", str(seqs_q.max_seqlen), "must be >= the most queries of a sequence, " + str(longest));
+  p.cu_q = std::move(cu_q);
+}
+
 // Shapes of phi's parameters for head dim D; returns F (0 unless mlp).
 int64_t check_phi(const Config& cfg, const Checker& chk, const std::string& name, const PhiParams& phi,
                   int64_t D) {

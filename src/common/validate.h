@@ -86,6 +86,10 @@ std::vector<int64_t> read_host_offsets(const TensorView& cu, const std::string& 
 // Reads/validates the sequence table. T is the number of packed tokens of the call.
 void fill_sequences(Plan& p, const Sequences& seqs, int64_t T, const Checker& chk);
 
+// Reads/validates a layer call's query packing (Inputs::seqs_q) against the keys' sequences of p
+// (fill_sequences first). Tq is the number of query rows of the call. Absent: p.cu_q stays empty.
+void fill_query_sequences(Plan& p, const Sequences& seqs_q, int64_t Tq, const Checker& chk);
+
 // Shapes of phi's parameters for head dim D; returns F (0 unless mlp).
 int64_t check_phi(const Config& cfg, const Checker& chk, const std::string& name, const PhiParams& phi, int64_t D);
 

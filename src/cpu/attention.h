@@ -125,9 +125,20 @@ struct Branch {
 };
 
 struct Seq {
-  int64_t s0 = 0;   // packed row of the first token
+  int64_t s0 = 0;   // packed row of the first token (key side)
   int64_t len = 0;  // tokens
   int64_t b = 0;    // index of the sequence
+  // Query side (Plan's query packing): position t is query row q0 + t, and the queries are the
+  // positions first .. len - 1. Without a query packing q0 = s0 and first = 0.
+  int64_t q0 = 0;
+  int64_t first = 0;
+
+  Seq() = default;
+  Seq(int64_t s0_, int64_t len_, int64_t b_) : s0(s0_), len(len_), b(b_), q0(s0_) {}
+  Seq(int64_t s0_, int64_t len_, int64_t b_, int64_t q0_, int64_t first_)
+      : s0(s0_), len(len_), b(b_), q0(q0_), first(first_) {}
+  // Sequence b of a plan, both sides.
+  static Seq of(const Plan& p, int64_t b) { return Seq(p.seq_start(b), p.seq_len(b), b, p.q_row0(b), p.q_first(b)); }
 };
 
 // Key rows of a branch start at this packed row for a sequence.
@@ -145,7 +156,7 @@ struct Interval {
 };
 
 inline const int32_t* idx_row(const Branch& br, const Seq& s, int64_t t, int64_t hk) {
-  return br.idx + (s.s0 + t) * br.idx_s0 + hk * br.idx_s1;
+  return br.idx + (s.q0 + t) * br.idx_s0 + hk * br.idx_s1;  // indices: one row per query
 }
 
 inline bool selected(const Branch& br, const Seq& s, int64_t t, int64_t hk, int64_t block) {
@@ -262,7 +273,7 @@ inline void pack_rows(const Rows& src, const Seq& s, const int32_t* tokens, int6
   for (int64_t i = 0; i < nt; ++i)
     for (int64_t g = 0; g < G; ++g) {
       float* row = dst + (i * G + g) * ld;
-      src.load(s.s0 + tokens[i], hk * G + g, row);
+      src.load(s.q0 + tokens[i], hk * G + g, row);
       if (factor != 1.0f)
         for (int64_t c = 0; c < src.dim; ++c) row[c] *= factor;
       std::fill(row + src.dim, row + ld, 0.0f);
@@ -760,7 +771,7 @@ inline void dkdv_tile(const Dims& d, const Branch& br, const Seq& s, int64_t hk,
   if (d.mm) K.f32_to_bf16(sc.dout, sc.doutb, M * d.dvp);  // dO, exact (see attend_dq)
   for (int64_t i = 0; i < nt; ++i)
     for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = i * G + g, row = s.s0 + tk[i], h = hk * G + g;
+      const int64_t r = i * G + g, row = s.q0 + tk[i], h = hk * G + g;
       sc.gate[r] = 1.0f;
       if (qs.g.defined()) {
         const float gate = load_scalar(qs.g, row * qs.g.stride[0] + h * qs.g.stride[1] + qs.gate * qs.g.stride[2]);

@@ -51,9 +51,9 @@ void build_inv(const Plan& p, const TensorView& indices, InvIndex& inv) {
   auto for_each_pick = [&](auto fn) {
     int64_t row_id = 0;
     for (int64_t b = 0; b < p.B; ++b)
-      for (int64_t t = 0; t < p.seq_len(b); ++t)
+      for (int64_t t = p.q_first(b); t < p.seq_len(b); ++t)  // the sequence's queries
         for (int64_t hk = 0; hk < H; ++hk, ++row_id) {
-          const int32_t* row = static_cast<const int32_t*>(indices.data) + (p.seq_start(b) + t) * indices.stride[0] +
+          const int32_t* row = static_cast<const int32_t*>(indices.data) + (p.q_row0(b) + t) * indices.stride[0] +
                                hk * indices.stride[1];
           for (int64_t k = 0; k < n; ++k) {
             const int64_t j = row[k];
@@ -96,7 +96,7 @@ void key_major(const Plan& p, const Dims& d, const Branch& br, const QuerySide& 
     const int64_t b = std::upper_bound(first.begin(), first.end(), id) - first.begin() - 1;
     const int64_t local = id - first[static_cast<size_t>(b)];
     const int64_t ci = local / p.hkv, hk = local % p.hkv;
-    const Seq s{p.seq_start(b), p.seq_len(b), b};
+    const Seq s = Seq::of(p, b);
     Chunk c;
     int64_t t_lo = 0, t_hi = -1;  // consecutive query tokens (all kinds but slc)
     const int32_t* list = nullptr;
@@ -137,6 +137,7 @@ void key_major(const Plan& p, const Dims& d, const Branch& br, const QuerySide& 
       }
     }
     if (c.nk <= 0) return;
+    t_lo = std::max(t_lo, s.first);  // only the sequence's queries (a query packing's last positions)
     const ChunkData cd = dkdv_begin(d, br, s, hk, c, sc);
     if (br.kind == Kind::slc) {
       for (int64_t i = 0; i < list_len; i += d.tile_tokens)
@@ -285,7 +286,7 @@ void backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, cons
       if (d.mm) kernels().f32_to_bf16(sc.dout, sc.doutb, M * d.dvp);  // dO, exact (see attend_dq)
       for (int64_t i = 0; i < nt; ++i)
         for (int64_t g = 0; g < d.G; ++g) {
-          const int64_t r = i * d.G + g, row = s.s0 + sc.tokens[i], h = hk * d.G + g;
+          const int64_t r = i * d.G + g, row = s.q0 + sc.tokens[i], h = hk * d.G + g;
           float* dr = sc.dout + r * d.dvp;
           const float* orow = ob + r * d.dvp;
           float dg = 0.0f;
@@ -306,7 +307,7 @@ void backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, cons
         const int64_t r = i * d.G + g;
         float* dq = sc.dq + r * d.dqkp;
         for (int64_t c = 0; c < d.dqk; ++c) dq[c] *= d.scale;
-        store_row(grads.dq, s.s0 + sc.tokens[i], hk * d.G + g, dq, d.dqk);
+        store_row(grads.dq, s.q0 + sc.tokens[i], hk * d.G + g, dq, d.dqk);
       }
   });
 
@@ -443,7 +444,7 @@ void dense_attention_bwd(const Plan& p, const TensorView& q, const TensorView& k
     const int64_t M = nt * d.G;
     for (int64_t i = 0; i < nt; ++i)
       for (int64_t g = 0; g < d.G; ++g) {
-        const int64_t r = i * d.G + g, row = s.s0 + sc.tokens[i], h = hk * d.G + g;
+        const int64_t r = i * d.G + g, row = s.q0 + sc.tokens[i], h = hk * d.G + g;
         float acc = 0.0f;
         for (int64_t c = 0; c < d.dv; ++c) acc += sc.dout[r * d.dvp + c] * sc.o[0][r * d.dvp + c];
         sc.delta[r] = acc;
@@ -457,7 +458,7 @@ void dense_attention_bwd(const Plan& p, const TensorView& q, const TensorView& k
       for (int64_t g = 0; g < d.G; ++g) {
         float* row = sc.dq + (i * d.G + g) * d.dqkp;
         for (int64_t c = 0; c < d.dqk; ++c) row[c] *= d.scale;
-        store_row(dq, s.s0 + sc.tokens[i], hk * d.G + g, row, d.dqk);
+        store_row(dq, s.q0 + sc.tokens[i], hk * d.G + g, row, d.dqk);
       }
   });
   QuerySide qs;

@@ -22,7 +22,7 @@ void store_tile(const Dims& d, const Seq& s, int64_t hk, const int32_t* tokens, 
                 const float* o_rows, const float* lse_rows, const TensorView& o, const TensorView& lse) {
   for (int64_t i = 0; i < nt; ++i)
     for (int64_t g = 0; g < d.G; ++g) {
-      const int64_t r = i * d.G + g, row = s.s0 + tokens[i], h = hk * d.G + g;
+      const int64_t r = i * d.G + g, row = s.q0 + tokens[i], h = hk * d.G + g;
       store_row(o, row, h, o_rows + r * d.dvp, d.dv);
       if (lse.defined()) static_cast<float*>(lse.data)[row * lse.stride[0] + h * lse.stride[1]] = lse_rows[r];
     }
@@ -72,7 +72,7 @@ void compressed_attention_fwd(const Plan& p, const TensorView& q, const TensorVi
     store_tile(d, s, hk, sc.tokens, nt, sc.o[0], sc.lse, o, lse);
     if (!scores.defined()) return;
     for (int64_t i = 0; i < nt; ++i) {
-      float* out = static_cast<float*>(scores.data) + (s.s0 + sc.tokens[i]) * scores.stride[0] + hk * scores.stride[1];
+      float* out = static_cast<float*>(scores.data) + (s.q0 + sc.tokens[i]) * scores.stride[0] + hk * scores.stride[1];
       const float* S = sc.scores + i * d.ns_max_p;
       const int64_t valid = std::min(d.ns_max, ns_out);
       for (int64_t j = 0; j < valid; ++j) out[j] = S[j];
@@ -192,7 +192,7 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
     for (int64_t r = 0; r < M; ++r) sc.lse3[r * 3 + kCmp] = sc.lse[r];
     if (n > 0)
       for (int64_t i = 0; i < nt; ++i) {
-        int32_t* row = static_cast<int32_t*>(out.indices.data) + (s.s0 + sc.tokens[i]) * out.indices.stride[0] +
+        int32_t* row = static_cast<int32_t*>(out.indices.data) + (s.q0 + sc.tokens[i]) * out.indices.stride[0] +
                        hk * out.indices.stride[1];
         topn_row(p.cfg, sc.tokens[i], sc.scores + i * d.ns_max_p, sc.topn, row, n);
       }
@@ -204,7 +204,7 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
     // §7: the gated combine.
     for (int64_t i = 0; i < nt; ++i)
       for (int64_t g = 0; g < d.G; ++g) {
-        const int64_t r = i * d.G + g, row = s.s0 + sc.tokens[i], h = hk * d.G + g;
+        const int64_t r = i * d.G + g, row = s.q0 + sc.tokens[i], h = hk * d.G + g;
         float* acc = sc.dout + r * d.dvp;  // free here: reused as the combine buffer
         std::fill(acc, acc + d.dv, 0.0f);
         for (int b = 0; b < 3; ++b) {

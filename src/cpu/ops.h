@@ -31,25 +31,29 @@ void parallel_for(int64_t count, const Slots& slots, Fn fn) {
   if (error) std::rethrow_exception(error);
 }
 
-// Runs fn(seq, t0, nt, hk, scratch_arena) for every query tile (tile_tokens consecutive tokens of
-// one sequence and one KV head) on slots.count threads. Tiles are independent (each writes its
-// own rows), so dynamic scheduling changes nothing in the results; the heaviest tiles (the
-// latest tokens, which see the most keys) start first.
+// Runs fn(seq, t0, nt, hk, scratch_arena) for every query tile (up to tile_tokens consecutive
+// query positions of one sequence and one KV head) on slots.count threads. Tiles are aligned to
+// multiples of tile_tokens of the position, so a call with a query packing tiles its queries as
+// the call on every position does (except the first, partial tile). Tiles are independent (each
+// writes its own rows), so dynamic scheduling changes nothing in the results; the heaviest tiles
+// (the latest tokens, which see the most keys) start first.
 template <typename Fn>
 void for_each_tile(const Plan& p, int64_t tile_tokens, int64_t hkv, const Slots& slots, Fn fn) {
+  auto tiles_of = [&](int64_t b) -> int64_t {
+    const int64_t len = p.seq_len(b), first = p.q_first(b);
+    return first >= len ? 0 : (len + tile_tokens - 1) / tile_tokens - first / tile_tokens;
+  };
   std::vector<int64_t> first(static_cast<size_t>(p.B) + 1, 0);  // first tile id of each sequence
   for (int64_t b = 0; b < p.B; ++b)
-    first[static_cast<size_t>(b) + 1] =
-        first[static_cast<size_t>(b)] + (p.seq_len(b) + tile_tokens - 1) / tile_tokens * hkv;
+    first[static_cast<size_t>(b) + 1] = first[static_cast<size_t>(b)] + tiles_of(b) * hkv;
   parallel_for(first.back(), slots, [&](int64_t id, Arena& arena) {
     const int64_t b = std::upper_bound(first.begin(), first.end(), id) - first.begin() - 1;
     const int64_t local = id - first[static_cast<size_t>(b)];
-    const int64_t ntiles = (p.seq_len(b) + tile_tokens - 1) / tile_tokens;
-    const int64_t tile = ntiles - 1 - local / hkv;
+    const Seq s = Seq::of(p, b);
+    const int64_t tile = (s.len + tile_tokens - 1) / tile_tokens - 1 - local / hkv;
     const int64_t hk = local % hkv;
-    const Seq s{p.seq_start(b), p.seq_len(b), b};
-    const int64_t t0 = tile * tile_tokens;
-    fn(s, t0, std::min(tile_tokens, s.len - t0), hk, arena);
+    const int64_t t0 = std::max(tile * tile_tokens, s.first);
+    fn(s, t0, std::min((tile + 1) * tile_tokens, s.len) - t0, hk, arena);
   });
 }
 

@@ -120,15 +120,16 @@ void run_branches(const Plan& p, LayerState& s) {
 void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspace) {
   LayerState s = load_layer(p, in);
   // §3-§4: selection scores from the compressed attention probabilities, then top-n.
-  Array S({p.T, p.hkv, p.n_slc_max});
+  const int64_t Tq = p.query_rows();
+  Array S({Tq, p.hkv, p.n_slc_max});
   Array o_tmp, lse_tmp;
   cmp_attention(p, s.q, s.kc, s.vc, o_tmp, lse_tmp, &S);
   s.indices = select_topn(p, S);
   run_branches(p, s);
   // §7: o = g_cmp o_cmp + g_slc o_slc + g_win o_win.
-  Array o({p.T, p.hq, p.dv});
-  Array lse({p.T, p.hq, 3});
-  for (int64_t t = 0; t < p.T; ++t)
+  Array o({Tq, p.hq, p.dv});
+  Array lse({Tq, p.hq, 3});
+  for (int64_t t = 0; t < Tq; ++t)
     for (int64_t h = 0; h < p.hq; ++h) {
       for (int b = 0; b < 3; ++b) {
         const double gate = s.g.at(t, h)[b];
@@ -141,7 +142,7 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
   store(lse, out.lse);
   store_indices(s.indices, out.indices);
   if (out.o_branch.defined()) {
-    Array all({3, p.T, p.hq, p.dv});
+    Array all({3, Tq, p.hq, p.dv});
     for (int b = 0; b < 3; ++b)
       std::copy(s.o_branch[b].data.begin(), s.o_branch[b].data.end(), all.row(b));
     store(all, out.o_branch);
@@ -155,11 +156,12 @@ void backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, cons
   run_branches(p, s);
   const Array dO = load(d_o);
   // dg[t,h,b] = <dO, o_b>;  each branch's output gradient is g_b * dO.
-  Array dg({p.T, p.hq, 3});
+  const int64_t Tq = p.query_rows();
+  Array dg({Tq, p.hq, 3});
   Array dO_branch[3];
   for (int b = 0; b < 3; ++b) {
-    dO_branch[b] = Array({p.T, p.hq, p.dv});
-    for (int64_t t = 0; t < p.T; ++t)
+    dO_branch[b] = Array({Tq, p.hq, p.dv});
+    for (int64_t t = 0; t < Tq; ++t)
       for (int64_t h = 0; h < p.hq; ++h) {
         const double gate = s.g.at(t, h)[b];
         double acc = 0.0;

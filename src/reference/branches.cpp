@@ -45,6 +45,20 @@ void attend_backward(const double* q, const Array& K, const Array& V, int64_t hk
   }
 }
 
+// Where a query sits: its sequence's first packed key row s0, the query row q0 that position 0
+// would have (query row of position t: q0 + t; spec §9 and api.h's query packing) and its position t.
+struct QueryAt {
+  int64_t s0, q0, t;
+  int64_t row() const { return q0 + t; }
+};
+
+// The queries of sequence b: its last q_len(b) positions (every position without a query packing).
+template <typename Fn>
+void for_each_query(const detail::Plan& p, Fn fn) {
+  for (int64_t b = 0; b < p.B; ++b)
+    for (int64_t t = p.q_first(b); t < p.seq_len(b); ++t) fn(QueryAt{p.seq_start(b), p.q_row0(b), t});
+}
+
 // Which key rows query t (position within its sequence starting at packed row s0) sees.
 KeyRows cmp_keys(const detail::Plan& p, int64_t s0, int64_t t) {
   KeyRows rows(static_cast<size_t>(visible_cmp_blocks(t, p.cfg.cmp_block_len, p.cfg.cmp_stride)));
@@ -52,12 +66,11 @@ KeyRows cmp_keys(const detail::Plan& p, int64_t s0, int64_t t) {
   return rows;
 }
 
-KeyRows slc_keys(const detail::Plan& p, const std::vector<int32_t>& indices, int64_t s0, int64_t t,
-                 int64_t hk) {
+KeyRows slc_keys(const detail::Plan& p, const std::vector<int32_t>& indices, const QueryAt& at, int64_t hk) {
   const int64_t n = p.cfg.n_selected;
-  const int32_t* row = indices.data() + ((s0 + t) * p.hkv + hk) * n;
-  KeyRows rows = selected_positions(p.cfg, std::vector<int64_t>(row, row + n), t);
-  for (int64_t& r : rows) r += s0;
+  const int32_t* row = indices.data() + (at.row() * p.hkv + hk) * n;  // indices: one row per query
+  KeyRows rows = selected_positions(p.cfg, std::vector<int64_t>(row, row + n), at.t);
+  for (int64_t& r : rows) r += at.s0;
   return rows;
 }
 
@@ -72,36 +85,32 @@ KeyRows win_keys(const detail::Plan& p, int64_t s0, int64_t t) {
   return causal_keys(s0, window_start(t, p.cfg.window), t);
 }
 
-// Runs attention for every (sequence, token, query head); keys(s0, t, hk) gives the key rows.
+// Runs attention for every (query, query head); keys(at, hk) gives the key rows.
 template <typename Keys>
 void branch_forward(const detail::Plan& p, const Array& q, const Array& K, const Array& V, Keys keys,
                     Array& o, Array& lse) {
-  o = Array({p.T, p.hq, V.dim(2)});
-  lse = Array({p.T, p.hq});
-  for (int64_t b = 0; b < p.B; ++b) {
-    const int64_t s0 = p.seq_start(b);
-    for (int64_t t = 0; t < p.seq_len(b); ++t)
-      for (int64_t h = 0; h < p.hq; ++h) {
-        const int64_t hk = h / p.group;
-        const RowAttention r = attend(q.at(s0 + t, h), K, V, hk, keys(s0, t, hk), p.scale);
-        std::copy(r.o.begin(), r.o.end(), o.at(s0 + t, h));
-        lse.row(s0 + t)[h] = r.lse;
-      }
-  }
+  o = Array({p.query_rows(), p.hq, V.dim(2)});
+  lse = Array({p.query_rows(), p.hq});
+  for_each_query(p, [&](const QueryAt& at) {
+    for (int64_t h = 0; h < p.hq; ++h) {
+      const int64_t hk = h / p.group;
+      const RowAttention r = attend(q.at(at.row(), h), K, V, hk, keys(at, hk), p.scale);
+      std::copy(r.o.begin(), r.o.end(), o.at(at.row(), h));
+      lse.row(at.row())[h] = r.lse;
+    }
+  });
 }
 
 template <typename Keys>
 void branch_backward(const detail::Plan& p, const Array& q, const Array& K, const Array& V, Keys keys,
                      const Array& d_o, Array& dq, Array& dK, Array& dV) {
-  for (int64_t b = 0; b < p.B; ++b) {
-    const int64_t s0 = p.seq_start(b);
-    for (int64_t t = 0; t < p.seq_len(b); ++t)
-      for (int64_t h = 0; h < p.hq; ++h) {
-        const int64_t hk = h / p.group;
-        attend_backward(q.at(s0 + t, h), K, V, hk, keys(s0, t, hk), p.scale, d_o.at(s0 + t, h),
-                        dq.at(s0 + t, h), dK, dV);
-      }
-  }
+  for_each_query(p, [&](const QueryAt& at) {
+    for (int64_t h = 0; h < p.hq; ++h) {
+      const int64_t hk = h / p.group;
+      attend_backward(q.at(at.row(), h), K, V, hk, keys(at, hk), p.scale, d_o.at(at.row(), h), dq.at(at.row(), h),
+                      dK, dV);
+    }
+  });
 }
 
 }  // namespace
@@ -172,58 +181,53 @@ std::vector<int64_t> selected_positions(const Config& cfg, const std::vector<int
 
 void cmp_attention(const detail::Plan& p, const Array& q, const Array& kc, const Array& vc, Array& o,
                    Array& lse, Array* scores) {
-  o = Array({p.T, p.hq, vc.dim(2)});
-  lse = Array({p.T, p.hq});
-  for (int64_t b = 0; b < p.B; ++b) {
-    const int64_t s0 = p.seq_start(b);
-    for (int64_t t = 0; t < p.seq_len(b); ++t) {
-      const KeyRows rows = cmp_keys(p, s0, t);
-      for (int64_t h = 0; h < p.hq; ++h) {
-        const int64_t hk = h / p.group;
-        const RowAttention r = attend(q.at(s0 + t, h), kc, vc, hk, rows, p.scale);  // p_cmp = r.p
-        std::copy(r.o.begin(), r.o.end(), o.at(s0 + t, h));
-        lse.row(s0 + t)[h] = r.lse;
-        // §3: S[t, hk, j] += sum_i ov(i, j) * p_cmp[t, h, i], summed over the group's heads.
-        if (scores != nullptr) add_scores(p.cfg, r.p, scores->at(s0 + t, hk));
-      }
+  o = Array({p.query_rows(), p.hq, vc.dim(2)});
+  lse = Array({p.query_rows(), p.hq});
+  for_each_query(p, [&](const QueryAt& at) {
+    const KeyRows rows = cmp_keys(p, at.s0, at.t);
+    for (int64_t h = 0; h < p.hq; ++h) {
+      const int64_t hk = h / p.group;
+      const RowAttention r = attend(q.at(at.row(), h), kc, vc, hk, rows, p.scale);  // p_cmp = r.p
+      std::copy(r.o.begin(), r.o.end(), o.at(at.row(), h));
+      lse.row(at.row())[h] = r.lse;
+      // §3: S[t, hk, j] += sum_i ov(i, j) * p_cmp[t, h, i], summed over the group's heads.
+      if (scores != nullptr) add_scores(p.cfg, r.p, scores->at(at.row(), hk));
     }
-  }
+  });
 }
 
 std::vector<int32_t> select_topn(const detail::Plan& p, const Array& scores) {
   const int64_t n = p.cfg.n_selected;
-  std::vector<int32_t> indices(static_cast<size_t>(p.T * p.hkv * n), -1);
-  for (int64_t b = 0; b < p.B; ++b) {
-    const int64_t s0 = p.seq_start(b);
-    for (int64_t t = 0; t < p.seq_len(b); ++t)
-      for (int64_t hk = 0; hk < p.hkv; ++hk) {
-        const std::vector<int64_t> chosen = select_blocks(p.cfg, t, scores.at(s0 + t, hk));
-        int32_t* out = indices.data() + ((s0 + t) * p.hkv + hk) * n;
-        for (size_t k = 0; k < chosen.size(); ++k) out[k] = static_cast<int32_t>(chosen[k]);
-      }
-  }
+  std::vector<int32_t> indices(static_cast<size_t>(p.query_rows() * p.hkv * n), -1);
+  for_each_query(p, [&](const QueryAt& at) {
+    for (int64_t hk = 0; hk < p.hkv; ++hk) {
+      const std::vector<int64_t> chosen = select_blocks(p.cfg, at.t, scores.at(at.row(), hk));
+      int32_t* out = indices.data() + (at.row() * p.hkv + hk) * n;
+      for (size_t k = 0; k < chosen.size(); ++k) out[k] = static_cast<int32_t>(chosen[k]);
+    }
+  });
   return indices;
 }
 
 void slc_attention(const detail::Plan& p, const Array& q, const Array& k, const Array& v,
                    const std::vector<int32_t>& indices, Array& o, Array& lse) {
-  branch_forward(p, q, k, v, [&](int64_t s0, int64_t t, int64_t hk) { return slc_keys(p, indices, s0, t, hk); },
+  branch_forward(p, q, k, v, [&](const QueryAt& at, int64_t hk) { return slc_keys(p, indices, at, hk); },
                  o, lse);
 }
 
 void win_attention(const detail::Plan& p, const Array& q, const Array& k, const Array& v, Array& o,
                    Array& lse) {
-  branch_forward(p, q, k, v, [&](int64_t s0, int64_t t, int64_t) { return win_keys(p, s0, t); }, o, lse);
+  branch_forward(p, q, k, v, [&](const QueryAt& at, int64_t) { return win_keys(p, at.s0, at.t); }, o, lse);
 }
 
 void dense_attention(const detail::Plan& p, const Array& q, const Array& k, const Array& v, Array& o,
                      Array& lse) {
-  branch_forward(p, q, k, v, [&](int64_t s0, int64_t t, int64_t) { return causal_keys(s0, 0, t); }, o, lse);
+  branch_forward(p, q, k, v, [&](const QueryAt& at, int64_t) { return causal_keys(at.s0, 0, at.t); }, o, lse);
 }
 
 void cmp_attention_backward(const detail::Plan& p, const Array& q, const Array& kc, const Array& vc,
                             const Array& d_o, Array& dq, Array& dkc, Array& dvc) {
-  branch_backward(p, q, kc, vc, [&](int64_t s0, int64_t t, int64_t) { return cmp_keys(p, s0, t); }, d_o, dq,
+  branch_backward(p, q, kc, vc, [&](const QueryAt& at, int64_t) { return cmp_keys(p, at.s0, at.t); }, d_o, dq,
                   dkc, dvc);
 }
 
@@ -231,19 +235,19 @@ void slc_attention_backward(const detail::Plan& p, const Array& q, const Array& 
                             const std::vector<int32_t>& indices, const Array& d_o, Array& dq,
                             Array& dk, Array& dv) {
   branch_backward(p, q, k, v,
-                  [&](int64_t s0, int64_t t, int64_t hk) { return slc_keys(p, indices, s0, t, hk); }, d_o,
+                  [&](const QueryAt& at, int64_t hk) { return slc_keys(p, indices, at, hk); }, d_o,
                   dq, dk, dv);
 }
 
 void win_attention_backward(const detail::Plan& p, const Array& q, const Array& k, const Array& v,
                             const Array& d_o, Array& dq, Array& dk, Array& dv) {
-  branch_backward(p, q, k, v, [&](int64_t s0, int64_t t, int64_t) { return win_keys(p, s0, t); }, d_o, dq,
+  branch_backward(p, q, k, v, [&](const QueryAt& at, int64_t) { return win_keys(p, at.s0, at.t); }, d_o, dq,
                   dk, dv);
 }
 
 void dense_attention_backward(const detail::Plan& p, const Array& q, const Array& k, const Array& v,
                               const Array& d_o, Array& dq, Array& dk, Array& dv) {
-  branch_backward(p, q, k, v, [&](int64_t s0, int64_t t, int64_t) { return causal_keys(s0, 0, t); }, d_o,
+  branch_backward(p, q, k, v, [&](const QueryAt& at, int64_t) { return causal_keys(at.s0, 0, at.t); }, d_o,
                   dq, dk, dv);
 }
 
