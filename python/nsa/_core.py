@@ -416,29 +416,43 @@ class ForwardResult(NamedTuple):
 
 def _layer_kv(fw, q, kv6):
     """What forward and backward read off the layer's inputs: the six raw K/V arrays prepared,
-    whether they are shared (no slc and win arrays) and the sizes (T, Hq, Hkv, Dqk, Dv)."""
+    whether they are shared (no slc and win arrays) and the sizes (Tq, Tk, Hq, Hkv, Dqk, Dv):
+    Tq the query rows (q's), Tk the key rows (k_cmp's; Tq without a query packing)."""
     kv6 = tuple(fw.prepare(x) for x in kv6)
     shared = kv6[2] is None and kv6[3] is None and kv6[4] is None and kv6[5] is None
     T, Hq, Dqk = dims(q, "q", 3, "[T, Hq, Dqk]")
-    Hkv = dims(kv6[0], "k_cmp", 3, "[T, Hkv, Dqk]")[1]
+    Tk, Hkv, _ = dims(kv6[0], "k_cmp", 3, "[T, Hkv, Dqk]")
     Dv = dims(kv6[1], "v_cmp", 3, "[T, Hkv, Dv]")[2]
-    return kv6, shared, (T, Hq, Hkv, Dqk, Dv)
+    return kv6, shared, (T, Tk, Hq, Hkv, Dqk, Dv)
+
+
+def _query_packing(fw, cu_seqlens_q, max_seqlen_q):
+    """(cu_seqlens_q as int32 or None, max_seqlen_q as the extension's int) of a layer call."""
+    ms = (check_int(max_seqlen_q, "seqs_q.max_seqlen", 0, allowed="must be >= 0 (0: derive it)")
+          if max_seqlen_q is not None else 0)
+    return (None if cu_seqlens_q is None else fw.to_int32(cu_seqlens_q)), ms
 
 
 def forward(fw, cfg: Config, q, kv6, g, phi_k: Optional[Phi], phi_v: Optional[Phi], cu_seqlens=None,
-            max_seqlen=None, backend="auto", num_threads=0, branches=False) -> ForwardResult:
+            max_seqlen=None, backend="auto", num_threads=0, branches=False, cu_seqlens_q=None,
+            max_seqlen_q=None) -> ForwardResult:
+    """cu_seqlens_q: the query packing (api.h Inputs::seqs_q): sequence b's queries are its last
+    cu_seqlens_q[b+1] - cu_seqlens_q[b] positions, q and the outputs have cu_seqlens_q[-1] rows.
+    None: every position is a query."""
     q, g = fw.prepare(q), fw.prepare(g)
-    kv6, shared, (T, Hq, Hkv, Dqk, Dv) = _layer_kv(fw, q, kv6)
+    kv6, shared, (T, Tk, Hq, Hkv, Dqk, Dv) = _layer_kv(fw, q, kv6)
+    cu_q, ms_q = _query_packing(fw, cu_seqlens_q, max_seqlen_q)
+    Tk = Tk if cu_q is not None else T
     call = Call(fw, q, backend, num_threads, cu_seqlens, max_seqlen)
     c = cfg.native(phi_pair_kind(phi_k, phi_v), shared)
     o = fw.empty((T, Hq, Dv), q.dtype, q)
     lse = fw.empty((T, Hq, 3), fw.f32, q)
     idx = indices_like(fw, T, Hkv, c.n_selected, q)
     ob = fw.empty((3, T, Hq, Dv), q.dtype, q) if branches else None
-    ws = call.workspace("forward", c, T, Hq, Hkv, Dqk, Dv, max(phi_hidden(phi_k), phi_hidden(phi_v)))
+    ws = call.workspace("forward", c, Tk, Hq, Hkv, Dqk, Dv, max(phi_hidden(phi_k), phi_hidden(phi_v)))
     with fw.device_guard(q):
         _nsa.forward(*call.ctx, c, q, kv6, g, _phi_tuple(fw, phi_k), _phi_tuple(fw, phi_v), call.cu,
-                     call.max_seqlen, o, lse, idx, ob, ws)
+                     call.max_seqlen, o, lse, idx, ob, ws, cu_q, ms_q)
     return ForwardResult(o, lse, idx, ob)
 
 
@@ -452,15 +466,18 @@ class Gradients(NamedTuple):
 
 def backward(fw, cfg: Config, q, kv6, g, phi_k: Optional[Phi], phi_v: Optional[Phi], lse, indices, d_o,
              cu_seqlens=None, max_seqlen=None, backend="auto", num_threads=0, o_branch=None,
-             o=None) -> Gradients:
+             o=None, cu_seqlens_q=None, max_seqlen_q=None) -> Gradients:
     """o_branch: the forward's per-branch outputs [3, T, Hq, Dv] if they were kept (optional; the
     CUDA backend then takes dg from them instead of recomputing each branch's output). o: the
     forward's output [T, Hq, Dv] (optional; without o_branch the CUDA backend then takes the
-    selection branch's part from it instead of recomputing that branch's output)."""
+    selection branch's part from it instead of recomputing that branch's output). cu_seqlens_q:
+    the query packing, as for forward (dk, dv have the keys' rows, the others the queries')."""
     q, g, lse, indices, d_o = (fw.prepare(x) for x in (q, g, lse, indices, d_o))
     o_branch = None if o_branch is None else fw.prepare(o_branch)
     o = None if o is None else fw.prepare(o)
-    kv6, shared, (T, Hq, Hkv, Dqk, Dv) = _layer_kv(fw, q, kv6)
+    kv6, shared, (T, Tk, Hq, Hkv, Dqk, Dv) = _layer_kv(fw, q, kv6)
+    cu_q, ms_q = _query_packing(fw, cu_seqlens_q, max_seqlen_q)
+    Tk = Tk if cu_q is not None else T
     call = Call(fw, q, backend, num_threads, cu_seqlens, max_seqlen)
     kind = phi_pair_kind(phi_k, phi_v)
     c = cfg.native(kind, shared)
@@ -473,11 +490,12 @@ def backward(fw, cfg: Config, q, kv6, g, phi_k: Optional[Phi], phi_v: Optional[P
     dg = like(g)
     dphi_k = None if phi_k is None else Phi(*[like(p) for p in phi_k])
     dphi_v = None if phi_v is None else Phi(*[like(p) for p in phi_v])
-    ws = call.workspace("backward", c, T, Hq, Hkv, Dqk, Dv, max(phi_hidden(phi_k), phi_hidden(phi_v)))
+    ws = call.workspace("backward", c, Tk, Hq, Hkv, Dqk, Dv, max(phi_hidden(phi_k), phi_hidden(phi_v)))
     with fw.device_guard(q):
         _nsa.backward(*call.ctx, c, q, kv6, g, _phi_tuple(fw, phi_k), _phi_tuple(fw, phi_v), call.cu,
                       call.max_seqlen, o, lse, indices, o_branch, d_o, dq, dkv, dg,
-                      None if dphi_k is None else tuple(dphi_k), None if dphi_v is None else tuple(dphi_v), ws)
+                      None if dphi_k is None else tuple(dphi_k), None if dphi_v is None else tuple(dphi_v), ws,
+                      cu_q, ms_q)
     return Gradients(dq, dkv, dg, dphi_k, dphi_v)
 
 

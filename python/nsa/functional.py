@@ -11,6 +11,13 @@ Common keyword arguments:
   cu_seqlens  [B+1] integer offsets of B packed sequences (None: one sequence); host offsets are
               range-checked and converted to int32, offsets on a GPU must be int32.
   max_seqlen  the longest sequence; required only when cu_seqlens is on a GPU.
+  cu_seqlens_q  (attention, attention_branches, attention_backward) a query packing, FlashAttention's
+              varlen convention bottom-right aligned: sequence b's queries are its LAST
+              cu_seqlens_q[b+1] - cu_seqlens_q[b] positions (at most its length). q, g, d_o and the
+              outputs then have cu_seqlens_q[-1] rows, k and v (and dk, dv) the keys' rows of
+              cu_seqlens. Each query row equals the same position's row of the call on every
+              position. None: every position is a query. max_seqlen_q: the most queries of a
+              sequence (0 or None: derived). The CPU backends only.
   config      an nsa.Config (default: the paper's values); single fields may also be given as
               keywords, e.g. ``window=64``.
   backend     'auto' (CUDA for device arrays; reference for float64, else the fast CPU backend
@@ -47,7 +54,8 @@ def _stage(name: str, cfg: Config, arrays: tuple, *rest):
 
 def attention(q, k, v, g, phi_k=None, phi_v=None, *, cu_seqlens=None, max_seqlen=None,
               config: Optional[Config] = None, backend: str = "auto", num_threads: int = 0,
-              return_aux: bool = False, save_branch_outputs: bool = False, **config_fields):
+              return_aux: bool = False, save_branch_outputs: bool = False, cu_seqlens_q=None,
+              max_seqlen_q=None, **config_fields):
     """Native Sparse Attention (spec §2-§7): o [T, Hq, Dv] = sum_b g[..., b] * o_b.
 
     k, v: one array each, shared by the three branches, or a (cmp, slc, win) tuple each for
@@ -63,28 +71,31 @@ def attention(q, k, v, g, phi_k=None, phi_v=None, *, cu_seqlens=None, max_seqlen
     kv6, _ = split_kv(k, v)
     if is_torch(q):
         o, lse, idx = _torch_ops().attention(q, kv6, g, phi_k, phi_v, cfg, cu_seqlens, max_seqlen,
-                                              backend, num_threads, save_branch_outputs)
+                                              backend, num_threads, save_branch_outputs, cu_seqlens_q,
+                                              max_seqlen_q)
     else:
         o, lse, idx, _ = _core.forward(arrays_for(q), cfg, q, kv6, g, phi_k, phi_v, cu_seqlens,
-                                       max_seqlen, backend, num_threads)
+                                       max_seqlen, backend, num_threads, cu_seqlens_q=cu_seqlens_q,
+                                       max_seqlen_q=max_seqlen_q)
     return (o, AttentionAux(lse, idx)) if return_aux else o
 
 
 def attention_branches(q, k, v, g, phi_k=None, phi_v=None, *, cu_seqlens=None, max_seqlen=None,
                        config: Optional[Config] = None, backend: str = "auto", num_threads: int = 0,
-                       **config_fields):
+                       cu_seqlens_q=None, max_seqlen_q=None, **config_fields):
     """Forward only, with every branch's output before gating: ``_core.ForwardResult``
     (o, lse [T, Hq, 3], indices [T, Hkv, n], o_branch [3, T, Hq, Dv]). No autograd."""
     cfg = make_config(config, config_fields)
     phi_k, phi_v = as_phi(phi_k, "phi_k"), as_phi(phi_v, "phi_v")
     kv6, _ = split_kv(k, v)
     return _core.forward(arrays_for(q), cfg, q, kv6, g, phi_k, phi_v, cu_seqlens, max_seqlen, backend,
-                         num_threads, branches=True)
+                         num_threads, branches=True, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
 
 
 def attention_backward(q, k, v, g, phi_k, phi_v, lse, indices, d_o, *, cu_seqlens=None, max_seqlen=None,
                        config: Optional[Config] = None, backend: str = "auto", num_threads: int = 0,
-                       o_branch=None, o=None, **config_fields) -> _core.Gradients:
+                       o_branch=None, o=None, cu_seqlens_q=None, max_seqlen_q=None,
+                       **config_fields) -> _core.Gradients:
     """Gradients of NSA (spec §8) given what ``attention(..., return_aux=True)`` returned and
     d_o = dLoss/do [T, Hq, Dv]. Selection is a constant. Returns ``Gradients(dq, dk, dv, dg,
     dphi_k, dphi_v)`` where dk/dv are arrays (shared K/V) or (cmp, slc, win) tuples like k/v.
@@ -96,7 +107,8 @@ def attention_backward(q, k, v, g, phi_k, phi_v, lse, indices, d_o, *, cu_seqlen
     phi_k, phi_v = as_phi(phi_k, "phi_k"), as_phi(phi_v, "phi_v")
     kv6, shared = split_kv(k, v)
     grads = _core.backward(arrays_for(q), cfg, q, kv6, g, phi_k, phi_v, lse, indices, d_o, cu_seqlens,
-                           max_seqlen, backend, num_threads, o_branch=o_branch, o=o)
+                           max_seqlen, backend, num_threads, o_branch=o_branch, o=o, cu_seqlens_q=cu_seqlens_q,
+                           max_seqlen_q=max_seqlen_q)
     d = grads.dkv
     dk, dv = (d[0], d[1]) if shared else ((d[0], d[2], d[4]), (d[1], d[3], d[5]))
     return Gradients(grads.dq, dk, dv, grads.dg, grads.dphi_k, grads.dphi_v)

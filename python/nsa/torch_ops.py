@@ -71,14 +71,16 @@ def forward_op(
     phi_v_w1: Optional[Tensor], phi_v_b1: Optional[Tensor], phi_v_w2: Optional[Tensor],
     phi_v_b2: Optional[Tensor], phi_v_pe: Optional[Tensor],
     cu_seqlens: Optional[Tensor], max_seqlen: int, config: List[int], scale: float, backend: str,
-    num_threads: int, save_branches: bool,
+    num_threads: int, save_branches: bool, cu_seqlens_q: Optional[Tensor] = None, max_seqlen_q: int = 0,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """o [T, Hq, Dv], lse [T, Hq, 3] f32, indices [T, Hkv, n] int32, and o_branch [3, T, Hq, Dv]
-    (each branch's output, kept for the backward) if save_branches, else an empty tensor."""
+    """o [Tq, Hq, Dv], lse [Tq, Hq, 3] f32, indices [Tq, Hkv, n] int32, and o_branch [3, Tq, Hq, Dv]
+    (each branch's output, kept for the backward) if save_branches, else an empty tensor. Tq = T
+    (k's rows) unless cu_seqlens_q gives a query packing (each sequence's last positions)."""
     r = _core.forward(_fw, _cfg(config, scale), q, (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win), g,
                       _phi(phi_k_w1, phi_k_b1, phi_k_w2, phi_k_b2, phi_k_pe),
                       _phi(phi_v_w1, phi_v_b1, phi_v_w2, phi_v_b2, phi_v_pe),
-                      cu_seqlens, max_seqlen, backend, num_threads, branches=save_branches)
+                      cu_seqlens, max_seqlen, backend, num_threads, branches=save_branches,
+                      cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
     return r.o, r.lse, r.indices, (r.o_branch if save_branches else q.new_empty((0,)))
 
 
@@ -101,7 +103,7 @@ def backward_op(
     phi_v_b2: Optional[Tensor], phi_v_pe: Optional[Tensor],
     cu_seqlens: Optional[Tensor], max_seqlen: int, config: List[int], scale: float, backend: str,
     num_threads: int, lse: Tensor, indices: Tensor, o_branch: Optional[Tensor], d_o: Tensor,
-    o: Optional[Tensor] = None,
+    o: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None, max_seqlen_q: int = 0,
 ) -> List[Tensor]:
     """The 18 gradients in the order of nsa::forward's tensor inputs; empty where an input was None
     (shared K/V: the sum over branches is in dk_cmp, dv_cmp). o_branch: the forward's kept branch
@@ -111,7 +113,7 @@ def backward_op(
     phi_v = _phi(phi_v_w1, phi_v_b1, phi_v_w2, phi_v_b2, phi_v_pe)
     r = _core.backward(_fw, _cfg(config, scale), q, (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win), g, phi_k,
                        phi_v, lse, indices, d_o, cu_seqlens, max_seqlen, backend, num_threads, o_branch=o_branch,
-                       o=o)
+                       o=o, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
     grads = [r.dq, *r.dkv, r.dg, *_phi_args(r.dphi_k), *_phi_args(r.dphi_v)]
     return [x if x is not None else _empty_grad(q) for x in grads]
 
@@ -123,26 +125,34 @@ def _backward_fake(*args):
     return [q.new_empty(x.shape) if x is not None else _empty_grad(q) for x in inputs]
 
 
+# nsa::forward's inputs after the differentiable tensors and cu_seqlens: max_seqlen, config,
+# scale, backend, num_threads (the backward's statics), save_branches, cu_seqlens_q, max_seqlen_q.
+_N_TENSORS = 8 + 2 * _N_PHI + 1
+
+
 def _forward_setup(ctx, inputs, output):
-    tensors = inputs[: 8 + 2 * _N_PHI + 1]  # the differentiable inputs and cu_seqlens
+    inputs = list(inputs) + [None, 0][len(inputs) - _N_TENSORS - 6:]  # cu_seqlens_q, max_seqlen_q defaults
+    tensors = inputs[:_N_TENSORS]  # the differentiable inputs and cu_seqlens
     ctx.present = [x is not None for x in tensors]
-    # max_seqlen, config, scale, backend, num_threads (the backward's statics), save_branches
-    ctx.statics = inputs[8 + 2 * _N_PHI + 1:-1]
+    ctx.statics = inputs[_N_TENSORS:_N_TENSORS + 5]
+    cu_seqlens_q, ctx.max_seqlen_q = inputs[_N_TENSORS + 6], inputs[_N_TENSORS + 7]
     o, lse, indices, o_branch = output
     ctx.mark_non_differentiable(lse, indices, o_branch)
     # o too (the layer's output, alive anyway): without o_branch the CUDA backward takes the
     # selection branch's part from it instead of recomputing that branch.
-    ctx.save_for_backward(*tensors, lse, indices, o_branch, o)
+    ctx.save_for_backward(*tensors, lse, indices, o_branch, o, cu_seqlens_q)
 
 
 def _forward_backward(ctx, d_o, _d_lse, _d_indices, _d_o_branch):
     saved = ctx.saved_tensors
-    tensors, lse, indices, o_branch, o = saved[:-4], saved[-4], saved[-3], saved[-2], saved[-1]
+    tensors, (lse, indices, o_branch, o, cu_seqlens_q) = saved[:-5], saved[-5:]
     o_branch = o_branch if o_branch.numel() > 0 else None
-    grads = torch.ops.nsa.backward(*tensors, *ctx.statics, lse, indices, o_branch, d_o.contiguous(), o)
+    grads = torch.ops.nsa.backward(*tensors, *ctx.statics, lse, indices, o_branch, d_o.contiguous(), o,
+                                   cu_seqlens_q, ctx.max_seqlen_q)
     n_grad = 8 + 2 * _N_PHI
     out = [grad if present else None for grad, present in zip(grads, ctx.present[:n_grad])]
-    return (*out, None, None, None, None, None, None, None)  # cu_seqlens and the 6 statics
+    # cu_seqlens, the 6 statics, cu_seqlens_q and max_seqlen_q get none
+    return (*out, None, None, None, None, None, None, None, None, None)
 
 
 forward_op.register_autograd(_forward_backward, setup_context=_forward_setup)
@@ -407,14 +417,19 @@ def rotary(x, inv_freq, positions=None, cu_seqlens=None, inverse=False, backend=
 
 
 def attention(q, kv6, g, phi_k, phi_v, cfg: Config, cu_seqlens, max_seqlen, backend, num_threads,
-              save_branches: bool = False):
+              save_branches: bool = False, cu_seqlens_q=None, max_seqlen_q=None):
     """(o, lse, indices); save_branches keeps each branch's output for the backward (see
-    nsa.attention's save_branch_outputs): only when autograd records, since nothing else reads it."""
+    nsa.attention's save_branch_outputs): only when autograd records, since nothing else reads it.
+    cu_seqlens_q: the query packing (None: every position is a query)."""
     same_device(q, "q", g=g, phi_k=phi_k, phi_v=phi_v, **dict(zip(_KV6, kv6)))
     cu, ms = sequences(cu_seqlens, max_seqlen, q)
     save = bool(save_branches) and torch.is_grad_enabled()
+    if cu_seqlens_q is None:
+        cu_q, ms_q = None, _core.check_int(max_seqlen_q or 0, "seqs_q.max_seqlen", 0)
+    else:
+        cu_q, ms_q = sequences(cu_seqlens_q, max_seqlen_q, q)
     o, lse, idx, _ = torch.ops.nsa.forward(q, *kv6, g, *_phi_args(phi_k), *_phi_args(phi_v), cu, ms, cfg.ints(),
-                                           _scale(cfg.scale), backend, _core.threads(num_threads), save)
+                                           _scale(cfg.scale), backend, _core.threads(num_threads), save, cu_q, ms_q)
     return o, lse, idx
 
 

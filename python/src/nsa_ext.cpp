@@ -183,9 +183,11 @@ nsa::ForwardOutputs forward_outputs(Arrays& a, nb::handle o, nb::handle lse, nb:
   return out;
 }
 
-// The layer's inputs (nsa::forward and nsa::backward take the same ones).
+// The layer's inputs (nsa::forward and nsa::backward take the same ones); cu_seqlens_q None: no
+// query packing.
 nsa::Inputs layer_inputs(Arrays& arrays, nb::handle q, nb::handle kv, nb::handle g, nb::handle phi_k,
-                         nb::handle phi_v, nb::handle cu_seqlens, int64_t max_seqlen) {
+                         nb::handle phi_v, nb::handle cu_seqlens, int64_t max_seqlen, nb::handle cu_seqlens_q,
+                         int64_t max_seqlen_q) {
   static const char* const kKvNames[6] = {"k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win"};
   nsa::Inputs in;
   in.q = arrays.in(q, "q");
@@ -194,6 +196,8 @@ nsa::Inputs layer_inputs(Arrays& arrays, nb::handle q, nb::handle kv, nb::handle
   in.phi_k = phi_views(arrays, phi_k, "phi_k");
   in.phi_v = phi_views(arrays, phi_v, "phi_v");
   in.seqs = sequences(arrays, cu_seqlens, max_seqlen);
+  in.seqs_q.cu_seqlens = arrays.in(cu_seqlens_q, "cu_seqlens_q");
+  in.seqs_q.max_seqlen = max_seqlen_q;
   return in;
 }
 
@@ -477,10 +481,10 @@ NB_MODULE(_nsa, m) {
       [](const std::string& backend, uintptr_t stream, int threads, const nsa::Config& cfg,
          nb::handle q, nb::handle kv, nb::handle g, nb::handle phi_k, nb::handle phi_v,
          nb::handle cu_seqlens, int64_t max_seqlen, nb::handle o, nb::handle lse,
-         nb::handle indices, nb::handle o_branch, nb::handle workspace) {
+         nb::handle indices, nb::handle o_branch, nb::handle workspace, nb::handle cu_seqlens_q, int64_t max_seqlen_q) {
         Arrays a;
         const nsa::Context ctx = make_context(backend, stream, threads);
-        const nsa::Inputs in = layer_inputs(a, q, kv, g, phi_k, phi_v, cu_seqlens, max_seqlen);
+        const nsa::Inputs in = layer_inputs(a, q, kv, g, phi_k, phi_v, cu_seqlens, max_seqlen, cu_seqlens_q, max_seqlen_q);
         const nsa::ForwardOutputs out = forward_outputs(a, o, lse, indices, o_branch);
         const nsa::Workspace ws = a.workspace(workspace);
         nb::gil_scoped_release release;
@@ -489,7 +493,8 @@ NB_MODULE(_nsa, m) {
       NSA_CONTEXT_ARGS, nb::arg("cfg"), nb::arg("q").none(), nb::arg("kv").none(), nb::arg("g").none(),
       nb::arg("phi_k").none(), nb::arg("phi_v").none(), nb::arg("cu_seqlens").none(),
       nb::arg("max_seqlen"), nb::arg("o").none(), nb::arg("lse").none(), nb::arg("indices").none(),
-      nb::arg("o_branch").none(), nb::arg("workspace").none());
+      nb::arg("o_branch").none(), nb::arg("workspace").none(), nb::arg("cu_seqlens_q").none() = nb::none(),
+      nb::arg("max_seqlen_q") = 0);
 
   m.def(
       "backward",
@@ -497,10 +502,10 @@ NB_MODULE(_nsa, m) {
          nb::handle q, nb::handle kv, nb::handle g, nb::handle phi_k, nb::handle phi_v,
          nb::handle cu_seqlens, int64_t max_seqlen, nb::handle o, nb::handle lse,
          nb::handle indices, nb::handle o_branch, nb::handle d_o, nb::handle dq, nb::handle dkv, nb::handle dg,
-         nb::handle dphi_k, nb::handle dphi_v, nb::handle workspace) {
+         nb::handle dphi_k, nb::handle dphi_v, nb::handle workspace, nb::handle cu_seqlens_q, int64_t max_seqlen_q) {
         Arrays a;
         const nsa::Context ctx = make_context(backend, stream, threads);
-        const nsa::Inputs in = layer_inputs(a, q, kv, g, phi_k, phi_v, cu_seqlens, max_seqlen);
+        const nsa::Inputs in = layer_inputs(a, q, kv, g, phi_k, phi_v, cu_seqlens, max_seqlen, cu_seqlens_q, max_seqlen_q);
         nsa::ForwardOutputs saved;
         saved.o = a.in(o, "o");
         saved.lse = a.in(lse, "lse");
@@ -521,7 +526,8 @@ NB_MODULE(_nsa, m) {
       nb::arg("phi_k").none(), nb::arg("phi_v").none(), nb::arg("cu_seqlens").none(),
       nb::arg("max_seqlen"), nb::arg("o").none(), nb::arg("lse").none(), nb::arg("indices").none(),
       nb::arg("o_branch").none(), nb::arg("d_o").none(), nb::arg("dq").none(), nb::arg("dkv").none(), nb::arg("dg").none(), nb::arg("dphi_k").none(),
-      nb::arg("dphi_v").none(), nb::arg("workspace").none());
+      nb::arg("dphi_v").none(), nb::arg("workspace").none(), nb::arg("cu_seqlens_q").none() = nb::none(),
+      nb::arg("max_seqlen_q") = 0);
 
   def_qkv_attention_fwd(m, "dense_attention_fwd", nsa::dense_attention_fwd, "scale");
 

@@ -1,0 +1,121 @@
+"""The layer with a query packing (cu_seqlens_q: each sequence's last positions are the queries)
+against the call on every position, through numpy and torch: the outputs are the full call's rows
+(bitwise), the gradients the full call's with d_o zero on the rows not queried (bitwise on the
+reference backend; within fp32 rounding on the cpu backend, whose key-gradient sums group the
+queries in tiles from the first query)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import SMALL, has_torch, make_problem
+
+import nsa
+
+SEQLENS = (37, 0, 50, 21, 9)
+TQ = (5, 0, 50, 1, 0)  # Tq = 0, = Tk, = 1, and lengths no multiple of the blocks
+
+
+def query_rows(seqlens, tq):
+    """(full-call rows of the queries, cu_seqlens_q)."""
+    rows, start = [], 0
+    for n, m in zip(seqlens, tq):
+        rows += range(start + n - m, start + n)
+        start += n
+    return np.array(rows, dtype=np.int64), np.concatenate([[0], np.cumsum(tq)]).astype(np.int32)
+
+
+def masked(d_o, rows):
+    out = np.zeros_like(d_o)
+    out[rows] = d_o[rows]
+    return out
+
+
+@pytest.mark.parametrize("dtype,backend,shared,phi", [
+    (np.float64, "reference", False, "mlp"),
+    (np.float32, "cpu", False, "linear"),
+    (np.float32, "cpu", True, "mean"),
+    (np.float32, "reference", True, "mlp"),
+])
+def test_numpy_rows_and_gradients(dtype, backend, shared, phi):
+    p = make_problem(3, SMALL, SEQLENS, shared=shared, phi=phi).astype(dtype)
+    rows, cu_q = query_rows(SEQLENS, TQ)
+    kw = dict(cu_seqlens=p.cu, config=SMALL, backend=backend)
+    o, aux = nsa.attention(p.q, p.k, p.v, p.g, p.phi_k, p.phi_v, return_aux=True, **kw)
+    os, auxs = nsa.attention(p.q[rows], p.k, p.v, p.g[rows], p.phi_k, p.phi_v, return_aux=True,
+                             cu_seqlens_q=cu_q, **kw)
+    np.testing.assert_array_equal(os, o[rows])
+    np.testing.assert_array_equal(auxs.lse, aux.lse[rows])
+    np.testing.assert_array_equal(auxs.indices, aux.indices[rows])
+
+    d_o = np.random.default_rng(4).standard_normal(o.shape).astype(dtype)
+    full = nsa.attention_backward(p.q, p.k, p.v, p.g, p.phi_k, p.phi_v, aux.lse, aux.indices, masked(d_o, rows), **kw)
+    part = nsa.attention_backward(p.q[rows], p.k, p.v, p.g[rows], p.phi_k, p.phi_v, auxs.lse, auxs.indices,
+                                  d_o[rows], cu_seqlens_q=cu_q, **kw)
+    exact = backend == "reference"
+    # cpu: the fp32 sums of the key gradients group the queries differently; fp32 rounding of
+    # sums of O(100) terms of size O(1).
+    check = np.testing.assert_array_equal if exact else (lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=2e-5))
+    check(part.dq, full.dq[rows])
+    check(part.dg, full.dg[rows])
+    for a, b in zip(nsa.functional._core.split_kv(part.dk, part.dv)[0], nsa.functional._core.split_kv(full.dk, full.dv)[0]):
+        if a is not None:
+            check(a, b)
+    for got, want in ((part.dphi_k, full.dphi_k), (part.dphi_v, full.dphi_v)):
+        if got is not None:
+            for a, b in zip(got, want):
+                if a is not None:
+                    check(a, b)
+
+
+def test_numpy_errors_name_the_query_packing():
+    p = make_problem(3, SMALL, SEQLENS)
+    rows, cu_q = query_rows(SEQLENS, TQ)
+    bad = cu_q.copy()
+    bad[2:] += 1  # sequence 1 has no keys
+    q = np.concatenate([p.q[rows], p.q[:1]])
+    g = np.concatenate([p.g[rows], p.g[:1]])
+    with pytest.raises(nsa.Error, match=r"cu_seqlens_q\[2\] - cu_seqlens_q\[1\].*must be <= sequence 1's keys"):
+        nsa.attention(q, p.k, p.v, g, p.phi_k, p.phi_v, cu_seqlens=p.cu, config=SMALL, cu_seqlens_q=bad)
+    with pytest.raises(nsa.Error, match=r"cu_seqlens_q.shape\[0\]"):
+        nsa.attention(p.q[rows], p.k, p.v, p.g[rows], p.phi_k, p.phi_v, cu_seqlens=p.cu, config=SMALL,
+                      cu_seqlens_q=cu_q[:3])
+    with pytest.raises(nsa.Error, match=r"g.shape\[0\]"):
+        nsa.attention(p.q[rows], p.k, p.v, p.g, p.phi_k, p.phi_v, cu_seqlens=p.cu, config=SMALL, cu_seqlens_q=cu_q)
+
+
+@pytest.mark.skipif(not has_torch(), reason="PyTorch is not installed")
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_torch_autograd_matches_masked_full_call(dtype):
+    import torch
+
+    dt = getattr(torch, dtype)
+    p = make_problem(5, SMALL, SEQLENS, phi="mlp")
+    rows, cu_q = query_rows(SEQLENS, TQ)
+    rows_t = torch.tensor(rows)
+
+    def leaves():
+        t = lambda x: None if x is None else torch.tensor(x, dtype=dt, requires_grad=True)  # noqa: E731
+        return (t(p.q), tuple(t(x) for x in p.kv6), t(p.g), nsa.Phi(*[t(x) for x in p.phi_k]),
+                nsa.Phi(*[t(x) for x in p.phi_v]))
+
+    def run(suffix):
+        q, kv6, g, phi_k, phi_v = leaves()
+        k, v = (kv6[0], kv6[2], kv6[4]), (kv6[1], kv6[3], kv6[5])
+        kw = dict(cu_seqlens=torch.tensor(p.cu), config=SMALL)
+        if suffix:
+            o = nsa.attention(q[rows_t], k, v, g[rows_t], phi_k, phi_v, cu_seqlens_q=torch.tensor(cu_q), **kw)
+        else:
+            o = nsa.attention(q, k, v, g, phi_k, phi_v, **kw)[rows_t]
+        w = torch.linspace(-1, 1, o.numel(), dtype=dt).reshape(o.shape)
+        (o * w).sum().backward()
+        return o.detach(), [x.grad for x in (q, *kv6, g, *phi_k, *phi_v) if x is not None]
+
+    o_s, g_s = run(True)
+    o_f, g_f = run(False)
+    assert torch.equal(o_s, o_f)
+    for a, b in zip(g_s, g_f):
+        if dtype == "float64":
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
