@@ -200,6 +200,13 @@ class NativeSparseAttention(nn.Module):
             places of n; off by default: plain NSA). layer_idx (0-based) and max_seqlen (the longest
             sequence the model sees) are then required.
 
+        process_group: a torch.distributed process group: context parallelism (nsa.distributed). x is
+            then this rank's rows of the packed batch in the zig-zag layout
+            (nsa.distributed.zigzag_split), cu_seqlens the GLOBAL offsets (host, the same on every
+            rank), and the result this rank's rows of the layer's output. Every parameter's
+            gradient (phi's too) is this rank's share: sum them over the group (as
+            DistributedDataParallel does). No cache, no [B, S, hidden] input.
+
     capture (attribute, False by default): while True, each prefill forward keeps, detached, what
         the library returns besides the output in `layer.aux`: {"indices": [T, Hkv, n] selected
         blocks (-1 padded), "lse": [T, Hq, 3] per-branch log-sum-exps, "gates": [T, Hq, 3]}, for
@@ -218,7 +225,8 @@ class NativeSparseAttention(nn.Module):
                  shared_kv: bool = False, gate_hidden: Optional[int] = None, rotary: bool = True,
                  rope_theta: float = 10000.0, bias: bool = False, backend: str = "auto", num_threads: int = 0,
                  save_branch_outputs: bool = False, backbone: bool = False, layer_idx: Optional[int] = None,
-                 max_seqlen: Optional[int] = None, backbone_per_layer: int = 1, device=None, dtype=None):
+                 max_seqlen: Optional[int] = None, backbone_per_layer: int = 1, process_group=None, device=None,
+                 dtype=None):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         # Sizes first (head_dim's default divides by num_heads), each an integer of a sane range.
@@ -254,6 +262,7 @@ class NativeSparseAttention(nn.Module):
         self.phi, self.shared_kv, self.rotary, self.rope_theta = phi, shared_kv, rotary, rope_theta
         self.backend, self.num_threads = backend, num_threads
         self.save_branch_outputs = save_branch_outputs
+        self.process_group = process_group
         self.capture, self.aux = False, None
         self.num_kv_sets = 1 if shared_kv else 3  # K/V sets: one shared, or (cmp, slc, win)
 
@@ -419,7 +428,12 @@ class NativeSparseAttention(nn.Module):
             fw = arrays_for(x)
             raise error("x.dtype", fw.dtype_name(x),
                         f"must be the layer's dtype, {fw.dtype_name(weight)} (convert x, or the layer with .to(dtype))")
-        if cache is None:
+        if self.process_group is not None:
+            if cache is not None or batched:
+                raise error("cache" if cache is not None else "x.ndim", "given" if cache is not None else 3,
+                            "must be None (2: [T, hidden]) with a process_group (context parallelism)")
+            out = self._context_parallel(x, cu_seqlens)
+        elif cache is None:
             out = self._prefill(x, cu_seqlens, max_seqlen)
         else:
             out = self._with_cache(x, cu_seqlens, cache, B if batched else None)
@@ -440,6 +454,28 @@ class NativeSparseAttention(nn.Module):
         q, ks, vs, g = self._project(x, None, rotary_cu)
         o = self._attend(q, ks, vs, g, cu_seqlens, max_seqlen)
         return self.o_proj(o.reshape(T, self.num_heads * self.v_head_dim))
+
+    def _context_parallel(self, x: Tensor, cu_seqlens) -> Tensor:
+        """This rank's rows of the layer's output over the whole batch (nsa.distributed): its own
+        projections, rotated by its rows' positions, then the context-parallel attention."""
+        import torch.distributed as dist
+
+        from . import distributed
+
+        if cu_seqlens is None:
+            raise error("cu_seqlens", "None", "must be the global offsets of the batch with a process_group")
+        cu = [int(c) for c in torch.as_tensor(cu_seqlens).tolist()]
+        group = self.process_group
+        positions = distributed.zigzag_positions(cu, dist.get_rank(group), dist.get_world_size(group))
+        # Rows that do not match the layout: left to distributed.attention, which raises on every
+        # rank alike (an error here, on this rank only, would leave the others waiting).
+        q, ks, vs, g = self._project(x, positions.to(x.device) if x.shape[0] == positions.numel() else None)
+        k = ks[0] if self.shared_kv else tuple(ks)
+        v = vs[0] if self.shared_kv else tuple(vs)
+        o = distributed.attention(q, k, v, g, self._phi(self.phi_k, q.dtype), self._phi(self.phi_v, q.dtype),
+                                  cu_seqlens=cu, group=group, config=self.config, backend=self.backend,
+                                  num_threads=self.num_threads, sum_phi_grads=False)
+        return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.v_head_dim))
 
     def _with_cache(self, x: Tensor, cu_seqlens, cache: NSACache, batch: Optional[int]) -> Tensor:
         """Appends the new tokens x of each sequence to the cache and returns their rows: the
