@@ -3,10 +3,11 @@
 // full call's rows, the gradients the full call's with d_o zero on the rows not queried.
 // The reference backend agrees bitwise (each query and each key gradient term is computed the
 // same way; the terms of the unqueried rows are exact zeros). The cpu backend agrees bitwise in
-// the forward on fp32 and bf16; its gradients sum the queries' terms in tiles that start at the
-// first query, so they agree within fp32 rounding: at most twice the full call's own error
-// against the fp64 reference (style.md's rule), and in addition the suffix call meets that
-// rule against the fp64 reference itself. Plus the validation of a query packing.
+// the forward (fp32, bf16, f16, every kernel table); its gradients sum the queries' terms in tiles
+// that start at the first query, so they agree within fp32 rounding: at most twice the full call's
+// own error against the fp64 reference (style.md's rule), and in addition the suffix call meets
+// that rule against the fp64 reference itself; the same bits on 1, 3 and the default number of
+// threads. Plus the validation of a query packing.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -234,17 +235,20 @@ TEST_P(CpuQueryPacking, RowsAndGradientsMatchFullCall) {
       EXPECT_LE(err, tol) << got[i].first << ": suffix vs full call " << err << ", full call's own error " << err_full;
       EXPECT_LE(max_abs_diff(g, t), tol) << got[i].first << ": suffix vs fp64 truth";
     }
+    // The same bits on any thread count.
+    for (int threads : {1, 3}) {
+      SCOPED_TRACE("threads " + std::to_string(threads));
+      SuffixProblem again = suffix_of(full, qr);
+      again.p.d_o = s.p.d_o;
+      run_layer(context_of(Backend::cpu, threads), c.cfg, again.inputs(), again.p, true);
+      expect_forward_rows(again, full, qr);
+      const auto same = gradient_tensors(again.p, nullptr);
+      for (size_t i = 0; i < got.size(); ++i) expect_same_bits(got[i].first, same[i].second, got[i].second);
+    }
   }
 }
 
-std::vector<IsaDtype> query_params() {
-  std::vector<IsaDtype> out;
-  for (const IsaDtype& p : isa_dtype_params())
-    if (p.dtype != DType::f16) out.push_back(p);
-  return out;
-}
-
-INSTANTIATE_TEST_SUITE_P(Isa, CpuQueryPacking, ::testing::ValuesIn(query_params()), isa_dtype_name);
+INSTANTIATE_TEST_SUITE_P(Isa, CpuQueryPacking, ::testing::ValuesIn(isa_dtype_params()), isa_dtype_name);
 
 // ---- Validation -------------------------------------------------------------------------------
 
