@@ -344,6 +344,18 @@ TEST(QueryPacking, WithoutPackingQueriesMustCoverTheKeys) {
   expect_error(small.forward_error(in3), "seqs_q.max_seqlen", "must be >= the most queries of a sequence, 50");
 }
 
+TEST(QueryPacking, WorkspaceIsTheKeys) {
+  Bad bad;
+  const Problem pr = problem_of(bad.full.cfg, bad.s.inputs());
+  EXPECT_EQ(pr.total_tokens, bad.full.T);  // the keys' rows, not the queries'
+  EXPECT_EQ(pr.batch, 5);
+  EXPECT_EQ(pr.max_seqlen, 50);
+  const Problem full = problem_of(bad.full.cfg, bad.full.inputs());
+  for (Op op : {Op::forward, Op::backward})
+    EXPECT_EQ(workspace_size(context_of(Backend::cpu), op, bad.full.cfg, pr),
+              workspace_size(context_of(Backend::cpu), op, bad.full.cfg, full));
+}
+
 TEST(QueryPacking, KeysOwnPackingIsNoQueryPacking) {
   // The very view of seqs.cu_seqlens as cu_seqlens_q: the same as none (what the cuda backend takes).
   LayerProblem a = make_problem(cases()[0].cfg, Bad::with_dtype(cases()[0].sizes), 11);

@@ -281,5 +281,6 @@ def attention(q: Tensor, k, v, g: Tensor, phi_k: Optional[Phi] = None, phi_v: Op
     kv6, _ = split_kv(k, v)
     phi_k, phi_v = torch_ops._phi_args(phi_k), torch_ops._phi_args(phi_v)
     plan = _Plan(cu, rank, world)
-    o, lse, idx = _ContextParallel.apply(plan, group, cfg, backend, threads(num_threads), bool(sum_phi_grads), q, g, *kv6, *phi_k, *phi_v)
+    o, lse, idx = _ContextParallel.apply(plan, group, cfg, backend, threads(num_threads), bool(sum_phi_grads), q, g,
+                                         *kv6, *phi_k, *phi_v)
     return (o, (lse, idx)) if return_aux else o

@@ -18,6 +18,7 @@ rank (a hang would hit the process group's 60 s timeout).
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import socket
@@ -37,13 +38,16 @@ import torch.multiprocessing as mp  # noqa: E402
 import nsa  # noqa: E402
 import nsa.distributed  # noqa: E402
 
-# (name, torch dtype, backend, shared K/V, phi, sequence lengths): uneven lengths, an empty
+# (name, config, torch dtype, backend, shared K/V, phi, sequence lengths): uneven lengths, an empty
 # sequence and one shorter than 2P chunks; none divides by 2P.
+# The reach backbone (spec §11) forces blocks at offsets from each query's own position.
+BACKBONE = dataclasses.replace(SMALL, n_selected=4, backbone_offsets=(2,))
 CASES = [
-    ("reference_f64_independent_mlp", "float64", "reference", False, "mlp", (37, 0, 50, 5)),
-    ("cpu_f32_shared_linear", "float32", "cpu", True, "linear", (61,)),
-    ("cpu_f32_independent_mean", "float32", "cpu", False, "mean", (23, 42)),
-    ("cpu_f32_independent_mlp", "float32", "cpu", False, "mlp", (3, 70)),
+    ("reference_f64_independent_mlp", SMALL, "float64", "reference", False, "mlp", (37, 0, 50, 5)),
+    ("reference_f64_shared_linear_backbone", BACKBONE, "float64", "reference", True, "linear", (66, 17)),
+    ("cpu_f32_shared_linear", SMALL, "float32", "cpu", True, "linear", (61,)),
+    ("cpu_f32_independent_mean", SMALL, "float32", "cpu", False, "mean", (23, 42)),
+    ("cpu_f32_independent_mlp_backbone", BACKBONE, "float32", "cpu", False, "mlp", (3, 70)),
 ]
 
 
@@ -93,11 +97,11 @@ def _compare(name, got, want, exact, dtype, rank):
 
 
 def _run_case(rank, world, case):
-    name, dtype_name, backend, shared, phi, seqlens = case
+    name, cfg, dtype_name, backend, shared, phi, seqlens = case
     dt = getattr(torch, dtype_name)
-    p = make_problem(17, SMALL, seqlens, shared=shared, phi=phi)
-    cu = [0] + list(np.cumsum(seqlens))
-    kw = dict(config=SMALL, backend=backend)
+    p = make_problem(17, cfg, seqlens, shared=shared, phi=phi)
+    cu = [0] + [int(c) for c in np.cumsum(seqlens)]
+    kw = dict(config=cfg, backend=backend)
     # One process on the whole batch.
     q, kv6, g, phi_k, phi_v = _leaves(p, dt)
     k, v = _kv(kv6, shared)

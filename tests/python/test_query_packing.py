@@ -52,20 +52,21 @@ def test_numpy_rows_and_gradients(dtype, backend, shared, phi):
     full = nsa.attention_backward(p.q, p.k, p.v, p.g, p.phi_k, p.phi_v, aux.lse, aux.indices, masked(d_o, rows), **kw)
     part = nsa.attention_backward(p.q[rows], p.k, p.v, p.g[rows], p.phi_k, p.phi_v, auxs.lse, auxs.indices,
                                   d_o[rows], cu_seqlens_q=cu_q, **kw)
-    exact = backend == "reference"
-    # cpu: the fp32 sums of the key gradients group the queries differently; fp32 rounding of
-    # sums of O(100) terms of size O(1).
-    check = np.testing.assert_array_equal if exact else (lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=2e-5))
+    def check(a, b):
+        if backend == "reference":
+            np.testing.assert_array_equal(a, b)
+        else:  # the cpu's fp32 key-gradient sums group the queries differently: sums of O(100) O(1) terms
+            np.testing.assert_allclose(a, b, rtol=0, atol=2e-5)
+
+    def tensors(grads):
+        """dk, dv (one array or a (cmp, slc, win) tuple each) and phi's gradients, flattened."""
+        flat = [x for d in (grads.dk, grads.dv) for x in (d if isinstance(d, tuple) else (d,))]
+        return flat + [x for phi in (grads.dphi_k, grads.dphi_v) if phi is not None for x in phi if x is not None]
+
     check(part.dq, full.dq[rows])
     check(part.dg, full.dg[rows])
-    for a, b in zip(nsa.functional._core.split_kv(part.dk, part.dv)[0], nsa.functional._core.split_kv(full.dk, full.dv)[0]):
-        if a is not None:
-            check(a, b)
-    for got, want in ((part.dphi_k, full.dphi_k), (part.dphi_v, full.dphi_v)):
-        if got is not None:
-            for a, b in zip(got, want):
-                if a is not None:
-                    check(a, b)
+    for a, b in zip(tensors(part), tensors(full), strict=True):
+        check(a, b)
 
 
 def test_numpy_errors_name_the_query_packing():
@@ -119,3 +120,25 @@ def test_torch_autograd_matches_masked_full_call(dtype):
             assert torch.equal(a, b)
         else:
             torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
+
+
+@pytest.mark.skipif(not has_torch(), reason="PyTorch is not installed")
+def test_opcheck_forward_with_query_packing():
+    """nsa::forward's schema, fake implementation (q's rows: Tq) and autograd registration with
+    cu_seqlens_q (torch.library.opcheck)."""
+    import torch
+
+    from nsa import torch_ops  # noqa: F401  (registers torch.ops.nsa.*)
+
+    tiny = nsa.Config(cmp_block_len=4, cmp_stride=2, slc_block_len=4, n_selected=3, n_init=1, n_local=1, window=3)
+    p = make_problem(41, tiny, (9, 6), hq=2, hkv=1, dqk=3, dv=2, hidden=3)
+    rows, cu_q = query_rows((9, 6), (4, 6))
+
+    def t(x):
+        return None if x is None else torch.tensor(x, requires_grad=True)
+
+    q = t(p.q[rows]).detach().requires_grad_(True)
+    g = t(p.g[rows]).detach().requires_grad_(True)
+    args = (q, *[t(x) for x in p.kv6], g, *[t(x) for x in p.phi_k], *[t(x) for x in p.phi_v], torch.tensor(p.cu), 0,
+            tiny.ints(), 0.0, "auto", 0, False, torch.tensor(cu_q), 0)
+    torch.library.opcheck(torch.ops.nsa.forward.default, args)
