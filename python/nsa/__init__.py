@@ -4,7 +4,8 @@ Functional API (numpy arrays and torch tensors, host or CUDA): ``attention`` and
 ``compress``, ``compressed_attention``, ``select_topn``, ``selected_attention``,
 ``window_attention``, plus ``dense_attention`` and ``rotary`` (rotary position embeddings).
 PyTorch layer: ``nsa.NativeSparseAttention`` (imported on first use, so that numpy users never
-import torch). See docs/python.md.
+import torch); context parallelism over ``torch.distributed``: ``nsa.distributed`` (likewise). See
+docs/python.md and docs/distributed.md.
 """
 from ._core import CacheArrays, Config, Error, Phi
 # __version__: CMakeLists.txt's project version, compiled into the extension.
@@ -44,4 +45,8 @@ def __getattr__(name):
         from . import modules
 
         return getattr(modules, name)
+    if name == "distributed":  # context parallelism over torch.distributed (docs/distributed.md)
+        import importlib
+
+        return importlib.import_module(__name__ + ".distributed")
     raise AttributeError(f"module 'nsa' has no attribute {name!r}")

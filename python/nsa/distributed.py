@@ -134,24 +134,50 @@ def _gather_sizes(values: List[int], group) -> List[List[int]]:
     return [[int(x) for x in o.tolist()] for o in out]
 
 
-def _check_ranks(cu: List[int], rows: int, group) -> None:
-    """The same offsets on every rank, and each rank's rows those of its chunks: raised on every
-    rank alike (each sees everyone's sizes)."""
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def _signature(tensors) -> List[int]:
+    """Per (name, tensor): present, rows, the two trailing extents, the dtype's code."""
+    out = []
+    for _, t in tensors:
+        if t is None or t.dim() != 3:
+            out += [0, 0, 0, 0, -1] if t is None else [1, -1, -1, -1, -1]
+        else:
+            code = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1
+            out += [1, int(t.shape[0]), int(t.shape[1]), int(t.shape[2]), code]
+    return out
+
+
+def _check_ranks(cu: List[int], tensors, group) -> None:
+    """Before any other collective: the same offsets on every rank, each rank's rows those of its
+    chunks, and the same heads, head dims and dtypes everywhere (the gathers need them). Every
+    rank sees everyone's sizes, so each raises the same error (tensors: (name, tensor or None) of
+    the rank's q, g, k and v)."""
     world = dist.get_world_size(group)
-    heads = _gather_sizes([len(cu), cu[-1], rows], group)
-    n = max(h[0] for h in heads)
+    sig = _gather_sizes([len(cu), cu[-1]] + _signature(tensors), group)
+    n = max(h[0] for h in sig)
     table = _gather_sizes(cu + [-1] * (n - len(cu)), group)
     for r in range(world):
         if table[r] != table[0]:
-            raise error("cu_seqlens", f"different on rank {r} (B = {heads[r][0] - 1}, T = {heads[r][1]}) "
-                        f"than on rank 0 (B = {heads[0][0] - 1}, T = {heads[0][1]})",
+            raise error("cu_seqlens", f"different on rank {r} (B = {sig[r][0] - 1}, T = {sig[r][1]}) "
+                        f"than on rank 0 (B = {sig[0][0] - 1}, T = {sig[0][1]})",
                         "must be the same global offsets on every rank of the group")
     for r in range(world):
         want = sum(e - a for _, a, e in _chunks(cu, r, world))
-        if heads[r][2] != want:
-            raise error("q.shape[0]", f"{heads[r][2]} on rank {r}",
-                        f"must be {want}: the rows of rank {r}'s chunks {r} and {2 * world - 1 - r} of every "
-                        f"sequence (zigzag_split)")
+        for i, (name, _) in enumerate(tensors):
+            present, rows, d1, d2, code = sig[r][2 + 5 * i:7 + 5 * i]
+            if present != sig[0][2 + 5 * i]:
+                raise error(name, f"{'given' if present else 'absent'} on rank {r}", "must be so on every rank")
+            if not present:
+                continue
+            if rows != want:
+                raise error(f"{name}.shape[0]", f"{rows} on rank {r}",
+                            f"must be {want}: the rows of rank {r}'s chunks {r} and {2 * world - 1 - r} of every "
+                            f"sequence (zigzag_split)")
+            if [d1, d2, code] != sig[0][4 + 5 * i:7 + 5 * i]:
+                raise error(name, f"shape [{rows}, {d1}, {d2}] and dtype code {code} on rank {r}",
+                            "must have rank 0's heads, head dim and dtype (3-D [rows, heads, dim] on every rank)")
 
 
 def _all_gather_rows(x: Tensor, counts: List[int], group) -> List[Tensor]:
@@ -277,8 +303,9 @@ def attention(q: Tensor, k, v, g: Tensor, phi_k: Optional[Phi] = None, phi_v: Op
     cu = _offsets(cu_seqlens)
     group = group if group is not None else dist.group.WORLD
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    _check_ranks(cu, int(q.shape[0]), group)
     kv6, _ = split_kv(k, v)
+    _check_ranks(cu, [("q", q), ("g", g)] + list(zip(("k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win"), kv6)),
+                 group)
     phi_k, phi_v = torch_ops._phi_args(phi_k), torch_ops._phi_args(phi_v)
     plan = _Plan(cu, rank, world)
     o, lse, idx = _ContextParallel.apply(plan, group, cfg, backend, threads(num_threads), bool(sum_phi_grads), q, g,

@@ -130,7 +130,7 @@ def _run_case(rank, world, case):
                      rank)
 
 
-def _expect_error_everywhere(rank, world, cu_of_rank, rows_delta, words):
+def _expect_error_everywhere(rank, world, cu_of_rank, rows_delta, words, narrow_v_on=-1):
     p = make_problem(3, SMALL, (30, 11))
     cu = [0, 30, 41]
     rows = nsa.distributed.zigzag_rows(cu, rank, world)
@@ -139,6 +139,8 @@ def _expect_error_everywhere(rank, world, cu_of_rank, rows_delta, words):
         q = q[:-1]
     g = torch.tensor(p.g)[rows[: q.shape[0]]]
     kv = [torch.tensor(x)[rows[: q.shape[0]]] for x in p.kv6[:2]]
+    if rank == narrow_v_on:  # another head dim of v than the other ranks
+        kv[1] = kv[1][..., :-1].contiguous()
     phi = [nsa.Phi(*[None if x is None else torch.tensor(x) for x in f]) for f in (p.phi_k, p.phi_v)]
     with pytest.raises(nsa.Error, match=words):
         nsa.distributed.attention(q, kv[0], kv[1], g, phi[0], phi[1], cu_seqlens=cu_of_rank(rank), config=SMALL)
@@ -178,6 +180,8 @@ def _worker(rank, world, port):
         _expect_error_everywhere(rank, world, lambda r: [0, 30, 41] if r == 0 else [0, 29, 41], False,
                                  r"cu_seqlens.*different on rank 1")
         _expect_error_everywhere(rank, world, lambda r: [0, 30, 41], True, r"q.shape\[0\].*on rank 0")
+        _expect_error_everywhere(rank, world, lambda r: [0, 30, 41], False, r"v_cmp.*on rank 1.*rank 0's heads",
+                                 narrow_v_on=1)
         dist.barrier()
     finally:
         dist.destroy_process_group()
