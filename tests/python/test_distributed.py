@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -49,12 +48,6 @@ CASES = [
     ("cpu_f32_independent_mean", SMALL, "float32", "cpu", False, "mean", (23, 42)),
     ("cpu_f32_independent_mlp_backbone", BACKBONE, "float32", "cpu", False, "mlp", (3, 70)),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _leaves(p, dt):
@@ -167,10 +160,11 @@ def _run_module(rank, world):
         _compare(f"layer: d{name}", sum(parts[1:], parts[0].clone()), b.grad, False, torch.float64, rank)
 
 
-def _worker(rank, world, port):
+def _worker(rank, world, store):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    # A file store: no port to find free (and none another process could take in between).
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
         for case in CASES:
@@ -188,8 +182,8 @@ def _worker(rank, world, port):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_context_parallel_matches_one_process(world):
-    mp.spawn(_worker, args=(world, free_port()), nprocs=world, join=True)
+def test_context_parallel_matches_one_process(world, tmp_path):
+    mp.spawn(_worker, args=(world, str(tmp_path / "store")), nprocs=world, join=True)
 
 
 def test_zigzag_layout():
