@@ -67,11 +67,14 @@ void check_layer_shapes(Plan& p, const Config& cfg, const Inputs& in, const Chec
 // Everything forward() and backward() share: q, the branch K/V, g, phi, both packings. `in` is
 // normalised (a query packing that is the keys' own dropped).
 Plan plan_layer(const Context& ctx, const Config& cfg, const Inputs& in, const BackendOps*& ops) {
-  Plan p = start_plan(ctx, cfg, in.q, "q", ops);
-  if (in.seqs_q.cu_seqlens.defined() && p.ctx.backend == Backend::cuda)
+  // The cuda backend reads query and key rows through one packing: a query packing for it is
+  // refused first, whether or not this build and machine have it.
+  const bool cuda = ctx.backend == Backend::cuda || (ctx.backend == Backend::automatic && in.q.device == Device::cuda);
+  if (in.seqs_q.cu_seqlens.defined() && cuda)
     throw Error("seqs_q.cu_seqlens", "given (a query packing)",
                 "is not supported by the cuda backend yet: leave it absent (queries at every position), or pass "
                 "the very view of seqs.cu_seqlens");
+  Plan p = start_plan(ctx, cfg, in.q, "q", ops);
   const Checker chk(p.dtype, p.device, in.q.device_index);
   check_layer_shapes(p, cfg, in, chk);
   const int64_t T = p.T, Tq = p.query_rows();

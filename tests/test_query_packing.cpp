@@ -344,6 +344,26 @@ TEST(QueryPacking, WithoutPackingQueriesMustCoverTheKeys) {
   expect_error(small.forward_error(in3), "seqs_q.max_seqlen", "must be >= the most queries of a sequence, 50");
 }
 
+TEST(QueryPacking, CudaBackendRefusesOne) {
+  Bad bad;
+  Context cuda = context_of(Backend::cuda);
+  std::string msg;
+  try {
+    forward(cuda, bad.full.cfg, bad.s.inputs(), bad.s.p.outputs());
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  expect_error(msg, "seqs_q.cu_seqlens", "is not supported by the cuda backend yet");
+  // The keys' own view is no query packing: whatever cuda says then, it is not this.
+  Inputs in = bad.full.inputs();
+  in.seqs_q = in.seqs;
+  try {
+    forward(cuda, bad.full.cfg, in, bad.full.outputs());
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()).find("seqs_q"), std::string::npos) << e.what();
+  }
+}
+
 TEST(QueryPacking, WorkspaceIsTheKeys) {
   Bad bad;
   const Problem pr = problem_of(bad.full.cfg, bad.s.inputs());
