@@ -91,7 +91,8 @@ enum BranchIndex : int { kCmp = 0, kSlc = 1, kWin = 2 };
 // Tq = sum_b Tq_b rows, the key side (every branch's k, v; dk, dv) T = sum_b Tk_b rows. A query
 // attends exactly as the same position does in a call on all positions (docs/semantics.md).
 // The cuda backend takes no query packing yet (nsa::Error), unless seqs_q.cu_seqlens is the very
-// view seqs.cu_seqlens is (same data, shape and strides), which is the same as none.
+// view seqs.cu_seqlens is (same data, shape and strides; seqs_q.max_seqlen 0 or seqs.max_seqlen),
+// which is the same as none.
 struct Inputs {
   TensorView q;  // [Tq, Hq, Dqk] (Tq = T without a query packing)
   KV kv[3];      // raw keys/values per branch (cmp, slc, win) [T, Hkv, D]; shared_kv: only kv[kCmp]
