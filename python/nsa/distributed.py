@@ -24,11 +24,11 @@ Every rank must pass the same global ``cu_seqlens`` (host integers) and its own 
 checked with an all-gather of the sizes before any other collective, so a mismatch raises the same
 ``nsa.Error`` on every rank instead of hanging.
 
-Equality with one process on the whole batch: the outputs are the rows of the single-process
-call (the library's query packing computes each query as that call does: bitwise on the
-reference and cpu backends' forwards, see docs/api.md); dq and dg likewise up to the backward's
-rounding; dk, dv and phi's gradients are sums of the same terms in another order, equal within
-the rounding of the dtype's accumulation (fp64 on the reference backend, fp32 on the cpu one).
+Equality with one process on the whole batch: the outputs, dq and dg are the rows of the
+single-process call (the library's query packing computes each query as that call does: bitwise
+on the reference backend, within fp32 rounding on the cpu one, docs/api.md); dk, dv and phi's
+gradients are sums of the same terms in another order, equal within the rounding of the dtype's
+accumulation (fp64 on the reference backend, fp32 on the cpu one).
 docs/distributed.md says more. The gathers use whatever backend the group has (gloo on CPUs);
 the library's cuda backend does not take a query packing yet.
 """

@@ -7,11 +7,11 @@ single-process call (same inputs, same backend, same loss sum(o * W)):
     a query packing, whose rows are computed exactly as the whole call computes them); dk, dv and
     phi's gradients are sums of the same terms over the ranks in another order: max abs error
     <= 1e-12 * max(1, the tensor's max abs entry);
-  - cpu backend (float32): the rank's call holds each sequence's prefixes as its own packed
-    sequences, so phi's tiles and the key-gradient sums group their terms differently: everything
-    within 2e-5 * max(1, max abs entry) (fp32 rounding of sums of O(100) terms);
-    the indices are compared exactly (these seeds have no near-tie a last-bit change of the
-    scores could flip).
+  - cpu backend (float32): a query tile of the rank's call holds only the rank's queries, so the
+    selection branch may visit its blocks in another order and the key-gradient sums group the
+    queries differently: everything within 2e-5 * max(1, max abs entry) (fp32 rounding of sums
+    of O(100) terms); the indices are compared exactly (these seeds have no near-tie a last-bit
+    change of the scores could flip).
 The layer (NativeSparseAttention with process_group, float64): its output rows and every
 parameter's gradient summed over the ranks within 1e-12 * max(1, max abs entry) (its projections
 run on the rank's rows only, another blocking of the products). Plus: other offsets on one rank, a

@@ -1,8 +1,10 @@
 """The layer with a query packing (cu_seqlens_q: each sequence's last positions are the queries)
-against the call on every position, through numpy and torch: the outputs are the full call's rows
-(bitwise), the gradients the full call's with d_o zero on the rows not queried (bitwise on the
-reference backend; within fp32 rounding on the cpu backend, whose key-gradient sums group the
-queries in tiles from the first query)."""
+against the call on every position, through numpy and torch: the outputs are the full call's rows,
+the gradients the full call's with d_o zero on the rows not queried. Bitwise on the reference
+backend; on the cpu backend the same indices and everything else within 2e-5 (absolute, values of
+O(1)): a tile of the suffix call holds only queried positions, so the selection branch may visit
+its blocks in another order and the key-gradient sums group the queries differently
+(tests/test_query_packing.cpp)."""
 from __future__ import annotations
 
 import numpy as np
@@ -44,9 +46,13 @@ def test_numpy_rows_and_gradients(dtype, backend, shared, phi):
     o, aux = nsa.attention(p.q, p.k, p.v, p.g, p.phi_k, p.phi_v, return_aux=True, **kw)
     os, auxs = nsa.attention(p.q[rows], p.k, p.v, p.g[rows], p.phi_k, p.phi_v, return_aux=True,
                              cu_seqlens_q=cu_q, **kw)
-    np.testing.assert_array_equal(os, o[rows])
-    np.testing.assert_array_equal(auxs.lse, aux.lse[rows])
     np.testing.assert_array_equal(auxs.indices, aux.indices[rows])
+    if backend == "reference":
+        np.testing.assert_array_equal(os, o[rows])
+        np.testing.assert_array_equal(auxs.lse, aux.lse[rows])
+    else:
+        np.testing.assert_allclose(os, o[rows], rtol=0, atol=2e-5)
+        np.testing.assert_allclose(auxs.lse, aux.lse[rows], rtol=0, atol=2e-5)  # -inf in the same places
 
     d_o = np.random.default_rng(4).standard_normal(o.shape).astype(dtype)
     full = nsa.attention_backward(p.q, p.k, p.v, p.g, p.phi_k, p.phi_v, aux.lse, aux.indices, masked(d_o, rows), **kw)
@@ -114,9 +120,8 @@ def test_torch_autograd_matches_masked_full_call(dtype):
 
     o_s, g_s = run(True)
     o_f, g_f = run(False)
-    assert torch.equal(o_s, o_f)
-    for a, b in zip(g_s, g_f):
-        if dtype == "float64":
+    for a, b in zip([o_s, *g_s], [o_f, *g_f]):
+        if dtype == "float64":  # the reference backend
             assert torch.equal(a, b)
         else:
             torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
