@@ -12,6 +12,7 @@
 // 3 and the default number of threads. Plus the validation of a query packing.
 #include <gtest/gtest.h>
 
+#include <random>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -187,23 +188,148 @@ std::vector<std::pair<std::string, HostTensor>> gradient_tensors(const LayerProb
   return out;
 }
 
+// The reference backend: the suffix call's rows and gradients are the full call's, bitwise.
+void check_reference(const QueryCase& c, DType dtype, uint64_t seed) {
+  SCOPED_TRACE(c.name + " " + dtype_name(dtype));
+  Sizes z = c.sizes;
+  z.dtype = dtype;
+  LayerProblem full = make_problem(c.cfg, z, seed);
+  const QueryRows qr = query_rows(z.seqlens, c.tq);
+  SuffixProblem s = suffix_of(full, qr);
+  mask_d_o(full, qr);
+  const Context ref = context_of(Backend::reference);
+  run_layer(ref, c.cfg, full.inputs(), full, true);
+  run_layer(ref, c.cfg, s.inputs(), s.p, true);
+  expect_forward_rows(s, full, qr);
+  const auto got = gradient_tensors(s.p, nullptr), want = gradient_tensors(full, &qr);
+  for (size_t i = 0; i < got.size(); ++i) expect_same_bits(got[i].first, got[i].second, want[i].second);
+}
+
+// The cpu backend on the current kernel table: the full call's indices, outputs within style.md's
+// rule of the fp64 truth, gradients within twice the full call's own error of it (and of the
+// truth), the same bits on 1 and 3 threads.
+void check_cpu(const QueryCase& c, DType dtype, uint64_t seed) {
+  SCOPED_TRACE(c.name + " " + dtype_name(dtype));
+  Sizes z = c.sizes;
+  z.dtype = dtype;
+  LayerProblem full = make_problem(c.cfg, z, seed);
+  const QueryRows qr = query_rows(z.seqlens, c.tq);
+  SuffixProblem s = suffix_of(full, qr);
+  mask_d_o(full, qr);
+  const Context cpu = context_of(Backend::cpu);
+  run_layer(cpu, c.cfg, full.inputs(), full, true);
+  run_layer(cpu, c.cfg, s.inputs(), s.p, true);
+  // Forward: the full call's selection, and outputs within style.md's rule of the fp64 truth's
+  // rows (on the rows whose selection agrees with the truth's, as in test_cpu_forward.cpp).
+  if (c.cfg.n_selected > 0) expect_same_bits("indices", s.p.indices, take_rows(full.indices, qr.rows));
+  const Context ref = context_of(Backend::reference);
+  {
+    LayerProblem truth = to_f64(full), rounded = full;
+    run_layer(ref, c.cfg, truth.inputs(), truth, false);
+    run_layer(ref, c.cfg, rounded.inputs(), rounded, false);
+    const int64_t Tq = static_cast<int64_t>(qr.rows.size());
+    auto rows_of = [&](LayerProblem p) {
+      p.o = take_rows(p.o, qr.rows);
+      p.o_branch = take_rows(p.o_branch, qr.rows, 3);
+      p.lse = take_rows(p.lse, qr.rows);
+      p.indices = take_rows(p.indices, qr.rows);
+      p.T = Tq;
+      return p;
+    };
+    const LayerProblem t = rows_of(truth), r = rows_of(rounded);
+    LayerProblem got = s.p;
+    got.T = Tq;
+    const Rowset agree = compare_indices(got.indices, t.indices, Tq, z.hkv, c.cfg.n_selected);
+    EXPECT_LE(agree.disagree, std::max<int64_t>(1, Tq * z.hkv / 100)) << "rows with other indices than the truth";
+    compare_layer_outputs(got, t, r, agree);
+  }
+  // Gradients: the fp64 truth of the full call (its selection: the cpu's own, a constant of the
+  // backward).
+  LayerProblem truth = to_f64(full);
+  ForwardOutputs saved = truth.outputs();
+  truth.indices = full.indices;
+  saved.indices = truth.indices.view();
+  backward(ref, c.cfg, truth.inputs(), saved, truth.d_o.view(), truth.gradients());
+  const auto got = gradient_tensors(s.p, nullptr), cpu_full = gradient_tensors(full, &qr),
+             exact = gradient_tensors(truth, &qr);
+  for (size_t i = 0; i < got.size(); ++i) {
+    const std::vector<double> g = got[i].second.values(), f = cpu_full[i].second.values(),
+                              t = exact[i].second.values();
+    const double err_full = max_abs_diff(f, t);
+    const double tol = 2.0 * err_full + 2e-5 * std::max(1.0, max_abs(t));
+    const double err = max_abs_diff(g, f);
+    EXPECT_LE(err, tol) << got[i].first << ": suffix vs full call " << err << ", full call's own error " << err_full;
+    EXPECT_LE(max_abs_diff(g, t), tol) << got[i].first << ": suffix vs fp64 truth";
+  }
+  // The same bits on any thread count.
+  for (int threads : {1, 3}) {
+    SCOPED_TRACE("threads " + std::to_string(threads));
+    SuffixProblem again = suffix_of(full, qr);
+    again.p.d_o = s.p.d_o;
+    run_layer(context_of(Backend::cpu, threads), c.cfg, again.inputs(), again.p, true);
+    for (auto [name, a, b] : {std::tuple{"o", &again.p.o, &s.p.o}, std::tuple{"lse", &again.p.lse, &s.p.lse},
+                              std::tuple{"indices", &again.p.indices, &s.p.indices},
+                              std::tuple{"o_branch", &again.p.o_branch, &s.p.o_branch}})
+      expect_same_bits(name, *a, *b);
+    const auto same = gradient_tensors(again.p, nullptr);
+    for (size_t i = 0; i < got.size(); ++i) expect_same_bits(got[i].first, same[i].second, got[i].second);
+  }
+}
+
+// Random valid configurations and packings: 1-4 sequences of 0-90 tokens, each with no query,
+// all, one, or any number in between; every phi, shared or not, branches off at times.
+std::vector<QueryCase> random_cases(int count, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  std::vector<QueryCase> out;
+  while (static_cast<int>(out.size()) < count) {
+    const int64_t d = int64_t{1} << pick(0, 2), l = d * pick(1, 3), lp = d * pick(1, 8);
+    const int64_t n = pick(0, 5), n_init = n ? pick(0, std::min<int64_t>(2, n)) : 0;
+    const int64_t n_local = n ? pick(0, n - n_init) : 0;
+    const int64_t w = std::vector<int64_t>{0, 1, 5, 17, 40}[static_cast<size_t>(pick(0, 4))];
+    const PhiKind phi = static_cast<PhiKind>(pick(0, 2));
+    Config cfg = make_config(l, d, lp, n, n_init, n_local, w, phi, pick(0, 1) == 1);
+    if (n > n_init + n_local && pick(0, 2) == 0) cfg.set_backbone({pick(1, 3)});
+    try {
+      cfg.validate();
+    } catch (const Error&) {
+      continue;
+    }
+    const int64_t hkv = pick(1, 2), G = pick(1, 3);
+    std::vector<int32_t> lens, tq;
+    for (int64_t b = pick(1, 4); b > 0; --b) {
+      const int32_t len = static_cast<int32_t>(pick(0, 90));
+      const int64_t kind = pick(0, 3);
+      lens.push_back(len);
+      tq.push_back(kind == 0 ? 0 : kind == 1 ? len : kind == 2 ? std::min<int32_t>(len, 1)
+                                                                : static_cast<int32_t>(pick(0, len)));
+    }
+    out.push_back({"random_" + std::to_string(out.size()), cfg,
+                   make_sizes(lens, hkv * G, hkv, 4 * pick(1, 2), 2 * pick(2, 3), pick(2, 6)), tq});
+  }
+  return out;
+}
+
 TEST(QueryPacking, ReferenceRowsAndGradientsEqualFullCallBitwise) {
   uint64_t seed = 700;
   for (DType dtype : {DType::f64, DType::f32, DType::bf16})
-    for (const QueryCase& c : cases()) {
-      SCOPED_TRACE(c.name + " " + dtype_name(dtype));
-      Sizes z = c.sizes;
-      z.dtype = dtype;
-      LayerProblem full = make_problem(c.cfg, z, seed++);
-      const QueryRows qr = query_rows(z.seqlens, c.tq);
-      SuffixProblem s = suffix_of(full, qr);
-      mask_d_o(full, qr);
-      const Context ref = context_of(Backend::reference);
-      run_layer(ref, c.cfg, full.inputs(), full, true);
-      run_layer(ref, c.cfg, s.inputs(), s.p, true);
-      expect_forward_rows(s, full, qr);
-      const auto got = gradient_tensors(s.p, nullptr), want = gradient_tensors(full, &qr);
-      for (size_t i = 0; i < got.size(); ++i) expect_same_bits(got[i].first, got[i].second, want[i].second);
+    for (const QueryCase& c : cases()) check_reference(c, dtype, seed++);
+}
+
+TEST(QueryPacking, RandomShapesReferenceBitwise) {
+  uint64_t seed = 1700;
+  for (const QueryCase& c : random_cases(24, 17))
+    for (DType dtype : {DType::f64, DType::f32}) check_reference(c, dtype, seed++);
+}
+
+TEST(QueryPacking, RandomShapesCpu) {
+  uint64_t seed = 2700;
+  for (const QueryCase& c : random_cases(24, 27))
+    for (DType dtype : {DType::f32, DType::bf16}) {
+      // The process's own kernel table: bf16 takes the matrix path's rule where it has one.
+      matrix_rule() = dtype == DType::bf16 && cpu::kernels().gemm_bf16 != nullptr;
+      check_cpu(c, dtype, seed++);
+      matrix_rule() = false;
     }
 }
 
@@ -212,73 +338,7 @@ class CpuQueryPacking : public IsaTest {};
 
 TEST_P(CpuQueryPacking, RowsAndGradientsMatchFullCall) {
   uint64_t seed = 900;
-  for (const QueryCase& c : cases()) {
-    SCOPED_TRACE(c.name);
-    Sizes z = c.sizes;
-    z.dtype = dtype();
-    LayerProblem full = make_problem(c.cfg, z, seed++);
-    const QueryRows qr = query_rows(z.seqlens, c.tq);
-    SuffixProblem s = suffix_of(full, qr);
-    mask_d_o(full, qr);
-    const Context cpu = context_of(Backend::cpu);
-    run_layer(cpu, c.cfg, full.inputs(), full, true);
-    run_layer(cpu, c.cfg, s.inputs(), s.p, true);
-    // Forward: the full call's selection, and outputs within style.md's rule of the fp64 truth's
-    // rows (on the rows whose selection agrees with the truth's, as in test_cpu_forward.cpp).
-    if (c.cfg.n_selected > 0) expect_same_bits("indices", s.p.indices, take_rows(full.indices, qr.rows));
-    const Context ref = context_of(Backend::reference);
-    {
-      LayerProblem truth = to_f64(full), rounded = full;
-      run_layer(ref, c.cfg, truth.inputs(), truth, false);
-      run_layer(ref, c.cfg, rounded.inputs(), rounded, false);
-      const int64_t Tq = static_cast<int64_t>(qr.rows.size());
-      auto rows_of = [&](LayerProblem p) {
-        p.o = take_rows(p.o, qr.rows);
-        p.o_branch = take_rows(p.o_branch, qr.rows, 3);
-        p.lse = take_rows(p.lse, qr.rows);
-        p.indices = take_rows(p.indices, qr.rows);
-        p.T = Tq;
-        return p;
-      };
-      const LayerProblem t = rows_of(truth), r = rows_of(rounded);
-      LayerProblem got = s.p;
-      got.T = Tq;
-      const Rowset agree = compare_indices(got.indices, t.indices, Tq, z.hkv, c.cfg.n_selected);
-      EXPECT_LE(agree.disagree, std::max<int64_t>(1, Tq * z.hkv / 100)) << "rows with other indices than the truth";
-      compare_layer_outputs(got, t, r, agree);
-    }
-    // Gradients: the fp64 truth of the full call (its selection: the cpu's own, a constant of the
-    // backward).
-    LayerProblem truth = to_f64(full);
-    ForwardOutputs saved = truth.outputs();
-    truth.indices = full.indices;
-    saved.indices = truth.indices.view();
-    backward(ref, c.cfg, truth.inputs(), saved, truth.d_o.view(), truth.gradients());
-    const auto got = gradient_tensors(s.p, nullptr), cpu_full = gradient_tensors(full, &qr),
-               exact = gradient_tensors(truth, &qr);
-    for (size_t i = 0; i < got.size(); ++i) {
-      const std::vector<double> g = got[i].second.values(), f = cpu_full[i].second.values(),
-                                t = exact[i].second.values();
-      const double err_full = max_abs_diff(f, t);
-      const double tol = 2.0 * err_full + 2e-5 * std::max(1.0, max_abs(t));
-      const double err = max_abs_diff(g, f);
-      EXPECT_LE(err, tol) << got[i].first << ": suffix vs full call " << err << ", full call's own error " << err_full;
-      EXPECT_LE(max_abs_diff(g, t), tol) << got[i].first << ": suffix vs fp64 truth";
-    }
-    // The same bits on any thread count.
-    for (int threads : {1, 3}) {
-      SCOPED_TRACE("threads " + std::to_string(threads));
-      SuffixProblem again = suffix_of(full, qr);
-      again.p.d_o = s.p.d_o;
-      run_layer(context_of(Backend::cpu, threads), c.cfg, again.inputs(), again.p, true);
-      for (auto [name, a, b] : {std::tuple{"o", &again.p.o, &s.p.o}, std::tuple{"lse", &again.p.lse, &s.p.lse},
-                                std::tuple{"indices", &again.p.indices, &s.p.indices},
-                                std::tuple{"o_branch", &again.p.o_branch, &s.p.o_branch}})
-        expect_same_bits(name, *a, *b);
-      const auto same = gradient_tensors(again.p, nullptr);
-      for (size_t i = 0; i < got.size(); ++i) expect_same_bits(got[i].first, same[i].second, got[i].second);
-    }
-  }
+  for (const QueryCase& c : cases()) check_cpu(c, dtype(), seed++);
 }
 
 INSTANTIATE_TEST_SUITE_P(Isa, CpuQueryPacking, ::testing::ValuesIn(isa_dtype_params()), isa_dtype_name);
