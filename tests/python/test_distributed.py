@@ -199,3 +199,14 @@ def test_zigzag_layout():
     # Rank 0 of 2: chunks 0 and 3 of each sequence, in that order.
     assert nsa.distributed.zigzag_rows([0, 17], 0, 2).tolist() == [0, 1, 2, 3] + list(range(12, 17))
     assert nsa.distributed.local_cu_seqlens([0, 17], 0, 2).tolist() == [0, 4, 9]
+
+
+def test_one_rank_is_the_plain_call(tmp_path):
+    """P = 1 (in this process): rank 0 owns chunks 0 and 1, the whole of every sequence; its call
+    packs them as two query packings of one sequence each and gives the plain call's rows."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        _run_case(0, 1, CASES[0])
+    finally:
+        dist.destroy_process_group()
