@@ -294,7 +294,8 @@ def attention(q: Tensor, k, v, g: Tensor, phi_k: Optional[Phi] = None, phi_v: Op
     sequence). phi_k, phi_v: the compression functions'
     parameters, the same on every rank: their gradients come back summed over the ranks (the same
     on every rank), or with ``sum_phi_grads=False`` as this rank's share (for a caller that sums
-    every parameter's gradient over the group itself, as DistributedDataParallel does). group: the
+    every parameter's gradient over the group itself; DistributedDataParallel's all-reduce gives
+    the mean, 1/P of that sum). group: the
     process group (None: the default one). Returns o [Tr, Hq, Dv] (and with return_aux ``(o, (lse,
     indices))`` of the rows). Differentiable in q, k, v, g and phi."""
     cfg = make_config(config, config_fields)

@@ -204,8 +204,9 @@ class NativeSparseAttention(nn.Module):
             then this rank's rows of the packed batch in the zig-zag layout
             (nsa.distributed.zigzag_split), cu_seqlens the GLOBAL offsets (host, the same on every
             rank), and the result this rank's rows of the layer's output. Every parameter's
-            gradient (phi's too) is this rank's share: sum them over the group (as
-            DistributedDataParallel does). No cache, no [B, S, hidden] input.
+            gradient (phi's too) is this rank's share: their sum over the group is the single-process
+            gradient (DistributedDataParallel's all-reduce gives the mean, 1/P of it). No cache, no
+            [B, S, hidden] input.
 
     capture (attribute, False by default): while True, each prefill forward keeps, detached, what
         the library returns besides the output in `layer.aux`: {"indices": [T, Hkv, n] selected
