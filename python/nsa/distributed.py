@@ -290,14 +290,13 @@ def attention(q: Tensor, k, v, g: Tensor, phi_k: Optional[Phi] = None, phi_v: Op
 
     q [Tr, Hq, Dqk], g [Tr, Hq, 3] and k, v (one tensor each, shared by the branches, or (cmp,
     slc, win) tuples) [Tr, Hkv, D] are this rank's rows (``zigzag_split``); ``cu_seqlens`` the
-    GLOBAL offsets of the batch (host integers, the same on every rank; [0, T] for one
-    sequence). phi_k, phi_v: the compression functions'
-    parameters, the same on every rank: their gradients come back summed over the ranks (the same
-    on every rank), or with ``sum_phi_grads=False`` as this rank's share (for a caller that sums
-    every parameter's gradient over the group itself; DistributedDataParallel's all-reduce gives
-    the mean, 1/P of that sum). group: the
-    process group (None: the default one). Returns o [Tr, Hq, Dv] (and with return_aux ``(o, (lse,
-    indices))`` of the rows). Differentiable in q, k, v, g and phi."""
+    GLOBAL offsets of the batch (host integers, the same on every rank; [0, T] for one sequence).
+    phi_k, phi_v: the compression functions' parameters, the same on every rank. Their gradients
+    come back summed over the ranks (the same on every rank), or with ``sum_phi_grads=False`` as
+    this rank's share, for a caller that reduces every parameter's gradient over the group itself
+    (the sum is the single-process gradient; DistributedDataParallel's all-reduce gives the mean,
+    1/P of it). group: the process group (None: the default one). Returns o [Tr, Hq, Dv] (and
+    with return_aux ``(o, (lse, indices))`` of the rows). Differentiable in q, k, v, g and phi."""
     cfg = make_config(config, config_fields)
     if cu_seqlens is None:
         raise error("cu_seqlens", "None", "must be the global offsets of the batch (e.g. [0, T] for one sequence)")
