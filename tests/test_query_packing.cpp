@@ -189,17 +189,34 @@ std::vector<std::pair<std::string, HostTensor>> gradient_tensors(const LayerProb
 }
 
 // The reference backend: the suffix call's rows and gradients are the full call's, bitwise.
+// The full call (d_o zero on the rows the suffix call does not query) and the suffix call, both
+// forward and backward on `backend`.
+struct BothCalls {
+  Sizes z;
+  LayerProblem full;
+  QueryRows qr;
+  SuffixProblem s;
+};
+BothCalls run_both(const QueryCase& c, DType dtype, uint64_t seed, Backend backend) {
+  BothCalls r;
+  r.z = c.sizes;
+  r.z.dtype = dtype;
+  r.full = make_problem(c.cfg, r.z, seed);
+  r.qr = query_rows(r.z.seqlens, c.tq);
+  r.s = suffix_of(r.full, r.qr);
+  mask_d_o(r.full, r.qr);
+  const Context ctx = context_of(backend);
+  run_layer(ctx, c.cfg, r.full.inputs(), r.full, true);
+  run_layer(ctx, c.cfg, r.s.inputs(), r.s.p, true);
+  return r;
+}
+
 void check_reference(const QueryCase& c, DType dtype, uint64_t seed) {
   SCOPED_TRACE(c.name + " " + dtype_name(dtype));
-  Sizes z = c.sizes;
-  z.dtype = dtype;
-  LayerProblem full = make_problem(c.cfg, z, seed);
-  const QueryRows qr = query_rows(z.seqlens, c.tq);
-  SuffixProblem s = suffix_of(full, qr);
-  mask_d_o(full, qr);
-  const Context ref = context_of(Backend::reference);
-  run_layer(ref, c.cfg, full.inputs(), full, true);
-  run_layer(ref, c.cfg, s.inputs(), s.p, true);
+  BothCalls b = run_both(c, dtype, seed, Backend::reference);
+  LayerProblem& full = b.full;
+  const QueryRows& qr = b.qr;
+  SuffixProblem& s = b.s;
   expect_forward_rows(s, full, qr);
   const auto got = gradient_tensors(s.p, nullptr), want = gradient_tensors(full, &qr);
   for (size_t i = 0; i < got.size(); ++i) expect_same_bits(got[i].first, got[i].second, want[i].second);
@@ -210,15 +227,11 @@ void check_reference(const QueryCase& c, DType dtype, uint64_t seed) {
 // truth), the same bits on 1 and 3 threads.
 void check_cpu(const QueryCase& c, DType dtype, uint64_t seed) {
   SCOPED_TRACE(c.name + " " + dtype_name(dtype));
-  Sizes z = c.sizes;
-  z.dtype = dtype;
-  LayerProblem full = make_problem(c.cfg, z, seed);
-  const QueryRows qr = query_rows(z.seqlens, c.tq);
-  SuffixProblem s = suffix_of(full, qr);
-  mask_d_o(full, qr);
-  const Context cpu = context_of(Backend::cpu);
-  run_layer(cpu, c.cfg, full.inputs(), full, true);
-  run_layer(cpu, c.cfg, s.inputs(), s.p, true);
+  BothCalls b = run_both(c, dtype, seed, Backend::cpu);
+  const Sizes& z = b.z;
+  LayerProblem& full = b.full;
+  const QueryRows& qr = b.qr;
+  SuffixProblem& s = b.s;
   // Forward: the full call's selection, and outputs within style.md's rule of the fp64 truth's
   // rows (on the rows whose selection agrees with the truth's, as in test_cpu_forward.cpp).
   if (c.cfg.n_selected > 0) expect_same_bits("indices", s.p.indices, take_rows(full.indices, qr.rows));
