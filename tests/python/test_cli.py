@@ -88,7 +88,7 @@ def test_suite_usage_errors_name_the_option():
 def test_bench_runs_from_the_python_install():
     args = ["bench", "--seqlens", "96", "--hq", "2", "--dqk", "16", "--dv", "16", "--phi-hidden", "8",
             "--cmp-block-len", "8", "--cmp-stride", "4", "--slc-block-len", "16", "--n-selected", "4",
-            "--window", "32", "--check-tokens", "96", "--threads", "1"]
+            "--window", "32", "--check-tokens", "96", "--threads", "1", "--backend", "cpu"]
     for cmd in _commands():
         r = _run(cmd, *args)
         assert r.returncode == 0, r.stdout + r.stderr

@@ -201,12 +201,17 @@ def test_zigzag_layout():
     assert nsa.distributed.local_cu_seqlens([0, 17], 0, 2).tolist() == [0, 4, 9]
 
 
-def test_one_rank_is_the_plain_call(tmp_path):
-    """P = 1 (in this process): rank 0 owns chunks 0 and 1, the whole of every sequence; its call
-    packs them as two query packings of one sequence each and gives the plain call's rows."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+def _one_rank_worker(rank, store):
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=1,
                             timeout=datetime.timedelta(seconds=60))
     try:
         _run_case(0, 1, CASES[0])
     finally:
         dist.destroy_process_group()
+
+
+def test_one_rank_is_the_plain_call(tmp_path):
+    """P = 1: rank 0 owns chunks 0 and 1, the whole of every sequence; its call packs them as two
+    query packings of one sequence each and gives the plain call's rows. In a process of its own,
+    as the other cases, so that no process group state outlives the test in the test process."""
+    mp.spawn(_one_rank_worker, args=(str(tmp_path / "store"),), nprocs=1, join=True)

@@ -102,13 +102,6 @@ struct Pair {
 }  // namespace
 
 int run_cuda_bench(const nsa_cli::BenchOptions& o) {
-  if (o.backend != nsa::Backend::cuda && o.backend != nsa::Backend::automatic) {
-    std::fprintf(stderr,
-                 "nsa: --backend %s: a CUDA device is visible, so this nsa program benchmarks the cuda backend "
-                 "(hide the device with CUDA_VISIBLE_DEVICES= to benchmark the CPU backends)\n",
-                 nsa::backend_name(o.backend));
-    return 2;
-  }
   if (o.dtype == nsa::DType::f32) {
     std::fprintf(stderr, "nsa: --dtype on the CUDA backend must be bf16 or f16, got f32\n");
     return 2;

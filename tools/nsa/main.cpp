@@ -597,7 +597,9 @@ int main(int argc, char** argv) {
 #endif
     const BenchOptions options = nsa_cli::parse_bench(argc, argv);
 #ifdef NSA_CLI_CUDA_BENCH
-    if (nsa::backend_available(Backend::cuda)) return run_cuda_bench(options);
+    // The CUDA table unless a host backend is asked for (--backend cpu / reference).
+    const bool host = options.backend == Backend::cpu || options.backend == Backend::reference;
+    if (!host && nsa::backend_available(Backend::cuda)) return run_cuda_bench(options);
 #endif
     return bench(options);
   } catch (const UsageError& e) {
