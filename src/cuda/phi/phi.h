@@ -22,8 +22,9 @@
 //               [slots, S*F] x [S*F, D], A's row q holding dpre of blocks q, q-1, .. and B
 //               W1's columns of rows rr, rr + d, ..; batched over (rr, head). No atomics, no
 //               [M, l*D] intermediate.
-// Products run on tensor cores in tf32 with fp32 accumulation (gemm.cuh); every output is one
-// thread's fixed-order sum: the same inputs give the same bits.
+// Products run on tensor cores on bf16 operands split into a high and a low part, with fp32
+// accumulation (gemm.cuh); every output is one thread's fixed-order sum: the same inputs give
+// the same bits.
 #pragma once
 
 #include <cuda_runtime.h>
