@@ -81,7 +81,7 @@ int64_t slc_union_list_len(const Config& cfg, const Problem& pr) {
 struct ForwardWorkspace {
   void* kc = nullptr;        // [T/d, Hkv, Dqk] storage dtype
   void* vc = nullptr;        // [T/d, Hkv, Dv]
-  float* hidden = nullptr;   // [T/d * Hkv, F] f32 (mlp)
+  float* hidden = nullptr;   // phi::forward's work (mlp: [T/d * Hkv, F] f32 first)
   int32_t* first_token = nullptr;  // [T/d] phi's row table
   float* scores = nullptr;   // [T, Hkv, Ns] f32
   void* o_cmp = nullptr;     // [T, Hq, Dv] storage dtype (when o_branch is absent)
@@ -96,7 +96,7 @@ struct ForwardWorkspace {
     const int64_t ns = num_slc_blocks(pr.max_seqlen, cfg.slc_block_len);
     kc = w.take<char>(rows * pr.hkv * pr.dqk * es);
     vc = w.take<char>(rows * pr.hkv * pr.dv * es);
-    hidden = w.take<float>(cfg.phi == PhiKind::mlp ? rows * pr.hkv * pr.phi_hidden : 0);
+    hidden = w.take<float>(phi::work_floats(cfg.phi, rows * pr.hkv, pr.phi_hidden, std::max(pr.dqk, pr.dv)));
     first_token = w.take<int32_t>(rows);
     scores = w.take<float>(cfg.n_selected > 0 ? pr.total_tokens * pr.hkv * ns : 0);
     o_cmp = w.take<char>(pr.total_tokens * pr.hq * pr.dv * es);
@@ -110,13 +110,13 @@ struct ForwardWorkspace {
 // compress_fwd's: phi's row table and mlp's hidden layer.
 struct CompressWorkspace {
   int32_t* first_token = nullptr;  // [T/d]
-  float* hidden = nullptr;         // [T/d * Hkv, F] f32 (mlp)
+  float* hidden = nullptr;         // phi::forward's work (mlp: [T/d * Hkv, F] f32 first)
   size_t bytes = 0;
   CompressWorkspace(const Config& cfg, const Problem& pr, void* base) {
     WorkspaceCarver w(base);
     const int64_t rows = cmp_rows(pr.total_tokens, cfg.cmp_stride);
     first_token = w.take<int32_t>(rows);
-    hidden = w.take<float>(cfg.phi == PhiKind::mlp ? rows * pr.hkv * pr.phi_hidden : 0);
+    hidden = w.take<float>(phi::work_floats(cfg.phi, rows * pr.hkv, pr.phi_hidden, std::max(pr.dqk, pr.dv)));
     bytes = w.bytes();
   }
 };

@@ -33,6 +33,7 @@ struct AttentionCase {
   int64_t l, d, lp, n, n_init, n_local, w;
   PhiKind phi;
   bool shared_kv;
+  int64_t phi_hidden = 24;  // mlp's F
 };
 
 // gtest prints a parameter with this (instead of its raw bytes).
@@ -42,9 +43,9 @@ inline Config config_of(const AttentionCase& c) {
   return make_config(c.l, c.d, c.lp, c.n, c.n_init, c.n_local, c.w, c.phi, c.shared_kv);
 }
 
-// The case's sizes in `dtype` (phi = mlp: a hidden width of 24).
+// The case's sizes in `dtype`.
 inline Sizes sizes_of(const AttentionCase& c, DType dtype) {
-  Sizes s = make_sizes(c.seqlens, c.hq, c.hkv, c.dqk, c.dv, 24);
+  Sizes s = make_sizes(c.seqlens, c.hq, c.hkv, c.dqk, c.dv, c.phi_hidden);
   s.dtype = dtype;
   return s;
 }

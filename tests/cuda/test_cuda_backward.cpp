@@ -51,6 +51,11 @@ const std::vector<BwdCase>& bwd_cases() {
       {"f16_d128_G4_lp128_shared", DType::f16, 128, 128, 8, 2, {333}, 16, 16, 128, 2, 1, 1, 200, PhiKind::mean, true},
       {"bf16_d64_G1_long_splits", DType::bf16, 64, 64, 1, 1, {1500, 3}, 32, 16, 64, 4, 1, 2, 96, PhiKind::mlp, false},
       {"bf16_d64_G2_shorter_than_l", DType::bf16, 64, 64, 2, 1, {20, 1, 31}, 32, 16, 64, 2, 1, 1, 8, PhiKind::linear, true},
+      // phi's products over several 128 x 128 tiles in both directions (F = 136: a partial second
+      // column of tiles; 136 compressed rows x Hkv 2 = 272 rows), and F = 20, which is no multiple of 8: bf16
+      // on the converting products instead of the direct ones.
+      {"bf16_d128_G4_mlp_F136", DType::bf16, 128, 128, 8, 2, {2100, 77}, 32, 16, 64, 4, 1, 2, 128, PhiKind::mlp, false, 136},
+      {"bf16_d64_G2_shared_mlp_F20", DType::bf16, 64, 64, 4, 2, {300, 45}, 32, 16, 64, 3, 1, 1, 64, PhiKind::mlp, true, 20},
       // l' = 24: selection blocks that end inside a 16-key step of the selection dq kernel.
       {"bf16_d64x128_G8_lp24", DType::bf16, 64, 128, 8, 1, {333, 50}, 16, 8, 24, 5, 1, 1, 50, PhiKind::mean, false},
       // G = 1, l' = 64, 102 blocks: the selection's union tiles (dq_kernel) for the row tiles of

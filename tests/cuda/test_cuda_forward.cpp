@@ -78,6 +78,10 @@ const std::vector<Case>& cases() {
       {"bf16_d128_G16_paper", DType::bf16, 128, 128, 16, 1, {300}, 32, 16, 64, 6, 1, 2, 100, PhiKind::mean, false},
       {"f16_d64_G1_packed_linear", DType::f16, 64, 64, 2, 2, {37, 0, 130, 1}, 16, 8, 32, 5, 1, 1, 40, PhiKind::linear, false},
       {"bf16_d192x128_G4_mlp", DType::bf16, 192, 128, 8, 2, {257}, 32, 16, 64, 4, 1, 2, 70, PhiKind::mlp, false},
+      // phi's products over several tiles each way (F = 136, 272 rows), and bf16 with F = 20 (no
+      // multiple of 8: the converting products).
+      {"bf16_d128_G4_mlp_F136", DType::bf16, 128, 128, 8, 2, {2100, 77}, 32, 16, 64, 4, 1, 2, 128, PhiKind::mlp, false, 136},
+      {"bf16_d64_G2_mlp_F20", DType::bf16, 64, 64, 4, 2, {300, 45}, 32, 16, 64, 3, 1, 1, 64, PhiKind::mlp, false, 20},
       {"f16_d128x64_G2_shared_bigN", DType::f16, 128, 64, 4, 2, {99, 200}, 8, 4, 16, 20, 2, 2, 33, PhiKind::mean, true},
       {"bf16_d64x128_G8_w1", DType::bf16, 64, 128, 8, 1, {150}, 32, 8, 64, 3, 0, 1, 1, PhiKind::mean, false},
       {"f16_d192x64_G16_nowindow", DType::f16, 192, 64, 16, 1, {65, 64}, 32, 16, 64, 16, 1, 2, 0, PhiKind::mean, false},

@@ -301,12 +301,31 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
                                                                            L.dvc);
       NSA_CUDA_CHECK_LAUNCH();
     }
-    // 5. phi's parameter gradients (and dpre for the raw keys).
-    phi::backward_params<E>(rows_k, in.phi_k, in.kv[kCmp].k, L.dkc, L.pre_k, grads.dphi_k, L.gemm_part, L.row_splits,
-                            L.colsum, s);
-    phi::backward_params<E>(rows_v, in.phi_v, in.kv[kCmp].v, L.dvc, L.pre_v, grads.dphi_v, L.gemm_part, L.row_splits,
-                            L.colsum, s);
-  } else {
+  }
+  // 5. phi's parameter gradients (and dpre), then its gradient to the raw tokens, of k then of v
+  //    (one set of planes): independent K/V straight into dk_cmp / dv_cmp; shared K/V in fp32 for
+  //    the raw dk/dv epilogue to add before its one rounding.
+  phi::slot_table(L.cu, a.B, p.T, a.d, L.slots, s);
+  const int64_t n_slots = phi::slot_count(p.T, p.B, a.d);
+  auto phi_grads = [&](const phi::Rows& rows, const PhiParams& prm, const TensorView& x, float* dy, float* pre,
+                       const PhiParams& dphi, const OutMat3& out, float* dx32) {
+    bool filled = false;
+    if (rc > 0)
+      filled = phi::backward_params<E>(rows, prm, x, dy, pre, dphi, L.gemm_part, L.row_splits, L.colsum, L.planes, s);
+    const uint16_t* planes = filled ? L.planes : nullptr;
+    if (!p.cfg.shared_kv) {
+      phi::backward_x<E>(rows, prm, dy, pre, planes, L.slots, n_slots, phi::DxOut{out.p, out.s0, out.s1, false}, s);
+    } else if (rc > 0) {
+      phi::backward_x<E>(rows, prm, dy, pre, planes, L.slots, n_slots, phi::DxOut{dx32, 0, 0, true}, s);
+    }
+  };
+  phi_grads(rows_k, in.phi_k, in.kv[kCmp].k, L.dkc, L.pre_k, grads.dphi_k, a.grad_k[kCmp], L.dx_k32);
+  phi_grads(rows_v, in.phi_v, in.kv[kCmp].v, L.dvc, L.pre_v, grads.dphi_v, a.grad_v[kCmp], L.dx_v32);
+  if (p.cfg.shared_kv && rc > 0) {
+    a.phi_dk32 = L.dx_k32;
+    a.phi_dv32 = L.dx_v32;
+  }
+  if (rc == 0) {
     // No compressed block anywhere: phi's parameters get no gradient.
     auto zero = [&](const TensorView& t) {
       if (!t.defined()) return;
@@ -317,22 +336,6 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
     for (const PhiParams* d : {&grads.dphi_k, &grads.dphi_v}) {
       zero(d->w1); zero(d->b1); zero(d->w2); zero(d->b2); zero(d->pe);
     }
-  }
-  // phi's gradient to the raw tokens: independent K/V straight into dk_cmp / dv_cmp; shared K/V
-  // in fp32 for the raw dk/dv epilogue to add before its one rounding.
-  phi::slot_table(L.cu, a.B, p.T, a.d, L.slots, s);
-  const int64_t n_slots = phi::slot_count(p.T, p.B, a.d);
-  if (p.cfg.shared_kv) {
-    if (rc > 0) {
-      phi::backward_x<E>(rows_k, in.phi_k, L.dkc, L.pre_k, L.slots, n_slots, phi::DxOut{L.dx_k32, 0, 0, true}, s);
-      phi::backward_x<E>(rows_v, in.phi_v, L.dvc, L.pre_v, L.slots, n_slots, phi::DxOut{L.dx_v32, 0, 0, true}, s);
-      a.phi_dk32 = L.dx_k32;
-      a.phi_dv32 = L.dx_v32;
-    }
-  } else {
-    const OutMat3 ok = a.grad_k[kCmp], ov = a.grad_v[kCmp];
-    phi::backward_x<E>(rows_k, in.phi_k, L.dkc, L.pre_k, L.slots, n_slots, phi::DxOut{ok.p, ok.s0, ok.s1, false}, s);
-    phi::backward_x<E>(rows_v, in.phi_v, L.dvc, L.pre_v, L.slots, n_slots, phi::DxOut{ov.p, ov.s0, ov.s1, false}, s);
   }
 
   // 6. Window + selection dk/dv (shared K/V: plus phi's gradient).
@@ -417,8 +420,9 @@ Layout carve_compress(const Sizes& z, void* base) {
   L.dkc = w.take<float>(size_t(rows * z.dqk));  // dy
   if (z.F > 0) {  // mlp: phi's forward again for the hidden layer (its output unused)
     L.kc = w.take<uint16_t>(size_t(rows * z.dqk));
-    L.pre_k = w.take<float>(size_t(rows * z.F));
+    L.pre_k = w.take<float>(size_t(phi::work_floats(PhiKind::mlp, rows, z.F, z.dqk)));
   }
+  if (z.has_params) L.planes = w.take<uint16_t>(size_t(phi::plane_elems(z.phi(), rows, z.F, z.dqk)));
   L.colsum = w.take<float>(size_t(std::max(z.F, z.dqk)));
   L.slots = w.take<int32_t>(size_t(4 * (z.T / z.d + z.B)));
   if (z.has_params) carve_phi_partials(z, rows, w, L);
@@ -448,6 +452,7 @@ void run_compress_bwd(const Plan& p, const PhiParams& phi, const TensorView& x, 
   const int D = int(p.dqk);
   upload_cu(p, L.cu, s);
   const phi::Rows rows = phi_rows(p, L, D, F);
+  bool filled = false;  // phi's planes
   if (rc > 0) {
     phi::row_table(L.cu, int(p.B), p.T, int(p.cfg.cmp_block_len), int(p.cfg.cmp_stride), L.crow_token, s);
     dy_from_dxc_kernel<E><<<blocks_for(rc * p.hkv * D), 256, 0, s>>>(
@@ -455,7 +460,8 @@ void run_compress_bwd(const Plan& p, const PhiParams& phi, const TensorView& x, 
         L.crow_token, L.dkc);
     NSA_CUDA_CHECK_LAUNCH();
     if (p.cfg.phi == PhiKind::mlp) phi::forward<E>(rows, phi, x, L.pre_k, L.kc, p.hkv * D, D, true, s);
-    phi::backward_params<E>(rows, phi, x, L.dkc, L.pre_k, dphi, L.gemm_part, L.row_splits, L.colsum, s);
+    filled = phi::backward_params<E>(rows, phi, x, L.dkc, L.pre_k, dphi, L.gemm_part, L.row_splits, L.colsum,
+                                     L.planes, s);
   } else {
     // No compressed block: phi's parameters get no gradient.
     for (const TensorView* t : {&dphi.w1, &dphi.b1, &dphi.w2, &dphi.b2, &dphi.pe}) {
@@ -466,8 +472,9 @@ void run_compress_bwd(const Plan& p, const PhiParams& phi, const TensorView& x, 
     }
   }
   phi::slot_table(L.cu, int(p.B), p.T, int(p.cfg.cmp_stride), L.slots, s);
-  phi::backward_x<E>(rows, phi, L.dkc, L.pre_k, L.slots, phi::slot_count(p.T, p.B, p.cfg.cmp_stride),
-                     phi::DxOut{dx.data, dx.stride[0], dx.stride[1], false}, s);
+  phi::backward_x<E>(rows, phi, L.dkc, L.pre_k, filled ? L.planes : nullptr, L.slots,
+                     phi::slot_count(p.T, p.B, p.cfg.cmp_stride), phi::DxOut{dx.data, dx.stride[0], dx.stride[1], false},
+                     s);
 }
 
 }  // namespace

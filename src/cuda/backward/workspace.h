@@ -11,6 +11,7 @@
 #include "cuda/common/check.h"
 #include "cuda/common/launch.h"
 #include "cuda/params.h"
+#include "cuda/phi/phi.h"
 #include "nsa/error.h"
 
 namespace nsa::cuda::bwd {
@@ -30,8 +31,9 @@ struct Layout {
   int32_t* crow_token = nullptr;
   void* kc = nullptr;
   void* vc = nullptr;
-  float* pre_k = nullptr;  // [Rc*Hkv, F] (mlp): hidden pre-activation, then dpre in place
+  float* pre_k = nullptr;  // phi::forward's work (mlp: [Rc*Hkv, F] pre-activation first, then dpre in place)
   float* pre_v = nullptr;
+  uint16_t* planes = nullptr;  // phi's bf16 planes of dpre / dy (phi::plane_elems), of k then of v
   float* dkc = nullptr;    // [Rc*Hkv, Dqk]
   float* dvc = nullptr;
   float* dkc_part = nullptr;  // the splits' partials (cmp_part_rows[z] rows each) [.., Hkv, Dqk]
@@ -62,6 +64,7 @@ struct Sizes {
   bool has_params;  // phi = linear or mlp
   bool shared_kv;
   CudaKernelChoices choices;  // Context::cuda_choices (cmp_splits, packed_sort, raw pieces)
+  PhiKind phi() const { return F > 0 ? PhiKind::mlp : has_params ? PhiKind::linear : PhiKind::mean; }
 };
 
 // Split-K partials of phi's parameter gradients (linear / mlp), capped in bytes.
@@ -84,9 +87,10 @@ inline Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
   L.crow_token = w.take<int32_t>(size_t(std::max<int64_t>(rc, 1)));
   L.kc = w.take<uint16_t>(size_t(rows * z.dqk));
   L.vc = w.take<uint16_t>(size_t(rows * z.dv));
-  if (z.F > 0) {
-    L.pre_k = w.take<float>(size_t(rows * z.F));
-    L.pre_v = w.take<float>(size_t(rows * z.F));
+  if (z.has_params) {
+    L.pre_k = w.take<float>(size_t(phi::work_floats(z.phi(), rows, z.F, z.dqk)));
+    L.pre_v = w.take<float>(size_t(phi::work_floats(z.phi(), rows, z.F, z.dv)));
+    L.planes = w.take<uint16_t>(size_t(phi::plane_elems(z.phi(), rows, z.F, std::max(z.dqk, z.dv))));
   }
   L.dkc = w.take<float>(size_t(rows * z.dqk));
   L.dvc = w.take<float>(size_t(rows * z.dv));

@@ -12,6 +12,7 @@
 #include "cuda/common/dtype.h"
 #include "cuda/common/launch.h"
 #include "cuda/phi/gemm.cuh"
+#include "cuda/phi/gemm_direct.cuh"
 #include "nsa/blocks.h"
 
 namespace nsa::cuda::phi {
@@ -241,14 +242,112 @@ struct DxWeight {  // B(s * F + f, n) = W[f, (rr + s d) * D + n] (0 past the blo
   }
 };
 
+// ---- operands of the direct products (gemm_direct.cuh: fixed / at; kT = index contiguous) ------
+
+using bf16 = __nv_bfloat16;
+
+// x's rows of one block, as stored: base offset of the block's first token at the row's head.
+struct XRows {
+  const bf16* x;
+  int64_t s0, s1;
+  const int32_t* first;
+  int hkv, D;
+  __device__ int64_t base(int64_t m) const {
+    const int64_t r = m / hkv;
+    const int tok = first[r];
+    return tok < 0 ? -1 : tok * s0 + (m - r * hkv) * s1;
+  }
+  __device__ int64_t column(int k) const {  // of u's column k from the block's first token
+    const int r = k / D;
+    return r * s0 + (k - r * D);
+  }
+};
+struct XBlockA {  // A(m, k) = x[row m's block, token k / D, column k % D]: u without pe
+  static constexpr bool kT = false;
+  static constexpr int kPlanes = 1;
+  const bf16* p;
+  int64_t plane;
+  XRows x;
+  using Fixed = int64_t;
+  __device__ Fixed fixed(int, int64_t m) const { return x.base(m); }
+  __device__ int64_t at(int, Fixed base, int64_t, int k) const { return base < 0 ? -1 : base + x.column(k); }
+};
+struct XBlockBT {  // B(m, k) = u_m[k] without pe (m: the product's k, u's column: its n)
+  static constexpr bool kT = true;
+  static constexpr int kPlanes = 1;
+  const bf16* p;
+  int64_t plane;
+  XRows x;
+  using Fixed = int64_t;
+  __device__ Fixed fixed(int, int64_t n) const { return x.column(int(n)); }
+  __device__ int64_t at(int, Fixed col, int64_t, int m) const {
+    const int64_t base = x.base(m);
+    return base < 0 ? -1 : base + col;
+  }
+};
+struct WRowsB {  // B(k, n) = W[n, k]: a bf16 weight as stored, [out, in]
+  static constexpr bool kT = false;
+  static constexpr int kPlanes = 1;
+  const bf16* p;
+  int64_t plane;
+  int64_t s0;
+  using Fixed = int64_t;
+  __device__ Fixed fixed(int, int64_t n) const { return n * s0; }
+  __device__ int64_t at(int, Fixed row, int64_t, int k) const { return row + k; }
+};
+struct PlanesAT {  // A(f, m) = g[m, f] from its bf16 planes [2][rows, F] (dW = g^T u)
+  static constexpr bool kT = true;
+  static constexpr int kPlanes = 2;
+  const bf16* p;
+  int64_t plane;
+  int F;
+  using Fixed = int;
+  __device__ Fixed fixed(int, int64_t) const { return 0; }
+  __device__ int64_t at(int, Fixed, int64_t f, int m) const { return int64_t(m) * F + f; }
+};
+struct DxPlanesA {  // DxGrad's A from the planes of g
+  static constexpr bool kT = false;
+  static constexpr int kPlanes = 2;
+  const bf16* p;
+  int64_t plane;
+  DxRows rows;
+  int F;
+  using Fixed = DxRows::Range;
+  __device__ Fixed fixed(int b, int64_t j) const { return rows.range(b, j); }
+  __device__ int64_t at(int, const Fixed& r, int64_t, int k) const {
+    const int s = k / F, f = k - s * F;
+    return (s < r.lo || s > r.hi) ? -1 : (r.row0 - int64_t(s) * rows.hkv) * F + f;
+  }
+};
+struct DxWeightBT {  // DxWeight as stored: B(s * F + f, n) = W[f, (rr + s d) * D + n]
+  static constexpr bool kT = true;
+  static constexpr int kPlanes = 1;
+  const bf16* p;
+  int64_t plane;
+  int64_t s0;
+  int F, hkv, d, l, D;
+  using Fixed = int;
+  __device__ Fixed fixed(int, int64_t) const { return 0; }
+  __device__ int64_t at(int b, Fixed, int64_t n, int k) const {
+    const int s = k / F, f = k - s * F;
+    const int r = b / hkv + s * d;
+    return r < l ? f * s0 + int64_t(r) * D + n : -1;
+  }
+};
+
 // ---- stores (st(batch, m, n, split, value)) ----------------------------------------------------
 
 template <typename E>
-struct StorePre {  // pre[m, n] = v + b1[n]
+struct StorePre {  // pre[m, n] = v + b1[n]; with a folded bias, v + bias[n] on rows of a block
   float* pre;
   int F;
   const E* b1;
-  __device__ void operator()(int, int64_t m, int n, int, float v) const { pre[m * F + n] = v + to_float(b1[n]); }
+  const float* bias = nullptr;  // b1 + pe W1^T (direct products: u without pe)
+  const int32_t* first = nullptr;
+  int hkv = 1;
+  __device__ void operator()(int, int64_t m, int n, int, float v) const {
+    pre[m * F + n] = v + (bias != nullptr && first[m / hkv] >= 0 ? bias[n] : to_float(b1[n]));
+  }
 };
 template <typename E>
 struct StoreOut {  // xc[row, head, n] = v (+ b2[n]), rounded to the storage dtype
@@ -258,10 +357,12 @@ struct StoreOut {  // xc[row, head, n] = v (+ b2[n]), rounded to the storage dty
   const E* b2;  // nullptr: none
   const int32_t* first;
   bool write_unused;
+  const float* bias = nullptr;  // linear's pe W^T, on rows of a block (direct products)
   __device__ void operator()(int, int64_t m, int n, int, float v) const {
     const int64_t r = m / hkv;
     if (!write_unused && first[r] < 0) return;
     if (b2 != nullptr) v += to_float(b2[n]);
+    if (bias != nullptr && first[r] >= 0) v += bias[n];
     xc[r * st + (m % hkv) * sh + n] = from_float<E>(v);
   }
 };
@@ -331,14 +432,37 @@ __global__ void mean_dx_kernel(DxRows rows, const float* dy, int D, int64_t n_sl
   }
 }
 
-// out[m, n] (storage dtype, rows of stride s0) = sum over z of part[z][m, n], z ascending.
+// out[m, n] (storage dtype, rows of stride s0) = sum over z of part[z][m, n], z ascending, plus
+// rs[m] pe[n] where pe is given (the direct products' u without pe: dW = g^T x + colsum(g) pe).
 template <typename E>
-__global__ void reduce_parts_kernel(const float* part, int splits, int M, int N, E* out, int64_t s0) {
+__global__ void reduce_parts_kernel(const float* part, int splits, int M, int N, E* out, int64_t s0,
+                                    const float* rs, const E* pe) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i >= int64_t(M) * N) return;
   float acc = 0.f;
   for (int z = 0; z < splits; ++z) acc += part[z * int64_t(M) * N + i];
-  out[(i / N) * s0 + i % N] = from_float<E>(acc);
+  const int64_t m = i / N, n = i % N;
+  if (pe != nullptr) acc += rs[m] * to_float(pe[n]);
+  out[m * s0 + n] = from_float<E>(acc);
+}
+
+// bias[n] = b[n] + sum_k pe[k] W[n, k] (b, pe: nullptr for none): one warp per n, lanes over k,
+// then a fixed butterfly.
+template <typename E>
+__global__ void fold_bias_kernel(const E* w, int64_t s0, int N, int K, const E* b, const E* pe, float* bias) {
+  const int n = int(blockIdx.x) * (int(blockDim.x) / 32) + int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  if (n >= N) return;
+  float acc = 0.f;
+  if (pe != nullptr)
+    for (int k = lane; k < K; k += 32) acc += to_float(pe[k]) * to_float(w[n * s0 + k]);
+  for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if (lane == 0) bias[n] = acc + (b != nullptr ? to_float(b[n]) : 0.f);
+}
+
+// The bf16 planes of an fp32 matrix: hi = bf16(a), lo = bf16(a - hi).
+__global__ void split_planes_kernel(const float* a, int64_t n, bf16* hi, bf16* lo) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    split_bf16(a[i], hi[i], lo[i]);
 }
 
 // Column sums in a fixed order: sum[n] = sum_m a[m, n]; also stored as E when out != nullptr.
@@ -390,6 +514,19 @@ BlockInput<E> block_input(const Rows& r, const PhiParams& phi, const TensorView&
                        phi.pe.defined() ? phi.pe.stride[0] : 0, r.first_token, r.hkv, r.D};
 }
 
+// Whether the products run on gemm_direct.cuh: bf16 storage, x's and W1's rows in whole 16-byte
+// pieces (x's last dimension contiguous, as everywhere), F a multiple of 8.
+template <typename E>
+bool direct_products(const Rows& r, const PhiParams& phi, const TensorView& x) {
+  if constexpr (!std::is_same_v<E, bf16>) {
+    return false;
+  } else {
+    auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    return r.kind != PhiKind::mean && r.D % 8 == 0 && (r.kind != PhiKind::mlp || r.F % 8 == 0) && aligned(x.data) &&
+           x.stride[0] % 8 == 0 && x.stride[1] % 8 == 0 && aligned(phi.w1.data) && phi.w1.stride[0] % 8 == 0;
+  }
+}
+
 }  // namespace
 
 void row_table(const int32_t* cu, int B, int64_t T, int l, int d, int32_t* first_token, cudaStream_t s) {
@@ -405,8 +542,52 @@ void slot_table(const int32_t* cu, int B, int64_t T, int d, int32_t* slots, cuda
   NSA_CUDA_CHECK_LAUNCH();
 }
 
+int64_t work_floats(PhiKind kind, int64_t rows, int64_t F, int64_t D) {
+  if (kind == PhiKind::mean) return 0;
+  return kind == PhiKind::mlp ? rows * F + F : D;
+}
+
+int64_t plane_elems(PhiKind kind, int64_t rows, int64_t F, int64_t D) {
+  if (kind == PhiKind::mean) return 0;
+  return 2 * rows * (kind == PhiKind::mlp ? F : D);
+}
+
+// u W1^T (mlp: + b1, into pre; linear: into xc) on gemm_direct where it applies, as
+// x's block W1^T + (pe W1^T + b1): the second term is one bias vector in work. Returns whether it ran.
 template <typename E>
-void forward(const Rows& r, const PhiParams& phi, const TensorView& x, float* pre, void* xc, int64_t xc_st,
+bool first_product_direct(const Rows& r, const PhiParams& phi, const TensorView& x, float* work, StoreOut<E> out,
+                          StorePre<E> st_pre, cudaStream_t s) {
+  if constexpr (!std::is_same_v<E, bf16>) {
+    return false;
+  } else {
+    if (!direct_products<E>(r, phi, x)) return false;
+    const bool mlp = r.kind == PhiKind::mlp;
+    const int64_t M = r.rc * r.hkv;
+    const int K = r.l * r.D, N = mlp ? r.F : r.D;
+    float* bias = work + (mlp ? M * r.F : 0);
+    const bf16* w1 = static_cast<const bf16*>(phi.w1.data);
+    fold_bias_kernel<bf16><<<blocks_for(N, 128), 128, 0, s>>>(w1, phi.w1.stride[0], N, K,
+                                                              mlp ? static_cast<const bf16*>(phi.b1.data) : nullptr,
+                                                              static_cast<const bf16*>(phi.pe.data), bias);
+    NSA_CUDA_CHECK_LAUNCH();
+    const XBlockA a{static_cast<const bf16*>(x.data), 0,
+                    XRows{static_cast<const bf16*>(x.data), x.stride[0], x.stride[1], r.first_token, r.hkv, r.D}};
+    const WRowsB b{w1, 0, phi.w1.stride[0]};
+    if (mlp) {
+      st_pre.bias = bias;
+      st_pre.first = r.first_token;
+      st_pre.hkv = r.hkv;
+      gemm_direct(s, M, N, K, 1, 1, a, b, st_pre);
+    } else {
+      out.bias = bias;
+      gemm_direct(s, M, N, K, 1, 1, a, b, out);
+    }
+    return true;
+  }
+}
+
+template <typename E>
+void forward(const Rows& r, const PhiParams& phi, const TensorView& x, float* work, void* xc, int64_t xc_st,
              int64_t xc_sh, bool write_unused, cudaStream_t s) {
   const int64_t M = r.rc * r.hkv;
   if (M == 0) return;
@@ -417,61 +598,84 @@ void forward(const Rows& r, const PhiParams& phi, const TensorView& x, float* pr
     NSA_CUDA_CHECK_LAUNCH();
     return;
   }
-  const BlockInput<E> u = block_input<E>(r, phi, x);
+  const bool mlp = r.kind == PhiKind::mlp;
   const int K = r.l * r.D;
+  float* pre = work;
   StoreOut<E> out{static_cast<E*>(xc), xc_st, xc_sh, r.hkv, nullptr, r.first_token, write_unused};
-  const WeightT<E> w1{static_cast<const E*>(phi.w1.data), phi.w1.stride[0]};
-  if (r.kind == PhiKind::linear) {
-    gemm(s, M, r.D, K, 1, 1, u, w1, out);
-    return;
+  const StorePre<E> st_pre{pre, r.F, static_cast<const E*>(phi.b1.data)};
+  if (!first_product_direct<E>(r, phi, x, work, out, st_pre, s)) {
+    const BlockInput<E> u = block_input<E>(r, phi, x);
+    const WeightT<E> w1{static_cast<const E*>(phi.w1.data), phi.w1.stride[0]};
+    if (mlp) gemm(s, M, r.F, K, 1, 1, u, w1, st_pre);
+    else gemm(s, M, r.D, K, 1, 1, u, w1, out);
   }
-  gemm(s, M, r.F, K, 1, 1, u, w1, StorePre<E>{pre, r.F, static_cast<const E*>(phi.b1.data)});
+  if (!mlp) return;
   out.b2 = static_cast<const E*>(phi.b2.data);
   gemm(s, M, r.D, r.F, 1, 1, Rows32<true>{pre, r.F}, WeightT<E>{static_cast<const E*>(phi.w2.data), phi.w2.stride[0]}, out);
 }
 
 template <typename E>
-void backward_params(const Rows& r, const PhiParams& phi, const TensorView& x, const float* dy, float* pre,
-                     const PhiParams& dphi, float* part, int splits, float* colsum, cudaStream_t s) {
-  if (r.kind == PhiKind::mean) return;
+bool backward_params(const Rows& r, const PhiParams& phi, const TensorView& x, const float* dy, float* pre,
+                     const PhiParams& dphi, float* part, int splits, float* colsum, uint16_t* planes, cudaStream_t s) {
+  if (r.kind == PhiKind::mean) return false;
   const int64_t M = r.rc * r.hkv;
   const int K = r.l * r.D, D = r.D;
-  const BlockInputT<E> u{block_input<E>(r, phi, x)};
-  auto reduce_to = [&](int rows, int cols, const TensorView& out) {
+  const bool direct = planes != nullptr && direct_products<E>(r, phi, x);
+  const E* pe = static_cast<const E*>(phi.pe.data);
+  auto reduce_to = [&](int rows, int cols, const TensorView& out, const E* outer) {
     reduce_parts_kernel<E><<<blocks_for(int64_t(rows) * cols), 256, 0, s>>>(part, splits, rows, cols,
-                                                                            static_cast<E*>(out.data), out.stride[0]);
+                                                                            static_cast<E*>(out.data), out.stride[0],
+                                                                            colsum, outer);
+    NSA_CUDA_CHECK_LAUNCH();
+  };
+  // dW [N, l*D] = g^T u for g [M, N] (linear: dy; mlp: dpre) with its column sums in colsum.
+  auto weight_grad = [&](const float* g, int N, const TensorView& out) {
+    if constexpr (std::is_same_v<E, bf16>) {
+      if (direct) {  // g's planes, then g^T x, then + colsum(g) pe in the reduction
+        bf16* hi = reinterpret_cast<bf16*>(planes);
+        split_planes_kernel<<<capped_blocks(M * N), 256, 0, s>>>(g, M * N, hi, hi + M * N);
+        NSA_CUDA_CHECK_LAUNCH();
+        const XBlockBT b{static_cast<const bf16*>(x.data), 0,
+                         XRows{static_cast<const bf16*>(x.data), x.stride[0], x.stride[1], r.first_token, r.hkv, r.D}};
+        gemm_direct(s, N, K, int(M), splits, 1, PlanesAT{hi, M * N, N}, b, StorePartial{part, K, int64_t(N) * K});
+        reduce_to(N, K, out, pe);
+        return;
+      }
+    }
+    gemm(s, N, K, int(M), splits, 1, Cols32<false>{g, N}, BlockInputT<E>{block_input<E>(r, phi, x)},
+         StorePartial{part, K, int64_t(N) * K});
+    reduce_to(N, K, out, nullptr);
+  };
+  auto pe_grad = [&](int N) {  // dpe = W^T colsum
+    pe_grad_kernel<E><<<blocks_for(K), 256, 0, s>>>(static_cast<const E*>(phi.w1.data), phi.w1.stride[0], N, K, colsum,
+                                                    static_cast<E*>(dphi.pe.data));
     NSA_CUDA_CHECK_LAUNCH();
   };
   if (r.kind == PhiKind::linear) {
     // dW [D, l*D] = dy^T u; dpe = W^T (column sums of dy).
-    gemm(s, D, K, int(M), splits, 1, Cols32<false>{dy, D}, u, StorePartial{part, K, int64_t(D) * K});
-    reduce_to(D, K, dphi.w1);
     column_sum<E>(dy, M, D, colsum, nullptr, s);
-    pe_grad_kernel<E><<<blocks_for(K), 256, 0, s>>>(static_cast<const E*>(phi.w1.data), phi.w1.stride[0], D, K,
-                                                    colsum, static_cast<E*>(dphi.pe.data));
-    NSA_CUDA_CHECK_LAUNCH();
-    return;
+    weight_grad(dy, D, dphi.w1);
+    pe_grad(D);
+    return direct;
   }
   const int F = r.F;
   // db2 = column sums of dy; dW2 [D, F] = dy^T gelu(pre).
   column_sum<E>(dy, M, D, colsum, static_cast<E*>(dphi.b2.data), s);
   gemm(s, D, F, int(M), splits, 1, Cols32<false>{dy, D}, Cols32<true>{pre, F}, StorePartial{part, F, int64_t(D) * F});
-  reduce_to(D, F, dphi.w2);
+  reduce_to(D, F, dphi.w2, nullptr);
   // dpre = (dy W2) gelu'(pre), in place.
   gemm(s, M, F, D, 1, 1, Rows32<false>{dy, D}, Weight<E>{static_cast<const E*>(phi.w2.data), phi.w2.stride[0]},
        StoreDpre{pre, F});
   // db1 = column sums of dpre; dW1 [F, l*D] = dpre^T u; dpe = W1^T db1.
   column_sum<E>(pre, M, F, colsum, static_cast<E*>(dphi.b1.data), s);
-  gemm(s, F, K, int(M), splits, 1, Cols32<false>{pre, F}, u, StorePartial{part, K, int64_t(F) * K});
-  reduce_to(F, K, dphi.w1);
-  pe_grad_kernel<E><<<blocks_for(K), 256, 0, s>>>(static_cast<const E*>(phi.w1.data), phi.w1.stride[0], F, K, colsum,
-                                                  static_cast<E*>(dphi.pe.data));
-  NSA_CUDA_CHECK_LAUNCH();
+  weight_grad(pre, F, dphi.w1);
+  pe_grad(F);
+  return direct;
 }
 
 template <typename E>
-void backward_x(const Rows& r, const PhiParams& phi, const float* dy, const float* dpre, const int32_t* slots,
-                int64_t n_slots, const DxOut& out, cudaStream_t s) {
+void backward_x(const Rows& r, const PhiParams& phi, const float* dy, const float* dpre, const uint16_t* planes,
+                const int32_t* slots, int64_t n_slots, const DxOut& out, cudaStream_t s) {
   if (n_slots == 0) return;
   const int S = (r.l - 1) / r.d + 1;  // blocks that can hold one token
   const int batches = r.d * r.hkv;
@@ -485,6 +689,15 @@ void backward_x(const Rows& r, const PhiParams& phi, const float* dy, const floa
   }
   const bool mlp = r.kind == PhiKind::mlp;
   const int F = mlp ? r.F : r.D;
+  if constexpr (std::is_same_v<E, bf16>) {
+    if (planes != nullptr) {
+      const bf16* hi = reinterpret_cast<const bf16*>(planes);
+      const DxPlanesA a{hi, r.rc * r.hkv * F, rows, F};
+      const DxWeightBT b{static_cast<const bf16*>(phi.w1.data), 0, phi.w1.stride[0], F, r.hkv, r.d, r.l, r.D};
+      gemm_direct(s, n_slots, r.D, S * F, 1, batches, a, b, st);
+      return;
+    }
+  }
   const DxGrad a{rows, mlp ? dpre : dy, F};
   const DxWeight<E> b{static_cast<const E*>(phi.w1.data), phi.w1.stride[0], F, r.hkv, r.d, r.l, r.D};
   gemm(s, n_slots, r.D, S * F, 1, batches, a, b, st);
@@ -493,10 +706,10 @@ void backward_x(const Rows& r, const PhiParams& phi, const float* dy, const floa
 #define NSA_PHI_INSTANTIATE(E)                                                                                    \
   template void forward<E>(const Rows&, const PhiParams&, const TensorView&, float*, void*, int64_t, int64_t, bool, \
                            cudaStream_t);                                                                         \
-  template void backward_params<E>(const Rows&, const PhiParams&, const TensorView&, const float*, float*,         \
-                                   const PhiParams&, float*, int, float*, cudaStream_t);                          \
-  template void backward_x<E>(const Rows&, const PhiParams&, const float*, const float*, const int32_t*, int64_t, \
-                              const DxOut&, cudaStream_t);
+  template bool backward_params<E>(const Rows&, const PhiParams&, const TensorView&, const float*, float*,         \
+                                   const PhiParams&, float*, int, float*, uint16_t*, cudaStream_t);               \
+  template void backward_x<E>(const Rows&, const PhiParams&, const float*, const float*, const uint16_t*,         \
+                              const int32_t*, int64_t, const DxOut&, cudaStream_t);
 NSA_PHI_INSTANTIATE(__nv_bfloat16)
 NSA_PHI_INSTANTIATE(__half)
 #undef NSA_PHI_INSTANTIATE

@@ -22,9 +22,13 @@
 //               [slots, S*F] x [S*F, D], A's row q holding dpre of blocks q, q-1, .. and B
 //               W1's columns of rows rr, rr + d, ..; batched over (rr, head). No atomics, no
 //               [M, l*D] intermediate.
-// Products run on tensor cores on bf16 operands split into a high and a low part, with fp32
-// accumulation (gemm.cuh); every output is one thread's fixed-order sum: the same inputs give
-// the same bits.
+// Products run on tensor cores with fp32 accumulation. With bf16 storage (and x's and W1's rows in
+// 16-byte pieces, F a multiple of 8) the products with l*D = 4096-long operands (u W1^T, dW1, x's
+// gradient) copy their bf16 operands as stored (gemm_direct.cuh): u without pe, pe folded into the
+// bias (u W1^T + b1 = x W1^T + (pe W1^T + b1); dW1 = dpre^T x + colsum(dpre) pe^T), and dpre (linear:
+// dy) split once into bf16 high and low planes. The others, and fp16 storage, convert their
+// elements on the way to shared memory (gemm.cuh). Every output is one thread's fixed-order sum:
+// the same inputs give the same bits.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -52,19 +56,26 @@ void row_table(const int32_t* cu, int B, int64_t T, int l, int d, int32_t* first
 inline int64_t slot_count(int64_t T, int64_t B, int64_t d) { return T / d + B; }
 void slot_table(const int32_t* cu, int B, int64_t T, int d, int32_t* slots, cudaStream_t s);
 
-// xc [rc, Hkv, D] (strides xc_st, xc_sh) = phi(x); pre: mlp's [rc * Hkv, F] fp32 workspace.
-// write_unused = false leaves rows of no block untouched (the forward's contract); true writes
-// them from a zero block (the backward's workspace).
+// Floats of forward's work area for `rows` = rc * Hkv matrix rows: mlp's pre [rows, F], then the
+// folded bias (F for mlp, D for linear).
+int64_t work_floats(PhiKind kind, int64_t rows, int64_t F, int64_t D);
+// bf16 elements of the high and low planes backward_params makes (mlp: of dpre; linear: of dy).
+int64_t plane_elems(PhiKind kind, int64_t rows, int64_t F, int64_t D);
+
+// xc [rc, Hkv, D] (strides xc_st, xc_sh) = phi(x); work: work_floats (mlp's pre [rc * Hkv, F] fp32
+// first). write_unused = false leaves rows of no block untouched (the forward's contract); true
+// writes them from a zero block (the backward's workspace).
 template <typename E>
-void forward(const Rows& r, const PhiParams& phi, const TensorView& x, float* pre, void* xc, int64_t xc_st,
+void forward(const Rows& r, const PhiParams& phi, const TensorView& x, float* work, void* xc, int64_t xc_st,
              int64_t xc_sh, bool write_unused, cudaStream_t s);
 
 // Parameter gradients into dphi (storage dtype, rows of stride stride[0]) from dy [rc * Hkv, D]
 // fp32 (rows of no block: 0); mlp: pre (from forward) becomes dpre in place. part: splits
-// partial planes of the largest parameter; colsum: max(F, D) floats.
+// partial planes of the largest parameter; colsum: max(F, D) floats; planes: plane_elems, or
+// nullptr. Returns whether it filled planes (the direct products ran), for backward_x.
 template <typename E>
-void backward_params(const Rows& r, const PhiParams& phi, const TensorView& x, const float* dy, float* pre,
-                     const PhiParams& dphi, float* part, int splits, float* colsum, cudaStream_t s);
+bool backward_params(const Rows& r, const PhiParams& phi, const TensorView& x, const float* dy, float* pre,
+                     const PhiParams& dphi, float* part, int splits, float* colsum, uint16_t* planes, cudaStream_t s);
 
 // x's gradient: every token of x (tokens of no block: 0). f32: contiguous [T, Hkv, D] floats at
 // p; else the storage dtype with strides s0, s1.
@@ -73,8 +84,9 @@ struct DxOut {
   int64_t s0 = 0, s1 = 0;
   bool f32 = false;
 };
+// planes: the ones backward_params filled (its return value), else nullptr.
 template <typename E>
-void backward_x(const Rows& r, const PhiParams& phi, const float* dy, const float* dpre, const int32_t* slots,
-                int64_t n_slots, const DxOut& out, cudaStream_t s);
+void backward_x(const Rows& r, const PhiParams& phi, const float* dy, const float* dpre, const uint16_t* planes,
+                const int32_t* slots, int64_t n_slots, const DxOut& out, cudaStream_t s);
 
 }  // namespace nsa::cuda::phi
