@@ -1,7 +1,7 @@
 // Small pieces of the public API that every backend shares: errors, tensor views, config rules.
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
+#include <sstream>
 #include <utility>
 
 #include "nsa/config.h"
@@ -16,12 +16,10 @@ std::string format_message(const std::string& parameter, const std::string& valu
   return "nsa: invalid " + parameter + " = " + value + ": " + allowed;
 }
 std::string str(int64_t v) { return std::to_string(v); }
-// printf's %g, which is what an ostream prints. (An ostream here crashed inside the Python
-// package on a host whose torch had loaded its own C++ runtime; snprintf needs no locale facets.)
 std::string str(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%g", v);
-  return buf;
+  std::ostringstream os;
+  os << v;
+  return os.str();
 }
 }  // namespace
 

@@ -27,7 +27,9 @@ from train import train as train_cli  # noqa: E402
 from train.model import ARMS, ModelConfig, apply_rope, build_model, rope_inv_freq  # noqa: E402
 
 BATCH, SEQ = 2, 256
-TINY = ["--preset", "tiny", "--threads", "1", "--progress", "none", "--batch", str(BATCH)]
+# The tiny model's head dim (16) is one the cuda backend does not compile: these runs are CPU runs
+# wherever they are.
+TINY = ["--preset", "tiny", "--threads", "1", "--progress", "none", "--batch", str(BATCH), "--device", "cpu"]
 TINY_MODEL = dict(vocab_size=data.VOCAB_SIZE, n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, cmp_block_len=16,
                   cmp_stride=8, slc_block_len=32, n_selected=4, n_init=1, n_local=1, window=64,
                   backbone_max_seqlen=4 * SEQ)
@@ -192,9 +194,10 @@ def test_packed_rows_hold_several_samples_while_the_distance_is_short():
     tokens, weights = stream.next_batch(2)
     assert tokens.shape == (2, seq + 1)
     for row, rows, w in zip(tokens, stream.last_answers, weights):
-        starts = np.nonzero(row == data.BOS)[0]
-        # max(300, 2 * 40) = 300 tokens + 1 per sample: 6 of 301 and the last one 542 long
-        assert list(starts) == [0, 301, 602, 903, 1204, 1505], starts
+        # max(300, 2 * 40) = 300 tokens + 1 per sample: 6 of 301 and the last one 542 long. (A
+        # sample's text may cross a file boundary of the corpus, whose BOS then lies inside it.)
+        starts = [0, 301, 602, 903, 1204, 1505]
+        assert set(starts) <= set(np.nonzero(row == data.BOS)[0].tolist()), np.nonzero(row == data.BOS)[0]
         queries = np.nonzero(row == data.QUERY)[0]
         assert len(queries) == len(starts)
         assert len(rows) == len(starts) * data._DIGITS and np.all(w[rows] == 5.0)
@@ -366,7 +369,7 @@ def test_run_settings_are_fixed(runs):
 def evaluated(runs):
     dirs = [str(runs / arm) for arm in ARMS]
     evaluate_cli.main([*dirs, "--lengths", f"{SEQ},{2 * SEQ}", "--depths", "3", "--samples", "2",
-                       "--heldout-windows", "2", "--threads", "1"])
+                       "--heldout-windows", "2", "--threads", "1", "--device", "cpu"])
     return runs
 
 

@@ -566,7 +566,7 @@ bool first_product_direct(const Rows& r, const PhiParams& phi, const TensorView&
     const int K = r.l * r.D, N = mlp ? r.F : r.D;
     float* bias = work + (mlp ? M * r.F : 0);
     const bf16* w1 = static_cast<const bf16*>(phi.w1.data);
-    fold_bias_kernel<bf16><<<blocks_for(N, 128), 128, 0, s>>>(w1, phi.w1.stride[0], N, K,
+    fold_bias_kernel<bf16><<<blocks_for(int64_t(N) * 32, 128), 128, 0, s>>>(w1, phi.w1.stride[0], N, K,
                                                               mlp ? static_cast<const bf16*>(phi.b1.data) : nullptr,
                                                               static_cast<const bf16*>(phi.pe.data), bias);
     NSA_CUDA_CHECK_LAUNCH();
