@@ -1,7 +1,7 @@
 // Small pieces of the public API that every backend shares: errors, tensor views, config rules.
 #include <algorithm>
 #include <cmath>
-#include <sstream>
+#include <cstdio>
 #include <utility>
 
 #include "nsa/config.h"
@@ -16,10 +16,13 @@ std::string format_message(const std::string& parameter, const std::string& valu
   return "nsa: invalid " + parameter + " = " + value + ": " + allowed;
 }
 std::string str(int64_t v) { return std::to_string(v); }
+// printf's %g (what an ostream prints) without iostreams: where the toolchain links libstdc++
+// statically into the Python extension, the process holds two copies of the locale machinery, and
+// an ostream's number formatting then called into the wrong facet and crashed.
 std::string str(double v) {
-  std::ostringstream os;
-  os << v;
-  return os.str();
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
 }
 }  // namespace
 
