@@ -16,8 +16,9 @@ sequence, its first chunk's rows and then its second chunk's (``zigzag_split``).
             (compression, selection and window see the same keys at the same positions).
   backward  the library's backward of the same call gives dq and dg of the rank's own rows,
             and the rank's share of every key's and value's gradient and of phi's parameter
-            gradients. The key/value shares are all-gathered and summed in rank order 0 .. P-1
-            (then each rank keeps its own rows), phi's likewise on every rank: a fixed order, so
+            gradients. Each rank sends every other rank that rank's rows of its key/value shares
+            (one all-to-all) and adds the P pieces it receives in rank order 0 .. P-1; phi's
+            shares are all-gathered and summed in the same order on every rank: a fixed order, so
             the result does not depend on timing, and every rank holds the same phi gradients.
 
 Every rank must pass the same global ``cu_seqlens`` (host integers) and its own rows; this is
@@ -191,6 +192,27 @@ def _all_gather_rows(x: Tensor, counts: List[int], group) -> List[Tensor]:
     return [o[:c] for o, c in zip(out, counts)]
 
 
+def _sum_rows_in_rank_order(x: Tensor, rows: List[Tensor], rank: int, group) -> Tensor:
+    """Rows rows[rank] of sum_r x_r over the ranks (x [T, ...], rows[s]: rank s's rows), added in
+    the order 0 .. P-1: every rank sends rank s its rows rows[s] (one all-to-all, every piece
+    padded to the most rows a rank has, as gloo wants equal pieces) and adds the P pieces it
+    receives in rank order. A rank holds x, its pieces and what it receives, about 3 T rows, where
+    an all-gather of x would take P T."""
+    most = max(int(r.numel()) for r in rows)
+    send = []
+    for r in rows:
+        piece = x.new_zeros((most,) + tuple(x.shape[1:]))
+        piece[: r.numel()] = x[r.to(x.device)]
+        send.append(piece)
+    recv = [torch.empty_like(send[0]) for _ in rows]
+    dist.all_to_all(recv, send, group=group)
+    mine = int(rows[rank].numel())
+    total = recv[0][:mine].clone()
+    for o in recv[1:]:
+        total += o[:mine]
+    return total
+
+
 def _sum_in_rank_order(x: Tensor, group) -> Tensor:
     """sum_r x_r over the ranks, added in the order 0 .. P-1 on every rank (the same bits
     everywhere, whatever the collective's own reduction order would be)."""
@@ -276,8 +298,7 @@ class _ContextParallel(torch.autograd.Function):
             if not present:
                 out_kv.append(None)
                 continue
-            total = _sum_in_rank_order(plan.scatter_keys(d), group)
-            out_kv.append(total[plan.rows[plan.rank].to(total.device)])
+            out_kv.append(_sum_rows_in_rank_order(plan.scatter_keys(d), plan.rows, plan.rank, group))
         out_phi = [(_sum_in_rank_order(d, group) if ctx.sum_phi else d) if present else None
                    for d, present in zip(d_phi, ctx.present[6:])]
         return (None, None, None, None, None, None, dq, dg, *out_kv, *out_phi)
