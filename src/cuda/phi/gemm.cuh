@@ -143,6 +143,30 @@ __device__ __forceinline__ void stash_run(uint32_t* hi_plane, uint32_t* lo_plane
   }
 }
 
+// The fp32 accumulators of a warp's kI x 4 m16n8 fragments (rows from m_base, columns from
+// n_base) through the store, where they lie inside M x N.
+template <int kI, class Store>
+__device__ __forceinline__ void store_fragments(const float (&acc)[kI][4][4], int64_t m_base, int n_base, int64_t M,
+                                                int N, int batch, int split, const Store& st) {
+  const int lane = int(threadIdx.x) % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int i = 0; i < kI; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int64_t m = m_base + 16 * i + g + 8 * (c / 2);
+        const int n = n_base + 8 * j + 2 * t + c % 2;
+        if (m < M && n < N) st(batch, m, n, split, acc[i][j][c]);
+      }
+}
+
+// Each split's range of K: ceil(K / splits) in whole steps of kStep.
+inline int split_k_chunk(int K, int splits, int step) {
+  const int chunk = (K + splits - 1) / splits;
+  return (chunk + step - 1) / step * step;
+}
+
 // C tile of 128 x 64 per CTA; a step's runs are fetched and stored as TileLayout::run says.
 template <class LoadA, class LoadB, class Store>
 __global__ void __launch_bounds__(kGemmThreads, 2) gemm_kernel(int64_t M, int N, int K, int k_chunk, int splits,
@@ -272,16 +296,7 @@ __global__ void __launch_bounds__(kGemmThreads, 2) gemm_kernel(int64_t M, int N,
     buf ^= 1;
   }
 
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int64_t m = m0 + wm + 16 * i + g + 8 * (c / 2);
-        const int n = n0 + wn + 8 * j + 2 * t + c % 2;
-        if (m < M && n < N) st(batch, m, n, split, acc[i][j][c]);
-      }
+  store_fragments(acc, m0 + wm, n0 + wn, M, N, batch, split, st);
 }
 
 // C = A B over `batches` independent products, each split over K into `splits` partials (every
@@ -289,8 +304,7 @@ __global__ void __launch_bounds__(kGemmThreads, 2) gemm_kernel(int64_t M, int N,
 template <class LoadA, class LoadB, class Store>
 void gemm(cudaStream_t s, int64_t M, int N, int K, int splits, int batches, LoadA la, LoadB lb, Store st) {
   if (M <= 0 || N <= 0 || batches <= 0) return;
-  int k_chunk = (K + splits - 1) / splits;
-  k_chunk = (k_chunk + kTileK - 1) / kTileK * kTileK;  // whole steps per split
+  const int k_chunk = split_k_chunk(K, splits, kTileK);
   const dim3 grid(unsigned((M + kTileM - 1) / kTileM), unsigned((N + kTileN - 1) / kTileN),
                   unsigned(batches * splits));
   gemm_kernel<<<grid, kGemmThreads, 0, s>>>(M, N, K, k_chunk, splits, la, lb, st);

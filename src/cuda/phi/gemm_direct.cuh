@@ -7,10 +7,11 @@
 // shared stages (cp.async, zero-filled where an operand has no element) and fragments come out with
 // ldmatrix.
 //
-// An operand is a device functor with
+// An operand derives from DirOperand<kT, kPlanes>:
 //   kT        false: its contiguous index is k (a tile row is one index i and 32 k);
 //             true: it is i (a tile row is one k and 128 i; the index's extent is a multiple of 8);
 //   kPlanes   1, or 2 for A's high and low planes at p and p + plane;
+// and has
 //   Fixed fixed(batch, i)           what a thread's piece needs of its tile index (with kT: of the
 //                                   piece's first index), computed once per tile;
 //   int64_t at(batch, Fixed, i, k)  the element offset (from p) of the piece's 8 elements from
@@ -33,6 +34,7 @@
 
 #include "cuda/common/check.h"
 #include "cuda/common/mma.h"
+#include "cuda/phi/gemm.cuh"
 
 namespace nsa::cuda::phi {
 
@@ -41,6 +43,16 @@ constexpr int kDirN = 128;
 constexpr int kDirK = 32;
 constexpr int kDirStages = 3;
 constexpr int kDirThreads = 256;  // 8 warps: 2 (m) x 4 (n), 64 x 32 outputs each
+
+// An operand's layout and memory (derive from it and add fixed / at): p its data (the high plane),
+// plane the low plane's offset from p.
+template <bool T, int kP>
+struct DirOperand {
+  static constexpr bool kT = T;
+  static constexpr int kPlanes = kP;
+  const __nv_bfloat16* p;
+  int64_t plane;
+};
 
 // One stage's tile of an operand with kRows tile indices, in 16-bit elements: rows of kLd.
 template <bool kT, int kRows>
@@ -181,17 +193,7 @@ __global__ void __launch_bounds__(kDirThreads, 2)
   }
   cp_async_wait<0>();
 
-  const int g = lane / 4, t = lane % 4;
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int64_t m = m0 + wm + 16 * i + g + 8 * (c / 2);
-        const int n = n0 + wn + 8 * j + 2 * t + c % 2;
-        if (m < M && n < N) st(batch, m, n, split, acc[i][j][c]);
-      }
+  store_fragments(acc, m0 + wm, n0 + wn, M, N, batch, split, st);
 }
 
 // C = A B over `batches` independent products, each split over K into `splits` partials (every
@@ -199,8 +201,7 @@ __global__ void __launch_bounds__(kDirThreads, 2)
 template <class LoadA, class LoadB, class Store>
 void gemm_direct(cudaStream_t s, int64_t M, int N, int K, int splits, int batches, LoadA la, LoadB lb, Store st) {
   if (M <= 0 || N <= 0 || batches <= 0) return;
-  int k_chunk = (K + splits - 1) / splits;
-  k_chunk = (k_chunk + kDirK - 1) / kDirK * kDirK;  // whole steps per split
+  const int k_chunk = split_k_chunk(K, splits, kDirK);
   const dim3 grid(unsigned((M + kDirM - 1) / kDirM), unsigned((N + kDirN - 1) / kDirN), unsigned(batches * splits));
   constexpr size_t smem = size_t(kDirStages) * dir_stage_elems<LoadA, LoadB>() * sizeof(__nv_bfloat16);
   allow_smem(gemm_direct_kernel<LoadA, LoadB, Store>, smem, false);

@@ -262,21 +262,13 @@ struct XRows {
     return r * s0 + (k - r * D);
   }
 };
-struct XBlockA {  // A(m, k) = x[row m's block, token k / D, column k % D]: u without pe
-  static constexpr bool kT = false;
-  static constexpr int kPlanes = 1;
-  const bf16* p;
-  int64_t plane;
+struct XBlockA : DirOperand<false, 1> {  // A(m, k) = x[row m's block, token k / D, column k % D]: u without pe
   XRows x;
   using Fixed = int64_t;
   __device__ Fixed fixed(int, int64_t m) const { return x.base(m); }
   __device__ int64_t at(int, Fixed base, int64_t, int k) const { return base < 0 ? -1 : base + x.column(k); }
 };
-struct XBlockBT {  // B(m, k) = u_m[k] without pe (m: the product's k, u's column: its n)
-  static constexpr bool kT = true;
-  static constexpr int kPlanes = 1;
-  const bf16* p;
-  int64_t plane;
+struct XBlockBT : DirOperand<true, 1> {  // B(m, k) = u_m[k] without pe (m: the product's k, u's column: its n)
   XRows x;
   using Fixed = int64_t;
   __device__ Fixed fixed(int, int64_t n) const { return x.column(int(n)); }
@@ -285,31 +277,19 @@ struct XBlockBT {  // B(m, k) = u_m[k] without pe (m: the product's k, u's colum
     return base < 0 ? -1 : base + col;
   }
 };
-struct WRowsB {  // B(k, n) = W[n, k]: a bf16 weight as stored, [out, in]
-  static constexpr bool kT = false;
-  static constexpr int kPlanes = 1;
-  const bf16* p;
-  int64_t plane;
+struct WRowsB : DirOperand<false, 1> {  // B(k, n) = W[n, k]: a bf16 weight as stored, [out, in]
   int64_t s0;
   using Fixed = int64_t;
   __device__ Fixed fixed(int, int64_t n) const { return n * s0; }
   __device__ int64_t at(int, Fixed row, int64_t, int k) const { return row + k; }
 };
-struct PlanesAT {  // A(f, m) = g[m, f] from its bf16 planes [2][rows, F] (dW = g^T u)
-  static constexpr bool kT = true;
-  static constexpr int kPlanes = 2;
-  const bf16* p;
-  int64_t plane;
+struct PlanesAT : DirOperand<true, 2> {  // A(f, m) = g[m, f] from its bf16 planes [2][rows, F] (dW = g^T u)
   int F;
   using Fixed = int;
   __device__ Fixed fixed(int, int64_t) const { return 0; }
   __device__ int64_t at(int, Fixed, int64_t f, int m) const { return int64_t(m) * F + f; }
 };
-struct DxPlanesA {  // DxGrad's A from the planes of g
-  static constexpr bool kT = false;
-  static constexpr int kPlanes = 2;
-  const bf16* p;
-  int64_t plane;
+struct DxPlanesA : DirOperand<false, 2> {  // DxGrad's A from the planes of g
   DxRows rows;
   int F;
   using Fixed = DxRows::Range;
@@ -319,11 +299,7 @@ struct DxPlanesA {  // DxGrad's A from the planes of g
     return (s < r.lo || s > r.hi) ? -1 : (r.row0 - int64_t(s) * rows.hkv) * F + f;
   }
 };
-struct DxWeightBT {  // DxWeight as stored: B(s * F + f, n) = W[f, (rr + s d) * D + n]
-  static constexpr bool kT = true;
-  static constexpr int kPlanes = 1;
-  const bf16* p;
-  int64_t plane;
+struct DxWeightBT : DirOperand<true, 1> {  // DxWeight as stored: B(s * F + f, n) = W[f, (rr + s d) * D + n]
   int64_t s0;
   int F, hkv, d, l, D;
   using Fixed = int;
@@ -570,9 +546,9 @@ bool first_product_direct(const Rows& r, const PhiParams& phi, const TensorView&
                                                               mlp ? static_cast<const bf16*>(phi.b1.data) : nullptr,
                                                               static_cast<const bf16*>(phi.pe.data), bias);
     NSA_CUDA_CHECK_LAUNCH();
-    const XBlockA a{static_cast<const bf16*>(x.data), 0,
+    const XBlockA a{{static_cast<const bf16*>(x.data), 0},
                     XRows{static_cast<const bf16*>(x.data), x.stride[0], x.stride[1], r.first_token, r.hkv, r.D}};
-    const WRowsB b{w1, 0, phi.w1.stride[0]};
+    const WRowsB b{{w1, 0}, phi.w1.stride[0]};
     if (mlp) {
       st_pre.bias = bias;
       st_pre.first = r.first_token;
@@ -635,9 +611,9 @@ bool backward_params(const Rows& r, const PhiParams& phi, const TensorView& x, c
         bf16* hi = reinterpret_cast<bf16*>(planes);
         split_planes_kernel<<<capped_blocks(M * N), 256, 0, s>>>(g, M * N, hi, hi + M * N);
         NSA_CUDA_CHECK_LAUNCH();
-        const XBlockBT b{static_cast<const bf16*>(x.data), 0,
+        const XBlockBT b{{static_cast<const bf16*>(x.data), 0},
                          XRows{static_cast<const bf16*>(x.data), x.stride[0], x.stride[1], r.first_token, r.hkv, r.D}};
-        gemm_direct(s, N, K, int(M), splits, 1, PlanesAT{hi, M * N, N}, b, StorePartial{part, K, int64_t(N) * K});
+        gemm_direct(s, N, K, int(M), splits, 1, PlanesAT{{hi, M * N}, N}, b, StorePartial{part, K, int64_t(N) * K});
         reduce_to(N, K, out, pe);
         return;
       }
@@ -692,8 +668,8 @@ void backward_x(const Rows& r, const PhiParams& phi, const float* dy, const floa
   if constexpr (std::is_same_v<E, bf16>) {
     if (planes != nullptr) {
       const bf16* hi = reinterpret_cast<const bf16*>(planes);
-      const DxPlanesA a{hi, r.rc * r.hkv * F, rows, F};
-      const DxWeightBT b{static_cast<const bf16*>(phi.w1.data), 0, phi.w1.stride[0], F, r.hkv, r.d, r.l, r.D};
+      const DxPlanesA a{{hi, r.rc * r.hkv * F}, rows, F};
+      const DxWeightBT b{{static_cast<const bf16*>(phi.w1.data), 0}, phi.w1.stride[0], F, r.hkv, r.d, r.l, r.D};
       gemm_direct(s, n_slots, r.D, S * F, 1, batches, a, b, st);
       return;
     }
