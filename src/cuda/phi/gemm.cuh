@@ -203,13 +203,7 @@ __global__ void __launch_bounds__(kGemmThreads, 2) gemm_kernel(int64_t M, int N,
   if (k_begin < k_end) k_tables(k_begin, 0);
   __syncthreads();
 
-  float acc[2][4][4];
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
+  float acc[2][4][4] = {};
 
   // Valid elements of a run at tile index i (of `rows`, limit) and k: along k when k-contiguous.
   auto count_of = [&](bool k_fast, int64_t index, int64_t limit, int k) -> int {

@@ -131,13 +131,7 @@ __global__ void __launch_bounds__(kDirThreads, 2)
     }
   };
 
-  float acc[4][4][4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
+  float acc[4][4][4] = {};
 
   const int mi = lane / 8, mr = lane % 8;  // the ldmatrix row this lane addresses: matrix mi, row mr
 #pragma unroll
