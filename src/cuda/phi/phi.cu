@@ -71,33 +71,46 @@ __global__ void slot_table_kernel(const int32_t* cu, int B, int64_t T, int d, in
 
 // ---- operands (gemm.cuh: row / col / element; kKFast = k contiguous; kExact = exact in bf16) --------
 
+// Where compressed row m's block lies in x (rows of stride s0, heads of stride s1): base(m), the
+// offset of the block's first token at the row's head (-1: no block); column(k), the offset of
+// u's column k (token k / D, column k % D of the block) from there.
 template <typename E>
-struct BlockInput {  // A(m, k) = u_m[k] = x[row m's block, token k / D, column k % D] + pe[k]
-  static constexpr bool kKFast = true, kExact = false;
+struct XRows {
   const E* x;
   int64_t s0, s1;
-  const E* pe;  // [l, D] rows of stride pe_s0 (nullptr: none)
-  int64_t pe_s0;
   const int32_t* first;
   int hkv, D;
-  using RowInfo = int64_t;  // x's offset of the block's first token at the row's head; -1: no block
-  struct KInfo {
-    int64_t off;     // of (token k / D, column k % D) from the block's first token
-    int64_t pe_off;
-  };
-  __device__ RowInfo row(int, int64_t m) const {
+  __device__ int64_t base(int64_t m) const {
     const int64_t r = m / hkv;
     const int tok = first[r];
     return tok < 0 ? -1 : tok * s0 + (m - r * hkv) * s1;
   }
+  __device__ int64_t column(int k) const {
+    const int r = k / D;
+    return r * s0 + (k - r * D);
+  }
+};
+
+template <typename E>
+struct BlockInput {  // A(m, k) = u_m[k] = x[row m's block, token k / D, column k % D] + pe[k]
+  static constexpr bool kKFast = true, kExact = false;
+  XRows<E> x;
+  const E* pe;  // [l, D] rows of stride pe_s0 (nullptr: none)
+  int64_t pe_s0;
+  using RowInfo = int64_t;  // XRows::base
+  struct KInfo {
+    int64_t off;  // XRows::column
+    int64_t pe_off;
+  };
+  __device__ RowInfo row(int, int64_t m) const { return x.base(m); }
   __device__ KInfo col(int, int k) const {
-    const int r = k / D, c = k - r * D;
-    return KInfo{r * s0 + c, r * pe_s0 + c};
+    const int r = k / x.D;
+    return KInfo{x.column(k), r * pe_s0 + (k - r * x.D)};
   }
   // The 8 elements of a run stay in one token's row: D and the run's first k are multiples of 8.
   __device__ void elements(RowInfo a, const KInfo& b, int count, float (&v)[kRun]) const {
     if (a < 0) return zero_run(v);
-    load_run(x + a + b.off, count, v);
+    load_run(x.x + a + b.off, count, v);
     if (pe == nullptr) return;
     float p[kRun];
     load_run(pe + b.pe_off, count, p);
@@ -246,30 +259,14 @@ struct DxWeight {  // B(s * F + f, n) = W[f, (rr + s d) * D + n] (0 past the blo
 
 using bf16 = __nv_bfloat16;
 
-// x's rows of one block, as stored: base offset of the block's first token at the row's head.
-struct XRows {
-  const bf16* x;
-  int64_t s0, s1;
-  const int32_t* first;
-  int hkv, D;
-  __device__ int64_t base(int64_t m) const {
-    const int64_t r = m / hkv;
-    const int tok = first[r];
-    return tok < 0 ? -1 : tok * s0 + (m - r * hkv) * s1;
-  }
-  __device__ int64_t column(int k) const {  // of u's column k from the block's first token
-    const int r = k / D;
-    return r * s0 + (k - r * D);
-  }
-};
 struct XBlockA : DirOperand<false, 1> {  // A(m, k) = x[row m's block, token k / D, column k % D]: u without pe
-  XRows x;
+  XRows<bf16> x;
   using Fixed = int64_t;
   __device__ Fixed fixed(int, int64_t m) const { return x.base(m); }
   __device__ int64_t at(int, Fixed base, int64_t, int k) const { return base < 0 ? -1 : base + x.column(k); }
 };
 struct XBlockBT : DirOperand<true, 1> {  // B(m, k) = u_m[k] without pe (m: the product's k, u's column: its n)
-  XRows x;
+  XRows<bf16> x;
   using Fixed = int64_t;
   __device__ Fixed fixed(int, int64_t n) const { return x.column(int(n)); }
   __device__ int64_t at(int, Fixed col, int64_t, int m) const {
@@ -485,9 +482,13 @@ constexpr unsigned kMaxGrid = 1u << 20;  // grid-stride beyond this
 unsigned capped_blocks(int64_t n) { return std::min<unsigned>(blocks_for(n), kMaxGrid); }
 
 template <typename E>
+XRows<E> x_rows(const Rows& r, const TensorView& x) {
+  return XRows<E>{static_cast<const E*>(x.data), x.stride[0], x.stride[1], r.first_token, r.hkv, r.D};
+}
+
+template <typename E>
 BlockInput<E> block_input(const Rows& r, const PhiParams& phi, const TensorView& x) {
-  return BlockInput<E>{static_cast<const E*>(x.data), x.stride[0], x.stride[1], static_cast<const E*>(phi.pe.data),
-                       phi.pe.defined() ? phi.pe.stride[0] : 0, r.first_token, r.hkv, r.D};
+  return BlockInput<E>{x_rows<E>(r, x), static_cast<const E*>(phi.pe.data), phi.pe.defined() ? phi.pe.stride[0] : 0};
 }
 
 // Whether the products run on gemm_direct.cuh: bf16 storage, x's and W1's rows in whole 16-byte
@@ -546,8 +547,7 @@ bool first_product_direct(const Rows& r, const PhiParams& phi, const TensorView&
                                                               mlp ? static_cast<const bf16*>(phi.b1.data) : nullptr,
                                                               static_cast<const bf16*>(phi.pe.data), bias);
     NSA_CUDA_CHECK_LAUNCH();
-    const XBlockA a{{static_cast<const bf16*>(x.data), 0},
-                    XRows{static_cast<const bf16*>(x.data), x.stride[0], x.stride[1], r.first_token, r.hkv, r.D}};
+    const XBlockA a{{static_cast<const bf16*>(x.data), 0}, x_rows<bf16>(r, x)};
     const WRowsB b{{w1, 0}, phi.w1.stride[0]};
     if (mlp) {
       st_pre.bias = bias;
@@ -611,8 +611,7 @@ bool backward_params(const Rows& r, const PhiParams& phi, const TensorView& x, c
         bf16* hi = reinterpret_cast<bf16*>(planes);
         split_planes_kernel<<<capped_blocks(M * N), 256, 0, s>>>(g, M * N, hi, hi + M * N);
         NSA_CUDA_CHECK_LAUNCH();
-        const XBlockBT b{{static_cast<const bf16*>(x.data), 0},
-                         XRows{static_cast<const bf16*>(x.data), x.stride[0], x.stride[1], r.first_token, r.hkv, r.D}};
+        const XBlockBT b{{static_cast<const bf16*>(x.data), 0}, x_rows<bf16>(r, x)};
         gemm_direct(s, N, K, int(M), splits, 1, PlanesAT{{hi, M * N}, N}, b, StorePartial{part, K, int64_t(N) * K});
         reduce_to(N, K, out, pe);
         return;
