@@ -194,20 +194,18 @@ def _all_gather_rows(x: Tensor, counts: List[int], group) -> List[Tensor]:
 
 def _sum_rows_in_rank_order(x: Tensor, rows: List[Tensor], rank: int, group) -> Tensor:
     """Rows rows[rank] of sum_r x_r over the ranks (x [T, ...], rows[s]: rank s's rows), added in
-    the order 0 .. P-1: every rank sends rank s its rows rows[s] (one all-to-all, every piece
-    padded to the most rows a rank has, as gloo wants equal pieces) and adds the P pieces it
-    receives in rank order. A rank holds x, its pieces and what it receives, about 3 T rows, where
-    an all-gather of x would take P T."""
+    the order 0 .. P-1: every rank sends rank s its rows rows[s] (one all_to_all_single over a
+    [P, most rows, ...] buffer, every piece padded to the most rows a rank has: gloo has only the
+    equal-split form) and adds the P pieces it receives in rank order. A rank holds x, its pieces
+    and what it receives, about 3 T rows, where an all-gather of x would take P T."""
     most = max(int(r.numel()) for r in rows)
-    send = []
-    for r in rows:
-        piece = x.new_zeros((most,) + tuple(x.shape[1:]))
-        piece[: r.numel()] = x[r.to(x.device)]
-        send.append(piece)
-    recv = [torch.empty_like(send[0]) for _ in rows]
-    dist.all_to_all(recv, send, group=group)
+    send = x.new_zeros((len(rows), most) + tuple(x.shape[1:]))
+    for s, r in enumerate(rows):
+        send[s, : r.numel()] = x[r.to(x.device)]
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
     mine = int(rows[rank].numel())
-    total = recv[0][:mine].clone()
+    total = recv[0, :mine].clone()
     for o in recv[1:]:
         total += o[:mine]
     return total
