@@ -14,13 +14,15 @@
 //           dg_slc = sum_j P_j dP_j on the way. D then carries o's rounding to the storage type, as
 //           FlashAttention's D = rowsum(dO o) does; dg_slc does not.
 //   pass 2: dS = scale P (g dP - D) with dP = dO V^T, D = g dg_slc, and dq += dS K. Each warp streams its
-//           16-key steps of K and V through its own two-stage ring of shared memory (cp.async in
-//           whole lines); a stage serves the step's three products: Q K^T and dO V^T read K and V
-//           with ldmatrix, dS K reads K with ldmatrix.trans. Q's and dO's A fragments in registers.
-// Measured at 64K (H200): the ring made pass 2 faster (backward with saved o_branch 103.9 ->
-// 99.6 ms) and pass 1, like the forward, slower (the forward's selection kernel on it: 17.6 ->
-// 22.2 ms): with two products per step its extra shared-memory traffic costs more than its
-// whole-line copies save. Deterministic: every sum in a fixed order, no atomics.
+//           16-key steps of K through its own two-stage ring of shared memory (cp.async in whole
+//           lines), read twice: Q K^T with ldmatrix, dS K with ldmatrix.trans. V, read once, goes
+//           straight into registers (one step ahead) for dO V^T, as in pass 1, up to Dqk 128 (at
+//           Dqk 192 through the ring as well: in registers it would spill). Q's A fragments in the
+//           natural order, dO's in the permuted one of V's register rows.
+// Measured at 64K (H200): K and V on the ring made pass 2 faster than both in registers (backward
+// with saved o_branch 103.9 -> 99.6 ms) and pass 1, like the forward, slower (the forward's
+// selection kernel on it: 17.6 -> 22.2 ms): a row read once gains nothing from shared memory, whose
+// bandwidth the ring's copies and reads share. Deterministic: every sum in a fixed order, no atomics.
 #pragma once
 
 #include "cuda/params.h"
@@ -31,11 +33,16 @@ namespace nsa::cuda::bwd {
 constexpr int kSlcDqWarps = 4;
 
 // Shared bytes: per warp the union blocks and masks (2 ints per entry, rounded up to 16 bytes),
-// then a ring of two stages of 16 keys of K and V in rows padded by 8 columns. The union's sort
-// keys (1 int per entry) are dead once the union is built, before the ring's first copy: they
-// share the ring's bytes, which keeps n = 256 at G = 1 within shared memory.
+// then a ring of two stages of 16 keys of K (and of V at Dqk 192) in rows padded by 8 columns.
+// The union's sort keys (1 int per entry) are dead once the union is built, before the ring's
+// first copy: they share the ring's bytes, which keeps n = 256 at G = 1 within shared memory.
 constexpr size_t slc_dq_union_bytes(int cap) { return (size_t(cap) * 8 + 15) / 16 * 16; }
-constexpr size_t slc_dq_stage_elems(int dqk, int dv) { return size_t(16) * ((dqk + 8) + (dv + 8)); }
+// Pass 2 keeps V's rows in registers up to Dqk 128; at Dqk 192 (Q's fragments and dq's
+// accumulators take 144 registers) they would spill, and V goes through the ring with K.
+constexpr bool slc_dq_v_in_registers(int dqk) { return dqk <= 128; }
+constexpr size_t slc_dq_stage_elems(int dqk, int dv) {
+  return size_t(16) * ((dqk + 8) + (slc_dq_v_in_registers(dqk) ? 0 : dv + 8));
+}
 constexpr size_t slc_dq_ring_bytes(int dqk, int dv, int cap) {
   const size_t ring = 2 * slc_dq_stage_elems(dqk, dv) * 2, keys = size_t(cap) * 4;
   return ring > keys ? ring : keys;
@@ -55,6 +62,7 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
   constexpr bool kBf16 = cuda::StorageTraits<E>::is_bf16;
   constexpr int kKStride = DQK + 8, kVStride = DV + 8;
   constexpr int kStage = int(slc_dq_stage_elems(DQK, DV));
+  constexpr bool kVRegs = slc_dq_v_in_registers(DQK);
   extern __shared__ __align__(128) unsigned char smem[];  // 128: as dq_kernel's declaration of the same array (dq_kernel.cuh)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -214,14 +222,24 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
   dg[0] = dg[1] = 0.f;
 
   // ---- pass 2: dq += scale P (g dP - D) K, D = g dg ----
-  // Three products per step, two of them reading K: K and V through the warp's ring (whole-line
-  // copies, ldmatrix), Q's and dO's fragments in the natural order in registers.
+  // Three products per step, two of them reading K: K through the warp's ring (whole-line copies,
+  // ldmatrix), V in registers (kVRegs; else through the ring too); Q's fragments in the natural
+  // order, dO's permuted as V's register rows (else natural).
   uint32_t qf[DQK / 16][4], df[DV / 16][4];
   cuda::load_a_fragments<E, DQK>(qf, qrow[0], qrow[1]);
-  cuda::load_a_fragments<E, DV>(df, dorow[0], dorow[1]);
+  if constexpr (kVRegs) cuda::load_permuted_fragments<E, DV>(df, dorow[0], dorow[1]);
+  else cuda::load_a_fragments<E, DV>(df, dorow[0], dorow[1]);
   float acc_q[DQK / 8][4];
 #pragma unroll
   for (int t = 0; t < DQK / 8; ++t) acc_q[t][0] = acc_q[t][1] = acc_q[t][2] = acc_q[t][3] = 0.f;
+  constexpr int kVPiecesA = DV / 32;
+  uint4 vr[2][kVPiecesA];  // kVRegs: the step's V rows in the "A" layout (load_rows_a)
+  auto load_v = [&](int i) {
+    int64_t first, end;
+    int u;
+    walk.step(i, first, end, u);
+    cuda::load_rows_a<E, kVPiecesA>(vr, vbase, vst, first, end);
+  };
   // Step i + 1's copies go into the stage step i - 1 used (every lane left it at that step's end).
   auto issue = [&](int i) {
     int64_t first, end;
@@ -229,10 +247,13 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
     walk.step(i, first, end, u);
     E* stage = ring + (i & 1) * kStage;
     cuda::slc_copy_step<E, DQK>(stage, kbase, kst, first, end);
-    cuda::slc_copy_step<E, DV>(stage + 16 * kKStride, vbase, vst, first, end);
+    if constexpr (!kVRegs) cuda::slc_copy_step<E, DV>(stage + 16 * kKStride, vbase, vst, first, end);
     cuda::cp_async_commit();
   };
-  if (steps > 0) issue(0);
+  if (steps > 0) {
+    issue(0);
+    if constexpr (kVRegs) load_v(0);
+  }
   for (int i = 0; i < steps; ++i) {
     if (i + 1 < steps) {
       issue(i + 1);
@@ -242,13 +263,17 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
     }
     __syncwarp();  // step i's stage has landed for every lane
     const E* sk = ring + (i & 1) * kStage;
-    const E* sv = sk + 16 * kKStride;
     int64_t first, end;
     int u;
     walk.step(i, first, end, u);
     float s[2][4], dp[2][4];
     cuda::mma_frags_stage<kBf16, DQK, kKStride>(s, qf, sk);   // S = Q K^T
-    cuda::mma_frags_stage<kBf16, DV, kVStride>(dp, df, sv);   // dP = dO V^T
+    if constexpr (kVRegs) {
+      cuda::mma_regs_rows_a<E, kVPiecesA>(dp, df, vr);  // dP = dO V^T
+      if (i + 1 < steps) load_v(i + 1);                  // lands during dS, dS K and the next S
+    } else {
+      cuda::mma_frags_stage<kBf16, DV, kVStride>(dp, df, sk + 16 * kKStride);  // dP = dO V^T
+    }
     probabilities(s, u, first);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
