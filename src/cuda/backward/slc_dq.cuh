@@ -148,6 +148,14 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
   const cuda::SlcWalk walk{ublk, umask, a.lp, (a.lp + 15) / 16, t_max};
   const int steps = num_blocks * walk.per_block;
   const float scale_log2 = a.scale * kLog2e;
+  // Step i's 16 rows of a K or V tensor (base, rows st apart) into registers r in the "A" layout
+  // (load_rows_a), zeros past the step's end.
+  auto load_step_a = [&](auto& r, const E* base, int64_t st, int i) {
+    int64_t first, end;
+    int u;
+    walk.step(i, first, end, u);
+    cuda::load_rows_a<E>(r, base, st, first, end);
+  };
   // s (raw scores of a step) -> P = exp2(s scale_log2 - lse2), 0 where row h may not see the key.
   auto probabilities = [&](float (&s)[2][4], int u, int64_t first) {
 #pragma unroll
@@ -176,13 +184,7 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
 #pragma unroll
     for (int t = 0; t < kOTiles; ++t) acc_o[t][0] = acc_o[t][1] = acc_o[t][2] = acc_o[t][3] = 0.f;
     uint4 kr[2][kQPieces], vr[4][kVPieces];
-    auto load_k = [&](int i) {
-      int64_t first, end;
-      int u;
-      walk.step(i, first, end, u);
-      cuda::load_rows_a<E, kQPieces>(kr, kbase, kst, first, end);
-    };
-    if (steps > 0) load_k(0);
+    if (steps > 0) load_step_a(kr, kbase, kst, 0);
     for (int i = 0; i < steps; ++i) {
       int64_t first, end;
       int u;
@@ -190,7 +192,7 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
       cuda::load_rows_b<E, kVPieces>(vr, vbase, vst, first, end);
       float s[2][4];
       cuda::mma_regs_rows_a<E, kQPieces>(s, qp, kr);
-      if (i + 1 < steps) load_k(i + 1);
+      if (i + 1 < steps) load_step_a(kr, kbase, kst, i + 1);
       probabilities(s, u, first);
       cuda::mma_p_rows_b<E, kVPieces>(acc_o, s, vr);
     }
@@ -234,12 +236,6 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
   for (int t = 0; t < DQK / 8; ++t) acc_q[t][0] = acc_q[t][1] = acc_q[t][2] = acc_q[t][3] = 0.f;
   constexpr int kVPiecesA = DV / 32;
   uint4 vr[2][kVPiecesA];  // kVRegs: the step's V rows in the "A" layout (load_rows_a)
-  auto load_v = [&](int i) {
-    int64_t first, end;
-    int u;
-    walk.step(i, first, end, u);
-    cuda::load_rows_a<E, kVPiecesA>(vr, vbase, vst, first, end);
-  };
   // Step i + 1's copies go into the stage step i - 1 used (every lane left it at that step's end).
   auto issue = [&](int i) {
     int64_t first, end;
@@ -252,7 +248,7 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
   };
   if (steps > 0) {
     issue(0);
-    if constexpr (kVRegs) load_v(0);
+    if constexpr (kVRegs) load_step_a(vr, vbase, vst, 0);
   }
   for (int i = 0; i < steps; ++i) {
     if (i + 1 < steps) {
@@ -270,7 +266,7 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
     cuda::mma_frags_stage<kBf16, DQK, kKStride>(s, qf, sk);   // S = Q K^T
     if constexpr (kVRegs) {
       cuda::mma_regs_rows_a<E, kVPiecesA>(dp, df, vr);  // dP = dO V^T
-      if (i + 1 < steps) load_v(i + 1);                  // lands during dS, dS K and the next S
+      if (i + 1 < steps) load_step_a(vr, vbase, vst, i + 1);  // lands during dS, dS K and the next S
     } else {
       cuda::mma_frags_stage<kBf16, DV, kVStride>(dp, df, sk + 16 * kKStride);  // dP = dO V^T
     }
