@@ -138,18 +138,24 @@ def _forward_setup(ctx, inputs, output):
     cu_seqlens_q, ctx.max_seqlen_q = inputs[_N_TENSORS + 6], inputs[_N_TENSORS + 7]
     o, lse, indices, o_branch = output
     ctx.mark_non_differentiable(lse, indices, o_branch)
+    # No zero-filled gradients for the outputs that get none (autograd's default): lse, indices and
+    # o_branch never do, and o_branch is 3x the output (a zero tensor that size would be made and
+    # freed on every backward).
+    ctx.set_materialize_grads(False)
     # o too (the layer's output, alive anyway): without o_branch the CUDA backward takes the
     # selection branch's part from it instead of recomputing that branch.
     ctx.save_for_backward(*tensors, lse, indices, o_branch, o, cu_seqlens_q)
 
 
 def _forward_backward(ctx, d_o, _d_lse, _d_indices, _d_o_branch):
+    n_grad = 8 + 2 * _N_PHI
+    if d_o is None:  # no gradient reached o (gradcheck's undefined-gradient check does this)
+        return (None,) * (n_grad + 9)
     saved = ctx.saved_tensors
     tensors, (lse, indices, o_branch, o, cu_seqlens_q) = saved[:-5], saved[-5:]
     o_branch = o_branch if o_branch.numel() > 0 else None
     grads = torch.ops.nsa.backward(*tensors, *ctx.statics, lse, indices, o_branch, d_o.contiguous(), o,
                                    cu_seqlens_q, ctx.max_seqlen_q)
-    n_grad = 8 + 2 * _N_PHI
     out = [grad if present else None for grad, present in zip(grads, ctx.present[:n_grad])]
     # cu_seqlens, the 6 statics, cu_seqlens_q and max_seqlen_q get none
     return (*out, None, None, None, None, None, None, None, None, None)
@@ -244,11 +250,14 @@ def _dense_setup(ctx, inputs, output):
     q, k, v, cu_seqlens = inputs[:4]
     o, lse = output
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # lse gets no gradient: no zero tensor for it
     ctx.statics = inputs[4:]
     ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
 
 
 def _dense_backward(ctx, d_o, _d_lse):
+    if d_o is None:  # no gradient reached o
+        return (None,) * 8
     q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
     max_seqlen, scale, backend, num_threads = ctx.statics
     dq, dk, dv = torch.ops.nsa.dense_attention_backward(q, k, v, o, lse, d_o.contiguous(), cu_seqlens,

@@ -183,6 +183,31 @@ def test_lse_and_indices_are_not_differentiable():
     assert o.requires_grad and not aux.lse.requires_grad and not aux.indices.requires_grad
 
 
+def _zero_fills_in_backward(out):
+    """Shapes of the tensors zero-filled while out.sum() is differentiated."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        out.sum().backward()
+    return [tuple(e.input_shapes[0]) for e in prof.events() if e.name == "aten::zero_" and e.input_shapes]
+
+
+def test_backward_makes_no_zero_gradients_for_the_outputs_without_one():
+    # lse, indices and the kept branch outputs (3x o) get no gradient: autograd must not make and
+    # fill a zero tensor of each on every backward.
+    p = make_problem(seed=38, seqlens=(9, 13), phi="mlp")
+    q, kv6, g, phi_k, phi_v, cu = to_torch(p, requires_grad=True)
+    k, v = split(kv6)
+    o = nsa.attention(q, k, v, g, phi_k, phi_v, cu_seqlens=cu, config=SMALL, save_branch_outputs=True)
+    T, Hq, Hkv, Dv = q.shape[0], q.shape[1], kv6[0].shape[1], o.shape[2]
+    filled = _zero_fills_in_backward(o)
+    for shape in ((T, Hq, 3), (T, Hkv, SMALL.n_selected), (3, T, Hq, Dv)):
+        assert shape not in filled
+    assert q.grad is not None and g.grad is not None
+    o = nsa.dense_attention(q, kv6[0], kv6[1], cu_seqlens=cu)
+    assert (T, Hq) not in _zero_fills_in_backward(o)
+
+
 def _opcheck_args(p, cfg):
     q, kv6, g, phi_k, phi_v, cu = to_torch(p, requires_grad=True)
     phi = lambda x: list(x) if x is not None else [None] * 5  # noqa: E731
