@@ -11,7 +11,9 @@ out.sum() through every parameter and x. Median of CUDA-event timings; peak memo
 allocated during one forward+backward beyond what was allocated before it.
 
     python3 bench/layer_bench.py [--lens 8192,16384,32768,65536] [--groups 16,4] [--phi mean,mlp]
-                                 [--csv OUT.csv] [--markdown OUT.md]
+                                 [--save-branches] [--csv OUT.csv] [--markdown OUT.md]
+
+--save-branches: the layer with save_branch_outputs=True (each branch's output kept for the backward).
 """
 import argparse
 import csv
@@ -74,6 +76,7 @@ def main():
     ap.add_argument("--groups", default="16,4")
     ap.add_argument("--phi", default="mean,mlp")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--save-branches", action="store_true", help="the layer's save_branch_outputs")
     ap.add_argument("--csv")
     ap.add_argument("--markdown")
     a = ap.parse_args()
@@ -87,7 +90,8 @@ def main():
             x = torch.randn(T, hidden, device=dev, dtype=dt, requires_grad=True)
             dense = None
             for phi in a.phi.split(","):
-                layer = nsa.NativeSparseAttention(hidden, hq, HKV, head_dim=D, phi=phi, device=dev, dtype=dt)
+                layer = nsa.NativeSparseAttention(hidden, hq, HKV, head_dim=D, phi=phi,
+                                                   save_branch_outputs=a.save_branches, device=dev, dtype=dt)
                 if dense is None:
                     twin = DenseTwin(layer)
                     dense = measure(twin, x, a.reps)
