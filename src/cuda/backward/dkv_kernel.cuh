@@ -222,7 +222,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
       const float lse = static_cast<const float*>(a.lse.p)[tok * a.lse.s0 + h * a.lse.s1 + branch];
       const float g = load_f32<E>(a.g.p, tok * a.g.s0 + h * a.g.s1 + branch);
       const float dg = a.dg32[(int64_t(tok) * a.hq + h) * 3 + branch];
-      R.st[r] = make_float4(lse * kLog2e, g, dg, 0.f);
+      R.st[r] = make_float4(lse * kLog2e, g, a.scale * dg, 0.f);
       const int lo = branch == kWin ? t - a.w + 1 : INT32_MIN;
       R.vis[r] = make_int2(lo, t);
       sees_all = sees_all && lo <= first_pos && t >= last_pos;
@@ -237,10 +237,11 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
   zero(acc_k);
   zero(acc_v);
 
-  // g P = g exp2(scale S log2 e - lse log2 e) and dS = scale g P (dP - dg) of one half (rows r0 ..
-  // r0 + 31 of RowTile R's query tile) from S^T in s and dP^T in dp (both overwritten); P uses
-  // ex2.approx (dq_exp2: probabilities below 2^-126 flush to 0). Keys past the tile's nk (zero
-  // rows) need no mask: their dK / dV rows are never written.
+  // g P = g exp2(scale S log2 e - lse log2 e) and dS = scale g P (dP - dg) = g P (scale dP - scale
+  // dg) (one FFMA and one FMUL) of one half (rows r0 .. r0 + 31 of RowTile R's query tile) from S^T
+  // in s and dP^T in dp (both overwritten); P uses ex2.approx (dq_exp2: probabilities below 2^-126
+  // flush to 0). Keys past the tile's nk (zero rows) need no mask: their dK / dV rows are never
+  // written.
   auto grads = [&](float (&s)[kSubTiles][4], float (&dp)[kSubTiles][4], const RowTile& R, int buf, int r0) {
     if (whole >> buf & 1) {
 #pragma unroll
@@ -252,7 +253,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
           for (int h = 0; h < 2; ++h) {
             float& x = s[nt][2 * h + i];
             x = st.y * dq_exp2(fmaf(x, scale_log2, -st.x));
-            dp[nt][2 * h + i] = a.scale * x * (dp[nt][2 * h + i] - st.z);
+            dp[nt][2 * h + i] = x * fmaf(a.scale, dp[nt][2 * h + i], -st.z);
           }
         }
       }
@@ -269,7 +270,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
             const bool v = kin[h] && kpos[h] >= vis.x && kpos[h] <= vis.y;
             float& x = s[nt][2 * h + i];
             x = v ? st.y * dq_exp2(fmaf(x, scale_log2, -st.x)) : 0.f;
-            dp[nt][2 * h + i] = a.scale * x * (dp[nt][2 * h + i] - st.z);
+            dp[nt][2 * h + i] = x * fmaf(a.scale, dp[nt][2 * h + i], -st.z);
           }
         }
       }

@@ -15,7 +15,7 @@ enum class KeySet : int { raw = 0, cmp = 1 };
 struct RowTile {
   const void* q[kRows];   // the row's Q and dO (nullptr: padding row, zero-filled)
   const void* dO[kRows];
-  float4 st[kRows];   // (lse * log2 e, gate, dg, unused) of the current branch
+  float4 st[kRows];   // (lse * log2 e, gate, scale * dg, unused) of the current branch
   int2 vis[kRows];    // visible key positions [lo, hi]; hi = -1 for a padding row
 };
 

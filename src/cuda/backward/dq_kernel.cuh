@@ -138,23 +138,25 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
     rhead[h] = row_head(r);
     rt[h] = rtok[h] >= 0 ? int(rtok[h] - s0) : -1;
   }
-  // Per-branch state of the two rows: lse in log2 units, gate, D = gate dg (pass 2's dS = scale P
-  // (gate dP - D)), visible positions [lo, hi].
-  float lse2[2], gate[2], dsub[2];
+  // Per-branch state of the two rows: lse in log2 units, sg = scale gate and sd = scale D with
+  // D = gate dg (pass 2's dS = scale P (gate dP - D) = P (sg dP - sd): one FFMA and one FMUL per
+  // score), visible positions [lo, hi].
+  float lse2[2], sg[2], sd[2];
   int lo[2], hi[2];
   int cur_branch = kCmp;  // the branch of set_branch's state
   auto set_branch = [&](int branch, bool with_dg) {
     cur_branch = branch;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      lse2[h] = gate[h] = dsub[h] = 0.f;
+      lse2[h] = sg[h] = sd[h] = 0.f;
       lo[h] = 0;
       hi[h] = -1;  // a padding row sees nothing
       if (rtok[h] < 0) continue;
       const int64_t tok = rtok[h];
       lse2[h] = static_cast<const float*>(a.lse.p)[tok * a.lse.s0 + rhead[h] * a.lse.s1 + branch] * kLog2e;
-      gate[h] = load_f32<E>(a.g.p, tok * a.g.s0 + rhead[h] * a.g.s1 + branch);
-      if (with_dg) dsub[h] = gate[h] * a.dg32[(tok * a.hq + rhead[h]) * 3 + branch];
+      const float gate = load_f32<E>(a.g.p, tok * a.g.s0 + rhead[h] * a.g.s1 + branch);
+      sg[h] = a.scale * gate;
+      if (with_dg) sd[h] = a.scale * (gate * a.dg32[(tok * a.hq + rhead[h]) * 3 + branch]);
       lo[h] = branch == kWin ? rt[h] - a.w + 1 : INT32_MIN;
       hi[h] = rt[h];
     }
@@ -271,8 +273,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
   // summed here (dg_acc), as slc_dq_kernel does for the other tiles.
   const bool slc_from_o = a.d_from_o && n_slc > 0;
   float dg_acc[2] = {0.f, 0.f};
-  // P (in s) and dP -> dS = scale P (gate dP - D), in s; acc_dg (the union tiles' selection stage
-  // with a.d_from_o): dg_slc = sum_j P_j dP_j into dg_acc as well.
+  // P (in s) and dP -> dS = P (sg dP - sd) = scale P (gate dP - D), in s; acc_dg (the union
+  // tiles' selection stage with a.d_from_o): dg_slc = sum_j P_j dP_j into dg_acc as well.
   auto dscores = [&](auto& s, const auto& dp, bool acc_dg) {
     constexpr int kN = int(std::extent_v<std::remove_reference_t<decltype(s)>>);
 #pragma unroll
@@ -280,7 +282,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         if (acc_dg) dg_acc[e >> 1] += s[nt][e] * dp[nt][e];
-        s[nt][e] = a.scale * s[nt][e] * (gate[e >> 1] * dp[nt][e] - dsub[e >> 1]);
+        s[nt][e] *= fmaf(sg[e >> 1], dp[nt][e], -sd[e >> 1]);
       }
   };
   ml.sweep(a, tiles, /*skip_slc=*/false, choose, cta_sees, [&](int prev, int next) {
@@ -301,7 +303,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
               const float dot = row_dot_do(h, [&](int nt) {
                 return row ? make_float2(to_float(orow[8 * nt]), to_float(orow[8 * nt + 1])) : make_float2(0.f, 0.f);
               });
-              if (row) dsub[h] = slc_d_from_o<E>(a, rtok[h], rhead[h], dot);
+              if (row) sd[h] = a.scale * slc_d_from_o<E>(a, rtok[h], rhead[h], dot);
             }
         },
         [&](const E* tk, const E* tv, const KeyTile& kt, int c0) {

@@ -220,6 +220,8 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
   }
 
   if (!a.d_from_o) dsub[0] = gate[0] * dg[0], dsub[1] = gate[1] * dg[1];
+  // Pass 2's dS = scale P (g dP - D) = P (sg dP - sd): one FFMA and one FMUL per score.
+  const float sg[2] = {a.scale * gate[0], a.scale * gate[1]}, sd[2] = {a.scale * dsub[0], a.scale * dsub[1]};
   // From here dg sums dg_slc = sum_j P_j dP_j of the lane's columns (written with d_from_o).
   dg[0] = dg[1] = 0.f;
 
@@ -276,7 +278,7 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         dg[e >> 1] += s[nt][e] * dp[nt][e];  // dg_slc = sum_j P_j dP_j (written with d_from_o)
-        s[nt][e] = a.scale * s[nt][e] * (gate[e >> 1] * dp[nt][e] - dsub[e >> 1]);
+        s[nt][e] *= fmaf(sg[e >> 1], dp[nt][e], -sd[e >> 1]);
       }
     cuda::mma_p_stage<kBf16, DQK, kKStride>(acc_q, s, sk);    // dq += dS K
     __syncwarp();  // every lane is done with the stage
