@@ -150,13 +150,14 @@ def _forward_setup(ctx, inputs, output):
 def _forward_backward(ctx, d_o, _d_lse, _d_indices, _d_o_branch):
     n_grad = 8 + 2 * _N_PHI
     if d_o is None:  # no gradient reached o (gradcheck's undefined-gradient check does this)
-        return (None,) * (n_grad + 9)
-    saved = ctx.saved_tensors
-    tensors, (lse, indices, o_branch, o, cu_seqlens_q) = saved[:-5], saved[-5:]
-    o_branch = o_branch if o_branch.numel() > 0 else None
-    grads = torch.ops.nsa.backward(*tensors, *ctx.statics, lse, indices, o_branch, d_o.contiguous(), o,
-                                   cu_seqlens_q, ctx.max_seqlen_q)
-    out = [grad if present else None for grad, present in zip(grads, ctx.present[:n_grad])]
+        out = [None] * n_grad
+    else:
+        saved = ctx.saved_tensors
+        tensors, (lse, indices, o_branch, o, cu_seqlens_q) = saved[:-5], saved[-5:]
+        o_branch = o_branch if o_branch.numel() > 0 else None
+        grads = torch.ops.nsa.backward(*tensors, *ctx.statics, lse, indices, o_branch, d_o.contiguous(), o,
+                                       cu_seqlens_q, ctx.max_seqlen_q)
+        out = [grad if present else None for grad, present in zip(grads, ctx.present[:n_grad])]
     # cu_seqlens, the 6 statics, cu_seqlens_q and max_seqlen_q get none
     return (*out, None, None, None, None, None, None, None, None, None)
 
@@ -256,12 +257,12 @@ def _dense_setup(ctx, inputs, output):
 
 
 def _dense_backward(ctx, d_o, _d_lse):
-    if d_o is None:  # no gradient reached o
-        return (None,) * 8
-    q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
-    max_seqlen, scale, backend, num_threads = ctx.statics
-    dq, dk, dv = torch.ops.nsa.dense_attention_backward(q, k, v, o, lse, d_o.contiguous(), cu_seqlens,
-                                                        max_seqlen, scale, backend, num_threads)
+    dq = dk = dv = None  # when no gradient reached o
+    if d_o is not None:
+        q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
+        max_seqlen, scale, backend, num_threads = ctx.statics
+        dq, dk, dv = torch.ops.nsa.dense_attention_backward(q, k, v, o, lse, d_o.contiguous(), cu_seqlens,
+                                                            max_seqlen, scale, backend, num_threads)
     return dq, dk, dv, None, None, None, None, None
 
 
