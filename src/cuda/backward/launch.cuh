@@ -63,6 +63,20 @@ bool dkv_tensor_maps(DkvMaps& m, const BwdArgs& a) {
                                     a.d_o.s1, tq, g);
 }
 
+// slc_dq_kernel's maps of the selection's k and v ([T, Hkv, D], boxes of 16 rows x 64 columns):
+// false where the kernel runs the sm_80 body, a map cannot be made, TMA is switched off
+// (CudaKernelChoices::tma) or the TMA layout does not hold two CTAs per SM at this capacity.
+template <typename E, int DQK, int DV>
+bool slc_dq_tensor_maps(SlcDqMaps& m, const BwdArgs& a, int cap) {
+  if (!runs_sm90<slc_dq_kernel<E, DQK, DV>>() || !a.vec || a.T <= 0 || !a.choices.tma ||
+      !slc_dq_tma_fits(DQK, DV, cap))
+    return false;
+  const Mat3& k = a.k[kSlc];
+  const Mat3& v = a.v[kSlc];
+  return cuda::make_rows_tensor_map(&m.k, kIsBf16<E>, k.p, DQK, uint64_t(a.hkv), uint64_t(a.T), k.s0, k.s1, 16) &&
+         cuda::make_rows_tensor_map(&m.v, kIsBf16<E>, v.p, DV, uint64_t(a.hkv), uint64_t(a.T), v.s0, v.s1, 16);
+}
+
 // Whether the selection's union tiles run (BwdArgs::slc_union): sm_90a's dq_kernel (wgmma), l' = one
 // key tile, a selection branch, the warps' sorts fitting dq_kernel's K/V buffers, and not switched
 // off (CudaKernelChoices::slc_union_tiles, shared with the forward). dq_kernel and slc_dq_kernel
@@ -88,11 +102,13 @@ void launch_attention(const BwdArgs& a_in, cudaStream_t s, BwdKernel kernel_kind
   a.slc_union = slc_union_enabled<E, DQK, DV>(a);
   if (kernel_kind == BwdKernel::slc_dq) {  // after dq_kernel ran without the selection
     const int cap = a.slc_cap;
-    const size_t smem = slc_dq_smem_bytes(DQK, DV, cap);
-    cuda::allow_smem(slc_dq_kernel<E, DQK, DV>, smem, /*max_carveout=*/true);  // the warps' rings
     const dim3 grid = cuda::row_tile_grid(a.max_seqlen, a.B, (16 / a.G) * kSlcDqWarps, a.hkv);
     if (grid.x == 0) return;
-    slc_dq_kernel<E, DQK, DV><<<grid, kSlcDqWarps * 32, smem, s>>>(a, cap);
+    SlcDqMaps maps{};
+    maps.on = slc_dq_tensor_maps<E, DQK, DV>(maps, a, cap) ? 1 : 0;
+    const size_t smem = maps.on ? slc_dq_tma_smem_bytes(DQK, DV, cap) : slc_dq_smem_bytes(DQK, DV, cap);
+    cuda::allow_smem(slc_dq_kernel<E, DQK, DV>, smem, /*max_carveout=*/true);  // the warps' rings
+    slc_dq_kernel<E, DQK, DV><<<grid, kSlcDqWarps * 32, smem, s>>>(a, cap, maps);
     NSA_CUDA_CHECK_LAUNCH();
     return;
   }

@@ -13,18 +13,23 @@
 //           <dO, o> - g_cmp dg_cmp - g_win dg_win (one read of o's row, no gather), and pass 2 sums
 //           dg_slc = sum_j P_j dP_j on the way. D then carries o's rounding to the storage type, as
 //           FlashAttention's D = rowsum(dO o) does; dg_slc does not.
-//   pass 2: dS = scale P (g dP - D) with dP = dO V^T, D = g dg_slc, and dq += dS K. Each warp streams its
-//           16-key steps of K through its own two-stage ring of shared memory (cp.async in whole
-//           lines), read twice: Q K^T with ldmatrix, dS K with ldmatrix.trans. V, read once, goes
-//           straight into registers (one step ahead) for dO V^T, as in pass 1, up to Dqk 128 (at
-//           Dqk 192 through the ring as well: in registers it would spill). Q's A fragments in the
-//           natural order, dO's in the permuted one of V's register rows.
+//   pass 2: dS = scale P (g dP - D) with dP = dO V^T, D = g dg_slc, and dq += dS K, each warp in
+//           16-key steps. On sm_90a (SlcDqMaps::on, Dqk <= 128) both K and V come by TMA into the
+//           warp's own three-stage ring (below): K read twice (Q K^T by ldmatrix, dS K by
+//           ldmatrix.trans), V once (dO V^T), Q's and dO's A fragments in the natural order.
+//           Elsewhere (sm_80, no tensor maps, Dqk 192) each warp streams K through a two-stage
+//           ring of cp.async copies in whole lines, and V, read once, goes straight into registers
+//           (one step ahead), as in pass 1, up to Dqk 128 (at Dqk 192 through the ring as well: in
+//           registers it would spill), dO's fragments in the permuted order of V's register rows.
 // Measured at 64K (H200): K and V on the ring made pass 2 faster than both in registers (backward
 // with saved o_branch 103.9 -> 99.6 ms) and pass 1, like the forward, slower (the forward's
 // selection kernel on it: 17.6 -> 22.2 ms): a row read once gains nothing from shared memory, whose
-// bandwidth the ring's copies and reads share. Deterministic: every sum in a fixed order, no atomics.
+// bandwidth the ring's copies and reads share. With TMA the copies cost no instructions and skip
+// the SM's load path: the kernel 23.73 -> 21.59 ms. Deterministic: every sum in a fixed order, no
+// atomics.
 #pragma once
 
+#include "cuda/backward/tile.cuh"
 #include "cuda/params.h"
 #include "cuda/common/slc_union.cuh"
 
@@ -57,13 +62,47 @@ constexpr size_t slc_dq_smem_bytes(int dqk, int dv, int cap) {
 // Entries of a warp's union lists: the forward's (16 / G) x n rounded up to a power of two.
 inline int slc_dq_capacity(int group, int n) { return cuda::slc_sort_capacity(group, n); }
 
+// sm_90a with tensor maps of the selection's k and v (SlcDqMaps::on): pass 2's steps come by TMA,
+// one 16-row box per 64 columns of K and of V, into a ring of kSlcDqTmaStages stages per warp
+// (two steps in flight while the third is computed), each completing on its own mbarrier; K and V
+// are read from the stage by ldmatrix in the 128-byte swizzle. One lane issues a step's four
+// boxes: no copy instructions, no V rows in registers. From a 1024-byte boundary: the warps'
+// rings, their mbarriers, their union lists (the sort keys in the warp's ring, before its first
+// box), 8 ints (slc_dq_smem_bytes).
+constexpr int kSlcDqTmaStages = 3;
+constexpr size_t slc_dq_tma_stage_bytes(int dqk, int dv) { return size_t(16) * 128 * (dqk / 64 + dv / 64); }
+constexpr size_t slc_dq_tma_ring_bytes(int dqk, int dv) {
+  return size_t(kSlcDqTmaStages) * slc_dq_tma_stage_bytes(dqk, dv);
+}
+constexpr size_t slc_dq_tma_lists_offset(int dqk, int dv) {
+  return size_t(kSlcDqWarps) * (slc_dq_tma_ring_bytes(dqk, dv) + size_t(kSlcDqTmaStages) * 8);
+}
+constexpr size_t slc_dq_tma_smem_bytes(int dqk, int dv, int cap) {
+  return 1024 + slc_dq_tma_lists_offset(dqk, dv) + size_t(kSlcDqWarps) * slc_dq_union_bytes(cap) + 8 * sizeof(int);
+}
+// Whether the TMA layout holds `cap` (the sort keys in a ring) with two CTAs per SM. Not at Dqk 192,
+// which keeps the ring of copies: there the TMA walk's registers raised the spills from 8 to 64 bytes.
+constexpr bool slc_dq_tma_fits(int dqk, int dv, int cap) {
+  return dqk <= 128 && size_t(cap) * 4 <= slc_dq_tma_ring_bytes(dqk, dv) &&
+         two_ctas_fit_sm90(slc_dq_tma_smem_bytes(dqk, dv, cap));
+}
+struct SlcDqMaps {
+  CUtensorMap k, v;  // the selection's k, v as [T, Hkv, D], boxes of 16 rows x 64 columns
+  int on;
+};
+
 template <typename E, int DQK, int DV>
-__global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdArgs a, int cap) {
+__global__ void __launch_bounds__(kSlcDqWarps * 32, 2)
+    slc_dq_kernel(const BwdArgs a, int cap, const __grid_constant__ SlcDqMaps maps) {
   constexpr bool kBf16 = cuda::StorageTraits<E>::is_bf16;
   constexpr int kKStride = DQK + 8, kVStride = DV + 8;
   constexpr int kStage = int(slc_dq_stage_elems(DQK, DV));
   constexpr bool kVRegs = slc_dq_v_in_registers(DQK);
+  constexpr int kTmaStages = kSlcDqTmaStages;
+  constexpr int kTmaKBytes = cuda::kSwStageBlockBytes * (DQK / 64);
+  constexpr int kTmaStageBytes = int(slc_dq_tma_stage_bytes(DQK, DV));
   extern __shared__ __align__(128) unsigned char smem[];  // 128: as dq_kernel's declaration of the same array (dq_kernel.cuh)
+  const bool tma = cuda::kWgmmaCompiled && slc_dq_tma_fits(DQK, DV, 0) && maps.on != 0;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, quad = lane % 4;
@@ -80,11 +119,31 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
   const int tokens_valid = t0 < len ? int(min(int64_t(tpw), len - t0)) : 0;
   const int64_t t_max = t0 + tokens_valid - 1;
 
-  unsigned char* mine = smem + warp * slc_dq_warp_bytes(DQK, DV, cap);
-  int32_t* ublk = reinterpret_cast<int32_t*>(mine);
+  // The warps' union lists start `lists` (list_stride ints apart), the 8 ints at `meta`.
+  unsigned char* lists;
+  int list_stride;
+  int* meta;
+  unsigned char* tma_ring = nullptr;  // TMA: this warp's stages, then (bars) their mbarriers
+  uint64_t* bars = nullptr;
+  E* ring = nullptr;                  // else: the warp's two-stage ring [2][kStage]
+  int32_t* keys;                      // the union's sort, done before the ring's first copy
+  if (tma) {
+    unsigned char* base = smem + ((1024u - (cuda::smem_address(smem) & 1023u)) & 1023u);
+    tma_ring = base + warp * kTmaStages * kTmaStageBytes;
+    bars = reinterpret_cast<uint64_t*>(base + kSlcDqWarps * kTmaStages * kTmaStageBytes) + warp * kTmaStages;
+    lists = base + slc_dq_tma_lists_offset(DQK, DV);
+    list_stride = int(slc_dq_union_bytes(cap) / sizeof(int32_t));
+    meta = reinterpret_cast<int*>(lists + kSlcDqWarps * slc_dq_union_bytes(cap));
+    keys = reinterpret_cast<int32_t*>(tma_ring);
+  } else {
+    lists = smem;
+    list_stride = int(slc_dq_warp_bytes(DQK, DV, cap) / sizeof(int32_t));
+    meta = reinterpret_cast<int*>(smem + slc_dq_smem_bytes(DQK, DV, cap) - 8 * sizeof(int));
+    ring = reinterpret_cast<E*>(smem + warp * slc_dq_warp_bytes(DQK, DV, cap) + slc_dq_union_bytes(cap));
+    keys = reinterpret_cast<int32_t*>(ring);
+  }
+  int32_t* ublk = reinterpret_cast<int32_t*>(lists) + warp * list_stride;
   int32_t* umask = ublk + cap;
-  E* ring = reinterpret_cast<E*>(mine + slc_dq_union_bytes(cap));  // [2][kStage]
-  int32_t* keys = reinterpret_cast<int32_t*>(ring);  // the union's sort, done before the ring's first copy
 
   const int32_t* idx =
       static_cast<const int32_t*>(a.indices.p) + (s0 + min(t0, len - 1)) * a.indices.s0 + int64_t(hk) * a.indices.s1;
@@ -92,10 +151,8 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
   if (a.slc_union) {
     // dq_kernel took this tile's selection if the union of its warps' blocks is small: the same
     // count (cta_union_size over the same lists) and the same rule.
-    int* meta = reinterpret_cast<int*>(smem + slc_dq_smem_bytes(DQK, DV, cap) - 8 * sizeof(int));
     if (lane == 0) meta[warp] = num_blocks;
-    const int u = cuda::cta_union_size(reinterpret_cast<const int32_t*>(smem),
-                                       int(slc_dq_warp_bytes(DQK, DV, cap) / sizeof(int32_t)), meta, meta + kSlcDqWarps);
+    const int u = cuda::cta_union_size(reinterpret_cast<const int32_t*>(lists), list_stride, meta, meta + kSlcDqWarps);
     const int tile_tokens = int(max(int64_t(0), min(int64_t(tokens_per_cta), len - tile * tokens_per_cta)));
     if (tile_tokens > 0 && cuda::slc_union_takes(u, tile_tokens, a.n)) return;
     if (tokens_valid == 0) return;
@@ -231,11 +288,94 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
   // order, dO's permuted as V's register rows (else natural).
   uint32_t qf[DQK / 16][4], df[DV / 16][4];
   cuda::load_a_fragments<E, DQK>(qf, qrow[0], qrow[1]);
-  if constexpr (kVRegs) cuda::load_permuted_fragments<E, DV>(df, dorow[0], dorow[1]);
+  if (kVRegs && !tma) cuda::load_permuted_fragments<E, DV>(df, dorow[0], dorow[1]);
   else cuda::load_a_fragments<E, DV>(df, dorow[0], dorow[1]);
   float acc_q[DQK / 8][4];
 #pragma unroll
   for (int t = 0; t < DQK / 8; ++t) acc_q[t][0] = acc_q[t][1] = acc_q[t][2] = acc_q[t][3] = 0.f;
+  // dS of a step from its P (s) and dP, with dg_slc = sum_j P_j dP_j on the way (written with d_from_o).
+  auto ds_of = [&](float (&s)[2][4], const float (&dp)[2][4]) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        dg[e >> 1] += s[nt][e] * dp[nt][e];
+        s[nt][e] *= fmaf(sg[e >> 1], dp[nt][e], -sd[e >> 1]);
+      }
+  };
+  if (tma) {
+    // The walk by TMA. Steps wholly after the warp's last token are left out (they would add exact
+    // zeros): a block's steps stop at its end or after t_max. A step's rows from its end on are
+    // zeroed once it has landed (the next block's keys, another sequence's: possibly NaN, which a
+    // zero probability would not stop).
+    auto block_end = [&](int u) { return min(int64_t(ublk[u]) * a.lp + a.lp, t_max + 1); };
+    int n_steps = 0;
+    for (int u = 0; u < num_blocks; ++u)
+      n_steps += int(max(int64_t(0), block_end(u) - int64_t(ublk[u]) * a.lp + 15) / 16);
+    struct Cursor {
+      int u = 0, off = 0;  // union entry, first key of the step within its block
+    };
+    auto settle = [&](Cursor& c) {  // past the blocks with no key left
+      while (c.u < num_blocks && int64_t(ublk[c.u]) * a.lp + c.off >= block_end(c.u)) ++c.u, c.off = 0;
+    };
+    auto advance = [&](Cursor& c) {
+      c.off += 16;
+      settle(c);
+    };
+    Cursor ci, cc;  // the next step to issue, to compute
+    settle(ci);
+    settle(cc);
+    // The sort's keys (ordinary stores) share the ring's bytes: fenced for the async proxy first.
+    cuda::fence_proxy_async();
+    if (lane == 0) {
+      for (int st = 0; st < kTmaStages; ++st) cuda::mbarrier_init(bars + st, 1);
+      cuda::fence_mbarrier_init();
+    }
+    __syncwarp();
+    auto issue = [&](int i) {  // step i (at ci) into stage i % kTmaStages
+      if (lane == 0) {
+        const int st = i % kTmaStages;
+        unsigned char* dst = tma_ring + st * kTmaStageBytes;
+        cuda::mbarrier_expect_tx(bars + st, kTmaStageBytes);
+        const int row = int(s0 + int64_t(ublk[ci.u]) * a.lp + ci.off);
+#pragma unroll
+        for (int blk = 0; blk < DQK / 64; ++blk)
+          cuda::tma_load_3d(dst + blk * cuda::kSwStageBlockBytes, &maps.k, 64 * blk, hk, row, bars + st);
+#pragma unroll
+        for (int blk = 0; blk < DV / 64; ++blk)
+          cuda::tma_load_3d(dst + kTmaKBytes + blk * cuda::kSwStageBlockBytes, &maps.v, 64 * blk, hk, row, bars + st);
+      }
+      advance(ci);
+    };
+    for (int i = 0; i < kTmaStages - 1 && i < n_steps; ++i) issue(i);
+    for (int i = 0; i < n_steps; ++i) {
+      if (i + kTmaStages - 1 < n_steps) issue(i + kTmaStages - 1);  // into the stage step i - 1 left
+      const int st = i % kTmaStages;
+      cuda::mbarrier_wait_parity(bars + st, uint32_t(i / kTmaStages) & 1u);
+      unsigned char* stage = tma_ring + st * kTmaStageBytes;
+      const int u = cc.u;
+      const int64_t first = int64_t(ublk[u]) * a.lp + cc.off;
+      const int nv = int(min(int64_t(16), block_end(u) - first));
+      if (nv < 16) {
+        constexpr int kBlocks = DQK / 64 + DV / 64;
+        const int pieces = (16 - nv) * 8;  // 16-byte pieces per block (a row's bytes stay in its row)
+        for (int e = lane; e < pieces * kBlocks; e += 32)
+          *reinterpret_cast<uint4*>(stage + (e / pieces) * cuda::kSwStageBlockBytes + (nv + e % pieces / 8) * 128 +
+                                    (e % 8) * 16) = make_uint4(0u, 0u, 0u, 0u);
+        cuda::fence_proxy_async();  // before a later box overwrites them
+        __syncwarp();
+      }
+      const uint32_t sk = cuda::smem_address(stage);
+      float s[2][4], dp[2][4];
+      cuda::mma_frags_stage_sw<kBf16, DQK>(s, qf, sk);               // S = Q K^T
+      cuda::mma_frags_stage_sw<kBf16, DV>(dp, df, sk + kTmaKBytes);  // dP = dO V^T
+      probabilities(s, u, first);
+      ds_of(s, dp);
+      cuda::mma_p_stage_sw<E, DQK>(acc_q, s, sk);  // dq += dS K
+      __syncwarp();  // every lane is done with the stage
+      advance(cc);
+    }
+  }
   constexpr int kVPiecesA = DV / 32;
   uint4 vr[2][kVPiecesA];  // kVRegs: the step's V rows in the "A" layout (load_rows_a)
   // Step i + 1's copies go into the stage step i - 1 used (every lane left it at that step's end).
@@ -248,11 +388,11 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
     if constexpr (!kVRegs) cuda::slc_copy_step<E, DV>(stage + 16 * kKStride, vbase, vst, first, end);
     cuda::cp_async_commit();
   };
-  if (steps > 0) {
+  if (!tma && steps > 0) {
     issue(0);
     if constexpr (kVRegs) load_step_a(vr, vbase, vst, 0);
   }
-  for (int i = 0; i < steps; ++i) {
+  for (int i = 0; i < (tma ? 0 : steps); ++i) {
     if (i + 1 < steps) {
       issue(i + 1);
       cuda::cp_async_wait<1>();
@@ -273,13 +413,7 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2) slc_dq_kernel(const BwdAr
       cuda::mma_frags_stage<kBf16, DV, kVStride>(dp, df, sk + 16 * kKStride);  // dP = dO V^T
     }
     probabilities(s, u, first);
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        dg[e >> 1] += s[nt][e] * dp[nt][e];  // dg_slc = sum_j P_j dP_j (written with d_from_o)
-        s[nt][e] *= fmaf(sg[e >> 1], dp[nt][e], -sd[e >> 1]);
-      }
+    ds_of(s, dp);
     cuda::mma_p_stage<kBf16, DQK, kKStride>(acc_q, s, sk);    // dq += dS K
     __syncwarp();  // every lane is done with the stage
   }

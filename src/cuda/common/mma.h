@@ -53,6 +53,18 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "r"(smem_address(row_address)));
 }
 
+// Both from a shared-memory address (addresses computed as 32-bit shared offsets, e.g. swizzled).
+__device__ __forceinline__ void ldmatrix_x4_at(uint32_t (&r)[4], uint32_t row_address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(row_address));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans_at(uint32_t (&r)[4], uint32_t row_address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(row_address));
+}
+
 // 16-byte global -> shared copy that bypasses registers; zero-fills when !valid.
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
   const int src_bytes = valid ? 16 : 0;
