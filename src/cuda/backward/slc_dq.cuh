@@ -29,6 +29,7 @@
 // atomics.
 #pragma once
 
+#include "cuda/backward/dq_wgmma.cuh"
 #include "cuda/backward/tile.cuh"
 #include "cuda/params.h"
 #include "cuda/common/slc_union.cuh"
@@ -304,27 +305,21 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2)
       }
   };
   if (tma) {
-    // The walk by TMA. Steps wholly after the warp's last token are left out (they would add exact
-    // zeros): a block's steps stop at its end or after t_max. A step's rows from its end on are
-    // zeroed once it has landed (the next block's keys, another sequence's: possibly NaN, which a
-    // zero probability would not stop).
-    auto block_end = [&](int u) { return min(int64_t(ublk[u]) * a.lp + a.lp, t_max + 1); };
+    // The walk by TMA, 16 keys a step, in 32-bit positions within the sequence: a block's steps run
+    // from its first key to its end or the warp's last token (steps wholly after it would add
+    // exact zeros); every union block has a key at or before that token (warp_block_union keeps a
+    // block only up to its token), so every block has a step. The step's rows from its end on are
+    // zeroed once landed (the next block's keys, another sequence's: possibly NaN, which a zero
+    // probability would not stop). Per block, each row's visible keys from the block's first (lim:
+    // its token picked the block, up to its position); a step whose 16 keys every row sees skips
+    // the masks.
+    const int tmax = int(t_max);
+    auto block_keys = [&](int u) {  // keys of block u the walk reads (>= 1)
+      const int first = ublk[u] * a.lp;
+      return min(first + a.lp, tmax + 1) - first;
+    };
     int n_steps = 0;
-    for (int u = 0; u < num_blocks; ++u)
-      n_steps += int(max(int64_t(0), block_end(u) - int64_t(ublk[u]) * a.lp + 15) / 16);
-    struct Cursor {
-      int u = 0, off = 0;  // union entry, first key of the step within its block
-    };
-    auto settle = [&](Cursor& c) {  // past the blocks with no key left
-      while (c.u < num_blocks && int64_t(ublk[c.u]) * a.lp + c.off >= block_end(c.u)) ++c.u, c.off = 0;
-    };
-    auto advance = [&](Cursor& c) {
-      c.off += 16;
-      settle(c);
-    };
-    Cursor ci, cc;  // the next step to issue, to compute
-    settle(ci);
-    settle(cc);
+    for (int u = 0; u < num_blocks; ++u) n_steps += (block_keys(u) + 15) / 16;
     // The sort's keys (ordinary stores) share the ring's bytes: fenced for the async proxy first.
     cuda::fence_proxy_async();
     if (lane == 0) {
@@ -332,30 +327,41 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2)
       cuda::fence_mbarrier_init();
     }
     __syncwarp();
-    auto issue = [&](int i) {  // step i (at ci) into stage i % kTmaStages
+    int iu = 0, ioff = 0;  // lane 0: the next step to issue (block, key offset)
+    auto issue = [&](int st) {  // that step into stage st
       if (lane == 0) {
-        const int st = i % kTmaStages;
         unsigned char* dst = tma_ring + st * kTmaStageBytes;
         cuda::mbarrier_expect_tx(bars + st, kTmaStageBytes);
-        const int row = int(s0 + int64_t(ublk[ci.u]) * a.lp + ci.off);
+        const int row = int(s0) + ublk[iu] * a.lp + ioff;
 #pragma unroll
         for (int blk = 0; blk < DQK / 64; ++blk)
           cuda::tma_load_3d(dst + blk * cuda::kSwStageBlockBytes, &maps.k, 64 * blk, hk, row, bars + st);
 #pragma unroll
         for (int blk = 0; blk < DV / 64; ++blk)
           cuda::tma_load_3d(dst + kTmaKBytes + blk * cuda::kSwStageBlockBytes, &maps.v, 64 * blk, hk, row, bars + st);
+        ioff += 16;
+        if (ioff >= block_keys(iu)) ++iu, ioff = 0;
       }
-      advance(ci);
     };
+    const int trow[2] = {int(t_row[0]), int(t_row[1])};
+    int u = 0, off = 0, nkeys = 0, lim[2] = {0, 0};
+    auto enter = [&](int uu) {  // block uu's keys and rows
+      const int first = ublk[uu] * a.lp;
+      const uint32_t picked = static_cast<uint32_t>(umask[uu]);
+      nkeys = min(first + a.lp, tmax + 1) - first;
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        lim[h] = trow[h] >= 0 && ((picked >> tok[h]) & 1u) ? min(a.lp, trow[h] + 1 - first) : 0;
+    };
+    if (num_blocks > 0) enter(0);
     for (int i = 0; i < kTmaStages - 1 && i < n_steps; ++i) issue(i);
+    int st = 0;
+    uint32_t phase = 0;
     for (int i = 0; i < n_steps; ++i) {
-      if (i + kTmaStages - 1 < n_steps) issue(i + kTmaStages - 1);  // into the stage step i - 1 left
-      const int st = i % kTmaStages;
-      cuda::mbarrier_wait_parity(bars + st, uint32_t(i / kTmaStages) & 1u);
+      if (i + kTmaStages - 1 < n_steps) issue(st == 0 ? kTmaStages - 1 : st - 1);  // the stage step i - 1 left
+      cuda::mbarrier_wait_parity(bars + st, phase);
       unsigned char* stage = tma_ring + st * kTmaStageBytes;
-      const int u = cc.u;
-      const int64_t first = int64_t(ublk[u]) * a.lp + cc.off;
-      const int nv = int(min(int64_t(16), block_end(u) - first));
+      const int nv = min(16, nkeys - off);
       if (nv < 16) {
         constexpr int kBlocks = DQK / 64 + DV / 64;
         const int pieces = (16 - nv) * 8;  // 16-byte pieces per block (a row's bytes stay in its row)
@@ -369,11 +375,28 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2)
       float s[2][4], dp[2][4];
       cuda::mma_frags_stage_sw<kBf16, DQK>(s, qf, sk);               // S = Q K^T
       cuda::mma_frags_stage_sw<kBf16, DV>(dp, df, sk + kTmaKBytes);  // dP = dO V^T
-      probabilities(s, u, first);
+      const int hi0 = lim[0] - off, hi1 = lim[1] - off;
+      if (__all_sync(0xffffffffu, hi0 >= 16 && hi1 >= 16)) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[nt][e] = dq_exp2(s[nt][e] * scale_log2 - lse2[e >> 1]);
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            s[nt][e] = nt * 8 + 2 * quad + (e & 1) < (e >> 1 ? hi1 : hi0)
+                           ? dq_exp2(s[nt][e] * scale_log2 - lse2[e >> 1])
+                           : 0.f;
+      }
       ds_of(s, dp);
       cuda::mma_p_stage_sw<E, DQK>(acc_q, s, sk);  // dq += dS K
       __syncwarp();  // every lane is done with the stage
-      advance(cc);
+      off += 16;
+      if (off >= nkeys && u + 1 < num_blocks) off = 0, enter(++u);
+      st = st + 1 == kTmaStages ? 0 : st + 1;
+      phase ^= st == 0 ? 1u : 0u;
     }
   }
   constexpr int kVPiecesA = DV / 32;
