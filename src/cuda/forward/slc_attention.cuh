@@ -61,6 +61,22 @@ struct SlcTile {
   }
 };
 
+// With BranchParams::slc_union_tiles, after each warp built its union (num_blocks entries; the
+// warps' block lists `stride` ints apart from `lists`; meta: 8 ints): whether the CTA's tile goes to
+// slc_union_tile_kernel (launched next, which makes the same count from the same lists), listed
+// then; its warps leave. (Both per-token kernels.)
+__device__ __forceinline__ bool slc_tile_handed_over(const BranchParams& p, const SlcTile& tl, const int32_t* lists,
+                                                     int stride, int* meta, int num_blocks) {
+  if (threadIdx.x % 32 == 0) meta[threadIdx.x / 32] = num_blocks;
+  const int u = cta_union_size(lists, stride, meta, meta + kSlcWarps);
+  const int tile_tokens = tl.tokens();
+  if (tile_tokens > 0 && slc_union_takes(u, tile_tokens, p.n_sel)) {
+    if (threadIdx.x == 0) p.slc_union_list[1 + atomicAdd(p.slc_union_list, 1)] = blockIdx.y * gridDim.x + blockIdx.x;
+    return true;
+  }
+  return false;
+}
+
 // One warp's 16 rows of o_slc out of shared memory (`so`: rows of kDv + 8 columns, the warp's
 // first row first) in 16-byte pieces, two whole rows per warp store: row r is token t0 + r / G
 // (only those before tokens_valid) and head hk G + r % G. (Both selection kernels' epilogue.)
@@ -75,6 +91,43 @@ __device__ __forceinline__ void store_warp_rows(const BranchParams& p, Storage* 
     const int rhead = hk * p.group + (row & (p.group - 1));
     *reinterpret_cast<uint4*>(out + (t0 + rtok) * p.ob_st[0] + int64_t(rhead) * p.ob_sh[0] + 8 * piece) =
         *reinterpret_cast<const uint4*>(so + row * kOStride + 8 * piece);
+  }
+}
+
+// The online softmax of a 16-key step (both per-token walks): s (the step's raw scores of rows g
+// and g + 8, masked keys -inf) becomes P, and the running max m, sum lsum (log2 units) and the
+// output accumulator acc (kOTiles n8 tiles) are rescaled, as TileAttention::softmax_update
+// (rescale skipped when no max moved).
+template <int kOTiles>
+__device__ __forceinline__ void slc_softmax_step(float (&s)[2][4], float (&m)[2], float (&lsum)[2],
+                                                 float (&acc)[kOTiles][4], float scale_log2) {
+  float alpha[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m[h], mx * scale_log2);
+    const float m_use = m_new == kNegInf ? 0.f : m_new;
+    alpha[h] = fast_exp2(m[h] - m_use);
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      s[nt][2 * h] = fast_exp2(fmaf(s[nt][2 * h], scale_log2, -m_use));
+      s[nt][2 * h + 1] = fast_exp2(fmaf(s[nt][2 * h + 1], scale_log2, -m_use));
+      sum += s[nt][2 * h] + s[nt][2 * h + 1];
+    }
+    lsum[h] = lsum[h] * alpha[h] + sum;
+    m[h] = m_new;
+  }
+  if (!__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) {
+#pragma unroll
+    for (int t = 0; t < kOTiles; ++t) {
+      acc[t][0] *= alpha[0];
+      acc[t][1] *= alpha[0];
+      acc[t][2] *= alpha[1];
+      acc[t][3] *= alpha[1];
+    }
   }
 }
 
@@ -105,18 +158,10 @@ __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_atten
   const int num_blocks = warp_block_union(p.indices + (s0 + min64(t0, len - 1)) * p.idx_st + int64_t(hk) * p.idx_sh,
                                           p.idx_st, p.n_sel, p.lp, t0, tokens_valid, cap, keys, ublk, umask);
   if (p.slc_union_tiles) {
-    // A tile whose union is small enough goes to slc_union_tile_kernel (launched next), which
-    // makes the same count from the same lists.
     int* meta = reinterpret_cast<int*>(smem + slc_smem_bytes(kDqk, kDv, cap) - 8 * sizeof(int));
-    if (lane == 0) meta[warp] = num_blocks;
-    const int u = cta_union_size(reinterpret_cast<const int32_t*>(smem) + cap,
-                                 static_cast<int>(slc_warp_smem_bytes(kDv, cap) / sizeof(int32_t)), meta,
-                                 meta + kSlcWarps);
-    const int tile_tokens = tl.tokens();
-    if (tile_tokens > 0 && slc_union_takes(u, tile_tokens, p.n_sel)) {
-      if (threadIdx.x == 0) p.slc_union_list[1 + atomicAdd(p.slc_union_list, 1)] = blockIdx.y * gridDim.x + blockIdx.x;
+    if (slc_tile_handed_over(p, tl, reinterpret_cast<const int32_t*>(smem) + cap,
+                             static_cast<int>(slc_warp_smem_bytes(kDv, cap) / sizeof(int32_t)), meta, num_blocks))
       return;
-    }
     if (tokens_valid == 0) return;
   }
 
@@ -183,36 +228,7 @@ __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_atten
           if (nt * 8 + 2 * quad + (e & 1) >= hi[e >> 1]) s[nt][e] = kNegInf;
     }
 
-    // Online softmax, as TileAttention::softmax_update (log2 units, rescale skipped when no max moved).
-    float alpha[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m[h], mx * p.scale_log2);
-      const float m_use = m_new == kNegInf ? 0.f : m_new;
-      alpha[h] = fast_exp2(m[h] - m_use);
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        s[nt][2 * h] = fast_exp2(fmaf(s[nt][2 * h], p.scale_log2, -m_use));
-        s[nt][2 * h + 1] = fast_exp2(fmaf(s[nt][2 * h + 1], p.scale_log2, -m_use));
-        sum += s[nt][2 * h] + s[nt][2 * h + 1];
-      }
-      lsum[h] = lsum[h] * alpha[h] + sum;
-      m[h] = m_new;
-    }
-    if (!__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) {
-#pragma unroll
-      for (int t = 0; t < kOTiles; ++t) {
-        acc[t][0] *= alpha[0];
-        acc[t][1] *= alpha[0];
-        acc[t][2] *= alpha[1];
-        acc[t][3] *= alpha[1];
-      }
-    }
-
+    slc_softmax_step<kOTiles>(s, m, lsum, acc, p.scale_log2);
     mma_p_rows_b<Storage, kVPieces>(acc, s, vr);  // O += P V
   }
 
@@ -387,43 +403,6 @@ __global__ void __launch_bounds__(kSlcWarpThreads)
       }
     }
   }
-}
-
-// sm_90a with l' = 64 (and tensor maps, the warps' sorts fitting the ring, and the list in the
-// workspace): the per-token kernel, which leaves the tiles with a small union in the list, then
-// the union tiles' kernel for those; elsewhere the per-token kernel alone.
-template <typename Storage, int kDqk, int kDv>
-void launch_slc_attention(const BranchParams& p_in, cudaStream_t stream) {
-  BranchParams p = p_in;
-  const dim3 grid = row_tile_grid(p.seqs.max_seqlen, p.seqs.batch, (16 / p.group) * kSlcWarps, p.hkv);
-  if (grid.x == 0) return;
-  p.slc_union_tiles = false;
-  const auto ukernel = slc_union_tile_kernel<Storage, kDqk, kDv>;
-  CUtensorMap k_map{}, v_map{};
-  if (p.lp == kKeyChunk && p.slc_union_list != nullptr && p.choices.slc_union_tiles &&
-      cmp_runs_wgmma(ukernel) && slc_union_sorts_fit(kDqk, kDv, p.sort_capacity) &&
-      kv_rows_tensor_map<Storage, kDqk>(&k_map, p.choices, p.k_slc, p.hkv, p.seqs.total_tokens, p.ks_st, p.ks_sh) &&
-      kv_rows_tensor_map<Storage, kDv>(&v_map, p.choices, p.v_slc, p.hkv, p.seqs.total_tokens, p.vs_st, p.vs_sh)) {
-    p.slc_union_tiles = true;
-    NSA_CUDA_CHECK(cudaMemsetAsync(p.slc_union_list, 0, sizeof(int32_t), stream));  // the count
-  }
-  const size_t smem = slc_smem_bytes(kDqk, kDv, p.sort_capacity);
-  const auto kernel = slc_attention_kernel<Storage, kDqk, kDv>;
-  allow_smem(kernel, smem, /*max_carveout=*/false);  // neighbouring warps' K/V rows hit in L1
-  kernel<<<grid, kSlcWarpThreads, smem, stream>>>(p);
-  NSA_CUDA_CHECK_LAUNCH();
-  if (!p.slc_union_tiles) return;
-  const size_t usmem = slc_union_smem_bytes(kDqk, kDv);
-  allow_smem(ukernel, usmem, /*max_carveout=*/true);
-  // Persistent: as many CTAs as fit at once (the list's length is known only on the device).
-  int device = 0, sms = 0, per_sm = 0;
-  NSA_CUDA_CHECK(cudaGetDevice(&device));
-  NSA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  NSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ukernel, kSlcWarpThreads, usmem));
-  int64_t ctas = std::min<int64_t>(int64_t(grid.x) * grid.y, int64_t(sms) * std::max(per_sm, 1));
-  if (p.choices.slc_union_ctas > 0) ctas = std::min<int64_t>(ctas, p.choices.slc_union_ctas);
-  ukernel<<<static_cast<unsigned>(ctas), kSlcWarpThreads, usmem, stream>>>(p, grid.x, k_map, v_map);
-  NSA_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace nsa::cuda

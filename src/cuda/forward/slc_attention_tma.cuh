@@ -1,0 +1,255 @@
+// Selection attention (spec §5) on sm_90a by TMA: the per-token kernel's tiles and warps
+// (slc_attention.cuh: one warp per 16 query rows, the union of its tokens' blocks, 16 keys a step)
+// with each step's K and V brought by one lane as 16-row boxes (64 columns each) into the warp's
+// own ring of kSlcTmaStages stages, each completing on its own mbarrier, and read by ldmatrix from
+// the 128-byte swizzle: no K/V rows in registers, no loads through L1 (which bounds the per-token
+// kernel: ncu at 64K, G = 16, L1/TEX throughput 94%). The walk is slc_dq_kernel's (slc_dq.cuh):
+// positions in 32 bits, each row's visible keys per block, no masks on a step every row sees.
+// Q's A fragments in registers (natural order), O in natural column order.
+// The warps never wait for each other; the union tiles (slc_union_tile_kernel) are handed over as
+// by the per-token kernel.
+#pragma once
+
+#include "cuda/forward/slc_attention.cuh"
+
+namespace nsa::cuda {
+
+inline constexpr int kSlcTmaStages = 3;
+constexpr size_t slc_tma_stage_bytes(int dqk, int dv) { return size_t(16) * 128 * size_t(dqk / 64 + dv / 64); }
+constexpr size_t slc_tma_ring_bytes(int dqk, int dv) { return kSlcTmaStages * slc_tma_stage_bytes(dqk, dv); }
+// From a 1024-byte boundary: the warps' rings (a warp's sort keys live in its ring before the
+// first box, its output rows after the last), their mbarriers, the warps' union lists (blocks and
+// masks, cap ints each), 8 ints.
+constexpr size_t slc_tma_lists_offset(int dqk, int dv) {
+  return size_t(kSlcWarps) * (slc_tma_ring_bytes(dqk, dv) + kSlcTmaStages * 8);
+}
+constexpr size_t slc_tma_smem_bytes(int dqk, int dv, int cap) {
+  return 1024 + slc_tma_lists_offset(dqk, dv) + size_t(kSlcWarps) * 2 * size_t(cap) * 4 + 8 * sizeof(int);
+}
+// Where it runs: Dqk and Dv up to 128, a warp's sort keys (3 ints per entry) within its ring, two
+// CTAs per SM.
+constexpr bool slc_tma_fits(int dqk, int dv, int cap) {
+  return dqk <= 128 && dv <= 128 && size_t(cap) * 3 * 4 <= slc_tma_ring_bytes(dqk, dv) &&
+         size_t(16) * (dv + 8) * 2 <= slc_tma_ring_bytes(dqk, dv) &&
+         2 * (slc_tma_smem_bytes(dqk, dv, cap) + kSmemPerCtaReserved) <= kSmemPerSm;
+}
+struct SlcTmaMaps {
+  CUtensorMap k, v;  // the selection's k, v as [T, Hkv, D], boxes of 16 rows x 64 columns
+};
+
+template <typename Storage, int kDqk, int kDv>
+__global__ void __launch_bounds__(kSlcWarpThreads, 2)
+    slc_attention_tma_kernel(const BranchParams p, const __grid_constant__ SlcTmaMaps maps) {
+  if constexpr (!kWgmmaCompiled || kDqk > 128 || kDv > 128) {
+    __trap();  // launched only where the sm_90a body runs (launch_slc_attention)
+  } else {
+    constexpr bool kBf16 = StorageTraits<Storage>::is_bf16;
+    constexpr int kOTiles = kDv / 8;
+    constexpr int kStageBytes = int(slc_tma_stage_bytes(kDqk, kDv));
+    constexpr int kKBytes = kSwStageBlockBytes * (kDqk / 64);
+    constexpr int kRingBytes = kSlcTmaStages * kStageBytes;
+    extern __shared__ __align__(128) unsigned char smem[];
+    unsigned char* const base = smem + ((1024u - (smem_address(smem) & 1023u)) & 1023u);
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, quad = lane % 4;
+    const SlcTile tl(p, blockIdx.x, blockIdx.y);
+    const int tokens_per_warp = tl.tokens_per_warp, hk = tl.hk;
+    const int64_t s0 = tl.s0, len = tl.len;
+    const int64_t t0 = tl.t0 + warp * tokens_per_warp;  // the warp's first token
+    if (!p.slc_union_tiles && t0 >= len) return;       // a warp may leave alone
+    const int tokens_valid = t0 < len ? static_cast<int>(min64(tokens_per_warp, len - t0)) : 0;
+    const int tmax = static_cast<int>(t0) + tokens_valid - 1;
+
+    const int cap = p.sort_capacity;
+    unsigned char* const ring = base + warp * kRingBytes;
+    uint64_t* const bars = reinterpret_cast<uint64_t*>(base + kSlcWarps * kRingBytes) + warp * kSlcTmaStages;
+    int32_t* const lists = reinterpret_cast<int32_t*>(base + slc_tma_lists_offset(kDqk, kDv));
+    int32_t* const ublk = lists + warp * 2 * cap;
+    int32_t* const umask = ublk + cap;
+    int* const meta = lists + kSlcWarps * 2 * cap;
+
+    // ---- The union of the warp's tokens' blocks (slc_union.cuh), sorted in the ring ----
+    const int num_blocks =
+        warp_block_union(p.indices + (s0 + min64(t0, len - 1)) * p.idx_st + int64_t(hk) * p.idx_sh, p.idx_st,
+                         p.n_sel, p.lp, t0, tokens_valid, cap, reinterpret_cast<int32_t*>(ring), ublk, umask);
+    if (p.slc_union_tiles) {
+      if (slc_tile_handed_over(p, tl, lists, 2 * cap, meta, num_blocks)) return;
+      if (tokens_valid == 0) return;
+    }
+
+    // ---- This lane's rows (g and g + 8) and its Q fragments ----
+    int tok[2], head[2], trow[2];
+    const Storage* qrow[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = g + 8 * h;
+      tok[h] = row >> p.log2_group;
+      head[h] = hk * p.group + (row & (p.group - 1));
+      trow[h] = tok[h] < tokens_valid ? static_cast<int>(t0) + tok[h] : -1;  // -1: a padding row sees no key
+      qrow[h] = trow[h] >= 0 ? static_cast<const Storage*>(p.q) + (s0 + trow[h]) * p.q_st + int64_t(head[h]) * p.q_sh
+                             : nullptr;
+    }
+    uint32_t qf[kDqk / 16][4];
+    load_a_fragments<Storage, kDqk>(qf, qrow[0], qrow[1]);
+
+    // ---- The walk: a block's 16-key steps up to its end or the warp's last token ----
+    // (Every union block has a key up to that token.) A step's rows from its end on are zeroed once
+    // landed: the next block's keys or another sequence's, possibly NaN, which P = 0 would not stop
+    // in P V.
+    auto block_keys = [&](int u) {
+      const int first = ublk[u] * p.lp;
+      return min(first + p.lp, tmax + 1) - first;
+    };
+    int n_steps = 0;
+    for (int u = 0; u < num_blocks; ++u) n_steps += (block_keys(u) + 15) / 16;
+    fence_proxy_async();  // the sort's ordinary stores, before boxes overwrite them
+    if (lane == 0) {
+      for (int st = 0; st < kSlcTmaStages; ++st) mbarrier_init(bars + st, 1);
+      fence_mbarrier_init();
+    }
+    __syncwarp();
+    int iu = 0, ioff = 0;  // lane 0: the next step to issue (block, key offset)
+    auto issue = [&](int st) {
+      if (lane == 0) {
+        unsigned char* dst = ring + st * kStageBytes;
+        mbarrier_expect_tx(bars + st, kStageBytes);
+        const int row = static_cast<int>(s0) + ublk[iu] * p.lp + ioff;
+#pragma unroll
+        for (int blk = 0; blk < kDqk / 64; ++blk)
+          tma_load_3d(dst + blk * kSwStageBlockBytes, &maps.k, 64 * blk, hk, row, bars + st);
+#pragma unroll
+        for (int blk = 0; blk < kDv / 64; ++blk)
+          tma_load_3d(dst + kKBytes + blk * kSwStageBlockBytes, &maps.v, 64 * blk, hk, row, bars + st);
+        ioff += 16;
+        if (ioff >= block_keys(iu)) ++iu, ioff = 0;
+      }
+    };
+    int u = 0, off = 0, nkeys = 0, lim[2] = {0, 0};
+    auto enter = [&](int uu) {  // block uu's keys, and each row's visible keys from its first
+      const int first = ublk[uu] * p.lp;
+      const uint32_t picked = static_cast<uint32_t>(umask[uu]);
+      nkeys = min(first + p.lp, tmax + 1) - first;
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        lim[h] = trow[h] >= 0 && ((picked >> tok[h]) & 1u) ? min(p.lp, trow[h] + 1 - first) : 0;
+    };
+    if (num_blocks > 0) enter(0);
+    for (int i = 0; i < kSlcTmaStages - 1 && i < n_steps; ++i) issue(i);
+
+    float acc[kOTiles][4];
+#pragma unroll
+    for (int i = 0; i < kOTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    float m[2] = {kNegInf, kNegInf}, lsum[2] = {0.f, 0.f};
+    int st = 0;
+    uint32_t phase = 0;
+    for (int i = 0; i < n_steps; ++i) {
+      if (i + kSlcTmaStages - 1 < n_steps) issue(st == 0 ? kSlcTmaStages - 1 : st - 1);  // the stage step i - 1 left
+      mbarrier_wait_parity(bars + st, phase);
+      unsigned char* const stage = ring + st * kStageBytes;
+      const int nv = min(16, nkeys - off);
+      if (nv < 16) {
+        constexpr int kBlocks = kDqk / 64 + kDv / 64;
+        const int pieces = (16 - nv) * 8;  // 16-byte pieces per block (a row's bytes stay in its row)
+        for (int e = lane; e < pieces * kBlocks; e += 32)
+          *reinterpret_cast<uint4*>(stage + (e / pieces) * kSwStageBlockBytes + (nv + e % pieces / 8) * 128 +
+                                    (e % 8) * 16) = make_uint4(0u, 0u, 0u, 0u);
+        fence_proxy_async();  // before a later box overwrites them
+        __syncwarp();
+      }
+      const uint32_t sk = smem_address(stage);
+      float s[2][4];
+      mma_frags_stage_sw<kBf16, kDqk>(s, qf, sk);  // S = Q K^T
+      const int hi0 = lim[0] - off, hi1 = lim[1] - off;
+      if (!__all_sync(0xffffffffu, hi0 >= 16 && hi1 >= 16)) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (nt * 8 + 2 * quad + (e & 1) >= (e >> 1 ? hi1 : hi0)) s[nt][e] = kNegInf;
+      }
+      slc_softmax_step<kOTiles>(s, m, lsum, acc, p.scale_log2);
+      mma_p_stage_sw<Storage, kDv>(acc, s, sk + kKBytes);  // O += P V
+      __syncwarp();  // every lane is done with the stage
+      off += 16;
+      if (off >= nkeys && u + 1 < num_blocks) off = 0, enter(++u);
+      st = st + 1 == kSlcTmaStages ? 0 : st + 1;
+      phase ^= st == 0 ? 1u : 0u;
+    }
+
+    // ---- Epilogue: lse, and o_slc's rows through the ring (rows of Dv + 8 columns: a store's 8
+    // rows x 4 quads on distinct banks), out in 16-byte pieces ----
+    constexpr int kOStride = kDv + 8;
+    Storage* const so = reinterpret_cast<Storage*>(ring);  // every box has landed and been read
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float l = lsum[h];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float lse2 = l > 0.f ? m[h] + __log2f(l) : kNegInf;
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      if (trow[h] >= 0 && quad == 0 && p.lse[0] != nullptr)
+        p.lse[0][(s0 + trow[h]) * p.lse_st[0] + head[h] * p.lse_sh[0]] = lse2 == kNegInf ? kNegInf : lse2 * kLn2;
+      Storage* orow = so + (g + 8 * h) * kOStride;
+#pragma unroll
+      for (int t = 0; t < kOTiles; ++t)
+        *reinterpret_cast<uint32_t*>(orow + 8 * t + 2 * quad) =
+            StorageTraits<Storage>::pack(acc[t][2 * h] * inv, acc[t][2 * h + 1] * inv);
+    }
+    __syncwarp();
+    Storage* out = static_cast<Storage*>(p.o_branch[0]);  // nullptr: o_slc not wanted (n = 0 in forward)
+    if (out != nullptr) store_warp_rows<Storage, kDv>(p, out, so, s0 + t0, tokens_valid, hk, lane);
+  }
+}
+
+// The per-token kernel (sm_90a with tensor maps and Dqk, Dv up to 128: by TMA, slc_attention_tma_kernel;
+// elsewhere slc_attention_kernel), then, on sm_90a with l' = 64 (and tensor maps, the warps' sorts
+// fitting the ring, and the list in the workspace), the union tiles' kernel for the tiles with a
+// small union, which the per-token kernel left in the list.
+template <typename Storage, int kDqk, int kDv>
+void launch_slc_attention(const BranchParams& p_in, cudaStream_t stream) {
+  BranchParams p = p_in;
+  const dim3 grid = row_tile_grid(p.seqs.max_seqlen, p.seqs.batch, (16 / p.group) * kSlcWarps, p.hkv);
+  if (grid.x == 0) return;
+  p.slc_union_tiles = false;
+  const auto ukernel = slc_union_tile_kernel<Storage, kDqk, kDv>;
+  CUtensorMap k_map{}, v_map{};
+  if (p.lp == kKeyChunk && p.slc_union_list != nullptr && p.choices.slc_union_tiles &&
+      cmp_runs_wgmma(ukernel) && slc_union_sorts_fit(kDqk, kDv, p.sort_capacity) &&
+      kv_rows_tensor_map<Storage, kDqk>(&k_map, p.choices, p.k_slc, p.hkv, p.seqs.total_tokens, p.ks_st, p.ks_sh) &&
+      kv_rows_tensor_map<Storage, kDv>(&v_map, p.choices, p.v_slc, p.hkv, p.seqs.total_tokens, p.vs_st, p.vs_sh)) {
+    p.slc_union_tiles = true;
+    NSA_CUDA_CHECK(cudaMemsetAsync(p.slc_union_list, 0, sizeof(int32_t), stream));  // the count
+  }
+  const auto tkernel = slc_attention_tma_kernel<Storage, kDqk, kDv>;
+  SlcTmaMaps tmaps{};
+  if (slc_tma_fits(kDqk, kDv, p.sort_capacity) && cmp_runs_wgmma(tkernel) &&
+      kv_rows_tensor_map<Storage, kDqk>(&tmaps.k, p.choices, p.k_slc, p.hkv, p.seqs.total_tokens, p.ks_st, p.ks_sh,
+                                        16) &&
+      kv_rows_tensor_map<Storage, kDv>(&tmaps.v, p.choices, p.v_slc, p.hkv, p.seqs.total_tokens, p.vs_st, p.vs_sh,
+                                       16)) {
+    const size_t smem = slc_tma_smem_bytes(kDqk, kDv, p.sort_capacity);
+    allow_smem(tkernel, smem, /*max_carveout=*/true);  // the warps' rings
+    tkernel<<<grid, kSlcWarpThreads, smem, stream>>>(p, tmaps);
+  } else {
+    const size_t smem = slc_smem_bytes(kDqk, kDv, p.sort_capacity);
+    const auto kernel = slc_attention_kernel<Storage, kDqk, kDv>;
+    allow_smem(kernel, smem, /*max_carveout=*/false);  // neighbouring warps' K/V rows hit in L1
+    kernel<<<grid, kSlcWarpThreads, smem, stream>>>(p);
+  }
+  NSA_CUDA_CHECK_LAUNCH();
+  if (!p.slc_union_tiles) return;
+  const size_t usmem = slc_union_smem_bytes(kDqk, kDv);
+  allow_smem(ukernel, usmem, /*max_carveout=*/true);
+  // Persistent: as many CTAs as fit at once (the list's length is known only on the device).
+  int device = 0, sms = 0, per_sm = 0;
+  NSA_CUDA_CHECK(cudaGetDevice(&device));
+  NSA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  NSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ukernel, kSlcWarpThreads, usmem));
+  int64_t ctas = std::min<int64_t>(int64_t(grid.x) * grid.y, int64_t(sms) * std::max(per_sm, 1));
+  if (p.choices.slc_union_ctas > 0) ctas = std::min<int64_t>(ctas, p.choices.slc_union_ctas);
+  ukernel<<<static_cast<unsigned>(ctas), kSlcWarpThreads, usmem, stream>>>(p, grid.x, k_map, v_map);
+  NSA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace nsa::cuda
