@@ -305,21 +305,12 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2)
       }
   };
   if (tma) {
-    // The walk by TMA, 16 keys a step, in 32-bit positions within the sequence: a block's steps run
-    // from its first key to its end or the warp's last token (steps wholly after it would add
-    // exact zeros); every union block has a key at or before that token (warp_block_union keeps a
-    // block only up to its token), so every block has a step. The step's rows from its end on are
-    // zeroed once landed (the next block's keys, another sequence's: possibly NaN, which a zero
-    // probability would not stop). Per block, each row's visible keys from the block's first (lim:
-    // its token picked the block, up to its position); a step whose 16 keys every row sees skips
-    // the masks.
-    const int tmax = int(t_max);
-    auto block_keys = [&](int u) {  // keys of block u the walk reads (>= 1)
-      const int first = ublk[u] * a.lp;
-      return min(first + a.lp, tmax + 1) - first;
-    };
-    int n_steps = 0;
-    for (int u = 0; u < num_blocks; ++u) n_steps += (block_keys(u) + 15) / 16;
+    // The walk by TMA (SlcTmaWalk, slc_union.cuh): a block's 16-key steps up to the warp's last
+    // token (steps wholly after it would add exact zeros), the rows of a step from its end on
+    // zeroed once landed; per block each row's visible keys (lim), so that a step every row sees
+    // in full takes no mask.
+    const cuda::SlcTmaWalk tw{ublk, umask, a.lp, int(t_max)};
+    const int n_steps = tw.steps(num_blocks);
     // The sort's keys (ordinary stores) share the ring's bytes: fenced for the async proxy first.
     cuda::fence_proxy_async();
     if (lane == 0) {
@@ -330,30 +321,15 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2)
     int iu = 0, ioff = 0;  // lane 0: the next step to issue (block, key offset)
     auto issue = [&](int st) {  // that step into stage st
       if (lane == 0) {
-        unsigned char* dst = tma_ring + st * kTmaStageBytes;
-        cuda::mbarrier_expect_tx(bars + st, kTmaStageBytes);
-        const int row = int(s0) + ublk[iu] * a.lp + ioff;
-#pragma unroll
-        for (int blk = 0; blk < DQK / 64; ++blk)
-          cuda::tma_load_3d(dst + blk * cuda::kSwStageBlockBytes, &maps.k, 64 * blk, hk, row, bars + st);
-#pragma unroll
-        for (int blk = 0; blk < DV / 64; ++blk)
-          cuda::tma_load_3d(dst + kTmaKBytes + blk * cuda::kSwStageBlockBytes, &maps.v, 64 * blk, hk, row, bars + st);
+        cuda::slc_issue_step<DQK, DV>(tma_ring + st * kTmaStageBytes, bars + st, &maps.k, &maps.v, hk,
+                                      int(s0) + ublk[iu] * a.lp + ioff);
         ioff += 16;
-        if (ioff >= block_keys(iu)) ++iu, ioff = 0;
+        if (ioff >= tw.keys(iu)) ++iu, ioff = 0;
       }
     };
     const int trow[2] = {int(t_row[0]), int(t_row[1])};
     int u = 0, off = 0, nkeys = 0, lim[2] = {0, 0};
-    auto enter = [&](int uu) {  // block uu's keys and rows
-      const int first = ublk[uu] * a.lp;
-      const uint32_t picked = static_cast<uint32_t>(umask[uu]);
-      nkeys = min(first + a.lp, tmax + 1) - first;
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        lim[h] = trow[h] >= 0 && ((picked >> tok[h]) & 1u) ? min(a.lp, trow[h] + 1 - first) : 0;
-    };
-    if (num_blocks > 0) enter(0);
+    if (num_blocks > 0) nkeys = tw.enter(0, trow, tok, lim);
     for (int i = 0; i < kTmaStages - 1 && i < n_steps; ++i) issue(i);
     int st = 0;
     uint32_t phase = 0;
@@ -362,15 +338,7 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2)
       cuda::mbarrier_wait_parity(bars + st, phase);
       unsigned char* stage = tma_ring + st * kTmaStageBytes;
       const int nv = min(16, nkeys - off);
-      if (nv < 16) {
-        constexpr int kBlocks = DQK / 64 + DV / 64;
-        const int pieces = (16 - nv) * 8;  // 16-byte pieces per block (a row's bytes stay in its row)
-        for (int e = lane; e < pieces * kBlocks; e += 32)
-          *reinterpret_cast<uint4*>(stage + (e / pieces) * cuda::kSwStageBlockBytes + (nv + e % pieces / 8) * 128 +
-                                    (e % 8) * 16) = make_uint4(0u, 0u, 0u, 0u);
-        cuda::fence_proxy_async();  // before a later box overwrites them
-        __syncwarp();
-      }
+      if (nv < 16) cuda::slc_zero_stage_tail<DQK / 64 + DV / 64>(stage, nv, lane);
       const uint32_t sk = cuda::smem_address(stage);
       float s[2][4], dp[2][4];
       cuda::mma_frags_stage_sw<kBf16, DQK>(s, qf, sk);               // S = Q K^T
@@ -394,7 +362,7 @@ __global__ void __launch_bounds__(kSlcDqWarps * 32, 2)
       cuda::mma_p_stage_sw<E, DQK>(acc_q, s, sk);  // dq += dS K
       __syncwarp();  // every lane is done with the stage
       off += 16;
-      if (off >= nkeys && u + 1 < num_blocks) off = 0, enter(++u);
+      if (off >= nkeys && u + 1 < num_blocks) off = 0, nkeys = tw.enter(++u, trow, tok, lim);
       st = st + 1 == kTmaStages ? 0 : st + 1;
       phase ^= st == 0 ? 1u : 0u;
     }

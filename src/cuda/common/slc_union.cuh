@@ -17,6 +17,7 @@
 
 #include "cuda/common/dtype.h"
 #include "cuda/common/mma.h"
+#include "cuda/common/tma.h"
 #include "cuda/common/wgmma.h"
 
 namespace nsa::cuda {
@@ -316,6 +317,64 @@ __device__ __forceinline__ void mma_p_stage_sw(float (*acc)[4], const float (&p)
     mma_16816<kBf16>(acc[2 * dt], fa, b[0], b[1]);
     mma_16816<kBf16>(acc[2 * dt + 1], fa, b[2], b[3]);
   }
+}
+
+// The walk of a warp's union blocks by TMA on sm_90a (slc_attention_tma_kernel, slc_dq_kernel):
+// 16-key steps from each block's first key to its end or the warp's last token tmax, positions in
+// 32 bits within the sequence. Every union block has a key up to tmax (warp_block_union keeps a
+// block only up to its token), so every block has a step.
+struct SlcTmaWalk {
+  const int32_t* ublk;
+  const int32_t* umask;
+  int lp;    // l'
+  int tmax;  // the warp's last token
+
+  // Keys of block u the walk reads (>= 1).
+  __device__ __forceinline__ int keys(int u) const {
+    const int first = ublk[u] * lp;
+    return min(first + lp, tmax + 1) - first;
+  }
+  __device__ __forceinline__ int steps(int num_blocks) const {
+    int n = 0;
+    for (int u = 0; u < num_blocks; ++u) n += (keys(u) + 15) / 16;
+    return n;
+  }
+  // Block u's keys, and each row's count of visible keys from the block's first (lim): its token
+  // tok[h] picked the block, up to the row's position trow[h] (-1: a padding row, none), at most l'.
+  __device__ __forceinline__ int enter(int u, const int (&trow)[2], const int (&tok)[2], int (&lim)[2]) const {
+    const int first = ublk[u] * lp;
+    const uint32_t picked = static_cast<uint32_t>(umask[u]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      lim[h] = trow[h] >= 0 && ((picked >> tok[h]) & 1u) ? min(lp, trow[h] + 1 - first) : 0;
+    return min(first + lp, tmax + 1) - first;
+  }
+};
+
+// One lane's copy of a walk step, rows [row, row + 16) of the k and v maps (boxes of 16 rows x 64
+// columns), into a stage of DK / 64 then DV / 64 blocks, completing on bar.
+template <int DK, int DV>
+__device__ __forceinline__ void slc_issue_step(unsigned char* stage, uint64_t* bar, const CUtensorMap* k,
+                                               const CUtensorMap* v, int hk, int row) {
+  mbarrier_expect_tx(bar, kSwStageBlockBytes * (DK / 64 + DV / 64));
+#pragma unroll
+  for (int blk = 0; blk < DK / 64; ++blk) tma_load_3d(stage + blk * kSwStageBlockBytes, k, 64 * blk, hk, row, bar);
+#pragma unroll
+  for (int blk = 0; blk < DV / 64; ++blk)
+    tma_load_3d(stage + (DK / 64 + blk) * kSwStageBlockBytes, v, 64 * blk, hk, row, bar);
+}
+
+// Zeroes rows [nv, 16) of a landed stage's kBlocks blocks by the warp's lanes (the keys a box
+// brings past a step's end: the next block's, another sequence's, possibly NaN, which a zero
+// probability would not stop), fenced before a later box overwrites them.
+template <int kBlocks>
+__device__ __forceinline__ void slc_zero_stage_tail(unsigned char* stage, int nv, int lane) {
+  const int pieces = (16 - nv) * 8;  // 16-byte pieces per block (a row's bytes stay in its row)
+  for (int e = lane; e < pieces * kBlocks; e += 32)
+    *reinterpret_cast<uint4*>(stage + (e / pieces) * kSwStageBlockBytes + (nv + e % pieces / 8) * 128 + (e % 8) * 16) =
+        make_uint4(0u, 0u, 0u, 0u);
+  fence_proxy_async();
+  __syncwarp();
 }
 
 // The steps of a warp's walk over its union blocks: step i is 16 keys of block ublk[i / per_block].

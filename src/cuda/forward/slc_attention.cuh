@@ -61,6 +61,20 @@ struct SlcTile {
   }
 };
 
+// The end of row h of the per-token walks (m, lsum: its running max and sum in log2 units, lsum
+// over the quad's lanes): its lse (natural log) to p.lse[0] where the row has a token (t_row, in
+// the sequence from s0; -1: none), and the 1 / l that normalises its output (0: it saw no key).
+__device__ __forceinline__ float slc_finish_row(const BranchParams& p, float m, float lsum, int64_t s0, int64_t t_row,
+                                                int head, int quad) {
+  float l = lsum;
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  const float lse2 = l > 0.f ? m + __log2f(l) : kNegInf;
+  if (t_row >= 0 && quad == 0 && p.lse[0] != nullptr)
+    p.lse[0][(s0 + t_row) * p.lse_st[0] + head * p.lse_sh[0]] = lse2 == kNegInf ? kNegInf : lse2 * kLn2;
+  return l > 0.f ? 1.f / l : 0.f;
+}
+
 // With BranchParams::slc_union_tiles, after each warp built its union (num_blocks entries; the
 // warps' block lists `stride` ints apart from `lists`; meta: 8 ints): whether the CTA's tile goes to
 // slc_union_tile_kernel (launched next, which makes the same count from the same lists), listed
@@ -245,13 +259,7 @@ __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_atten
   Storage* so = reinterpret_cast<Storage*>(keys);  // [16][kOStride]
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float l = lsum[h];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const float lse2 = l > 0.f ? m[h] + __log2f(l) : kNegInf;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    if (t_row[h] >= 0 && quad == 0 && p.lse[0] != nullptr)
-      p.lse[0][(s0 + t_row[h]) * p.lse_st[0] + head[h] * p.lse_sh[0]] = lse2 == kNegInf ? kNegInf : lse2 * kLn2;
+    const float inv = slc_finish_row(p, m[h], lsum[h], s0, t_row[h], head[h], quad);
     Storage* orow = so + (g + 8 * h) * kOStride;
     using Traits = StorageTraits<Storage>;
 #pragma unroll

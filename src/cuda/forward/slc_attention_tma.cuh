@@ -93,16 +93,9 @@ __global__ void __launch_bounds__(kSlcWarpThreads, 2)
     uint32_t qf[kDqk / 16][4];
     load_a_fragments<Storage, kDqk>(qf, qrow[0], qrow[1]);
 
-    // ---- The walk: a block's 16-key steps up to its end or the warp's last token ----
-    // (Every union block has a key up to that token.) A step's rows from its end on are zeroed once
-    // landed: the next block's keys or another sequence's, possibly NaN, which P = 0 would not stop
-    // in P V.
-    auto block_keys = [&](int u) {
-      const int first = ublk[u] * p.lp;
-      return min(first + p.lp, tmax + 1) - first;
-    };
-    int n_steps = 0;
-    for (int u = 0; u < num_blocks; ++u) n_steps += (block_keys(u) + 15) / 16;
+    // ---- The walk (SlcTmaWalk): a block's 16-key steps up to the warp's last token ----
+    const SlcTmaWalk walk{ublk, umask, p.lp, tmax};
+    const int n_steps = walk.steps(num_blocks);
     fence_proxy_async();  // the sort's ordinary stores, before boxes overwrite them
     if (lane == 0) {
       for (int st = 0; st < kSlcTmaStages; ++st) mbarrier_init(bars + st, 1);
@@ -112,29 +105,14 @@ __global__ void __launch_bounds__(kSlcWarpThreads, 2)
     int iu = 0, ioff = 0;  // lane 0: the next step to issue (block, key offset)
     auto issue = [&](int st) {
       if (lane == 0) {
-        unsigned char* dst = ring + st * kStageBytes;
-        mbarrier_expect_tx(bars + st, kStageBytes);
-        const int row = static_cast<int>(s0) + ublk[iu] * p.lp + ioff;
-#pragma unroll
-        for (int blk = 0; blk < kDqk / 64; ++blk)
-          tma_load_3d(dst + blk * kSwStageBlockBytes, &maps.k, 64 * blk, hk, row, bars + st);
-#pragma unroll
-        for (int blk = 0; blk < kDv / 64; ++blk)
-          tma_load_3d(dst + kKBytes + blk * kSwStageBlockBytes, &maps.v, 64 * blk, hk, row, bars + st);
+        slc_issue_step<kDqk, kDv>(ring + st * kStageBytes, bars + st, &maps.k, &maps.v, hk,
+                                  static_cast<int>(s0) + ublk[iu] * p.lp + ioff);
         ioff += 16;
-        if (ioff >= block_keys(iu)) ++iu, ioff = 0;
+        if (ioff >= walk.keys(iu)) ++iu, ioff = 0;
       }
     };
     int u = 0, off = 0, nkeys = 0, lim[2] = {0, 0};
-    auto enter = [&](int uu) {  // block uu's keys, and each row's visible keys from its first
-      const int first = ublk[uu] * p.lp;
-      const uint32_t picked = static_cast<uint32_t>(umask[uu]);
-      nkeys = min(first + p.lp, tmax + 1) - first;
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        lim[h] = trow[h] >= 0 && ((picked >> tok[h]) & 1u) ? min(p.lp, trow[h] + 1 - first) : 0;
-    };
-    if (num_blocks > 0) enter(0);
+    if (num_blocks > 0) nkeys = walk.enter(0, trow, tok, lim);
     for (int i = 0; i < kSlcTmaStages - 1 && i < n_steps; ++i) issue(i);
 
     float acc[kOTiles][4];
@@ -148,15 +126,7 @@ __global__ void __launch_bounds__(kSlcWarpThreads, 2)
       mbarrier_wait_parity(bars + st, phase);
       unsigned char* const stage = ring + st * kStageBytes;
       const int nv = min(16, nkeys - off);
-      if (nv < 16) {
-        constexpr int kBlocks = kDqk / 64 + kDv / 64;
-        const int pieces = (16 - nv) * 8;  // 16-byte pieces per block (a row's bytes stay in its row)
-        for (int e = lane; e < pieces * kBlocks; e += 32)
-          *reinterpret_cast<uint4*>(stage + (e / pieces) * kSwStageBlockBytes + (nv + e % pieces / 8) * 128 +
-                                    (e % 8) * 16) = make_uint4(0u, 0u, 0u, 0u);
-        fence_proxy_async();  // before a later box overwrites them
-        __syncwarp();
-      }
+      if (nv < 16) slc_zero_stage_tail<kDqk / 64 + kDv / 64>(stage, nv, lane);
       const uint32_t sk = smem_address(stage);
       float s[2][4];
       mma_frags_stage_sw<kBf16, kDqk>(s, qf, sk);  // S = Q K^T
@@ -172,7 +142,7 @@ __global__ void __launch_bounds__(kSlcWarpThreads, 2)
       mma_p_stage_sw<Storage, kDv>(acc, s, sk + kKBytes);  // O += P V
       __syncwarp();  // every lane is done with the stage
       off += 16;
-      if (off >= nkeys && u + 1 < num_blocks) off = 0, enter(++u);
+      if (off >= nkeys && u + 1 < num_blocks) off = 0, nkeys = walk.enter(++u, trow, tok, lim);
       st = st + 1 == kSlcTmaStages ? 0 : st + 1;
       phase ^= st == 0 ? 1u : 0u;
     }
@@ -183,13 +153,7 @@ __global__ void __launch_bounds__(kSlcWarpThreads, 2)
     Storage* const so = reinterpret_cast<Storage*>(ring);  // every box has landed and been read
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float l = lsum[h];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const float lse2 = l > 0.f ? m[h] + __log2f(l) : kNegInf;
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      if (trow[h] >= 0 && quad == 0 && p.lse[0] != nullptr)
-        p.lse[0][(s0 + trow[h]) * p.lse_st[0] + head[h] * p.lse_sh[0]] = lse2 == kNegInf ? kNegInf : lse2 * kLn2;
+      const float inv = slc_finish_row(p, m[h], lsum[h], s0, trow[h], head[h], quad);
       Storage* orow = so + (g + 8 * h) * kOStride;
 #pragma unroll
       for (int t = 0; t < kOTiles; ++t)
