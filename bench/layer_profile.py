@@ -9,7 +9,7 @@ twice: with K/V as six compact tensors, and as column slices of one [T, (Hq + 2 
 gate] product as the layer's fused projection gives them: the library's kernels in the layer
 against the same kernels alone.
 
-    python3 bench/layer_profile.py [--G 16] [--T 65536] [--phi mlp] [--save-branches] [--alone]
+    python3 bench/layer_profile.py [--G 16] [--T 65536] [--phi mlp] [--kept o_cmp] [--alone]
                                    [--top 25] [--markdown OUT.md]
 """
 import argparse
@@ -86,7 +86,8 @@ def main():
     ap.add_argument("--G", type=int, default=16)
     ap.add_argument("--T", type=int, default=65536)
     ap.add_argument("--phi", default="mlp")
-    ap.add_argument("--save-branches", action="store_true", help="the layer's save_branch_outputs")
+    ap.add_argument("--kept", default="o_cmp", choices=["o", "o_cmp", "o_branch"],
+                    help="what the layer keeps for the backward besides o (bench/layer_bench.py's --kept)")
     ap.add_argument("--alone", action="store_true", help="also nsa.attention alone, compact and sliced K/V")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--markdown")
@@ -96,11 +97,11 @@ def main():
     hidden = hq * D
     torch.manual_seed(0)
     x = torch.randn(a.T, hidden, device=dev, dtype=dt, requires_grad=True)
-    layer = nsa.NativeSparseAttention(hidden, hq, HKV, head_dim=D, phi=a.phi, save_branch_outputs=a.save_branches,
-                                      device=dev, dtype=dt)
+    keep = {"save_branch_outputs": a.kept == "o_branch", "save_cmp_output": a.kept == "o_cmp"}
+    layer = nsa.NativeSparseAttention(hidden, hq, HKV, head_dim=D, phi=a.phi, device=dev, dtype=dt, **keep)
     out = [f"GPU kernels of one forward+backward, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
            f"bf16, G {a.G} (Hq {hq}, Hkv {HKV}), D {D}, T {a.T}, phi {a.phi}, "
-           f"save_branch_outputs {a.save_branches}\n"]
+           f"kept for the backward: {a.kept}\n"]
     print(out[0], flush=True)
 
     def module_step(module):
@@ -128,7 +129,7 @@ def main():
                 for t in (q, g, *compact, y):
                     t.grad = None
                 o = nsa.attention(q, tuple(kv[0::2]), tuple(kv[1::2]), g, phi_k, phi_v, config=layer.config,
-                                  save_branch_outputs=a.save_branches)
+                                  **keep)
                 o.float().sum().backward()
             part = report(title, kernel_table(step, a.top))
             print("".join(part), flush=True)

@@ -303,6 +303,9 @@ void forward(const Context& ctx, const Config& cfg, const Inputs& call_in, const
   check_saved(p, chk, out, /*need_o=*/true);
   chk.optional_floats("o_branch", out.o_branch, qdims(p, "[3, Tq, Hq, Dv]", "[3, T, Hq, Dv]"),
                       {3, p.query_rows(), p.hq, p.dv});
+  chk.optional_floats("o_cmp", out.o_cmp, qdims(p, "[Tq, Hq, Dv]", "[T, Hq, Dv]"), {p.query_rows(), p.hq, p.dv});
+  if (out.o_branch.defined())
+    require_absent("o_cmp", out.o_cmp, "o_branch holds the compressed branch's output already: pass one of the two");
   check_workspace(*ops, p, Op::forward, detail::problem_of(p), ws);
   require_op(*ops, ops->forward, "forward")(p, in, out, ws);
 }
@@ -317,6 +320,9 @@ void backward(const Context& ctx, const Config& cfg, const Inputs& call_in, cons
   check_saved(p, chk, saved, /*need_o=*/false);
   chk.optional_floats("o", saved.o, qdims(p, "[Tq, Hq, Dv]", "[T, Hq, Dv]"), {Tq, p.hq, p.dv});
   chk.optional_floats("o_branch", saved.o_branch, qdims(p, "[3, Tq, Hq, Dv]", "[3, T, Hq, Dv]"), {3, Tq, p.hq, p.dv});
+  chk.optional_floats("o_cmp", saved.o_cmp, qdims(p, "[Tq, Hq, Dv]", "[T, Hq, Dv]"), {Tq, p.hq, p.dv});
+  if (saved.o_branch.defined())
+    require_absent("o_cmp", saved.o_cmp, "o_branch holds the compressed branch's output already: pass one of the two");
   chk.floats("d_o", d_o, qdims(p, "[Tq, Hq, Dv]", "[T, Hq, Dv]"), {Tq, p.hq, p.dv});
   chk.floats("dq", grads.dq, qdims(p, "[Tq, Hq, Dqk]", "[T, Hq, Dqk]"), {Tq, p.hq, p.dqk});
   static const char* kNames[3][2] = {{"dk_cmp", "dv_cmp"}, {"dk_slc", "dv_slc"}, {"dk_win", "dv_win"}};

@@ -251,6 +251,8 @@ void decode(const Context& ctx, const Config& cfg, const PagedCache& cache, cons
   if (out.indices.defined())
     chk.tensor("indices", out.indices, "[Tq, Hkv, n]", {p.T, p.hkv, cfg.n_selected}, DType::i32);
   chk.optional_floats("o_branch", out.o_branch, "[3, Tq, Hq, Dv]", {3, p.T, p.hq, p.dv});
+  detail::require_absent("o_cmp", out.o_cmp,
+                         "decode keeps nothing for a backward (o_branch holds each branch's output)");
   detail::check_workspace(*ops, p, Op::decode, detail::problem_of(p), ws);
   detail::require_op(*ops, ops->decode, "decode")(p, cache, in, out, ws);
 }

@@ -100,6 +100,17 @@ std::vector<BadCase> bad_cases() {
   out_case("indices_not_int", "indices.dtype", "f32", [](ForwardOutputs& o) { o.indices.dtype = DType::f32; });
   out_case("o_absent", "o", "absent", [](ForwardOutputs& o) { o.o = TensorView(); });
   out_case("o_branch_wrong", "o_branch.shape[0]", "2", [](ForwardOutputs& o) { o.o_branch.shape[0] = 2; });
+  out_case("o_cmp_with_o_branch", "o_cmp", "", [](ForwardOutputs& o) { o.o_cmp = o.o; });
+  out_case("o_cmp_wrong_heads", "o_cmp.shape[1]", "3", [](ForwardOutputs& o) {
+    o.o_branch = TensorView();
+    o.o_cmp = o.o;
+    o.o_cmp.shape[1] = 3;
+  });
+  out_case("o_cmp_int32", "o_cmp.dtype", "i32", [](ForwardOutputs& o) {
+    o.o_branch = TensorView();
+    o.o_cmp = o.o;
+    o.o_cmp.dtype = DType::i32;
+  });
 
   auto ctx_case = [&](std::string name, std::string param, std::string value, std::function<void(Context&)> f) {
     c.push_back({std::move(name), std::move(param), std::move(value),
@@ -182,6 +193,15 @@ TEST(BadInputStages, BackwardGradientShapes) {
   g.dphi_v.b2 = TensorView();
   expect_error("dphi_v.b2", [&] { backward(context_of(Backend::reference), p.cfg, p.inputs(), p.outputs(), p.d_o.view(), g); });
   expect_error("d_o", [&] { backward(context_of(Backend::reference), p.cfg, p.inputs(), p.outputs(), TensorView(), p.gradients()); });
+  // The saved compressed output: not beside o_branch (which holds it), and [T, Hq, Dv].
+  ForwardOutputs saved = p.outputs();
+  saved.o_cmp = p.o.view();
+  expect_error("o_cmp", [&] { backward(context_of(Backend::reference), p.cfg, p.inputs(), saved, p.d_o.view(), p.gradients()); });
+  saved.o_branch = TensorView();
+  saved.o_cmp.shape[0] = 5;
+  expect_error("o_cmp.shape[0]", [&] { backward(context_of(Backend::reference), p.cfg, p.inputs(), saved, p.d_o.view(), p.gradients()); });
+  saved.o_cmp = p.o.view();  // valid: the reference reads it not, and computes the same gradients
+  EXPECT_NO_THROW(backward(context_of(Backend::reference), p.cfg, p.inputs(), saved, p.d_o.view(), p.gradients()));
 }
 
 TEST(BadInputStages, StageShapes) {

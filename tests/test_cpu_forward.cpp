@@ -53,6 +53,31 @@ TEST_P(CpuForward, LayerMatchesReference) {
   });
 }
 
+// The compressed branch's output kept alone (ForwardOutputs::o_cmp, which the CUDA backward reads)
+// is o_branch's first plane bit for bit, on the reference and the cpu backend, and o is unchanged.
+TEST_P(CpuForward, CompressedOutputIsTheFirstBranchOutput) {
+  for_each_case(cases(), dtype(), 10, [](const Case& c, const Sizes&, LayerProblem& p, uint64_t) {
+    for (Backend backend : {Backend::reference, Backend::cpu}) {
+      SCOPED_TRACE(backend_name(backend));
+      Context ctx = context_of(backend);
+      const Problem pr = problem_of(c.cfg, p.inputs());
+      OwnedWorkspace ws = cpu_workspace(Op::forward, c.cfg, pr);
+      LayerProblem with_oc = p;
+      forward(ctx, c.cfg, p.inputs(), p.outputs(), ws.ws);
+      HostTensor oc(with_oc.o.dtype(), with_oc.o.shape());
+      oc.poison();
+      ForwardOutputs out = with_oc.outputs();
+      out.o_branch = TensorView();
+      out.o_cmp = oc.view();
+      forward(ctx, c.cfg, with_oc.inputs(), out, ws.ws);
+      const std::vector<double> ob = p.o_branch.values(), got = oc.values();
+      ASSERT_EQ(got.size() * 3, ob.size());
+      EXPECT_TRUE(std::equal(got.begin(), got.end(), ob.begin())) << "o_cmp against o_branch[0]";
+      EXPECT_EQ(with_oc.o.values(), p.o.values()) << "o";
+    }
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(Isas, CpuForward, ::testing::ValuesIn(isa_dtype_params()), isa_dtype_name);
 
 // The stages on their own, each fed identical inputs (so top-n sees the very same scores).

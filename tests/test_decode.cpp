@@ -432,6 +432,32 @@ TEST(DecodeErrors, BadInputsAreNamedErrorsAndTouchNothing) {
   }
 }
 
+// Decoding keeps nothing for a backward: an o_cmp output is a named error (o_branch holds every
+// branch's output), and the cache is untouched.
+TEST(DecodeErrors, CompressedOutputIsRefused) {
+  const DecodeCase c = cases()[0];
+  for (Backend backend : {Backend::reference, Backend::cpu}) {
+    SCOPED_TRACE(backend_name(backend));
+    Sizes sz = c.sizes;
+    sz.dtype = DType::f32;
+    LayerProblem p = make_problem(c.cfg, sz, 5);
+    std::vector<int64_t> none(sz.seqlens.size(), 0), some = {3, 0, 2, 1};
+    HostCache cache = make_cache(c.cfg, sz, c.page_size, longest(sz), 6);
+    for (size_t i = 0; i < some.size(); ++i) cache.seq_lens.set(int64_t(i), double(some[i]));
+    StepRows s = step_rows(p, none, some);
+    ForwardOutputs out = s.outputs();
+    out.o_cmp = out.o;
+    std::vector<unsigned char> ws(1 << 22);
+    const Workspace w{ws.data() + (256 - reinterpret_cast<uintptr_t>(ws.data()) % 256) % 256, (1 << 22) - 256};
+    try {
+      decode(context_of(backend), c.cfg, cache.view(), s.queries(), out, w);
+      ADD_FAILURE() << "decode accepted o_cmp";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.parameter(), "o_cmp") << e.what();
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Isas, CpuDecode, ::testing::ValuesIn(isa_dtype_params()), isa_dtype_name);
 
 }  // namespace

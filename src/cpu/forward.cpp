@@ -225,6 +225,7 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
             }
             store_row(slice, row, h, ob, d.dv);
           }
+          if (b == 0 && out.o_cmp.defined()) store_row(out.o_cmp, row, h, ob, d.dv);  // (branch 0: compressed)
         }
         store_row(out.o, row, h, acc, d.dv);
       }

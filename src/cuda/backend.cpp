@@ -341,6 +341,7 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
   require_rows_aligned("q", in.q);
   require_rows_aligned("o", out.o);
   require_rows_aligned("o_branch", out.o_branch);
+  require_rows_aligned("o_cmp", out.o_cmp);
   for (int b = 0; b < 3; ++b) {
     const KV& kv = detail::branch_kv(p.cfg, in, b);
     require_rows_aligned("k", kv.k);
@@ -368,6 +369,10 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
     o_cmp = out.o_branch.data;
     oc_st = out.o_branch.stride[1];
     oc_sh = out.o_branch.stride[2];
+  } else if (out.o_cmp.defined()) {  // the caller keeps o_cmp (for the backward)
+    o_cmp = out.o_cmp.data;
+    oc_st = out.o_cmp.stride[0];
+    oc_sh = out.o_cmp.stride[1];
   }
   c.o = o_cmp;
   c.o_st = oc_st;

@@ -157,6 +157,7 @@ struct BwdArgs {
   const void* vc = nullptr;  // [Rc, Hkv, Dv]
   float* dg32 = nullptr;     // [T, Hq, 3] dg in fp32 (read by dkv_kernel)
   bool dg_ready = false;     // dg32 and dg already hold <dO, o_b> (from the saved o_branch)
+  bool dg_cmp_ready = false; // dg32 and dg hold the compressed branch's <dO, o_cmp> (from the saved o_cmp)
   // slc_dq_kernel without its pass 1 (no recompute of o_slc): the forward's o is given, so the
   // selection's softmax correction comes from o = sum_b g_b o_b as
   // D_slc = g_slc <dO, o_slc> = <dO, o> - g_cmp dg_cmp - g_win dg_win (dq_kernel wrote dg_cmp and

@@ -147,6 +147,7 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
       std::copy(s.o_branch[b].data.begin(), s.o_branch[b].data.end(), all.row(b));
     store(all, out.o_branch);
   }
+  if (out.o_cmp.defined()) store(s.o_branch[kCmp], out.o_cmp);
 }
 
 void backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, const TensorView& d_o,

@@ -229,12 +229,17 @@ struct Paths {
   int raw_piece_tiles = 0;
 };
 
-// Every gradient of the CUDA backward against the fp64 reference. with_o_branch: the backward
-// also gets the forward's branch outputs (rounded to the storage dtype, as forward() writes
-// them) and takes dg from them instead of recomputing each branch's output. with_o: it gets the
-// forward's o (rounded likewise) and takes the selection's D from it (BwdArgs::d_from_o).
-void check_against_reference(const BwdCase& c, bool with_o_branch, bool with_o = false,
-                             const std::vector<Paths>& paths = {{0, false}}) {
+// What the backward is given of the forward's outputs besides lse and indices (each rounded to
+// the storage dtype, as forward() writes it). o_branch: the branch outputs, dg taken from them
+// instead of recomputing each branch's output. o: the forward's o, the selection's D taken from it
+// (BwdArgs::d_from_o). o_cmp: the compressed branch's output (o_branch's first plane, as a strided
+// view), its dg taken from it (BwdArgs::dg_cmp_ready).
+struct Kept {
+  bool o_branch = false, o = false, o_cmp = false;
+};
+
+// Every gradient of the CUDA backward against the fp64 reference, given `kept`.
+void check_against_reference(const BwdCase& c, Kept kept, const std::vector<Paths>& paths = {{0, false}}) {
   const Config cfg = config_of(c);
   Twin& t = reference_of(c);
   const int64_t longest = *std::max_element(c.seqlens.begin(), c.seqlens.end());
@@ -244,11 +249,18 @@ void check_against_reference(const BwdCase& c, bool with_o_branch, bool with_o =
     const LongSequencePaths forced(run.cmp_splits, run.pair_sort, run.raw_piece_tiles);
     DeviceLayer dev(t.low, longest);
     DeviceTensor o_branch, o_saved;
-    if (with_o_branch) {
-      o_branch = DeviceTensor(t.low.o_branch);
-      dev.saved.o_branch = o_branch.view();
+    if (kept.o_branch || kept.o_cmp) o_branch = DeviceTensor(t.low.o_branch);
+    if (kept.o_branch) dev.saved.o_branch = o_branch.view();
+    if (kept.o_cmp) {  // [T, Hq, Dv] of plane 0, with o_branch's strides
+      TensorView plane = o_branch.view();
+      plane.ndim = 3;
+      for (int k = 0; k < 3; ++k) {
+        plane.shape[k] = plane.shape[k + 1];
+        plane.stride[k] = plane.stride[k + 1];
+      }
+      dev.saved.o_cmp = plane;
     }
-    if (with_o) {
+    if (kept.o) {
       o_saved = DeviceTensor(t.low.o);
       dev.saved.o = o_saved.view();
     }
@@ -270,7 +282,7 @@ void check_against_reference(const BwdCase& c, bool with_o_branch, bool with_o =
       double scale = max_abs(w);
       if (name.rfind("dphi_k.", 0) == 0) scale = phi_scale[0];
       if (name.rfind("dphi_v.", 0) == 0) scale = phi_scale[1];
-      const auto result = close(got.values(), w, grad_tol(c.dtype, scale, with_o_branch || with_o ? 2.0 : 1.0));
+      const auto result = close(got.values(), w, grad_tol(c.dtype, scale, kept.o_branch || kept.o || kept.o_cmp ? 2.0 : 1.0));
       EXPECT_TRUE(result) << name;
       std::printf("  %-14s max|ref| %.3g  %s\n", name.c_str(), max_abs(w), result.message());
     }
@@ -279,7 +291,7 @@ void check_against_reference(const BwdCase& c, bool with_o_branch, bool with_o =
 
 TEST_P(CudaBackward, EveryGradientMatchesReference) {
   NSA_REQUIRE_GPU();
-  check_against_reference(GetParam(), false);
+  check_against_reference(GetParam(), {});
 }
 
 // With no tensor maps (CudaKernelChoices::tma = false) dq_kernel copies its K/V tiles by
@@ -287,7 +299,7 @@ TEST_P(CudaBackward, EveryGradientMatchesReference) {
 TEST_P(CudaBackward, EveryGradientWithoutTmaMatchesReference) {
   NSA_REQUIRE_GPU();
   const NoTensorMaps no_tma;
-  check_against_reference(GetParam(), false);
+  check_against_reference(GetParam(), {});
 }
 
 // With the selection's union tiles off (CudaKernelChoices::slc_union_tiles = false) every row
@@ -296,12 +308,12 @@ TEST_P(CudaBackward, EveryGradientWithoutTmaMatchesReference) {
 TEST_P(CudaBackward, EveryGradientWithPerTokenSelectionMatchesReference) {
   NSA_REQUIRE_GPU();
   const NoSelectionUnionTiles per_token;
-  check_against_reference(GetParam(), false);
+  check_against_reference(GetParam(), {});
 }
 
 TEST_P(CudaBackward, SavedBranchOutputsGiveTheSameGradients) {
   NSA_REQUIRE_GPU();
-  check_against_reference(GetParam(), true);
+  check_against_reference(GetParam(), {.o_branch = true});
 }
 
 // With the forward's o (no o_branch) the selection's output is not recomputed: its D from <dO, o>
@@ -310,12 +322,29 @@ TEST_P(CudaBackward, SavedBranchOutputsGiveTheSameGradients) {
 // through slc_dq_kernel.
 TEST_P(CudaBackward, SavedOutputGivesTheSameGradients) {
   NSA_REQUIRE_GPU();
-  check_against_reference(GetParam(), false, true);
+  check_against_reference(GetParam(), {.o = true});
 }
 TEST_P(CudaBackward, SavedOutputGivesTheSameGradientsPerToken) {
   NSA_REQUIRE_GPU();
   const NoSelectionUnionTiles per_token;
-  check_against_reference(GetParam(), false, true);
+  check_against_reference(GetParam(), {.o = true});
+}
+
+// With the forward's o and o_cmp (the torch layer's default on CUDA) the compressed branch's dg
+// comes from o_cmp and dq_kernel's first pass recomputes the window's output alone; then with the
+// union tiles off, and with o_cmp alone (the selection's output recomputed as without o).
+TEST_P(CudaBackward, SavedCompressedOutputGivesTheSameGradients) {
+  NSA_REQUIRE_GPU();
+  check_against_reference(GetParam(), {.o = true, .o_cmp = true});
+}
+TEST_P(CudaBackward, SavedCompressedOutputGivesTheSameGradientsPerToken) {
+  NSA_REQUIRE_GPU();
+  const NoSelectionUnionTiles per_token;
+  check_against_reference(GetParam(), {.o = true, .o_cmp = true});
+}
+TEST_P(CudaBackward, SavedCompressedOutputWithoutOGivesTheSameGradients) {
+  NSA_REQUIRE_GPU();
+  check_against_reference(GetParam(), {.o_cmp = true});
 }
 
 // Paths the backward's rules keep for sequences longer than these cases, forced
@@ -328,7 +357,7 @@ TEST_P(CudaBackward, SavedOutputGivesTheSameGradientsPerToken) {
 // the packed cases run splits that keep every row, and 11 puts the split boundaries elsewhere.
 TEST_P(CudaBackward, CompressedSplitsUpToSixteenMatchReference) {
   NSA_REQUIRE_GPU();
-  check_against_reference(GetParam(), false, true, {{16, false}, {11, false}});
+  check_against_reference(GetParam(), {.o = true}, {{16, false}, {11, false}});
 }
 // The raw blocks' selection lists in pieces (dkv_kernel<raw>, raw_pieces_plan_kernel): the rule
 // cuts lists longer than 1/1024 of all raw CTAs' query tiles (at least 32), the cap doubled until
@@ -339,13 +368,13 @@ TEST_P(CudaBackward, CompressedSplitsUpToSixteenMatchReference) {
 // (the cases).
 TEST_P(CudaBackward, RawListPiecesMatchReference) {
   NSA_REQUIRE_GPU();
-  check_against_reference(GetParam(), false, true, {{0, false, 1}, {0, false, 3}, {0, false, 5}, {0, false, -1}});
+  check_against_reference(GetParam(), {.o = true}, {{0, false, 1}, {0, false, 3}, {0, false, 5}, {0, false, -1}});
 }
 // The inverted selection index sorted as (key, token) pairs, which the rule does only where key
 // and token bits exceed 32 (~256K tokens at Hkv = 4).
 TEST_P(CudaBackward, PairSortMatchesReference) {
   NSA_REQUIRE_GPU();
-  check_against_reference(GetParam(), false, true, {{0, true}});
+  check_against_reference(GetParam(), {.o = true}, {{0, true}});
 }
 
 TEST_P(CudaBackward, BitwiseDeterministic) {

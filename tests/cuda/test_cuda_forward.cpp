@@ -397,8 +397,9 @@ TEST(CudaForwardSelection, UnionAndPerTokenTilesInOneCall) {
 // ---- whole forward ----------------------------------------------------------------------------
 
 // The CUDA forward of p (its inputs on the device, a workspace poisoned with the NaN pattern):
-// o, lse, indices and o_branch of p downloaded from the GPU.
-void run_cuda_forward(const Case& c, const Config& cfg, LayerProblem& p) {
+// o, lse, indices and o_branch of p downloaded from the GPU. With o_cmp (a [T, Hq, Dv] tensor of
+// p's storage type): the forward writes the compressed branch's output there instead of o_branch.
+void run_cuda_forward(const Case& c, const Config& cfg, LayerProblem& p, HostTensor* o_cmp = nullptr) {
   const int nkv = cfg.shared_kv ? 1 : 3;
   DeviceSeqs ds(p, max_seqlen(c));
   DeviceTensor q(p.q), g(p.g), k[3], v[3], phk[5], phv[5];
@@ -410,7 +411,8 @@ void run_cuda_forward(const Case& c, const Config& cfg, LayerProblem& p) {
     phk[i] = DeviceTensor(p.phi_k[i]);
     phv[i] = DeviceTensor(p.phi_v[i]);
   }
-  DeviceTensor o(p.o), lse(p.lse), idx(p.indices), ob(p.o_branch);  // poisoned
+  DeviceTensor o(p.o), lse(p.lse), idx(p.indices), ob(p.o_branch), oc;  // poisoned
+  if (o_cmp) oc = DeviceTensor(*o_cmp);
   Inputs in;
   in.q = q.view();
   for (int b = 0; b < 3; ++b) in.kv[b] = KV{k[b].view(), v[b].view()};
@@ -418,14 +420,18 @@ void run_cuda_forward(const Case& c, const Config& cfg, LayerProblem& p) {
   in.phi_k = PhiParams{phk[0].view(), phk[1].view(), phk[2].view(), phk[3].view(), phk[4].view()};
   in.phi_v = PhiParams{phv[0].view(), phv[1].view(), phv[2].view(), phv[3].view(), phv[4].view()};
   in.seqs = ds.seqs;
-  const ForwardOutputs out{o.view(), lse.view(), idx.view(), ob.view()};
+  const ForwardOutputs out{o.view(), lse.view(), idx.view(), o_cmp ? TensorView{} : ob.view(),
+                           o_cmp ? oc.view() : TensorView{}};
   const DeviceWorkspace ws(workspace_size(cuda_ctx(), Op::forward, cfg, problem_of(cfg, in)));  // NaN pattern
   forward(cuda_ctx(), cfg, in, out, ws.view());
   sync();
   o.download(p.o);
   lse.download(p.lse);
   idx.download(p.indices);
-  ob.download(p.o_branch);
+  if (o_cmp)
+    oc.download(*o_cmp);
+  else
+    ob.download(p.o_branch);
 }
 
 // The whole CUDA forward against the reference pipeline, stage by stage in fp64.
@@ -525,6 +531,27 @@ TEST_P(CudaForward, ForwardWithoutTmaMatchesReferencePipeline) {
   NSA_REQUIRE_GPU();
   const NoTensorMaps no_tma;
   check_forward_pipeline(GetParam());
+}
+
+// The compressed branch's output kept alone (ForwardOutputs::o_cmp, as the torch layer keeps it
+// for the backward) is o_branch's first plane bit for bit, and o, lse and indices are unchanged.
+TEST_P(CudaForward, CompressedOutputIsTheFirstBranchOutput) {
+  NSA_REQUIRE_GPU();
+  const Case& c = GetParam();
+  const Config cfg = config_of(c);
+  LayerProblem with_ob = make_problem(cfg, sizes_of(c), 71), with_oc = make_problem(cfg, sizes_of(c), 71);
+  run_cuda_forward(c, cfg, with_ob);
+  HostTensor oc(with_oc.o.dtype(), with_oc.o.shape());
+  oc.poison();  // as o_branch was
+  run_cuda_forward(c, cfg, with_oc, &oc);
+  const std::vector<double> ob = with_ob.o_branch.values(), got = oc.values();
+  ASSERT_EQ(got.size() * 3, ob.size());
+  size_t differ = 0;
+  for (size_t i = 0; i < got.size(); ++i) differ += !(got[i] == ob[i] || (std::isnan(got[i]) && std::isnan(ob[i])));
+  EXPECT_EQ(differ, 0u) << "o_cmp against o_branch[0]";
+  EXPECT_TRUE(same_outside_rows(with_oc.o, with_ob.o, 0, 0)) << "o";
+  EXPECT_TRUE(same_outside_rows(with_oc.lse, with_ob.lse, 0, 0)) << "lse";
+  EXPECT_TRUE(same_outside_rows(with_oc.indices, with_ob.indices, 0, 0)) << "indices";
 }
 
 // The sequences of a packed batch do not see each other: with every input row of one sequence

@@ -88,16 +88,17 @@ def test_forward_against_reference(dtype, phi):
     assert err <= 2 * err_cpu + floor, (err, err_cpu, floor)
 
 
-@pytest.mark.parametrize("save_branch_outputs", [False, True])
-def test_backward_against_reference(save_branch_outputs):
-    # save_branch_outputs: the backward takes dg from the kept branch outputs instead of
-    # recomputing them.
+@pytest.mark.parametrize("kept", ["o", "o_cmp", "o_branch"])
+def test_backward_against_reference(kept):
+    # What the forward keeps for the backward besides o: nothing (every dg recomputed), the
+    # compressed branch's output (its dg from it; the default) or every branch's output (each dg
+    # from them).
     dtype = torch.bfloat16
     q, kv, g, pk, pv, cu = problem(dtype, seqlens=(200, 90))
     leaves = [q, *kv, g, *pk, *pv]
     for x in leaves:
         x.requires_grad_()
-    o, aux = run(q, kv, g, pk, pv, cu, save_branch_outputs=save_branch_outputs)
+    o, aux = run(q, kv, g, pk, pv, cu, save_branch_outputs=kept == "o_branch", save_cmp_output=kept == "o_cmp")
     d_o = torch.randn_like(o)
     o.backward(d_o)
     # The reference's gradients for the same selected blocks.

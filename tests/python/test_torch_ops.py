@@ -173,6 +173,29 @@ def test_saved_branch_outputs_give_the_same_gradients():
     q, kv6, g, phi_k, phi_v, cu = to_torch(p)
     outs = torch.ops.nsa.forward(q, *kv6, g, *phi_k, *phi_v, cu, 0, SMALL.ints(), 0.0, "auto", 0, True)
     assert outs[3].shape == (3, q.shape[0], q.shape[1], kv6[1].shape[2])
+    # save_cmp: the fourth output is the compressed branch's output alone, o_branch[0] bit for bit
+    # (save_branches, when both are asked, keeps all three).
+    kept = torch.ops.nsa.forward(q, *kv6, g, *phi_k, *phi_v, cu, 0, SMALL.ints(), 0.0, "auto", 0, False, None, 0,
+                                 True)[3]
+    assert kept.shape == (q.shape[0], q.shape[1], kv6[1].shape[2])
+    assert torch.equal(kept, outs[3][0])
+    both = torch.ops.nsa.forward(q, *kv6, g, *phi_k, *phi_v, cu, 0, SMALL.ints(), 0.0, "auto", 0, True, None, 0,
+                                 True)[3]
+    assert torch.equal(both, outs[3])
+
+
+def test_saved_compressed_output_gives_the_same_gradients():
+    # The backward op given o_cmp (the CPU backends ignore it): the same gradients.
+    p = make_problem(seed=43, seqlens=(9, 13), phi="mlp")
+    q, kv6, g, phi_k, phi_v, cu = to_torch(p)
+    o, lse, idx, o_cmp = torch.ops.nsa.forward(q, *kv6, g, *phi_k, *phi_v, cu, 0, SMALL.ints(), 0.0, "auto", 0,
+                                               False, None, 0, True)
+    d_o = torch.randn_like(o)
+    args = (q, *kv6, g, *phi_k, *phi_v, cu, 0, SMALL.ints(), 0.0, "auto", 0, lse, idx, None, d_o, o)
+    plain = torch.ops.nsa.backward(*args)
+    with_cmp = torch.ops.nsa.backward(*args, None, 0, o_cmp)
+    for a, b in zip(plain, with_cmp):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_lse_and_indices_are_not_differentiable():
@@ -218,6 +241,7 @@ def test_opcheck_forward():
     p = make_problem(seed=37, cfg=TINY, seqlens=(9, 6), hq=2, hkv=1, dqk=3, dv=2, hidden=3)
     torch.library.opcheck(torch.ops.nsa.forward.default, _opcheck_args(p, TINY))
     torch.library.opcheck(torch.ops.nsa.forward.default, _opcheck_args(p, TINY)[:-1] + (True,))
+    torch.library.opcheck(torch.ops.nsa.forward.default, _opcheck_args(p, TINY) + (None, 0, True))
     p = make_problem(seed=38, cfg=TINY, seqlens=(11,), hq=2, hkv=1, dqk=3, dv=2, phi="mean", shared=True)
     torch.library.opcheck(torch.ops.nsa.forward.default, _opcheck_args(p, TINY))
 

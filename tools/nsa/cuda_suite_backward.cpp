@@ -37,8 +37,9 @@
 namespace nsa_cli {
 namespace {
 
-const char* const kVariantNames[] = {"full",           "saved_o_branch", "no_window", "no_selection", "phi_mlp_F4D",
-                                     "full_without_o", "per_token",      "local_q",   "local_q_per_token"};
+const char* const kVariantNames[] = {"full",        "saved_o_branch", "saved_o_cmp", "no_window",
+                                     "no_selection", "phi_mlp_F4D",    "full_without_o", "per_token",
+                                     "local_q",     "local_q_per_token"};
 
 struct Shape {
   int64_t hq, hkv, dqk, dv;
@@ -99,6 +100,7 @@ struct Variant {
   bool local_q = false;    // queries alike over 64 tokens (fill_local_bf16), as in trained models: last
   bool per_token = false;  // the selection's union tiles off (forward and backward): the A/B of them
   bool without_o = false;  // the backward is not given the forward's o (its selection recomputes o_slc)
+  bool o_cmp = false;      // the forward keeps the compressed branch's output, the backward takes its dg from it
 };
 
 // The variants of one shape and length: the full layer, then one branch off at a time (64K and 8K
@@ -106,7 +108,10 @@ struct Variant {
 std::vector<Variant> variants_of(const Shape& s, int64_t T) {
   const bool square = s.dqk == s.dv;
   std::vector<Variant> variants = {{"full", 16, 512, nsa::PhiKind::mean, false}};
-  if (square) variants.push_back({"saved_o_branch", 16, 512, nsa::PhiKind::mean, true});
+  if (square) {
+    variants.push_back({"saved_o_branch", 16, 512, nsa::PhiKind::mean, true});
+    variants.push_back({"saved_o_cmp", 16, 512, nsa::PhiKind::mean, false, false, false, false, true});
+  }
   if (square && s.hq == 64 && (T == 65536 || T == 8192)) {
     variants.push_back({"no_window", 16, 0, nsa::PhiKind::mean, false});
     variants.push_back({"no_selection", 0, 512, nsa::PhiKind::mean, false});
@@ -192,9 +197,13 @@ int run_backward_suite(const std::vector<std::string>& args) {
         in.phi_v = phiv;
         std::unique_ptr<DeviceTensor> ob;
         if (var.o_branch) ob = std::make_unique<DeviceTensor>(bf16, std::initializer_list<int64_t>{3, T, s.hq, s.dv});
-        const nsa::ForwardOutputs out{o.view, lse.view, idx.view, ob ? ob->view : nsa::TensorView()};
+        if (var.o_cmp) ob = std::make_unique<DeviceTensor>(bf16, std::initializer_list<int64_t>{T, s.hq, s.dv});
+        const nsa::TensorView kept = ob ? ob->view : nsa::TensorView();
+        const nsa::ForwardOutputs out{o.view, lse.view, idx.view, var.o_branch ? kept : nsa::TensorView(),
+                                      var.o_cmp ? kept : nsa::TensorView()};
         // What the backward is given: the forward's outputs, o left out for `without_o`.
-        const nsa::ForwardOutputs saved{var.without_o ? nsa::TensorView() : o.view, lse.view, idx.view, out.o_branch};
+        const nsa::ForwardOutputs saved{var.without_o ? nsa::TensorView() : o.view, lse.view, idx.view, out.o_branch,
+                                        out.o_cmp};
         nsa::Gradients grads;
         grads.dq = dq.view;
         for (int b = 0; b < 3; ++b) grads.dkv[b] = {dk[b]->view, dv[b]->view};
@@ -228,7 +237,7 @@ int run_backward_suite(const std::vector<std::string>& args) {
         const double bwd_flops = (keys[0] + keys[1] + keys[2]) * s.hq * 2.0 * (3.0 * s.dqk + 2.0 * s.dv);
         const double tf = bwd_flops / (t_b * 1e-3) / 1e12;
         // Peak device memory of a training step through the layer: every tensor it reads or writes
-        // (inputs with three K/V pairs, o, lse, indices, o_branch where kept, dO, every gradient, phi's
+        // (inputs with three K/V pairs, o, lse, indices, o_branch or o_cmp where kept, dO, every gradient, phi's
         // parameters) and the larger of the two workspaces (the forward's is not needed once it ran).
         const double peak_bytes = double(g_tensor_bytes) + double(std::max(fws, bws));
         std::printf("T=%6lld Hq=%2lld Hkv=%lld D=%lld/%lld %-12s fwd %8.2f ms  bwd %8.2f ms  fwd+bwd %8.2f ms  "

@@ -28,6 +28,15 @@ struct DqKeyTiles {
   const int32_t* slc_blocks;               // [n_slc] ascending
   const unsigned long long* slc_tokens;    // [n_slc] the tile's tokens that picked each
 
+  // The tiles a sweep takes when it leaves out the compressed ones (skip_cmp) and the selection's
+  // (skip_slc): runs() of them, the j-th being tile run_tile(j) (buffers alternate with j).
+  __device__ __forceinline__ int runs(bool skip_cmp, bool skip_slc) const {
+    return n_tiles - (skip_cmp ? n_cmp : 0) - (skip_slc ? n_slc : 0);
+  }
+  __device__ __forceinline__ int run_tile(int j, bool skip_cmp, bool skip_slc) const {
+    const int i = skip_cmp ? j + n_cmp : j;
+    return skip_slc && i >= n_cmp ? i + n_slc : i;
+  }
   // Branch of tile i (kCmp = 0, kSlc = 1, kWin = 2).
   __device__ __forceinline__ int branch_of(int i) const {
     return i < n_cmp ? int(kCmp) : i < n_cmp + n_slc ? int(kSlc) : int(kWin);
@@ -244,13 +253,14 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
 
   // ---- pass 1: each branch's output o_b = P V from the saved lse, then dg_b = <dO, o_b>
   // (skipped when the forward's o_branch gave dg already: a.dg_ready is the same for every block;
+  // without the compressed tiles when the forward's o_cmp gave that branch's dg, a.dg_cmp_ready;
   // with a.d_from_o without the selection's union tiles, whose D pass 2 takes from o)
   float acc_o[DV / 8][4];
   zero(acc_o);
   if (!a.dg_ready) ml.sweep(
-      a, tiles, /*skip_slc=*/a.d_from_o, choose, cta_sees,
+      a, tiles, /*skip_cmp=*/a.dg_cmp_ready, /*skip_slc=*/a.d_from_o, choose, cta_sees,
       [&](int prev, int next) {
-        if (prev >= 0) {
+        if (prev >= 0 && !(prev == kCmp && a.dg_cmp_ready)) {
           const int branch = branch_at(prev);
           // dg of the thread's rows: its columns of o_b times dO, then the quad's partial sums.
 #pragma unroll
@@ -285,7 +295,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
         s[nt][e] *= fmaf(sg[e >> 1], dp[nt][e], -sd[e >> 1]);
       }
   };
-  ml.sweep(a, tiles, /*skip_slc=*/false, choose, cta_sees, [&](int prev, int next) {
+  ml.sweep(a, tiles, /*skip_cmp=*/false, /*skip_slc=*/false, choose, cta_sees, [&](int prev, int next) {
           if (slc_from_o && prev == kSlc)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {

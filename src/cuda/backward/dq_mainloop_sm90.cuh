@@ -146,14 +146,15 @@ struct DqMainloopSm90 {
   // enter(prev, next) runs (block-uniformly) between stages (prev = -1 first, next = 3 last; the
   // stages are the branches in index order); half(tk, tv, kt, c0) does the whole tile (c0 = 0) in
   // K/V buffers tk, tv where a row of the CTA sees it (the warpgroup multiplies together).
-  // skip_slc: the sweep leaves out the selection's tiles (pass 1 with a.d_from_o); j counts the
-  // tiles it takes (buffers alternate with j), real(j) is the tile.
+  // skip_cmp, skip_slc: the sweep leaves out the compressed tiles (pass 1 with a.dg_cmp_ready), the
+  // selection's (pass 1 with a.d_from_o); j counts the tiles it takes (buffers alternate with j),
+  // real(j) is the tile.
   template <typename Tiles, typename Choose, typename CtaSees, typename Enter, typename Half>
-  __device__ __forceinline__ void sweep(const BwdArgs& a, const Tiles& tiles, bool skip_slc, Choose&& choose,
-                                        CtaSees&& cta_sees, Enter&& enter, Half&& half) {
+  __device__ __forceinline__ void sweep(const BwdArgs& a, const Tiles& tiles, bool skip_cmp, bool skip_slc,
+                                        Choose&& choose, CtaSees&& cta_sees, Enter&& enter, Half&& half) {
     int cur = -1;
-    const int n_run = skip_slc ? tiles.n_tiles - tiles.n_slc : tiles.n_tiles;
-    auto real = [&](int j) { return skip_slc && j >= tiles.n_cmp ? j + tiles.n_slc : j; };
+    const int n_run = tiles.runs(skip_cmp, skip_slc);
+    auto real = [&](int j) { return tiles.run_tile(j, skip_cmp, skip_slc); };
     if (tma) {
       if (threadIdx.x == 0 && n_run > 0) issue_tma(a, tiles, real(0), 0);
     } else {
