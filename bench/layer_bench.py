@@ -82,6 +82,9 @@ def main():
     ap.add_argument("--csv")
     ap.add_argument("--markdown")
     a = ap.parse_args()
+    for kept in a.kept.split(","):
+        if kept not in ("o", "o_cmp", "o_branch"):
+            raise SystemExit(f"--kept: {kept!r} is none of o, o_cmp, o_branch")
     dev, dt = "cuda", torch.bfloat16
     rows = []
     for G in [int(g) for g in a.groups.split(",")]:
@@ -93,8 +96,6 @@ def main():
             dense = None
             for phi in a.phi.split(","):
                 for kept in a.kept.split(","):
-                    if kept not in ("o", "o_cmp", "o_branch"):
-                        raise SystemExit(f"--kept: {kept!r} is none of o, o_cmp, o_branch")
                     layer = nsa.NativeSparseAttention(hidden, hq, HKV, head_dim=D, phi=phi,
                                                        save_branch_outputs=kept == "o_branch",
                                                        save_cmp_output=kept == "o_cmp", device=dev, dtype=dt)

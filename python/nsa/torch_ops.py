@@ -78,8 +78,8 @@ def forward_op(
     backward: o_branch [3, Tq, Hq, Dv] (each branch's output) if save_branches, else o_cmp
     [Tq, Hq, Dv] (the compressed branch's) if save_cmp, else an empty tensor. Tq = T (k's rows)
     unless cu_seqlens_q gives a query packing (each sequence's last positions)."""
-    o_cmp = _kept_shape(q, v_cmp, save_branches, save_cmp)
-    o_cmp = q.new_empty(o_cmp) if len(o_cmp) == 3 else None
+    kept_shape = _kept_shape(q, v_cmp, save_branches, save_cmp)
+    o_cmp = q.new_empty(kept_shape) if len(kept_shape) == 3 else None
     r = _core.forward(_fw, _cfg(config, scale), q, (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win), g,
                       _phi(phi_k_w1, phi_k_b1, phi_k_w2, phi_k_b2, phi_k_pe),
                       _phi(phi_v_w1, phi_v_b1, phi_v_w2, phi_v_b2, phi_v_pe),
