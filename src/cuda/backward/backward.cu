@@ -273,19 +273,17 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
   // 3. dq and dg (dg from the saved branch outputs when the caller kept them: dq_kernel then
   //    skips its recompute of those branches' outputs). dq_kernel does the compressed and window
   //    branches; slc_dq_kernel then adds the selection's dq (and writes its dg).
+  auto dg_from = [&](const void* o_b, int64_t sb, int64_t st, int64_t sh, int branches) {
+    dg_from_branches_kernel<E><<<blocks_for(p.T * p.hq * 32), 256, 0, s>>>(
+        a.d_o, static_cast<const E*>(o_b), sb, st, sh, p.T * p.hq, int(p.hq), int(p.dv), branches, a.dg32, a.dg);
+    NSA_CUDA_CHECK_LAUNCH();
+  };
   if (saved.o_branch.defined() && p.T > 0) {
     const TensorView& ob = saved.o_branch;
-    dg_from_branches_kernel<E><<<blocks_for(p.T * p.hq * 32), 256, 0, s>>>(
-        a.d_o, static_cast<const E*>(ob.data), ob.stride[0], ob.stride[1], ob.stride[2], p.T * p.hq, int(p.hq),
-        int(p.dv), 3, a.dg32, a.dg);
-    NSA_CUDA_CHECK_LAUNCH();
+    dg_from(ob.data, ob.stride[0], ob.stride[1], ob.stride[2], 3);
     a.dg_ready = true;
   } else if (saved.o_cmp.defined() && p.T > 0) {  // the compressed branch's dg alone (kCmp = 0)
-    const TensorView& oc = saved.o_cmp;
-    dg_from_branches_kernel<E><<<blocks_for(p.T * p.hq * 32), 256, 0, s>>>(
-        a.d_o, static_cast<const E*>(oc.data), 0, oc.stride[0], oc.stride[1], p.T * p.hq, int(p.hq), int(p.dv), 1,
-        a.dg32, a.dg);
-    NSA_CUDA_CHECK_LAUNCH();
+    dg_from(saved.o_cmp.data, 0, saved.o_cmp.stride[0], saved.o_cmp.stride[1], 1);
     a.dg_cmp_ready = true;
   }
   // Without o_branch but with the forward's o: slc_dq_kernel takes the selection's D from o and
