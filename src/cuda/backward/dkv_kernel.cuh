@@ -190,25 +190,50 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
   const int first_pos = kt.kp0, last_pos = kt.kp0 + (nk - 1) * kt.kstep;
   int whole = 0;
   ml.start(maps);  // sm_90a with tensor maps: the Q / dO buffers' mbarriers
+  // Query tile i's tokens: a selection list's (list: entries i0 .. i0 + ntok - 1 of the inverted
+  // index) or consecutive ones from t0 (window, compressed).
+  struct QueryTile {
+    bool list;
+    int t0, i0, ntok;
+  };
+  auto query_tile = [&](int i) {
+    QueryTile q{kSet == KeySet::raw && i >= n0, 0, 0, 0};
+    if (q.list) {  // tokens from the inverted index
+      q.i0 = first + (ti0 + i - n0) * tq;
+      q.ntok = min(tq, last - q.i0);
+    } else if (kSet == KeySet::raw) {  // window: consecutive tokens from key0
+      q.t0 = key0 + i * tq;
+      q.ntok = min(tq, t_end - q.t0 + 1);
+    } else {  // compressed: consecutive tokens of this split's range
+      q.t0 = cmp_q0 + i * tq;
+      q.ntok = min(tq, cmp_q1 - q.t0);
+    }
+    return q;
+  };
+  // A list tile's tokens two tiles ahead: prefetch(i) copies tile i + 2's into the token ring by
+  // cp.async, in the pipeline's group of tile i's copies, which the pipeline waits for and
+  // publishes (barrier) before it calls prefetch(i + 2); prefetch(0) and prefetch(1) read theirs
+  // from the index. So a list tile's row table waits for one round of loads (lse, gate, dg), not
+  // two (the token, then those).
+  auto stage_tokens = [&](int i) {
+    if (i >= n0 + n1) return;
+    const QueryTile q = query_tile(i);
+    if (!q.list) return;
+    int32_t* slot = ml.tokens->tok[i % kTokenSlots];
+    for (int u = threadIdx.x; u < q.ntok; u += kThreads) cuda::cp_async_4(slot + u, a.sel_tokens + q.i0 + u);
+  };
   auto prefetch = [&](int i, int buf) {
     RowTile& R = ml.ri[buf];
-    const bool list = kSet == KeySet::raw && i >= n0;
+    stage_tokens(i + 2);
+    const QueryTile q = query_tile(i);
+    const bool list = q.list;
     const int branch = kSet == KeySet::cmp ? kCmp : list ? kSlc : kWin;
-    int t0 = 0, i0 = 0, ntok;
-    if (list) {  // tokens from the inverted index
-      i0 = first + (ti0 + i - n0) * tq;
-      ntok = min(tq, last - i0);
-    } else if (kSet == KeySet::raw) {  // window: consecutive tokens from key0
-      t0 = key0 + i * tq;
-      ntok = min(tq, t_end - t0 + 1);
-    } else {  // compressed: consecutive tokens of this split's range
-      t0 = cmp_q0 + i * tq;
-      ntok = min(tq, cmp_q1 - t0);
-    }
+    const int t0 = q.t0, ntok = q.ntok;
+    const int32_t* list_tokens = i >= 2 ? ml.tokens->tok[i % kTokenSlots] : a.sel_tokens + q.i0;
     bool sees_all = true;
     for (int r = threadIdx.x; r < kRows; r += kThreads) {
       const int u = r / a.G;
-      const int tok = u >= ntok ? -1 : list ? a.sel_tokens[i0 + u] : int(s0 + t0 + u);
+      const int tok = u >= ntok ? -1 : list ? list_tokens[u] : int(s0 + t0 + u);
       const int h = hk * a.G + r % a.G;
       if (tok < 0) {
         R.q[r] = R.dO[r] = nullptr;
