@@ -156,6 +156,7 @@ struct BwdArgs {
   const void* kc = nullptr;  // [Rc, Hkv, Dqk] 16-bit, contiguous
   const void* vc = nullptr;  // [Rc, Hkv, Dv]
   float* dg32 = nullptr;     // [T, Hq, 3] dg in fp32 (read by dkv_kernel)
+  float* g32 = nullptr;      // [T, Hq, 3] the gates in fp32 (dkv_kernel copies them ahead by cp.async)
   bool dg_ready = false;     // dg32 and dg already hold <dO, o_b> (from the saved o_branch)
   bool dg_cmp_ready = false; // dg32 and dg hold the compressed branch's <dO, o_cmp> (from the saved o_cmp)
   // slc_dq_kernel without its pass 1 (no recompute of o_slc): the forward's o is given, so the

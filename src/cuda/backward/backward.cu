@@ -89,6 +89,16 @@ __global__ void dg_from_branches_kernel(Mat3 d_o, const E* ob, int64_t ob_sb, in
   }
 }
 
+// g32 [T, Hq, 3] = the gates g (any strides) in fp32, for dkv_kernel's 4-byte copies ahead.
+template <typename E>
+__global__ void gates_f32_kernel(Mat3 g, int64_t rows, int hq, float* g32) {
+  const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= rows * 3) return;
+  const int64_t r = e / 3, t = r / hq;
+  const int h = int(r % hq), b = int(e % 3);
+  g32[e] = load_f32<E>(g.p, t * g.s0 + h * g.s1 + b);
+}
+
 // The compressed dk (or dv) of element e of [Rc, Hkv, D]: the partials of the splits before the
 // last that see its block, in split order, then the last split's value already in out[e]
 // (cmp_split_of). Rows of no block (between sequences, or past the last block) stay as they are.
@@ -243,6 +253,7 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
   a.kc = L.kc;
   a.vc = L.vc;
   a.dg32 = L.dg32;
+  a.g32 = L.g32;
   a.dq = out3(grads.dq);
   a.dq_pairs = aligned_pairs(grads.dq);
   a.dg = out3(grads.dg);
@@ -292,6 +303,11 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
   a.d_from_o = !a.dg_ready && saved.o.defined() && p.T > 0;
   dispatch_dims<E>(a, s, BwdKernel::dq);
   if (a.n > 0) dispatch_dims<E>(a, s, BwdKernel::slc_dq);
+
+  if (p.T > 0) {
+    gates_f32_kernel<E><<<blocks_for(p.T * p.hq * 3), 256, 0, s>>>(a.g, p.T * p.hq, int(p.hq), a.g32);
+    NSA_CUDA_CHECK_LAUNCH();
+  }
 
   // 4. Compressed branch dk/dv (fp32): the last query split of each sequence writes dkc / dvc,
   //    the earlier ones partials, added in split order (cmp_split_of). Rows of no block stay 0.

@@ -210,30 +210,55 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
     }
     return q;
   };
-  // A list tile's tokens two tiles ahead: prefetch(i) copies tile i + 2's into the token ring by
-  // cp.async, in the pipeline's group of tile i's copies, which the pipeline waits for and
-  // publishes (barrier) before it calls prefetch(i + 2); prefetch(0) and prefetch(1) read theirs
-  // from the index. So a list tile's row table waits for one round of loads (lse, gate, dg), not
-  // two (the token, then those).
-  auto stage_tokens = [&](int i) {
-    if (i >= n0 + n1) return;
-    const QueryTile q = query_tile(i);
-    if (!q.list) return;
-    int32_t* slot = ml.tokens->tok[i % kTokenSlots];
-    for (int u = threadIdx.x; u < q.ntok; u += kThreads) cuda::cp_async_4(slot + u, a.sel_tokens + q.i0 + u);
+  // Copied ahead by cp.async into the tile ring (dkv_smem.cuh), in the pipeline's group of tile
+  // i's copies when prefetch(i) issues them: the pipeline waits for that group and passes a barrier
+  // before it calls prefetch(i + 2). So prefetch(i) copies tile i + 4's list tokens and, with the
+  // ring's tokens of tile i + 2 (copied by prefetch(i - 2)), that tile's lse, gate and dg: a row
+  // table waits for no global load. Tiles 0 .. 3 have their tokens read from the index, tiles 0
+  // and 1 their row statistics from global memory.
+  auto branch_of = [&](const QueryTile& q) { return kSet == KeySet::cmp ? kCmp : q.list ? kSlc : kWin; };
+  auto tokens_of = [&](int i, const QueryTile& q) -> const int32_t* {
+    return i >= 4 ? ml.ring->tok[i % kTokenSlots] : a.sel_tokens + q.i0;
+  };
+  // Token of row r of query tile q (tokens: its list's, when it is one), -1 for a padding row.
+  auto row_token = [&](const QueryTile& q, const int32_t* tokens, int r) {
+    const int u = r / a.G;
+    return u >= q.ntok ? -1 : q.list ? tokens[u] : int(s0 + q.t0 + u);
+  };
+  const float* lse_p = static_cast<const float*>(a.lse.p);
+  auto stage_ahead = [&](int i) {
+    if (i + 4 < n0 + n1) {
+      const QueryTile q = query_tile(i + 4);
+      int32_t* slot = ml.ring->tok[(i + 4) % kTokenSlots];
+      if (q.list)
+        for (int u = threadIdx.x; u < q.ntok; u += kThreads) cuda::cp_async_4(slot + u, a.sel_tokens + q.i0 + u);
+    }
+    if (i + 2 < n0 + n1) {
+      const QueryTile q = query_tile(i + 2);
+      const int branch = branch_of(q), m = (i + 2) % kMetaSlots;
+      const int32_t* tokens = tokens_of(i + 2, q);
+      for (int r = threadIdx.x; r < kRows; r += kThreads) {
+        const int tok = row_token(q, tokens, r);
+        if (tok < 0) continue;
+        const int h = hk * a.G + r % a.G;
+        const int64_t e = (int64_t(tok) * a.hq + h) * 3 + branch;
+        cuda::cp_async_4(&ml.ring->lse[m][r], lse_p + tok * a.lse.s0 + h * a.lse.s1 + branch);
+        cuda::cp_async_4(&ml.ring->g[m][r], a.g32 + e);
+        cuda::cp_async_4(&ml.ring->dg[m][r], a.dg32 + e);
+      }
+    }
   };
   auto prefetch = [&](int i, int buf) {
     RowTile& R = ml.ri[buf];
-    stage_tokens(i + 2);
+    stage_ahead(i);
     const QueryTile q = query_tile(i);
     const bool list = q.list;
-    const int branch = kSet == KeySet::cmp ? kCmp : list ? kSlc : kWin;
+    const int branch = branch_of(q), m = i % kMetaSlots;
     const int t0 = q.t0, ntok = q.ntok;
-    const int32_t* list_tokens = i >= 2 ? ml.tokens->tok[i % kTokenSlots] : a.sel_tokens + q.i0;
+    const int32_t* tokens = tokens_of(i, q);
     bool sees_all = true;
     for (int r = threadIdx.x; r < kRows; r += kThreads) {
-      const int u = r / a.G;
-      const int tok = u >= ntok ? -1 : list ? list_tokens[u] : int(s0 + t0 + u);
+      const int tok = row_token(q, tokens, r);
       const int h = hk * a.G + r % a.G;
       if (tok < 0) {
         R.q[r] = R.dO[r] = nullptr;
@@ -244,9 +269,10 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
       R.q[r] = qb + int64_t(tok) * a.q.s0 + int64_t(h) * a.q.s1;
       R.dO[r] = dob + int64_t(tok) * a.d_o.s0 + int64_t(h) * a.d_o.s1;
       const int t = int(tok - s0);
-      const float lse = static_cast<const float*>(a.lse.p)[tok * a.lse.s0 + h * a.lse.s1 + branch];
-      const float g = load_f32<E>(a.g.p, tok * a.g.s0 + h * a.g.s1 + branch);
-      const float dg = a.dg32[(int64_t(tok) * a.hq + h) * 3 + branch];
+      const int64_t e = (int64_t(tok) * a.hq + h) * 3 + branch;
+      const float lse = i >= 2 ? ml.ring->lse[m][r] : lse_p[tok * a.lse.s0 + h * a.lse.s1 + branch];
+      const float g = i >= 2 ? ml.ring->g[m][r] : a.g32[e];
+      const float dg = i >= 2 ? ml.ring->dg[m][r] : a.dg32[e];
       R.st[r] = make_float4(lse * kLog2e, g, a.scale * dg, 0.f);
       const int lo = branch == kWin ? t - a.w + 1 : INT32_MIN;
       R.vis[r] = make_int2(lo, t);

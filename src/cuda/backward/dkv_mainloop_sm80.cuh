@@ -22,7 +22,7 @@ struct DkvMainloopSm80 {
   E* sQ;
   E* sDo;
   RowTile* ri;
-  TokenRing* tokens;
+  TileRing* ring;
 
   __device__ __forceinline__ explicit DkvMainloopSm80(unsigned char* smem_raw)
       : smem(smem_raw),
@@ -31,7 +31,7 @@ struct DkvMainloopSm80 {
         sQ(reinterpret_cast<E*>(smem + L::kQ)),
         sDo(reinterpret_cast<E*>(smem + L::kDo)),
         ri(reinterpret_cast<RowTile*>(smem + L::kRi)),
-        tokens(reinterpret_cast<TokenRing*>(smem + L::kTok)) {}
+        ring(reinterpret_cast<TileRing*>(smem + L::kRing)) {}
 
   // Starts copying the key tile (key c at kb + c * ks, vb + c * vs; rows from nk on zero-filled).
   __device__ __forceinline__ void load_kv(const BwdArgs& a, const E* kb, int64_t ks, const E* vb, int64_t vs, int nk,

@@ -32,7 +32,7 @@ struct DkvMainloopSm90 {
   E* sQ;
   E* sDo;
   RowTile* ri;
-  TokenRing* tokens;
+  TileRing* ring;
   const DkvMaps* maps = nullptr;
   bool tma = false;
   uint64_t* bars = nullptr;
@@ -46,7 +46,7 @@ struct DkvMainloopSm90 {
     sQ = reinterpret_cast<E*>(smem + L::kSwQ);
     sDo = reinterpret_cast<E*>(smem + L::kSwDo);
     ri = reinterpret_cast<RowTile*>(smem + L::kSwRi);
-    tokens = reinterpret_cast<TokenRing*>(smem + L::kSwTok);
+    ring = reinterpret_cast<TileRing*>(smem + L::kSwRing);
   }
 
   // Starts copying the key tile (key c at kb + c * ks, vb + c * vs; rows from nk on zero-filled).

@@ -19,11 +19,17 @@ struct RowTile {
   int2 vis[kRows];    // visible key positions [lo, hi]; hi = -1 for a padding row
 };
 
-// The selection lists' tokens of the next query tiles, copied ahead by cp.async: tile i's in slot
-// i % kTokenSlots (dkv_kernel's prefetch).
-constexpr int kTokenSlots = 4;
-struct TokenRing {
+// What dkv_kernel's prefetch copies ahead by cp.async for the query tiles to come (the
+// pipeline's stages): the selection lists' tokens four tiles ahead (tile i's in tok[i %
+// kTokenSlots]), each row's lse, gate and dg of its branch two tiles ahead (tile i's in slot
+// i % kMetaSlots).
+constexpr int kTokenSlots = 8;
+constexpr int kMetaSlots = 4;
+struct TileRing {
   int32_t tok[kTokenSlots][kRows];
+  float lse[kMetaSlots][kRows];
+  float g[kMetaSlots][kRows];
+  float dg[kMetaSlots][kRows];
 };
 
 template <typename E, int DQK, int DV>
@@ -33,8 +39,8 @@ struct DkvSmem {
   static constexpr int kQ = kV + tile_bytes<DV>();         // [2][kRows][DQK + kPad], double-buffered
   static constexpr int kDo = kQ + 2 * tile_bytes<DQK>();   // [2][kRows][DV + kPad]
   static constexpr int kRi = kDo + 2 * tile_bytes<DV>();   // [2] RowTile
-  static constexpr int kTok = kRi + 2 * int(sizeof(RowTile));  // TokenRing
-  static constexpr int kPaddedEnd = kTok + int(sizeof(TokenRing));
+  static constexpr int kRing = kRi + 2 * int(sizeof(RowTile));  // TileRing
+  static constexpr int kPaddedEnd = kRing + int(sizeof(TileRing));
   static_assert(kRi % 16 == 0, "RowTile holds float4");
   // sm_90a (wgmma): the same tiles unpadded in the 128-byte swizzle layout (common/wgmma.h), from
   // a 1024-byte boundary of the dynamic shared memory (the host adds 1024 bytes of slack).
@@ -42,10 +48,10 @@ struct DkvSmem {
   // one (Dqk 192 / Dv 128: two make 129 KB, 134 KB with the padded layout's size that the launch
   // asked for before `b4155de`: one CTA per SM, dkv_kernel 1.8-2.25x its Dqk 128 time at 64K; one
   // makes 88 KB, two CTAs per SM). The RowTiles stay two (prefetch fills
-  // the next one). kSwQdo: one Q and one dO buffer; kSwFixed: the rest (K, V, RowTiles, the token
+  // the next one). kSwQdo: one Q and one dO buffer; kSwFixed: the rest (K, V, RowTiles, the tile
   // ring, mbarriers; static_assert below).
   static constexpr int kSwQdo = kRows * (DQK + DV) * 2;
-  static constexpr int kSwFixed = kKeys * (DQK + DV) * 2 + 2 * int(sizeof(RowTile)) + int(sizeof(TokenRing)) +
+  static constexpr int kSwFixed = kKeys * (DQK + DV) * 2 + 2 * int(sizeof(RowTile)) + int(sizeof(TileRing)) +
                                   2 * int(sizeof(uint64_t));
   static constexpr int kSwBufs = two_ctas_fit_sm90(1024 + size_t(2 * kSwQdo + kSwFixed)) ? 2 : 1;
   static constexpr int kSwK = 0;                                    // [kKeys][DQK], resident
@@ -53,8 +59,8 @@ struct DkvSmem {
   static constexpr int kSwQ = kSwV + kKeys * DV * 2;                // [kSwBufs][kRows][DQK]
   static constexpr int kSwDo = kSwQ + kSwBufs * kRows * DQK * 2;    // [kSwBufs][kRows][DV]
   static constexpr int kSwRi = kSwDo + kSwBufs * kRows * DV * 2;    // [2] RowTile
-  static constexpr int kSwTok = kSwRi + 2 * int(sizeof(RowTile));   // TokenRing
-  static constexpr int kSwBars = kSwTok + int(sizeof(TokenRing));   // [2] mbarriers (Q / dO by TMA)
+  static constexpr int kSwRing = kSwRi + 2 * int(sizeof(RowTile));  // TileRing
+  static constexpr int kSwBars = kSwRing + int(sizeof(TileRing));   // [2] mbarriers (Q / dO by TMA)
   static constexpr int kSwEnd = kSwBars + 2 * int(sizeof(uint64_t));
   static_assert(kSwBars % 8 == 0, "mbarriers on 8 bytes");
   static_assert(DQK % 64 == 0 && DV % 64 == 0, "swizzled tiles are whole 64-column blocks");

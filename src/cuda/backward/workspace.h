@@ -43,6 +43,7 @@ struct Layout {
   int key_shift = 0;          // bits of the token in a packed key
   int sort_bits = 0;
   float* dg32 = nullptr;      // [T, Hq, 3]
+  float* g32 = nullptr;       // [T, Hq, 3] the gates in fp32
   uint32_t* keys[2] = {};     // radix-sort double buffers [T*Hkv*n] (packed: keys[1] only)
   int32_t* tokens[2] = {};
   int32_t* offsets = nullptr; // [Hkv*B*n_slc_max + 1]
@@ -114,6 +115,7 @@ inline Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
     part_rows += L.cmp_part_rows[zz];
   }
   L.dg32 = w.take<float>(size_t(z.T * z.hq * 3));
+  L.g32 = w.take<float>(size_t(z.T * z.hq * 3));
   const int64_t pairs = z.T * z.hkv * z.n;
   if (pairs > 0) L.tokens[0] = w.take<int32_t>(size_t(pairs));  // the inverted index's token lists
   L.offsets = w.take<int32_t>(size_t(z.hkv * z.B * n_slc_max + 1));
