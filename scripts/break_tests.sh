@@ -28,10 +28,8 @@ cd "$SRC" || exit 1
 mapfile -t PATCHES < <(ls tests/cuda/breaks/*.patch)
 [[ ${#PATCHES[@]} -gt 0 ]] || { echo "no patches"; exit 1; }
 patched_sums() { sed -n 's|^+++ b/||p' "$1" | sort -u | xargs md5sum; }
-header() { sed -n '/^diff --git/q;p' "$1"; }  # the comment lines before the first diff
-round_of() { local r; r="$(header "$1" | sed -n 's/^# round: //p' | head -1)"; echo "${r:-1}"; }
-filter_of() { header "$1" | sed -n 's/^# filter: //p' | head -1; }
-also_of() { header "$1" | sed -n 's/^# also: //p' | head -1; }
+# shellcheck source=scripts/break_patch_header.sh
+source "$SCRIPT_DIR/break_patch_header.sh"  # header, round_of, filter_of, also_of
 
 APPLIED=()
 restore() {

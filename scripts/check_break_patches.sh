@@ -10,13 +10,13 @@ SRC="$(cd "${1:-$(dirname "$0")/..}" && pwd)"
 cd "$SRC"
 mapfile -t PATCHES < <(ls tests/cuda/breaks/*.patch)
 [[ ${#PATCHES[@]} -gt 0 ]] || { echo "no patches in tests/cuda/breaks"; exit 1; }
-header() { sed -n '/^diff --git/q;p' "$1"; }
-round_of() { local r; r="$(header "$1" | sed -n 's/^# round: //p' | head -1)"; echo "${r:-1}"; }
+# shellcheck source=scripts/break_patch_header.sh
+source "$SRC/scripts/break_patch_header.sh"  # header, round_of, filter_of
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 bad=0
 for p in "${PATCHES[@]}"; do
-  [[ -n "$(header "$p" | sed -n 's/^# filter: //p')" ]] || { echo "FAIL: $p has no '# filter:' line"; bad=1; }
+  [[ -n "$(filter_of "$p")" ]] || { echo "FAIL: $p has no '# filter:' line"; bad=1; }
 done
 mapfile -t ROUNDS < <(for p in "${PATCHES[@]}"; do round_of "$p"; done | sort -n | uniq)
 for round in "${ROUNDS[@]}"; do
