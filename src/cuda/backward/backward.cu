@@ -304,6 +304,7 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
   dispatch_dims<E>(a, s, BwdKernel::dq);
   if (a.n > 0) dispatch_dims<E>(a, s, BwdKernel::slc_dq);
 
+  // 3b. The gates in fp32, which dkv_kernel's row tables copy ahead 4 bytes at a time.
   if (p.T > 0) {
     gates_f32_kernel<E><<<blocks_for(p.T * p.hq * 3), 256, 0, s>>>(a.g, p.T * p.hq, int(p.hq), a.g32);
     NSA_CUDA_CHECK_LAUNCH();
