@@ -53,17 +53,32 @@ def old_rotate(x, positions, inv_freq):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+def ideal_rotate(x, positions, inv_freq):
+    """The formula on the fp32 angles that both sides compute, the rest in float64: which side strays,
+    when the two disagree (a failure message)."""
+    angles = (positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]).double()
+    cos, sin = torch.cos(angles)[:, None, :], torch.sin(angles)[:, None, :]
+    x1, x2 = x.detach().double().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
 ULP = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
 
 
-def assert_like_the_formula(got, want, x):
+def assert_like_the_formula(got, want, x, ideal=None):
     """CPU tolerance (module docstring): one ulp of the dtype at the value's magnitude, plus 4 fp32
-    ulps of the largest |x| for products that nearly cancel; and nearly every element the same bits."""
+    ulps of the largest |x| for products that nearly cancel; and nearly every element the same bits.
+    ideal (float64, ideal_rotate): named in the message, each side's distance from it."""
     assert got.dtype == want.dtype and got.shape == want.shape
     g, w = got.double(), want.double()
     tol = ULP[got.dtype] * w.abs() + 4 * 2.0 ** -24 * float(x.detach().double().abs().max())
     bad = (g - w).abs() > tol
-    assert not bad.any(), f"{int(bad.sum())} elements out of tolerance, worst {float((g - w).abs().max())}"
+    if bad.any():
+        where = ""
+        if ideal is not None:
+            where = (f"; from the float64 formula on the same angles: nsa {float((g - ideal).abs().max()):.3g}, "
+                     f"torch {float((w - ideal).abs().max()):.3g}")
+        pytest.fail(f"{int(bad.sum())} elements out of tolerance, worst {float((g - w).abs().max())}{where}")
     same = float((got == want).float().mean()) if got.numel() else 1.0
     assert same >= (0.9 if got.dtype == torch.float32 else 0.999), same
 
@@ -83,7 +98,7 @@ def test_op_matches_the_formula_on_the_cpu(dtype, explicit):
     else:
         pos = positions_of(PACKED, 300)
         got = nsa.rotary(x, f, cu_seqlens=PACKED)
-    assert_like_the_formula(got, old_rotate(x, pos, f), x)
+    assert_like_the_formula(got, old_rotate(x, pos, f), x, ideal_rotate(x, pos, f))
     # The inverse undoes it (up to the roundings of both passes).
     if dtype == torch.float32:
         back = nsa.rotary(got, f, positions=pos if explicit else None, cu_seqlens=None if explicit else PACKED,
