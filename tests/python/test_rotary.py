@@ -43,23 +43,26 @@ def positions_of(cu, T, device=None):
     return torch.arange(T, device=device) - starts
 
 
+def rotate_by(x, angles):
+    """x1 cos - x2 sin, x2 cos + x1 sin of x [T, H, D] by angles [T, D/2], in the angles' dtype."""
+    cos, sin = torch.cos(angles)[:, None, :], torch.sin(angles)[:, None, :]
+    x1, x2 = x.to(angles.dtype).chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
 def old_rotate(x, positions, inv_freq):
     """The layer's formula before nsa::rotary (the oracle): cos and sin of fp32 angles (fp64 for fp64
     tensors), x1 cos - x2 sin, x2 cos + x1 sin, back to x's dtype."""
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     angles = positions.to(work)[:, None] * inv_freq.to(work)[None, :]  # [T, D/2]
-    cos, sin = torch.cos(angles)[:, None, :], torch.sin(angles)[:, None, :]
-    x1, x2 = x.to(work).chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return rotate_by(x, angles).to(x.dtype)
 
 
 def ideal_rotate(x, positions, inv_freq):
     """The formula on the fp32 angles that both sides compute, the rest in float64: which side strays,
     when the two disagree (a failure message)."""
-    angles = (positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]).double()
-    cos, sin = torch.cos(angles)[:, None, :], torch.sin(angles)[:, None, :]
-    x1, x2 = x.detach().double().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    angles = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]
+    return rotate_by(x.detach(), angles.double())
 
 
 ULP = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
