@@ -158,7 +158,11 @@ struct BwdArgs {
   float* dg32 = nullptr;     // [T, Hq, 3] dg in fp32 (read by dkv_kernel)
   float* g32 = nullptr;      // [T, Hq, 3] the gates in fp32 (dkv_kernel copies them ahead by cp.async)
   bool dg_ready = false;     // dg32 and dg already hold <dO, o_b> (from the saved o_branch)
-  bool dg_cmp_ready = false; // dg32 and dg hold the compressed branch's <dO, o_cmp> (from the saved o_cmp)
+  // The compressed branch's dg from the forward's saved o_cmp: dq_kernel's pass 1 writes
+  // <dO, o_cmp> of its rows to dg32 and dg (before any compressed tile's dS needs it) and skips
+  // the compressed tiles.
+  bool dg_cmp_ready = false;
+  Mat3 o_cmp;                // [T, Hq, Dv] the forward's compressed output (dg_cmp_ready)
   // slc_dq_kernel without its pass 1 (no recompute of o_slc): the forward's o is given, so the
   // selection's softmax correction comes from o = sum_b g_b o_b as
   // D_slc = g_slc <dO, o_slc> = <dO, o> - g_cmp dg_cmp - g_win dg_win (dq_kernel wrote dg_cmp and

@@ -65,19 +65,19 @@ __global__ void copy_cu_kernel(const int32_t* src, int64_t stride, int n, int32_
   if (i < n) dst[i] = src[i * stride];
 }
 
-// dg_b = <dO, o_b> for every (token, head) and branches 0 .. branches - 1 from the forward's saved
-// o_branch [3, T, Hq, Dv] (or o_cmp [T, Hq, Dv], branches = 1): one warp per (token, head), the
-// lanes' partial sums added by a fixed butterfly.
+// dg_b = <dO, o_b> for every (token, head) and the three branches from the forward's saved
+// o_branch [3, T, Hq, Dv]: one warp per (token, head), the lanes' partial sums added by a fixed
+// butterfly.
 template <typename E>
 __global__ void dg_from_branches_kernel(Mat3 d_o, const E* ob, int64_t ob_sb, int64_t ob_st, int64_t ob_sh,
-                                        int64_t rows, int hq, int dv, int branches, float* dg32, OutMat3 dg) {
+                                        int64_t rows, int hq, int dv, float* dg32, OutMat3 dg) {
   const int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (r >= rows) return;
   const int64_t t = r / hq;
   const int h = int(r % hq);
   const E* dorow = static_cast<const E*>(d_o.p) + t * d_o.s0 + h * d_o.s1;
-  for (int b = 0; b < branches; ++b) {
+  for (int b = 0; b < 3; ++b) {
     const E* orow = ob + b * ob_sb + t * ob_st + h * ob_sh;
     float part = 0.f;
     for (int c = lane; c < dv; c += 32) part += to_float(dorow[c]) * to_float(orow[c]);
@@ -281,20 +281,19 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
   const int64_t pairs = p.T * p.hkv * p.cfg.n_selected;
   if (pairs > 0) a.sel_tokens = build_selection_index(p, a, L, s);
 
-  // 3. dq and dg (dg from the saved branch outputs when the caller kept them: dq_kernel then
-  //    skips its recompute of those branches' outputs). dq_kernel does the compressed and window
-  //    branches; slc_dq_kernel then adds the selection's dq (and writes its dg).
-  auto dg_from = [&](const void* o_b, int64_t sb, int64_t st, int64_t sh, int branches) {
-    dg_from_branches_kernel<E><<<blocks_for(p.T * p.hq * 32), 256, 0, s>>>(
-        a.d_o, static_cast<const E*>(o_b), sb, st, sh, p.T * p.hq, int(p.hq), int(p.dv), branches, a.dg32, a.dg);
-    NSA_CUDA_CHECK_LAUNCH();
-  };
+  // 3. dq and dg (dg from the saved branch outputs when the caller kept them: o_branch's three by
+  //    a kernel first, o_cmp's by dq_kernel's pass 1; dq_kernel then skips its recompute of those
+  //    branches' outputs). dq_kernel does the compressed and window branches; slc_dq_kernel then
+  //    adds the selection's dq (and writes its dg).
   if (saved.o_branch.defined() && p.T > 0) {
     const TensorView& ob = saved.o_branch;
-    dg_from(ob.data, ob.stride[0], ob.stride[1], ob.stride[2], 3);
+    dg_from_branches_kernel<E><<<blocks_for(p.T * p.hq * 32), 256, 0, s>>>(
+        a.d_o, static_cast<const E*>(ob.data), ob.stride[0], ob.stride[1], ob.stride[2], p.T * p.hq, int(p.hq),
+        int(p.dv), a.dg32, a.dg);
+    NSA_CUDA_CHECK_LAUNCH();
     a.dg_ready = true;
-  } else if (saved.o_cmp.defined() && p.T > 0) {  // the compressed branch's dg alone (kCmp = 0)
-    dg_from(saved.o_cmp.data, 0, saved.o_cmp.stride[0], saved.o_cmp.stride[1], 1);
+  } else if (saved.o_cmp.defined() && p.T > 0) {  // the compressed branch's dg: dq_kernel's pass 1
+    a.o_cmp = mat3(saved.o_cmp);
     a.dg_cmp_ready = true;
   }
   // Without o_branch but with the forward's o: slc_dq_kernel takes the selection's D from o and

@@ -243,6 +243,14 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
     part += __shfl_xor_sync(0xffffffffu, part, 2);
     return part;
   };
+  // <dO, m[row]> of the thread's row h from a [T, Hq, Dv] output m (0 for a padding row).
+  auto row_dot_output = [&](int h, const Mat3& m) {
+    const bool row = rtok[h] >= 0;
+    const E* orow = static_cast<const E*>(m.p) + int64_t(row ? rtok[h] : 0) * m.s0 + int64_t(rhead[h]) * m.s1 + 2 * quad;
+    return row_dot_do(h, [&](int nt) {
+      return row ? make_float2(to_float(orow[8 * nt]), to_float(orow[8 * nt + 1])) : make_float2(0.f, 0.f);
+    });
+  };
   auto write_dg = [&](int h, int branch, float part) {
     if (quad == 0 && rtok[h] >= 0) {
       const int64_t tok = rtok[h];
@@ -253,13 +261,17 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
 
   // ---- pass 1: each branch's output o_b = P V from the saved lse, then dg_b = <dO, o_b>
   // (skipped when the forward's o_branch gave dg already: a.dg_ready is the same for every block;
-  // without the compressed tiles when the forward's o_cmp gave that branch's dg, a.dg_cmp_ready;
-  // with a.d_from_o without the selection's union tiles, whose D pass 2 takes from o)
+  // with the forward's o_cmp (a.dg_cmp_ready) the compressed branch's dg is <dO, o_cmp>, written
+  // on entering the first stage (dO has landed there), and its tiles are left out; with
+  // a.d_from_o without the selection's union tiles, whose D pass 2 takes from o)
   float acc_o[DV / 8][4];
   zero(acc_o);
   if (!a.dg_ready) ml.sweep(
       a, tiles, /*skip_cmp=*/a.dg_cmp_ready, /*skip_slc=*/a.d_from_o, choose, cta_sees,
       [&](int prev, int next) {
+        if (prev < 0 && a.dg_cmp_ready)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) write_dg(h, kCmp, row_dot_output(h, a.o_cmp));
         if (prev >= 0 && !(prev == kCmp && a.dg_cmp_ready)) {
           const int branch = branch_at(prev);
           // dg of the thread's rows: its columns of o_b times dO, then the quad's partial sums.
@@ -308,12 +320,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
           if (slc_from_o && next == kSlc)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-              const bool row = rtok[h] >= 0;
-              const E* orow = static_cast<const E*>(a.o.p) + int64_t(row ? rtok[h] : 0) * a.o.s0 + int64_t(rhead[h]) * a.o.s1 + 2 * quad;
-              const float dot = row_dot_do(h, [&](int nt) {
-                return row ? make_float2(to_float(orow[8 * nt]), to_float(orow[8 * nt + 1])) : make_float2(0.f, 0.f);
-              });
-              if (row) sd[h] = a.scale * slc_d_from_o<E>(a, rtok[h], rhead[h], dot);
+              const float dot = row_dot_output(h, a.o);
+              if (rtok[h] >= 0) sd[h] = a.scale * slc_d_from_o<E>(a, rtok[h], rhead[h], dot);
             }
         },
         [&](const E* tk, const E* tv, const KeyTile& kt, int c0) {
