@@ -44,6 +44,7 @@ struct CudaKernelChoices {
   bool raw_pieces = true;       // false: the backward's raw selection lists are never cut
   int raw_piece_tiles = 0;      // > 0: lists longer than this many query tiles are cut (else the rule)
   bool packed_sort = true;      // false: the inverted index sorts (key, token) pairs, not packed keys
+  bool dkv_warp_specialized = true;  // false: the backward's dK/dV kernel is one warpgroup per CTA everywhere
 };
 
 struct Context {

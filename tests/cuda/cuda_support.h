@@ -56,6 +56,15 @@ struct NoSelectionUnionTiles {
   NoSelectionUnionTiles& operator=(const NoSelectionUnionTiles&) = delete;
 };
 
+// While alive, the backward's dK / dV run one warpgroup per CTA (dkv_kernel) where they would run
+// warp-specialised (dkv_ws_kernel: sm_90a, Dqk = Dv = 128; CudaKernelChoices::dkv_warp_specialized).
+struct OneWarpgroupDkv {
+  OneWarpgroupDkv() { kernel_choices().dkv_warp_specialized = false; }
+  ~OneWarpgroupDkv() { kernel_choices().dkv_warp_specialized = true; }
+  OneWarpgroupDkv(const OneWarpgroupDkv&) = delete;
+  OneWarpgroupDkv& operator=(const OneWarpgroupDkv&) = delete;
+};
+
 // While alive, the backward takes paths its rules keep for long sequences: the compressed dK/dV's
 // queries in `cmp_splits` parts (0: by the sequence length), with pair_sort the inverted index's
 // (key, token) pair sort, and the raw blocks' selection lists in pieces of at most

@@ -311,6 +311,17 @@ TEST_P(CudaBackward, EveryGradientWithPerTokenSelectionMatchesReference) {
   check_against_reference(GetParam(), {});
 }
 
+// dK / dV: at Dqk = Dv = 128 on sm_90a the other tests run the warp-specialised dkv_ws_kernel; here
+// the one-warpgroup dkv_kernel that every other shape and target runs. With the forward's o and
+// o_cmp, as the torch layer calls it, and raw lists in pieces (pieces of 3 tiles), so that both
+// bodies' piece sums run.
+TEST_P(CudaBackward, EveryGradientWithOneWarpgroupDkvMatchesReference) {
+  NSA_REQUIRE_GPU();
+  const OneWarpgroupDkv one_warpgroup;
+  check_against_reference(GetParam(), {});
+  check_against_reference(GetParam(), {.o = true, .o_cmp = true}, {{0, false, 3}});
+}
+
 TEST_P(CudaBackward, SavedBranchOutputsGiveTheSameGradients) {
   NSA_REQUIRE_GPU();
   check_against_reference(GetParam(), {.o_branch = true});

@@ -31,20 +31,12 @@
 
 #include "cuda/backward/dkv_mainloop_sm80.cuh"
 #include "cuda/backward/dkv_mainloop_sm90.cuh"
+#include "cuda/backward/dkv_plan.cuh"
 #include "cuda/backward/dkv_smem.cuh"
 
 namespace nsa::cuda::bwd {
 
 // ---- dkv_kernel --------------------------------------------------------------------------
-
-// dkv_kernel<cmp>'s query split: the last split first (blockIdx.z = 0). CTAs start roughly in
-// blockIdx order (x, then y, then z). A later split has more whole key tiles (tiles every one of
-// its queries sees: 8z of them at 64K with 8 splits) and each split a few tiles on the diagonal
-// whose work shrinks to nothing (8 at 64K), so starting from the last split puts the whole tiles
-// first and leaves the diagonal's small CTAs and the early exits for the tail, where in split
-// order the last split's whole tiles came last. Which CTA does what does not change, only when
-// it starts: the results are the same bits.
-__device__ __forceinline__ int cmp_split_index() { return int(gridDim.z - 1 - blockIdx.z); }
 
 template <typename E, int DQK, int DV, KeySet kSet>
 __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __grid_constant__ DkvMaps maps) {
@@ -56,63 +48,18 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
   using L = DkvSmem<E, DQK, DV>;
   Mainloop ml(smem_raw);
   unsigned char* const smem = ml.smem;
-  const int tq = kRows / a.G;
-  int hk = blockIdx.y;
+  DkvPlan<kSet> p;
+  if (!p.init(a)) return;
+  const int tq = p.tq, hk = p.hk, key0 = p.key0, nk = p.nk, n0 = p.n0, n1 = p.n1, piece = p.piece;
+  const int64_t s0 = p.s0;
+  const int2 split = p.split;
+  const KeyTile kt = p.kt;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = lane / 4, quad = lane % 4;
   const int key_w = warp * 16;  // the warp's first key of the tile
   const E* qb = static_cast<const E*>(a.q.p);
   const E* dob = static_cast<const E*>(a.d_o.p);
   const float scale_log2 = a.scale * kLog2e;
-
-  // Raw keys with pieces (BwdArgs::raw): an extra CTA in front of the grid runs piece
-  // `piece` of raw CTA (hk, bx)'s list; the block's own CTAs come after them.
-  int bx = int(blockIdx.x);
-  int piece = 0;
-  int2 split = make_int2(-1, 1);  // (first slot, pieces) of this CTA's list
-  if constexpr (kSet == KeySet::raw) {
-    if (a.raw.pool > 0) {
-      if (bx < a.raw.extra_x) {
-        const int slot = int(blockIdx.y) * a.raw.extra_x + bx;
-        if (slot >= a.raw.pool) return;
-        const int2 e = a.raw.slot[slot];
-        if (e.x < 0 || e.y == 0) return;  // unused, or a piece 0 (its block's own CTA runs it)
-        hk = e.x / a.raw.x;
-        bx = e.x % a.raw.x;
-        piece = e.y;
-      } else {
-        bx -= a.raw.extra_x;
-      }
-      split = a.raw.split[hk * a.raw.x + bx];
-    }
-  }
-
-  // Which key tile this block owns.
-  int b, key0, nk, j = 0;
-  if constexpr (kSet != KeySet::cmp) {
-    const int chunks = (a.lp + kKeys - 1) / kKeys;
-    const int per_seq = a.n_slc_max * chunks;
-    b = bx / per_seq;
-    j = (bx % per_seq) / chunks;
-    key0 = j * a.lp + (bx % chunks) * kKeys;  // first key position
-  } else {
-    const int per_seq = int((num_cmp_blocks(a.max_seqlen, a.l, a.d) + kKeys - 1) / kKeys);
-    b = blockIdx.x / per_seq;
-    key0 = (blockIdx.x % per_seq) * kKeys;  // first compressed block
-  }
-  const int64_t s0 = seq_start(a.cu, b);
-  const int len = int(seq_start(a.cu, b + 1) - s0);
-  const int64_t crow0 = cmp_row_offset(s0, a.d);  // first compressed row of the sequence
-  if constexpr (kSet != KeySet::cmp) {
-    if (key0 >= len) return;
-    nk = min(kKeys, min((j + 1) * a.lp, len) - key0);
-  } else {
-    const int nc = int(num_cmp_blocks(len, a.l, a.d));
-    if (key0 >= nc) return;
-    nk = min(kKeys, nc - key0);
-  }
-  const KeyTile kt = kSet != KeySet::cmp ? KeyTile{nk, key0, 1}
-                                         : KeyTile{nk, key0 * a.d + a.l - 1, a.d};
   // This thread's two keys of the warp's 16: group (h = 0) and group + 8 (h = 1).
   int kpos[2];
   bool kin[2];
@@ -122,64 +69,11 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
     kin[h] = c < nk;
     kpos[h] = kt.kp0 + c * kt.kstep;
   }
-
-  // The query tiles of this block, as one sequence: phase 0 (raw: window; cmp: one query split)
-  // then phase 1 (raw only: the selection list, or this piece of it).
-  int n0 = 0, n1 = 0, t_end = 0, first = 0, last = 0, ti0 = 0;
-  int cmp_q0 = 0, cmp_q1 = 0;  // compressed: this split's query positions [cmp_q0, cmp_q1)
-  int nk_emit = nk;            // keys of the tile whose dK / dV rows this block writes
-  if constexpr (kSet == KeySet::raw) {
-    // (raw_pieces_plan_kernel counts the same tiles by raw_cta_tiles, backward.cu: keep them in step)
-    if (a.w > 0) {
-      t_end = min(len - 1, key0 + nk - 1 + a.w - 1);  // window queries: [key0, t_end]
-      n0 = (t_end - key0 + tq) / tq;
-    }
-    if (a.n > 0) {
-      const int64_t key = (int64_t(hk) * a.B + b) * a.n_slc_max + j;
-      first = a.sel_offsets[key];
-      last = a.sel_offsets[key + 1];
-      n1 = (last - first + tq - 1) / tq;
-    }
-    if (split.y > 1) {  // piece `piece` of the list: its tiles [ti0, ti0 + n1); the window stays with piece 0
-      const int per = (n1 + split.y - 1) / split.y;
-      ti0 = piece * per;
-      n1 = max(0, min(n1, ti0 + per) - ti0);
-      if (piece > 0) n0 = 0;
-    }
-  } else {
-    // Compressed keys: the queries t >= key0 * d + l - 1 of split z (cmp_split_of, cmp_split_index).
-    // A split before `last` that sees none of the tile's blocks has nothing to write.
-    const CmpSplit cs = cmp_split_of(len, a.cmp_splits);
-    const int z = cmp_split_index();
-    if (z > cs.last) return;
-    const int t_first = key0 * a.d + a.l - 1;
-    cmp_q0 = max(t_first, int(z * cs.S));
-    cmp_q1 = z == cs.last ? len : int(min(int64_t(len), (z + 1) * cs.S));
-    if (cmp_q0 >= cmp_q1) return;
-    n0 = (cmp_q1 - cmp_q0 + tq - 1) / tq;
-    if (z < cs.last) nk_emit = int(min(int64_t(nk), cmp_split_rows(len, z, cs, a.l, a.d) - key0));
-  }
   // Starts copying the key tile of `phase` (raw: window or selection keys; else the only one).
   auto load_kv = [&](int phase) {
-    const E* kb;
-    const E* vb;
-    int64_t ks, vs;
-    if constexpr (kSet == KeySet::cmp) {
-      const int64_t crow = crow0 + key0;
-      kb = static_cast<const E*>(a.kc) + (crow * a.hkv + hk) * DQK;
-      vb = static_cast<const E*>(a.vc) + (crow * a.hkv + hk) * DV;
-      ks = int64_t(a.hkv) * DQK;
-      vs = int64_t(a.hkv) * DV;
-    } else {
-      const int br = kSet == KeySet::raw && phase == 0 ? kWin : kSlc;
-      const Mat3& K = a.k[br];
-      const Mat3& V = a.v[br];
-      kb = static_cast<const E*>(K.p) + (s0 + key0) * K.s0 + hk * K.s1;
-      vb = static_cast<const E*>(V.p) + (s0 + key0) * V.s0 + hk * V.s1;
-      ks = K.s0;
-      vs = V.s0;
-    }
-    ml.load_kv(a, kb, ks, vb, vs, nk, qb);
+    p.template key_rows<E, DQK, DV>(a, phase, [&](const E* kb, int64_t ks, const E* vb, int64_t vs) {
+      ml.load_kv(a, kb, ks, vb, vs, nk, qb);
+    });
   };
 
   // Fills RowTile `buf` for query tile i of the sequence and starts copying its Q and dO rows into
@@ -187,44 +81,21 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
   // `whole` says whether every row of the tile sees every key of the key tile (padding rows count
   // as seeing them: their zero Q and dO rows and zero gate give P = dS = 0 anyway); then compute()
   // skips the per-key mask.
-  const int first_pos = kt.kp0, last_pos = kt.kp0 + (nk - 1) * kt.kstep;
   int whole = 0;
   ml.start(maps);  // sm_90a with tensor maps: the Q / dO buffers' mbarriers
-  // Query tile i's tokens: a selection list's (list: entries i0 .. i0 + ntok - 1 of the inverted
-  // index) or consecutive ones from t0 (window, compressed).
-  struct QueryTile {
-    bool list;
-    int t0, i0, ntok;
-  };
-  auto query_tile = [&](int i) {
-    QueryTile q{kSet == KeySet::raw && i >= n0, 0, 0, 0};
-    if (q.list) {  // tokens from the inverted index
-      q.i0 = first + (ti0 + i - n0) * tq;
-      q.ntok = min(tq, last - q.i0);
-    } else if (kSet == KeySet::raw) {  // window: consecutive tokens from key0
-      q.t0 = key0 + i * tq;
-      q.ntok = min(tq, t_end - q.t0 + 1);
-    } else {  // compressed: consecutive tokens of this split's range
-      q.t0 = cmp_q0 + i * tq;
-      q.ntok = min(tq, cmp_q1 - q.t0);
-    }
-    return q;
-  };
+  using QueryTile = typename DkvPlan<kSet>::QueryTile;
+  auto query_tile = [&](int i) { return p.query_tile(i); };
   // Copied ahead by cp.async into the tile ring (dkv_smem.cuh), in the pipeline's group of tile
   // i's copies when prefetch(i) issues them: the pipeline waits for that group and passes a barrier
   // before it calls prefetch(i + 2). So prefetch(i) copies tile i + 4's list tokens and, with the
   // ring's tokens of tile i + 2 (copied by prefetch(i - 2)), that tile's lse, gate and dg: a row
   // table waits for no global load. Tiles 0 .. 3 have their tokens read from the index, tiles 0
   // and 1 their row statistics from global memory.
-  auto branch_of = [&](const QueryTile& q) { return kSet == KeySet::cmp ? kCmp : q.list ? kSlc : kWin; };
+  auto branch_of = [&](const QueryTile& q) { return p.branch_of(q); };
   auto tokens_of = [&](int i, const QueryTile& q) -> const int32_t* {
     return i >= 4 ? ml.ring->tok[i % kTokenSlots] : a.sel_tokens + q.i0;
   };
-  // Token of row r of query tile q (tokens: its list's, when it is one), -1 for a padding row.
-  auto row_token = [&](const QueryTile& q, const int32_t* tokens, int r) {
-    const int u = r / a.G;
-    return u >= q.ntok ? -1 : q.list ? tokens[u] : int(s0 + q.t0 + u);
-  };
+  auto row_token = [&](const QueryTile& q, const int32_t* tokens, int r) { return p.row_token(q, tokens, r, a.G); };
   const float* lse_p = static_cast<const float*>(a.lse.p);
   auto stage_ahead = [&](int i) {
     if (i + 4 < n0 + n1) {
@@ -268,15 +139,11 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
       }
       R.q[r] = qb + int64_t(tok) * a.q.s0 + int64_t(h) * a.q.s1;
       R.dO[r] = dob + int64_t(tok) * a.d_o.s0 + int64_t(h) * a.d_o.s1;
-      const int t = int(tok - s0);
       const int64_t e = (int64_t(tok) * a.hq + h) * 3 + branch;
       const float lse = i >= 2 ? ml.ring->lse[m][r] : lse_p[tok * a.lse.s0 + h * a.lse.s1 + branch];
       const float g = i >= 2 ? ml.ring->g[m][r] : a.g32[e];
       const float dg = i >= 2 ? ml.ring->dg[m][r] : a.dg32[e];
-      R.st[r] = make_float4(lse * kLog2e, g, a.scale * dg, 0.f);
-      const int lo = branch == kWin ? t - a.w + 1 : INT32_MIN;
-      R.vis[r] = make_int2(lo, t);
-      sees_all = sees_all && lo <= first_pos && t >= last_pos;
+      p.row_stats(a, branch, tok, lse, g, dg, R.st[r], R.vis[r], sees_all);
     }
     // the row pointers are in place for the copies; every thread learns the tile's flag
     const int all = __syncthreads_and(sees_all);
@@ -288,44 +155,9 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
   zero(acc_k);
   zero(acc_v);
 
-  // g P = g exp2(scale S log2 e - lse log2 e) and dS = scale g P (dP - dg) = g P (scale dP - scale
-  // dg) (one FFMA and one FMUL) of one half (rows r0 .. r0 + 31 of RowTile R's query tile) from S^T
-  // in s and dP^T in dp (both overwritten); P uses ex2.approx (dq_exp2: probabilities below 2^-126
-  // flush to 0). Keys past the tile's nk (zero rows) need no mask: their dK / dV rows are never
-  // written.
+  // P and dS of one half of query tile `buf` (dkv_grads), without the mask where bit `buf` of `whole` is set.
   auto grads = [&](float (&s)[kSubTiles][4], float (&dp)[kSubTiles][4], const RowTile& R, int buf, int r0) {
-    if (whole >> buf & 1) {
-#pragma unroll
-      for (int nt = 0; nt < kSubTiles; ++nt) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const float4 st = R.st[r0 + nt * 8 + 2 * quad + i];
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            float& x = s[nt][2 * h + i];
-            x = st.y * dq_exp2(fmaf(x, scale_log2, -st.x));
-            dp[nt][2 * h + i] = x * fmaf(a.scale, dp[nt][2 * h + i], -st.z);
-          }
-        }
-      }
-    } else {
-#pragma unroll
-      for (int nt = 0; nt < kSubTiles; ++nt) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const int r = r0 + nt * 8 + 2 * quad + i;
-          const float4 st = R.st[r];
-          const int2 vis = R.vis[r];
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const bool v = kin[h] && kpos[h] >= vis.x && kpos[h] <= vis.y;
-            float& x = s[nt][2 * h + i];
-            x = v ? st.y * dq_exp2(fmaf(x, scale_log2, -st.x)) : 0.f;
-            dp[nt][2 * h + i] = x * fmaf(a.scale, dp[nt][2 * h + i], -st.z);
-          }
-        }
-      }
-    }
+    dkv_grads(s, dp, R, whole >> buf & 1, kpos, kin, a.scale, scale_log2, r0);
   };
   // One query tile (buffer `buf`) against the resident key tile.
   auto compute = [&](int buf) { ml.compute(acc_k, acc_v, key_w, buf, grads); };
@@ -339,29 +171,11 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
   constexpr int kLdS = kSub + 4;
   static_assert(kKeys * kLdS * 4 <= tile_bytes<64>(), "the scratch fits the K tile");
   static_assert(kKeys * kLdS * 4 <= L::kSwQ, "swizzled: the scratch fits the K and V tiles (both reloaded after)");
-  // Element (c, col) of the tile's dK (which = 0) or dV rows, from its fp32 sum: shared K/V add
-  // phi's gradient (add_phi), then it is rounded once into out.
-  auto finish_raw = [&](int which, int D, int c, int col, float val, OutMat3 out, bool add_phi) {
-    if (add_phi) {  // phi's gradient to this token (phi::backward_x, fp32 [T, Hkv, D]; none: no block)
-      const float* dx = which == 0 ? a.phi_dk32 : a.phi_dv32;
-      if (dx != nullptr) val += dx[((s0 + key0 + c) * a.hkv + hk) * D + col];
-    }
-    static_cast<E*>(out.p)[(s0 + key0 + c) * out.s0 + hk * out.s1 + col] = from_float<E>(val);
-  };
   auto emit_column_block = [&](int which, int D, int col0, OutMat3 out, bool add_phi, float* part) {
     __syncthreads();
-    for (int e = threadIdx.x; e < nk_emit * kSub; e += kThreads) {
+    for (int e = threadIdx.x; e < p.nk_emit * kSub; e += kThreads) {
       const int c = e / kSub, col = col0 + e % kSub;
-      float val = scratch[c * kLdS + e % kSub];
-      if constexpr (kSet == KeySet::raw) {
-        if (part != nullptr) {  // a piece of a split list: its fp32 partial, slot rows [kKeys][D]
-          part[c * D + col] = val;
-          continue;
-        }
-        finish_raw(which, D, c, col, val, out, add_phi);
-      } else {
-        part[((crow0 + key0 + c) * a.hkv + hk) * D + col] = val;
-      }
+      p.template emit_element<E>(a, which, D, c, col, scratch[c * kLdS + e % kSub], out, add_phi, part);
     }
     __syncthreads();
   };
@@ -423,34 +237,16 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
       __syncthreads();
       if (!last_in) return;
       __threadfence();
-      const OutMat3 outs[2] = {a.shared_kv ? a.grad_k[kCmp] : a.grad_k[kSlc], a.shared_kv ? a.grad_v[kCmp] : a.grad_v[kSlc]};
-#pragma unroll 1
-      for (int which = 0; which < 2; ++which) {
-        const int D = which == 0 ? DQK : DV;
-        const float* slots = (which == 0 ? a.raw.part_k : a.raw.part_v) + int64_t(split.x) * kKeys * D;
-        for (int e = threadIdx.x; e < nk * D; e += kThreads) {
-          const int c = e / D, col = e % D;
-          float val = 0.f;
-          for (int p = 0; p < split.y; ++p) val += __ldcg(slots + (int64_t(p) * kKeys + c) * D + col);
-          finish_raw(which, D, c, col, val, outs[which], a.shared_kv);
-        }
-      }
+      p.template finish_pieces<E, DQK, DV>(a, threadIdx.x, kThreads);
     } else if (a.shared_kv) {
       epilogue(a.grad_k[kCmp], a.grad_v[kCmp], true, nullptr, nullptr);
     } else {
       epilogue(a.grad_k[kSlc], a.grad_v[kSlc], false, nullptr, nullptr);
     }
   } else {
-    // The last split writes dkc / dvc; split z < last its partial (rows before it: earlier splits).
-    float* part_k = a.dkc;
-    float* part_v = a.dvc;
-    const int split = cmp_split_index();
-    if (split < cmp_split_of(len, a.cmp_splits).last) {
-      int64_t rows_before = 0;
-      for (int z = 0; z < split; ++z) rows_before += a.cmp_part_rows[z];
-      part_k = a.dkc_part + rows_before * a.hkv * DQK;
-      part_v = a.dvc_part + rows_before * a.hkv * DV;
-    }
+    float* part_k;
+    float* part_v;
+    p.template cmp_parts<DQK, DV>(a, part_k, part_v);
     epilogue(OutMat3{}, OutMat3{}, false, part_k, part_v);
   }
 }

@@ -10,6 +10,81 @@
 
 namespace nsa::cuda::bwd {
 
+// The four products of one query tile on wgmma (dkv_kernel.cuh has their design), for a warpgroup:
+// the key tile at sK / sV, query buffer b's Q and dO rows at sQ + b * kQStride, sDo + b * kDoStride
+// (elements), every tile in the 128-byte swizzle layout. dkv_kernel's sm_90a mainloop (below) and
+// the warp-specialised dkv_ws_kernel (dkv_ws_kernel.cuh) run them.
+template <typename E, int DQK, int DV, int kQStride, int kDoStride>
+struct DkvWgmma {
+  static constexpr int kQBuf = kQStride;
+  static constexpr int kDoBuf = kDoStride;
+  E* sK;
+  E* sV;
+  E* sQ;
+  E* sDo;
+
+  // The products of one half (rows r0 .. r0 + 31 of query buffer `buf`) as warpgroup MMAs. The K
+  // and V tiles are A operands read from shared memory (K-major descriptors, never held in
+  // registers); P^T and dS^T are register A operands packed from this half's accumulators.
+  static constexpr int kSwBlock = kRows * 128;  // bytes of one 64-column block of a 64-row swizzled tile
+  static __device__ __forceinline__ uint64_t sw_desc(uint32_t base, uint32_t off, uint32_t lbo) {
+    return cuda::wgmma_desc_sw128(base, off, lbo, 1024);
+  }
+  // S^T = K Q^T and dP^T = V dO^T (64 keys x 32 rows each): m64n32k16, A and B both K-major.
+  __device__ __forceinline__ void wg_scores(float (&s)[kSubTiles][4], float (&dp)[kSubTiles][4], int buf, int r0) const {
+    const uint32_t k_base = cuda::smem_address(sK), v_base = cuda::smem_address(sV);
+    const uint32_t q_base = cuda::smem_address(sQ + buf * kQBuf) + r0 * 128;
+    const uint32_t do_base = cuda::smem_address(sDo + buf * kDoBuf) + r0 * 128;
+    // (s and dp are overwritten: each one's first product has scale_d 0.)
+    cuda::wgmma_batch([&] {
+#pragma unroll
+      for (int kk = 0; kk < DQK / 16; ++kk) {
+        const uint32_t off = (kk >> 2) * kSwBlock + (kk & 3) * 32;
+        cuda::wgmma_ss<kSub, kIsBf16<E>, 0>(s, sw_desc(k_base, off, 16), sw_desc(q_base, off, 16), kk == 0 ? 0 : 1);
+      }
+#pragma unroll
+      for (int kk = 0; kk < DV / 16; ++kk) {
+        const uint32_t off = (kk >> 2) * kSwBlock + (kk & 3) * 32;
+        cuda::wgmma_ss<kSub, kIsBf16<E>, 0>(dp, sw_desc(v_base, off, 16), sw_desc(do_base, off, 16), kk == 0 ? 0 : 1);
+      }
+    }, s, dp);
+  }
+  // dV += (g P)^T dO and dK += scale dS^T Q: m64n{Dv}k16 and m64n{Dqk}k16, two k16 steps (the
+  // half's 32 rows) each, B = the same Q / dO buffers read MN-major (LBO: the next 64 columns).
+  __device__ __forceinline__ void wg_accumulate(float (&acc_k)[DQK / 8][4], float (&acc_v)[DV / 8][4],
+                                                const uint32_t (&pf)[kSubTiles / 2][4],
+                                                const uint32_t (&df)[kSubTiles / 2][4], int buf, int r0) const {
+    const uint32_t q_base = cuda::smem_address(sQ + buf * kQBuf) + r0 * 128;
+    const uint32_t do_base = cuda::smem_address(sDo + buf * kDoBuf) + r0 * 128;
+    cuda::wgmma_batch([&] {
+#pragma unroll
+      for (int kk = 0; kk < kSubTiles / 2; ++kk)
+        cuda::wgmma_rs<DV, kIsBf16<E>, 1>(acc_v, pf[kk], sw_desc(do_base, kk * 16 * 128, kSwBlock), 1);
+#pragma unroll
+      for (int kk = 0; kk < kSubTiles / 2; ++kk)
+        cuda::wgmma_rs<DQK, kIsBf16<E>, 1>(acc_k, df[kk], sw_desc(q_base, kk * 16 * 128, kSwBlock), 1);
+    }, acc_v, acc_k);
+  }
+
+  // One query tile (buffer `buf`, row table R) against the resident key tile: the warpgroup's 64
+  // keys (warp w of the warpgroup: keys 16w ..), the tile's rows in two halves of 32. grads(s, dp,
+  // R, buf, r0) turns S^T and dP^T into g P and dS.
+  template <typename Grads>
+  __device__ __forceinline__ void tile(float (&acc_k)[DQK / 8][4], float (&acc_v)[DV / 8][4], const RowTile& R, int buf,
+                                       Grads&& grads) const {
+#pragma unroll 1
+    for (int r0 = 0; r0 < kRows; r0 += kSub) {
+      float s[kSubTiles][4], dp[kSubTiles][4];
+      wg_scores(s, dp, buf, r0);
+      grads(s, dp, R, buf, r0);
+      uint32_t pf[kSubTiles / 2][4], df[kSubTiles / 2][4];
+      to_operand<E, kSubTiles>(s, pf);
+      to_operand<E, kSubTiles>(dp, df);
+      wg_accumulate(acc_k, acc_v, pf, df, buf, r0);
+    }
+  }
+};
+
 template <typename E, int DQK, int DV, KeySet kSet>
 struct DkvMainloopSm90 {
   using L = DkvSmem<E, DQK, DV>;
@@ -117,66 +192,11 @@ struct DkvMainloopSm90 {
     }
   }
 
-  // The products of one half (rows r0 .. r0 + 31 of query buffer `buf`) as warpgroup MMAs. The K
-  // and V tiles are A operands read from shared memory (K-major descriptors, never held in
-  // registers); P^T and dS^T are register A operands packed from this half's accumulators.
-  static constexpr int kSwBlock = kRows * 128;  // bytes of one 64-column block of a 64-row swizzled tile
-  static __device__ __forceinline__ uint64_t sw_desc(uint32_t base, uint32_t off, uint32_t lbo) {
-    return cuda::wgmma_desc_sw128(base, off, lbo, 1024);
-  }
-  // S^T = K Q^T and dP^T = V dO^T (64 keys x 32 rows each): m64n32k16, A and B both K-major.
-  __device__ __forceinline__ void wg_scores(float (&s)[kSubTiles][4], float (&dp)[kSubTiles][4], int buf, int r0) {
-    const uint32_t k_base = cuda::smem_address(sK), v_base = cuda::smem_address(sV);
-    const uint32_t q_base = cuda::smem_address(sQ + buf * kQBuf) + r0 * 128;
-    const uint32_t do_base = cuda::smem_address(sDo + buf * kDoBuf) + r0 * 128;
-    // (s and dp are overwritten: each one's first product has scale_d 0.)
-    cuda::wgmma_batch([&] {
-#pragma unroll
-      for (int kk = 0; kk < DQK / 16; ++kk) {
-        const uint32_t off = (kk >> 2) * kSwBlock + (kk & 3) * 32;
-        cuda::wgmma_ss<kSub, kIsBf16<E>, 0>(s, sw_desc(k_base, off, 16), sw_desc(q_base, off, 16), kk == 0 ? 0 : 1);
-      }
-#pragma unroll
-      for (int kk = 0; kk < DV / 16; ++kk) {
-        const uint32_t off = (kk >> 2) * kSwBlock + (kk & 3) * 32;
-        cuda::wgmma_ss<kSub, kIsBf16<E>, 0>(dp, sw_desc(v_base, off, 16), sw_desc(do_base, off, 16), kk == 0 ? 0 : 1);
-      }
-    }, s, dp);
-  }
-  // dV += (g P)^T dO and dK += scale dS^T Q: m64n{Dv}k16 and m64n{Dqk}k16, two k16 steps (the
-  // half's 32 rows) each, B = the same Q / dO buffers read MN-major (LBO: the next 64 columns).
-  __device__ __forceinline__ void wg_accumulate(float (&acc_k)[DQK / 8][4], float (&acc_v)[DV / 8][4],
-                                                const uint32_t (&pf)[kSubTiles / 2][4],
-                                                const uint32_t (&df)[kSubTiles / 2][4], int buf, int r0) {
-    const uint32_t q_base = cuda::smem_address(sQ + buf * kQBuf) + r0 * 128;
-    const uint32_t do_base = cuda::smem_address(sDo + buf * kDoBuf) + r0 * 128;
-    cuda::wgmma_batch([&] {
-#pragma unroll
-      for (int kk = 0; kk < kSubTiles / 2; ++kk)
-        cuda::wgmma_rs<DV, kIsBf16<E>, 1>(acc_v, pf[kk], sw_desc(do_base, kk * 16 * 128, kSwBlock), 1);
-#pragma unroll
-      for (int kk = 0; kk < kSubTiles / 2; ++kk)
-        cuda::wgmma_rs<DQK, kIsBf16<E>, 1>(acc_k, df[kk], sw_desc(q_base, kk * 16 * 128, kSwBlock), 1);
-    }, acc_v, acc_k);
-  }
-
-  // One query tile (buffer `buf`) against the resident key tile: the warpgroup's 64 keys (warp w:
-  // keys 16w ..), the tile's rows in two halves of 32. grads(s, dp, R, buf, r0) turns S^T and dP^T into
-  // g P and dS.
+  // One query tile (buffer `buf`) against the resident key tile (DkvWgmma::tile).
   template <typename Grads>
   __device__ __forceinline__ void compute(float (&acc_k)[DQK / 8][4], float (&acc_v)[DV / 8][4], int, int buf,
                                           Grads&& grads) {
-    const RowTile& R = ri[buf];
-#pragma unroll 1
-    for (int r0 = 0; r0 < kRows; r0 += kSub) {
-      float s[kSubTiles][4], dp[kSubTiles][4];
-      wg_scores(s, dp, buf, r0);
-      grads(s, dp, R, buf, r0);
-      uint32_t pf[kSubTiles / 2][4], df[kSubTiles / 2][4];
-      to_operand<E, kSubTiles>(s, pf);
-      to_operand<E, kSubTiles>(dp, df);
-      wg_accumulate(acc_k, acc_v, pf, df, buf, r0);
-    }
+    DkvWgmma<E, DQK, DV, kQBuf, kDoBuf>{sK, sV, sQ, sDo}.tile(acc_k, acc_v, ri[buf], buf, grads);
   }
 
   // The two-stage pipeline over query tiles 0 .. n_tiles - 1 (tile 0 and the key tile already

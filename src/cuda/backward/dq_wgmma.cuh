@@ -65,19 +65,21 @@ constexpr int sw_tile_bytes() {
 // contract. Where the threads divide into whole rows of 16-byte pieces 8 rows apart (D = 64, 128;
 // cuda::sw128_copy_threads), each copies one fixed piece of rows r0, r0 + kStep, ...: those rows
 // share one swizzle pattern, so the destination is one address plus a constant per row, and
-// row_ptr runs once per row and piece (about 7 instructions a copy instead of 35).
-template <typename E, int D, typename RowPtr>
-__device__ __forceinline__ void copy_rows_sw128(E* dst, RowPtr row_ptr, bool vec, const E* any) {
+// row_ptr runs once per row and piece (about 7 instructions a copy instead of 35). kT threads
+// copy, tid is this one's index among them.
+template <typename E, int D, int kT = kThreads, typename RowPtr>
+__device__ __forceinline__ void copy_rows_sw128(E* dst, RowPtr row_ptr, bool vec, const E* any,
+                                                int tid = int(threadIdx.x)) {
   static_assert(D % 64 == 0, "swizzled tiles are made of 64-column blocks");
-  constexpr int kT = kThreads, kR = kKeys;
+  constexpr int kR = kKeys;
   unsigned char* bytes = reinterpret_cast<unsigned char*>(dst);
   constexpr int kChunks = D / 8;
   constexpr int kCopy = cuda::sw128_copy_threads(kT, kChunks, kR);
   if (vec) {
     if constexpr (kCopy > 0) {
       constexpr int kStep = kCopy / kChunks;
-      if (kCopy < kT && threadIdx.x >= kCopy) return;
-      const int piece = threadIdx.x % kChunks, r0 = threadIdx.x / kChunks;
+      if (kCopy < kT && tid >= kCopy) return;
+      const int piece = tid % kChunks, r0 = tid / kChunks;
       unsigned char* d0 = bytes + cuda::sw128_offset(kR, r0, piece * 8);
 #pragma unroll
       for (int k = 0; k < kR / kStep; ++k) {
@@ -85,14 +87,14 @@ __device__ __forceinline__ void copy_rows_sw128(E* dst, RowPtr row_ptr, bool vec
         cuda::cp_async_16(d0 + k * kStep * 128, src != nullptr ? src + piece * 8 : any, src != nullptr);
       }
     } else {
-      for (int e = threadIdx.x; e < kR * kChunks; e += kT) {
+      for (int e = tid; e < kR * kChunks; e += kT) {
         const int r = e / kChunks, c = (e % kChunks) * 8;
         const E* src = row_ptr(r);
         cuda::cp_async_16(bytes + cuda::sw128_offset(kR, r, c), src != nullptr ? src + c : any, src != nullptr);
       }
     }
   } else {
-    for (int e = threadIdx.x; e < kR * D; e += kT) {
+    for (int e = tid; e < kR * D; e += kT) {
       const int r = e / D, c = e % D;
       const E* src = row_ptr(r);
       *reinterpret_cast<E*>(bytes + cuda::sw128_offset(kR, r, c & ~7) + (c & 7) * 2) =

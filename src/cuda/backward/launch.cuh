@@ -3,6 +3,7 @@
 #pragma once
 
 #include "cuda/backward/dkv_kernel.cuh"
+#include "cuda/backward/dkv_ws_kernel.cuh"
 #include "cuda/backward/dq_kernel.cuh"
 #include "cuda/backward/slc_dq.cuh"
 
@@ -87,6 +88,15 @@ bool slc_union_enabled(const BwdArgs& a) {
          DqSmem<E, DQK, DV>::slc_union_sorts_fit(a.slc_cap);
 }
 
+// Whether dK / dV run warp-specialised (dkv_ws_kernel.cuh): its sm_90a body (Dqk = Dv = 128), rows
+// 16-byte aligned (its copies are cp.async and TMA only) and not switched off
+// (CudaKernelChoices::dkv_warp_specialized).
+template <typename E, int DQK, int DV>
+bool dkv_ws_enabled(const BwdArgs& a) {
+  return DQK == 128 && DV == 128 && a.vec && a.choices.dkv_warp_specialized &&
+         runs_sm90<dkv_ws_kernel<E, DQK, DV, KeySet::cmp>>();
+}
+
 // The backward's attention kernels, in the order backward() launches them.
 enum class BwdKernel : int {
   dq,       // dq_kernel: dq and dg of the compressed and window branches (and the union tiles' selection)
@@ -123,27 +133,36 @@ void launch_attention(const BwdArgs& a_in, cudaStream_t s, BwdKernel kernel_kind
     NSA_CUDA_CHECK_LAUNCH();
     return;
   }
+  const bool cmp = kernel_kind == BwdKernel::dkv_cmp;
+  const int64_t tiles = cmp ? a.B * ((num_cmp_blocks(a.max_seqlen, a.l, a.d) + kKeys - 1) / kKeys)
+                            : a.B * int64_t(a.n_slc_max) * ((a.lp + kKeys - 1) / kKeys);
+  if (tiles == 0) return;
+  DkvMaps maps{};
+  // (raw: the window's query tiles alone are consecutive tokens)
+  maps.on = (cmp || a.w > 0) && dkv_tensor_maps<E, DQK, DV>(maps, a) ? 1 : 0;
+  // (raw.pool > 0: the extra CTAs of the long lists' pieces in front, backward.cu planned them)
+  const dim3 grid = cmp ? dim3(unsigned(tiles), unsigned(a.hkv), unsigned(a.cmp_splits))
+                        : dim3(unsigned(tiles + a.raw.extra_x), unsigned(a.hkv));
+  auto run = [&](auto* kernel, int threads, size_t smem) {
+    allow_smem(kernel, smem);
+    kernel<<<grid, threads, smem, s>>>(a, maps);
+    NSA_CUDA_CHECK_LAUNCH();
+  };
+  if constexpr (DQK == 128 && DV == 128) {
+    if (dkv_ws_enabled<E, DQK, DV>(a)) {
+      if (cmp)
+        run(dkv_ws_kernel<E, DQK, DV, KeySet::cmp>, kWsThreads, DkvWsSmem<E, DQK, DV>::kLaunch);
+      else
+        run(dkv_ws_kernel<E, DQK, DV, KeySet::raw>, kWsThreads, DkvWsSmem<E, DQK, DV>::kLaunch);
+      return;
+    }
+  }
   using Lk = DkvSmem<E, DQK, DV>;
   const size_t smem = runs_sm90<dkv_kernel<E, DQK, DV, KeySet::cmp>>() ? Lk::kSwLaunch : Lk::kEnd;
-  if (kernel_kind == BwdKernel::dkv_cmp) {
-    auto* kernel = dkv_kernel<E, DQK, DV, KeySet::cmp>;
-    allow_smem(kernel, smem);
-    const int64_t tiles = a.B * ((num_cmp_blocks(a.max_seqlen, a.l, a.d) + kKeys - 1) / kKeys);
-    if (tiles == 0) return;
-    DkvMaps maps{};
-    maps.on = dkv_tensor_maps<E, DQK, DV>(maps, a) ? 1 : 0;
-    kernel<<<dim3(unsigned(tiles), unsigned(a.hkv), unsigned(a.cmp_splits)), kThreads, smem, s>>>(a, maps);
-  } else {
-    auto* kernel = dkv_kernel<E, DQK, DV, KeySet::raw>;
-    allow_smem(kernel, smem);
-    const int64_t tiles = a.B * int64_t(a.n_slc_max) * ((a.lp + kKeys - 1) / kKeys);
-    if (tiles == 0) return;
-    DkvMaps maps{};
-    maps.on = a.w > 0 && dkv_tensor_maps<E, DQK, DV>(maps, a) ? 1 : 0;  // the window's query tiles
-    // (raw.pool > 0: the extra CTAs of the long lists' pieces in front, backward.cu planned them)
-    kernel<<<dim3(unsigned(tiles + a.raw.extra_x), unsigned(a.hkv)), kThreads, smem, s>>>(a, maps);
-  }
-  NSA_CUDA_CHECK_LAUNCH();
+  if (cmp)
+    run(dkv_kernel<E, DQK, DV, KeySet::cmp>, kThreads, smem);
+  else
+    run(dkv_kernel<E, DQK, DV, KeySet::raw>, kThreads, smem);
 }
 
 }  // namespace nsa::cuda::bwd

@@ -106,6 +106,12 @@ __device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(smem_address(bar)) : "memory");
 }
 
+// This thread's arrival on `bar` (release: its earlier writes are visible to the threads that see
+// the phase complete).
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+  asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.shared.b64 state, [%0];\n}\n" ::"r"(smem_address(bar)) : "memory");
+}
+
 // Waits until the phase of `bar` with the given parity has completed (acquire: the data the
 // phase's copies wrote are visible afterwards).
 __device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, uint32_t parity) {

@@ -156,6 +156,22 @@ __device__ __forceinline__ void wgmma_batch(Issue&& issue, Acc&... acc) {
   wgmma_batch_then(issue, NoHook{}, acc...);
 }
 
+// The warp's register budget (sm_90a, warp-specialised kernels): a producer warpgroup gives
+// registers back (dec) so that the consumer warpgroups can take them (inc); every warp of a
+// warpgroup executes the same one. kRegs: a multiple of 8 in [24, 256].
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+#if NSA_WGMMA_AVAILABLE
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+#endif
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+#if NSA_WGMMA_AVAILABLE
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+#endif
+}
+
 // Named CTA barriers (ids 1..15; __syncthreads is 0): `threads` counts both the arriving and the
 // waiting threads (a multiple of 32). bar.arrive does not wait.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
