@@ -523,6 +523,55 @@ TEST_P(CudaBackward, CompressBackwardMatchesReference) {
   }
 }
 
+// Long sequences, where a dK / dV CTA runs hundreds of query tiles (its pipeline stages wrap
+// around many times; at the cases' lengths a few dozen): G = 16, 9000 + 3000 tokens, a window of
+// 512, 16 blocks of 64. The warp-specialised dkv_ws_kernel (sm_90a, Dqk = Dv = 128) against the
+// one-warpgroup dkv_kernel on the same inputs and the same saved forward (the CUDA forward's: the
+// fp64 reference would take minutes here): every other gradient bit for bit, dK and dV up to
+// their summation order (two consumers' sums added at the end, against one running sum).
+TEST(CudaBackwardLong, WarpSpecializedDkvMatchesOneWarpgroup) {
+  NSA_REQUIRE_GPU();
+  const BwdCase c{"bf16_d128_G16_long", DType::bf16, 128, 128, 16, 1, {9000, 3000}, 32, 16, 64, 16, 1, 2, 512,
+                  PhiKind::mean, false};
+  const Config cfg = config_of(c);
+  Twin t = make_twin(c, 606);
+  DeviceLayer dev(t.low, 9000);
+  DeviceTensor o(t.low.o);
+  ForwardOutputs fwd = dev.saved;
+  fwd.o = o.view();
+  {
+    const Context ctx = cuda_context(Backend::cuda);
+    const DeviceWorkspace ws(workspace_size(ctx, Op::forward, cfg, problem_of(cfg, dev.in)));
+    forward(ctx, cfg, dev.in, fwd, ws.view());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
+  dev.run(cfg);
+  const auto ws_grads = dev.download(t.low);
+  {
+    const OneWarpgroupDkv one_warpgroup;
+    dev.run(cfg);
+  }
+  const auto one_grads = dev.download(t.low);
+  ASSERT_EQ(ws_grads.size(), one_grads.size());
+  for (size_t i = 0; i < ws_grads.size(); ++i) {
+    const std::string& name = ws_grads[i].first;
+    const std::vector<double> got = ws_grads[i].second.values(), want = one_grads[i].second.values();
+    if (name.rfind("dk_", 0) == 0 || name.rfind("dv_", 0) == 0) {
+      // Both round one fp32 sum of the same products once: a few units of the last place apart.
+      const auto result = close(got, want, grad_tol(c.dtype, max_abs(want), 2.0));
+      EXPECT_TRUE(result) << name;
+      std::printf("  %-8s max|one warpgroup| %.3g  %s\n", name.c_str(), max_abs(want), result.message());
+    } else {
+      const HostTensor& a = ws_grads[i].second;
+      const HostTensor& b = one_grads[i].second;
+      EXPECT_EQ(std::memcmp(const_cast<HostTensor&>(a).data(), const_cast<HostTensor&>(b).data(),
+                            size_t(a.numel()) * dtype_size(a.dtype())),
+                0)
+          << name << " does not come from dK / dV: it must not change";
+    }
+  }
+}
+
 TEST(CudaBackwardErrors, UnsupportedHeadDimNamesTheValue) {
   NSA_REQUIRE_GPU();
   BwdCase c{"x", DType::bf16, 32, 64, 2, 1, {40}, 32, 16, 64, 2, 1, 1, 16, PhiKind::mean, false};

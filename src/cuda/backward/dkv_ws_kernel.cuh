@@ -5,23 +5,26 @@
 //
 // dkv_kernel is one warpgroup that builds each query tile's row table, copies its Q / dO rows and
 // runs its products, with CTA barriers between them; two CTAs per SM hide part of each one's
-// waits. Here one CTA per SM has three warpgroups:
-//   producer   (warpgroup 0, 40 registers): warp w fills stage w (of kStages = 4) with query tiles
-//              w, w + 4, ...: waits until the stage is free (empty[w]), builds the tile's row table
-//              (tokens, lse, gate, dg: RowTile), copies its Q and dO rows (the selection's gathered
-//              rows by cp.async, consecutive tokens by TMA, the rows past the tile zeroed), fences
-//              them for wgmma and arrives on full[w];
+// waits. Here one CTA per SM has three warpgroups and kStages = 4 Q / dO stages (tile i in stage
+// i % 4):
+//   producer   (warpgroup 0, 40 registers): warp w fills query tiles w, w + 4, ... (stage w): loads the
+//              tile's row statistics (tokens, lse, gate, dg) while its previous tile's copies
+//              land, waits until the stage is free (empty), writes the row table (RowTile),
+//              copies the Q and dO rows (the selection's gathered rows by cp.async, consecutive
+//              tokens by TMA, the rows past the tile zeroed), fences them for wgmma and arrives on
+//              the stage's full barrier;
 //   consumers  (warpgroups 1 and 2, 232 registers each): consumer c takes the tiles i = c, c + 2,
-//              ... (stages c and c + 2): waits on full[i % 4], runs the tile's four products and
-//              its P / dS into its own dK / dV accumulators, arrives on empty[i % 4].
+//              ... (stages c and c + 2): waits on full, runs the tile's four products and its P /
+//              dS into its own dK / dV accumulators, arrives on empty.
 // The consumers share the key tile (they copy it: one K, the other V) and meet only at named
 // barriers: before the raw keys' window -> selection switch (the window's dK / dV written, the
 // selection's keys copied) and in the epilogues, which add consumer 0's and consumer 1's sums in
 // that order (a fixed order: the result is deterministic, and differs in rounding from
 // dkv_kernel's one running sum).
 //
-// Consumer c's tiles depend only on stages it releases itself (tile i + 4 reuses tile i's stage,
-// same parity), so a consumer waiting at a named barrier never holds a stage the other needs.
+// No cycle of waits: consumer c's tiles wait only for stages it releases itself (tile i + 4 reuses
+// tile i's stage, same parity), so a consumer waiting at a named barrier never holds a stage the
+// other needs.
 #pragma once
 
 #include "cuda/backward/dkv_mainloop_sm90.cuh"
@@ -33,6 +36,10 @@ namespace nsa::cuda::bwd {
 // the key tile, kStages Q / dO stages, their row tables and flags, the mbarriers.
 template <typename E, int DQK, int DV>
 struct DkvWsSmem {
+  // Stage s is filled only by producer warp s and read only by consumer s % 2, so a waiter is never
+  // more than one phase of an mbarrier away from it (the parity waits stay exact). (Five stages,
+  // tile i in stage i % 5, fit too; there a consumer can wait on a stage whose previous tile, the
+  // other consumer's, is not filled yet, and the parity then reads the old phase as done.)
   static constexpr int kStages = 4;
   static constexpr int kK = 0;                                   // [kKeys][DQK], swizzled
   static constexpr int kV = kK + kKeys * DQK * 2;                // [kKeys][DV]
@@ -40,8 +47,9 @@ struct DkvWsSmem {
   static constexpr int kDo = kQ + kStages * kRows * DQK * 2;     // [kStages][kRows][DV]
   static constexpr int kRt = kDo + kStages * kRows * DV * 2;     // [kStages] RowTile
   static constexpr int kWhole = kRt + kStages * int(sizeof(RowTile));  // [kStages] int: every row sees every key
-  static constexpr int kBars = kWhole + kStages * 4;             // full, empty, tma: [kStages] mbarriers each
-  static constexpr int kEnd = kBars + 3 * kStages * 8;
+  static constexpr int kBars = kWhole + 32;                      // full, empty: [kStages] mbarriers each; tma: [4]
+  static constexpr int kEnd = kBars + (2 * kStages + 4) * 8;
+  static_assert(kStages == 4, "one stage per producer warp");
   static constexpr int kLaunch = kEnd + 1024;
   // The epilogue's fp32 scratch, [2 consumers][kKeys][kSub + 4], over the key tile.
   static constexpr int kLdS = kSub + 4;
@@ -99,10 +107,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) dkv_ws_kernel(const BwdArgs a, 
     const int n_tiles = p.n_tiles();
     if (threadIdx.x == 0) {
       for (int s = 0; s < kStages; ++s) {
-        cuda::mbarrier_init(full + s, 32);    // the stage's producer warp
-        cuda::mbarrier_init(empty + s, 128);  // the stage's consumer warpgroup
-        cuda::mbarrier_init(tma_bar + s, 1);
+        cuda::mbarrier_init(full + s, 32);    // the producer warp of the stage's tile
+        cuda::mbarrier_init(empty + s, 128);  // the consumer warpgroup of the stage's tile
       }
+      for (int w = 0; w < 4; ++w) cuda::mbarrier_init(tma_bar + w, 1);  // producer warp w's TMA copies
       cuda::fence_mbarrier_init();
     }
     __syncthreads();  // the last CTA-wide barrier: from here on the warpgroups meet at mbarriers and named barriers
@@ -111,27 +119,51 @@ __global__ void __launch_bounds__(kWsThreads, 1) dkv_ws_kernel(const BwdArgs a, 
     const int lane = threadIdx.x % 32;
 
     if (threadIdx.x < 128) {
-      // ---- producer: warp w fills stage w with tiles w, w + 4, ...
+      // ---- producer: warp w fills tiles w, w + 4, ... in stage w
       cuda::setmaxnreg_dec<kWsProducerRegs>();
       const int w = threadIdx.x / 32;
       const bool tma = maps.on != 0;  // consecutive tokens by TMA (the raw keys' maps exist only with a window)
       const float* lse_p = static_cast<const float*>(a.lse.p);
-      RowTile& R = rt[w];
-      E* const q_st = sQ + w * kRows * DQK;
-      E* const do_st = sDo + w * kRows * DV;
-      uint32_t tma_phase = 0;
-#pragma unroll 1
-      for (int i = w; i < n_tiles; i += kStages) {
-        const int use = i / kStages;
-        if (use > 0) cuda::mbarrier_wait_parity(empty + w, (use - 1) & 1);  // the consumers are done with tile i - 4
+      // Rows lane and lane + 32 of a tile: token (-1: padding) and statistics, loaded a tile ahead
+      // (while the previous tile's copies land) so that a freed stage waits for copies alone.
+      struct Rows {
+        int tok[2];
+        float lse[2], g[2], dg[2];
+      };
+      auto load_rows = [&](int i, Rows& rows) {
         const auto q = p.query_tile(i);
         const int branch = p.branch_of(q);
         const int32_t* tokens = a.sel_tokens + q.i0;
-        bool whole = true;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = lane + 32 * h;
           const int tok = p.row_token(q, tokens, r, a.G);
+          rows.tok[h] = tok;
+          if (tok >= 0) {
+            const int head = p.hk * a.G + r % a.G;
+            const int64_t e = (int64_t(tok) * a.hq + head) * 3 + branch;
+            rows.lse[h] = lse_p[tok * a.lse.s0 + head * a.lse.s1 + branch];
+            rows.g[h] = a.g32[e];
+            rows.dg[h] = a.dg32[e];
+          }
+        }
+      };
+      Rows rows;
+      if (w < n_tiles) load_rows(w, rows);
+      uint32_t tma_phase = 0;  // the parity of this warp's next TMA fill
+#pragma unroll 1
+      for (int i = w; i < n_tiles; i += 4) {
+        const int s = i % kStages, use = i / kStages;
+        if (use > 0) cuda::mbarrier_wait_parity(empty + s, (use - 1) & 1);  // the consumers are done with its last tile
+        RowTile& R = rt[s];
+        E* const q_st = sQ + s * kRows * DQK;
+        E* const do_st = sDo + s * kRows * DV;
+        const auto q = p.query_tile(i);
+        const int branch = p.branch_of(q);
+        bool whole = true;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = lane + 32 * h, tok = rows.tok[h];
           if (tok < 0) {
             R.q[r] = R.dO[r] = nullptr;
             R.st[r] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -141,15 +173,14 @@ __global__ void __launch_bounds__(kWsThreads, 1) dkv_ws_kernel(const BwdArgs a, 
           const int head = p.hk * a.G + r % a.G;
           R.q[r] = qb + int64_t(tok) * a.q.s0 + int64_t(head) * a.q.s1;
           R.dO[r] = dob + int64_t(tok) * a.d_o.s0 + int64_t(head) * a.d_o.s1;
-          const int64_t e = (int64_t(tok) * a.hq + head) * 3 + branch;
-          p.row_stats(a, branch, tok, lse_p[tok * a.lse.s0 + head * a.lse.s1 + branch], a.g32[e], a.dg32[e], R.st[r],
-                      R.vis[r], whole);
+          p.row_stats(a, branch, tok, rows.lse[h], rows.g[h], rows.dg[h], R.st[r], R.vis[r], whole);
         }
         whole = __all_sync(0xffffffffu, whole);
-        if (lane == 0) wholes[w] = whole;
+        if (lane == 0) wholes[s] = whole;
         __syncwarp();  // the row pointers, for every lane's copies
-        if (tma && !q.list) {
-          // Whole tokens from s0 + t0 (boxes of tq tokens x G heads); rows past the tile's zeroed.
+        const bool by_tma = tma && !q.list;
+        if (by_tma) {
+          // Whole tokens from s0 + t0 (boxes of tq tokens x G heads); rows past the tile's zeroed below.
           if (lane == 0) {
             cuda::mbarrier_expect_tx(tma_bar + w, kRows * (DQK + DV) * sizeof(E));
             const int tok = int(p.s0) + q.t0, h0 = p.hk * a.G;
@@ -160,30 +191,34 @@ __global__ void __launch_bounds__(kWsThreads, 1) dkv_ws_kernel(const BwdArgs a, 
             for (int blk = 0; blk < DV / 64; ++blk)
               cuda::tma_load_3d(do_st + blk * kRows * 64, &maps.d_o, 64 * blk, h0, tok, tma_bar + w);
           }
+        } else {
+          warp_copy_rows_sw128<E, DQK>(q_st, R.q, qb, lane);
+          warp_copy_rows_sw128<E, DV>(do_st, R.dO, dob, lane);
+          cuda::cp_async_commit();
+        }
+        if (i + 4 < n_tiles) load_rows(i + 4, rows);  // (the loads overlap the copies' flight)
+        if (by_tma) {
           cuda::mbarrier_wait_parity(tma_bar + w, tma_phase);
           tma_phase ^= 1u;
-          const int rows = q.ntok * a.G;
-          if (rows < kRows) {
+          const int real = q.ntok * a.G;
+          if (real < kRows) {
             // (row r's 16-byte pieces stay in row r under the swizzle)
-            for (int e = lane; e < (kRows - rows) * 8 * (DQK / 64); e += 32) {
-              const int blk = e / ((kRows - rows) * 8), r = rows + e % ((kRows - rows) * 8) / 8, pc = e % 8;
+            for (int e = lane; e < (kRows - real) * 8 * (DQK / 64); e += 32) {
+              const int blk = e / ((kRows - real) * 8), r = real + e % ((kRows - real) * 8) / 8, pc = e % 8;
               *reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(q_st) + blk * kRows * 128 + r * 128 + pc * 16) =
                   make_uint4(0u, 0u, 0u, 0u);
             }
-            for (int e = lane; e < (kRows - rows) * 8 * (DV / 64); e += 32) {
-              const int blk = e / ((kRows - rows) * 8), r = rows + e % ((kRows - rows) * 8) / 8, pc = e % 8;
+            for (int e = lane; e < (kRows - real) * 8 * (DV / 64); e += 32) {
+              const int blk = e / ((kRows - real) * 8), r = real + e % ((kRows - real) * 8) / 8, pc = e % 8;
               *reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(do_st) + blk * kRows * 128 + r * 128 + pc * 16) =
                   make_uint4(0u, 0u, 0u, 0u);
             }
           }
         } else {
-          warp_copy_rows_sw128<E, DQK>(q_st, R.q, qb, lane);
-          warp_copy_rows_sw128<E, DV>(do_st, R.dO, dob, lane);
-          cuda::cp_async_commit();
           cuda::cp_async_wait<0>();
         }
         cuda::fence_proxy_async();  // this lane's copies, zeros and table -> the consumers' wgmma
-        cuda::mbarrier_arrive(full + w);
+        cuda::mbarrier_arrive(full + s);
       }
       return;
     }
