@@ -26,7 +26,8 @@
 //                    dS^T are its A operands): per key tile, loop over the query tiles that see
 //                    it; raw keys (window + selection, the latter through the inverted index) or
 //                    compressed keys (split over query ranges, partial sums reduced in a fixed
-//                    order later).
+//                    order later). On sm_90a at Dqk = Dv = 128 the same work runs warp-specialised
+//                    (dkv_ws_kernel.cuh: a producer warpgroup and two consumer warpgroups).
 //
 //
 // This header: the tile sizes every backward kernel shares and their small device helpers (row
