@@ -4,7 +4,9 @@
 // with locally alike queries (local_q, as the forward suite's), both also with the selection's
 // union tiles off (per_token, local_q_per_token: their same-run A/B), the full layer with the
 // backward not given the forward's o (full_without_o: the selection then recomputes o_slc for its
-// D; every other variant passes o, as a training step would), and the backward's extra memory (its
+// D; every other variant passes o, as a training step would), saved_o_cmp with dK / dV in one
+// warpgroup per CTA where they would run warp-specialised (saved_o_cmp_one_warpgroup_dkv, Dqk = Dv
+// = 128 at 8K and 64K: the same-run A/B of dkv_ws_kernel), and the backward's extra memory (its
 // workspace) against the memory of q, k, v and o. Writes a CSV (T,hq,hkv,dqk,dv,variant,fwd_ms,
 // bwd_ms,fwd_bwd_ms,bwd_tflops,ws_mb,qkvo_mb,peak_mb) that bench/sdpa_backward_baseline.py joins
 // with PyTorch SDPA forward+backward measured in the same scripts/gpu_check.sh run.
@@ -39,7 +41,7 @@ namespace {
 
 const char* const kVariantNames[] = {"full",        "saved_o_branch", "saved_o_cmp", "no_window",
                                      "no_selection", "phi_mlp_F4D",    "full_without_o", "per_token",
-                                     "local_q",     "local_q_per_token"};
+                                     "local_q",     "local_q_per_token", "saved_o_cmp_one_warpgroup_dkv"};
 
 struct Shape {
   int64_t hq, hkv, dqk, dv;
@@ -101,6 +103,7 @@ struct Variant {
   bool per_token = false;  // the selection's union tiles off (forward and backward): the A/B of them
   bool without_o = false;  // the backward is not given the forward's o (its selection recomputes o_slc)
   bool o_cmp = false;      // the forward keeps the compressed branch's output, the backward takes its dg from it
+  bool one_warpgroup_dkv = false;  // dK / dV by dkv_kernel where dkv_ws_kernel would run (CudaKernelChoices)
 };
 
 // The variants of one shape and length: the full layer, then one branch off at a time (64K and 8K
@@ -112,6 +115,9 @@ std::vector<Variant> variants_of(const Shape& s, int64_t T) {
     variants.push_back({"saved_o_branch", 16, 512, nsa::PhiKind::mean, true});
     variants.push_back({"saved_o_cmp", 16, 512, nsa::PhiKind::mean, false, false, false, false, true});
   }
+  if (square && s.dqk == 128 && (T == 65536 || T == 8192))
+    variants.push_back(
+        {"saved_o_cmp_one_warpgroup_dkv", 16, 512, nsa::PhiKind::mean, false, false, false, false, true, true});
   if (square && s.hq == 64 && (T == 65536 || T == 8192)) {
     variants.push_back({"no_window", 16, 0, nsa::PhiKind::mean, false});
     variants.push_back({"no_selection", 0, 512, nsa::PhiKind::mean, false});
@@ -161,6 +167,7 @@ int run_backward_suite(const std::vector<std::string>& args) {
         if (var.local_q)  // (q is this length's own: the variants after it, if any, would see it too)
           fill_local_bf16(q.data(), q.view.numel(), s.hq * s.dqk, 64, 21);
         choices.slc_union_tiles = !var.per_token;
+        choices.dkv_warp_specialized = !var.one_warpgroup_dkv;
         nsa::Config cfg;
         cfg.phi = var.phi;
         cfg.n_selected = var.n;
