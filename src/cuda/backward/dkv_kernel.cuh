@@ -183,16 +183,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
     constexpr int kTiles = int(std::extent_v<std::remove_reference_t<decltype(acc)>>);
 #pragma unroll 1
     for (int col0 = 0; col0 < kTiles * 8; col0 += kSub) {
-#pragma unroll
-      for (int nt = 0; nt < kTiles; ++nt) {
-        if (nt / kSubTiles != col0 / kSub) continue;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = key_w + group + 8 * (e >> 1), col = (nt % kSubTiles) * 8 + 2 * quad + (e & 1);
-          scratch[c * kLdS + col] = acc[nt][e];
-          acc[nt][e] = 0.f;
-        }
-      }
+      acc_columns_to_scratch<kLdS>(acc, scratch, col0, key_w, group, quad);
       emit_column_block(which, kTiles * 8, col0, out, add_phi, part);
     }
   };

@@ -233,6 +233,25 @@ struct DkvPlan {
   }
 };
 
+// Stores columns col0 .. col0 + kSub - 1 of this warp's dK or dV accumulator (the C fragments of
+// its 16 keys from key_w: kTiles n8 tiles of columns; group = lane / 4, quad = lane % 4) into rows
+// [kKeys][kLdS] of an fp32 scratch and clears them: the epilogues' first step, before a barrier and
+// the writes.
+template <int kLdS, int kTiles>
+__device__ __forceinline__ void acc_columns_to_scratch(float (&acc)[kTiles][4], float* scratch, int col0, int key_w,
+                                                       int group, int quad) {
+#pragma unroll
+  for (int nt = 0; nt < kTiles; ++nt) {
+    if (nt / kSubTiles != col0 / kSub) continue;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int c = key_w + group + 8 * (e >> 1), col = (nt % kSubTiles) * 8 + 2 * quad + (e & 1);
+      scratch[c * kLdS + col] = acc[nt][e];
+      acc[nt][e] = 0.f;
+    }
+  }
+}
+
 // g P = g exp2(scale S log2 e - lse log2 e) and dS = scale g P (dP - dg) = g P (scale dP - scale
 // dg) (one FFMA and one FMUL) of one half (rows r0 .. r0 + 31 of RowTile R's query tile) from S^T
 // in s and dP^T in dp (both overwritten); P uses ex2.approx (dq_exp2: probabilities below 2^-126

@@ -270,16 +270,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) dkv_ws_kernel(const BwdArgs a, 
       float* mine = scratch + c * kKeys * kLdS;
 #pragma unroll 1
       for (int col0 = 0; col0 < kTiles * 8; col0 += kSub) {
-#pragma unroll
-        for (int nt = 0; nt < kTiles; ++nt) {
-          if (nt / kSubTiles != col0 / kSub) continue;
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int k = key_w + group + 8 * (e >> 1), col = (nt % kSubTiles) * 8 + 2 * quad + (e & 1);
-            mine[k * kLdS + col] = acc[nt][e];
-            acc[nt][e] = 0.f;
-          }
-        }
+        acc_columns_to_scratch<kLdS>(acc, mine, col0, key_w, group, quad);
         cbar();
         for (int e = ctid; e < p.nk_emit * kSub; e += 256) {
           const int k = e / kSub, col = e % kSub;
