@@ -50,9 +50,8 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
   unsigned char* const smem = ml.smem;
   DkvPlan<kSet> p;
   if (!p.init(a)) return;
-  const int tq = p.tq, hk = p.hk, key0 = p.key0, nk = p.nk, n0 = p.n0, n1 = p.n1, piece = p.piece;
+  const int hk = p.hk, nk = p.nk, n0 = p.n0, n1 = p.n1, piece = p.piece;
   const int64_t s0 = p.s0;
-  const int2 split = p.split;
   const KeyTile kt = p.kt;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = lane / 4, quad = lane % 4;
@@ -214,32 +213,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs a, const __
       },
       compute);
 
-  if constexpr (kSet == KeySet::raw) {
-    if (!a.shared_kv && n0 > 0 && n1 == 0) epilogue(a.grad_k[kWin], a.grad_v[kWin], false, nullptr, nullptr);
-    if (split.y > 1) {
-      // A piece: its partial to its slot, then count it in (the stores first, device-wide); the
-      // last piece to arrive sums the slots in piece order and writes the block's dK / dV rows.
-      const int64_t slot = split.x + piece;
-      epilogue(OutMat3{}, OutMat3{}, false, a.raw.part_k + slot * kKeys * DQK, a.raw.part_v + slot * kKeys * DV);
-      __threadfence();
-      __syncthreads();
-      __shared__ int last_in;
-      if (threadIdx.x == 0) last_in = atomicAdd(a.raw.arrived + split.x, 1) == split.y - 1;
-      __syncthreads();
-      if (!last_in) return;
-      __threadfence();
-      p.template finish_pieces<E, DQK, DV>(a, threadIdx.x, kThreads);
-    } else if (a.shared_kv) {
-      epilogue(a.grad_k[kCmp], a.grad_v[kCmp], true, nullptr, nullptr);
-    } else {
-      epilogue(a.grad_k[kSlc], a.grad_v[kSlc], false, nullptr, nullptr);
-    }
-  } else {
-    float* part_k;
-    float* part_v;
-    p.template cmp_parts<DQK, DV>(a, part_k, part_v);
-    epilogue(OutMat3{}, OutMat3{}, false, part_k, part_v);
-  }
+  p.template final_writes<E, DQK, DV>(a, epilogue, [] { __syncthreads(); }, int(threadIdx.x), kThreads);
 }
 
 // raw_pieces_plan_kernel (backward.cu) fills raw.split / raw.slot before dkv_kernel<raw> runs.

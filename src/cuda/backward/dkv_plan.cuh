@@ -217,6 +217,40 @@ struct DkvPlan {
       }
     }
   }
+  // The block's writes after its last query tile. Raw keys: the window's dK / dV where the block
+  // had no list (independent K/V), then the list's; a piece of a split list writes its fp32
+  // partial to its slot and counts itself in (the stores first, device-wide), and the last piece
+  // to arrive sums the slots in piece order (finish_pieces). Compressed keys: the split's rows
+  // (cmp_parts). epilogue(dk_out, dv_out, add_phi, part_k, part_v) writes and clears the
+  // accumulators; barrier() syncs the `threads` threads that run this (tid: this one's index).
+  template <typename E, int DQK, int DV, typename Epilogue, typename Barrier>
+  __device__ __forceinline__ void final_writes(const BwdArgs& a, Epilogue&& epilogue, Barrier&& barrier, int tid,
+                                               int threads) const {
+    if constexpr (kSet == KeySet::raw) {
+      if (!a.shared_kv && n0 > 0 && n1 == 0) epilogue(a.grad_k[kWin], a.grad_v[kWin], false, nullptr, nullptr);
+      if (split.y > 1) {
+        const int64_t slot = split.x + piece;
+        epilogue(OutMat3{}, OutMat3{}, false, a.raw.part_k + slot * kKeys * DQK, a.raw.part_v + slot * kKeys * DV);
+        __threadfence();
+        barrier();
+        __shared__ int last_in;
+        if (tid == 0) last_in = atomicAdd(a.raw.arrived + split.x, 1) == split.y - 1;
+        barrier();
+        if (!last_in) return;
+        __threadfence();
+        finish_pieces<E, DQK, DV>(a, tid, threads);
+      } else if (a.shared_kv) {
+        epilogue(a.grad_k[kCmp], a.grad_v[kCmp], true, nullptr, nullptr);
+      } else {
+        epilogue(a.grad_k[kSlc], a.grad_v[kSlc], false, nullptr, nullptr);
+      }
+    } else {
+      float* part_k;
+      float* part_v;
+      cmp_parts<DQK, DV>(a, part_k, part_v);
+      epilogue(OutMat3{}, OutMat3{}, false, part_k, part_v);
+    }
+  }
   // Compressed keys: where this split's dK / dV go. The last split writes dkc / dvc; split z < last
   // its partial (rows before it: earlier splits').
   template <int DQK, int DV>

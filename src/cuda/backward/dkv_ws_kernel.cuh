@@ -312,32 +312,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) dkv_ws_kernel(const BwdArgs a, 
     if (!switched) switch_keys();  // this consumer had no list tile; the other one has
     cbar();                        // both consumers' products are done: the key tile is free for the scratch
 
-    if constexpr (kSet == KeySet::raw) {
-      if (!a.shared_kv && p.n0 > 0 && p.n1 == 0) epilogue(a.grad_k[kWin], a.grad_v[kWin], false, nullptr, nullptr);
-      if (p.split.y > 1) {
-        // A piece: its partial to its slot, then count it in (the stores first, device-wide); the
-        // last piece to arrive sums the slots in piece order and writes the block's dK / dV rows.
-        const int64_t slot = p.split.x + p.piece;
-        epilogue(OutMat3{}, OutMat3{}, false, a.raw.part_k + slot * kKeys * DQK, a.raw.part_v + slot * kKeys * DV);
-        __threadfence();
-        cbar();
-        __shared__ int last_in;
-        if (ctid == 0) last_in = atomicAdd(a.raw.arrived + p.split.x, 1) == p.split.y - 1;
-        cbar();
-        if (!last_in) return;
-        __threadfence();
-        p.template finish_pieces<E, DQK, DV>(a, ctid, 256);
-      } else if (a.shared_kv) {
-        epilogue(a.grad_k[kCmp], a.grad_v[kCmp], true, nullptr, nullptr);
-      } else {
-        epilogue(a.grad_k[kSlc], a.grad_v[kSlc], false, nullptr, nullptr);
-      }
-    } else {
-      float* part_k;
-      float* part_v;
-      p.template cmp_parts<DQK, DV>(a, part_k, part_v);
-      epilogue(OutMat3{}, OutMat3{}, false, part_k, part_v);
-    }
+    p.template final_writes<E, DQK, DV>(a, epilogue, cbar, ctid, 256);
   }
 }
 
