@@ -76,6 +76,10 @@ struct DkvSmem {
 struct DkvMaps {
   CUtensorMap q, d_o;
   int on;
+  // dkv_ws_kernel at G >= 8: boxes of one token x G heads (G rows, at least one 1024-byte swizzle
+  // atom) for the selection's gathered query tiles, a box per token; `list` = 0 elsewhere.
+  CUtensorMap q1, d_o1;
+  int list;
 };
 
 }  // namespace nsa::cuda::bwd

@@ -179,7 +179,23 @@ __global__ void __launch_bounds__(kWsThreads, 1) dkv_ws_kernel(const BwdArgs a, 
         if (lane == 0) wholes[s] = whole;
         __syncwarp();  // the row pointers, for every lane's copies
         const bool by_tma = tma && !q.list;
-        if (by_tma) {
+        const bool list_by_tma = q.list && maps.list != 0;  // G >= 8: a box of G rows per token
+        if (list_by_tma) {
+          // Token u's G rows from its box (its position from the row table: vis.y = t); the
+          // padding rows past the list's end are zeroed below like a window tile's.
+          if (lane == 0) cuda::mbarrier_expect_tx(tma_bar + w, q.ntok * a.G * (DQK + DV) * sizeof(E));
+          __syncwarp();
+          const int h0 = p.hk * a.G;
+          for (int u = lane; u < q.ntok; u += 32) {
+            const int tok = int(p.s0) + R.vis[u * a.G].y;
+#pragma unroll
+            for (int blk = 0; blk < DQK / 64; ++blk)
+              cuda::tma_load_3d(q_st + blk * kRows * 64 + u * a.G * 64, &maps.q1, 64 * blk, h0, tok, tma_bar + w);
+#pragma unroll
+            for (int blk = 0; blk < DV / 64; ++blk)
+              cuda::tma_load_3d(do_st + blk * kRows * 64 + u * a.G * 64, &maps.d_o1, 64 * blk, h0, tok, tma_bar + w);
+          }
+        } else if (by_tma) {
           // Whole tokens from s0 + t0 (boxes of tq tokens x G heads); rows past the tile's zeroed below.
           if (lane == 0) {
             cuda::mbarrier_expect_tx(tma_bar + w, kRows * (DQK + DV) * sizeof(E));
@@ -197,7 +213,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) dkv_ws_kernel(const BwdArgs a, 
           cuda::cp_async_commit();
         }
         if (i + 4 < n_tiles) load_rows(i + 4, rows);  // (the loads overlap the copies' flight)
-        if (by_tma) {
+        if (by_tma || list_by_tma) {
           cuda::mbarrier_wait_parity(tma_bar + w, tma_phase);
           tma_phase ^= 1u;
           const int real = q.ntok * a.G;

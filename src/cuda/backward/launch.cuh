@@ -150,6 +150,13 @@ void launch_attention(const BwdArgs& a_in, cudaStream_t s, BwdKernel kernel_kind
   };
   if constexpr (DQK == 128 && DV == 128) {
     if (dkv_ws_enabled<E, DQK, DV>(a)) {
+      if (!cmp && a.n > 0 && a.G >= 8 && a.vec && a.choices.tma)
+        maps.list = cuda::make_rows_tensor_map(&maps.q1, kIsBf16<E>, a.q.p, DQK, uint64_t(a.hq), uint64_t(a.T), a.q.s0,
+                                               a.q.s1, 1, uint32_t(a.G)) &&
+                            cuda::make_rows_tensor_map(&maps.d_o1, kIsBf16<E>, a.d_o.p, DV, uint64_t(a.hq),
+                                                       uint64_t(a.T), a.d_o.s0, a.d_o.s1, 1, uint32_t(a.G))
+                        ? 1
+                        : 0;
       if (cmp)
         run(dkv_ws_kernel<E, DQK, DV, KeySet::cmp>, kWsThreads, DkvWsSmem<E, DQK, DV>::kLaunch);
       else
