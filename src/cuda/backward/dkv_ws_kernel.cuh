@@ -5,26 +5,27 @@
 //
 // dkv_kernel is one warpgroup that builds each query tile's row table, copies its Q / dO rows and
 // runs its products, with CTA barriers between them; two CTAs per SM hide part of each one's
-// waits. Here one CTA per SM has three warpgroups and kStages = 4 Q / dO stages (tile i in stage
-// i % 4):
-//   producer   (warpgroup 0, 40 registers): warp w fills query tiles w, w + 4, ... (stage w): loads the
+// waits. Here one CTA per SM has three warpgroups and kStages = 5 Q / dO stages (tile i in stage
+// i % 5):
+//   producer   (warpgroup 0, 40 registers): warp w fills query tiles w, w + 4, ...: loads the
 //              tile's row statistics (tokens, lse, gate, dg) while its previous tile's copies
 //              land, waits until the stage is free (empty), writes the row table (RowTile),
-//              copies the Q and dO rows (the selection's gathered rows by cp.async, consecutive
-//              tokens by TMA, the rows past the tile zeroed), fences them for wgmma and arrives on
-//              the stage's full barrier;
+//              copies the Q and dO rows (consecutive tokens by TMA; the selection's gathered
+//              rows by TMA too at G >= 8, a box of G heads per token, else by cp.async; the rows
+//              past the tile zeroed), fences them for wgmma and arrives on the tile's full barrier;
 //   consumers  (warpgroups 1 and 2, 232 registers each): consumer c takes the tiles i = c, c + 2,
-//              ... (stages c and c + 2): waits on full, runs the tile's four products and its P /
-//              dS into its own dK / dV accumulators, arrives on empty.
+//              ...: waits on full, runs the tile's four products and its P / dS into its own
+//              dK / dV accumulators, arrives on empty.
 // The consumers share the key tile (they copy it: one K, the other V) and meet only at named
 // barriers: before the raw keys' window -> selection switch (the window's dK / dV written, the
 // selection's keys copied) and in the epilogues, which add consumer 0's and consumer 1's sums in
 // that order (a fixed order: the result is deterministic, and differs in rounding from
 // dkv_kernel's one running sum).
 //
-// No cycle of waits: consumer c's tiles wait only for stages it releases itself (tile i + 4 reuses
-// tile i's stage, same parity), so a consumer waiting at a named barrier never holds a stage the
-// other needs.
+// No cycle of waits: when a consumer waits at a named barrier it has released every tile before
+// its own current one, and the other consumer's next tile j is earlier than that; filling j (and
+// the producer warp's tiles before it) needs only tiles before j - kStages released, which both
+// consumers have done.
 #pragma once
 
 #include "cuda/backward/dkv_mainloop_sm90.cuh"
@@ -36,20 +37,22 @@ namespace nsa::cuda::bwd {
 // the key tile, kStages Q / dO stages, their row tables and flags, the mbarriers.
 template <typename E, int DQK, int DV>
 struct DkvWsSmem {
-  // Stage s is filled only by producer warp s and read only by consumer s % 2, so a waiter is never
-  // more than one phase of an mbarrier away from it (the parity waits stay exact). (Five stages,
-  // tile i in stage i % 5, fit too; there a consumer can wait on a stage whose previous tile, the
-  // other consumer's, is not filled yet, and the parity then reads the old phase as done.)
-  static constexpr int kStages = 4;
+  // Tile i lands in stage i % kStages; its full and empty mbarriers are slot i % kSlots, so the
+  // tiles that share a slot (i, i + kSlots, ...) are all one consumer's, which waits on every phase
+  // of its slots in order. A parity wait is exact only if the waiter is at most one phase ahead of
+  // the barrier: one mbarrier per stage would break that here, since a stage's successive tiles
+  // alternate between the consumers (an odd kStages) and a consumer would skip phases.
+  static constexpr int kStages = 5;
+  static constexpr int kSlots = 2 * kStages;
   static constexpr int kK = 0;                                   // [kKeys][DQK], swizzled
   static constexpr int kV = kK + kKeys * DQK * 2;                // [kKeys][DV]
   static constexpr int kQ = kV + kKeys * DV * 2;                 // [kStages][kRows][DQK]
   static constexpr int kDo = kQ + kStages * kRows * DQK * 2;     // [kStages][kRows][DV]
   static constexpr int kRt = kDo + kStages * kRows * DV * 2;     // [kStages] RowTile
   static constexpr int kWhole = kRt + kStages * int(sizeof(RowTile));  // [kStages] int: every row sees every key
-  static constexpr int kBars = kWhole + 32;                      // full, empty: [kStages] mbarriers each; tma: [4]
-  static constexpr int kEnd = kBars + (2 * kStages + 4) * 8;
-  static_assert(kStages == 4, "one stage per producer warp");
+  static constexpr int kBars = kWhole + 32;                      // full, empty: [kSlots] mbarriers each; tma: [4]
+  static constexpr int kEnd = kBars + (2 * kSlots + 4) * 8;
+  static_assert(kStages <= 8 && kSlots % 2 == 0, "wholes fit their 32 bytes; a slot's tiles are one consumer's");
   static constexpr int kLaunch = kEnd + 1024;
   // The epilogue's fp32 scratch, [2 consumers][kKeys][kSub + 4], over the key tile.
   static constexpr int kLdS = kSub + 4;
@@ -89,7 +92,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) dkv_ws_kernel(const BwdArgs a, 
     cuda::wgmma_unavailable();  // launched only where the sm_90a body runs (launch.cuh)
   } else {
     using L = DkvWsSmem<E, DQK, DV>;
-    constexpr int kStages = L::kStages;
+    constexpr int kStages = L::kStages, kSlots = L::kSlots;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024u - (cuda::smem_address(smem_raw) & 1023u)) & 1023u);
     E* const sK = reinterpret_cast<E*>(smem + L::kK);
@@ -99,16 +102,16 @@ __global__ void __launch_bounds__(kWsThreads, 1) dkv_ws_kernel(const BwdArgs a, 
     RowTile* const rt = reinterpret_cast<RowTile*>(smem + L::kRt);
     int* const wholes = reinterpret_cast<int*>(smem + L::kWhole);
     uint64_t* const full = reinterpret_cast<uint64_t*>(smem + L::kBars);
-    uint64_t* const empty = full + kStages;
-    uint64_t* const tma_bar = empty + kStages;
+    uint64_t* const empty = full + kSlots;
+    uint64_t* const tma_bar = empty + kSlots;
 
     DkvPlan<kSet> p;
     if (!p.init(a)) return;  // the same for every thread of the CTA
     const int n_tiles = p.n_tiles();
     if (threadIdx.x == 0) {
-      for (int s = 0; s < kStages; ++s) {
-        cuda::mbarrier_init(full + s, 32);    // the producer warp of the stage's tile
-        cuda::mbarrier_init(empty + s, 128);  // the consumer warpgroup of the stage's tile
+      for (int s = 0; s < kSlots; ++s) {
+        cuda::mbarrier_init(full + s, 32);    // the producer warp of the slot's tile
+        cuda::mbarrier_init(empty + s, 128);  // the consumer warpgroup of the slot's tiles
       }
       for (int w = 0; w < 4; ++w) cuda::mbarrier_init(tma_bar + w, 1);  // producer warp w's TMA copies
       cuda::fence_mbarrier_init();
@@ -153,8 +156,12 @@ __global__ void __launch_bounds__(kWsThreads, 1) dkv_ws_kernel(const BwdArgs a, 
       uint32_t tma_phase = 0;  // the parity of this warp's next TMA fill
 #pragma unroll 1
       for (int i = w; i < n_tiles; i += 4) {
-        const int s = i % kStages, use = i / kStages;
-        if (use > 0) cuda::mbarrier_wait_parity(empty + s, (use - 1) & 1);  // the consumers are done with its last tile
+        const int s = i % kStages;
+        // The stage's previous tile (i - kStages, the other consumer's) released. The slot's phase
+        // before that one (tile i - kStages - kSlots) is done: this warp's previous tile waited for
+        // tile i - 4 - kStages, a later tile of the same consumer.
+        if (i >= kStages)
+          cuda::mbarrier_wait_parity(empty + (i - kStages) % kSlots, ((i - kStages) / kSlots) & 1);
         RowTile& R = rt[s];
         E* const q_st = sQ + s * kRows * DQK;
         E* const do_st = sDo + s * kRows * DV;
@@ -234,7 +241,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) dkv_ws_kernel(const BwdArgs a, 
           cuda::cp_async_wait<0>();
         }
         cuda::fence_proxy_async();  // this lane's copies, zeros and table -> the consumers' wgmma
-        cuda::mbarrier_arrive(full + s);
+        cuda::mbarrier_arrive(full + i % kSlots);
       }
       return;
     }
@@ -318,12 +325,12 @@ __global__ void __launch_bounds__(kWsThreads, 1) dkv_ws_kernel(const BwdArgs a, 
     for (int i = c; i < n_tiles; i += 2) {
       if (!switched && i >= p.n0) switch_keys();
       const int s = i % kStages;
-      cuda::mbarrier_wait_parity(full + s, (i / kStages) & 1);
+      cuda::mbarrier_wait_parity(full + i % kSlots, (i / kSlots) & 1);
       const bool whole = wholes[s] != 0;
       mma.tile(acc_k, acc_v, rt[s], s, [&](float (&sc)[kSubTiles][4], float (&dp)[kSubTiles][4], const RowTile& R, int, int r0) {
         dkv_grads(sc, dp, R, whole, kpos, kin, a.scale, scale_log2, r0);
       });
-      cuda::mbarrier_arrive(empty + s);  // this tile's wgmma reads are done (each batch waited)
+      cuda::mbarrier_arrive(empty + i % kSlots);  // this tile's wgmma reads are done (each batch waited)
     }
     if (!switched) switch_keys();  // this consumer had no list tile; the other one has
     cbar();                        // both consumers' products are done: the key tile is free for the scratch
