@@ -15,12 +15,12 @@ import csv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CSV = ROOT / "docs/benchmarks/results/h200_public_nsa_prefill_2026-12-01.csv"
+DEFAULT_CSV = ROOT / "docs/benchmarks/results/h200_public_nsa_prefill_c56c37f.csv"
 DEFAULT_OUT = ROOT / "docs/images/speed_h200.png"
 # What the default CSV's rows were measured on (docs/benchmarks/h200.md, "Against the fastest
 # public NSA"); another CSV gets its own words through --note.
-DEFAULT_NOTE = ("nsa: main after 69610c1 (the exact commit was not recorded); public: "
-                "mdy666/Scalable-Flash-Native-Sparse-Attention fcf117c; one sitting, 2026-12-01")
+DEFAULT_NOTE = ("nsa: c56c37f, the backward given o and the compressed branch's output; public: "
+                "mdy666/Scalable-Flash-Native-Sparse-Attention fcf117c; one device call, 2026-12-04")
 
 # (column prefix, legend, colour, marker)
 SERIES = [
