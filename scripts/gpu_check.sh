@@ -7,7 +7,7 @@
 #
 # Environment: OUT (log folder), BUILD_DIR (default /tmp/nsa-gpu-build), JOBS (default 16),
 # SKIP="sass_check host_tests cuda_tests memcheck cuda_fuzz racecheck cli_bench bench bench_backward bench_decode gather_bench python_tests
-# bench_decode_layer bench_phi bench_layer public_decode bench_backbone sm80_tests" (any subset), LAYER_ARGS (bench/layer_bench.py's), BENCH_ARGS (options of both `nsa bench --suite` runs, e.g. --quick or --lengths 8192,65536), DECODE_ARGS (nsa_decode_bench's),
+# bench_decode_layer bench_phi bench_layer public_decode public_prefill bench_backbone sm80_tests" (any subset), LAYER_ARGS (bench/layer_bench.py's), PREFILL_LENS (public_prefill's lengths), BENCH_ARGS (options of both `nsa bench --suite` runs, e.g. --quick or --lengths 8192,65536), DECODE_ARGS (nsa_decode_bench's),
 # MEMCHECK_FILTER (memcheck's --gtest_filter), RACECHECK_FILTER (racecheck's), BUILD_TARGETS (build only these, e.g. "nsa_cuda_tests nsa_cli"), CUDA_TEST_FILTER (a --gtest_filter for cuda_tests, e.g. '*CudaBackward*'), BREAK_TESTS=1 (last step:
 # scripts/break_tests.sh, the GPU tests must catch the bugs planted by tests/cuda/breaks/*.patch).
 # To add a step: write a function and call `step NAME function` below; its output lands in
@@ -139,6 +139,35 @@ public_decode() {
     --batch 1,8,64 --lens 8192,32768,65536 --markdown "$OUT/public_decode.md"
 }
 
+# The same-run prefill table against the fastest public NSA (laid out in .anchors/mdy_nsa by
+# ../shared/anchors/mdy_nsa/setup.sh): this library's backward suite (variants full and
+# saved_o_cmp) at G = 16 and G = 4, dense SDPA on those shapes, the public NSA's bench.py at the
+# same lengths, merged by bench/public_nsa_prefill.py into $OUT/public_prefill.md and the plot CSV
+# $OUT/public_nsa_prefill.csv (bench/plot_speed.py --csv). PREFILL_LENS (default 8K-64K).
+public_prefill() {
+  [[ -d "$SRC/.anchors/mdy_nsa/src" ]] || { echo "no .anchors/mdy_nsa (../shared/anchors/mdy_nsa/setup.sh)"; return 1; }
+  local b lens="${PREFILL_LENS:-8192,16384,32768,65536}" csv="$OUT/prefill_ours.csv" v shape
+  b="$(bin nsa)" || return 1
+  : > "$csv"
+  for v in full saved_o_cmp; do
+    for shape in 64,4,128,128 16,4,128,128; do
+      "$b" bench --suite backward --lengths "$lens" --shape "$shape" --variant "$v" --out "$OUT/prefill_part.csv" || return 1
+      if [[ -s "$csv" ]]; then tail -n +2 "$OUT/prefill_part.csv" >> "$csv"; else cat "$OUT/prefill_part.csv" > "$csv"; fi
+    done
+  done
+  rm -f "$OUT/prefill_part.csv"
+  (cd "$SRC/bench" && PYTHONUNBUFFERED=1 python3 sdpa_backward_baseline.py "$csv" --markdown "$OUT/prefill_dense.md") || return 1
+  local g hq
+  for g in 16 4; do
+    hq=$((g * 4))
+    (cd "$SRC/.anchors/mdy_nsa" && PYTHONUNBUFFERED=1 python3 bench.py --seqlens "$lens" --hq "$hq" --hkv 4 --no-decode \
+      --no-check --no-breakdown > "$OUT/prefill_public_g$g.log" 2>&1) || { tail -20 "$OUT/prefill_public_g$g.log"; return 1; }
+  done
+  python3 "$SRC/bench/public_nsa_prefill.py" --ours "$csv" --dense "$OUT/prefill_dense.md" \
+    --public "16=$OUT/prefill_public_g16.log" --public "4=$OUT/prefill_public_g4.log" \
+    --csv "$OUT/public_nsa_prefill.csv" --markdown "$OUT/public_prefill.md"
+}
+
 # The selection's gather patterns (bench/gather_patterns.cu, docs/cuda.md, "what bounds the
 # selection"): a few seconds.
 gather_bench() { timeout 120 "$(bin nsa_gather_bench)"; }  # (a hung pattern must not eat the call)
@@ -204,6 +233,7 @@ step bench_backward bench_backward
 step bench_decode bench_decode
 step bench_backbone bench_backbone
 step public_decode public_decode
+step public_prefill public_prefill
 step gather_bench gather_bench
 step python_tests python_tests
 step bench_decode_layer bench_decode_layer
