@@ -7,7 +7,8 @@ length T (one sequence, bf16): the layer (independent K/V, gates, rotary, paper 
 dense twin (the same q / one K/V set / o projections, q, k and v as one product as the layer
 does, the layer's rotary, PyTorch SDPA causal with GQA)
 on the same x. Forward: the layer's call; forward+backward: the call, then backward of
-out.sum() through every parameter and x. Median of CUDA-event timings; peak memory: the most
+out.sum() through every parameter and x. Median of CUDA-event timings (two warm-ups, then 15 runs
+up to 16K, 7 at 32K, 5 above: --reps); peak memory: the most
 allocated during one forward+backward beyond what was allocated before it.
 
     python3 bench/layer_bench.py [--lens 8192,16384,32768,65536] [--groups 16,4] [--phi mean,mlp]
@@ -54,15 +55,20 @@ class DenseTwin(torch.nn.Module):
         return self.o_proj(o[0].transpose(0, 1).reshape(T, self.hq * D))
 
 
+def auto_reps(T):
+    """Timed runs per measurement: more where a step is short and its median noisier."""
+    return 15 if T <= 16384 else 7 if T <= 32768 else 5
+
+
 def measure(module, x, reps):
-    fwd = time_ms(lambda: module(x), warmup=1, reps=reps)
+    fwd = time_ms(lambda: module(x), warmup=2, reps=reps)
 
     def step():
         x.grad = None
         module.zero_grad(set_to_none=True)
         module(x).float().sum().backward()
 
-    both = time_ms(step, warmup=1, reps=reps)
+    both = time_ms(step, warmup=2, reps=reps)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -77,7 +83,7 @@ def main():
     ap.add_argument("--lens", default="8192,16384,32768,65536")
     ap.add_argument("--groups", default="16,4")
     ap.add_argument("--phi", default="mean,mlp")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=0, help="timed runs (median); 0: 15 up to 16K, 7 at 32K, 5 above")
     ap.add_argument("--kept", default="o_cmp", help="o_cmp, o, o_branch (comma-separated)")
     ap.add_argument("--csv")
     ap.add_argument("--markdown")
@@ -101,9 +107,9 @@ def main():
                                                        save_cmp_output=kept == "o_cmp", device=dev, dtype=dt)
                     if dense is None:
                         twin = DenseTwin(layer)
-                        dense = measure(twin, x, a.reps)
+                        dense = measure(twin, x, a.reps or auto_reps(T))
                         del twin
-                    ours = measure(layer, x, a.reps)
+                    ours = measure(layer, x, a.reps or auto_reps(T))
                     del layer
                     torch.cuda.empty_cache()
                     row = {"G": G, "T": T, "phi": phi, "kept": kept, "nsa_fwd_ms": ours[0], "dense_fwd_ms": dense[0],
