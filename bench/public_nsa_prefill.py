@@ -68,7 +68,7 @@ def read_public(path: str) -> dict:
             if line.startswith("case "):
                 lens = [int(x) for x in line.split()[1:]]
                 continue
-            for prefix, name in names.items():  # (fwd+bwd and bwd before the plain fwd: prefixes)
+            for prefix, name in names.items():  # (the name, then a space: "fwd" is not "fwd+bwd")
                 if line.startswith(prefix + " ") and lens:
                     values = line[len(prefix):].split()
                     for t, v in zip(lens, values[-len(lens):]):
@@ -108,7 +108,8 @@ def main() -> int:
         p = public.get(g, {}).get(t) if hkv == a.hkv else None
         d = dense.get((g, hkv, t))
         if p is None or d is None or not {"fwd", "bwd", "fwd_bwd"} <= set(p):
-            missing.append(f"G {g} Hkv {hkv} T {t}: {'public' if p is None else ''} {'dense' if d is None else ''}".strip())
+            absent = [name for name, v in (("public", p), ("dense", d)) if v is None] or ["public bwd or fwd+bwd"]
+            missing.append(f"G {g} Hkv {hkv} T {t}: " + " and ".join(absent))
             continue
         f = statistics.fmean(r[0] for r in runs)
         fb = statistics.fmean(r[2] for r in runs)
