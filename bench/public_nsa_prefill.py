@@ -28,7 +28,7 @@ import sys
 
 
 def read_ours(path: str, variant: str) -> dict:
-    """(G, T) -> (fwd, bwd list, fwd+bwd list) of `variant`'s rows at Dqk = Dv = 128."""
+    """(G, Hkv, T) -> [(fwd, bwd, fwd+bwd), ...]: every run of `variant` at Dqk = Dv = 128."""
     out: dict = {}
     with open(path, newline="") as f:
         for r in csv.DictReader(f):
