@@ -140,16 +140,17 @@ public_decode() {
 }
 
 # The same-run prefill table against the fastest public NSA (laid out in .anchors/mdy_nsa by
-# ../shared/anchors/mdy_nsa/setup.sh): this library's backward suite (variants full and
-# saved_o_cmp) at G = 16 and G = 4, dense SDPA on those shapes, the public NSA's bench.py at the
-# same lengths, merged by bench/public_nsa_prefill.py into $OUT/public_prefill.md and the plot CSV
-# $OUT/public_nsa_prefill.csv (bench/plot_speed.py --csv). PREFILL_LENS (default 8K-64K).
+# ../shared/anchors/mdy_nsa/setup.sh): this library's backward suite (variants full, saved_o_cmp
+# and saved_o_branch) at G = 16 and G = 4, dense SDPA on those shapes, the public NSA's bench.py at
+# the same lengths, merged by bench/public_nsa_prefill.py into $OUT/public_prefill.md and the plot
+# CSV $OUT/public_nsa_prefill.csv (bench/plot_speed.py --csv), and with saved_o_branch (the public
+# kernels' saved memory) into $OUT/public_prefill_o_branch.md and its CSV. PREFILL_LENS (default 8K-64K).
 public_prefill() {
   [[ -d "$SRC/.anchors/mdy_nsa/src" ]] || { echo "no .anchors/mdy_nsa (../shared/anchors/mdy_nsa/setup.sh)"; return 1; }
   local b lens="${PREFILL_LENS:-8192,16384,32768,65536}" csv="$OUT/prefill_ours.csv" v shape
   b="$(bin nsa)" || return 1
   : > "$csv"
-  for v in full saved_o_cmp; do
+  for v in full saved_o_cmp saved_o_branch; do
     for shape in 64,4,128,128 16,4,128,128; do
       "$b" bench --suite backward --lengths "$lens" --shape "$shape" --variant "$v" --out "$OUT/prefill_part.csv" || return 1
       if [[ -s "$csv" ]]; then tail -n +2 "$OUT/prefill_part.csv" >> "$csv"; else cat "$OUT/prefill_part.csv" > "$csv"; fi
@@ -165,7 +166,11 @@ public_prefill() {
   done
   python3 "$SRC/bench/public_nsa_prefill.py" --ours "$csv" --dense "$OUT/prefill_dense.md" \
     --public "16=$OUT/prefill_public_g16.log" --public "4=$OUT/prefill_public_g4.log" \
-    --csv "$OUT/public_nsa_prefill.csv" --markdown "$OUT/public_prefill.md"
+    --csv "$OUT/public_nsa_prefill.csv" --markdown "$OUT/public_prefill.md" || return 1
+  # At the public kernels' memory: they keep every branch's output for the backward, as saved_o_branch.
+  python3 "$SRC/bench/public_nsa_prefill.py" --ours "$csv" --dense "$OUT/prefill_dense.md" \
+    --public "16=$OUT/prefill_public_g16.log" --public "4=$OUT/prefill_public_g4.log" --variant saved_o_branch \
+    --csv "$OUT/public_nsa_prefill_o_branch.csv" --markdown "$OUT/public_prefill_o_branch.md"
 }
 
 # The selection's gather patterns (bench/gather_patterns.cu, docs/cuda.md, "what bounds the

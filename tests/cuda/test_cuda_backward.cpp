@@ -523,6 +523,92 @@ TEST_P(CudaBackward, CompressBackwardMatchesReference) {
   }
 }
 
+// phi = mean's kernels take runs of 8 columns of x (4 of dx) per thread where every row starts on
+// 16 (8) bytes, else one column: compress_fwd (mean_kernel) at head dims 6, 12 and 16, compress_bwd
+// (mean_dx_kernel; D 64, the smallest it takes), with x (forward) or dx (backward) contiguous and as
+// a view of rows padded by one element (strides no multiple of 8), packed sequences with an empty
+// one, against the reference.
+void check_compress_mean(bool backward) {
+  Config cfg;
+  cfg.phi = PhiKind::mean;
+  const int64_t T = 261, H = 2;
+  HostTensor cu_h(DType::i32, {4});
+  const int32_t cu_vals[4] = {0, 70, 70, 261};
+  for (int i = 0; i < 4; ++i) cu_h.set(i, cu_vals[i]);
+  const int64_t rows = cmp_rows(T, cfg.cmp_stride);
+  const Context ref = cuda_context(Backend::reference), ctx = cuda_context(Backend::cuda);
+  for (int64_t D : backward ? std::vector<int64_t>{64} : std::vector<int64_t>{6, 12, 16}) {
+    for (int64_t pad : {0, 1}) {
+      SCOPED_TRACE("D " + std::to_string(D) + ", rows padded by " + std::to_string(pad));
+      const int64_t Dp = D + pad;
+      std::mt19937_64 rng(uint64_t(D * 10 + pad));
+      HostTensor xp(DType::bf16, {T, H, Dp}), x64(DType::f64, {T, H, D});
+      xp.fill_uniform(rng, -1, 1);
+      for (int64_t i = 0; i < T * H; ++i)
+        for (int64_t c = 0; c < D; ++c) x64.set(i * D + c, xp.get(i * Dp + c));
+      auto first_columns = [&](TensorView v) {  // the first D columns of each padded row
+        v.shape[2] = D;
+        return v;
+      };
+      Sequences seqs_ref;
+      seqs_ref.cu_seqlens = cu_h.view();
+      DeviceTensor d_xp(xp), d_cu(cu_h);
+      Sequences seqs;
+      seqs.cu_seqlens = d_cu.view();
+      seqs.max_seqlen = 191;
+      Problem pr;
+      pr.total_tokens = T;
+      pr.batch = 3;
+      pr.hkv = pr.hq = H;
+      pr.dqk = pr.dv = D;
+      pr.dtype = DType::bf16;
+      pr.device = Device::cuda;
+      pr.max_seqlen = 191;
+      if (!backward) {
+        HostTensor xc(DType::bf16, {rows, H, D});
+        xc.poison();
+        HostTensor xc_ref = to_f64(xc);
+        compress_fwd(ref, cfg, PhiParams{}, x64.view(), seqs_ref, xc_ref.view());
+        DeviceTensor d_xc(xc);
+        const DeviceWorkspace ws(workspace_size(ctx, Op::compress_fwd, cfg, pr));
+        compress_fwd(ctx, cfg, PhiParams{}, first_columns(d_xp.view()), seqs, d_xc.view(), ws.view());
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        d_xc.download(xc);
+        const double u = unit_roundoff(DType::bf16);
+        EXPECT_TRUE(close(xc.values(), xc_ref.values(), [&](double w, size_t) { return 2 * u * std::fabs(w) + 1e-5; }));
+      } else {
+        HostTensor dxc(DType::bf16, {rows, H, D}), dxp(DType::bf16, {T, H, Dp});
+        dxc.fill_uniform(rng, -1, 1);
+        dxp.poison();
+        HostTensor dx_ref(DType::f64, {T, H, D}), dxc64 = to_f64(dxc);
+        compress_bwd(ref, cfg, PhiParams{}, x64.view(), seqs_ref, dxc64.view(), dx_ref.view(), PhiParams{});
+        DeviceTensor d_dxc(dxc), d_dxp(dxp);
+        const DeviceWorkspace ws(workspace_size(ctx, Op::compress_bwd, cfg, pr));
+        compress_bwd(ctx, cfg, PhiParams{}, first_columns(d_xp.view()), seqs, d_dxc.view(), first_columns(d_dxp.view()),
+                     PhiParams{}, ws.view());
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        d_dxp.download(dxp);
+        HostTensor dx(DType::f64, {T, H, D});
+        for (int64_t i = 0; i < T * H; ++i)
+          for (int64_t c = 0; c < D; ++c) dx.set(i * D + c, dxp.get(i * Dp + c));
+        EXPECT_TRUE(close(dx.values(), dx_ref.values(), grad_tol(DType::bf16, max_abs(dx_ref.values()))));
+        if (pad > 0) {  // the padding columns stay as they were
+          for (int64_t i = 0; i < T * H; ++i)
+            if (!std::isnan(dxp.get(i * Dp + D))) ADD_FAILURE() << "padding column of row " << i << " written";
+        }
+      }
+    }
+  }
+}
+TEST(CudaCompressMean, ForwardOddHeadDimsAndStridesMatchReference) {
+  NSA_REQUIRE_GPU();
+  check_compress_mean(false);
+}
+TEST(CudaCompressMean, BackwardOddHeadDimsAndStridesMatchReference) {
+  NSA_REQUIRE_GPU();
+  check_compress_mean(true);
+}
+
 // Long sequences, where a dK / dV CTA runs hundreds of query tiles (its pipeline stages wrap
 // around many times; at the cases' lengths a few dozen): G = 16, 9000 + 3000 tokens, a window of
 // 512, 16 blocks of 64. The warp-specialised dkv_ws_kernel (sm_90a, Dqk = Dv = 128) against the

@@ -6,6 +6,8 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "cuda/common/check.h"
@@ -371,37 +373,91 @@ struct StoreDx {  // dx[slot j's token + rr, h, n] = v (tokens past the sequence
 
 // ---- the small kernels around the products -----------------------------------------------------
 
-template <typename E>
-__global__ void mean_kernel(const E* x, int64_t s0, int64_t s1, const int32_t* first, int64_t rc, int hkv, int D,
-                            int l, E* xc, int64_t xc_st, int64_t xc_sh, bool write_unused) {
-  const int64_t total = rc * hkv * D;
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x) {
-    const int c = int(e % D);
-    const int64_t m = e / D;
-    const int64_t r = m / hkv;
-    const int h = int(m % hkv);
-    const int tok = first[r];
-    if (tok < 0 && !write_unused) continue;
-    float sum = 0.f;
-    if (tok >= 0)
-      for (int k = 0; k < l; ++k) sum += to_float(x[(int64_t(tok) + k) * s0 + h * s1 + c]);
-    xc[r * xc_st + h * xc_sh + c] = from_float<E>(sum / float(l));
+// V consecutive elements at p: one 16-byte access where V elements are 16 bytes (the caller
+// checked the alignment), else V scalar ones.
+template <int V, typename T>
+__device__ __forceinline__ void load_run(const T* p, T (&v)[V]) {
+  if constexpr (V * sizeof(T) == 16) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    memcpy(v, &u, 16);
+  } else {
+    for (int i = 0; i < V; ++i) v[i] = p[i];
+  }
+}
+template <int V, typename T>
+__device__ __forceinline__ void store_run(T* p, const T (&v)[V]) {
+  if constexpr (V * sizeof(T) == 16) {
+    uint4 u;
+    memcpy(&u, v, 16);
+    *reinterpret_cast<uint4*>(p) = u;
+  } else if constexpr (V * sizeof(T) == 8) {
+    uint2 u;
+    memcpy(&u, v, 8);
+    *reinterpret_cast<uint2*>(p) = u;
+  } else {
+    for (int i = 0; i < V; ++i) p[i] = v[i];
   }
 }
 
-// mean's x gradient: dx[token] = sum over its blocks of dy[block] / l (block q first).
-template <typename E>
-__global__ void mean_dx_kernel(DxRows rows, const float* dy, int D, int64_t n_slots, StoreDx<E> st) {
-  const int batches = rows.d * rows.hkv;
-  const int64_t total = n_slots * batches * D;
+// xc[r, h, c] = mean over the block's l tokens of x[., h, c]: a thread per V columns of one
+// (row, head), the tokens summed in order (the same bits at any V).
+template <typename E, int V>
+__global__ void mean_kernel(const E* x, int64_t s0, int64_t s1, const int32_t* first, int64_t rc, int hkv, int D,
+                            int l, E* xc, int64_t xc_st, int64_t xc_sh, bool write_unused) {
+  const int groups = D / V;
+  const int64_t total = rc * hkv * groups;
   for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x) {
-    const int c = int(e % D);
-    const int b = int((e / D) % batches);
-    const int64_t j = e / (int64_t(D) * batches);
+    const int64_t m = e / groups;
+    const int c = int(e - m * groups) * V;
+    const int64_t r = m / hkv;
+    const int h = int(m - r * hkv);
+    const int tok = first[r];
+    if (tok < 0 && !write_unused) continue;
+    float sum[V] = {};
+    if (tok >= 0) {
+      const E* p = x + int64_t(tok) * s0 + h * s1 + c;
+      for (int k = 0; k < l; ++k, p += s0) {
+        E v[V];
+        load_run<V>(p, v);
+        for (int i = 0; i < V; ++i) sum[i] += to_float(v[i]);
+      }
+    }
+    E out[V];
+    for (int i = 0; i < V; ++i) out[i] = from_float<E>(sum[i] / float(l));
+    store_run<V>(xc + r * xc_st + h * xc_sh + c, out);
+  }
+}
+
+// mean's x gradient: dx[token] = sum over its blocks of dy[block] / l (block q first); a thread
+// per V columns of one (slot, token in the slot, head).
+template <typename E, int V>
+__global__ void mean_dx_kernel(DxRows rows, const float* dy, int D, int64_t n_slots, DxOut out) {
+  const int groups = D / V, batches = rows.d * rows.hkv;
+  const int64_t total = n_slots * batches * groups;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t m = e / groups;
+    const int c = int(e - m * groups) * V;
+    const int64_t j = m / batches;
+    const int b = int(m - j * batches);
+    const int4 sl = rows.slots[j];
+    if (sl.x < 0) continue;
+    const int rr = b / rows.hkv, h = b - rr * rows.hkv;
+    const int64_t tok = int64_t(sl.x) + rr;
+    if (tok >= sl.z) continue;
     const DxRows::Range r = rows.range(b, j);
-    float acc = 0.f;
-    for (int s = r.lo; s <= r.hi; ++s) acc += dy[(r.row0 - int64_t(s) * rows.hkv) * D + c] / float(rows.l);
-    st(b, j, c, 0, acc);
+    float acc[V] = {};
+    for (int s = r.lo; s <= r.hi; ++s) {
+      float v[V];
+      load_run<V>(dy + (r.row0 - int64_t(s) * rows.hkv) * D + c, v);
+      for (int i = 0; i < V; ++i) acc[i] += v[i] / float(rows.l);
+    }
+    if (out.f32) {
+      store_run<V>(static_cast<float*>(out.p) + (tok * rows.hkv + h) * D + c, acc);
+    } else {
+      E o[V];
+      for (int i = 0; i < V; ++i) o[i] = from_float<E>(acc[i]);
+      store_run<V>(static_cast<E*>(out.p) + tok * out.s0 + h * out.s1 + c, o);
+    }
   }
 }
 
@@ -480,6 +536,8 @@ __global__ void pe_grad_kernel(const E* w, int64_t w_s0, int N, int K, const flo
 
 constexpr unsigned kMaxGrid = 1u << 20;  // grid-stride beyond this
 unsigned capped_blocks(int64_t n) { return std::min<unsigned>(blocks_for(n), kMaxGrid); }
+bool on16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+bool on8(const void* p) { return reinterpret_cast<uintptr_t>(p) % 8 == 0; }
 
 template <typename E>
 XRows<E> x_rows(const Rows& r, const TensorView& x) {
@@ -568,9 +626,17 @@ void forward(const Rows& r, const PhiParams& phi, const TensorView& x, float* wo
   const int64_t M = r.rc * r.hkv;
   if (M == 0) return;
   if (r.kind == PhiKind::mean) {
-    mean_kernel<E><<<capped_blocks(M * r.D), 256, 0, s>>>(static_cast<const E*>(x.data), x.stride[0], x.stride[1],
-                                                          r.first_token, r.rc, r.hkv, r.D, r.l, static_cast<E*>(xc),
-                                                          xc_st, xc_sh, write_unused);
+    // 16-byte runs where every row of x and xc starts on 16 bytes, else one column per thread.
+    const bool runs = r.D % 8 == 0 && on16(x.data) && on16(xc) && x.stride[0] % 8 == 0 && x.stride[1] % 8 == 0 &&
+                      xc_st % 8 == 0 && xc_sh % 8 == 0;
+    const E* xp = static_cast<const E*>(x.data);
+    E* out = static_cast<E*>(xc);
+    if (runs)
+      mean_kernel<E, 8><<<capped_blocks(M * r.D / 8), 256, 0, s>>>(xp, x.stride[0], x.stride[1], r.first_token, r.rc,
+                                                                   r.hkv, r.D, r.l, out, xc_st, xc_sh, write_unused);
+    else
+      mean_kernel<E, 1><<<capped_blocks(M * r.D), 256, 0, s>>>(xp, x.stride[0], x.stride[1], r.first_token, r.rc, r.hkv,
+                                                               r.D, r.l, out, xc_st, xc_sh, write_unused);
     NSA_CUDA_CHECK_LAUNCH();
     return;
   }
@@ -658,7 +724,11 @@ void backward_x(const Rows& r, const PhiParams& phi, const float* dy, const floa
   const DxRows rows{sl, r.hkv, r.l, r.d};
   const StoreDx<E> st{sl, r.hkv, r.D, out};
   if (r.kind == PhiKind::mean) {
-    mean_dx_kernel<E><<<capped_blocks(n_slots * batches * r.D), 256, 0, s>>>(rows, dy, r.D, n_slots, st);
+    // Four columns a thread where dy's rows and dx's start on 16 (fp32) or 8 bytes, else one.
+    const bool runs = r.D % 4 == 0 && on16(dy) &&
+                      (out.f32 ? on16(out.p) : on8(out.p) && out.s0 % 4 == 0 && out.s1 % 4 == 0);
+    if (runs) mean_dx_kernel<E, 4><<<capped_blocks(n_slots * batches * r.D / 4), 256, 0, s>>>(rows, dy, r.D, n_slots, out);
+    else mean_dx_kernel<E, 1><<<capped_blocks(n_slots * batches * r.D), 256, 0, s>>>(rows, dy, r.D, n_slots, out);
     NSA_CUDA_CHECK_LAUNCH();
     return;
   }
