@@ -595,23 +595,31 @@ INSTANTIATE_TEST_SUITE_P(Random, CudaForward, ::testing::ValuesIn(random_attenti
                          [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 // Top-n where most picks come from the columns of one lane of the kernel's warp (j = 7 mod 32):
-// rows of 563 blocks (l' = 16, T = 9000) whose largest scores all sit in those columns, with
-// ties among them, so that one lane wins more rounds than a per-lane list holds and must go back
-// to its columns (the tie rule and the forced blocks as everywhere). Must match the reference.
+// rows of 563 blocks (l' = 16, T = 9000, n = 24) whose largest scores all sit in those columns,
+// with ties among them (the tie rule and the forced blocks as everywhere). With the other columns
+// uniform below them, few columns reach the floor of the lanes' best keys and the candidates pick
+// (common/topn_row.cuh). With two more lanes above the rest (j = 19, 27 mod 32), more columns reach
+// the floor than the candidate scratch holds: the rounds over per-lane lists pick, and the lane of
+// j = 7 wins more rounds than its list holds and must go back to its columns. Must match the
+// reference either way.
 TEST(CudaForwardTopn, PicksConcentratedInOneLaneMatchReference) {
   NSA_REQUIRE_GPU();
   Case c{"x", DType::bf16, 64, 64, 2, 2, {9000, 700}, 32, 16, 16, 24, 1, 1, 64, PhiKind::mean, false};
   const Config cfg = config_of(c);
   LayerProblem p = make_problem(cfg, sizes_of(c), 5);
   const int64_t ns = num_slc_blocks(max_seqlen(c), cfg.slc_block_len);
-  std::mt19937_64 rng(11);
-  std::uniform_real_distribution<double> small(0.0, 1.0);
-  HostTensor s(DType::f32, {p.T, c.hkv, ns});
-  for (int64_t i = 0; i < s.numel(); ++i) {
-    const int64_t j = i % ns;
-    s.set(i, j % 32 == 7 ? 2.0 + 0.25 * double((j / 32) % 3) : small(rng));
+  for (bool more_lanes : {false, true}) {
+    SCOPED_TRACE(more_lanes ? "lanes 7, 19, 27" : "lane 7");
+    std::mt19937_64 rng(11);
+    std::uniform_real_distribution<double> small(0.0, 1.0);
+    HostTensor s(DType::f32, {p.T, c.hkv, ns});
+    for (int64_t i = 0; i < s.numel(); ++i) {
+      const int64_t j = i % ns;
+      const bool second = more_lanes && (j % 32 == 19 || j % 32 == 27);
+      s.set(i, j % 32 == 7 ? 3.0 + 0.25 * double((j / 32) % 3) : second ? 2.0 + 0.5 * small(rng) : small(rng));
+    }
+    expect_topn_matches_reference(c, cfg, p, s);
   }
-  expect_topn_matches_reference(c, cfg, p, s);
 }
 
 // ---- errors -----------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ namespace nsa::cuda {
 namespace {
 
 constexpr int kTopnWarps = 4;
+static_assert(kTopnCandidateBytes == kTopnCandidates * sizeof(unsigned long long));
 constexpr size_t kTopnSmemLimit = 200 * 1024;
 
 __global__ void select_topn_kernel(const TopnParams p, int warps_per_block) {
@@ -31,21 +32,19 @@ __global__ void select_topn_kernel(const TopnParams p, int warps_per_block) {
     s0 = p.seqs.cu_seqlens[lo];
   }
   const int64_t t = tg - s0;
-  const size_t per_warp = static_cast<size_t>(p.n_slc_max + p.n_sel);  // floats, as topn_smem_per_warp
-  float* srow = reinterpret_cast<float*>(smem) + warp * per_warp;
+  // The warp's slice (topn_smem_per_warp): its scores row, its chosen list, the candidate scratch.
+  unsigned char* mine = smem + warp * topn_smem_per_warp(p.n_slc_max, p.n_sel);
+  float* srow = reinterpret_cast<float*>(mine);
   int32_t* chosen = reinterpret_cast<int32_t*>(srow + p.n_slc_max);
+  auto* cand = reinterpret_cast<unsigned long long*>(mine + topn_cand_offset(p.n_slc_max, p.n_sel));
   const int64_t J = last_slc_block(t, p.lp);
   const float* srcrow = p.scores + tg * p.s_st + hk * p.s_sh;
-  stage_topn_row(srow, J, p.forced, lane, [&](int64_t j) { return srcrow[j]; });
+  const unsigned long long best = stage_topn_row(srow, J, p.forced, lane, [&](int64_t j) { return srcrow[j]; });
   __syncwarp();
-  warp_topn(srow, J, p.n_sel, p.forced, chosen, p.indices + tg * p.i_st + hk * p.i_sh, 1, lane);
+  warp_topn(srow, J, p.n_sel, p.forced, chosen, p.indices + tg * p.i_st + hk * p.i_sh, 1, lane, best, cand);
 }
 
 }  // namespace
-
-size_t topn_smem_per_warp(int64_t n_slc_max, int n_sel) {
-  return static_cast<size_t>(n_slc_max + n_sel) * sizeof(float);
-}
 
 void launch_select_topn(const TopnParams& p, cudaStream_t stream) {
   const int64_t rows = p.seqs.total_tokens * p.hkv;
@@ -54,7 +53,9 @@ void launch_select_topn(const TopnParams& p, cudaStream_t stream) {
   if (per_warp > kTopnSmemLimit)
     throw Error("max_seqlen / slc_block_len", std::to_string(p.n_slc_max),
                 "is too large for the cuda top-n kernel (at most " +
-                    std::to_string(kTopnSmemLimit / sizeof(float) - p.n_sel) + " selection blocks per sequence)");
+                    std::to_string((kTopnSmemLimit - kTopnCandidateBytes) / sizeof(float) -
+                                   p.n_sel) +
+                    " selection blocks per sequence)");
   int warps = kTopnWarps;
   while (warps > 1 && per_warp * warps > kTopnSmemLimit) --warps;
   const size_t smem = per_warp * warps;

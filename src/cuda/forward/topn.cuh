@@ -23,7 +23,14 @@ struct TopnParams {
   int64_t n_slc_max;  // Ns: scores columns a row may read (ceil(max_seqlen / l'))
 };
 void launch_select_topn(const TopnParams& p, cudaStream_t stream);
-// Shared bytes per warp of the top-n kernel (its scores row and its chosen list).
-size_t topn_smem_per_warp(int64_t n_slc_max, int n_sel);
+// Shared bytes per warp of the top-n kernel: its scores row and its chosen list, then from a
+// 16-byte boundary its candidate scratch of 64 keys (common/topn_row.cuh, kTopnCandidates).
+inline constexpr size_t kTopnCandidateBytes = 64 * sizeof(unsigned long long);
+__host__ __device__ inline size_t topn_cand_offset(int64_t n_slc_max, int n_sel) {
+  return (static_cast<size_t>(n_slc_max + n_sel) * sizeof(float) + 15) / 16 * 16;
+}
+__host__ __device__ inline size_t topn_smem_per_warp(int64_t n_slc_max, int n_sel) {
+  return topn_cand_offset(n_slc_max, n_sel) + kTopnCandidateBytes;
+}
 
 }  // namespace nsa::cuda
