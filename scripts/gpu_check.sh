@@ -73,8 +73,9 @@ bin() {
   return 1
 }
 
-# The wgmma register-clobbering hazard (docs/cuda.md, "sm_80 and sm_90a"): every sm_90a
-# kernel's SASS, checked by tools/check_wgmma_a_regs.py.
+# The wgmma register-clobbering hazards (docs/cuda.md, "sm_80 and sm_90a"): every sm_90a
+# kernel's SASS, checked by tools/check_wgmma_a_regs.py (A registers rewritten in a loop, or
+# before the wait that retires their wgmma).
 sass_check() {
   local lib; lib="$(find "$BUILD_DIR" -name libnsa.a | head -1)"
   cuobjdump -sass "$lib" > "$BUILD_DIR/libnsa.sass" || return 1
