@@ -8,8 +8,8 @@
 //   (its columns j = lane mod 32). The need-th largest of those 32 is a floor: at least `need` keys
 //   reach it, so every pick does. One scan compacts the keys at or above the floor into the scratch
 //   (by ballot, in column order); if they fit (kTopnCandidates), each candidate's rank among them
-//   says whether and where it is picked. On real and random scores a handful of columns per row
-//   pass the floor, so most columns cost a compare instead of an insertion.
+//   says whether and where it is picked. On random scores few columns per row pass the floor, so
+//   most columns cost a compare instead of an insertion.
 // - Else (no scratch, the floor is 0, or too many candidates: ties, picks concentrated in few
 //   lanes), repeated warp-wide arg-max rounds: every lane keeps a sorted list of the kLaneList best
 //   keys among its own columns, built by one scan; a round reduces the 32 list heads, and the lane
