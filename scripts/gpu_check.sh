@@ -165,13 +165,15 @@ public_prefill() {
     (cd "$SRC/.anchors/mdy_nsa" && PYTHONUNBUFFERED=1 python3 bench.py --seqlens "$lens" --hq "$hq" --hkv 4 --no-decode \
       --no-check --no-breakdown > "$OUT/prefill_public_g$g.log" 2>&1) || { tail -20 "$OUT/prefill_public_g$g.log"; return 1; }
   done
-  python3 "$SRC/bench/public_nsa_prefill.py" --ours "$csv" --dense "$OUT/prefill_dense.md" \
-    --public "16=$OUT/prefill_public_g16.log" --public "4=$OUT/prefill_public_g4.log" \
-    --csv "$OUT/public_nsa_prefill.csv" --markdown "$OUT/public_prefill.md" || return 1
-  # At the public kernels' memory: they keep every branch's output for the backward, as saved_o_branch.
-  python3 "$SRC/bench/public_nsa_prefill.py" --ours "$csv" --dense "$OUT/prefill_dense.md" \
-    --public "16=$OUT/prefill_public_g16.log" --public "4=$OUT/prefill_public_g4.log" --variant saved_o_branch \
-    --csv "$OUT/public_nsa_prefill_o_branch.csv" --markdown "$OUT/public_prefill_o_branch.md"
+  # saved_o_cmp (the layer's default) and saved_o_branch (the public kernels' memory: they keep
+  # every branch's output for the backward), one table and CSV each.
+  local sfx
+  for v in saved_o_cmp saved_o_branch; do
+    sfx=""; [[ "$v" == saved_o_cmp ]] || sfx="_o_branch"
+    python3 "$SRC/bench/public_nsa_prefill.py" --ours "$csv" --dense "$OUT/prefill_dense.md" \
+      --public "16=$OUT/prefill_public_g16.log" --public "4=$OUT/prefill_public_g4.log" --variant "$v" \
+      --csv "$OUT/public_nsa_prefill$sfx.csv" --markdown "$OUT/public_prefill$sfx.md" || return 1
+  done
 }
 
 # The selection's gather patterns (bench/gather_patterns.cu, docs/cuda.md, "what bounds the
