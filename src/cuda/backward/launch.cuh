@@ -52,16 +52,23 @@ bool dq_tensor_maps(DqMaps& m, const BwdArgs& a) {
   return true;
 }
 
-// dkv_kernel<cmp> / <raw>'s maps of q and dO: [T, Hq, D] views, boxes of kRows / G tokens x G heads;
-// false where one cannot be made or the kernel runs the sm_80 body (no TMA there).
+// Maps of q and dO as [T, Hq, D] views, boxes of `tokens` tokens x G heads; false where one
+// cannot be made.
+template <typename E, int DQK, int DV>
+bool q_do_tensor_maps(CUtensorMap* q, CUtensorMap* d_o, const BwdArgs& a, uint32_t tokens) {
+  const uint32_t g = uint32_t(a.G);
+  return cuda::make_rows_tensor_map(q, kIsBf16<E>, a.q.p, DQK, uint64_t(a.hq), uint64_t(a.T), a.q.s0, a.q.s1, tokens,
+                                    g) &&
+         cuda::make_rows_tensor_map(d_o, kIsBf16<E>, a.d_o.p, DV, uint64_t(a.hq), uint64_t(a.T), a.d_o.s0, a.d_o.s1,
+                                    tokens, g);
+}
+
+// dkv_kernel<cmp> / <raw>'s maps of q and dO: boxes of a query tile's kRows / G tokens; false
+// where one cannot be made or the kernel runs the sm_80 body (no TMA there).
 template <typename E, int DQK, int DV>
 bool dkv_tensor_maps(DkvMaps& m, const BwdArgs& a) {
   if (!runs_sm90<dkv_kernel<E, DQK, DV, KeySet::cmp>>() || !a.vec || a.T <= 0 || !a.choices.tma) return false;
-  const uint32_t tq = uint32_t(kRows / a.G), g = uint32_t(a.G);
-  return cuda::make_rows_tensor_map(&m.q, kIsBf16<E>, a.q.p, DQK, uint64_t(a.hq), uint64_t(a.T), a.q.s0, a.q.s1, tq,
-                                    g) &&
-         cuda::make_rows_tensor_map(&m.d_o, kIsBf16<E>, a.d_o.p, DV, uint64_t(a.hq), uint64_t(a.T), a.d_o.s0,
-                                    a.d_o.s1, tq, g);
+  return q_do_tensor_maps<E, DQK, DV>(&m.q, &m.d_o, a, uint32_t(kRows / a.G));
 }
 
 // slc_dq_kernel's maps of the selection's k and v ([T, Hkv, D], boxes of 16 rows x 64 columns):
@@ -150,13 +157,9 @@ void launch_attention(const BwdArgs& a_in, cudaStream_t s, BwdKernel kernel_kind
   };
   if constexpr (DQK == 128 && DV == 128) {
     if (dkv_ws_enabled<E, DQK, DV>(a)) {
+      // (a selection tile's gathered rows: a box of one token x G heads per token)
       if (!cmp && a.n > 0 && a.G >= 8 && a.vec && a.choices.tma)
-        maps.list = cuda::make_rows_tensor_map(&maps.q1, kIsBf16<E>, a.q.p, DQK, uint64_t(a.hq), uint64_t(a.T), a.q.s0,
-                                               a.q.s1, 1, uint32_t(a.G)) &&
-                            cuda::make_rows_tensor_map(&maps.d_o1, kIsBf16<E>, a.d_o.p, DV, uint64_t(a.hq),
-                                                       uint64_t(a.T), a.d_o.s0, a.d_o.s1, 1, uint32_t(a.G))
-                        ? 1
-                        : 0;
+        maps.list = q_do_tensor_maps<E, DQK, DV>(&maps.q1, &maps.d_o1, a, 1) ? 1 : 0;
       if (cmp)
         run(dkv_ws_kernel<E, DQK, DV, KeySet::cmp>, kWsThreads, DkvWsSmem<E, DQK, DV>::kLaunch);
       else
