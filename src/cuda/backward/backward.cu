@@ -99,14 +99,17 @@ __global__ void gates_f32_kernel(Mat3 g, int64_t rows, int hq, float* g32) {
   g32[e] = load_f32<E>(g.p, t * g.s0 + h * g.s1 + b);
 }
 
-// The compressed dk (or dv) of element e of [Rc, Hkv, D]: the partials of the splits before the
-// last that see its block, in split order, then the last split's value already in out[e]
-// (cmp_split_of). Rows of no block (between sequences, or past the last block) stay as they are.
+// The compressed dk (or dv) of elements 4c .. 4c + 3 of [Rc, Hkv, D] (D a multiple of 4, the
+// buffers on 16 bytes: the workspace's): the partials of the splits before the last that see
+// their block, in split order, then the last split's value already in out (cmp_split_of). Rows
+// of no block (between sequences, or past the last block) stay as they are. A thread finds its
+// row's sequence and splits once for four elements.
 __global__ void reduce_cmp_parts_kernel(BwdArgs a, const float* part, const int32_t* crow_token, int D,
                                         float* out) {
-  const int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   const int64_t per_row = int64_t(a.hkv) * D;
-  if (e >= a.rc * per_row) return;
+  if (c >= a.rc * per_row / 4) return;
+  const int64_t e = 4 * c;
   const int64_t crow = e / per_row;
   const int32_t tok = crow_token[crow];
   if (tok < 0) return;
@@ -114,13 +117,21 @@ __global__ void reduce_cmp_parts_kernel(BwdArgs a, const float* part, const int3
   const int64_t len = a.cu[b + 1] - a.cu[b];
   const int64_t i = crow - cmp_row_offset(a.cu[b], a.d);  // the block's index in its sequence
   const CmpSplit cs = cmp_split_of(len, a.cmp_splits);
-  float acc = 0.f;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   int64_t rows_before = 0;
   for (int z = 0; z < cs.last; ++z) {
-    if (i < cmp_split_rows(len, z, cs, a.l, a.d)) acc += part[rows_before * per_row + e];
+    if (i < cmp_split_rows(len, z, cs, a.l, a.d)) {
+      const float4 v = *reinterpret_cast<const float4*>(part + rows_before * per_row + e);
+      acc.x += v.x;
+      acc.y += v.y;
+      acc.z += v.z;
+      acc.w += v.w;
+    }
     rows_before += a.cmp_part_rows[z];
   }
-  out[e] = acc + out[e];
+  float4& o = *reinterpret_cast<float4*>(out + e);
+  const float4 last = o;
+  o = make_float4(acc.x + last.x, acc.y + last.y, acc.z + last.z, acc.w + last.w);
 }
 
 // phi's rows (phi.h) for one compressed tensor: head dim D, hidden width F (mlp).
@@ -316,11 +327,11 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
     NSA_CUDA_CHECK(cudaMemsetAsync(L.dvc, 0, sizeof(float) * size_t(rc * p.hkv * p.dv), s));
     dispatch_dims<E>(a, s, BwdKernel::dkv_cmp);
     if (L.cmp_splits > 1) {
-      reduce_cmp_parts_kernel<<<blocks_for(rc * p.hkv * p.dqk), 256, 0, s>>>(a, L.dkc_part, L.crow_token, int(p.dqk),
-                                                                            L.dkc);
+      reduce_cmp_parts_kernel<<<blocks_for(rc * p.hkv * p.dqk / 4), 256, 0, s>>>(a, L.dkc_part, L.crow_token,
+                                                                                int(p.dqk), L.dkc);
       NSA_CUDA_CHECK_LAUNCH();
-      reduce_cmp_parts_kernel<<<blocks_for(rc * p.hkv * p.dv), 256, 0, s>>>(a, L.dvc_part, L.crow_token, int(p.dv),
-                                                                           L.dvc);
+      reduce_cmp_parts_kernel<<<blocks_for(rc * p.hkv * p.dv / 4), 256, 0, s>>>(a, L.dvc_part, L.crow_token,
+                                                                               int(p.dv), L.dvc);
       NSA_CUDA_CHECK_LAUNCH();
     }
   }
