@@ -18,7 +18,15 @@ namespace {
 
 constexpr int kSelectThreads = 256;
 
-// Shared layout: the merge factors [cmp_splits][G], the scores row [Ns], the chosen list [n].
+// Bytes before the candidate scratch (select_kernel's shared layout).
+__host__ __device__ size_t select_cand_offset(const DecodeParams& p, int64_t ns_max) {
+  const size_t bytes = sizeof(float) * (3 * static_cast<size_t>(p.cmp_splits) * p.group + static_cast<size_t>(ns_max)) +
+                       sizeof(int32_t) * static_cast<size_t>(p.n_sel > 0 ? p.n_sel : 1);
+  return (bytes + 15) / 16 * 16;
+}
+
+// Shared layout: the merge factors [cmp_splits][G], the scores row [Ns], the chosen list [n], then
+// from a 16-byte boundary warp_topn's candidate scratch (kTopnCandidates keys).
 __global__ void __launch_bounds__(kSelectThreads) select_kernel(const DecodeParams p, int ns_max) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int32_t bad_page;
@@ -99,14 +107,22 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const DecodePara
     srow[j] = S;
   }
   __syncthreads();
-  if (warp == 0) warp_topn(srow, J, p.n_sel, p.forced, chosen, sel, p.sel_sn, lane);
+  if (warp == 0) {
+    // The lane's largest key among its columns (j = lane mod 32): warp_topn's floor.
+    unsigned long long best = 0;
+    for (int64_t j = lane; j <= J; j += 32) {
+      const unsigned long long k = rank_key(srow[j], static_cast<int>(j));
+      best = k > best ? k : best;
+    }
+    auto* cand = reinterpret_cast<unsigned long long*>(smem + select_cand_offset(p, ns_max));
+    warp_topn(srow, J, p.n_sel, p.forced, chosen, sel, p.sel_sn, lane, best, cand);
+  }
 }
 
 }  // namespace
 
 size_t select_smem(const DecodeParams& p, int64_t ns_max) {
-  return sizeof(float) * (3 * static_cast<size_t>(p.cmp_splits) * p.group + static_cast<size_t>(ns_max)) +
-         sizeof(int32_t) * static_cast<size_t>(p.n_sel > 0 ? p.n_sel : 1);
+  return select_cand_offset(p, ns_max) + kTopnCandidates * sizeof(unsigned long long);
 }
 
 void launch_select(const DecodeParams& p, int64_t ns_max, cudaStream_t stream) {
