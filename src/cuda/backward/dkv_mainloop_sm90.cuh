@@ -30,40 +30,47 @@ struct DkvWgmma {
   static __device__ __forceinline__ uint64_t sw_desc(uint32_t base, uint32_t off, uint32_t lbo) {
     return cuda::wgmma_desc_sw128(base, off, lbo, 1024);
   }
-  // S^T = K Q^T and dP^T = V dO^T (64 keys x 32 rows each): m64n32k16, A and B both K-major.
-  __device__ __forceinline__ void wg_scores(float (&s)[kSubTiles][4], float (&dp)[kSubTiles][4], int buf, int r0) const {
+  // S^T = K Q^T and dP^T = V dO^T (64 keys x 32 rows each): m64n32k16, A and B both K-major. The
+  // issue alone (no fence, commit or wait: wg_scores and tile_overlapped wrap it).
+  __device__ __forceinline__ void scores_issue(float (&s)[kSubTiles][4], float (&dp)[kSubTiles][4], int buf,
+                                               int r0) const {
     const uint32_t k_base = cuda::smem_address(sK), v_base = cuda::smem_address(sV);
     const uint32_t q_base = cuda::smem_address(sQ + buf * kQBuf) + r0 * 128;
     const uint32_t do_base = cuda::smem_address(sDo + buf * kDoBuf) + r0 * 128;
     // (s and dp are overwritten: each one's first product has scale_d 0.)
-    cuda::wgmma_batch([&] {
 #pragma unroll
-      for (int kk = 0; kk < DQK / 16; ++kk) {
-        const uint32_t off = (kk >> 2) * kSwBlock + (kk & 3) * 32;
-        cuda::wgmma_ss<kSub, kIsBf16<E>, 0>(s, sw_desc(k_base, off, 16), sw_desc(q_base, off, 16), kk == 0 ? 0 : 1);
-      }
+    for (int kk = 0; kk < DQK / 16; ++kk) {
+      const uint32_t off = (kk >> 2) * kSwBlock + (kk & 3) * 32;
+      cuda::wgmma_ss<kSub, kIsBf16<E>, 0>(s, sw_desc(k_base, off, 16), sw_desc(q_base, off, 16), kk == 0 ? 0 : 1);
+    }
 #pragma unroll
-      for (int kk = 0; kk < DV / 16; ++kk) {
-        const uint32_t off = (kk >> 2) * kSwBlock + (kk & 3) * 32;
-        cuda::wgmma_ss<kSub, kIsBf16<E>, 0>(dp, sw_desc(v_base, off, 16), sw_desc(do_base, off, 16), kk == 0 ? 0 : 1);
-      }
-    }, s, dp);
+    for (int kk = 0; kk < DV / 16; ++kk) {
+      const uint32_t off = (kk >> 2) * kSwBlock + (kk & 3) * 32;
+      cuda::wgmma_ss<kSub, kIsBf16<E>, 0>(dp, sw_desc(v_base, off, 16), sw_desc(do_base, off, 16), kk == 0 ? 0 : 1);
+    }
+  }
+  __device__ __forceinline__ void wg_scores(float (&s)[kSubTiles][4], float (&dp)[kSubTiles][4], int buf, int r0) const {
+    cuda::wgmma_batch([&] { scores_issue(s, dp, buf, r0); }, s, dp);
   }
   // dV += (g P)^T dO and dK += scale dS^T Q: m64n{Dv}k16 and m64n{Dqk}k16, two k16 steps (the
   // half's 32 rows) each, B = the same Q / dO buffers read MN-major (LBO: the next 64 columns).
+  // The issue alone, as scores_issue.
+  __device__ __forceinline__ void accumulate_issue(float (&acc_k)[DQK / 8][4], float (&acc_v)[DV / 8][4],
+                                                   const uint32_t (&pf)[kSubTiles / 2][4],
+                                                   const uint32_t (&df)[kSubTiles / 2][4], int buf, int r0) const {
+    const uint32_t q_base = cuda::smem_address(sQ + buf * kQBuf) + r0 * 128;
+    const uint32_t do_base = cuda::smem_address(sDo + buf * kDoBuf) + r0 * 128;
+#pragma unroll
+    for (int kk = 0; kk < kSubTiles / 2; ++kk)
+      cuda::wgmma_rs<DV, kIsBf16<E>, 1>(acc_v, pf[kk], sw_desc(do_base, kk * 16 * 128, kSwBlock), 1);
+#pragma unroll
+    for (int kk = 0; kk < kSubTiles / 2; ++kk)
+      cuda::wgmma_rs<DQK, kIsBf16<E>, 1>(acc_k, df[kk], sw_desc(q_base, kk * 16 * 128, kSwBlock), 1);
+  }
   __device__ __forceinline__ void wg_accumulate(float (&acc_k)[DQK / 8][4], float (&acc_v)[DV / 8][4],
                                                 const uint32_t (&pf)[kSubTiles / 2][4],
                                                 const uint32_t (&df)[kSubTiles / 2][4], int buf, int r0) const {
-    const uint32_t q_base = cuda::smem_address(sQ + buf * kQBuf) + r0 * 128;
-    const uint32_t do_base = cuda::smem_address(sDo + buf * kDoBuf) + r0 * 128;
-    cuda::wgmma_batch([&] {
-#pragma unroll
-      for (int kk = 0; kk < kSubTiles / 2; ++kk)
-        cuda::wgmma_rs<DV, kIsBf16<E>, 1>(acc_v, pf[kk], sw_desc(do_base, kk * 16 * 128, kSwBlock), 1);
-#pragma unroll
-      for (int kk = 0; kk < kSubTiles / 2; ++kk)
-        cuda::wgmma_rs<DQK, kIsBf16<E>, 1>(acc_k, df[kk], sw_desc(q_base, kk * 16 * 128, kSwBlock), 1);
-    }, acc_v, acc_k);
+    cuda::wgmma_batch([&] { accumulate_issue(acc_k, acc_v, pf, df, buf, r0); }, acc_v, acc_k);
   }
 
   // One query tile (buffer `buf`, row table R) against the resident key tile: the warpgroup's 64
@@ -82,6 +89,49 @@ struct DkvWgmma {
       to_operand<E, kSubTiles>(dp, df);
       wg_accumulate(acc_k, acc_v, pf, df, buf, r0);
     }
+  }
+  // The same products with the halves overlapped (dkv_ws_kernel's consumers): half 1's S^T / dP^T
+  // are issued together with half 0's dV / dK (before them: wgmma groups complete in issue order),
+  // so that half 1's P / dS are formed while half 0's dV / dK products run. Half 0's operand
+  // registers stay untouched until the final wait (their products read them until then).
+  template <typename Grads>
+  __device__ __forceinline__ void tile_overlapped(float (&acc_k)[DQK / 8][4], float (&acc_v)[DV / 8][4],
+                                                  const RowTile& R, int buf, Grads&& grads) const {
+    uint32_t pf0[kSubTiles / 2][4], df0[kSubTiles / 2][4];
+    {
+      float s0[kSubTiles][4], dp0[kSubTiles][4];
+      wg_scores(s0, dp0, buf, 0);
+      grads(s0, dp0, R, buf, 0);
+      to_operand<E, kSubTiles>(s0, pf0);
+      to_operand<E, kSubTiles>(dp0, df0);
+    }
+    float s1[kSubTiles][4], dp1[kSubTiles][4];
+    cuda::wgmma_fence_operands(s1);
+    cuda::wgmma_fence_operands(dp1);
+    cuda::wgmma_fence_operands(acc_k);
+    cuda::wgmma_fence_operands(acc_v);
+    cuda::wgmma_fence();
+    scores_issue(s1, dp1, buf, kSub);
+    cuda::wgmma_commit();
+    accumulate_issue(acc_k, acc_v, pf0, df0, buf, 0);
+    cuda::wgmma_commit();
+    cuda::wgmma_wait<1>();  // half 1's scores (half 0's dV / dK may still run)
+    cuda::wgmma_fence_operands(s1);
+    cuda::wgmma_fence_operands(dp1);
+    grads(s1, dp1, R, buf, kSub);
+    uint32_t pf1[kSubTiles / 2][4], df1[kSubTiles / 2][4];
+    to_operand<E, kSubTiles>(s1, pf1);
+    to_operand<E, kSubTiles>(dp1, df1);
+    cuda::wgmma_fence();
+    accumulate_issue(acc_k, acc_v, pf1, df1, buf, kSub);
+    cuda::wgmma_commit();
+    cuda::wgmma_wait<0>();
+    cuda::wgmma_fence_operands(pf0);
+    cuda::wgmma_fence_operands(df0);
+    cuda::wgmma_fence_operands(pf1);
+    cuda::wgmma_fence_operands(df1);
+    cuda::wgmma_fence_operands(acc_k);
+    cuda::wgmma_fence_operands(acc_v);
   }
 };
 

@@ -327,7 +327,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) dkv_ws_kernel(const BwdArgs a, 
       const int s = i % kStages;
       cuda::mbarrier_wait_parity(full + i % kSlots, (i / kSlots) & 1);
       const bool whole = wholes[s] != 0;
-      mma.tile(acc_k, acc_v, rt[s], s, [&](float (&sc)[kSubTiles][4], float (&dp)[kSubTiles][4], const RowTile& R, int, int r0) {
+      mma.tile_overlapped(acc_k, acc_v, rt[s], s, [&](float (&sc)[kSubTiles][4], float (&dp)[kSubTiles][4], const RowTile& R, int, int r0) {
         dkv_grads(sc, dp, R, whole, kpos, kin, a.scale, scale_log2, r0);
       });
       cuda::mbarrier_arrive(empty + i % kSlots);  // this tile's wgmma reads are done (each batch waited)

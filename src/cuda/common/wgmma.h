@@ -131,6 +131,15 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[kTiles][4]) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(d[i][j])::"memory");
 }
+// The same for register A operands in flight: fenced after the wait that retires their product,
+// they stay live (and unwritten) until then.
+template <int kSteps>
+__device__ __forceinline__ void wgmma_fence_operands(uint32_t (&a)[kSteps][4]) {
+#pragma unroll
+  for (int i = 0; i < kSteps; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
+}
 
 // One synchronous batch of warpgroup MMAs: fences the accumulators `acc` and the warpgroup, runs
 // `issue` (the wgmma instructions, in its order), commits the batch, runs `after()` while the
@@ -268,13 +277,15 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[kN / 8][4], uint64_t desc_a,
 // +32 bytes per k16 step inside a 64-column block. No fence, commit or wait (wgmma_batch).
 // kOverwrite: acc = A B^T instead (the first product with scale_d 0: acc need not be zeroed
 // first, which took kN / 2 register moves per thread and product, as CUTLASS's ScaleOut::Zero).
-template <int kN, bool kBf16, int D, int kRowsA, bool kOverwrite = false>
+// kRowsB: the rows of B's tile (its 64-column blocks kRowsB x 128 bytes apart), kN of them from b
+// (b on a 1024-byte boundary: rows from a multiple of 8 of a larger tile).
+template <int kN, bool kBf16, int D, int kRowsA, bool kOverwrite = false, int kRowsB = kN>
 __device__ __forceinline__ void wgmma_abt_ss_sw128(float (&acc)[kN / 8][4], uint32_t a, uint32_t b) {
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     const uint32_t in_block = (kk & 3) * 32;
     wgmma_ss<kN, kBf16, 0>(acc, wgmma_desc_sw128(a, (kk >> 2) * (kRowsA * 128) + in_block, 16, 1024),
-                           wgmma_desc_sw128(b, (kk >> 2) * (kN * 128) + in_block, 16, 1024),
+                           wgmma_desc_sw128(b, (kk >> 2) * (kRowsB * 128) + in_block, 16, 1024),
                            kOverwrite && kk == 0 ? 0 : 1);
   }
 }
