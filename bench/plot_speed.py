@@ -15,11 +15,11 @@ import csv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CSV = ROOT / "docs/benchmarks/results/h200_public_nsa_prefill_0614255.csv"
+DEFAULT_CSV = ROOT / "docs/benchmarks/results/h200_public_nsa_prefill_c841e78.csv"
 DEFAULT_OUT = ROOT / "docs/images/speed_h200.png"
 # What the default CSV's rows were measured on (docs/benchmarks/h200.md, "Against the fastest
 # public NSA"); another CSV gets its own words through --note.
-DEFAULT_NOTE = ("nsa: 0614255, the backward given o and the compressed branch's output; public: "
+DEFAULT_NOTE = ("nsa: c841e78, the backward given o and the compressed branch's output; public: "
                 "mdy666/Scalable-Flash-Native-Sparse-Attention fcf117c; one device call, 2026-12-04")
 
 # (column prefix, legend, colour, marker)
