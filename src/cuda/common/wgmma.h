@@ -30,6 +30,8 @@
 // publishes it to the async proxy that wgmma reads through.
 #pragma once
 
+#include <type_traits>
+
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -122,23 +124,22 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
-// Keeps the compiler from moving reads or writes of accumulator registers across a wgmma
-// wait or fence (the asm statements of those do not name the registers).
-template <int kTiles>
-__device__ __forceinline__ void wgmma_fence_operands(float (&d)[kTiles][4]) {
+// Keeps the compiler from moving reads or writes of accumulator registers (float) across a wgmma
+// wait or fence (the asm statements of those do not name the registers). On register A operands
+// in flight (uint32_t), fenced after the wait that retires their product: they stay live, and
+// unwritten, until then.
+template <typename T, int kTiles>
+__device__ __forceinline__ void wgmma_fence_operands(T (&d)[kTiles][4]) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, uint32_t>, "accumulators or A operands");
 #pragma unroll
   for (int i = 0; i < kTiles; ++i)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(d[i][j])::"memory");
-}
-// The same for register A operands in flight: fenced after the wait that retires their product,
-// they stay live (and unwritten) until then.
-template <int kSteps>
-__device__ __forceinline__ void wgmma_fence_operands(uint32_t (&a)[kSteps][4]) {
-#pragma unroll
-  for (int i = 0; i < kSteps; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (std::is_same_v<T, float>)
+        asm volatile("" : "+f"(d[i][j])::"memory");
+      else
+        asm volatile("" : "+r"(d[i][j])::"memory");
+    }
 }
 
 // One synchronous batch of warpgroup MMAs: fences the accumulators `acc` and the warpgroup, runs
