@@ -51,6 +51,12 @@ def destination(text):
     return set(range(int(m.group(1)), int(m.group(1)) + width))
 
 
+def a_registers(s):
+    """An HGMMA's A registers Ra..Ra+3 (None: A from shared memory, a descriptor)."""
+    m = re.search(r"HGMMA\S*\s+R\d+,\s*R(\d+)", s)
+    return set(range(int(m.group(1)), int(m.group(1)) + 4)) if m else None
+
+
 def check(name, ins):
     back = []
     for a, s in ins:
@@ -61,22 +67,15 @@ def check(name, ins):
     for h, s in ins:
         if not s.startswith("HGMMA") or ("tnspB" in s and not ALL):
             continue
-        m = re.search(r"HGMMA\S*\s+R\d+,\s*R(\d+)", s)
-        if not m:  # A from shared memory (gdesc): no registers to clobber
+        regs = a_registers(s)
+        if regs is None:  # A from shared memory (gdesc): no registers to clobber
             continue
-        first = int(m.group(1))
-        regs = set(range(first, first + 4))
         for t, b in (lb for lb in back if lb[0] <= h <= lb[1]):
             defs = [(a, r) for a, s2 in ins if t <= a <= b for r in (destination(s2) or set()) & regs]
             for r in regs:
                 if not any(a < h for a, rr in defs if rr == r) and any(a > h for a, rr in defs if rr == r):
                     bad.append("HGMMA at %#x: R%d written later in the loop [%#x, %#x]" % (h, r, t, b))
     return bad
-
-
-def a_registers(s):
-    m = re.search(r"HGMMA\S*\s+R\d+,\s*R(\d+)", s)
-    return set(range(int(m.group(1)), int(m.group(1)) + 4)) if m else None
 
 
 def check_in_flight(ins):
