@@ -4,11 +4,12 @@
 // The caller stages the row's admissible scores S[0..J] in shared memory with every forced block
 // replaced by kTakenBits. Forced blocks are taken first. Every column has a unique key (score, -j)
 // (ties go to the smaller j); the remaining `need` places go to the largest keys.
-// - With candidate scratch (the prefill's kernel): the staging also returns each lane's largest key
-//   (its columns j = lane mod 32). The need-th largest of those 32 is a floor: at least `need` keys
-//   reach it, so every pick does. One scan compacts the keys at or above the floor into the scratch
-//   (by ballot, in column order); if they fit (kTopnCandidates), each candidate's rank among them
-//   says whether and where it is picked. On random scores few columns per row pass the floor, so
+// - With candidate scratch (the prefill's kernel and the decode's): each lane's largest key (its
+//   columns j = lane mod 32; the prefill's staging returns it, the decode scans its staged row).
+//   The need-th largest of those 32 is a floor: at least `need` keys reach it, so every pick does.
+//   One scan compacts the keys at or above the floor into the scratch (by ballot, in column
+//   order); if they fit (kTopnCandidates), each candidate's rank among them says whether and where
+//   it is picked. On random scores few columns per row pass the floor, so
 //   most columns cost a compare instead of an insertion.
 // - Else (no scratch, the floor is 0, or too many candidates: ties, picks concentrated in few
 //   lanes), repeated warp-wide arg-max rounds: every lane keeps a sorted list of the kLaneList best
@@ -139,7 +140,7 @@ __device__ __forceinline__ bool topn_by_floor(const float* srow, int64_t J, int 
 // The whole warp: selects min(n_sel, J + 1) blocks of a staged row (forced blocks first: the
 // configuration guarantees they fit) and writes them ascending to out[0], out[stride], ..., padded
 // with -1 to n_sel entries. `chosen` is n_sel ints of shared memory; `cand` (optional) the
-// candidate scratch and lane_best the lane's largest key from stage_topn_row.
+// candidate scratch and lane_best the lane's largest key of the staged row (stage_topn_row's).
 __device__ __forceinline__ void warp_topn(const float* srow, int64_t J, int n_sel, const ForcedBlocks& forced,
                                           int32_t* chosen, int32_t* out, int64_t stride, int lane,
                                           unsigned long long lane_best = 0, unsigned long long* cand = nullptr) {
