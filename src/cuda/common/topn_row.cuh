@@ -118,11 +118,12 @@ __device__ __forceinline__ bool topn_by_floor(const float* srow, int64_t J, int 
   int n = 0;  // keys at or above the floor so far (every lane alike)
   for (int64_t j0 = 0; j0 <= J; j0 += 32) {
     const int64_t j = j0 + lane;
-    const bool q = j <= J && rank_key(srow[j], static_cast<int>(j)) >= floor;
+    const unsigned long long k = j <= J ? rank_key(srow[j], static_cast<int>(j)) : 0;  // floor > 0
+    const bool q = k >= floor;
     const unsigned m = __ballot_sync(0xffffffffu, q);
     if (q) {
       const int pos = n + __popc(m & ((1u << lane) - 1u));
-      if (pos < kTopnCandidates) cand[pos] = rank_key(srow[j], static_cast<int>(j));
+      if (pos < kTopnCandidates) cand[pos] = k;
     }
     n += __popc(m);
   }

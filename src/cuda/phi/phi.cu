@@ -355,19 +355,26 @@ struct StoreDpre {  // in place: pre[m, n] := v * gelu'(pre[m, n])
     p = v * gelu_grad(p);
   }
 };
+// Where dx row b of slot j lands: the slot's token + b / hkv, or -1 (an unused slot, or a token
+// past its sequence); its head is b % hkv.
+__device__ __forceinline__ int64_t dx_token(const int4* slots, int64_t j, int b, int hkv) {
+  const int4 sl = slots[j];
+  if (sl.x < 0) return -1;
+  const int64_t tok = int64_t(sl.x) + b / hkv;
+  return tok < sl.z ? tok : -1;
+}
+template <typename E, int V>
+__device__ __forceinline__ void store_dx(const DxOut& out, int64_t tok, int h, int hkv, int D, int c, const float (&v)[V]);
 template <typename E>
 struct StoreDx {  // dx[slot j's token + rr, h, n] = v (tokens past the sequence: none)
   const int4* slots;
   int hkv, D;
   DxOut out;
   __device__ void operator()(int b, int64_t j, int n, int, float v) const {
-    const int4 sl = slots[j];
-    if (sl.x < 0) return;
-    const int64_t tok = int64_t(sl.x) + b / hkv;
-    if (tok >= sl.z) return;
-    const int h = b % hkv;
-    if (out.f32) static_cast<float*>(out.p)[(tok * hkv + h) * D + n] = v;
-    else static_cast<E*>(out.p)[tok * out.s0 + h * out.s1 + n] = from_float<E>(v);
+    const int64_t tok = dx_token(slots, j, b, hkv);
+    if (tok < 0) return;
+    const float one[1] = {v};
+    store_dx<E, 1>(out, tok, b % hkv, hkv, D, n, one);
   }
 };
 
@@ -396,6 +403,18 @@ __device__ __forceinline__ void store_run(T* p, const T (&v)[V]) {
     *reinterpret_cast<uint2*>(p) = u;
   } else {
     for (int i = 0; i < V; ++i) p[i] = v[i];
+  }
+}
+
+// dx[tok, h, c .. c + V) = v: fp32 rows of hkv x D, or the storage dtype at out's strides.
+template <typename E, int V>
+__device__ __forceinline__ void store_dx(const DxOut& out, int64_t tok, int h, int hkv, int D, int c, const float (&v)[V]) {
+  if (out.f32) {
+    store_run<V>(static_cast<float*>(out.p) + (tok * hkv + h) * D + c, v);
+  } else {
+    E o[V];
+    for (int i = 0; i < V; ++i) o[i] = from_float<E>(v[i]);
+    store_run<V>(static_cast<E*>(out.p) + tok * out.s0 + h * out.s1 + c, o);
   }
 }
 
@@ -439,11 +458,8 @@ __global__ void mean_dx_kernel(DxRows rows, const float* dy, int D, int64_t n_sl
     const int c = int(e - m * groups) * V;
     const int64_t j = m / batches;
     const int b = int(m - j * batches);
-    const int4 sl = rows.slots[j];
-    if (sl.x < 0) continue;
-    const int rr = b / rows.hkv, h = b - rr * rows.hkv;
-    const int64_t tok = int64_t(sl.x) + rr;
-    if (tok >= sl.z) continue;
+    const int64_t tok = dx_token(rows.slots, j, b, rows.hkv);
+    if (tok < 0) continue;
     const DxRows::Range r = rows.range(b, j);
     float acc[V] = {};
     for (int s = r.lo; s <= r.hi; ++s) {
@@ -451,13 +467,7 @@ __global__ void mean_dx_kernel(DxRows rows, const float* dy, int D, int64_t n_sl
       load_run<V>(dy + (r.row0 - int64_t(s) * rows.hkv) * D + c, v);
       for (int i = 0; i < V; ++i) acc[i] += v[i] / float(rows.l);
     }
-    if (out.f32) {
-      store_run<V>(static_cast<float*>(out.p) + (tok * rows.hkv + h) * D + c, acc);
-    } else {
-      E o[V];
-      for (int i = 0; i < V; ++i) o[i] = from_float<E>(acc[i]);
-      store_run<V>(static_cast<E*>(out.p) + tok * out.s0 + h * out.s1 + c, o);
-    }
+    store_dx<E, V>(out, tok, b % rows.hkv, rows.hkv, D, c, acc);
   }
 }
 
