@@ -162,7 +162,7 @@ if [[ "${AB_PACK:-1}" == 1 ]]; then
   for dir in "${dirs[@]}"; do
     name="$(basename "$dir")"
     names+=("$name")
-    grep -h '^\[  FAILED  \] .*(' "$OUT/$name/cuda_tests.log" 2>/dev/null | head -20 | sed "s/^/  $name: /" >> "$SUMMARY"
+    grep -hE '^\[  FAILED  \] .* \([0-9]+ ms\)$' "$OUT/$name/cuda_tests.log" 2>/dev/null | head -20 | sed "s/^/  $name: /" >> "$SUMMARY"
   done
   tar czf "$OUT/ab_logs.tgz" -C "$OUT" "${names[@]}" && rm -rf "${names[@]/#/$OUT/}"
 fi

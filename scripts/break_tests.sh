@@ -78,7 +78,7 @@ for round in "${ROUNDS[@]}"; do
       echo "NOT CAUGHT: $(basename "$p"): the tests '$filter' pass with the bug in"
       rc=1
     else
-      failed="$(grep -c '^\[  FAILED  \] .*(' "$BUILD_DIR/break_$(basename "$p" .patch).log")"
+      failed="$(grep -cE '^\[  FAILED  \] .* \([0-9]+ ms\)$' "$BUILD_DIR/break_$(basename "$p" .patch).log")"
       echo "caught: $(basename "$p"): $failed failing test(s) in '$filter'"
     fi
   done
@@ -88,7 +88,7 @@ for round in "${ROUNDS[@]}"; do
     echo "round $round, the other tests pass: $(grep -o 'sharded: [0-9]* tests ran in [0-9]* shards' "$BUILD_DIR/break_others_$round.log")"
   else
     echo "round $round, other tests fail too (a patch breaks more than its filter says):"
-    grep '^\[  FAILED  \] .*(' "$BUILD_DIR/break_others_$round.log" | sort -u
+    grep -E '^\[  FAILED  \] .* \([0-9]+ ms\)$' "$BUILD_DIR/break_others_$round.log" | sort -u
     rc=1
   fi
   restore

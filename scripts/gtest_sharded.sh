@@ -12,7 +12,9 @@
 # (also with one shard, so that callers read one format):
 #   [==========] sharded: T tests ran in N shards (P passed, F failed)
 # where T and P sum the shards' own "N tests from M test suites ran" / "[  PASSED  ] N tests"
-# lines, and F counts the "[  FAILED  ] name (time)" lines of their failure lists.
+# lines, and F counts the failed tests' result lines "[  FAILED  ] name (N ms)" (not the failure
+# list at the end, which names each failed test again: ", where GetParam() = ..." for a
+# parameterised one).
 set -u -o pipefail
 [[ $# -ge 1 ]] || { echo "usage: $0 BINARY [GTEST ARGS...]" >&2; exit 2; }
 bin="$1"
@@ -47,7 +49,7 @@ for ((i = 0; i < shards; ++i)); do
   cat "$dir/$i.log"
   n="$(grep -o '^\[==========\] [0-9]* tests\? from [0-9]* test suites\? ran' "$dir/$i.log" | grep -o '[0-9]* test' | head -1 | grep -o '[0-9]*')"
   p="$(grep -o '^\[  PASSED  \] [0-9]*' "$dir/$i.log" | grep -o '[0-9]*$' | head -1)"
-  f="$(grep -c '^\[  FAILED  \] .*(' "$dir/$i.log")"
+  f="$(grep -cE '^\[  FAILED  \] .* \([0-9]+ ms\)$' "$dir/$i.log")"
   total=$((total + ${n:-0})) passed=$((passed + ${p:-0})) failed=$((failed + f))
 done
 echo "[==========] sharded: $total tests ran in $shards shards ($passed passed, $failed failed)"
