@@ -78,7 +78,8 @@ for round in "${ROUNDS[@]}"; do
       echo "NOT CAUGHT: $(basename "$p"): the tests '$filter' pass with the bug in"
       rc=1
     else
-      failed="$(grep -cE '^\[  FAILED  \] .* \([0-9]+ ms\)$' "$BUILD_DIR/break_$(basename "$p" .patch).log")"
+      # (gtest_sharded.sh's own count, from its summary line)
+      failed="$(grep -o '[0-9]* failed)$' "$BUILD_DIR/break_$(basename "$p" .patch).log" | grep -o '^[0-9]*')"
       echo "caught: $(basename "$p"): $failed failing test(s) in '$filter'"
     fi
   done
