@@ -12,11 +12,13 @@ up to 16K, 7 at 32K, 5 above: --reps); peak memory: the most
 allocated during one forward+backward beyond what was allocated before it.
 
     python3 bench/layer_bench.py [--lens 8192,16384,32768,65536] [--groups 16,4] [--phi mean,mlp]
-                                 [--kept o_cmp] [--csv OUT.csv] [--markdown OUT.md]
+                                 [--kept o_cmp] [--gate mlp] [--csv OUT.csv] [--markdown OUT.md]
 
 --kept: what the layer keeps for the backward besides o, one or more of o_cmp (the compressed
 branch's output: the default, save_cmp_output), o (nothing more: save_cmp_output=False) and
 o_branch (every branch's output: save_branch_outputs=True), each measured in the same run.
+--gate: the layer's gate, mlp (the default, gate_hidden = hidden / 4) and / or linear (gate_hidden=0,
+one Linear of 3 Hq columns, as the public NSA layers have it).
 """
 import argparse
 import csv
@@ -85,12 +87,16 @@ def main():
     ap.add_argument("--phi", default="mean,mlp")
     ap.add_argument("--reps", type=int, default=0, help="timed runs (median); 0: 15 up to 16K, 7 at 32K, 5 above")
     ap.add_argument("--kept", default="o_cmp", help="o_cmp, o, o_branch (comma-separated)")
+    ap.add_argument("--gate", default="mlp", help="mlp, linear (comma-separated)")
     ap.add_argument("--csv")
     ap.add_argument("--markdown")
     a = ap.parse_args()
     for kept in a.kept.split(","):
         if kept not in ("o", "o_cmp", "o_branch"):
             raise SystemExit(f"--kept: {kept!r} is none of o, o_cmp, o_branch")
+    for gate in a.gate.split(","):
+        if gate not in ("mlp", "linear"):
+            raise SystemExit(f"--gate: {gate!r} is neither mlp nor linear")
     dev, dt = "cuda", torch.bfloat16
     rows = []
     for G in [int(g) for g in a.groups.split(",")]:
@@ -101,8 +107,9 @@ def main():
             x = torch.randn(T, hidden, device=dev, dtype=dt, requires_grad=True)
             dense = None
             for phi in a.phi.split(","):
-                for kept in a.kept.split(","):
+                for kept, gate in [(k, g) for k in a.kept.split(",") for g in a.gate.split(",")]:
                     layer = nsa.NativeSparseAttention(hidden, hq, HKV, head_dim=D, phi=phi,
+                                                       gate_hidden=0 if gate == "linear" else None,
                                                        save_branch_outputs=kept == "o_branch",
                                                        save_cmp_output=kept == "o_cmp", device=dev, dtype=dt)
                     if dense is None:
@@ -112,11 +119,12 @@ def main():
                     ours = measure(layer, x, a.reps or auto_reps(T))
                     del layer
                     torch.cuda.empty_cache()
-                    row = {"G": G, "T": T, "phi": phi, "kept": kept, "nsa_fwd_ms": ours[0], "dense_fwd_ms": dense[0],
+                    row = {"G": G, "T": T, "phi": phi, "kept": kept, "gate": gate, "nsa_fwd_ms": ours[0],
+                           "dense_fwd_ms": dense[0],
                            "nsa_fwdbwd_ms": ours[1], "dense_fwdbwd_ms": dense[1], "nsa_peak_gib": ours[2],
                            "dense_peak_gib": dense[2]}
                     rows.append(row)
-                    print(f"G {G} T {T} phi {phi} kept {kept}: fwd {ours[0]:.2f} ms (dense {dense[0]:.2f}, "
+                    print(f"G {G} T {T} phi {phi} kept {kept} gate {gate}: fwd {ours[0]:.2f} ms (dense {dense[0]:.2f}, "
                           f"{dense[0] / ours[0]:.2f}x), fwd+bwd {ours[1]:.2f} ms (dense {dense[1]:.2f}, "
                           f"{dense[1] / ours[1]:.2f}x), peak {ours[2]:.2f} GiB (dense {dense[2]:.2f})", flush=True)
             del x
@@ -130,10 +138,10 @@ def main():
         with open(a.markdown, "w") as f:
             f.write(f"Layer vs dense twin, {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, Hkv {HKV}, "
                     f"D {D}, hidden Hq*D\n\n")
-            f.write("| G | T | phi | kept | NSA fwd ms | dense fwd ms | ratio | NSA fwd+bwd ms | dense fwd+bwd ms | "
-                    "ratio | NSA peak GiB | dense peak GiB |\n|" + " --- |" * 12 + "\n")
+            f.write("| G | T | phi | kept | gate | NSA fwd ms | dense fwd ms | ratio | NSA fwd+bwd ms | dense fwd+bwd ms | "
+                    "ratio | NSA peak GiB | dense peak GiB |\n|" + " --- |" * 13 + "\n")
             for r in rows:
-                f.write(f"| {r['G']} | {r['T']} | {r['phi']} | {r['kept']} | {r['nsa_fwd_ms']:.2f} | {r['dense_fwd_ms']:.2f} | "
+                f.write(f"| {r['G']} | {r['T']} | {r['phi']} | {r['kept']} | {r['gate']} | {r['nsa_fwd_ms']:.2f} | {r['dense_fwd_ms']:.2f} | "
                         f"{r['dense_fwd_ms'] / r['nsa_fwd_ms']:.2f}x | {r['nsa_fwdbwd_ms']:.2f} | "
                         f"{r['dense_fwdbwd_ms']:.2f} | {r['dense_fwdbwd_ms'] / r['nsa_fwdbwd_ms']:.2f}x | "
                         f"{r['nsa_peak_gib']:.2f} | {r['dense_peak_gib']:.2f} |\n")

@@ -189,7 +189,9 @@ class NativeSparseAttention(nn.Module):
         phi: compression function, 'mlp' (the paper's), 'linear' or 'mean'.
         phi_hidden: hidden width F of the mlp phi. Default: 4 * head dim (of keys resp. values).
         shared_kv: one K/V projection for all three branches instead of one per branch.
-        gate_hidden: hidden width of the gate MLP. Default: hidden_size // 4.
+        gate_hidden: hidden width of the gate MLP. Default: hidden_size // 4. 0: no hidden layer, the
+            gates are sigmoid(Linear(x)) (the public NSAs' gate: one product of 3 Hq columns, where the
+            MLP's first layer adds hidden_size // 4 columns to the layer's projections).
         rotary: apply rotary position embeddings to q and keys; rope_theta: their base.
         bias: biases in the q/k/v/output projections.
         backend, num_threads: where the library runs ('auto', 'reference', 'cpu', 'cuda').
@@ -275,9 +277,13 @@ class NativeSparseAttention(nn.Module):
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias, **factory)
         self.k_proj = nn.Linear(hidden_size, self.num_kv_sets * num_kv_heads * head_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(hidden_size, self.num_kv_sets * num_kv_heads * v_head_dim, bias=bias, **factory)
-        gate_hidden = max(1, hidden_size // 4) if gate_hidden is None else gate_hidden
-        self.gate = nn.Sequential(nn.Linear(hidden_size, gate_hidden, **factory), nn.SiLU(),
-                                  nn.Linear(gate_hidden, num_heads * 3, **factory))
+        gate_hidden = max(1, hidden_size // 4) if gate_hidden is None else check_int(
+            gate_hidden, "gate_hidden", 0, _MAX_SIZE, f"must be in [0, {_MAX_SIZE}] (0: a linear gate)")
+        if gate_hidden:
+            self.gate = nn.Sequential(nn.Linear(hidden_size, gate_hidden, **factory), nn.SiLU(),
+                                      nn.Linear(gate_hidden, num_heads * 3, **factory))
+        else:
+            self.gate = nn.Sequential(nn.Linear(hidden_size, num_heads * 3, **factory))
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=bias, **factory)
 
         l = self.config.cmp_block_len
@@ -319,7 +325,8 @@ class NativeSparseAttention(nn.Module):
                     nn.init.normal_(params["pe"], std=0.02)
 
     def reset_parameters(self) -> None:
-        for module in (self.q_proj, self.k_proj, self.v_proj, self.gate[0], self.gate[2], self.o_proj):
+        linears = [m for m in self.gate if isinstance(m, nn.Linear)]
+        for module in (self.q_proj, self.k_proj, self.v_proj, *linears, self.o_proj):
             module.reset_parameters()
         self._reset_phi()
 
@@ -328,7 +335,7 @@ class NativeSparseAttention(nn.Module):
         return (f"hidden_size={self.hidden_size}, heads={self.num_heads}/{self.num_kv_heads}, "
                 f"head_dim={self.head_dim}/{self.v_head_dim}, phi={self.phi}, shared_kv={self.shared_kv}, "
                 f"l={c.cmp_block_len}, d={c.cmp_stride}, l'={c.slc_block_len}, n={c.n_selected}, w={c.window}, "
-                f"rotary={self.rotary}" + (f", backbone={tuple(c.backbone_offsets)}" if c.backbone_offsets else ""))
+                f"gate_hidden={self.gate[0].out_features if len(self.gate) > 1 else 0}, rotary={self.rotary}" + (f", backbone={tuple(c.backbone_offsets)}" if c.backbone_offsets else ""))
 
     # ---- pieces ----------------------------------------------------------------------------
 
@@ -361,7 +368,8 @@ class NativeSparseAttention(nn.Module):
         T = x.shape[0]
         if self._fusable():
             q, k, v, g = self._fused_projection(x)
-            g = self.gate[2](self.gate[1](g))
+            if len(self.gate) > 1:  # the MLP gate: the product gave its first layer
+                g = self.gate[2](self.gate[1](g))
         else:
             q, k, v, g = self.q_proj(x), self.k_proj(x), self.v_proj(x), self.gate(x)
         q = self._rotate(q.view(T, self.num_heads, self.head_dim), positions, cu_seqlens)
@@ -390,7 +398,7 @@ class NativeSparseAttention(nn.Module):
                 and all(m.out_features % 8 == 0 for m in mods))
 
     def _fused_projection(self, x: Tensor):
-        """(q, k, v, the gate's hidden pre-activation) of x [T, hidden] from one product with the
+        """(q, k, v, the gate's first layer's output) of x [T, hidden] from one product with the
         four weights stacked: x is read once, and the backward's dx is one product, not four and a
         sum. The parts are column slices of one output (rows of q_proj's width apart)."""
         mods = self._projections_of_x()

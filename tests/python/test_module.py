@@ -15,8 +15,9 @@ import nsa  # noqa: E402
 
 @pytest.mark.parametrize("phi", ["mlp", "linear", "mean"])
 @pytest.mark.parametrize("shared_kv", [False, True])
-def test_forward_backward_reach_every_parameter(phi, shared_kv):
-    m = make_layer(phi=phi, shared_kv=shared_kv)
+@pytest.mark.parametrize("gate_hidden", [None, 0])
+def test_forward_backward_reach_every_parameter(phi, shared_kv, gate_hidden):
+    m = make_layer(phi=phi, shared_kv=shared_kv, gate_hidden=gate_hidden)
     x = torch.randn(50, HIDDEN, dtype=torch.float64, requires_grad=True)
     y = m(x)
     assert y.shape == (50, HIDDEN) and torch.isfinite(y).all()
@@ -28,9 +29,11 @@ def test_forward_backward_reach_every_parameter(phi, shared_kv):
         assert param.grad.abs().sum() > 0, name
 
 
-def test_module_gradcheck():
-    """Gradients of the whole layer (projections, rotary, gates, phi, NSA) against finite differences."""
-    m = make_layer(hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, phi_hidden=3, gate_hidden=4,
+@pytest.mark.parametrize("gate_hidden", [4, 0])
+def test_module_gradcheck(gate_hidden):
+    """Gradients of the whole layer (projections, rotary, gates, phi, NSA) against finite differences,
+    with the MLP gate and the linear one."""
+    m = make_layer(hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, phi_hidden=3, gate_hidden=gate_hidden,
                    config=nsa.Config(cmp_block_len=4, cmp_stride=2, slc_block_len=4, n_selected=3, n_init=1,
                                      n_local=1, window=3))
     x = torch.randn(11, 8, dtype=torch.float64, requires_grad=True)
@@ -151,6 +154,9 @@ def test_bad_arguments():
         nsa.NativeSparseAttention(32, num_heads=4, phi="max")
     with pytest.raises(nsa.Error, match="cmp_stride"):
         nsa.NativeSparseAttention(32, num_heads=4, config=nsa.Config(cmp_stride=5))
+    for bad in (-1, 2.0, "8"):
+        with pytest.raises(nsa.Error, match="gate_hidden"):
+            nsa.NativeSparseAttention(32, num_heads=4, gate_hidden=bad)
     m = make_layer()
     with pytest.raises(nsa.Error, match="x.shape"):
         m(torch.randn(3, 31, dtype=torch.float64))
@@ -214,10 +220,12 @@ def _run(m, x):
 
 @pytest.mark.parametrize("shared_kv", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_one_projection_product_equals_one_per_module(shared_kv, bias):
-    """q, k, v and the gate's first layer run as one product of x with their stacked weights; a
-    forward hook that changes nothing sends each module through its own call instead."""
-    m = make_layer(shared_kv=shared_kv, bias=bias)
+@pytest.mark.parametrize("gate_hidden", [None, 0])
+def test_one_projection_product_equals_one_per_module(shared_kv, bias, gate_hidden):
+    """q, k, v and the gate's first layer (the whole gate when it is linear) run as one product of x
+    with their stacked weights; a forward hook that changes nothing sends each module through its
+    own call instead."""
+    m = make_layer(shared_kv=shared_kv, bias=bias, gate_hidden=gate_hidden, num_heads=8)
     assert m._fusable()
     x = torch.randn(30, HIDDEN, dtype=torch.float64)
     y, dx, grads = _run(m, x)
@@ -270,3 +278,21 @@ def test_projection_parts_off_the_alignment_run_one_product_per_module():
     x = torch.randn(20, HIDDEN, dtype=torch.float64, requires_grad=True)
     m(x).sum().backward()
     assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_linear_gate_is_sigmoid_of_one_product(fused):
+    """gate_hidden=0: the gates are sigmoid(x W^T + b) of the gate's one Linear, fused into the
+    projection or not (3 Hq = 12 columns are off the 8-column alignment: one product per module)."""
+    m = make_layer(gate_hidden=0, num_heads=8 if fused else 4)
+    assert len(m.gate) == 1 and m.gate[0].out_features == 3 * m.num_heads
+    assert m._fusable() == fused
+    assert "gate_hidden=0" in repr(m)
+    x = torch.randn(25, HIDDEN, dtype=torch.float64)
+    m.capture = True
+    m(x)
+    expected = torch.sigmoid(torch.nn.functional.linear(x, m.gate[0].weight, m.gate[0].bias))
+    torch.testing.assert_close(m.aux["gates"], expected.view(25, m.num_heads, 3), rtol=1e-12, atol=1e-12)
+    m.reset_parameters()  # the linear gate is re-drawn with the rest
+    m(x)
+    assert not torch.allclose(m.aux["gates"], expected.view(25, m.num_heads, 3))
