@@ -538,15 +538,17 @@ def dense_attention_backward(fw, scale: float, q, k, v, o, lse, d_o, cu_seqlens=
 
 
 def rotary(fw, x, inv_freq, positions=None, cu_seqlens=None, max_seqlen=None, inverse=False, backend="auto",
-           num_threads=0):
+           num_threads=0, out=None):
     """x [T, H, D] rotated by its tokens' positions (include/nsa/api.h rotary: GPT-NeoX pairs (i,
-    i + D/2), angles float(pos) * inv_freq [D/2] f32), into a new array. positions: int32 [T]
+    i + D/2), angles float(pos) * inv_freq [D/2] f32), into a new array, or into out (any strides,
+    x itself or no memory shared with it; the library checks). positions: int32 [T]
     (fw.to_positions) or None: each token's place in its sequence of cu_seqlens. inverse rotates
     back (the transpose: the gradient)."""
     x, inv_freq, positions = fw.prepare(x), fw.prepare(inv_freq), fw.prepare(positions)
     dims(x, "x", 3, "[T, H, D]")
     call = Call(fw, x, backend, num_threads, cu_seqlens, max_seqlen, "x")
-    out = fw.empty(tuple(x.shape), x.dtype, x)
+    if out is None:
+        out = fw.empty(tuple(x.shape), x.dtype, x)
     with fw.device_guard(x):
         _nsa.rotary(*call.ctx, x, inv_freq, call.cu, call.max_seqlen, positions, out, bool(inverse))
     return out

@@ -13,6 +13,7 @@ uses the library's own backward through ``register_autograd``:
   nsa::rotary                                      rotary position embeddings (GPT-NeoX layout),
                                                    out of place; its backward is nsa::rotary with
                                                    inverse flipped (the rotation's transpose)
+  nsa::rotary_into                                 the same into a given (strided) output, no autograd
 
 Outputs and workspaces are allocated with torch on the inputs' device (the caching allocator on
 CUDA) and the library runs on ``torch.cuda.current_stream()``. Config travels as a list of 7
@@ -381,6 +382,21 @@ def _rotary_backward(ctx, d_out):
 
 
 rotary_op.register_autograd(_rotary_backward, setup_context=_rotary_setup)
+
+
+@torch.library.custom_op("nsa::rotary_into", mutates_args=("out",))
+def rotary_into_op(
+    x: Tensor, inv_freq: Tensor, cu_seqlens: Optional[Tensor], positions: Optional[Tensor], inverse: bool,
+    backend: str, num_threads: int, out: Tensor,
+) -> None:
+    """nsa::rotary written into out [T, H, D] (any strides: e.g. columns of a wider array; x itself or
+    no memory shared with it). Not differentiable (the layer's backward writes gradients with it)."""
+    _core.rotary(_fw, x, inv_freq, positions, cu_seqlens, 0, inverse, backend, num_threads, out=out)
+
+
+@rotary_into_op.register_fake
+def _rotary_into_fake(*args):
+    return None
 
 
 # ---- Python wrappers (what nsa.functional calls for torch tensors) -------------------------------

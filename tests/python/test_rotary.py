@@ -203,6 +203,27 @@ def test_opcheck_and_compile():
         assert torch.equal(compiled(xt, c), fn(xt, c))
 
 
+def test_rotary_into_writes_columns_of_a_wider_array():
+    """torch.ops.nsa.rotary_into (the layer's backward writes q's and the keys' gradients with it):
+    the rotation of nsa.rotary, bit for bit, into a strided view of a wider array whose other
+    columns stay as they were; opcheck (its schema declares out mutated)."""
+    torch.manual_seed(6)
+    f = inv_freq_of(8)
+    cu = torch.tensor([0, 7, 7, 20], dtype=torch.int32)
+    x = torch.randn(20, 3, 8)
+    for inverse in (False, True):
+        wide = torch.randn(20, 40)
+        before = wide.clone()
+        out = wide[:, 5:29].view(20, 3, 8)
+        torch.ops.nsa.rotary_into(x, f, cu, None, inverse, "auto", 0, out)
+        assert torch.equal(out, nsa.rotary(x, f, cu_seqlens=cu, inverse=inverse))
+        assert torch.equal(wide[:, :5], before[:, :5]) and torch.equal(wide[:, 29:], before[:, 29:])
+    torch.library.opcheck(torch.ops.nsa.rotary_into.default, (x, f, cu, None, True, "auto", 0, torch.empty(20, 3, 8)))
+    with pytest.raises(nsa.Error, match="out"):  # overlapping x without being x
+        wide = torch.randn(20, 3, 9)
+        torch.ops.nsa.rotary_into(wide[:, :, :8], f, None, None, False, "auto", 0, wide[:, :, 1:])
+
+
 def test_errors_name_the_parameter():
     x = torch.randn(5, 2, 8)
     f = inv_freq_of(8)
