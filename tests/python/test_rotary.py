@@ -255,11 +255,29 @@ def test_errors_name_the_parameter():
 # ---- The layer --------------------------------------------------------------------------------------
 
 
+def old_project(self, x, positions):
+    """The layer's projections as they were: the fused product split by autograd, the formula's
+    rotation by the positions (torch ops, autograd's own backward: it stacks the sets' gradients and
+    concatenates the parts'), where the layer now takes the product apart in one node (_SplitRotate)."""
+    T, S = x.shape[0], self.num_kv_sets
+    if self._fusable():
+        q, k, v, g = self._fused_projection(x).split([m.out_features for m in self._projections_of_x()], dim=-1)
+        if len(self.gate) > 1:
+            g = self.gate[2](self.gate[1](g))
+    else:
+        q, k, v, g = self.q_proj(x), self.k_proj(x), self.v_proj(x), self.gate(x)
+    q = old_layer_rotate(self, q.view(T, self.num_heads, self.head_dim), positions)
+    k = old_layer_rotate(self, k.view(T, S * self.num_kv_heads, self.head_dim), positions)
+    ks = k.view(T, S, self.num_kv_heads, self.head_dim).unbind(1)
+    vs = v.view(T, S, self.num_kv_heads, self.v_head_dim).unbind(1)
+    return q, list(ks), list(vs), torch.sigmoid(g).view(T, self.num_heads, 3)
+
+
 def old_prefill(self, x, cu_seqlens, max_seqlen):
     """The layer's prefill as it was: positions from the offsets in torch, the layer's pieces after."""
     T = x.shape[0]
     positions = positions_of(None if cu_seqlens is None else torch.as_tensor(cu_seqlens).cpu(), T, device=x.device)
-    q, ks, vs, g = self._project(x, positions)
+    q, ks, vs, g = old_project(self, x, positions)
     o = self._attend(q, ks, vs, g, cu_seqlens, max_seqlen)
     return self.o_proj(o.reshape(T, self.num_heads * self.v_head_dim))
 
@@ -288,13 +306,16 @@ def run_layer(m, x, cu, old):
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("shared_kv", [False, True])
 def test_layer_output_and_gradients_equal_the_old_formula(dtype, tol, shared_kv):
-    """f64 runs on the reference backend (cos and sin in double: the two libraries agree to ~1e-16);
+    """The layer (its fused product taken apart by _SplitRotate, nsa::rotary forward and backward)
+    against its old pieces (old_project). f64 runs on the reference backend (cos and sin in double:
+    the two libraries agree to ~1e-16);
     f32 on the cpu backend (ulp differences of the rotated q and keys, through attention). Each
     gradient is compared at the scale of the layer's largest one (a bias's gradient can be a
     near-cancelling sum)."""
     torch.manual_seed(6)
     m = nsa.NativeSparseAttention(32, num_heads=4, num_kv_heads=2, config=SMALL, phi_hidden=12, shared_kv=shared_kv,
                                   dtype=dtype)
+    assert m._fusable()  # the product taken apart by _SplitRotate
     x = torch.randn(50, 32, dtype=dtype)
     cu = [0, 20, 20, 21, 50]
     y, dx, grads = run_layer(m, x, cu, old=False)
@@ -328,6 +349,7 @@ def test_layer_on_cuda_equals_the_old_formula():
     cfg = nsa.Config(cmp_block_len=32, cmp_stride=16, slc_block_len=64, n_selected=4, window=128)
     m = nsa.NativeSparseAttention(256, num_heads=4, num_kv_heads=2, head_dim=64, config=cfg, device="cuda",
                                   dtype=torch.bfloat16)
+    assert m._fusable()
     x = torch.randn(600, 256, device="cuda", dtype=torch.bfloat16)
     cu = torch.tensor([0, 300, 300, 301, 600], dtype=torch.int32)
     y, dx, grads = run_layer(m, x, cu, old=False)
