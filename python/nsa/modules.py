@@ -427,7 +427,7 @@ class NativeSparseAttention(nn.Module):
         q and keys rotated by positions [T] or, without them, by the tokens' places in their sequences
         of cu_seqlens (every K set in one call)."""
         T = x.shape[0]
-        if self._fusable():
+        if self._fuses(T):
             y = self._fused_projection(x)
             inv_freq, positions = self._rotary_args(x, positions) if self.rotary else (None, None)
             parts = (self.num_heads, self.num_kv_sets, self.num_kv_heads, self.head_dim, self.v_head_dim)
@@ -462,6 +462,19 @@ class NativeSparseAttention(nn.Module):
             getattr(nn.modules.module, "_global_forward_pre_hooks", None)
         return (not hooked and not global_hooks and all(type(m) is nn.Linear for m in mods)
                 and all(m.out_features % 8 == 0 for m in mods))
+
+    def _fuses(self, T) -> bool:
+        """Whether the projections of T tokens run as one product: where they can (_fusable) and it
+        saves memory traffic. Stacking the weights copies them (2 N hidden elements for N output
+        columns) each call; separate products read x (T hidden) three more times. So: while autograd
+        records (one product also gives dx in the backward, not four and a sum), and otherwise where
+        3 T > 2 N (a long prefill). A decode step (T = the batch) reads each weight once."""
+        if not self._fusable():
+            return False
+        if torch.is_grad_enabled() and any(m.weight.requires_grad for m in self._projections_of_x()):
+            return True
+        width = sum(m.out_features for m in self._projections_of_x())
+        return 3 * T > 2 * width
 
     def _fused_projection(self, x: Tensor) -> Tensor:
         """y [T, q | k | v | the gate's first layer] of x [T, hidden]: one product with the four

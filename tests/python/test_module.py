@@ -296,3 +296,28 @@ def test_linear_gate_is_sigmoid_of_one_product(fused):
     m.reset_parameters()  # the linear gate is re-drawn with the rest
     m(x)
     assert not torch.allclose(m.aux["gates"], expected.view(25, m.num_heads, 3))
+
+
+def test_projection_fuses_while_training_and_for_long_inputs_only():
+    """One product of x with the stacked weights while autograd records; without it only where x's
+    three extra reads would cost more than stacking the weights (3 T > 2 N): a decode step's
+    projections read each weight once and copy none. Both paths give the same layer."""
+    m = make_layer()
+    width = sum(mod.out_features for mod in m._projections_of_x())
+    assert m._fuses(1)
+    with torch.no_grad():
+        assert not m._fuses(2 * width // 3) and m._fuses(2 * width // 3 + 1)
+        x = torch.randn(30, HIDDEN, dtype=torch.float64)
+        separate = m(x)
+    torch.testing.assert_close(m(x).detach(), separate, rtol=1e-12, atol=1e-12)
+    m.requires_grad_(False)  # inference with autograd on: nothing records
+    assert not m._fuses(30)
+
+    def stacked(*args):
+        raise AssertionError("a decode step stacked the projection weights")
+
+    m._fused_projection = stacked
+    cache = nsa.NSACache()
+    with torch.no_grad():
+        m(torch.randn(2, 20, HIDDEN, dtype=torch.float64), cache=cache)  # prefill of 40 tokens: 3 T < 2 N
+        m(torch.randn(2, 1, HIDDEN, dtype=torch.float64), cache=cache)
