@@ -391,7 +391,8 @@ class NativeSparseAttention(nn.Module):
         return (f"hidden_size={self.hidden_size}, heads={self.num_heads}/{self.num_kv_heads}, "
                 f"head_dim={self.head_dim}/{self.v_head_dim}, phi={self.phi}, shared_kv={self.shared_kv}, "
                 f"l={c.cmp_block_len}, d={c.cmp_stride}, l'={c.slc_block_len}, n={c.n_selected}, w={c.window}, "
-                f"gate_hidden={self.gate[0].out_features if len(self.gate) > 1 else 0}, rotary={self.rotary}" + (f", backbone={tuple(c.backbone_offsets)}" if c.backbone_offsets else ""))
+                f"gate_hidden={self.gate[0].out_features if len(self.gate) > 1 else 0}, rotary={self.rotary}"
+                + (f", backbone={tuple(c.backbone_offsets)}" if c.backbone_offsets else ""))
 
     # ---- pieces ----------------------------------------------------------------------------
 
@@ -471,10 +472,10 @@ class NativeSparseAttention(nn.Module):
         3 T > 2 N (a long prefill). A decode step (T = the batch) reads each weight once."""
         if not self._fusable():
             return False
-        if torch.is_grad_enabled() and any(m.weight.requires_grad for m in self._projections_of_x()):
+        mods = self._projections_of_x()
+        if torch.is_grad_enabled() and any(m.weight.requires_grad for m in mods):
             return True
-        width = sum(m.out_features for m in self._projections_of_x())
-        return 3 * T > 2 * width
+        return 3 * T > 2 * sum(m.out_features for m in mods)
 
     def _fused_projection(self, x: Tensor) -> Tensor:
         """y [T, q | k | v | the gate's first layer] of x [T, hidden]: one product with the four

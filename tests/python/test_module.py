@@ -226,7 +226,7 @@ def test_one_projection_product_equals_one_per_module(shared_kv, bias, gate_hidd
     with their stacked weights; a forward hook that changes nothing sends each module through its
     own call instead."""
     m = make_layer(shared_kv=shared_kv, bias=bias, gate_hidden=gate_hidden, num_heads=8)
-    assert m._fusable()
+    assert m._fuses(30)
     x = torch.randn(30, HIDDEN, dtype=torch.float64)
     y, dx, grads = _run(m, x)
     hook = m.q_proj.register_forward_hook(lambda module, args, out: None)
@@ -286,7 +286,7 @@ def test_linear_gate_is_sigmoid_of_one_product(fused):
     projection or not (3 Hq = 12 columns are off the 8-column alignment: one product per module)."""
     m = make_layer(gate_hidden=0, num_heads=8 if fused else 4)
     assert len(m.gate) == 1 and m.gate[0].out_features == 3 * m.num_heads
-    assert m._fusable() == fused
+    assert m._fuses(25) == fused
     assert "gate_hidden=0" in repr(m)
     x = torch.randn(25, HIDDEN, dtype=torch.float64)
     m.capture = True

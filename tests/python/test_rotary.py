@@ -315,7 +315,7 @@ def test_layer_output_and_gradients_equal_the_old_formula(dtype, tol, shared_kv)
     torch.manual_seed(6)
     m = nsa.NativeSparseAttention(32, num_heads=4, num_kv_heads=2, config=SMALL, phi_hidden=12, shared_kv=shared_kv,
                                   dtype=dtype)
-    assert m._fusable()  # the product taken apart by _SplitRotate
+    assert m._fuses(50)  # the product taken apart by _SplitRotate
     x = torch.randn(50, 32, dtype=dtype)
     cu = [0, 20, 20, 21, 50]
     y, dx, grads = run_layer(m, x, cu, old=False)
@@ -349,7 +349,7 @@ def test_layer_on_cuda_equals_the_old_formula():
     cfg = nsa.Config(cmp_block_len=32, cmp_stride=16, slc_block_len=64, n_selected=4, window=128)
     m = nsa.NativeSparseAttention(256, num_heads=4, num_kv_heads=2, head_dim=64, config=cfg, device="cuda",
                                   dtype=torch.bfloat16)
-    assert m._fusable()
+    assert m._fuses(600)
     x = torch.randn(600, 256, device="cuda", dtype=torch.bfloat16)
     cu = torch.tensor([0, 300, 300, 301, 600], dtype=torch.int32)
     y, dx, grads = run_layer(m, x, cu, old=False)
