@@ -6,10 +6,12 @@
 // backward not given the forward's o (full_without_o: the selection then recomputes o_slc for its
 // D; every other variant passes o, as a training step would), saved_o_cmp with dK / dV in one
 // warpgroup per CTA where they would run warp-specialised (saved_o_cmp_one_warpgroup_dkv, Dqk = Dv
-// = 128 at 8K and 64K: the same-run A/B of dkv_ws_kernel), and the backward's extra memory (its
-// workspace) against the memory of q, k, v and o. Writes a CSV (T,hq,hkv,dqk,dv,variant,fwd_ms,
-// bwd_ms,fwd_bwd_ms,bwd_tflops,ws_mb,qkvo_mb,peak_mb) that bench/sdpa_backward_baseline.py joins
-// with PyTorch SDPA forward+backward measured in the same scripts/gpu_check.sh run.
+// = 128 at 8K and 64K: the same-run A/B of dkv_ws_kernel), phi = mlp (F = 4D) without and with
+// the forward's o_cmp (phi_mlp_F4D, saved_o_cmp_phi_mlp: the torch layer's call; Hq 64 at 8K and
+// 64K), and the backward's extra memory (its workspace) against the memory of q, k, v and o.
+// Writes a CSV (T,hq,hkv,dqk,dv,variant,fwd_ms,bwd_ms,fwd_bwd_ms,bwd_tflops,ws_mb,qkvo_mb,peak_mb)
+// that bench/sdpa_backward_baseline.py joins with PyTorch SDPA forward+backward measured in the
+// same scripts/gpu_check.sh run.
 //
 //   nsa bench --suite backward [--out FILE.csv] [--quick] [--lengths 8192,65536] [--g16-only] [--once]
 //                              [--variant NAME] [--shape HQ,HKV,DQK,DV]
@@ -39,9 +41,10 @@
 namespace nsa_cli {
 namespace {
 
-const char* const kVariantNames[] = {"full",        "saved_o_branch", "saved_o_cmp", "no_window",
-                                     "no_selection", "phi_mlp_F4D",    "full_without_o", "per_token",
-                                     "local_q",     "local_q_per_token", "saved_o_cmp_one_warpgroup_dkv"};
+const char* const kVariantNames[] = {"full",           "saved_o_branch",      "saved_o_cmp",
+                                     "no_window",      "no_selection",        "phi_mlp_F4D",
+                                     "saved_o_cmp_phi_mlp", "full_without_o", "per_token",
+                                     "local_q",        "local_q_per_token",   "saved_o_cmp_one_warpgroup_dkv"};
 
 struct Shape {
   int64_t hq, hkv, dqk, dv;
@@ -121,7 +124,8 @@ std::vector<Variant> variants_of(const Shape& s, int64_t T) {
   if (square && s.hq == 64 && (T == 65536 || T == 8192)) {
     variants.push_back({"no_window", 16, 0, nsa::PhiKind::mean, false});
     variants.push_back({"no_selection", 0, 512, nsa::PhiKind::mean, false});
-    if (T == 65536) variants.push_back({"phi_mlp_F4D", 16, 512, nsa::PhiKind::mlp, false});
+    variants.push_back({"phi_mlp_F4D", 16, 512, nsa::PhiKind::mlp, false});
+    variants.push_back({"saved_o_cmp_phi_mlp", 16, 512, nsa::PhiKind::mlp, false, false, false, false, true});
   }
   if (square && T == 65536) {
     variants.push_back({"full_without_o", 16, 512, nsa::PhiKind::mean, false, false, false, true});
