@@ -81,7 +81,8 @@ int64_t slc_union_list_len(const Config& cfg, const Problem& pr) {
 struct ForwardWorkspace {
   void* kc = nullptr;        // [T/d, Hkv, Dqk] storage dtype
   void* vc = nullptr;        // [T/d, Hkv, Dv]
-  float* hidden = nullptr;   // phi::forward's work (mlp: [T/d * Hkv, F] f32 first)
+  float* hidden = nullptr;   // phi::forward's work for k (mlp: [T/d * Hkv, F] f32 first)
+  float* hidden_v = nullptr; // and for v (phi::forward_pair runs both at once)
   int32_t* first_token = nullptr;  // [T/d] phi's row table
   float* scores = nullptr;   // [T, Hkv, Ns] f32
   void* o_cmp = nullptr;     // [T, Hq, Dv] storage dtype (when o_branch is absent)
@@ -97,6 +98,7 @@ struct ForwardWorkspace {
     kc = w.take<char>(rows * pr.hkv * pr.dqk * es);
     vc = w.take<char>(rows * pr.hkv * pr.dv * es);
     hidden = w.take<float>(phi::work_floats(cfg.phi, rows * pr.hkv, pr.phi_hidden, std::max(pr.dqk, pr.dv)));
+    hidden_v = w.take<float>(phi::work_floats(cfg.phi, rows * pr.hkv, pr.phi_hidden, std::max(pr.dqk, pr.dv)));
     first_token = w.take<int32_t>(rows);
     scores = w.take<float>(cfg.n_selected > 0 ? pr.total_tokens * pr.hkv * ns : 0);
     o_cmp = w.take<char>(pr.total_tokens * pr.hq * pr.dv * es);
@@ -137,14 +139,13 @@ size_t workspace_size(const Context& ctx, Op op, const Config& cfg, const Proble
 
 // ---- Stages -----------------------------------------------------------------------------------
 
-// xc = phi(x) on every compressed row a sequence uses (rows of none are left as they are).
-void run_phi(const Plan& p, const PhiParams& phi, const TensorView& x, const TensorView& xc, int64_t hidden_width,
-             float* hidden, int32_t* first_token) {
+// phi's rows for x (and its parameters' checks); the row table is the caller's (phi::row_table).
+phi::Rows phi_rows_of(const Plan& p, const PhiParams& phi, const TensorView& x, int64_t hidden_width,
+                      int32_t* first_token) {
   require_storage_dtype(p.dtype);
   for (const TensorView* t : {&phi.w1, &phi.b1, &phi.w2, &phi.b2, &phi.pe})
     if (t->defined() && !t->is_contiguous())
       throw Error("phi parameters", "strided", "must be contiguous on the cuda backend");
-  const SeqParams seqs = seq_params(p);
   phi::Rows r;
   r.kind = p.cfg.phi;
   r.first_token = first_token;
@@ -154,8 +155,20 @@ void run_phi(const Plan& p, const PhiParams& phi, const TensorView& x, const Ten
   r.l = static_cast<int>(p.cfg.cmp_block_len);
   r.d = static_cast<int>(p.cfg.cmp_stride);
   r.F = p.cfg.phi == PhiKind::mlp ? static_cast<int>(hidden_width) : 0;
+  return r;
+}
+void row_table_of(const Plan& p, int32_t* first_token) {
+  const SeqParams seqs = seq_params(p);
+  phi::row_table(seqs.cu_seqlens, seqs.batch, p.T, static_cast<int>(p.cfg.cmp_block_len),
+                 static_cast<int>(p.cfg.cmp_stride), first_token, stream_of(p));
+}
+
+// xc = phi(x) on every compressed row a sequence uses (rows of none are left as they are).
+void run_phi(const Plan& p, const PhiParams& phi, const TensorView& x, const TensorView& xc, int64_t hidden_width,
+             float* hidden, int32_t* first_token) {
+  const phi::Rows r = phi_rows_of(p, phi, x, hidden_width, first_token);
   if (r.rc == 0) return;
-  phi::row_table(seqs.cu_seqlens, seqs.batch, p.T, r.l, r.d, first_token, stream_of(p));
+  row_table_of(p, first_token);
   dispatch_storage(p.dtype, [&]<typename S>() {
     phi::forward<S>(r, phi, x, hidden, xc.data, xc.stride[0], xc.stride[1], false, stream_of(p));
   });
@@ -356,9 +369,15 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
   const KV& cmp = detail::branch_kv(p.cfg, in, kCmp);
   TensorView kc = make_view(w.kc, p.dtype, {rows, p.hkv, p.dqk}, Device::cuda);
   TensorView vc = make_view(w.vc, p.dtype, {rows, p.hkv, p.dv}, Device::cuda);
-  if (rows > 0) {
-    run_phi(p, in.phi_k, cmp.k, kc, p.phi_hidden_k, w.hidden, w.first_token);
-    run_phi(p, in.phi_v, cmp.v, vc, p.phi_hidden_v, w.hidden, w.first_token);
+  if (rows > 0) {  // both at once (phi::forward_pair), each with its own hidden area
+    const phi::Rows rk = phi_rows_of(p, in.phi_k, cmp.k, p.phi_hidden_k, w.first_token);
+    const phi::Rows rv = phi_rows_of(p, in.phi_v, cmp.v, p.phi_hidden_v, w.first_token);
+    row_table_of(p, w.first_token);
+    dispatch_storage(p.dtype, [&]<typename S>() {
+      phi::forward_pair<S>(rk, phi::Job{in.phi_k, cmp.k, w.hidden, kc.data, kc.stride[0], kc.stride[1]}, rv,
+                           phi::Job{in.phi_v, cmp.v, w.hidden_v, vc.data, vc.stride[0], vc.stride[1]}, false,
+                           stream_of(p));
+    });
   }
 
   // §2-§3: o_cmp, lse_cmp and S in one kernel.

@@ -284,8 +284,8 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
   const phi::Rows rows_k = phi_rows(p, L, a.dqk, p.phi_hidden_k), rows_v = phi_rows(p, L, a.dv, p.phi_hidden_v);
   if (rc > 0) {
     phi::row_table(L.cu, a.B, p.T, a.l, a.d, L.crow_token, s);
-    phi::forward<E>(rows_k, in.phi_k, in.kv[kCmp].k, L.pre_k, L.kc, p.hkv * a.dqk, a.dqk, true, s);
-    phi::forward<E>(rows_v, in.phi_v, in.kv[kCmp].v, L.pre_v, L.vc, p.hkv * a.dv, a.dv, true, s);
+    phi::forward_pair<E>(rows_k, phi::Job{in.phi_k, in.kv[kCmp].k, L.pre_k, L.kc, p.hkv * a.dqk, a.dqk}, rows_v,
+                         phi::Job{in.phi_v, in.kv[kCmp].v, L.pre_v, L.vc, p.hkv * a.dv, a.dv}, true, s);
   }
 
   // 2. Inverted selection index (selection_index.cuh).

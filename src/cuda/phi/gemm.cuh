@@ -161,6 +161,35 @@ __device__ __forceinline__ void store_fragments(const float (&acc)[kI][4][4], in
       }
 }
 
+// Two operands of one kind as the two batches of one launch (batch b: op b, called as its batch
+// 0): phi of k and of v together where each alone would leave SMs idle. A tile index's RowInfo
+// carries the batch to load8; the CTA's batch is uniform, so the branch never diverges.
+template <class Op>
+struct OpPair {
+  static constexpr bool kKFast = Op::kKFast, kExact = Op::kExact;
+  Op op0, op1;
+  struct RowInfo {
+    typename Op::RowInfo r;
+    int b;
+  };
+  using KInfo = typename Op::KInfo;
+  __device__ RowInfo row(int b, int64_t i) const { return RowInfo{b == 0 ? op0.row(0, i) : op1.row(0, i), b}; }
+  __device__ KInfo col(int b, int k) const { return b == 0 ? op0.col(0, k) : op1.col(0, k); }
+  __device__ void load8(const RowInfo& r, const KInfo& k, int count, float (&v)[kRun]) const {
+    if (r.b == 0) op0.load8(r.r, k, count, v);
+    else op1.load8(r.r, k, count, v);
+  }
+};
+// The stores of an OpPair / DirPair launch: batch b's outputs through store b (as its batch 0).
+template <class St>
+struct StorePair {
+  St st0, st1;
+  __device__ void operator()(int b, int64_t m, int n, int z, float v) const {
+    if (b == 0) st0(0, m, n, z, v);
+    else st1(0, m, n, z, v);
+  }
+};
+
 // Each split's range of K: ceil(K / splits) in whole steps of kStep.
 inline int split_k_chunk(int K, int splits, int step) {
   const int chunk = (K + splits - 1) / splits;

@@ -52,6 +52,21 @@ struct DirOperand {
   static constexpr int kPlanes = kP;
   const __nv_bfloat16* p;
   int64_t plane;
+  __device__ const __nv_bfloat16* base(int) const { return p; }  // the data of a batch (DirPair: its own)
+};
+
+// Two operands of one kind as one of two batches (batch b: op[b], called as its batch 0): phi of
+// k and of v in one launch. Their data may lie anywhere; every offset is from the batch's base.
+template <class Op>
+struct DirPair : DirOperand<Op::kT, Op::kPlanes> {
+  Op op0, op1;
+  using Fixed = typename Op::Fixed;
+  DirPair(const Op& a, const Op& b) : DirOperand<Op::kT, Op::kPlanes>{a.p, a.plane}, op0(a), op1(b) {}
+  __device__ const __nv_bfloat16* base(int b) const { return b == 0 ? op0.p : op1.p; }
+  __device__ Fixed fixed(int b, int64_t i) const { return b == 0 ? op0.fixed(0, i) : op1.fixed(0, i); }
+  __device__ int64_t at(int b, const Fixed& f, int64_t i, int k) const {
+    return b == 0 ? op0.at(0, f, i, k) : op1.at(0, f, i, k);
+  }
 };
 
 // One stage's tile of an operand with kRows tile indices, in 16-bit elements: rows of kLd.
@@ -110,6 +125,8 @@ __global__ void __launch_bounds__(kDirThreads, 2)
     TB::piece(int(threadIdx.x) + r * kDirThreads, ib[r], kb[r]);
     fb[r] = lb.fixed(batch, min(int64_t(n0) + ib[r], int64_t(N) - 1));
   }
+  const __nv_bfloat16* const a_base = la.base(batch);
+  const __nv_bfloat16* const b_base = lb.base(batch);
   auto load_stage = [&](int stage, int k0) {
     __nv_bfloat16* sa = dir_smem + stage * kStage;
     __nv_bfloat16* sb = sa + kPA * TA::kElems;
@@ -120,14 +137,14 @@ __global__ void __launch_bounds__(kDirThreads, 2)
       const int64_t off = (i < M && k < k_end) ? la.at(batch, fa[r], i, k) : -1;
 #pragma unroll
       for (int p = 0; p < kPA; ++p)
-        cp_async_16(sa + p * TA::kElems + TA::at(ia[r], ka[r]), off < 0 ? la.p : la.p + p * la.plane + off, off >= 0);
+        cp_async_16(sa + p * TA::kElems + TA::at(ia[r], ka[r]), off < 0 ? la.p : a_base + p * la.plane + off, off >= 0);
     }
 #pragma unroll
     for (int r = 0; r < kPiecesB; ++r) {
       const int64_t i = int64_t(n0) + ib[r];
       const int k = k0 + kb[r];
       const int64_t off = (i < N && k < k_end) ? lb.at(batch, fb[r], i, k) : -1;
-      cp_async_16(sb + TB::at(ib[r], kb[r]), off < 0 ? lb.p : lb.p + off, off >= 0);
+      cp_async_16(sb + TB::at(ib[r], kb[r]), off < 0 ? lb.p : b_base + off, off >= 0);
     }
   };
 

@@ -597,37 +597,87 @@ int64_t plane_elems(PhiKind kind, int64_t rows, int64_t F, int64_t D) {
   return 2 * rows * (kind == PhiKind::mlp ? F : D);
 }
 
-// u W1^T (mlp: + b1, into pre; linear: into xc) on gemm_direct where it applies, as
-// x's block W1^T + (pe W1^T + b1): the second term is one bias vector in work. Returns whether it ran.
+// The stores of one job's products: xc (rounded, + b2) and mlp's pre (+ b1).
 template <typename E>
-bool first_product_direct(const Rows& r, const PhiParams& phi, const TensorView& x, float* work, StoreOut<E> out,
-                          StorePre<E> st_pre, cudaStream_t s) {
-  if constexpr (!std::is_same_v<E, bf16>) {
-    return false;
-  } else {
-    if (!direct_products<E>(r, phi, x)) return false;
-    const bool mlp = r.kind == PhiKind::mlp;
-    const int64_t M = r.rc * r.hkv;
-    const int K = r.l * r.D, N = mlp ? r.F : r.D;
-    float* bias = work + (mlp ? M * r.F : 0);
-    const bf16* w1 = static_cast<const bf16*>(phi.w1.data);
-    fold_bias_kernel<bf16><<<blocks_for(int64_t(N) * 32, 128), 128, 0, s>>>(w1, phi.w1.stride[0], N, K,
-                                                              mlp ? static_cast<const bf16*>(phi.b1.data) : nullptr,
-                                                              static_cast<const bf16*>(phi.pe.data), bias);
-    NSA_CUDA_CHECK_LAUNCH();
-    const XBlockA a{{static_cast<const bf16*>(x.data), 0}, x_rows<bf16>(r, x)};
-    const WRowsB b{{w1, 0}, phi.w1.stride[0]};
-    if (mlp) {
-      st_pre.bias = bias;
-      st_pre.first = r.first_token;
-      st_pre.hkv = r.hkv;
-      gemm_direct(s, M, N, K, 1, 1, a, b, st_pre);
-    } else {
-      out.bias = bias;
-      gemm_direct(s, M, N, K, 1, 1, a, b, out);
+struct JobStores {
+  StoreOut<E> out;
+  StorePre<E> pre;
+};
+template <typename E>
+JobStores<E> job_stores(const Rows& r, const Job& j, bool write_unused) {
+  return JobStores<E>{StoreOut<E>{static_cast<E*>(j.xc), j.xc_st, j.xc_sh, r.hkv, nullptr, r.first_token, write_unused},
+                      StorePre<E>{j.work, r.F, static_cast<const E*>(j.phi.b1.data)}};
+}
+
+// Job j's product alone (n = 1), or jobs 0 and 1 as the two batches of one launch (n = 2, Pair:
+// DirPair or OpPair): `launch(batches, a, b, store)`.
+template <template <class> class Pair, class A, class B, class St, class Launch>
+void run_jobs(int n, const A (&a)[2], const B (&b)[2], const St (&st)[2], Launch&& launch) {
+  if (n == 1) launch(1, a[0], b[0], st[0]);
+  else launch(2, Pair<A>{a[0], a[1]}, Pair<B>{b[0], b[1]}, StorePair<St>{st[0], st[1]});
+}
+
+// phi's products for jobs[0 .. n) (n = 2: the same Rows, as the two batches of each launch): u W1^T
+// (mlp: + b1, into pre; linear: into xc), then mlp's gelu(pre) W2^T + b2 into xc. u W1^T runs on
+// gemm_direct where it applies, as x's block W1^T + (pe W1^T + b1): the second term is one bias
+// vector in the job's work, after pre.
+template <typename E>
+void products(const Rows& r, const Job (&jobs)[2], int n, bool write_unused, cudaStream_t s) {
+  const bool mlp = r.kind == PhiKind::mlp;
+  const int64_t M = r.rc * r.hkv;
+  const int K = r.l * r.D, N = mlp ? r.F : r.D;
+  JobStores<E> st[2]{};
+  for (int i = 0; i < n; ++i) st[i] = job_stores<E>(r, jobs[i], write_unused);
+  bool direct = false;
+  if constexpr (std::is_same_v<E, bf16>) {
+    direct = direct_products<E>(r, jobs[0].phi, jobs[0].x);
+    if (direct) {
+      XBlockA a[2]{};
+      WRowsB b[2]{};
+      for (int i = 0; i < n; ++i) {
+        const Job& j = jobs[i];
+        float* bias = j.work + (mlp ? M * r.F : 0);
+        const bf16* w1 = static_cast<const bf16*>(j.phi.w1.data);
+        fold_bias_kernel<bf16><<<blocks_for(int64_t(N) * 32, 128), 128, 0, s>>>(
+            w1, j.phi.w1.stride[0], N, K, mlp ? static_cast<const bf16*>(j.phi.b1.data) : nullptr,
+            static_cast<const bf16*>(j.phi.pe.data), bias);
+        NSA_CUDA_CHECK_LAUNCH();
+        a[i] = XBlockA{{static_cast<const bf16*>(j.x.data), 0}, x_rows<bf16>(r, j.x)};
+        b[i] = WRowsB{{w1, 0}, j.phi.w1.stride[0]};
+        if (mlp) {
+          st[i].pre.bias = bias;
+          st[i].pre.first = r.first_token;
+          st[i].pre.hkv = r.hkv;
+        } else {
+          st[i].out.bias = bias;
+        }
+      }
+      auto launch = [&](int batches, auto la, auto lb, auto store) { gemm_direct(s, M, N, K, 1, batches, la, lb, store); };
+      if (mlp) run_jobs<DirPair>(n, a, b, {st[0].pre, st[1].pre}, launch);
+      else run_jobs<DirPair>(n, a, b, {st[0].out, st[1].out}, launch);
     }
-    return true;
   }
+  if (!direct) {
+    BlockInput<E> u[2]{};
+    WeightT<E> w1[2]{};
+    for (int i = 0; i < n; ++i) {
+      u[i] = block_input<E>(r, jobs[i].phi, jobs[i].x);
+      w1[i] = WeightT<E>{static_cast<const E*>(jobs[i].phi.w1.data), jobs[i].phi.w1.stride[0]};
+    }
+    auto launch = [&](int batches, auto la, auto lb, auto store) { gemm(s, M, N, K, 1, batches, la, lb, store); };
+    if (mlp) run_jobs<OpPair>(n, u, w1, {st[0].pre, st[1].pre}, launch);
+    else run_jobs<OpPair>(n, u, w1, {st[0].out, st[1].out}, launch);
+  }
+  if (!mlp) return;
+  Rows32<true> h[2]{};
+  WeightT<E> w2[2]{};
+  for (int i = 0; i < n; ++i) {
+    st[i].out.b2 = static_cast<const E*>(jobs[i].phi.b2.data);
+    h[i] = Rows32<true>{jobs[i].work, r.F};
+    w2[i] = WeightT<E>{static_cast<const E*>(jobs[i].phi.w2.data), jobs[i].phi.w2.stride[0]};
+  }
+  run_jobs<OpPair>(n, h, w2, {st[0].out, st[1].out},
+                   [&](int batches, auto la, auto lb, auto store) { gemm(s, M, r.D, r.F, 1, batches, la, lb, store); });
 }
 
 template <typename E>
@@ -650,20 +700,22 @@ void forward(const Rows& r, const PhiParams& phi, const TensorView& x, float* wo
     NSA_CUDA_CHECK_LAUNCH();
     return;
   }
-  const bool mlp = r.kind == PhiKind::mlp;
-  const int K = r.l * r.D;
-  float* pre = work;
-  StoreOut<E> out{static_cast<E*>(xc), xc_st, xc_sh, r.hkv, nullptr, r.first_token, write_unused};
-  const StorePre<E> st_pre{pre, r.F, static_cast<const E*>(phi.b1.data)};
-  if (!first_product_direct<E>(r, phi, x, work, out, st_pre, s)) {
-    const BlockInput<E> u = block_input<E>(r, phi, x);
-    const WeightT<E> w1{static_cast<const E*>(phi.w1.data), phi.w1.stride[0]};
-    if (mlp) gemm(s, M, r.F, K, 1, 1, u, w1, st_pre);
-    else gemm(s, M, r.D, K, 1, 1, u, w1, out);
+  const Job jobs[2] = {Job{phi, x, work, xc, xc_st, xc_sh}, Job{}};
+  products<E>(r, jobs, 1, write_unused, s);
+}
+
+template <typename E>
+void forward_pair(const Rows& r0, const Job& j0, const Rows& r1, const Job& j1, bool write_unused, cudaStream_t s) {
+  const bool same = r0.kind == r1.kind && r0.kind != PhiKind::mean && r0.first_token == r1.first_token &&
+                    r0.rc == r1.rc && r0.hkv == r1.hkv && r0.D == r1.D && r0.l == r1.l && r0.d == r1.d &&
+                    r0.F == r1.F && direct_products<E>(r0, j0.phi, j0.x) == direct_products<E>(r1, j1.phi, j1.x);
+  if (!same || r0.rc * r0.hkv == 0) {
+    forward<E>(r0, j0.phi, j0.x, j0.work, j0.xc, j0.xc_st, j0.xc_sh, write_unused, s);
+    forward<E>(r1, j1.phi, j1.x, j1.work, j1.xc, j1.xc_st, j1.xc_sh, write_unused, s);
+    return;
   }
-  if (!mlp) return;
-  out.b2 = static_cast<const E*>(phi.b2.data);
-  gemm(s, M, r.D, r.F, 1, 1, Rows32<true>{pre, r.F}, WeightT<E>{static_cast<const E*>(phi.w2.data), phi.w2.stride[0]}, out);
+  const Job jobs[2] = {j0, j1};
+  products<E>(r0, jobs, 2, write_unused, s);
 }
 
 template <typename E>
@@ -761,6 +813,7 @@ void backward_x(const Rows& r, const PhiParams& phi, const float* dy, const floa
 #define NSA_PHI_INSTANTIATE(E)                                                                                    \
   template void forward<E>(const Rows&, const PhiParams&, const TensorView&, float*, void*, int64_t, int64_t, bool, \
                            cudaStream_t);                                                                         \
+  template void forward_pair<E>(const Rows&, const Job&, const Rows&, const Job&, bool, cudaStream_t);              \
   template bool backward_params<E>(const Rows&, const PhiParams&, const TensorView&, const float*, float*,         \
                                    const PhiParams&, float*, int, float*, uint16_t*, cudaStream_t);               \
   template void backward_x<E>(const Rows&, const PhiParams&, const float*, const float*, const uint16_t*,         \
