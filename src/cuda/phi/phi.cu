@@ -485,15 +485,22 @@ __global__ void reduce_parts_kernel(const float* part, int splits, int M, int N,
   out[m * s0 + n] = from_float<E>(acc);
 }
 
-// bias[n] = b[n] + sum_k pe[k] W[n, k] (b, pe: nullptr for none): one warp per n, lanes over k,
-// then a fixed butterfly.
-template <typename E>
+// bias[n] = b[n] + sum_k pe[k] W[n, k] (b, pe: nullptr for none): one warp per n, each lane over
+// runs of V consecutive k (V = 8: one 16-byte load of each operand; the caller checked that K, s0
+// and both rows allow it), then a fixed butterfly.
+template <typename E, int V>
 __global__ void fold_bias_kernel(const E* w, int64_t s0, int N, int K, const E* b, const E* pe, float* bias) {
   const int n = int(blockIdx.x) * (int(blockDim.x) / 32) + int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   if (n >= N) return;
   float acc = 0.f;
   if (pe != nullptr)
-    for (int k = lane; k < K; k += 32) acc += to_float(pe[k]) * to_float(w[n * s0 + k]);
+    for (int k = lane * V; k < K; k += 32 * V) {
+      E x[V], y[V];
+      load_run<V>(pe + k, x);
+      load_run<V>(w + n * s0 + k, y);
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc += to_float(x[i]) * to_float(y[i]);
+    }
   for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
   if (lane == 0) bias[n] = acc + (b != nullptr ? to_float(b[n]) : 0.f);
 }
@@ -534,14 +541,27 @@ void column_sum(const float* a, int64_t M, int N, float* sum, E* out, cudaStream
   NSA_CUDA_CHECK_LAUNCH();
 }
 
-// dpe[k] = sum_n W[n, k] s[n] (u = block + pe: pe's gradient is W^T times the summed dpre).
+// dpe[k] = sum_n W[n, k] s[n] (u = block + pe: pe's gradient is W^T times the summed dpre). A CTA
+// takes 32 columns k: warp g sums the rows n = g, g + 8, .. (a coalesced piece of a row per step),
+// then thread k of warp 0 adds the 8 warps' sums in warp order (fixed: the same bits every run).
+// (One thread per column walking all N rows took ~35 us at N 512, K 4096: 16 CTAs on the GPU.)
+constexpr int kPeWarps = 8;
 template <typename E>
-__global__ void pe_grad_kernel(const E* w, int64_t w_s0, int N, int K, const float* s, E* dpe) {
-  const int k = blockIdx.x * blockDim.x + threadIdx.x;
-  if (k >= K) return;
+__global__ void __launch_bounds__(32 * kPeWarps) pe_grad_kernel(const E* w, int64_t w_s0, int N, int K, const float* s,
+                                                               E* dpe) {
+  __shared__ float part[kPeWarps][32];
+  const int lane = int(threadIdx.x) % 32, g = int(threadIdx.x) / 32;
+  const int k = int(blockIdx.x) * 32 + lane;
   float acc = 0.f;
-  for (int n = 0; n < N; ++n) acc += to_float(w[n * w_s0 + k]) * s[n];
-  dpe[k] = from_float<E>(acc);  // pe [l, D] is contiguous (checked on the host)
+  if (k < K)
+    for (int n = g; n < N; n += kPeWarps) acc += to_float(w[n * w_s0 + k]) * s[n];
+  part[g][lane] = acc;
+  __syncthreads();
+  if (g != 0 || k >= K) return;
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < kPeWarps; ++i) sum += part[i][lane];
+  dpe[k] = from_float<E>(sum);  // pe [l, D] is contiguous (checked on the host)
 }
 
 constexpr unsigned kMaxGrid = 1u << 20;  // grid-stride beyond this
@@ -638,9 +658,13 @@ void products(const Rows& r, const Job (&jobs)[2], int n, bool write_unused, cud
         const Job& j = jobs[i];
         float* bias = j.work + (mlp ? M * r.F : 0);
         const bf16* w1 = static_cast<const bf16*>(j.phi.w1.data);
-        fold_bias_kernel<bf16><<<blocks_for(int64_t(N) * 32, 128), 128, 0, s>>>(
-            w1, j.phi.w1.stride[0], N, K, mlp ? static_cast<const bf16*>(j.phi.b1.data) : nullptr,
-            static_cast<const bf16*>(j.phi.pe.data), bias);
+        // 16-byte runs of W1's rows and pe where they allow (W1's do: direct_products).
+        const bf16* pe = static_cast<const bf16*>(j.phi.pe.data);
+        const bf16* b1 = mlp ? static_cast<const bf16*>(j.phi.b1.data) : nullptr;
+        if (pe == nullptr || (on16(pe) && K % 8 == 0))
+          fold_bias_kernel<bf16, 8><<<blocks_for(int64_t(N) * 32, 128), 128, 0, s>>>(w1, j.phi.w1.stride[0], N, K, b1, pe, bias);
+        else
+          fold_bias_kernel<bf16, 1><<<blocks_for(int64_t(N) * 32, 128), 128, 0, s>>>(w1, j.phi.w1.stride[0], N, K, b1, pe, bias);
         NSA_CUDA_CHECK_LAUNCH();
         a[i] = XBlockA{{static_cast<const bf16*>(j.x.data), 0}, x_rows<bf16>(r, j.x)};
         b[i] = WRowsB{{w1, 0}, j.phi.w1.stride[0]};
@@ -750,7 +774,7 @@ bool backward_params(const Rows& r, const PhiParams& phi, const TensorView& x, c
     reduce_to(N, K, out, nullptr);
   };
   auto pe_grad = [&](int N) {  // dpe = W^T colsum
-    pe_grad_kernel<E><<<blocks_for(K), 256, 0, s>>>(static_cast<const E*>(phi.w1.data), phi.w1.stride[0], N, K, colsum,
+    pe_grad_kernel<E><<<unsigned((K + 31) / 32), 32 * kPeWarps, 0, s>>>(static_cast<const E*>(phi.w1.data), phi.w1.stride[0], N, K, colsum,
                                                     static_cast<E*>(dphi.pe.data));
     NSA_CUDA_CHECK_LAUNCH();
   };
