@@ -45,6 +45,7 @@ struct CudaKernelChoices {
   int raw_piece_tiles = 0;      // > 0: lists longer than this many query tiles are cut (else the rule)
   bool packed_sort = true;      // false: the inverted index sorts (key, token) pairs, not packed keys
   bool dkv_warp_specialized = true;  // false: the backward's dK/dV kernel is one warpgroup per CTA everywhere
+  bool phi_pairs = true;        // false: phi of k and of v in launches of their own (never one launch for both)
 };
 
 struct Context {

@@ -376,7 +376,7 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
     dispatch_storage(p.dtype, [&]<typename S>() {
       phi::forward_pair<S>(rk, phi::Job{in.phi_k, cmp.k, w.hidden, kc.data, kc.stride[0], kc.stride[1]}, rv,
                            phi::Job{in.phi_v, cmp.v, w.hidden_v, vc.data, vc.stride[0], vc.stride[1]}, false,
-                           stream_of(p));
+                           choices_of(p.ctx).phi_pairs, stream_of(p));
     });
   }
 

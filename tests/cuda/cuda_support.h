@@ -65,6 +65,16 @@ struct OneWarpgroupDkv {
   OneWarpgroupDkv& operator=(const OneWarpgroupDkv&) = delete;
 };
 
+// While alive, phi of k and of v run in launches of their own (CudaKernelChoices::phi_pairs), as
+// where their shapes differ; elsewhere the forward's compression and the backward's recompute run
+// them as the two batches of one launch per product.
+struct SeparatePhis {
+  SeparatePhis() { kernel_choices().phi_pairs = false; }
+  ~SeparatePhis() { kernel_choices().phi_pairs = true; }
+  SeparatePhis(const SeparatePhis&) = delete;
+  SeparatePhis& operator=(const SeparatePhis&) = delete;
+};
+
 // While alive, the backward takes paths its rules keep for long sequences: the compressed dK/dV's
 // queries in `cmp_splits` parts (0: by the sequence length), with pair_sort the inverted index's
 // (key, token) pair sort, and the raw blocks' selection lists in pieces of at most

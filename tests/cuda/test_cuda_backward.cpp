@@ -322,6 +322,14 @@ TEST_P(CudaBackward, EveryGradientWithOneWarpgroupDkvMatchesReference) {
   check_against_reference(GetParam(), {.o = true, .o_cmp = true}, {{0, false, 3}});
 }
 
+// phi of k and of v recomputed in launches of their own (SeparatePhis) where the other tests run
+// them as one launch per product.
+TEST_P(CudaBackward, EveryGradientWithSeparatePhisMatchesReference) {
+  NSA_REQUIRE_GPU();
+  const SeparatePhis one_at_a_time;
+  check_against_reference(GetParam(), {.o = true, .o_cmp = true});
+}
+
 TEST_P(CudaBackward, SavedBranchOutputsGiveTheSameGradients) {
   NSA_REQUIRE_GPU();
   check_against_reference(GetParam(), {.o_branch = true});

@@ -554,6 +554,25 @@ TEST_P(CudaForward, CompressedOutputIsTheFirstBranchOutput) {
   EXPECT_TRUE(same_outside_rows(with_oc.indices, with_ob.indices, 0, 0)) << "indices";
 }
 
+// phi of k and of v as the two batches of one launch per product (the default where both have the
+// same shapes and path: phi = linear or mlp) give the bits of their launches one at a time
+// (SeparatePhis): o, lse, indices and every branch output.
+TEST_P(CudaForward, PairedPhisGiveTheBitsOfSeparateOnes) {
+  NSA_REQUIRE_GPU();
+  const Case& c = GetParam();
+  const Config cfg = config_of(c);
+  LayerProblem paired = make_problem(cfg, sizes_of(c), 73), separate = make_problem(cfg, sizes_of(c), 73);
+  run_cuda_forward(c, cfg, paired);
+  {
+    const SeparatePhis one_at_a_time;
+    run_cuda_forward(c, cfg, separate);
+  }
+  EXPECT_TRUE(same_outside_rows(paired.o, separate.o, 0, 0)) << "o";
+  EXPECT_TRUE(same_outside_rows(paired.lse, separate.lse, 0, 0)) << "lse";
+  EXPECT_TRUE(same_outside_rows(paired.indices, separate.indices, 0, 0)) << "indices";
+  EXPECT_TRUE(same_outside_rows(paired.o_branch, separate.o_branch, 0, 0)) << "o_branch";
+}
+
 // The sequences of a packed batch do not see each other: with every input row of one sequence
 // NaN (q, the gates, k and v of every branch), every output row of the others is bit for bit what
 // it was. The kernels read whole tiles of keys (a TMA box, 64 or 128 rows), so rows of the next

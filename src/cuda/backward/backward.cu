@@ -285,7 +285,8 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
   if (rc > 0) {
     phi::row_table(L.cu, a.B, p.T, a.l, a.d, L.crow_token, s);
     phi::forward_pair<E>(rows_k, phi::Job{in.phi_k, in.kv[kCmp].k, L.pre_k, L.kc, p.hkv * a.dqk, a.dqk}, rows_v,
-                         phi::Job{in.phi_v, in.kv[kCmp].v, L.pre_v, L.vc, p.hkv * a.dv, a.dv}, true, s);
+                         phi::Job{in.phi_v, in.kv[kCmp].v, L.pre_v, L.vc, p.hkv * a.dv, a.dv}, true,
+                         a.choices.phi_pairs, s);
   }
 
   // 2. Inverted selection index (selection_index.cuh).

@@ -729,8 +729,9 @@ void forward(const Rows& r, const PhiParams& phi, const TensorView& x, float* wo
 }
 
 template <typename E>
-void forward_pair(const Rows& r0, const Job& j0, const Rows& r1, const Job& j1, bool write_unused, cudaStream_t s) {
-  const bool same = r0.kind == r1.kind && r0.kind != PhiKind::mean && r0.first_token == r1.first_token &&
+void forward_pair(const Rows& r0, const Job& j0, const Rows& r1, const Job& j1, bool write_unused, bool paired,
+                  cudaStream_t s) {
+  const bool same = paired && r0.kind == r1.kind && r0.kind != PhiKind::mean && r0.first_token == r1.first_token &&
                     r0.rc == r1.rc && r0.hkv == r1.hkv && r0.D == r1.D && r0.l == r1.l && r0.d == r1.d &&
                     r0.F == r1.F && direct_products<E>(r0, j0.phi, j0.x) == direct_products<E>(r1, j1.phi, j1.x);
   if (!same || r0.rc * r0.hkv == 0) {
@@ -837,7 +838,7 @@ void backward_x(const Rows& r, const PhiParams& phi, const float* dy, const floa
 #define NSA_PHI_INSTANTIATE(E)                                                                                    \
   template void forward<E>(const Rows&, const PhiParams&, const TensorView&, float*, void*, int64_t, int64_t, bool, \
                            cudaStream_t);                                                                         \
-  template void forward_pair<E>(const Rows&, const Job&, const Rows&, const Job&, bool, cudaStream_t);              \
+  template void forward_pair<E>(const Rows&, const Job&, const Rows&, const Job&, bool, bool, cudaStream_t);        \
   template bool backward_params<E>(const Rows&, const PhiParams&, const TensorView&, const float*, float*,         \
                                    const PhiParams&, float*, int, float*, uint16_t*, cudaStream_t);               \
   template void backward_x<E>(const Rows&, const PhiParams&, const float*, const float*, const uint16_t*,         \

@@ -79,11 +79,13 @@ struct Job {
   int64_t xc_st = 0, xc_sh = 0;
 };
 // forward of two phis (of k and of v) with write_unused as forward's. Where both have the same
-// rows, D, F and product path (phi = linear or mlp), each product runs once for both, the two as
-// the batches of one launch (at short lengths one phi's grid leaves SMs idle); else one after the
-// other. The outputs are forward's, bit for bit. The work areas must not overlap.
+// rows, D, F and product path (phi = linear or mlp) and `paired` (CudaKernelChoices::phi_pairs),
+// each product runs once for both, the two as the batches of one launch (at short lengths one
+// phi's grid leaves SMs idle); else one after the other. The outputs are forward's, bit for bit.
+// The work areas must not overlap.
 template <typename E>
-void forward_pair(const Rows& r0, const Job& j0, const Rows& r1, const Job& j1, bool write_unused, cudaStream_t s);
+void forward_pair(const Rows& r0, const Job& j0, const Rows& r1, const Job& j1, bool write_unused, bool paired,
+                  cudaStream_t s);
 
 // Parameter gradients into dphi (storage dtype, rows of stride stride[0]) from dy [rc * Hkv, D]
 // fp32 (rows of no block: 0); mlp: pre (from forward) becomes dpre in place. part: splits
