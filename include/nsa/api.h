@@ -46,6 +46,7 @@ struct CudaKernelChoices {
   bool packed_sort = true;      // false: the inverted index sorts (key, token) pairs, not packed keys
   bool dkv_warp_specialized = true;  // false: the backward's dK/dV kernel is one warpgroup per CTA everywhere
   bool phi_pairs = true;        // false: phi of k and of v in launches of their own (never one launch for both)
+  bool phi_wgmma = true;        // false: phi's bf16 products on mma.sync on every GPU (sm_90a: wgmma otherwise)
 };
 
 struct Context {

@@ -155,6 +155,7 @@ phi::Rows phi_rows_of(const Plan& p, const PhiParams& phi, const TensorView& x, 
   r.l = static_cast<int>(p.cfg.cmp_block_len);
   r.d = static_cast<int>(p.cfg.cmp_stride);
   r.F = p.cfg.phi == PhiKind::mlp ? static_cast<int>(hidden_width) : 0;
+  r.wgmma = choices_of(p.ctx).phi_wgmma;
   return r;
 }
 void row_table_of(const Plan& p, int32_t* first_token) {

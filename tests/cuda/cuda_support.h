@@ -75,6 +75,15 @@ struct SeparatePhis {
   SeparatePhis& operator=(const SeparatePhis&) = delete;
 };
 
+// While alive, phi's bf16 products run on mma.sync (CudaKernelChoices::phi_wgmma), as on sm_80;
+// elsewhere an sm_90a build runs them on wgmma.
+struct PhiOnMmaSync {
+  PhiOnMmaSync() { kernel_choices().phi_wgmma = false; }
+  ~PhiOnMmaSync() { kernel_choices().phi_wgmma = true; }
+  PhiOnMmaSync(const PhiOnMmaSync&) = delete;
+  PhiOnMmaSync& operator=(const PhiOnMmaSync&) = delete;
+};
+
 // While alive, the backward takes paths its rules keep for long sequences: the compressed dK/dV's
 // queries in `cmp_splits` parts (0: by the sequence length), with pair_sort the inverted index's
 // (key, token) pair sort, and the raw blocks' selection lists in pieces of at most

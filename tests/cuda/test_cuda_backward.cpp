@@ -330,6 +330,14 @@ TEST_P(CudaBackward, EveryGradientWithSeparatePhisMatchesReference) {
   check_against_reference(GetParam(), {.o = true, .o_cmp = true});
 }
 
+// phi's bf16 products (the recompute, the parameters' and x's gradients) on mma.sync
+// (PhiOnMmaSync) where the default runs them on wgmma (sm_90a).
+TEST_P(CudaBackward, EveryGradientWithPhiOnMmaSyncMatchesReference) {
+  NSA_REQUIRE_GPU();
+  const PhiOnMmaSync mma_sync;
+  check_against_reference(GetParam(), {.o = true, .o_cmp = true});
+}
+
 TEST_P(CudaBackward, SavedBranchOutputsGiveTheSameGradients) {
   NSA_REQUIRE_GPU();
   check_against_reference(GetParam(), {.o_branch = true});

@@ -109,9 +109,8 @@ class CudaForward : public ::testing::TestWithParam<Case> {};
 
 // ---- compress_fwd ---------------------------------------------------------------------------
 
-TEST_P(CudaForward, CompressMatchesReference) {
-  NSA_REQUIRE_GPU();
-  const Case& c = GetParam();
+// phi alone (the compress_fwd stage op), every kind, against the reference.
+void check_compress(const Case& c) {
   for (PhiKind kind : {PhiKind::mean, PhiKind::linear, PhiKind::mlp}) {
     Case ck = c;
     ck.phi = kind;
@@ -153,6 +152,18 @@ TEST_P(CudaForward, CompressMatchesReference) {
     EXPECT_TRUE(close(xc.values(), xc_ref.values(), [&](double w, size_t) { return 2 * u * std::fabs(w) + 1e-5; }))
         << "phi = " << phi_kind_name(kind);
   }
+}
+
+TEST_P(CudaForward, CompressMatchesReference) {
+  NSA_REQUIRE_GPU();
+  check_compress(GetParam());
+}
+
+// phi's bf16 products on mma.sync (PhiOnMmaSync) where the default runs them on wgmma (sm_90a).
+TEST_P(CudaForward, CompressOnMmaSyncMatchesReference) {
+  NSA_REQUIRE_GPU();
+  const PhiOnMmaSync mma_sync;
+  check_compress(GetParam());
 }
 
 // ---- compressed attention + scores ----------------------------------------------------------

@@ -8,7 +8,8 @@
 // warpgroup per CTA where they would run warp-specialised (saved_o_cmp_one_warpgroup_dkv, Dqk = Dv
 // = 128 at 8K and 64K: the same-run A/B of dkv_ws_kernel), phi = mlp (F = 4D) without and with
 // the forward's o_cmp (phi_mlp_F4D, saved_o_cmp_phi_mlp: the torch layer's call; Hq 64 at 8K and
-// 64K), and the backward's extra memory (its workspace) against the memory of q, k, v and o.
+// 64K), the latter with phi's bf16 products on mma.sync where they would run on wgmma
+// (saved_o_cmp_phi_mlp_mma_sync: their same-run A/B), and the backward's extra memory (its workspace) against the memory of q, k, v and o.
 // Writes a CSV (T,hq,hkv,dqk,dv,variant,fwd_ms,bwd_ms,fwd_bwd_ms,bwd_tflops,ws_mb,qkvo_mb,peak_mb)
 // that bench/sdpa_backward_baseline.py joins with PyTorch SDPA forward+backward measured in the
 // same scripts/gpu_check.sh run.
@@ -41,10 +42,19 @@
 namespace nsa_cli {
 namespace {
 
-const char* const kVariantNames[] = {"full",           "saved_o_branch",      "saved_o_cmp",
-                                     "no_window",      "no_selection",        "phi_mlp_F4D",
-                                     "saved_o_cmp_phi_mlp", "full_without_o", "per_token",
-                                     "local_q",        "local_q_per_token",   "saved_o_cmp_one_warpgroup_dkv"};
+const char* const kVariantNames[] = {"full",
+                                     "saved_o_branch",
+                                     "saved_o_cmp",
+                                     "no_window",
+                                     "no_selection",
+                                     "phi_mlp_F4D",
+                                     "saved_o_cmp_phi_mlp",
+                                     "saved_o_cmp_phi_mlp_mma_sync",
+                                     "full_without_o",
+                                     "per_token",
+                                     "local_q",
+                                     "local_q_per_token",
+                                     "saved_o_cmp_one_warpgroup_dkv"};
 
 struct Shape {
   int64_t hq, hkv, dqk, dv;
@@ -107,6 +117,7 @@ struct Variant {
   bool without_o = false;  // the backward is not given the forward's o (its selection recomputes o_slc)
   bool o_cmp = false;      // the forward keeps the compressed branch's output, the backward takes its dg from it
   bool one_warpgroup_dkv = false;  // dK / dV by dkv_kernel where dkv_ws_kernel would run (CudaKernelChoices)
+  bool phi_mma_sync = false;       // phi's bf16 products on mma.sync where they would run on wgmma (CudaKernelChoices)
 };
 
 // The variants of one shape and length: the full layer, then one branch off at a time (64K and 8K
@@ -126,6 +137,8 @@ std::vector<Variant> variants_of(const Shape& s, int64_t T) {
     variants.push_back({"no_selection", 0, 512, nsa::PhiKind::mean, false});
     variants.push_back({"phi_mlp_F4D", 16, 512, nsa::PhiKind::mlp, false});
     variants.push_back({"saved_o_cmp_phi_mlp", 16, 512, nsa::PhiKind::mlp, false, false, false, false, true});
+    variants.push_back(
+        {"saved_o_cmp_phi_mlp_mma_sync", 16, 512, nsa::PhiKind::mlp, false, false, false, false, true, false, true});
   }
   if (square && T == 65536) {
     variants.push_back({"full_without_o", 16, 512, nsa::PhiKind::mean, false, false, false, true});
@@ -172,6 +185,7 @@ int run_backward_suite(const std::vector<std::string>& args) {
           fill_local_bf16(q.data(), q.view.numel(), s.hq * s.dqk, 64, 21);
         choices.slc_union_tiles = !var.per_token;
         choices.dkv_warp_specialized = !var.one_warpgroup_dkv;
+        choices.phi_wgmma = !var.phi_mma_sync;
         nsa::Config cfg;
         cfg.phi = var.phi;
         cfg.n_selected = var.n;

@@ -145,6 +145,7 @@ phi::Rows phi_rows(const Plan& p, const Layout& L, int64_t D, int64_t F) {
   r.l = int(p.cfg.cmp_block_len);
   r.d = int(p.cfg.cmp_stride);
   r.F = p.cfg.phi == PhiKind::mlp ? int(F) : 0;
+  r.wgmma = choices_of(p.ctx).phi_wgmma;
   return r;
 }
 

@@ -239,37 +239,38 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[kN / 8][4], const uint32_t (
   WgmmaRs<kN, kBf16>::template run<kTransB>(d, a, desc, scale_d);
 }
 
-// D (64 x kN, fp32) = A (64 x 16, shared memory, K-major: descriptor desc_a, the same layout rules
-// as a K-major B of 64 rows) * B (16 x kN, descriptor desc_b) + (scale_d ? D : 0).
+// D (64 x kN, fp32) = A (64 x 16, shared memory: descriptor desc_a, the same layout rules as a B of
+// 64 rows) * B (16 x kN, descriptor desc_b) + (scale_d ? D : 0). kTransA = 0: A is K-major; 1:
+// MN-major (16-bit types only, as kTransB).
 template <int kN, bool kBf16>
 struct WgmmaSs;
 
 #define NSA_WGMMA_SS(N, BF16, TYPE, PRED, DREGS, BREGS, ...)                                                    \
   template <>                                                                                                   \
   struct WgmmaSs<N, BF16> {                                                                                     \
-    template <int kTransB>                                                                                      \
+    template <int kTransB, int kTransA = 0>                                                                     \
     static __device__ __forceinline__ void run(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b,          \
                                                int scale_d) {                                                   \
       NSA_WGMMA_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %" PRED ", 0;\n"                                          \
                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " DREGS ", " BREGS        \
                     : __VA_ARGS__                                                                               \
-                    : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB));                                    \
+                    : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB), "n"(kTransA));                      \
     }                                                                                                           \
   };
-NSA_WGMMA_SS(32, true, "bf16", "18", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}", "%16, %17, p, 1, 1, 0, %19;\n}\n", NSA_WGMMA_D4(0))
-NSA_WGMMA_SS(32, false, "f16", "18", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}", "%16, %17, p, 1, 1, 0, %19;\n}\n", NSA_WGMMA_D4(0))
-NSA_WGMMA_SS(64, true, "bf16", "34", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}", "%32, %33, p, 1, 1, 0, %35;\n}\n", NSA_WGMMA_D4(0), NSA_WGMMA_D4(4))
-NSA_WGMMA_SS(64, false, "f16", "34", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}", "%32, %33, p, 1, 1, 0, %35;\n}\n", NSA_WGMMA_D4(0), NSA_WGMMA_D4(4))
-NSA_WGMMA_SS(128, true, "bf16", "66", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}", "%64, %65, p, 1, 1, 0, %67;\n}\n", NSA_WGMMA_D4(0), NSA_WGMMA_D4(4), NSA_WGMMA_D4(8), NSA_WGMMA_D4(12))
-NSA_WGMMA_SS(128, false, "f16", "66", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}", "%64, %65, p, 1, 1, 0, %67;\n}\n", NSA_WGMMA_D4(0), NSA_WGMMA_D4(4), NSA_WGMMA_D4(8), NSA_WGMMA_D4(12))
+NSA_WGMMA_SS(32, true, "bf16", "18", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}", "%16, %17, p, 1, 1, %20, %19;\n}\n", NSA_WGMMA_D4(0))
+NSA_WGMMA_SS(32, false, "f16", "18", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}", "%16, %17, p, 1, 1, %20, %19;\n}\n", NSA_WGMMA_D4(0))
+NSA_WGMMA_SS(64, true, "bf16", "34", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}", "%32, %33, p, 1, 1, %36, %35;\n}\n", NSA_WGMMA_D4(0), NSA_WGMMA_D4(4))
+NSA_WGMMA_SS(64, false, "f16", "34", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}", "%32, %33, p, 1, 1, %36, %35;\n}\n", NSA_WGMMA_D4(0), NSA_WGMMA_D4(4))
+NSA_WGMMA_SS(128, true, "bf16", "66", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}", "%64, %65, p, 1, 1, %68, %67;\n}\n", NSA_WGMMA_D4(0), NSA_WGMMA_D4(4), NSA_WGMMA_D4(8), NSA_WGMMA_D4(12))
+NSA_WGMMA_SS(128, false, "f16", "66", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}", "%64, %65, p, 1, 1, %68, %67;\n}\n", NSA_WGMMA_D4(0), NSA_WGMMA_D4(4), NSA_WGMMA_D4(8), NSA_WGMMA_D4(12))
 #undef NSA_WGMMA_SS
 #undef NSA_WGMMA_D4
 #undef NSA_WGMMA_D
 #undef NSA_WGMMA_ASM
 
-template <int kN, bool kBf16, int kTransB>
+template <int kN, bool kBf16, int kTransB, int kTransA = 0>
 __device__ __forceinline__ void wgmma_ss(float (&d)[kN / 8][4], uint64_t desc_a, uint64_t desc_b, int scale_d) {
-  WgmmaSs<kN, kBf16>::template run<kTransB>(d, desc_a, desc_b, scale_d);
+  WgmmaSs<kN, kBf16>::template run<kTransB, kTransA>(d, desc_a, desc_b, scale_d);
 }
 
 // acc (m64 x kN, scale_d 1) += A B^T over D columns, both operands 128-byte-swizzled tiles in

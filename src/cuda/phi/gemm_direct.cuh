@@ -1,30 +1,39 @@
 // phi's large products on bf16 operands copied as they are stored: C[M x N] = A[M x K] B[K x N]
-// with fp32 accumulation on mma.m16n8k16. gemm.cuh's kernel converts every element on its way to
-// shared memory (fp32 and fp16 operands); this one serves the products whose operands are bf16 in
+// with fp32 accumulation on the tensor cores. gemm.cuh's kernel converts every element on its way
+// to shared memory (fp32 and fp16 operands); these serve the products whose operands are bf16 in
 // memory: x's blocks (u without pe: phi.cu folds pe into a bias), bf16 weights, and an fp32
 // gradient that phi.cu splits once into bf16 high and low planes (A's planes: a b = a_hi b + a_lo b,
 // about 17 significant bits of a). 16-byte pieces go from global memory straight into a ring of
-// shared stages (cp.async, zero-filled where an operand has no element) and fragments come out with
-// ldmatrix.
+// shared stages (cp.async, zero-filled where an operand has no element).
 //
 // An operand derives from DirOperand<kT, kPlanes>:
-//   kT        false: its contiguous index is k (a tile row is one index i and 32 k);
+//   kT        false: its contiguous index is k (a tile row is one index i and a step's k);
 //             true: it is i (a tile row is one k and 128 i; the index's extent is a multiple of 8);
 //   kPlanes   1, or 2 for A's high and low planes at p and p + plane;
 // and has
 //   Fixed fixed(batch, i)           what a thread's piece needs of its tile index (with kT: of the
 //                                   piece's first index), computed once per tile;
-//   int64_t at(batch, Fixed, i, k)  the element offset (from p) of the piece's 8 elements from
-//                                   (i, k) along the contiguous index, or -1 for zeros.
+//   int64_t at(batch, Fixed, i, k)  the element offset (from the batch's base) of the piece's 8
+//                                   elements from (i, k) along the contiguous index, or -1 for zeros.
 // The store is gemm.cuh's st(batch, m, n, split, value).
 //
-// Tiles: 128 x 128 outputs per CTA of 8 warps (2 x 4, 64 x 32 each), 32-deep steps, 3 stages of
-// tile rows padded by 16 bytes (the 8 rows an ldmatrix reads fall on distinct banks). The products
-// accumulate in the mma's fp32 accumulators over the split's whole range of K, as cuBLAS's bf16
-// products do (gemm.cuh adds each 16-deep partial in an ordinary addition instead; here the
-// registers that would take are the difference between spilling and not). blockIdx.z = batch *
-// splits + split; a split multiplies its own range of K and stores its own partial: every output
-// is one thread's fixed-order sum, so the same inputs give the same bits.
+// Tiles: 128 x 128 outputs per CTA of 8 warps, on one of two kernels with the same operands, the
+// same copies (DirPieces) and the same stores:
+//   gemm_direct_kernel (any GPU): mma.m16n8k16, warps of 64 x 32 outputs (2 x 4), 32-deep steps,
+//     3 stages of tile rows padded by 16 bytes (the 8 rows an ldmatrix reads fall on distinct
+//     banks), fragments by ldmatrix;
+//   gemm_wgmma_kernel (sm_90a): wgmma m64n128k16 from shared memory, one warpgroup per 64 rows,
+//     64-deep steps, stages in the 128-byte swizzle layout (wgmma.h): a K-major operand (kT false)
+//     as rows of 64 k, an MN-major one (kT true) as 64 k rows of two 64-index blocks; A's planes
+//     are two products into the same accumulators. 3 stages with one plane (2 CTAs an SM), 4 with
+//     two. Every step waits for its products before the next step's barrier, so a stage is free
+//     again one step after it is read.
+// The products accumulate in the tensor cores' fp32 accumulators over the split's whole range of
+// K, as cuBLAS's bf16 products do (gemm.cuh adds each 16-deep partial in an ordinary addition
+// instead; here the registers that would take are the difference between spilling and not).
+// blockIdx.z = batch * splits + split; a split multiplies its own range of K and stores its own
+// partial: every output is one thread's fixed-order sum, so the same inputs give the same bits
+// (on one kernel: the two split K in steps of different depth and sum in different orders).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -34,6 +43,7 @@
 
 #include "cuda/common/check.h"
 #include "cuda/common/mma.h"
+#include "cuda/common/wgmma.h"
 #include "cuda/phi/gemm.cuh"
 
 namespace nsa::cuda::phi {
@@ -42,7 +52,8 @@ constexpr int kDirM = 128;
 constexpr int kDirN = 128;
 constexpr int kDirK = 32;
 constexpr int kDirStages = 3;
-constexpr int kDirThreads = 256;  // 8 warps: 2 (m) x 4 (n), 64 x 32 outputs each
+constexpr int kDirThreads = 256;  // 8 warps: 2 (m) x 4 (n), 64 x 32 outputs each (wgmma: 2 warpgroups)
+constexpr int kWgK = 64;           // gemm_wgmma_kernel's step: one 128-byte row of 16-bit k
 
 // An operand's layout and memory (derive from it and add fixed / at): p its data (the high plane),
 // plane the low plane's offset from p.
@@ -83,6 +94,67 @@ struct DirTile {
     k = kT ? row : col;
   }
   __device__ static int at(int i, int k) { return kT ? k * kLd + i : i * kLd + k; }
+  static constexpr int kBytes = kElems * 2;
+  __device__ static uint32_t offset(int i, int k) { return uint32_t(at(i, k)) * 2; }
+};
+
+// The same for gemm_wgmma_kernel: 64-deep steps in the 128-byte swizzle layout (wgmma.h), from a
+// 1024-byte boundary. kT false (K-major): kRows rows of 64 k; true (MN-major): 64 k rows of kRows
+// indices, as kRows / 64 blocks of 64 indices, 64 x 128 bytes apart.
+template <bool kT, int kRows>
+struct WgTile {
+  static_assert(kRows % 64 == 0, "whole 64-index blocks");
+  static constexpr int kBytes = kRows * kWgK * 2;
+  static constexpr int kPiecesPerRow = (kT ? kRows : kWgK) / 8;
+  static constexpr int kPieces = kBytes / 16;
+  __device__ static void piece(int q, int& i, int& k) {
+    const int row = q / kPiecesPerRow, col = (q % kPiecesPerRow) * 8;
+    i = kT ? col : row;
+    k = kT ? row : col;
+  }
+  __device__ static uint32_t offset(int i, int k) { return kT ? sw128_offset(kWgK, k, i) : sw128_offset(kRows, i, k); }
+  // The descriptor of the 64 indices from i0 (a multiple of 64) and k16 step kk of the tile at
+  // shared address tile. K-major: rows 8 apart are 1024 bytes apart (SBO), a k16 step is 32 bytes
+  // into the row. MN-major: 8 k rows are 1024 bytes (SBO), a k16 step 2048, the next 64 indices
+  // the next block (LBO).
+  __device__ static uint64_t desc(uint32_t tile, int i0, int kk) {
+    if constexpr (kT)
+      return wgmma_desc_sw128(tile, uint32_t(i0 / 64 * (kWgK * 128) + kk * 2048), kWgK * 128, 1024);
+    else
+      return wgmma_desc_sw128(tile, uint32_t(i0 * 128 + kk * 32), 16, 1024);
+  }
+};
+
+// A thread's pieces of one operand's stage tile (Tile: DirTile or WgTile): their tile positions and
+// what their indices need (past the extent: the last index's), then each step's copy into a stage.
+template <class Load, class Tile>
+struct DirPieces {
+  static constexpr int kN = Tile::kPieces / kDirThreads;
+  static_assert(kN * kDirThreads == Tile::kPieces, "whole pieces a thread");
+  int i[kN], k[kN];
+  typename Load::Fixed f[kN];
+  __device__ DirPieces(const Load& ld, int batch, int64_t i0, int64_t extent) {
+#pragma unroll
+    for (int r = 0; r < kN; ++r) {
+      Tile::piece(int(threadIdx.x) + r * kDirThreads, i[r], k[r]);
+      f[r] = ld.fixed(batch, min(i0 + i[r], extent - 1));
+    }
+  }
+  // The step at k0 (elements past k_end or the extent: zeros) into the stage tile at dst, the
+  // operand's planes Tile::kBytes apart.
+  __device__ void copy(const Load& ld, const __nv_bfloat16* base, int batch, int64_t i0, int64_t extent, int k0,
+                       int k_end, unsigned char* dst) const {
+#pragma unroll
+    for (int r = 0; r < kN; ++r) {
+      const int64_t ii = i0 + i[r];
+      const int kk = k0 + k[r];
+      const int64_t off = (ii < extent && kk < k_end) ? ld.at(batch, f[r], ii, kk) : -1;
+#pragma unroll
+      for (int p = 0; p < Load::kPlanes; ++p)
+        cp_async_16(dst + p * Tile::kBytes + Tile::offset(i[r], k[r]), off < 0 ? ld.p : base + p * ld.plane + off,
+                    off >= 0);
+    }
+  }
 };
 
 template <class LoadA, class LoadB>
@@ -97,8 +169,6 @@ __global__ void __launch_bounds__(kDirThreads, 2)
   using TB = DirTile<LoadB::kT, kDirN>;
   constexpr int kPA = LoadA::kPlanes;
   constexpr int kStage = dir_stage_elems<LoadA, LoadB>();
-  constexpr int kPiecesA = TA::kPieces / kDirThreads, kPiecesB = TB::kPieces / kDirThreads;
-  static_assert(kPiecesA * kDirThreads == TA::kPieces && kPiecesB * kDirThreads == TB::kPieces, "whole pieces");
   static_assert(LoadB::kPlanes == 1, "B is one plane");
   extern __shared__ __align__(16) __nv_bfloat16 dir_smem[];
 
@@ -111,41 +181,14 @@ __global__ void __launch_bounds__(kDirThreads, 2)
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const int wm = (warp / 4) * 64, wn = (warp % 4) * 32;
 
-  // The thread's pieces: tile position and what their index needs (past M / N: the last index's).
-  int ia[kPiecesA], ka[kPiecesA], ib[kPiecesB], kb[kPiecesB];
-  typename LoadA::Fixed fa[kPiecesA];
-  typename LoadB::Fixed fb[kPiecesB];
-#pragma unroll
-  for (int r = 0; r < kPiecesA; ++r) {
-    TA::piece(int(threadIdx.x) + r * kDirThreads, ia[r], ka[r]);
-    fa[r] = la.fixed(batch, min(m0 + ia[r], M - 1));
-  }
-#pragma unroll
-  for (int r = 0; r < kPiecesB; ++r) {
-    TB::piece(int(threadIdx.x) + r * kDirThreads, ib[r], kb[r]);
-    fb[r] = lb.fixed(batch, min(int64_t(n0) + ib[r], int64_t(N) - 1));
-  }
+  const DirPieces<LoadA, TA> pa(la, batch, m0, M);
+  const DirPieces<LoadB, TB> pb(lb, batch, n0, N);
   const __nv_bfloat16* const a_base = la.base(batch);
   const __nv_bfloat16* const b_base = lb.base(batch);
   auto load_stage = [&](int stage, int k0) {
-    __nv_bfloat16* sa = dir_smem + stage * kStage;
-    __nv_bfloat16* sb = sa + kPA * TA::kElems;
-#pragma unroll
-    for (int r = 0; r < kPiecesA; ++r) {
-      const int64_t i = m0 + ia[r];
-      const int k = k0 + ka[r];
-      const int64_t off = (i < M && k < k_end) ? la.at(batch, fa[r], i, k) : -1;
-#pragma unroll
-      for (int p = 0; p < kPA; ++p)
-        cp_async_16(sa + p * TA::kElems + TA::at(ia[r], ka[r]), off < 0 ? la.p : a_base + p * la.plane + off, off >= 0);
-    }
-#pragma unroll
-    for (int r = 0; r < kPiecesB; ++r) {
-      const int64_t i = int64_t(n0) + ib[r];
-      const int k = k0 + kb[r];
-      const int64_t off = (i < N && k < k_end) ? lb.at(batch, fb[r], i, k) : -1;
-      cp_async_16(sb + TB::at(ib[r], kb[r]), off < 0 ? lb.p : b_base + off, off >= 0);
-    }
+    unsigned char* sa = reinterpret_cast<unsigned char*>(dir_smem + stage * kStage);
+    pa.copy(la, a_base, batch, m0, M, k0, k_end, sa);
+    pb.copy(lb, b_base, batch, n0, N, k0, k_end, sa + kPA * TA::kBytes);
   };
 
   float acc[4][4][4] = {};
@@ -207,16 +250,130 @@ __global__ void __launch_bounds__(kDirThreads, 2)
   store_fragments(acc, m0 + wm, n0 + wn, M, N, batch, split, st);
 }
 
-// C = A B over `batches` independent products, each split over K into `splits` partials (every
-// split stores; an empty range stores zeros). K: a multiple of 8.
+// gemm_wgmma_kernel's ring: stages of A's planes then B, each tile from a 1024-byte boundary.
+template <class LoadA, class LoadB>
+constexpr int wg_stage_bytes() {
+  return LoadA::kPlanes * WgTile<LoadA::kT, kDirM>::kBytes + WgTile<LoadB::kT, kDirN>::kBytes;
+}
+template <class LoadA>
+constexpr int wg_stages() {
+  return LoadA::kPlanes == 1 ? 3 : 4;
+}
+template <class LoadA, class LoadB>
+constexpr size_t wg_smem_bytes() {  // with the slack that aligns the ring
+  return size_t(wg_stages<LoadA>()) * wg_stage_bytes<LoadA, LoadB>() + 1024;
+}
+
 template <class LoadA, class LoadB, class Store>
-void gemm_direct(cudaStream_t s, int64_t M, int N, int K, int splits, int batches, LoadA la, LoadB lb, Store st) {
+__global__ void __launch_bounds__(kDirThreads, LoadA::kPlanes == 1 ? 2 : 1)
+    gemm_wgmma_kernel(int64_t M, int N, int K, int k_chunk, int splits, LoadA la, LoadB lb, Store st) {
+#if NSA_WGMMA_AVAILABLE
+  using TA = WgTile<LoadA::kT, kDirM>;
+  using TB = WgTile<LoadB::kT, kDirN>;
+  constexpr int kPA = LoadA::kPlanes;
+  constexpr int kStages = wg_stages<LoadA>();
+  constexpr int kStage = wg_stage_bytes<LoadA, LoadB>();
+  static_assert(LoadB::kPlanes == 1, "B is one plane");
+  static_assert(kStage % 1024 == 0 && TA::kBytes % 1024 == 0, "every tile on a 1024-byte boundary");
+  extern __shared__ __align__(16) unsigned char wg_smem[];
+  unsigned char* const ring = wg_smem + ((1024u - (smem_address(wg_smem) & 1023u)) & 1023u);
+  const uint32_t ring_addr = smem_address(ring);
+
+  const int64_t m0 = int64_t(blockIdx.x) * kDirM;
+  const int n0 = int(blockIdx.y) * kDirN;
+  const int batch = int(blockIdx.z) / splits, split = int(blockIdx.z) % splits;
+  const int k_begin = split * k_chunk;
+  const int k_end = min(K, k_begin + k_chunk);
+  const int steps = k_begin < k_end ? (k_end - k_begin + kWgK - 1) / kWgK : 0;
+  const int wg = int(threadIdx.x) / 128;  // the warpgroup's 64 rows: 64 wg ..
+
+  const DirPieces<LoadA, TA> pa(la, batch, m0, M);
+  const DirPieces<LoadB, TB> pb(lb, batch, n0, N);
+  const __nv_bfloat16* const a_base = la.base(batch);
+  const __nv_bfloat16* const b_base = lb.base(batch);
+  auto load_stage = [&](int stage, int k0) {
+    unsigned char* sa = ring + stage * kStage;
+    pa.copy(la, a_base, batch, m0, M, k0, k_end, sa);
+    pb.copy(lb, b_base, batch, n0, N, k0, k_end, sa + kPA * TA::kBytes);
+  };
+
+  float acc[kDirN / 8][4];
+#pragma unroll
+  for (int j = 0; j < kDirN / 8; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[j][c] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < steps) load_stage(s, k_begin + s * kWgK);
+    cp_async_commit();
+  }
+#pragma unroll 1
+  for (int step = 0; step < steps; ++step) {
+    cp_async_wait<kStages - 2>();
+    fence_proxy_async();  // this thread's copies of the step, for wgmma's reads
+    __syncthreads();      // the step's stage has landed; every product of the previous step has retired
+    const uint32_t sa = ring_addr + uint32_t((step % kStages) * kStage), sb = sa + kPA * TA::kBytes;
+    wgmma_fence_operands(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kWgK / 16; ++kk) {
+      const uint64_t db = TB::desc(sb, 0, kk);
+#pragma unroll
+      for (int p = kPA - 1; p >= 0; --p)
+        wgmma_ss<kDirN, true, LoadB::kT ? 1 : 0, LoadA::kT ? 1 : 0>(acc, TA::desc(sa + p * TA::kBytes, 64 * wg, kk),
+                                                                    db, 1);
+    }
+    wgmma_commit();
+    {  // into the stage the previous step read, while this step's products run
+      const int next = step + kStages - 1;
+      if (next < steps) load_stage(next % kStages, k_begin + next * kWgK);
+      cp_async_commit();
+    }
+    wgmma_wait<0>();
+    wgmma_fence_operands(acc);
+  }
+  cp_async_wait<0>();
+
+  // Warp w of the warpgroup holds rows 16 w .. of its 64, all 128 columns: 4 x (4 n8 fragments).
+  const int64_t m_base = m0 + 64 * wg + 16 * ((int(threadIdx.x) / 32) % 4);
+#pragma unroll
+  for (int jj = 0; jj < kDirN / 32; ++jj)
+    store_fragments(*reinterpret_cast<const float(*)[1][4][4]>(&acc[4 * jj][0]), m_base, n0 + 32 * jj, M, N, batch,
+                    split, st);
+#else
+  wgmma_unavailable();
+#endif
+}
+
+// Whether gemm_wgmma_kernel<...> runs its sm_90a body on this GPU (asked once per instantiation).
+template <class LoadA, class LoadB, class Store>
+bool wgmma_products_run() {
+  static const bool runs = [] {
+    cudaFuncAttributes a{};
+    return cudaFuncGetAttributes(&a, gemm_wgmma_kernel<LoadA, LoadB, Store>) == cudaSuccess && runs_wgmma_body(a);
+  }();
+  return runs;
+}
+
+// C = A B over `batches` independent products, each split over K into `splits` partials (every
+// split stores; an empty range stores zeros). K: a multiple of 8. wgmma: on gemm_wgmma_kernel
+// where the GPU runs its body (CudaKernelChoices::phi_wgmma), else on gemm_direct_kernel.
+template <class LoadA, class LoadB, class Store>
+void gemm_direct(cudaStream_t s, int64_t M, int N, int K, int splits, int batches, LoadA la, LoadB lb, Store st,
+                 bool wgmma) {
   if (M <= 0 || N <= 0 || batches <= 0) return;
-  const int k_chunk = split_k_chunk(K, splits, kDirK);
   const dim3 grid(unsigned((M + kDirM - 1) / kDirM), unsigned((N + kDirN - 1) / kDirN), unsigned(batches * splits));
+  if (wgmma && wgmma_products_run<LoadA, LoadB, Store>()) {
+    constexpr size_t smem = wg_smem_bytes<LoadA, LoadB>();
+    allow_smem(gemm_wgmma_kernel<LoadA, LoadB, Store>, smem, true);
+    gemm_wgmma_kernel<<<grid, kDirThreads, smem, s>>>(M, N, K, split_k_chunk(K, splits, kWgK), splits, la, lb, st);
+    NSA_CUDA_CHECK_LAUNCH();
+    return;
+  }
   constexpr size_t smem = size_t(kDirStages) * dir_stage_elems<LoadA, LoadB>() * sizeof(__nv_bfloat16);
   allow_smem(gemm_direct_kernel<LoadA, LoadB, Store>, smem, false);
-  gemm_direct_kernel<<<grid, kDirThreads, smem, s>>>(M, N, K, k_chunk, splits, la, lb, st);
+  gemm_direct_kernel<<<grid, kDirThreads, smem, s>>>(M, N, K, split_k_chunk(K, splits, kDirK), splits, la, lb, st);
   NSA_CUDA_CHECK_LAUNCH();
 }
 

@@ -676,7 +676,7 @@ void products(const Rows& r, const Job (&jobs)[2], int n, bool write_unused, cud
           st[i].out.bias = bias;
         }
       }
-      auto launch = [&](int batches, auto la, auto lb, auto store) { gemm_direct(s, M, N, K, 1, batches, la, lb, store); };
+      auto launch = [&](int batches, auto la, auto lb, auto store) { gemm_direct(s, M, N, K, 1, batches, la, lb, store, r.wgmma); };
       if (mlp) run_jobs<DirPair>(n, a, b, {st[0].pre, st[1].pre}, launch);
       else run_jobs<DirPair>(n, a, b, {st[0].out, st[1].out}, launch);
     }
@@ -765,7 +765,8 @@ bool backward_params(const Rows& r, const PhiParams& phi, const TensorView& x, c
         split_planes_kernel<<<capped_blocks(M * N), 256, 0, s>>>(g, M * N, hi, hi + M * N);
         NSA_CUDA_CHECK_LAUNCH();
         const XBlockBT b{{static_cast<const bf16*>(x.data), 0}, x_rows<bf16>(r, x)};
-        gemm_direct(s, N, K, int(M), splits, 1, PlanesAT{{hi, M * N}, N}, b, StorePartial{part, K, int64_t(N) * K});
+        gemm_direct(s, N, K, int(M), splits, 1, PlanesAT{{hi, M * N}, N}, b, StorePartial{part, K, int64_t(N) * K},
+                    r.wgmma);
         reduce_to(N, K, out, pe);
         return;
       }
@@ -826,7 +827,7 @@ void backward_x(const Rows& r, const PhiParams& phi, const float* dy, const floa
       const bf16* hi = reinterpret_cast<const bf16*>(planes);
       const DxPlanesA a{{hi, r.rc * r.hkv * F}, rows, F};
       const DxWeightBT b{{static_cast<const bf16*>(phi.w1.data), 0}, phi.w1.stride[0], F, r.hkv, r.d, r.l, r.D};
-      gemm_direct(s, n_slots, r.D, S * F, 1, batches, a, b, st);
+      gemm_direct(s, n_slots, r.D, S * F, 1, batches, a, b, st, r.wgmma);
       return;
     }
   }

@@ -45,6 +45,7 @@ struct Rows {
   int64_t rc = 0;                        // compressed rows, floor(T / d)
   int hkv = 0, D = 0, l = 0, d = 0;
   int F = 0;  // mlp: hidden width
+  bool wgmma = true;  // the direct products on wgmma where the GPU runs it (CudaKernelChoices::phi_wgmma)
 };
 
 // first_token[r] for r < floor(T / d); cu: device offsets [B + 1], or nullptr for one sequence of T.
