@@ -82,7 +82,7 @@ __host__ __device__ constexpr int sw128_copy_threads(int threads, int pieces, in
   return fits(threads) ? threads : threads > 256 && fits(256) ? 256 : 0;
 }
 
-__device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+__host__ __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
   uint64_t d = uint64_t((smem_addr & 0x3FFFFu) >> 4);
   d |= uint64_t((lbo_bytes >> 4) & 0x3FFFu) << 16;
   d |= uint64_t((sbo_bytes >> 4) & 0x3FFFu) << 32;
@@ -94,8 +94,8 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t smem_addr, uint32_
 // offset / 16 added to the start-address field in its low word. Every shared address is below 2^18,
 // so the 14-bit field does not carry into LBO. An unrolled loop over constant offsets then builds
 // the base descriptor once and adds a constant per product (about 3 instructions instead of 12).
-__device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t base, uint32_t offset, uint32_t lbo_bytes,
-                                                     uint32_t sbo_bytes) {
+__host__ __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t base, uint32_t offset, uint32_t lbo_bytes,
+                                                              uint32_t sbo_bytes) {
   const uint64_t d = wgmma_desc_sw128(base, lbo_bytes, sbo_bytes);
   return (d & ~uint64_t(0xFFFFFFFFu)) | uint32_t(uint32_t(d) + (offset >> 4));
 }

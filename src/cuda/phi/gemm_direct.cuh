@@ -112,12 +112,14 @@ struct WgTile {
     i = kT ? col : row;
     k = kT ? row : col;
   }
-  __device__ static uint32_t offset(int i, int k) { return kT ? sw128_offset(kWgK, k, i) : sw128_offset(kRows, i, k); }
+  __host__ __device__ static uint32_t offset(int i, int k) {
+    return kT ? sw128_offset(kWgK, k, i) : sw128_offset(kRows, i, k);
+  }
   // The descriptor of the 64 indices from i0 (a multiple of 64) and k16 step kk of the tile at
   // shared address tile. K-major: rows 8 apart are 1024 bytes apart (SBO), a k16 step is 32 bytes
   // into the row. MN-major: 8 k rows are 1024 bytes (SBO), a k16 step 2048, the next 64 indices
   // the next block (LBO).
-  __device__ static uint64_t desc(uint32_t tile, int i0, int kk) {
+  __host__ __device__ static uint64_t desc(uint32_t tile, int i0, int kk) {
     if constexpr (kT)
       return wgmma_desc_sw128(tile, uint32_t(i0 / 64 * (kWgK * 128) + kk * 2048), kWgK * 128, 1024);
     else
