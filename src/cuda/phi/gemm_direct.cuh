@@ -94,8 +94,6 @@ struct DirTile {
     k = kT ? row : col;
   }
   __device__ static int at(int i, int k) { return kT ? k * kLd + i : i * kLd + k; }
-  static constexpr int kBytes = kElems * 2;
-  __device__ static uint32_t offset(int i, int k) { return uint32_t(at(i, k)) * 2; }
 };
 
 // The same for gemm_wgmma_kernel: 64-deep steps in the 128-byte swizzle layout (wgmma.h), from a
@@ -105,6 +103,7 @@ template <bool kT, int kRows>
 struct WgTile {
   static_assert(kRows % 64 == 0, "whole 64-index blocks");
   static constexpr int kBytes = kRows * kWgK * 2;
+  static constexpr int kElems = kBytes / 2;
   static constexpr int kPiecesPerRow = (kT ? kRows : kWgK) / 8;
   static constexpr int kPieces = kBytes / 16;
   __device__ static void piece(int q, int& i, int& k) {
@@ -115,6 +114,7 @@ struct WgTile {
   __host__ __device__ static uint32_t offset(int i, int k) {
     return kT ? sw128_offset(kWgK, k, i) : sw128_offset(kRows, i, k);
   }
+  __device__ static int at(int i, int k) { return int(offset(i, k) / 2); }  // in 16-bit elements
   // The descriptor of the 64 indices from i0 (a multiple of 64) and k16 step kk of the tile at
   // shared address tile. K-major: rows 8 apart are 1024 bytes apart (SBO), a k16 step is 32 bytes
   // into the row. MN-major: 8 k rows are 1024 bytes (SBO), a k16 step 2048, the next 64 indices
@@ -143,9 +143,9 @@ struct DirPieces {
     }
   }
   // The step at k0 (elements past k_end or the extent: zeros) into the stage tile at dst, the
-  // operand's planes Tile::kBytes apart.
+  // operand's planes Tile::kElems apart.
   __device__ void copy(const Load& ld, const __nv_bfloat16* base, int batch, int64_t i0, int64_t extent, int k0,
-                       int k_end, unsigned char* dst) const {
+                       int k_end, __nv_bfloat16* dst) const {
 #pragma unroll
     for (int r = 0; r < kN; ++r) {
       const int64_t ii = i0 + i[r];
@@ -153,9 +153,47 @@ struct DirPieces {
       const int64_t off = (ii < extent && kk < k_end) ? ld.at(batch, f[r], ii, kk) : -1;
 #pragma unroll
       for (int p = 0; p < Load::kPlanes; ++p)
-        cp_async_16(dst + p * Tile::kBytes + Tile::offset(i[r], k[r]), off < 0 ? ld.p : base + p * ld.plane + off,
+        cp_async_16(dst + p * Tile::kElems + Tile::at(i[r], k[r]), off < 0 ? ld.p : base + p * ld.plane + off,
                     off >= 0);
     }
+  }
+};
+
+// A CTA's tile of C and its split's range of K (blockIdx: x the 128 rows, y the 128 columns, z =
+// batch * splits + split), with the thread's pieces of A and B; copy(stage, k0) brings the step at
+// k0 into a stage (A's planes, then B) and steps(depth) counts the split's steps.
+template <class LoadA, class LoadB, class TA, class TB>
+struct DirCta {
+  int64_t m0;
+  int n0, batch, split, k_begin, k_end;
+  DirPieces<LoadA, TA> pa;
+  DirPieces<LoadB, TB> pb;
+  const __nv_bfloat16* a_base;
+  const __nv_bfloat16* b_base;
+  __device__ DirCta(int64_t M, int N, int K, int k_chunk, int splits, const LoadA& la, const LoadB& lb)
+      : m0(int64_t(blockIdx.x) * kDirM),
+        n0(int(blockIdx.y) * kDirN),
+        batch(int(blockIdx.z) / splits),
+        split(int(blockIdx.z) % splits),
+        k_begin(split * k_chunk),
+        k_end(min(K, k_begin + k_chunk)),
+        pa(la, batch, m0, M),
+        pb(lb, batch, n0, N),
+        a_base(la.base(batch)),
+        b_base(lb.base(batch)) {}
+  __device__ int steps(int depth) const { return k_begin < k_end ? (k_end - k_begin + depth - 1) / depth : 0; }
+  // The ring's first kStages - 1 steps (of `depth`), one cp.async group each (empty past the split).
+  template <int kStages, class LoadStage>
+  __device__ void prologue(int steps, int depth, LoadStage&& load_stage) const {
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < steps) load_stage(s, k_begin + s * depth);
+      cp_async_commit();
+    }
+  }
+  __device__ void copy(const LoadA& la, const LoadB& lb, int64_t M, int N, __nv_bfloat16* stage, int k0) const {
+    pa.copy(la, a_base, batch, m0, M, k0, k_end, stage);
+    pb.copy(lb, b_base, batch, n0, N, k0, k_end, stage + LoadA::kPlanes * TA::kElems);
   }
 };
 
@@ -174,33 +212,19 @@ __global__ void __launch_bounds__(kDirThreads, 2)
   static_assert(LoadB::kPlanes == 1, "B is one plane");
   extern __shared__ __align__(16) __nv_bfloat16 dir_smem[];
 
-  const int64_t m0 = int64_t(blockIdx.x) * kDirM;
-  const int n0 = int(blockIdx.y) * kDirN;
-  const int batch = int(blockIdx.z) / splits, split = int(blockIdx.z) % splits;
-  const int k_begin = split * k_chunk;
-  const int k_end = min(K, k_begin + k_chunk);
-  const int steps = k_begin < k_end ? (k_end - k_begin + kDirK - 1) / kDirK : 0;
+  const DirCta<LoadA, LoadB, TA, TB> cta(M, N, K, k_chunk, splits, la, lb);
+  const int64_t m0 = cta.m0;
+  const int n0 = cta.n0, k_begin = cta.k_begin, steps = cta.steps(kDirK);
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const int wm = (warp / 4) * 64, wn = (warp % 4) * 32;
-
-  const DirPieces<LoadA, TA> pa(la, batch, m0, M);
-  const DirPieces<LoadB, TB> pb(lb, batch, n0, N);
-  const __nv_bfloat16* const a_base = la.base(batch);
-  const __nv_bfloat16* const b_base = lb.base(batch);
   auto load_stage = [&](int stage, int k0) {
-    unsigned char* sa = reinterpret_cast<unsigned char*>(dir_smem + stage * kStage);
-    pa.copy(la, a_base, batch, m0, M, k0, k_end, sa);
-    pb.copy(lb, b_base, batch, n0, N, k0, k_end, sa + kPA * TA::kBytes);
+    cta.copy(la, lb, M, N, dir_smem + stage * kStage, k0);
   };
 
   float acc[4][4][4] = {};
 
   const int mi = lane / 8, mr = lane % 8;  // the ldmatrix row this lane addresses: matrix mi, row mr
-#pragma unroll
-  for (int s = 0; s < kDirStages - 1; ++s) {
-    if (s < steps) load_stage(s, k_begin + s * kDirK);
-    cp_async_commit();
-  }
+  cta.prologue<kDirStages>(steps, kDirK, load_stage);
 #pragma unroll 1
   for (int step = 0; step < steps; ++step) {
     cp_async_wait<kDirStages - 2>();
@@ -249,7 +273,7 @@ __global__ void __launch_bounds__(kDirThreads, 2)
   }
   cp_async_wait<0>();
 
-  store_fragments(acc, m0 + wm, n0 + wn, M, N, batch, split, st);
+  store_fragments(acc, m0 + wm, n0 + wn, M, N, cta.batch, cta.split, st);
 }
 
 // gemm_wgmma_kernel's ring: stages of A's planes then B, each tile from a 1024-byte boundary.
@@ -281,22 +305,12 @@ __global__ void __launch_bounds__(kDirThreads, LoadA::kPlanes == 1 ? 2 : 1)
   unsigned char* const ring = wg_smem + ((1024u - (smem_address(wg_smem) & 1023u)) & 1023u);
   const uint32_t ring_addr = smem_address(ring);
 
-  const int64_t m0 = int64_t(blockIdx.x) * kDirM;
-  const int n0 = int(blockIdx.y) * kDirN;
-  const int batch = int(blockIdx.z) / splits, split = int(blockIdx.z) % splits;
-  const int k_begin = split * k_chunk;
-  const int k_end = min(K, k_begin + k_chunk);
-  const int steps = k_begin < k_end ? (k_end - k_begin + kWgK - 1) / kWgK : 0;
+  const DirCta<LoadA, LoadB, TA, TB> cta(M, N, K, k_chunk, splits, la, lb);
+  const int64_t m0 = cta.m0;
+  const int n0 = cta.n0, k_begin = cta.k_begin, steps = cta.steps(kWgK);
   const int wg = int(threadIdx.x) / 128;  // the warpgroup's 64 rows: 64 wg ..
-
-  const DirPieces<LoadA, TA> pa(la, batch, m0, M);
-  const DirPieces<LoadB, TB> pb(lb, batch, n0, N);
-  const __nv_bfloat16* const a_base = la.base(batch);
-  const __nv_bfloat16* const b_base = lb.base(batch);
   auto load_stage = [&](int stage, int k0) {
-    unsigned char* sa = ring + stage * kStage;
-    pa.copy(la, a_base, batch, m0, M, k0, k_end, sa);
-    pb.copy(lb, b_base, batch, n0, N, k0, k_end, sa + kPA * TA::kBytes);
+    cta.copy(la, lb, M, N, reinterpret_cast<__nv_bfloat16*>(ring + stage * kStage), k0);
   };
 
   float acc[kDirN / 8][4];
@@ -305,11 +319,7 @@ __global__ void __launch_bounds__(kDirThreads, LoadA::kPlanes == 1 ? 2 : 1)
 #pragma unroll
     for (int c = 0; c < 4; ++c) acc[j][c] = 0.f;
 
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < steps) load_stage(s, k_begin + s * kWgK);
-    cp_async_commit();
-  }
+  cta.prologue<kStages>(steps, kWgK, load_stage);
 #pragma unroll 1
   for (int step = 0; step < steps; ++step) {
     cp_async_wait<kStages - 2>();
@@ -341,8 +351,8 @@ __global__ void __launch_bounds__(kDirThreads, LoadA::kPlanes == 1 ? 2 : 1)
   const int64_t m_base = m0 + 64 * wg + 16 * ((int(threadIdx.x) / 32) % 4);
 #pragma unroll
   for (int jj = 0; jj < kDirN / 32; ++jj)
-    store_fragments(*reinterpret_cast<const float(*)[1][4][4]>(&acc[4 * jj][0]), m_base, n0 + 32 * jj, M, N, batch,
-                    split, st);
+    store_fragments(*reinterpret_cast<const float(*)[1][4][4]>(&acc[4 * jj][0]), m_base, n0 + 32 * jj, M, N,
+                    cta.batch, cta.split, st);
 #else
   wgmma_unavailable();
 #endif
