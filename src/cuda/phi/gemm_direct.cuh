@@ -224,7 +224,7 @@ __global__ void __launch_bounds__(kDirThreads, 2)
   float acc[4][4][4] = {};
 
   const int mi = lane / 8, mr = lane % 8;  // the ldmatrix row this lane addresses: matrix mi, row mr
-  cta.prologue<kDirStages>(steps, kDirK, load_stage);
+  cta.template prologue<kDirStages>(steps, kDirK, load_stage);
 #pragma unroll 1
   for (int step = 0; step < steps; ++step) {
     cp_async_wait<kDirStages - 2>();
@@ -319,7 +319,7 @@ __global__ void __launch_bounds__(kDirThreads, LoadA::kPlanes == 1 ? 2 : 1)
 #pragma unroll
     for (int c = 0; c < 4; ++c) acc[j][c] = 0.f;
 
-  cta.prologue<kStages>(steps, kWgK, load_stage);
+  cta.template prologue<kStages>(steps, kWgK, load_stage);
 #pragma unroll 1
   for (int step = 0; step < steps; ++step) {
     cp_async_wait<kStages - 2>();
