@@ -18,7 +18,7 @@
 // The store is gemm.cuh's st(batch, m, n, split, value).
 //
 // Tiles: 128 x 128 outputs per CTA of 8 warps, on one of two kernels with the same operands, the
-// same copies (DirPieces) and the same stores:
+// same CTA setup and copies (DirCta, DirPieces) and the same stores:
 //   gemm_direct_kernel (any GPU): mma.m16n8k16, warps of 64 x 32 outputs (2 x 4), 32-deep steps,
 //     3 stages of tile rows padded by 16 bytes (the 8 rows an ldmatrix reads fall on distinct
 //     banks), fragments by ldmatrix;
