@@ -204,6 +204,8 @@ CmpAttnParams cmp_params(const Plan& p, const TensorView& q, const void* kc, int
   c.lp = static_cast<int>(p.cfg.slc_block_len);
   c.score_window = score_window(p.cfg);
   c.score_ring = score_ring(p.cfg);
+  const int R = c.lp / c.d, L = c.l / c.d;  // the carry (L - 1 floats a token) lives in the ring's slots
+  c.score_by_chunk = c.choices.cmp_scores_by_chunk && kKeyChunk % R == 0 && L - 1 <= c.score_ring;
   return c;
 }
 

@@ -84,6 +84,15 @@ struct PhiOnMmaSync {
   PhiOnMmaSync& operator=(const PhiOnMmaSync&) = delete;
 };
 
+// While alive, the score pass sums S in its ring accumulator everywhere
+// (CudaKernelChoices::cmp_scores_by_chunk), as where l'/d does not divide its 64-key chunk.
+struct ScoresByRing {
+  ScoresByRing() { kernel_choices().cmp_scores_by_chunk = false; }
+  ~ScoresByRing() { kernel_choices().cmp_scores_by_chunk = true; }
+  ScoresByRing(const ScoresByRing&) = delete;
+  ScoresByRing& operator=(const ScoresByRing&) = delete;
+};
+
 // While alive, the backward takes paths its rules keep for long sequences: the compressed dK/dV's
 // queries in `cmp_splits` parts (0: by the sequence length), with pair_sort the inverted index's
 // (key, token) pair sort, and the raw blocks' selection lists in pieces of at most

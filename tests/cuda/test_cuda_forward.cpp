@@ -168,9 +168,9 @@ TEST_P(CudaForward, CompressOnMmaSyncMatchesReference) {
 
 // ---- compressed attention + scores ----------------------------------------------------------
 
-TEST_P(CudaForward, CompressedAttentionAndScoresMatchReference) {
-  NSA_REQUIRE_GPU();
-  const Case& c = GetParam();
+// The compressed attention and the scores S (the compressed_attention_fwd stage op) against the
+// reference.
+void check_cmp_and_scores(const Case& c) {
   const Config cfg = config_of(c);
   LayerProblem p = make_problem(cfg, sizes_of(c), 21);
   const int64_t T = p.T, rows = cmp_rows(T, cfg.cmp_stride);
@@ -218,6 +218,20 @@ TEST_P(CudaForward, CompressedAttentionAndScoresMatchReference) {
   EXPECT_TRUE(close(o.values(), o64.values(), attention_tol(c.dtype, 1.0)));
   EXPECT_TRUE(close(lse.values(), lse_ref.values(), lse_tol));
   EXPECT_TRUE(close(s.values(), s_ref.values(), score_tol));
+}
+
+TEST_P(CudaForward, CompressedAttentionAndScoresMatchReference) {
+  NSA_REQUIRE_GPU();
+  check_cmp_and_scores(GetParam());
+}
+
+// The score pass's ring accumulator (ScoresByRing) where the default writes each chunk's blocks
+// from the chunk and a carry (l'/d dividing the chunk: every case but l' = 24, which runs the ring
+// in both tests).
+TEST_P(CudaForward, CompressedAttentionAndScoresByRingMatchReference) {
+  NSA_REQUIRE_GPU();
+  const ScoresByRing ring;
+  check_cmp_and_scores(GetParam());
 }
 
 // ---- top-n on identical scores --------------------------------------------------------------

@@ -9,7 +9,9 @@
 // = 128 at 8K and 64K: the same-run A/B of dkv_ws_kernel), phi = mlp (F = 4D) without and with
 // the forward's o_cmp (phi_mlp_F4D, saved_o_cmp_phi_mlp: the torch layer's call; Hq 64 at 8K and
 // 64K), the latter with phi's bf16 products on mma.sync where they would run on wgmma
-// (saved_o_cmp_phi_mlp_mma_sync: their same-run A/B), and the backward's extra memory (its workspace) against the memory of q, k, v and o.
+// (saved_o_cmp_phi_mlp_mma_sync: their same-run A/B), saved_o_cmp with the score pass's ring
+// accumulator where it would write each chunk's blocks directly (saved_o_cmp_score_ring, Dqk = Dv =
+// 128 at 8K and 64K: their same-run A/B), and the backward's extra memory (its workspace) against the memory of q, k, v and o.
 // Writes a CSV (T,hq,hkv,dqk,dv,variant,fwd_ms,bwd_ms,fwd_bwd_ms,bwd_tflops,ws_mb,qkvo_mb,peak_mb)
 // that bench/sdpa_backward_baseline.py joins with PyTorch SDPA forward+backward measured in the
 // same scripts/gpu_check.sh run.
@@ -54,7 +56,8 @@ const char* const kVariantNames[] = {"full",
                                      "per_token",
                                      "local_q",
                                      "local_q_per_token",
-                                     "saved_o_cmp_one_warpgroup_dkv"};
+                                     "saved_o_cmp_one_warpgroup_dkv",
+                                     "saved_o_cmp_score_ring"};
 
 struct Shape {
   int64_t hq, hkv, dqk, dv;
@@ -118,6 +121,7 @@ struct Variant {
   bool o_cmp = false;      // the forward keeps the compressed branch's output, the backward takes its dg from it
   bool one_warpgroup_dkv = false;  // dK / dV by dkv_kernel where dkv_ws_kernel would run (CudaKernelChoices)
   bool phi_mma_sync = false;       // phi's bf16 products on mma.sync where they would run on wgmma (CudaKernelChoices)
+  bool score_ring = false;         // the score pass's ring accumulator everywhere (CudaKernelChoices)
 };
 
 // The variants of one shape and length: the full layer, then one branch off at a time (64K and 8K
@@ -129,9 +133,12 @@ std::vector<Variant> variants_of(const Shape& s, int64_t T) {
     variants.push_back({"saved_o_branch", 16, 512, nsa::PhiKind::mean, true});
     variants.push_back({"saved_o_cmp", 16, 512, nsa::PhiKind::mean, false, false, false, false, true});
   }
-  if (square && s.dqk == 128 && (T == 65536 || T == 8192))
+  if (square && s.dqk == 128 && (T == 65536 || T == 8192)) {
     variants.push_back(
         {"saved_o_cmp_one_warpgroup_dkv", 16, 512, nsa::PhiKind::mean, false, false, false, false, true, true});
+    variants.push_back(
+        {"saved_o_cmp_score_ring", 16, 512, nsa::PhiKind::mean, false, false, false, false, true, false, false, true});
+  }
   if (square && s.hq == 64 && (T == 65536 || T == 8192)) {
     variants.push_back({"no_window", 16, 0, nsa::PhiKind::mean, false});
     variants.push_back({"no_selection", 0, 512, nsa::PhiKind::mean, false});
@@ -186,6 +193,7 @@ int run_backward_suite(const std::vector<std::string>& args) {
         choices.slc_union_tiles = !var.per_token;
         choices.dkv_warp_specialized = !var.one_warpgroup_dkv;
         choices.phi_wgmma = !var.phi_mma_sync;
+        choices.cmp_scores_by_chunk = !var.score_ring;
         nsa::Config cfg;
         cfg.phi = var.phi;
         cfg.n_selected = var.n;

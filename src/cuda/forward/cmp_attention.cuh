@@ -12,6 +12,11 @@
 //   2. adds ov(i, j) * pg[token][i] into a ring accumulator acc[token][j mod ring] for the W
 //      selection blocks this chunk can touch;
 //   3. writes the blocks below the next chunk's first j (they are final) and zeroes their slots.
+// Where R = l'/d divides the chunk (score_by_chunk: the paper's l' = 64, d = 16 and most others),
+// steps 2-3 are one: a chunk's keys i0 .. i0 + 63 start R-aligned, so blocks i0/R .. (i0 + 64)/R - 1
+// have all their keys (i = jR - L + 1 .. jR + R - 1, L = l/d) in this chunk or among the previous
+// chunk's last L - 1, which the warp keeps (the carry); each lane sums its blocks from pg and the
+// carry and writes them, with no ring and no second pass over it.
 // p_cmp is never rounded (fp32 all the way), and the order of additions is fixed (deterministic).
 #pragma once
 
@@ -150,6 +155,8 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
   const int L = p.l / p.d;   // stride pieces per compressed block
   const int W = p.score_window;
   const int ring = p.score_ring, ring_mask = ring - 1;
+  // score_by_chunk: B blocks a chunk (a power of two), the carry in acc's first L - 1 slots.
+  const int B = kKeyChunk / R, log2_B = __ffs(B) - 1;
   float* s_acc = s_pg + tokens_per_tile * kKeyChunk;                 // [tokens][score_ring]
   int* s_limit = reinterpret_cast<int*>(s_acc + tokens_per_tile * ring);  // [tokens]
   // Two mbarriers after the limits, on 8 bytes (cmp_smem_bytes counts them): buffer b's copies.
@@ -231,8 +238,31 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
       default: store_head_sums<3, true>(s, s_pg, warp, p.log2_group); break;  // G = 16
     }
     __syncwarp();  // this warp's pg rows are complete
-    // S[token][j] += sum_i ov(i, j) * pg[token][i] over the chunk's compressed blocks i.
     const int i0 = c * kKeyChunk;
+    if (p.score_by_chunk) {  // (uniform) blocks j0 .. j0 + B - 1 are final: sum and write them
+      const int j0 = i0 / R;
+      for (int e = lane; e < tokens_per_warp * B; e += 32) {
+        const int token = warp_token0 + (e >> log2_B);
+        const int j = j0 + (e & (B - 1));
+        const float* pg = s_pg + token * kKeyChunk;  // key i >= i0 at i - i0
+        const float* carry = s_acc + token * ring;     // key i0 - L < i < i0 at i - i0 + L - 1
+        float sum = 0.f;
+        for (int i = j * R - L + 1; i < (j + 1) * R; ++i) {
+          const int ov = min(i + L - 1, (j + 1) * R - 1) - max(i, j * R) + 1;
+          sum += static_cast<float>(ov) * (i >= i0 ? pg[i - i0] : carry[i - i0 + L - 1]);
+        }
+        if (j < s_limit[token]) srow0[token * p.s_st + j] = sum;
+      }
+      __syncwarp();  // every lane is done with the carry
+      for (int e = lane; e < tokens_per_warp * (L - 1); e += 32) {
+        const int token = warp_token0 + e / (L - 1), m = e % (L - 1);
+        s_acc[token * ring + m] = s_pg[token * kKeyChunk + kKeyChunk - (L - 1) + m];
+      }
+      __syncwarp();  // the carry is written; pg may be overwritten by the next chunk
+      jbase = j0 + B;
+      continue;
+    }
+    // S[token][j] += sum_i ov(i, j) * pg[token][i] over the chunk's compressed blocks i.
     for (int e = lane, tk = acc_tok0, jj = acc_jj0; e < acc_pairs; e += 32) {
       const int token = warp_token0 + tk;
       const int j = jbase + jj;
@@ -269,6 +299,23 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
     jbase = jnext;
   }
   __syncthreads();
+  if (p.score_by_chunk) {
+    // The rest of each row: blocks from jbase = i_end / R on hold only keys of the last chunk's
+    // carry (i_end - L < i < i_end), then zeros.
+    const int iend = jbase * R;
+    for (int token = 0; token < tokens_valid; ++token) {
+      float* srow = srow0 + token * p.s_st;
+      const float* carry = s_acc + token * ring;  // key iend - L < i < iend at i - iend + L - 1
+      const int limit = s_limit[token];
+      for (int j = jbase + threadIdx.x; j < limit; j += kCta) {
+        float sum = 0.f;
+        for (int i = max(j * R - L + 1, iend - L + 1); i < min((j + 1) * R, iend); ++i)
+          sum += static_cast<float>(min(i + L - 1, (j + 1) * R - 1) - max(i, j * R) + 1) * carry[i - iend + L - 1];
+        srow[j] = sum;
+      }
+    }
+    return;
+  }
   // The rest of each row: the accumulator's last W blocks, then zeros.
   for (int token = 0; token < tokens_valid; ++token) {
     float* srow = srow0 + token * p.s_st;
