@@ -204,8 +204,11 @@ CmpAttnParams cmp_params(const Plan& p, const TensorView& q, const void* kc, int
   c.lp = static_cast<int>(p.cfg.slc_block_len);
   c.score_window = score_window(p.cfg);
   c.score_ring = score_ring(p.cfg);
-  const int R = c.lp / c.d, L = c.l / c.d;  // the carry (L - 1 floats a token) lives in the ring's slots
-  c.score_by_chunk = c.choices.cmp_scores_by_chunk && kKeyChunk % R == 0 && L - 1 <= c.score_ring;
+  // By chunk: R = l'/d divides the chunk, and the carry (a chunk's last L - 1 keys, L = l/d) fits
+  // the ring's slots of a token and comes from one chunk.
+  const int R = c.lp / c.d, L = c.l / c.d;
+  c.score_by_chunk =
+      c.choices.cmp_scores_by_chunk && kKeyChunk % R == 0 && L - 1 <= std::min(c.score_ring, kKeyChunk);
   return c;
 }
 
