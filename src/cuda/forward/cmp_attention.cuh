@@ -16,7 +16,9 @@
 // steps 2-3 are one: a chunk's keys i0 .. i0 + 63 start R-aligned, so blocks i0/R .. (i0 + 64)/R - 1
 // have all their keys (i = jR - L + 1 .. jR + R - 1, L = l/d) in this chunk or among the previous
 // chunk's last L - 1, which the warp keeps (the carry); each lane sums its blocks from pg and the
-// carry and writes them, with no ring and no second pass over it.
+// carry and writes them, with no ring and no second pass over it. At G = 16 with the paper's
+// l = 32, d = 16, l' = 64 the head sums stay in registers: a lane holds keys 2 lane and 2 lane + 1,
+// so a block's five keys are three neighbouring lanes' (two shuffles a block).
 // p_cmp is never rounded (fp32 all the way), and the order of additions is fixed (deterministic).
 #pragma once
 
@@ -32,24 +34,23 @@
 namespace nsa::cuda {
 
 // Sums the probabilities p (one warp's 16 x kKeyChunk accumulator block) over the G heads of
-// each token and stores them to pg [tokens of the tile][kKeyChunk]. The heads of a token are the
-// lanes whose group index differs in its low kSteps bits (kSteps = log2 min(G, 8)), and, when
-// kPairRows (G = 16), also the two rows (group, group + 8) of each thread.
+// each token. The heads of a token are the lanes whose group index differs in its low kSteps bits
+// (kSteps = log2 min(G, 8)), and, when kPairRows (G = 16), also the two rows (group, group + 8) of
+// each thread.
 // Reduce-scatter: in each round a lane keeps half of the values it still holds, sends the other
 // half to its partner and adds the partner's copy of its half, so the values held halve every
-// round. A value held at the end is a complete head sum; lane (group_id, quad) then holds the
-// entries orig = (group_id & (2^kSteps - 1)) * kHeld + k of the initial list, in pairs of
-// neighbouring columns.
+// round. A value held at the end is a complete head sum; lane (group_id, quad) then holds, in
+// v[0 .. kHeld), the entries orig = (group_id & (2^kSteps - 1)) * kHeld + k of the initial list, in
+// pairs of neighbouring columns (at G = 16: keys 2 lane and 2 lane + 1 of the chunk).
+template <bool kPairRows>
+inline constexpr int kHeadSumValues = kPairRows ? 2 * (kKeyChunk / 8) : 4 * (kKeyChunk / 8);  // before the rounds
+
 template <int kSteps, bool kPairRows>
-__device__ __forceinline__ void store_head_sums(const float (&p)[kKeyChunk / 8][4], float* pg, int warp,
-                                                int log2_group) {
+__device__ __forceinline__ void head_sums(const float (&p)[kKeyChunk / 8][4], float (&v)[kHeadSumValues<kPairRows>]) {
   constexpr int kTiles = kKeyChunk / 8;
-  constexpr int kInitial = kPairRows ? 2 * kTiles : 4 * kTiles;  // values per lane before the rounds
-  constexpr int kHeld = kInitial >> kSteps;
-  static_assert(kHeld >= 2, "every lane keeps at least one pair of neighbouring columns");
-  const int lane = threadIdx.x % 32, group_id = lane / 4, quad = lane % 4;
+  constexpr int kInitial = kHeadSumValues<kPairRows>;
+  const int lane = threadIdx.x % 32, group_id = lane / 4;
   // v[orig]: orig = i * 2 + c (kPairRows) or h * 2 * kTiles + i * 2 + c, column i * 8 + 2 * quad + c.
-  float v[kInitial];
 #pragma unroll
   for (int i = 0; i < kTiles; ++i)
 #pragma unroll
@@ -76,6 +77,18 @@ __device__ __forceinline__ void store_head_sums(const float (&p)[kKeyChunk / 8][
       v[k] = keep + __shfl_xor_sync(0xffffffffu, send, 4 << bit);
     }
   }
+}
+
+// head_sums, stored to pg [tokens of the tile][kKeyChunk].
+template <int kSteps, bool kPairRows>
+__device__ __forceinline__ void store_head_sums(const float (&p)[kKeyChunk / 8][4], float* pg, int warp,
+                                                int log2_group) {
+  constexpr int kTiles = kKeyChunk / 8;
+  constexpr int kHeld = kHeadSumValues<kPairRows> >> kSteps;
+  static_assert(kHeld >= 2, "every lane keeps at least one pair of neighbouring columns");
+  const int lane = threadIdx.x % 32, group_id = lane / 4, quad = lane % 4;
+  float v[kHeadSumValues<kPairRows>];
+  head_sums<kSteps, kPairRows>(p, v);
   const int base = (group_id & ((1 << kSteps) - 1)) * kHeld;
 #pragma unroll
   for (int k = 0; k < kHeld; k += 2) {
@@ -209,6 +222,11 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
   // divides kKeyChunk); divided out again only when shift changes.
   int shift_prev = -1, out_tok0 = 0, out_jj0 = 0, out_tok_step = 0, out_jj_step = 0;
   int jbase = 0;
+  // By chunk at G = 16 with the paper's R = 4, L = 2: a lane's two head sums are two neighbouring
+  // keys (head_sums), so a block's five keys lie in three neighbouring lanes and it is summed in
+  // registers; the carry (the chunk's last key) is a register of every lane.
+  const bool by_lanes = p.score_by_chunk && p.log2_group == 4 && R == 4 && L == 2;
+  float lane_carry = 0.f;
   if (num_chunks > 0) load_chunk(0);
   for (int c = 0; c < num_chunks; ++c) {
     // Chunk c has landed for everyone; every warp is done with chunk c - 1 (its buffer takes c + 1).
@@ -230,6 +248,21 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
     for (int i = 0; i < Tile::kSTiles; ++i)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[i][e] = fast_exp2(fmaf(s[i][e], p.scale_log2, -lse_use[e >> 1]));
+    if (by_lanes) {  // (uniform) G = 16, R = 4, L = 2: no shared memory, one block per even lane
+      float v[kHeadSumValues<true>];
+      head_sums<3, true>(s, v);
+      // Lane 2b holds keys 4b, 4b + 1 (weight 2 each in block b), lane 2b + 1 keys 4b + 2 (2) and
+      // 4b + 3 (1), and lane 2b - 1's second key is 4b - 1 (1; lane 0 takes it from the carry).
+      const float x = (lane & 1) ? 2.f * v[0] + v[1] : 2.f * (v[0] + v[1]);
+      const float next = __shfl_down_sync(0xffffffffu, x, 1);
+      const float up = __shfl_up_sync(0xffffffffu, v[1], 1);
+      const float prev = lane == 0 ? lane_carry : up;
+      lane_carry = __shfl_sync(0xffffffffu, v[1], 31);
+      const int j = c * (kKeyChunk / 4) + lane / 2;
+      if ((lane & 1) == 0 && j < s_limit[warp_token0]) srow0[warp_token0 * p.s_st + j] = x + next + prev;
+      jbase = (c + 1) * (kKeyChunk / 4);
+      continue;
+    }
     switch (p.log2_group) {
       case 0: store_head_sums<0, false>(s, s_pg, warp, p.log2_group); break;
       case 1: store_head_sums<1, false>(s, s_pg, warp, p.log2_group); break;
@@ -298,6 +331,7 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
     __syncwarp();
     jbase = jnext;
   }
+  if (by_lanes && lane == 0) s_acc[warp_token0 * ring] = lane_carry;  // the tail's carry
   __syncthreads();
   if (p.score_by_chunk) {
     // The rest of each row: blocks from jbase = i_end / R on hold only keys of the last chunk's
