@@ -82,7 +82,7 @@ struct ForwardWorkspace {
   void* kc = nullptr;        // [T/d, Hkv, Dqk] storage dtype
   void* vc = nullptr;        // [T/d, Hkv, Dv]
   float* hidden = nullptr;   // phi::forward's work for k (mlp: [T/d * Hkv, F] f32 first)
-  float* hidden_v = nullptr; // and for v (phi::forward_pair runs both at once)
+  float* hidden_v = nullptr; // and for v (phi::forward_pair runs both at once; else = hidden)
   int32_t* first_token = nullptr;  // [T/d] phi's row table
   float* scores = nullptr;   // [T, Hkv, Ns] f32
   void* o_cmp = nullptr;     // [T, Hq, Dv] storage dtype (when o_branch is absent)
@@ -98,7 +98,9 @@ struct ForwardWorkspace {
     kc = w.take<char>(rows * pr.hkv * pr.dqk * es);
     vc = w.take<char>(rows * pr.hkv * pr.dv * es);
     hidden = w.take<float>(phi::work_floats(cfg.phi, rows * pr.hkv, pr.phi_hidden, std::max(pr.dqk, pr.dv)));
-    hidden_v = w.take<float>(phi::work_floats(cfg.phi, rows * pr.hkv, pr.phi_hidden, std::max(pr.dqk, pr.dv)));
+    // A second area only where the two phis can pair (phi::forward_pair: the same D); else v's phi
+    // runs after k's in the same one.
+    hidden_v = pr.dqk == pr.dv ? w.take<float>(phi::work_floats(cfg.phi, rows * pr.hkv, pr.phi_hidden, pr.dv)) : hidden;
     first_token = w.take<int32_t>(rows);
     scores = w.take<float>(cfg.n_selected > 0 ? pr.total_tokens * pr.hkv * ns : 0);
     o_cmp = w.take<char>(pr.total_tokens * pr.hq * pr.dv * es);

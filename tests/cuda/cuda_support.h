@@ -139,14 +139,17 @@ class DeviceWorkspace {
   size_t bytes_ = 0;
 };
 
-// A device copy of a HostTensor (same dtype, shape, contiguous).
+// A device copy of a HostTensor (same dtype, shape, contiguous), from `shift` elements past the
+// start of its allocation (0 or 1: 16 bytes of slack; 1 takes the data off 16-byte alignment).
 class DeviceTensor {
  public:
   DeviceTensor() = default;
-  explicit DeviceTensor(const HostTensor& h) : host_shape_(h.shape()), dtype_(h.dtype()) {
+  explicit DeviceTensor(const HostTensor& h, int shift = 0) : host_shape_(h.shape()), dtype_(h.dtype()) {
     if (!h.defined()) return;
     bytes_ = static_cast<size_t>(h.numel()) * dtype_size(dtype_);
-    if (cudaMalloc(&data_, bytes_ + 16) != cudaSuccess) throw std::runtime_error("cudaMalloc failed");
+    if (shift < 0 || shift * dtype_size(dtype_) > 16) throw std::runtime_error("DeviceTensor: shift past the slack");
+    if (cudaMalloc(&base_, bytes_ + 16) != cudaSuccess) throw std::runtime_error("cudaMalloc failed");
+    data_ = static_cast<char*>(base_) + shift * dtype_size(dtype_);
     if (cudaMemcpy(data_, const_cast<HostTensor&>(h).data(), bytes_, cudaMemcpyHostToDevice) != cudaSuccess)
       throw std::runtime_error("cudaMemcpy failed");
   }
@@ -154,6 +157,7 @@ class DeviceTensor {
   DeviceTensor& operator=(const DeviceTensor&) = delete;
   DeviceTensor(DeviceTensor&& o) noexcept { *this = std::move(o); }
   DeviceTensor& operator=(DeviceTensor&& o) noexcept {
+    std::swap(base_, o.base_);
     std::swap(data_, o.data_);
     std::swap(bytes_, o.bytes_);
     host_shape_ = o.host_shape_;
@@ -161,7 +165,7 @@ class DeviceTensor {
     return *this;
   }
   ~DeviceTensor() {
-    if (data_) cudaFree(data_);
+    if (base_) cudaFree(base_);
   }
   TensorView view() const {
     return host_shape_.empty() ? TensorView{} : contiguous_view(data_, dtype_, host_shape_, Device::cuda);
@@ -174,7 +178,8 @@ class DeviceTensor {
   }
 
  private:
-  void* data_ = nullptr;
+  void* base_ = nullptr;  // the allocation
+  void* data_ = nullptr;  // the tensor's first element in it
   size_t bytes_ = 0;
   std::vector<int64_t> host_shape_;
   DType dtype_ = DType::f32;

@@ -110,7 +110,9 @@ class CudaForward : public ::testing::TestWithParam<Case> {};
 // ---- compress_fwd ---------------------------------------------------------------------------
 
 // phi alone (the compress_fwd stage op), every kind, against the reference.
-void check_compress(const Case& c) {
+// pe_shift: pe's device copy that many elements off its allocation (1: off 16 bytes, where phi's
+// folded bias reads pe one element at a time).
+void check_compress(const Case& c, int pe_shift = 0) {
   for (PhiKind kind : {PhiKind::mean, PhiKind::linear, PhiKind::mlp}) {
     Case ck = c;
     ck.phi = kind;
@@ -128,7 +130,7 @@ void check_compress(const Case& c) {
     DeviceSeqs ds(p, max_seqlen(c));
     DeviceTensor k(p.k[0]), out(xc);
     DeviceTensor phi[5];
-    for (int i = 0; i < 5; ++i) phi[i] = DeviceTensor(p.phi_k[i]);
+    for (int i = 0; i < 5; ++i) phi[i] = DeviceTensor(p.phi_k[i], i == 4 ? pe_shift : 0);
     const PhiParams params{phi[0].view(), phi[1].view(), phi[2].view(), phi[3].view(), phi[4].view()};
     Problem pr;
     pr.total_tokens = p.T;
@@ -164,6 +166,13 @@ TEST_P(CudaForward, CompressOnMmaSyncMatchesReference) {
   NSA_REQUIRE_GPU();
   const PhiOnMmaSync mma_sync;
   check_compress(GetParam());
+}
+
+// pe off 16-byte alignment (a view one element into a buffer: contiguous, which is all the API
+// asks of phi's parameters): the folded bias reads it one element at a time.
+TEST_P(CudaForward, CompressWithUnalignedPeMatchesReference) {
+  NSA_REQUIRE_GPU();
+  check_compress(GetParam(), 1);
 }
 
 // ---- compressed attention + scores ----------------------------------------------------------
@@ -424,7 +433,9 @@ TEST(CudaForwardSelection, UnionAndPerTokenTilesInOneCall) {
 // The CUDA forward of p (its inputs on the device, a workspace poisoned with the NaN pattern):
 // o, lse, indices and o_branch of p downloaded from the GPU. With o_cmp (a [T, Hq, Dv] tensor of
 // p's storage type): the forward writes the compressed branch's output there instead of o_branch.
-void run_cuda_forward(const Case& c, const Config& cfg, LayerProblem& p, HostTensor* o_cmp = nullptr) {
+// v_pe_shift: phi_v's pe that many elements off its allocation (DeviceTensor).
+void run_cuda_forward(const Case& c, const Config& cfg, LayerProblem& p, HostTensor* o_cmp = nullptr,
+                      int v_pe_shift = 0) {
   const int nkv = cfg.shared_kv ? 1 : 3;
   DeviceSeqs ds(p, max_seqlen(c));
   DeviceTensor q(p.q), g(p.g), k[3], v[3], phk[5], phv[5];
@@ -434,7 +445,7 @@ void run_cuda_forward(const Case& c, const Config& cfg, LayerProblem& p, HostTen
   }
   for (int i = 0; i < 5; ++i) {
     phk[i] = DeviceTensor(p.phi_k[i]);
-    phv[i] = DeviceTensor(p.phi_v[i]);
+    phv[i] = DeviceTensor(p.phi_v[i], i == 4 ? v_pe_shift : 0);
   }
   DeviceTensor o(p.o), lse(p.lse), idx(p.indices), ob(p.o_branch), oc;  // poisoned
   if (o_cmp) oc = DeviceTensor(*o_cmp);
@@ -581,21 +592,25 @@ TEST_P(CudaForward, CompressedOutputIsTheFirstBranchOutput) {
 
 // phi of k and of v as the two batches of one launch per product (the default where both have the
 // same shapes and path: phi = linear or mlp) give the bits of their launches one at a time
-// (SeparatePhis): o, lse, indices and every branch output.
+// (SeparatePhis): o, lse, indices and every branch output; also with v's pe off 16 bytes (its
+// folded bias read one element at a time, k's in 16-byte runs).
 TEST_P(CudaForward, PairedPhisGiveTheBitsOfSeparateOnes) {
   NSA_REQUIRE_GPU();
   const Case& c = GetParam();
   const Config cfg = config_of(c);
-  LayerProblem paired = make_problem(cfg, sizes_of(c), 73), separate = make_problem(cfg, sizes_of(c), 73);
-  run_cuda_forward(c, cfg, paired);
-  {
-    const SeparatePhis one_at_a_time;
-    run_cuda_forward(c, cfg, separate);
+  for (int v_pe_shift : {0, 1}) {
+    LayerProblem paired = make_problem(cfg, sizes_of(c), 73), separate = make_problem(cfg, sizes_of(c), 73);
+    run_cuda_forward(c, cfg, paired, nullptr, v_pe_shift);
+    {
+      const SeparatePhis one_at_a_time;
+      run_cuda_forward(c, cfg, separate, nullptr, v_pe_shift);
+    }
+    EXPECT_TRUE(same_outside_rows(paired.o, separate.o, 0, 0)) << "o, v's pe shifted by " << v_pe_shift;
+    EXPECT_TRUE(same_outside_rows(paired.lse, separate.lse, 0, 0)) << "lse, v's pe shifted by " << v_pe_shift;
+    EXPECT_TRUE(same_outside_rows(paired.indices, separate.indices, 0, 0)) << "indices, v's pe shifted by " << v_pe_shift;
+    EXPECT_TRUE(same_outside_rows(paired.o_branch, separate.o_branch, 0, 0)) << "o_branch, v's pe shifted by "
+                                                                             << v_pe_shift;
   }
-  EXPECT_TRUE(same_outside_rows(paired.o, separate.o, 0, 0)) << "o";
-  EXPECT_TRUE(same_outside_rows(paired.lse, separate.lse, 0, 0)) << "lse";
-  EXPECT_TRUE(same_outside_rows(paired.indices, separate.indices, 0, 0)) << "indices";
-  EXPECT_TRUE(same_outside_rows(paired.o_branch, separate.o_branch, 0, 0)) << "o_branch";
 }
 
 // The sequences of a packed batch do not see each other: with every input row of one sequence

@@ -70,6 +70,8 @@ struct DirOperand {
 // k and of v in one launch. Their data may lie anywhere; every offset is from the batch's base.
 template <class Op>
 struct DirPair : DirOperand<Op::kT, Op::kPlanes> {
+  // The kernels find a second plane at base(b) + plane: one offset for both members.
+  static_assert(Op::kPlanes == 1, "DirPair pairs one-plane operands");
   Op op0, op1;
   using Fixed = typename Op::Fixed;
   DirPair(const Op& a, const Op& b) : DirOperand<Op::kT, Op::kPlanes>{a.p, a.plane}, op0(a), op1(b) {}

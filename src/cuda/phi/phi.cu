@@ -733,7 +733,8 @@ void forward_pair(const Rows& r0, const Job& j0, const Rows& r1, const Job& j1, 
                   cudaStream_t s) {
   const bool same = paired && r0.kind == r1.kind && r0.kind != PhiKind::mean && r0.first_token == r1.first_token &&
                     r0.rc == r1.rc && r0.hkv == r1.hkv && r0.D == r1.D && r0.l == r1.l && r0.d == r1.d &&
-                    r0.F == r1.F && direct_products<E>(r0, j0.phi, j0.x) == direct_products<E>(r1, j1.phi, j1.x);
+                    r0.F == r1.F && j0.work != j1.work &&
+                    direct_products<E>(r0, j0.phi, j0.x) == direct_products<E>(r1, j1.phi, j1.x);
   if (!same || r0.rc * r0.hkv == 0) {
     forward<E>(r0, j0.phi, j0.x, j0.work, j0.xc, j0.xc_st, j0.xc_sh, write_unused, s);
     forward<E>(r1, j1.phi, j1.x, j1.work, j1.xc, j1.xc_st, j1.xc_sh, write_unused, s);

@@ -83,7 +83,7 @@ struct Job {
 // rows, D, F and product path (phi = linear or mlp) and `paired` (CudaKernelChoices::phi_pairs),
 // each product runs once for both, the two as the batches of one launch (at short lengths one
 // phi's grid leaves SMs idle); else one after the other. The outputs are forward's, bit for bit.
-// The work areas must not overlap.
+// The work areas must not overlap (the same one for both: one after the other).
 template <typename E>
 void forward_pair(const Rows& r0, const Job& j0, const Rows& r1, const Job& j1, bool write_unused, bool paired,
                   cudaStream_t s);
