@@ -49,7 +49,7 @@ struct CmpAttnParams {
   int l, d, lp;      // cmp_block_len, cmp_stride, slc_block_len
   int score_window;  // W: selection blocks one chunk of compressed keys can touch (cmp_attention.cuh)
   int score_ring;    // columns of the ring accumulator: a power of two >= W + blocks per chunk
-  bool score_by_chunk;  // l'/d divides kKeyChunk: each chunk writes its blocks, no ring (cmp_attention.cuh)
+  bool score_by_chunk;  // l'/d divides kKeyChunk, l/d - 1 <= min(score_ring, kKeyChunk): each chunk writes its blocks, no ring (cmp_attention.cuh)
   CudaKernelChoices choices;  // Context::cuda_choices (tma)
 };
 

@@ -101,6 +101,12 @@ const std::vector<Case>& cases() {
       // l' = d at G = 1: a score ring of 256 blocks per token, too large for the S pass's 128-row
       // tile on sm_90a (128 tokens): the 64-row S pass runs instead (scores_rows).
       {"bf16_d192x64_G1_lp16_ring", DType::bf16, 192, 64, 2, 2, {260}, 32, 16, 16, 4, 1, 1, 64, PhiKind::mean, false},
+      // The score pass by chunk with a carry of more keys than a block has (l/d - 1 = 7 > l'/d = 4
+      // at G = 16, 5 > 2 at G = 2): a chunk's first blocks and the blocks after the last chunk take
+      // keys of the previous chunk over several blocks; three chunks, tokens with exactly 64 and
+      // 128 keys.
+      {"bf16_d128_G16_l64_d8_lp32", DType::bf16, 128, 128, 16, 1, {1100, 600}, 64, 8, 32, 8, 1, 2, 256, PhiKind::mean, false},
+      {"f16_d64_G2_l48_d8_lp16", DType::f16, 64, 64, 4, 2, {1200}, 48, 8, 16, 6, 1, 2, 128, PhiKind::linear, false},
   };
   return all;
 }

@@ -12,13 +12,14 @@
 //   2. adds ov(i, j) * pg[token][i] into a ring accumulator acc[token][j mod ring] for the W
 //      selection blocks this chunk can touch;
 //   3. writes the blocks below the next chunk's first j (they are final) and zeroes their slots.
-// Where R = l'/d divides the chunk (score_by_chunk: the paper's l' = 64, d = 16 and most others),
-// steps 2-3 are one: a chunk's keys i0 .. i0 + 63 start R-aligned, so blocks i0/R .. (i0 + 64)/R - 1
+// Where R = l'/d divides the chunk and the carry below fits (L - 1 <= min(ring, 64): score_by_chunk,
+// backend.cpp; the paper's l = 32, d = 16, l' = 64 and most others), steps 2-3 are one: a chunk's keys i0 .. i0 + 63 start R-aligned, so blocks i0/R .. (i0 + 64)/R - 1
 // have all their keys (i = jR - L + 1 .. jR + R - 1, L = l/d) in this chunk or among the previous
 // chunk's last L - 1, which the warp keeps (the carry); each lane sums its blocks from pg and the
-// carry and writes them, with no ring and no second pass over it. At G = 16 with the paper's
-// l = 32, d = 16, l' = 64 the head sums stay in registers: a lane holds keys 2 lane and 2 lane + 1,
-// so a block's five keys are three neighbouring lanes' (two shuffles a block).
+// carry and writes them, with no ring and no second pass over it. At G = 16 with L = 2 and R = 4
+// (the paper's l = 32, d = 16, l' = 64) the head sums stay in registers: a lane holds keys 2 lane
+// and 2 lane + 1, so a block's five keys are three neighbouring lanes' (three shuffles a lane and
+// chunk: the next lane's keys, the previous lane's, lane 31's for the next chunk's carry).
 // p_cmp is never rounded (fp32 all the way), and the order of additions is fixed (deterministic).
 #pragma once
 
@@ -331,7 +332,9 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
     __syncwarp();
     jbase = jnext;
   }
-  if (by_lanes && lane == 0) s_acc[warp_token0 * ring] = lane_carry;  // the tail's carry
+  // The tail's carry (none without chunks: the slot keeps the zero another thread wrote, with no
+  // barrier between where the loop had none).
+  if (by_lanes && lane == 0 && num_chunks > 0) s_acc[warp_token0 * ring] = lane_carry;
   __syncthreads();
   if (p.score_by_chunk) {
     // The rest of each row: blocks from jbase = i_end / R on hold only keys of the last chunk's
