@@ -227,6 +227,13 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
   // keys (head_sums), so a block's five keys lie in three neighbouring lanes and it is summed in
   // registers; the carry (the chunk's last key) is a register of every lane.
   const bool by_lanes = p.score_by_chunk && p.log2_group == 4 && R == 4 && L == 2;
+  // The same at G = 4: after head_sums<2, false> lane (group g, quad q) holds head sums of token
+  // (g >> 2) + 2 ((g >> 1) & 1) of the warp, for the four tiles i = 4 (g & 1) + t (t = 0 .. 3):
+  // keys 8 i + 2 q and 8 i + 2 q + 1 in v[2 t], v[2 t + 1]. Block 2 i + q / 2 (even q) is then
+  // the lane's two keys, the next quad's two and the key before (quad q - 1's second; at q = 0 quad
+  // 3's of the tile before: the same group's register t - 1, or at t = 0 the group before (odd g) or
+  // the carry, which for even g is key 63 of the previous chunk: lane (g + 1, 3)'s v[7]).
+  const bool by_lanes4 = p.score_by_chunk && p.log2_group == 2 && R == 4 && L == 2;
   float lane_carry = 0.f;
   if (num_chunks > 0) load_chunk(0);
   for (int c = 0; c < num_chunks; ++c) {
@@ -261,6 +268,25 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
       lane_carry = __shfl_sync(0xffffffffu, v[1], 31);
       const int j = c * (kKeyChunk / 4) + lane / 2;
       if ((lane & 1) == 0 && j < s_limit[warp_token0]) srow0[warp_token0 * p.s_st + j] = x + next + prev;
+      jbase = (c + 1) * (kKeyChunk / 4);
+      continue;
+    }
+    if (by_lanes4) {  // (uniform) G = 4, R = 4, L = 2: no shared memory, four blocks per even quad
+      float v[kHeadSumValues<false>];
+      head_sums<2, false>(s, v);
+      const int g = lane / 4, q = lane % 4;
+      const int token = warp_token0 + (g >> 2) + 2 * ((g >> 1) & 1);
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const float x = (q & 1) ? 2.f * v[2 * t] + v[2 * t + 1] : 2.f * (v[2 * t] + v[2 * t + 1]);
+        const float next = __shfl_down_sync(0xffffffffu, x, 1);
+        const float send = q == 3 ? v[2 * ((t + 3) % 4) + 1] : v[2 * t + 1];
+        const float up = __shfl_sync(0xffffffffu, send, q == 0 && t > 0 ? lane + 3 : (lane + 31) % 32);
+        const float prev = q == 0 && t == 0 && (g & 1) == 0 ? lane_carry : up;
+        const int j = c * (kKeyChunk / 4) + 2 * (4 * (g & 1) + t) + q / 2;
+        if ((q & 1) == 0 && j < s_limit[token]) srow0[token * p.s_st + j] = x + next + prev;
+      }
+      lane_carry = __shfl_sync(0xffffffffu, v[7], lane | 7);
       jbase = (c + 1) * (kKeyChunk / 4);
       continue;
     }
@@ -335,6 +361,8 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
   // The tail's carry (none without chunks: the slot keeps the zero another thread wrote, with no
   // barrier between where the loop had none).
   if (by_lanes && lane == 0 && num_chunks > 0) s_acc[warp_token0 * ring] = lane_carry;
+  if (by_lanes4 && lane % 8 == 0 && num_chunks > 0)  // quad 0 of the even groups: a token's carry each
+    s_acc[(warp_token0 + (lane >> 4) + 2 * ((lane >> 3) & 1)) * ring] = lane_carry;
   __syncthreads();
   if (p.score_by_chunk) {
     // The rest of each row: blocks from jbase = i_end / R on hold only keys of the last chunk's
