@@ -19,7 +19,8 @@
 // carry and writes them, with no ring and no second pass over it. At G = 16 with L = 2 and R = 4
 // (the paper's l = 32, d = 16, l' = 64) the head sums stay in registers: a lane holds keys 2 lane
 // and 2 lane + 1, so a block's five keys are three neighbouring lanes' (three shuffles a lane and
-// chunk: the next lane's keys, the previous lane's, lane 31's for the next chunk's carry).
+// chunk: the next lane's keys, the previous lane's, lane 31's for the next chunk's carry); at G = 4
+// likewise, a lane holding two neighbouring keys of four of its token's tiles (nine shuffles).
 // p_cmp is never rounded (fp32 all the way), and the order of additions is fixed (deterministic).
 #pragma once
 
