@@ -752,8 +752,8 @@ bool backward_params(const Rows& r, const PhiParams& phi, const TensorView& x, c
   const int K = r.l * r.D, D = r.D;
   const bool direct = planes != nullptr && direct_products<E>(r, phi, x);
   const E* pe = static_cast<const E*>(phi.pe.data);
-  auto reduce_to = [&](int rows, int cols, const TensorView& out, const E* outer) {
-    reduce_parts_kernel<E><<<blocks_for(int64_t(rows) * cols), 256, 0, s>>>(part, splits, rows, cols,
+  auto reduce_to = [&](int rows, int cols, const TensorView& out, const E* outer, int parts) {
+    reduce_parts_kernel<E><<<blocks_for(int64_t(rows) * cols), 256, 0, s>>>(part, parts, rows, cols,
                                                                             static_cast<E*>(out.data), out.stride[0],
                                                                             colsum, outer);
     NSA_CUDA_CHECK_LAUNCH();
@@ -768,13 +768,13 @@ bool backward_params(const Rows& r, const PhiParams& phi, const TensorView& x, c
         const XBlockBT b{{static_cast<const bf16*>(x.data), 0}, x_rows<bf16>(r, x)};
         gemm_direct(s, N, K, int(M), splits, 1, PlanesAT{{hi, M * N}, N}, b, StorePartial{part, K, int64_t(N) * K},
                     r.wgmma);
-        reduce_to(N, K, out, pe);
+        reduce_to(N, K, out, pe, splits);
         return;
       }
     }
     gemm(s, N, K, int(M), splits, 1, Cols32<false>{g, N}, BlockInputT<E>{block_input<E>(r, phi, x)},
          StorePartial{part, K, int64_t(N) * K});
-    reduce_to(N, K, out, nullptr);
+    reduce_to(N, K, out, nullptr, splits);
   };
   auto pe_grad = [&](int N) {  // dpe = W^T colsum
     pe_grad_kernel<E><<<unsigned((K + 31) / 32), 32 * kPeWarps, 0, s>>>(static_cast<const E*>(phi.w1.data), phi.w1.stride[0], N, K, colsum,
@@ -789,10 +789,14 @@ bool backward_params(const Rows& r, const PhiParams& phi, const TensorView& x, c
     return direct;
   }
   const int F = r.F;
-  // db2 = column sums of dy; dW2 [D, F] = dy^T gelu(pre).
+  // db2 = column sums of dy; dW2 [D, F] = dy^T gelu(pre). Its few C tiles (D / 128 x F / 64) take
+  // more row splits than the other products: one per 128 rows, up to 64, within the partial buffer
+  // (splits x the largest parameter, at least F l D floats: splits l of dW2's D F).
+  const int w2_splits = int(std::clamp<int64_t>(M / 128, splits, std::min<int64_t>(64, int64_t(splits) * r.l)));
   column_sum<E>(dy, M, D, colsum, static_cast<E*>(dphi.b2.data), s);
-  gemm(s, D, F, int(M), splits, 1, Cols32<false>{dy, D}, Cols32<true>{pre, F}, StorePartial{part, F, int64_t(D) * F});
-  reduce_to(D, F, dphi.w2, nullptr);
+  gemm(s, D, F, int(M), w2_splits, 1, Cols32<false>{dy, D}, Cols32<true>{pre, F},
+       StorePartial{part, F, int64_t(D) * F});
+  reduce_to(D, F, dphi.w2, nullptr, w2_splits);
   // dpre = (dy W2) gelu'(pre), in place.
   gemm(s, M, F, D, 1, 1, Rows32<false>{dy, D}, Weight<E>{static_cast<const E*>(phi.w2.data), phi.w2.stride[0]},
        StoreDpre{pre, F});
