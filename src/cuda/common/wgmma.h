@@ -1,7 +1,7 @@
 // Hopper warpgroup matrix multiply (wgmma, sm_90a only) for the attention tiles: one warpgroup
 // (4 warps, 128 threads) multiplies a 64-row A held in registers (wgmma_rs) or in shared memory
-// (wgmma_ss: A through a K-major descriptor, the layout of a K-major B of 64 rows) by a B tile
-// in shared memory.
+// (wgmma_ss: A through a K-major descriptor, the layout of a K-major B of 64 rows, or with kTransA
+// an MN-major one, 16-bit types) by a B tile in shared memory.
 //
 // Register layouts (PTX ISA "Register Fragments and Shared Memory Matrix Layouts" of wgmma):
 // warp w of the warpgroup owns rows 16w..16w+15, and within them
