@@ -81,18 +81,16 @@ __device__ __forceinline__ int warp_block_union(const int32_t* idx, int64_t idx_
 // entries) at lists + w * list_stride, and its token masks at the same offsets of masks. Every
 // thread of the CTA calls these functions (none may have left), and each ends with a CTA barrier.
 
-// Where the ascending a[0 .. n) holds x, or -1.
-__device__ __forceinline__ int sorted_find(const int32_t* a, int n, int32_t x) {
+// Whether the ascending a[0 .. n) holds x.
+__device__ __forceinline__ bool sorted_contains(const int32_t* a, int n, int32_t x) {
   int lo = 0, hi = n;
   while (lo < hi) {
     const int mid = (lo + hi) >> 1;
     if (a[mid] < x) lo = mid + 1;
     else hi = mid;
   }
-  return lo < n && a[lo] == x ? lo : -1;
+  return lo < n && a[lo] == x;
 }
-// Whether the ascending a[0 .. n) holds x.
-__device__ __forceinline__ bool sorted_contains(const int32_t* a, int n, int32_t x) { return sorted_find(a, n, x) >= 0; }
 
 // Calls f(e, i) for each block e = lists[w * list_stride + i] of this warp w that no earlier warp
 // holds (so each distinct block of the CTA's union once), lane-strided.

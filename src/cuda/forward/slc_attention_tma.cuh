@@ -50,6 +50,17 @@ struct SlcTmaMaps {
   CUtensorMap k, v;  // the selection's k, v as [T, Hkv, D], boxes of 16 rows x 64 columns
 };
 
+// Where ascending a[0 .. n) holds x, or -1.
+__device__ __forceinline__ int sorted_find(const int32_t* a, int n, int32_t x) {
+  int lo = 0, hi = n;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (a[mid] < x) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo < n && a[lo] == x ? lo : -1;
+}
+
 // The common blocks of a CTA's tile (BranchParams::slc_common), once every warp's union is in
 // `lists` (warp w's blocks at lists + w * 2 cap, their token masks cap further; num_blocks and
 // tokens_valid: this warp's). A block is common when every warp with tokens holds it with all its
