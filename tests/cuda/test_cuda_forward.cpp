@@ -404,15 +404,12 @@ TEST_P(CudaForward, SelectedAttentionWithAndWithoutCommonBlocksMatchesReference)
   if (cfg.n_selected == 0) cfg.n_selected = 2;
   LayerProblem p = make_problem(cfg, sizes_of(c), 41);
   HostTensor idx = random_topn_rows(c, cfg, p, 9);
-  {
-    const CommonBlocks common(1);
-    SCOPED_TRACE("common blocks at every G");
+  for (int rule : {1, 0}) {
+    const CommonBlocks common(rule);
+    SCOPED_TRACE(rule ? "common blocks at every G" : "no common blocks");
     expect_selection_matches_reference(c, cfg, p, idx, 0);
     expect_selection_matches_reference(c, cfg, p, idx, -1);
   }
-  const CommonBlocks common(0);
-  SCOPED_TRACE("no common blocks");
-  expect_selection_matches_reference(c, cfg, p, idx, -1);
 }
 
 // A row of indices is a set (api.h): order, repeats and where the -1 padding sits do not matter.

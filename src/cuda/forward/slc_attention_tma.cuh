@@ -145,8 +145,7 @@ __global__ void __launch_bounds__(kSlcWarpThreads, 2)
     const int tokens_per_warp = tl.tokens_per_warp, hk = tl.hk;
     const int64_t s0 = tl.s0, len = tl.len;
     const int64_t t0 = tl.t0 + warp * tokens_per_warp;  // the warp's first token
-    // Common blocks (then every warp meets the CTA barriers), where the launcher's conditions hold.
-    const bool common = p.slc_common && p.sort_capacity <= kSlcCommonMaxSort && p.lp % 16 == 0 && p.lp <= 16 * kSlcCommonSteps;
+    const bool common = p.slc_common;                    // (then every warp meets the CTA barriers)
     if (!p.slc_union_tiles && !common && t0 >= len) return;  // a warp may leave alone
     const int tokens_valid = t0 < len ? static_cast<int>(min64(tokens_per_warp, len - t0)) : 0;
     const int tmax = static_cast<int>(t0) + tokens_valid - 1;
