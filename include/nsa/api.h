@@ -47,8 +47,6 @@ struct CudaKernelChoices {
   bool dkv_warp_specialized = true;  // false: the backward's dK/dV kernel is one warpgroup per CTA everywhere
   bool phi_pairs = true;        // false: phi of k and of v in launches of their own (never one launch for both)
   bool phi_wgmma = true;        // false: phi's bf16 products on mma.sync on every GPU (sm_90a: wgmma otherwise)
-  int slc_common_blocks = -1;   // the selection forward on sm_90a: blocks every token of a CTA picked (whole,
-                                // up to 128 keys) loaded once for its four warps; -1 at G = 16 (the rule), 0 never, 1 at every G
   bool cmp_scores_by_chunk = true;  // false: the score pass's ring accumulator everywhere (else where l'/d divides 64 and l/d - 1 <= min(ring, 64))
 };
 

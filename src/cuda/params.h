@@ -98,11 +98,6 @@ struct BranchParams {
   // 0: their count, zeroed before the launch; then the tiles, blockIdx.y * gridDim.x +
   // blockIdx.x, in no particular order), which slc_union_tile_kernel then runs.
   bool slc_union_tiles;
-  // The TMA selection kernel (slc_attention_tma.cuh): the blocks every token of the CTA picked
-  // (whole, visible to its first token) go through the CTA's shared stages first, loaded once for
-  // all four warps (CudaKernelChoices::slc_common_blocks; l' a multiple of 16, sorts of at most
-  // kSlcCommonMaxSort entries).
-  bool slc_common;
   CudaKernelChoices choices;  // Context::cuda_choices (tma, slc_union_tiles, slc_union_ctas)
   int32_t* slc_union_list;  // slc_union_list_ints(...) ints of the workspace; nullptr: no union tiles
 };

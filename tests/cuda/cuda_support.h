@@ -75,16 +75,6 @@ struct SeparatePhis {
   SeparatePhis& operator=(const SeparatePhis&) = delete;
 };
 
-// While alive, the TMA selection kernel walks the blocks every token of a CTA picked through the
-// CTA's shared stages (CudaKernelChoices::slc_common_blocks) by `rule`: 1 at every G, 0 never
-// (-1, the default: at G = 16).
-struct CommonBlocks {
-  explicit CommonBlocks(int rule) { kernel_choices().slc_common_blocks = rule; }
-  ~CommonBlocks() { kernel_choices().slc_common_blocks = -1; }
-  CommonBlocks(const CommonBlocks&) = delete;
-  CommonBlocks& operator=(const CommonBlocks&) = delete;
-};
-
 // While alive, phi's bf16 products run on mma.sync (CudaKernelChoices::phi_wgmma), as on sm_80;
 // elsewhere an sm_90a build runs them on wgmma.
 struct PhiOnMmaSync {

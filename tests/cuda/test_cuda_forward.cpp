@@ -395,23 +395,6 @@ TEST_P(CudaForward, SelectedAndWindowAttentionMatchReference) {
   EXPECT_TRUE(close(lse.values(), lse_ref.values(), lse_tol)) << "window";
 }
 
-// The selection's blocks that every token of a CTA picked walked through the CTA's shared stages
-// (CommonBlocks) at every G, and never (the default takes them at G = 16): both match the reference.
-TEST_P(CudaForward, SelectedAttentionWithAndWithoutCommonBlocksMatchesReference) {
-  NSA_REQUIRE_GPU();
-  const Case& c = GetParam();
-  Config cfg = config_of(c);
-  if (cfg.n_selected == 0) cfg.n_selected = 2;
-  LayerProblem p = make_problem(cfg, sizes_of(c), 41);
-  HostTensor idx = random_topn_rows(c, cfg, p, 9);
-  for (int rule : {1, 0}) {
-    const CommonBlocks common(rule);
-    SCOPED_TRACE(rule ? "common blocks at every G" : "no common blocks");
-    expect_selection_matches_reference(c, cfg, p, idx, 0);
-    expect_selection_matches_reference(c, cfg, p, idx, -1);
-  }
-}
-
 // A row of indices is a set (api.h): order, repeats and where the -1 padding sits do not matter.
 // Rows here are the top-n rows reversed (padding first, blocks descending) with the first block
 // repeated in the last place; the reference reads the same rows.
@@ -449,29 +432,6 @@ TEST(CudaForwardSelection, UnionAndPerTokenTilesInOneCall) {
   HostTensor idx = random_topn_rows(c, cfg, p, 12);
   expect_selection_matches_reference(c, cfg, p, idx, 0);
   expect_selection_matches_reference(c, cfg, p, idx, 3);  // a CTA runs tiles of both sequences in turn
-}
-
-// Every token picks the same blocks (0 .. 11, those it may see; l' = 16): a CTA's tokens share
-// every block their first token sees whole, more than the shared stages hold (8 steps of 16 keys),
-// so the first 8 go through them and the rest stay in each warp's own walk; the last CTA of each
-// sequence has warps without a token. At G = 16 (the rule) and G = 4 (CommonBlocks).
-TEST(CudaForwardSelection, CommonBlocksBeyondTheSharedStages) {
-  NSA_REQUIRE_GPU();
-  for (const int hq : {16, 4}) {
-    Case c{"x", DType::bf16, 128, 128, hq, 1, {701, 33}, 16, 8, 16, 12, 1, 2, 64, PhiKind::mean, false};
-    const Config cfg = config_of(c);
-    LayerProblem p = make_problem(cfg, sizes_of(c), 53);
-    HostTensor idx(DType::i32, {p.T, c.hkv, cfg.n_selected});
-    int64_t r0 = 0;
-    for (int32_t len : c.seqlens) {
-      for (int64_t t = 0; t < len; ++t)
-        for (int64_t k = 0; k < cfg.n_selected; ++k) idx.set((r0 + t) * cfg.n_selected + k, k * 16 <= t ? k : -1);
-      r0 += len;
-    }
-    const CommonBlocks common(hq == 16 ? -1 : 1);
-    SCOPED_TRACE("Hq " + std::to_string(hq));
-    expect_selection_matches_reference(c, cfg, p, idx, -1);
-  }
 }
 
 // ---- whole forward ----------------------------------------------------------------------------

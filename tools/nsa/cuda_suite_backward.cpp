@@ -11,8 +11,7 @@
 // 64K), the latter with phi's bf16 products on mma.sync where they would run on wgmma
 // (saved_o_cmp_phi_mlp_mma_sync: their same-run A/B), saved_o_cmp with the score pass's ring
 // accumulator where it would write each chunk's blocks directly (saved_o_cmp_score_ring, Dqk = Dv =
-// 128 at 8K and 64K: their same-run A/B), saved_o_cmp with the selection forward's common blocks off
-// (saved_o_cmp_no_common_blocks, the same shapes), and the backward's extra memory (its workspace) against the memory of q, k, v and o.
+// 128 at 8K and 64K: their same-run A/B), and the backward's extra memory (its workspace) against the memory of q, k, v and o.
 // Writes a CSV (T,hq,hkv,dqk,dv,variant,fwd_ms,bwd_ms,fwd_bwd_ms,bwd_tflops,ws_mb,qkvo_mb,peak_mb)
 // that bench/sdpa_backward_baseline.py joins with PyTorch SDPA forward+backward measured in the
 // same scripts/gpu_check.sh run.
@@ -58,8 +57,7 @@ const char* const kVariantNames[] = {"full",
                                      "local_q",
                                      "local_q_per_token",
                                      "saved_o_cmp_one_warpgroup_dkv",
-                                     "saved_o_cmp_score_ring",
-                                     "saved_o_cmp_no_common_blocks"};
+                                     "saved_o_cmp_score_ring"};
 
 struct Shape {
   int64_t hq, hkv, dqk, dv;
@@ -124,7 +122,6 @@ struct Variant {
   bool one_warpgroup_dkv = false;  // dK / dV by dkv_kernel where dkv_ws_kernel would run (CudaKernelChoices)
   bool phi_mma_sync = false;       // phi's bf16 products on mma.sync where they would run on wgmma (CudaKernelChoices)
   bool score_ring = false;         // the score pass's ring accumulator everywhere (CudaKernelChoices)
-  bool no_common_blocks = false;   // the selection forward without its CTAs' common blocks (CudaKernelChoices)
 };
 
 // The variants of one shape and length: the full layer, then one branch off at a time (64K and 8K
@@ -141,8 +138,6 @@ std::vector<Variant> variants_of(const Shape& s, int64_t T) {
         {"saved_o_cmp_one_warpgroup_dkv", 16, 512, nsa::PhiKind::mean, false, false, false, false, true, true});
     variants.push_back(
         {"saved_o_cmp_score_ring", 16, 512, nsa::PhiKind::mean, false, false, false, false, true, false, false, true});
-    variants.push_back({"saved_o_cmp_no_common_blocks", 16, 512, nsa::PhiKind::mean, false, false, false, false, true,
-                        false, false, false, true});
   }
   if (square && s.hq == 64 && (T == 65536 || T == 8192)) {
     variants.push_back({"no_window", 16, 0, nsa::PhiKind::mean, false});
@@ -199,7 +194,6 @@ int run_backward_suite(const std::vector<std::string>& args) {
         choices.dkv_warp_specialized = !var.one_warpgroup_dkv;
         choices.phi_wgmma = !var.phi_mma_sync;
         choices.cmp_scores_by_chunk = !var.score_ring;
-        choices.slc_common_blocks = var.no_common_blocks ? 0 : -1;
         nsa::Config cfg;
         cfg.phi = var.phi;
         cfg.n_selected = var.n;

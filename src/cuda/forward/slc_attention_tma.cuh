@@ -6,16 +6,8 @@
 // kernel: ncu at 64K, G = 16, L1/TEX throughput 94%). The walk is slc_dq_kernel's (slc_dq.cuh):
 // positions in 32 bits, each row's visible keys per block, no masks on a step every row sees.
 // Q's A fragments in registers (natural order), O in natural column order.
-// The warps never wait for each other in their own walks; the union tiles (slc_union_tile_kernel)
-// are handed over as by the per-token kernel.
-//
-// Common blocks (BranchParams::slc_common): the blocks that every token of the CTA picked and whose
-// keys all its tokens see (the forced first block and the local blocks before the current one, at
-// G = 16 two of each token's n: a sixth of what the four warps read) are walked first, each 16-key
-// step loaded once into the CTA's shared stages (stages 1 and 2 of every warp's ring: up to
-// kSlcCommonSteps steps) and multiplied by every warp; meanwhile each warp's first own step lands in
-// its stage 0. Two CTA barriers (before the common boxes are issued, after every warp read them).
-// Whole steps visible to every row need no mask and no zeroed tail (l' a multiple of 16).
+// The warps never wait for each other; the union tiles (slc_union_tile_kernel) are handed over as
+// by the per-token kernel.
 #pragma once
 
 #include "cuda/forward/slc_attention.cuh"
@@ -23,21 +15,16 @@
 namespace nsa::cuda {
 
 inline constexpr int kSlcTmaStages = 3;
-// Common steps: stages 1 and 2 of each of the kSlcWarps rings. Sorts of up to kSlcCommonMaxSort
-// entries (a ballot of common flags per 32 in registers).
-inline constexpr int kSlcCommonSteps = kSlcWarps * (kSlcTmaStages - 1);
-inline constexpr int kSlcCommonMaxSort = 256;
 constexpr size_t slc_tma_stage_bytes(int dqk, int dv) { return size_t(16) * 128 * size_t(dqk / 64 + dv / 64); }
 constexpr size_t slc_tma_ring_bytes(int dqk, int dv) { return kSlcTmaStages * slc_tma_stage_bytes(dqk, dv); }
 // From a 1024-byte boundary: the warps' rings (a warp's sort keys live in its ring before the
 // first box, its output rows after the last), their mbarriers, the warps' union lists (blocks and
-// masks, cap ints each), 8 ints (meta), kSlcCommonSteps + 1 ints (the common blocks and their count).
+// masks, cap ints each), 8 ints.
 constexpr size_t slc_tma_lists_offset(int dqk, int dv) {
   return size_t(kSlcWarps) * (slc_tma_ring_bytes(dqk, dv) + kSlcTmaStages * 8);
 }
 constexpr size_t slc_tma_smem_bytes(int dqk, int dv, int cap) {
-  return 1024 + slc_tma_lists_offset(dqk, dv) + size_t(kSlcWarps) * 2 * size_t(cap) * 4 +
-         (8 + kSlcCommonSteps + 1) * sizeof(int);
+  return 1024 + slc_tma_lists_offset(dqk, dv) + size_t(kSlcWarps) * 2 * size_t(cap) * 4 + 8 * sizeof(int);
 }
 // Where it runs: Dqk and Dv up to 128, a warp's sort keys (3 ints per entry) within its ring, two
 // CTAs per SM.
@@ -49,81 +36,6 @@ constexpr bool slc_tma_fits(int dqk, int dv, int cap) {
 struct SlcTmaMaps {
   CUtensorMap k, v;  // the selection's k, v as [T, Hkv, D], boxes of 16 rows x 64 columns
 };
-
-// Where ascending a[0 .. n) holds x, or -1.
-__device__ __forceinline__ int sorted_find(const int32_t* a, int n, int32_t x) {
-  int lo = 0, hi = n;
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (a[mid] < x) lo = mid + 1;
-    else hi = mid;
-  }
-  return lo < n && a[lo] == x ? lo : -1;
-}
-
-// The common blocks of a CTA's tile (BranchParams::slc_common), once every warp's union is in
-// `lists` (warp w's blocks at lists + w * 2 cap, their token masks cap further; num_blocks and
-// tokens_valid: this warp's). A block is common when every warp with tokens holds it with all its
-// tokens in the mask and the tile's first token sees it whole ((b + 1) l' <= t + 1). Each warp
-// takes the first max_common common blocks (ascending: the same ones in every warp) out of its own
-// list, compacted in place, and warp 0 writes them to common[0 .. ncommon) and ncommon to
-// common[kSlcCommonSteps]. Returns the warp's own count. Every thread of the CTA calls it (none may
-// have left); meta: kSlcWarps ints. The common list is read after the caller's next CTA barrier.
-__device__ __forceinline__ int slc_common_split(const BranchParams& p, const SlcTile& tl, int tokens_valid,
-                                                int num_blocks, int32_t* lists, int cap, int* meta, int32_t* common,
-                                                int max_common) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  int32_t* const ublk = lists + warp * 2 * cap;
-  int32_t* const umask = ublk + cap;
-  if (lane == 0) meta[warp] = tokens_valid > 0 ? num_blocks : -1;
-  __syncthreads();  // every warp's list and count
-  auto full_mask = [&](int v) {  // the tokens of warp v
-    const int64_t n = min64(max64(tl.len - (tl.t0 + int64_t(v) * tl.tokens_per_warp), 0), tl.tokens_per_warp);
-    return static_cast<int32_t>((1u << n) - 1u);
-  };
-  const int mine = max(meta[warp], 0);
-  uint32_t flags[kSlcCommonMaxSort / 32];
-#pragma unroll
-  for (int c = 0; c < kSlcCommonMaxSort / 32; ++c) {
-    const int i = c * 32 + lane;
-    bool f = false;
-    if (i < mine) {
-      const int32_t e = ublk[i];
-      f = (int64_t(e) + 1) * p.lp <= tl.t0 + 1 && (umask[i] & full_mask(warp)) == full_mask(warp);
-      for (int v = 0; v < kSlcWarps && f; ++v) {
-        if (v == warp || meta[v] < 0) continue;
-        const int pos = sorted_find(lists + v * 2 * cap, meta[v], e);
-        f = pos >= 0 && (lists[v * 2 * cap + cap + pos] & full_mask(v)) == full_mask(v);
-      }
-    }
-    flags[c] = __ballot_sync(0xffffffffu, f);
-  }
-  __syncthreads();  // every warp flagged its entries (reading the others' lists) before any compacts
-  int kept = 0, flagged = 0;
-#pragma unroll
-  for (int c = 0; c < kSlcCommonMaxSort / 32; ++c) {
-    const int i = c * 32 + lane;
-    const bool valid = i < mine;
-    const int32_t e = valid ? ublk[i] : 0, mk = valid ? umask[i] : 0;
-    const bool flag = (flags[c] >> lane) & 1u;
-    const int rank = flagged + __popc(flags[c] & ((1u << lane) - 1u));  // among the common blocks
-    const bool take = flag && rank < max_common;
-    const bool keep = valid && !take;
-    const uint32_t kb = __ballot_sync(0xffffffffu, keep);
-    __syncwarp();  // (writes go to positions at or before this chunk's reads)
-    if (keep) {
-      const int pos = kept + __popc(kb & ((1u << lane) - 1u));
-      ublk[pos] = e;
-      umask[pos] = mk;
-    }
-    if (take && warp == 0) common[rank] = e;
-    kept += __popc(kb);
-    flagged += __popc(flags[c]);
-    __syncwarp();
-  }
-  if (warp == 0 && lane == 0) common[kSlcCommonSteps] = min(flagged, max_common);
-  return kept;
-}
 
 template <typename Storage, int kDqk, int kDv>
 __global__ void __launch_bounds__(kSlcWarpThreads, 2)
@@ -145,8 +57,7 @@ __global__ void __launch_bounds__(kSlcWarpThreads, 2)
     const int tokens_per_warp = tl.tokens_per_warp, hk = tl.hk;
     const int64_t s0 = tl.s0, len = tl.len;
     const int64_t t0 = tl.t0 + warp * tokens_per_warp;  // the warp's first token
-    const bool common = p.slc_common;                    // (then every warp meets the CTA barriers)
-    if (!p.slc_union_tiles && !common && t0 >= len) return;  // a warp may leave alone
+    if (!p.slc_union_tiles && t0 >= len) return;       // a warp may leave alone
     const int tokens_valid = t0 < len ? static_cast<int>(min64(tokens_per_warp, len - t0)) : 0;
     const int tmax = static_cast<int>(t0) + tokens_valid - 1;
 
@@ -157,19 +68,15 @@ __global__ void __launch_bounds__(kSlcWarpThreads, 2)
     int32_t* const ublk = lists + warp * 2 * cap;
     int32_t* const umask = ublk + cap;
     int* const meta = lists + kSlcWarps * 2 * cap;
-    int32_t* const cblk = meta + 8;  // the common blocks, their count at [kSlcCommonSteps]
 
     // ---- The union of the warp's tokens' blocks (slc_union.cuh), sorted in the ring ----
-    int num_blocks =
+    const int num_blocks =
         warp_block_union(p.indices + (s0 + min64(t0, len - 1)) * p.idx_st + int64_t(hk) * p.idx_sh, p.idx_st,
                          p.n_sel, p.lp, t0, tokens_valid, cap, reinterpret_cast<int32_t*>(ring), ublk, umask);
     if (p.slc_union_tiles) {
       if (slc_tile_handed_over(p, tl, lists, 2 * cap, meta, num_blocks)) return;
-      if (tokens_valid == 0 && !common) return;
+      if (tokens_valid == 0) return;
     }
-    const int per_block = p.lp / 16;  // (common: l' a multiple of 16)
-    if (common)
-      num_blocks = slc_common_split(p, tl, tokens_valid, num_blocks, lists, cap, meta, cblk, kSlcCommonSteps / per_block);
 
     // ---- This lane's rows (g and g + 8) and its Q fragments ----
     int tok[2], head[2], trow[2];
@@ -206,50 +113,17 @@ __global__ void __launch_bounds__(kSlcWarpThreads, 2)
     };
     int u = 0, off = 0, nkeys = 0, lim[2] = {0, 0};
     if (num_blocks > 0) nkeys = walk.enter(0, trow, tok, lim);
+    for (int i = 0; i < kSlcTmaStages - 1 && i < n_steps; ++i) issue(i);
 
     float acc[kOTiles][4];
 #pragma unroll
     for (int i = 0; i < kOTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
     float m[2] = {kNegInf, kNegInf}, lsum[2] = {0.f, 0.f};
-    uint32_t parity = 0;  // bit st: the phase stage st's mbarrier completes next
-    if (!common) {
-      for (int i = 0; i < kSlcTmaStages - 1 && i < n_steps; ++i) issue(i);
-    } else {
-      // The common steps: step j in stage 1 + j % kCs of warp j / kCs's ring (kCs = kSlcTmaStages -
-      // 1), loaded by thread 0 once every warp set up its mbarriers and fenced its sort's bytes
-      // (barrier 1), multiplied by every warp with tokens, all keys visible to every row (no mask;
-      // whole steps: no tail). The warp's own first step lands in its stage 0 meanwhile.
-      constexpr int kCs = kSlcTmaStages - 1;
-      uint64_t* const cta_bars = reinterpret_cast<uint64_t*>(base + kSlcWarps * kRingBytes);
-      if (n_steps > 0) issue(0);
-      __syncthreads();
-      const int ncs = cblk[kSlcCommonSteps] * per_block;
-      if (threadIdx.x == 0)
-        for (int j = 0; j < ncs; ++j)
-          slc_issue_step<kDqk, kDv>(base + (j / kCs) * kRingBytes + (1 + j % kCs) * kStageBytes,
-                                    cta_bars + (j / kCs) * kSlcTmaStages + 1 + j % kCs, &maps.k, &maps.v, hk,
-                                    static_cast<int>(s0) + cblk[j / per_block] * p.lp + (j % per_block) * 16);
-      if (ncs > 0) {
-        if (tokens_valid > 0)
-          for (int j = 0; j < ncs; ++j) {
-            mbarrier_wait_parity(cta_bars + (j / kCs) * kSlcTmaStages + 1 + j % kCs, 0u);
-            const uint32_t sk = smem_address(base + (j / kCs) * kRingBytes + (1 + j % kCs) * kStageBytes);
-            float s[2][4];
-            mma_frags_stage_sw<kBf16, kDqk>(s, qf, sk);  // S = Q K^T
-            slc_softmax_step<kOTiles>(s, m, lsum, acc, p.scale_log2);
-            mma_p_stage_sw<Storage, kDv>(acc, s, sk + kKBytes);  // O += P V
-          }
-        __syncthreads();  // every warp is done with the common stages (barrier 2)
-        for (int s = 1; s < kSlcTmaStages; ++s)  // this warp's stages that held a common step
-          if (warp * kCs + s - 1 < ncs) parity |= 1u << s;
-      }
-      if (tokens_valid == 0) return;
-      for (int i = 1; i < kSlcTmaStages - 1 && i < n_steps; ++i) issue(i);
-    }
     int st = 0;
+    uint32_t phase = 0;
     for (int i = 0; i < n_steps; ++i) {
       if (i + kSlcTmaStages - 1 < n_steps) issue(st == 0 ? kSlcTmaStages - 1 : st - 1);  // the stage step i - 1 left
-      mbarrier_wait_parity(bars + st, (parity >> st) & 1u);
+      mbarrier_wait_parity(bars + st, phase);
       unsigned char* const stage = ring + st * kStageBytes;
       const int nv = min(16, nkeys - off);
       if (nv < 16) slc_zero_stage_tail<kDqk / 64 + kDv / 64>(stage, nv, lane);
@@ -269,8 +143,8 @@ __global__ void __launch_bounds__(kSlcWarpThreads, 2)
       __syncwarp();  // every lane is done with the stage
       off += 16;
       if (off >= nkeys && u + 1 < num_blocks) off = 0, nkeys = walk.enter(++u, trow, tok, lim);
-      parity ^= 1u << st;
       st = st + 1 == kSlcTmaStages ? 0 : st + 1;
+      phase ^= st == 0 ? 1u : 0u;
     }
 
     // ---- Epilogue: lse, and o_slc's rows through the ring (rows of Dv + 8 columns: a store's 8
@@ -319,11 +193,6 @@ void launch_slc_attention(const BranchParams& p_in, cudaStream_t stream) {
       kv_rows_tensor_map<Storage, kDv>(&tmaps.v, p.choices, p.v_slc, p.hkv, p.seqs.total_tokens, p.vs_st, p.vs_sh,
                                        16)) {
     const size_t smem = slc_tma_smem_bytes(kDqk, kDv, p.sort_capacity);
-    // Common blocks: by the rule at G = 16 (a sixth of the loads there; at G = 4 under 3%, as a
-    // warp's union holds its four tokens' blocks), where whole 16-key steps fit the shared stages.
-    const int rule = p.choices.slc_common_blocks;
-    p.slc_common = (rule > 0 || (rule < 0 && p.group == 16)) && p.lp % 16 == 0 && p.lp <= 16 * kSlcCommonSteps &&
-                   p.sort_capacity <= kSlcCommonMaxSort;
     allow_smem(tkernel, smem, /*max_carveout=*/true);  // the warps' rings
     tkernel<<<grid, kSlcWarpThreads, smem, stream>>>(p, tmaps);
   } else {
