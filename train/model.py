@@ -58,6 +58,7 @@ class ModelConfig:
     phi: str = "mlp"
     phi_hidden: Optional[int] = None  # the mlp phi's hidden width F (the layer's default: 4 x head dim)
     shared_kv: bool = False
+    gate_hidden: Optional[int] = None  # the gate MLP's hidden width (the layer's default: hidden // 4; 0: linear gate)
     backbone_max_seqlen: int = 65536
     backbone_per_layer: int = 1
     save_branch_outputs: bool = False  # CUDA: ~25% faster NSA backward for 3x the output's memory
@@ -153,7 +154,8 @@ def sparse_attention(cfg: ModelConfig, layer_idx: int) -> nn.Module:
 
     backbone = cfg.attention == "nsa_backbone"
     return nsa.NativeSparseAttention(cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, config=cfg.nsa_config(),
-                                     phi=cfg.phi, phi_hidden=cfg.phi_hidden, shared_kv=cfg.shared_kv, rotary=True,
+                                     phi=cfg.phi, phi_hidden=cfg.phi_hidden, shared_kv=cfg.shared_kv,
+                                     gate_hidden=cfg.gate_hidden, rotary=True,
                                      rope_theta=cfg.rope_theta, save_branch_outputs=cfg.save_branch_outputs,
                                      backbone=backbone, layer_idx=layer_idx if backbone else None,
                                      max_seqlen=cfg.backbone_max_seqlen if backbone else None,

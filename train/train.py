@@ -83,6 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--phi", choices=("mean", "linear", "mlp"), default="mlp")
     g.add_argument("--phi-hidden", type=int, help="hidden width of the mlp phi (default: the layer's, 4 x head dim)")
     g.add_argument("--shared-kv", action="store_true", help="one K/V for the three branches (default: independent)")
+    g.add_argument("--gate-hidden", type=int,
+                   help="hidden width of the gate MLP (default: the layer's, hidden // 4; 0: a linear gate)")
     g.add_argument("--backbone-max-seqlen", type=int,
                    help="nsa_backbone: the longest sequence its schedule covers (default 4 x seq-len, the "
                         "longest evaluated length)")
@@ -158,7 +160,7 @@ def model_config(args) -> ModelConfig:
                        attention=args.arm, cmp_block_len=args.cmp_block_len, cmp_stride=args.cmp_stride,
                        slc_block_len=args.slc_block_len, n_selected=args.n_selected, n_init=args.n_init,
                        n_local=args.n_local, window=args.window, phi=args.phi, phi_hidden=args.phi_hidden,
-                       shared_kv=args.shared_kv,
+                       shared_kv=args.shared_kv, gate_hidden=args.gate_hidden,
                        backbone_max_seqlen=args.backbone_max_seqlen)
 
 
