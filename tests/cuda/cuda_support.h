@@ -38,60 +38,36 @@ inline Context cuda_context(Backend backend = Backend::cuda) {
   return c;
 }
 
-// While one lives, no tensor map is made, so every kernel takes the path it takes where a map
-// cannot be encoded (CudaKernelChoices::tma).
-struct NoTensorMaps {
-  NoTensorMaps() { kernel_choices().tma = false; }
-  ~NoTensorMaps() { kernel_choices().tma = true; }
-  NoTensorMaps(const NoTensorMaps&) = delete;
-  NoTensorMaps& operator=(const NoTensorMaps&) = delete;
+// While one lives, the kernel choice Member is false; the value before it comes back with the
+// guard's end. The guards below name the choices the tests switch off.
+template <bool CudaKernelChoices::*Member>
+struct ChoiceOff {
+  ChoiceOff() : before_(kernel_choices().*Member) { kernel_choices().*Member = false; }
+  ~ChoiceOff() { kernel_choices().*Member = before_; }
+  ChoiceOff(const ChoiceOff&) = delete;
+  ChoiceOff& operator=(const ChoiceOff&) = delete;
+
+ private:
+  bool before_;
 };
 
-// While alive, the selection runs without its union tiles (CudaKernelChoices::slc_union_tiles):
-// the forward's per-token kernel and the backward's slc_dq_kernel take every tile.
-struct NoSelectionUnionTiles {
-  NoSelectionUnionTiles() { kernel_choices().slc_union_tiles = false; }
-  ~NoSelectionUnionTiles() { kernel_choices().slc_union_tiles = true; }
-  NoSelectionUnionTiles(const NoSelectionUnionTiles&) = delete;
-  NoSelectionUnionTiles& operator=(const NoSelectionUnionTiles&) = delete;
-};
-
-// While alive, the backward's dK / dV run one warpgroup per CTA (dkv_kernel) where they would run
-// warp-specialised (dkv_ws_kernel: sm_90a, Dqk = Dv = 128; CudaKernelChoices::dkv_warp_specialized).
-struct OneWarpgroupDkv {
-  OneWarpgroupDkv() { kernel_choices().dkv_warp_specialized = false; }
-  ~OneWarpgroupDkv() { kernel_choices().dkv_warp_specialized = true; }
-  OneWarpgroupDkv(const OneWarpgroupDkv&) = delete;
-  OneWarpgroupDkv& operator=(const OneWarpgroupDkv&) = delete;
-};
-
-// While alive, phi of k and of v run in launches of their own (CudaKernelChoices::phi_pairs), as
-// where their shapes differ; elsewhere the forward's compression and the backward's recompute run
-// them as the two batches of one launch per product.
-struct SeparatePhis {
-  SeparatePhis() { kernel_choices().phi_pairs = false; }
-  ~SeparatePhis() { kernel_choices().phi_pairs = true; }
-  SeparatePhis(const SeparatePhis&) = delete;
-  SeparatePhis& operator=(const SeparatePhis&) = delete;
-};
-
-// While alive, phi's bf16 products run on mma.sync (CudaKernelChoices::phi_wgmma), as on sm_80;
-// elsewhere an sm_90a build runs them on wgmma.
-struct PhiOnMmaSync {
-  PhiOnMmaSync() { kernel_choices().phi_wgmma = false; }
-  ~PhiOnMmaSync() { kernel_choices().phi_wgmma = true; }
-  PhiOnMmaSync(const PhiOnMmaSync&) = delete;
-  PhiOnMmaSync& operator=(const PhiOnMmaSync&) = delete;
-};
-
-// While alive, the score pass sums S in its ring accumulator everywhere
-// (CudaKernelChoices::cmp_scores_by_chunk), as where l'/d does not divide its 64-key chunk.
-struct ScoresByRing {
-  ScoresByRing() { kernel_choices().cmp_scores_by_chunk = false; }
-  ~ScoresByRing() { kernel_choices().cmp_scores_by_chunk = true; }
-  ScoresByRing(const ScoresByRing&) = delete;
-  ScoresByRing& operator=(const ScoresByRing&) = delete;
-};
+// No tensor map is made, so every kernel takes the path it takes where a map cannot be encoded.
+using NoTensorMaps = ChoiceOff<&CudaKernelChoices::tma>;
+// The selection runs without its union tiles: the forward's per-token kernel and the backward's
+// slc_dq_kernel take every tile.
+using NoSelectionUnionTiles = ChoiceOff<&CudaKernelChoices::slc_union_tiles>;
+// The backward's dK / dV run one warpgroup per CTA (dkv_kernel) where they would run
+// warp-specialised (dkv_ws_kernel: sm_90a, Dqk = Dv = 128).
+using OneWarpgroupDkv = ChoiceOff<&CudaKernelChoices::dkv_warp_specialized>;
+// phi of k and of v run in launches of their own, as where their shapes differ; elsewhere the
+// forward's compression and the backward's recompute run them as the two batches of one launch
+// per product.
+using SeparatePhis = ChoiceOff<&CudaKernelChoices::phi_pairs>;
+// phi's bf16 products run on mma.sync, as on sm_80; elsewhere an sm_90a build runs them on wgmma.
+using PhiOnMmaSync = ChoiceOff<&CudaKernelChoices::phi_wgmma>;
+// The score pass sums S in its ring accumulator everywhere, as where l'/d does not divide its
+// 64-key chunk.
+using ScoresByRing = ChoiceOff<&CudaKernelChoices::cmp_scores_by_chunk>;
 
 // While alive, the backward takes paths its rules keep for long sequences: the compressed dK/dV's
 // queries in `cmp_splits` parts (0: by the sequence length), with pair_sort the inverted index's
