@@ -11,7 +11,8 @@
 // 64K), the latter with phi's bf16 products on mma.sync where they would run on wgmma
 // (saved_o_cmp_phi_mlp_mma_sync: their same-run A/B), saved_o_cmp with the score pass's ring
 // accumulator where it would write each chunk's blocks directly (saved_o_cmp_score_ring, Dqk = Dv =
-// 128 at 8K and 64K: their same-run A/B), and the backward's extra memory (its workspace) against the memory of q, k, v and o.
+// 128 at 8K and 64K: their same-run A/B), and the backward's extra memory (its workspace) against
+// the memory of q, k, v and o.
 // Writes a CSV (T,hq,hkv,dqk,dv,variant,fwd_ms,bwd_ms,fwd_bwd_ms,bwd_tflops,ws_mb,qkvo_mb,peak_mb)
 // that bench/sdpa_backward_baseline.py joins with PyTorch SDPA forward+backward measured in the
 // same scripts/gpu_check.sh run.
@@ -114,7 +115,7 @@ struct Variant {
   const char* name;
   int64_t n, w;
   nsa::PhiKind phi;
-  bool o_branch;           // the forward keeps each branch's output, the backward takes dg from it
+  bool o_branch = false;   // the forward keeps each branch's output, the backward takes dg from it
   bool local_q = false;    // queries alike over 64 tokens (fill_local_bf16), as in trained models: last
   bool per_token = false;  // the selection's union tiles off (forward and backward): the A/B of them
   bool without_o = false;  // the backward is not given the forward's o (its selection recomputes o_slc)
@@ -127,31 +128,33 @@ struct Variant {
 // The variants of one shape and length: the full layer, then one branch off at a time (64K and 8K
 // only, G = 16); at Dqk 192 the full layer only.
 std::vector<Variant> variants_of(const Shape& s, int64_t T) {
+  using nsa::PhiKind;
   const bool square = s.dqk == s.dv;
-  std::vector<Variant> variants = {{"full", 16, 512, nsa::PhiKind::mean, false}};
+  std::vector<Variant> variants = {{.name = "full", .n = 16, .w = 512, .phi = PhiKind::mean}};
   if (square) {
-    variants.push_back({"saved_o_branch", 16, 512, nsa::PhiKind::mean, true});
-    variants.push_back({"saved_o_cmp", 16, 512, nsa::PhiKind::mean, false, false, false, false, true});
+    variants.push_back({.name = "saved_o_branch", .n = 16, .w = 512, .phi = PhiKind::mean, .o_branch = true});
+    variants.push_back({.name = "saved_o_cmp", .n = 16, .w = 512, .phi = PhiKind::mean, .o_cmp = true});
   }
   if (square && s.dqk == 128 && (T == 65536 || T == 8192)) {
+    variants.push_back({.name = "saved_o_cmp_one_warpgroup_dkv", .n = 16, .w = 512, .phi = PhiKind::mean,
+                        .o_cmp = true, .one_warpgroup_dkv = true});
     variants.push_back(
-        {"saved_o_cmp_one_warpgroup_dkv", 16, 512, nsa::PhiKind::mean, false, false, false, false, true, true});
-    variants.push_back(
-        {"saved_o_cmp_score_ring", 16, 512, nsa::PhiKind::mean, false, false, false, false, true, false, false, true});
+        {.name = "saved_o_cmp_score_ring", .n = 16, .w = 512, .phi = PhiKind::mean, .o_cmp = true, .score_ring = true});
   }
   if (square && s.hq == 64 && (T == 65536 || T == 8192)) {
-    variants.push_back({"no_window", 16, 0, nsa::PhiKind::mean, false});
-    variants.push_back({"no_selection", 0, 512, nsa::PhiKind::mean, false});
-    variants.push_back({"phi_mlp_F4D", 16, 512, nsa::PhiKind::mlp, false});
-    variants.push_back({"saved_o_cmp_phi_mlp", 16, 512, nsa::PhiKind::mlp, false, false, false, false, true});
-    variants.push_back(
-        {"saved_o_cmp_phi_mlp_mma_sync", 16, 512, nsa::PhiKind::mlp, false, false, false, false, true, false, true});
+    variants.push_back({.name = "no_window", .n = 16, .w = 0, .phi = PhiKind::mean});
+    variants.push_back({.name = "no_selection", .n = 0, .w = 512, .phi = PhiKind::mean});
+    variants.push_back({.name = "phi_mlp_F4D", .n = 16, .w = 512, .phi = PhiKind::mlp});
+    variants.push_back({.name = "saved_o_cmp_phi_mlp", .n = 16, .w = 512, .phi = PhiKind::mlp, .o_cmp = true});
+    variants.push_back({.name = "saved_o_cmp_phi_mlp_mma_sync", .n = 16, .w = 512, .phi = PhiKind::mlp, .o_cmp = true,
+                        .phi_mma_sync = true});
   }
   if (square && T == 65536) {
-    variants.push_back({"full_without_o", 16, 512, nsa::PhiKind::mean, false, false, false, true});
-    variants.push_back({"per_token", 16, 512, nsa::PhiKind::mean, false, false, true});
-    variants.push_back({"local_q", 16, 512, nsa::PhiKind::mean, false, true});
-    variants.push_back({"local_q_per_token", 16, 512, nsa::PhiKind::mean, false, true, true});
+    variants.push_back({.name = "full_without_o", .n = 16, .w = 512, .phi = PhiKind::mean, .without_o = true});
+    variants.push_back({.name = "per_token", .n = 16, .w = 512, .phi = PhiKind::mean, .per_token = true});
+    variants.push_back({.name = "local_q", .n = 16, .w = 512, .phi = PhiKind::mean, .local_q = true});
+    variants.push_back(
+        {.name = "local_q_per_token", .n = 16, .w = 512, .phi = PhiKind::mean, .local_q = true, .per_token = true});
   }
   return variants;
 }
