@@ -9,7 +9,9 @@
 # SKIP="sass_check host_tests cuda_tests memcheck cuda_fuzz racecheck cli_bench bench bench_backward bench_decode gather_bench python_tests
 # bench_decode_layer bench_phi bench_layer public_decode public_prefill bench_backbone sm80_tests" (any subset), LAYER_ARGS (bench/layer_bench.py's), PREFILL_LENS (public_prefill's lengths), BENCH_ARGS (options of both `nsa bench --suite` runs, e.g. --quick or --lengths 8192,65536), DECODE_ARGS (nsa_decode_bench's),
 # MEMCHECK_FILTER (memcheck's --gtest_filter), RACECHECK_FILTER (racecheck's), BUILD_TARGETS (build only these, e.g. "nsa_cuda_tests nsa_cli"), CUDA_TEST_FILTER (a --gtest_filter for cuda_tests, e.g. '*CudaBackward*'), BREAK_TESTS=1 (last step:
-# scripts/break_tests.sh, the GPU tests must catch the bugs planted by tests/cuda/breaks/*.patch).
+# scripts/break_tests.sh, the GPU tests must catch the bugs planted by tests/cuda/breaks/*.patch),
+# PACK=1 (at the end, everything under $OUT but summary.txt moves into $OUT/logs.tgz: for remote
+# runners that bring back only a few files).
 # To add a step: write a function and call `step NAME function` below; its output lands in
 # $OUT/NAME.log and its status in $OUT/summary.txt.
 set -u -o pipefail
@@ -251,4 +253,8 @@ step sm80_tests sm80_tests
 # Last: it rebuilds the GPU tests with the planted bugs (the source tree is restored).
 [[ "${BREAK_TESTS:-0}" == 1 ]] && step break_tests "$SRC/scripts/break_tests.sh" "$BUILD_DIR" "$SRC"
 cat "$SUMMARY"
+if [[ "${PACK:-0}" == 1 ]]; then
+  (cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name summary.txt ! -name logs.tgz -print0 | sort -z |
+     tar czf logs.tgz --null -T - --remove-files)
+fi
 exit $FAILED
