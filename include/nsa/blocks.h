@@ -34,15 +34,20 @@ NSA_HOST_DEVICE constexpr int64_t num_slc_blocks(int64_t T, int64_t lp) { return
 // The last selection block that has started at query t: J_t = floor(t / l').
 NSA_HOST_DEVICE constexpr int64_t last_slc_block(int64_t t, int64_t lp) { return t / lp; }
 
-// ov(i, j) of spec §3: how many stride-d pieces compressed block i (pieces [i, i + l/d - 1])
-// shares with selection block j (pieces [j*l'/d, (j+1)*l'/d - 1]).
+// ov(i, j) of spec §3 in stride-d pieces: compressed block i covers pieces [i, i + L - 1]
+// (L = l/d), selection block j pieces [j R, (j + 1) R - 1] (R = l'/d); how many they share.
+template <typename Int>
+NSA_HOST_DEVICE constexpr Int piece_overlap(Int i, Int j, Int L, Int R) {
+  const Int lo = i > j * R ? i : j * R;
+  const Int hi = i + L - 1 < (j + 1) * R - 1 ? i + L - 1 : (j + 1) * R - 1;
+  return hi >= lo ? hi - lo + 1 : 0;
+}
+
+// ov(i, j) of spec §3 from the block sizes: how many stride-d pieces compressed block i shares
+// with selection block j.
 NSA_HOST_DEVICE constexpr int64_t cmp_slc_overlap(int64_t i, int64_t j, int64_t l, int64_t d,
                                                   int64_t lp) {
-  const int64_t a0 = i, a1 = i + l / d - 1;
-  const int64_t b0 = j * (lp / d), b1 = (j + 1) * (lp / d) - 1;
-  const int64_t lo = a0 > b0 ? a0 : b0;
-  const int64_t hi = a1 < b1 ? a1 : b1;
-  return hi >= lo ? hi - lo + 1 : 0;
+  return piece_overlap<int64_t>(i, j, l / d, lp / d);
 }
 
 // The forced blocks of spec §4 and §11 for the queries of one configuration: the n_init initial

@@ -148,17 +148,7 @@ phi::Rows phi_rows_of(const Plan& p, const PhiParams& phi, const TensorView& x, 
   for (const TensorView* t : {&phi.w1, &phi.b1, &phi.w2, &phi.b2, &phi.pe})
     if (t->defined() && !t->is_contiguous())
       throw Error("phi parameters", "strided", "must be contiguous on the cuda backend");
-  phi::Rows r;
-  r.kind = p.cfg.phi;
-  r.first_token = first_token;
-  r.rc = cmp_rows(p.T, p.cfg.cmp_stride);
-  r.hkv = static_cast<int>(x.shape[1]);
-  r.D = static_cast<int>(x.shape[2]);
-  r.l = static_cast<int>(p.cfg.cmp_block_len);
-  r.d = static_cast<int>(p.cfg.cmp_stride);
-  r.F = p.cfg.phi == PhiKind::mlp ? static_cast<int>(hidden_width) : 0;
-  r.wgmma = choices_of(p.ctx).phi_wgmma;
-  return r;
+  return phi::rows_of(p.cfg, p.T, x.shape[1], x.shape[2], hidden_width, first_token, choices_of(p.ctx).phi_wgmma);
 }
 void row_table_of(const Plan& p, int32_t* first_token) {
   const SeqParams seqs = seq_params(p);

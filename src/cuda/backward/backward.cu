@@ -136,17 +136,7 @@ __global__ void reduce_cmp_parts_kernel(BwdArgs a, const float* part, const int3
 
 // phi's rows (phi.h) for one compressed tensor: head dim D, hidden width F (mlp).
 phi::Rows phi_rows(const Plan& p, const Layout& L, int64_t D, int64_t F) {
-  phi::Rows r;
-  r.kind = p.cfg.phi;
-  r.first_token = L.crow_token;
-  r.rc = cmp_rows(p.T, p.cfg.cmp_stride);
-  r.hkv = int(p.hkv);
-  r.D = int(D);
-  r.l = int(p.cfg.cmp_block_len);
-  r.d = int(p.cfg.cmp_stride);
-  r.F = p.cfg.phi == PhiKind::mlp ? int(F) : 0;
-  r.wgmma = choices_of(p.ctx).phi_wgmma;
-  return r;
+  return phi::rows_of(p.cfg, p.T, p.hkv, D, F, L.crow_token, choices_of(p.ctx).phi_wgmma);
 }
 
 Mat3 mat3(const TensorView& t) { return Mat3{t.data, t.ndim > 0 ? t.stride[0] : 0, t.ndim > 1 ? t.stride[1] : 0}; }

@@ -309,7 +309,7 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
         const float* carry = s_acc + token * ring;     // key i0 - L < i < i0 at i - i0 + L - 1
         float sum = 0.f;
         for (int i = j * R - L + 1; i < (j + 1) * R; ++i) {
-          const int ov = min(i + L - 1, (j + 1) * R - 1) - max(i, j * R) + 1;
+          const int ov = piece_overlap(i, j, L, R);
           sum += static_cast<float>(ov) * (i >= i0 ? pg[i - i0] : carry[i - i0 + L - 1]);
         }
         if (j < s_limit[token]) srow0[token * p.s_st + j] = sum;
@@ -330,7 +330,7 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
       const int ilo = max(i0, j * R - L + 1), ihi = min(i0 + kKeyChunk - 1, (j + 1) * R - 1);
       float sum = 0.f;
       for (int i = ilo; i <= ihi; ++i) {
-        const int ov = min(i + L - 1, (j + 1) * R - 1) - max(i, j * R) + 1;
+        const int ov = piece_overlap(i, j, L, R);
         sum += static_cast<float>(ov) * s_pg[token * kKeyChunk + (i - i0)];
       }
       s_acc[token * ring + (j & ring_mask)] += sum;
@@ -376,7 +376,7 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
       for (int j = jbase + threadIdx.x; j < limit; j += kCta) {
         float sum = 0.f;
         for (int i = max(j * R - L + 1, iend - L + 1); i < min((j + 1) * R, iend); ++i)
-          sum += static_cast<float>(min(i + L - 1, (j + 1) * R - 1) - max(i, j * R) + 1) * carry[i - iend + L - 1];
+          sum += static_cast<float>(piece_overlap(i, j, L, R)) * carry[i - iend + L - 1];
         srow[j] = sum;
       }
     }

@@ -661,10 +661,8 @@ void products(const Rows& r, const Job (&jobs)[2], int n, bool write_unused, cud
         // 16-byte runs of W1's rows and pe where they allow (W1's do: direct_products).
         const bf16* pe = static_cast<const bf16*>(j.phi.pe.data);
         const bf16* b1 = mlp ? static_cast<const bf16*>(j.phi.b1.data) : nullptr;
-        if (pe == nullptr || (on16(pe) && K % 8 == 0))
-          fold_bias_kernel<bf16, 8><<<blocks_for(int64_t(N) * 32, 128), 128, 0, s>>>(w1, j.phi.w1.stride[0], N, K, b1, pe, bias);
-        else
-          fold_bias_kernel<bf16, 1><<<blocks_for(int64_t(N) * 32, 128), 128, 0, s>>>(w1, j.phi.w1.stride[0], N, K, b1, pe, bias);
+        auto* fold = pe == nullptr || (on16(pe) && K % 8 == 0) ? fold_bias_kernel<bf16, 8> : fold_bias_kernel<bf16, 1>;
+        fold<<<blocks_for(int64_t(N) * 32, 128), 128, 0, s>>>(w1, j.phi.w1.stride[0], N, K, b1, pe, bias);
         NSA_CUDA_CHECK_LAUNCH();
         a[i] = XBlockA{{static_cast<const bf16*>(j.x.data), 0}, x_rows<bf16>(r, j.x)};
         b[i] = WRowsB{{w1, 0}, j.phi.w1.stride[0]};

@@ -36,6 +36,7 @@
 #include <cstdint>
 
 #include "nsa/api.h"
+#include "nsa/blocks.h"
 
 namespace nsa::cuda::phi {
 
@@ -47,6 +48,22 @@ struct Rows {
   int F = 0;  // mlp: hidden width
   bool wgmma = true;  // the direct products on wgmma where the GPU runs it (CudaKernelChoices::phi_wgmma)
 };
+
+// The rows of one compressed tensor of T tokens: hkv heads of dim D, hidden width F (mlp only).
+inline Rows rows_of(const Config& cfg, int64_t T, int64_t hkv, int64_t D, int64_t F, const int32_t* first_token,
+                    bool wgmma) {
+  Rows r;
+  r.kind = cfg.phi;
+  r.first_token = first_token;
+  r.rc = cmp_rows(T, cfg.cmp_stride);
+  r.hkv = static_cast<int>(hkv);
+  r.D = static_cast<int>(D);
+  r.l = static_cast<int>(cfg.cmp_block_len);
+  r.d = static_cast<int>(cfg.cmp_stride);
+  r.F = cfg.phi == PhiKind::mlp ? static_cast<int>(F) : 0;
+  r.wgmma = wgmma;
+  return r;
+}
 
 // first_token[r] for r < floor(T / d); cu: device offsets [B + 1], or nullptr for one sequence of T.
 void row_table(const int32_t* cu, int B, int64_t T, int l, int d, int32_t* first_token, cudaStream_t s);
