@@ -603,6 +603,7 @@ void row_table(const int32_t* cu, int B, int64_t T, int l, int d, int32_t* first
 
 void slot_table(const int32_t* cu, int B, int64_t T, int d, int32_t* slots, cudaStream_t s) {
   const int64_t n = slot_count(T, B, d);
+  if (n == 0) return;
   slot_table_kernel<<<blocks_for(n), 256, 0, s>>>(cu, B, T, d, n, reinterpret_cast<int4*>(slots));
   NSA_CUDA_CHECK_LAUNCH();
 }

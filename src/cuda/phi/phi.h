@@ -70,8 +70,10 @@ void row_table(const int32_t* cu, int B, int64_t T, int l, int d, int32_t* first
 
 // Slots of x's gradient: slot j is (sequence b, q) with j = cu[b] / d + b + q, q < ceil(len_b / d);
 // 4 ints each: first token q d of the sequence's (packed), its compressed row cu[b] / d + q, the
-// sequence's end, unused (-1 first: no slot).
-inline int64_t slot_count(int64_t T, int64_t B, int64_t d) { return T / d + B; }
+// sequence's end, unused (-1 first: no slot). The count covers every sequence's slots: exactly
+// ceil(T / d) for one sequence (where 128 d divides T, T / d + 1 would add to x's gradient
+// product a 128-row tile of one empty slot), T / d + B for several, whose lengths the host does not know.
+inline int64_t slot_count(int64_t T, int64_t B, int64_t d) { return B == 1 ? (T + d - 1) / d : T / d + B; }
 void slot_table(const int32_t* cu, int B, int64_t T, int d, int32_t* slots, cudaStream_t s);
 
 // Floats of forward's work area for `rows` = rc * Hkv matrix rows: mlp's pre [rows, F], then the
