@@ -12,13 +12,13 @@ up to 16K, 7 at 32K, 5 above: --reps); peak memory: the most
 allocated during one forward+backward beyond what was allocated before it.
 
     python3 bench/layer_bench.py [--lens 8192,16384,32768,65536] [--groups 16,4] [--phi mean,mlp]
-                                 [--kept o_cmp] [--gate mlp] [--csv OUT.csv] [--markdown OUT.md]
+                                 [--kept o_cmp] [--gate linear] [--csv OUT.csv] [--markdown OUT.md]
 
 --kept: what the layer keeps for the backward besides o, one or more of o_cmp (the compressed
 branch's output: the default, save_cmp_output), o (nothing more: save_cmp_output=False) and
 o_branch (every branch's output: save_branch_outputs=True), each measured in the same run.
---gate: the layer's gate, mlp (the default, gate_hidden = hidden / 4) and / or linear (gate_hidden=0,
-one Linear of 3 Hq columns, as the public NSA layers have it).
+--gate: the layer's gate, linear (the layer's default, gate_hidden=0: one Linear of 3 Hq columns, as
+the public NSA layers have it) and / or mlp (an MLP gate hidden / 4 wide, gate_hidden = hidden // 4).
 """
 import argparse
 import csv
@@ -87,7 +87,7 @@ def main():
     ap.add_argument("--phi", default="mean,mlp")
     ap.add_argument("--reps", type=int, default=0, help="timed runs (median); 0: 15 up to 16K, 7 at 32K, 5 above")
     ap.add_argument("--kept", default="o_cmp", help="o_cmp, o, o_branch (comma-separated)")
-    ap.add_argument("--gate", default="mlp", help="mlp, linear (comma-separated)")
+    ap.add_argument("--gate", default="linear", help="linear, mlp (comma-separated)")
     ap.add_argument("--csv")
     ap.add_argument("--markdown")
     a = ap.parse_args()
@@ -109,7 +109,7 @@ def main():
             for phi in a.phi.split(","):
                 for kept, gate in [(k, g) for k in a.kept.split(",") for g in a.gate.split(",")]:
                     layer = nsa.NativeSparseAttention(hidden, hq, HKV, head_dim=D, phi=phi,
-                                                       gate_hidden=0 if gate == "linear" else None,
+                                                       gate_hidden=0 if gate == "linear" else hidden // 4,
                                                        save_branch_outputs=kept == "o_branch",
                                                        save_cmp_output=kept == "o_cmp", device=dev, dtype=dt)
                     if dense is None:

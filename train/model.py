@@ -58,7 +58,7 @@ class ModelConfig:
     phi: str = "mlp"
     phi_hidden: Optional[int] = None  # the mlp phi's hidden width F (the layer's default: 4 x head dim)
     shared_kv: bool = False
-    gate_hidden: Optional[int] = None  # the gate MLP's hidden width (the layer's default: hidden // 4; 0: linear gate)
+    gate_hidden: int = 0  # 0: the layer's linear gate; N > 0: an MLP gate N wide
     backbone_max_seqlen: int = 65536
     backbone_per_layer: int = 1
     save_branch_outputs: bool = False  # CUDA: ~25% faster NSA backward for 3x the output's memory

@@ -83,8 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--phi", choices=("mean", "linear", "mlp"), default="mlp")
     g.add_argument("--phi-hidden", type=int, help="hidden width of the mlp phi (default: the layer's, 4 x head dim)")
     g.add_argument("--shared-kv", action="store_true", help="one K/V for the three branches (default: independent)")
-    g.add_argument("--gate-hidden", type=int,
-                   help="hidden width of the gate MLP (default: the layer's, hidden // 4; 0: a linear gate)")
+    g.add_argument("--gate-hidden", type=int, default=0,
+                   help="0 (default): the layer's linear gate, sigmoid(Linear(x)); N > 0: an MLP gate N wide")
     g.add_argument("--backbone-max-seqlen", type=int,
                    help="nsa_backbone: the longest sequence its schedule covers (default 4 x seq-len, the "
                         "longest evaluated length)")

@@ -2,7 +2,7 @@
 
 x -> q, k, v projections (independent K/V per branch, or one shared K/V) -> rotary embeddings
 (the library's nsa::rotary) -> NSA (compression with a learned phi, top-n selection, sliding
-window) gated by sigmoid(MLP(x)) -> output projection. Packed variable-length input with
+window) gated by sigmoid(Linear(x)) -> output projection. Packed variable-length input with
 ``cu_seqlens`` or a padded-free ``[B, S, hidden]`` batch; decoding through a paged KV cache,
 ``NSACache``.
 
@@ -177,11 +177,11 @@ class NSACache:
 
 
 class _SplitRotate(torch.autograd.Function):
-    """The fused projection's output y [T, q | k | v | gate] taken apart: q [T, Hq, Dqk] and each K set
-    [T, Hkv, Dqk] rotated (nsa::rotary, by positions [T] int32 or the places in the sequences of
-    cu_seqlens; inv_freq None: no rotary, views of y), each V set [T, Hkv, Dv] and the gate's part
-    [T, width] as views of y. parts: (Hq, K/V sets S, Hkv, Dqk, Dv). Returns q, the S K sets, the S
-    V sets, the gate's part.
+    """The fused projection's output y [T, q | k | v | gate | padding] taken apart: q [T, Hq, Dqk] and
+    each K set [T, Hkv, Dqk] rotated (nsa::rotary, by positions [T] int32 or the places in the
+    sequences of cu_seqlens; inv_freq None: no rotary, views of y), each V set [T, Hkv, Dv] and the
+    gate's part [T, width] as views of y. parts: (Hq, K/V sets S, Hkv, Dqk, Dv, the gate's width).
+    Returns q, the S K sets, the S V sets, the gate's part.
 
     The backward writes y's gradient once, [T, N], each part into its own columns: q's and the K
     sets' rotated back straight there (nsa::rotary_into), the V sets' and the gate's copied. Without
@@ -190,7 +190,7 @@ class _SplitRotate(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, parts, inv_freq, positions, cu_seqlens, backend, num_threads):
-        hq, sets, hkv, dqk, dv = parts
+        hq, sets, hkv, dqk, dv, gw = parts
         T = y.shape[0]
         nq, nk = hq * dqk, sets * hkv * dqk
         q = y[:, :nq].view(T, hq, dqk)
@@ -200,14 +200,14 @@ class _SplitRotate(torch.autograd.Function):
             k = torch.ops.nsa.rotary(k, inv_freq, cu_seqlens, positions, False, backend, num_threads)
         ks = k.view(T, sets, hkv, dqk).unbind(1)
         vs = y[:, nq + nk:nq + nk + sets * hkv * dv].view(T, sets, hkv, dv).unbind(1)
-        g = y[:, nq + nk + sets * hkv * dv:]
+        g = y[:, nq + nk + sets * hkv * dv:][:, :gw]
         ctx.parts, ctx.statics, ctx.width = parts, (backend, num_threads), y.shape[1]
         ctx.save_for_backward(inv_freq, positions, cu_seqlens)
         return (q, *ks, *vs, g)
 
     @staticmethod
     def backward(ctx, dq, *rest):
-        hq, sets, hkv, dqk, dv = ctx.parts
+        hq, sets, hkv, dqk, dv, gw = ctx.parts
         backend, num_threads = ctx.statics
         inv_freq, positions, cu_seqlens = ctx.saved_tensors
         T = dq.shape[0]
@@ -228,7 +228,8 @@ class _SplitRotate(torch.autograd.Function):
             put(dk, hkv, dqk, inv_freq is not None)
         for dvs in rest[sets:2 * sets]:
             put(dvs, hkv, dv, False)
-        dy[:, col:].copy_(rest[2 * sets])
+        dy[:, col:col + gw].copy_(rest[2 * sets])
+        dy[:, col + gw:].zero_()  # the padding's columns
         return dy, None, None, None, None, None, None
 
 
@@ -245,9 +246,10 @@ class NativeSparseAttention(nn.Module):
         phi: compression function, 'mlp' (the paper's), 'linear' or 'mean'.
         phi_hidden: hidden width F of the mlp phi. Default: 4 * head dim (of keys resp. values).
         shared_kv: one K/V projection for all three branches instead of one per branch.
-        gate_hidden: hidden width of the gate MLP. Default: hidden_size // 4. 0: no hidden layer, the
-            gates are sigmoid(Linear(x)) (the public NSAs' gate: one product of 3 Hq columns, where the
-            MLP's first layer adds hidden_size // 4 columns to the layer's projections).
+        gate_hidden: 0 (the default): the gates are sigmoid(Linear(x)), one product of 3 Hq columns
+            fused into the layer's projection, as the public NSA layers have them. N > 0: an MLP gate,
+            sigmoid(Linear -> SiLU -> Linear) with N hidden units, whose first layer adds N columns
+            to the projection.
         rotary: apply rotary position embeddings to q and keys; rope_theta: their base.
         bias: biases in the q/k/v/output projections.
         backend, num_threads: where the library runs ('auto', 'reference', 'cpu', 'cuda').
@@ -285,7 +287,7 @@ class NativeSparseAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: Optional[int] = None,
                  head_dim: Optional[int] = None, v_head_dim: Optional[int] = None,
                  config: Optional[Config] = None, phi: str = "mlp", phi_hidden: Optional[int] = None,
-                 shared_kv: bool = False, gate_hidden: Optional[int] = None, rotary: bool = True,
+                 shared_kv: bool = False, gate_hidden: int = 0, rotary: bool = True,
                  rope_theta: float = 10000.0, bias: bool = False, backend: str = "auto", num_threads: int = 0,
                  save_branch_outputs: bool = False, save_cmp_output: bool = True, backbone: bool = False,
                  layer_idx: Optional[int] = None,
@@ -333,8 +335,8 @@ class NativeSparseAttention(nn.Module):
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias, **factory)
         self.k_proj = nn.Linear(hidden_size, self.num_kv_sets * num_kv_heads * head_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(hidden_size, self.num_kv_sets * num_kv_heads * v_head_dim, bias=bias, **factory)
-        gate_hidden = max(1, hidden_size // 4) if gate_hidden is None else check_int(
-            gate_hidden, "gate_hidden", 0, _MAX_SIZE, f"must be in [0, {_MAX_SIZE}] (0: a linear gate)")
+        gate_hidden = check_int(gate_hidden, "gate_hidden", 0, _MAX_SIZE,
+                                f"must be in [0, {_MAX_SIZE}] (0: a linear gate; N > 0: an MLP gate N wide)")
         if gate_hidden:
             self.gate = nn.Sequential(nn.Linear(hidden_size, gate_hidden, **factory), nn.SiLU(),
                                       nn.Linear(gate_hidden, num_heads * 3, **factory))
@@ -431,7 +433,8 @@ class NativeSparseAttention(nn.Module):
         if self._fuses(T):
             y = self._fused_projection(x)
             inv_freq, positions = self._rotary_args(x, positions) if self.rotary else (None, None)
-            parts = (self.num_heads, self.num_kv_sets, self.num_kv_heads, self.head_dim, self.v_head_dim)
+            parts = (self.num_heads, self.num_kv_sets, self.num_kv_heads, self.head_dim, self.v_head_dim,
+                     self.gate[0].out_features)
             q, *rest = _SplitRotate.apply(y, parts, inv_freq, positions, cu_seqlens, self.backend, self.num_threads)
             S = self.num_kv_sets
             ks, vs, g = rest[:S], rest[S:2 * S], rest[2 * S]
@@ -454,15 +457,16 @@ class NativeSparseAttention(nn.Module):
         """Whether q, k, v and the gate's first layer, which all read x, run as one product: when
         all four are plain nn.Linear modules and nothing hooks them or the gate (an adapter such as
         LoRA, a parametrization or a hook replaces or wraps a module: then every module runs as
-        itself), and every part is a multiple of 8 columns (the library needs rows of the parts
-        that reach it aligned to 16 bytes)."""
+        itself), and q's, k's and v's parts are multiples of 8 columns (the library needs rows of
+        the parts that reach it aligned to 16 bytes). The gate's part, the last, may have any width
+        (3 Hq for the linear gate): the product is padded with zero columns to a multiple of 8."""
         mods = self._projections_of_x()
         hooked = [m for m in (*mods, self.gate)
                   if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks]
         global_hooks = getattr(nn.modules.module, "_global_forward_hooks", None) or \
             getattr(nn.modules.module, "_global_forward_pre_hooks", None)
         return (not hooked and not global_hooks and all(type(m) is nn.Linear for m in mods)
-                and all(m.out_features % 8 == 0 for m in mods))
+                and all(m.out_features % 8 == 0 for m in mods[:3]))
 
     def _fuses(self, T) -> bool:
         """Whether the projections of T tokens run as one product: where they can (_fusable) and it
@@ -478,14 +482,18 @@ class NativeSparseAttention(nn.Module):
         return 3 * T > 2 * sum(m.out_features for m in mods)
 
     def _fused_projection(self, x: Tensor) -> Tensor:
-        """y [T, q | k | v | the gate's first layer] of x [T, hidden]: one product with the four
-        weights stacked, so x is read once and the backward's dx is one product, not four and a sum
-        (_SplitRotate takes the parts apart)."""
+        """y [T, q | k | v | the gate's first layer | padding] of x [T, hidden]: one product with the
+        four weights stacked, so x is read once and the backward's dx is one product, not four and a
+        sum (_SplitRotate takes the parts apart); zero rows pad the stacked weight to a multiple of 8
+        so that y's rows, which the library reads the parts from, stay aligned to 16 bytes."""
         mods = self._projections_of_x()
-        weight = torch.cat([m.weight for m in mods])
+        w0 = mods[0].weight
+        pad = -sum(m.out_features for m in mods) % 8
+        weight = torch.cat([m.weight for m in mods] + ([w0.new_zeros(pad, w0.shape[1])] if pad else []))
         bias = None
         if any(m.bias is not None for m in mods):
-            bias = torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias for m in mods])
+            bias = torch.cat([w0.new_zeros(m.out_features) if m.bias is None else m.bias for m in mods]
+                             + ([w0.new_zeros(pad)] if pad else []))
         return nn.functional.linear(x, weight, bias)
 
     def _attend(self, q, ks, vs, g, cu_seqlens, max_seqlen) -> Tensor:

@@ -15,7 +15,7 @@ import nsa  # noqa: E402
 
 @pytest.mark.parametrize("phi", ["mlp", "linear", "mean"])
 @pytest.mark.parametrize("shared_kv", [False, True])
-@pytest.mark.parametrize("gate_hidden", [None, 0])
+@pytest.mark.parametrize("gate_hidden", [8, 0])
 def test_forward_backward_reach_every_parameter(phi, shared_kv, gate_hidden):
     m = make_layer(phi=phi, shared_kv=shared_kv, gate_hidden=gate_hidden)
     x = torch.randn(50, HIDDEN, dtype=torch.float64, requires_grad=True)
@@ -154,7 +154,7 @@ def test_bad_arguments():
         nsa.NativeSparseAttention(32, num_heads=4, phi="max")
     with pytest.raises(nsa.Error, match="cmp_stride"):
         nsa.NativeSparseAttention(32, num_heads=4, config=nsa.Config(cmp_stride=5))
-    for bad in (-1, 2.0, "8"):
+    for bad in (-1, 2.0, "8", None):
         with pytest.raises(nsa.Error, match="gate_hidden"):
             nsa.NativeSparseAttention(32, num_heads=4, gate_hidden=bad)
     m = make_layer()
@@ -220,12 +220,13 @@ def _run(m, x):
 
 @pytest.mark.parametrize("shared_kv", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("gate_hidden", [None, 0])
+@pytest.mark.parametrize("gate_hidden", [8, 0, 5])
 def test_one_projection_product_equals_one_per_module(shared_kv, bias, gate_hidden):
     """q, k, v and the gate's first layer (the whole gate when it is linear) run as one product of x
     with their stacked weights; a forward hook that changes nothing sends each module through its
-    own call instead."""
-    m = make_layer(shared_kv=shared_kv, bias=bias, gate_hidden=gate_hidden, num_heads=8)
+    own call instead. With 4 heads the linear gate's 12 columns and an MLP gate's 5 are padded to
+    a multiple of 8."""
+    m = make_layer(shared_kv=shared_kv, bias=bias, gate_hidden=gate_hidden)
     assert m._fuses(30)
     x = torch.randn(30, HIDDEN, dtype=torch.float64)
     y, dx, grads = _run(m, x)
@@ -273,7 +274,7 @@ def test_adapters_and_hooks_on_the_projections_keep_their_effect():
 
 
 def test_projection_parts_off_the_alignment_run_one_product_per_module():
-    m = make_layer(gate_hidden=5)  # the gate's 5 columns would misalign the parts after them
+    m = make_layer(num_heads=2, head_dim=6)  # q's 12 columns would misalign the parts after them
     assert not m._fusable()
     x = torch.randn(20, HIDDEN, dtype=torch.float64, requires_grad=True)
     m(x).sum().backward()
@@ -282,9 +283,11 @@ def test_projection_parts_off_the_alignment_run_one_product_per_module():
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_linear_gate_is_sigmoid_of_one_product(fused):
-    """gate_hidden=0: the gates are sigmoid(x W^T + b) of the gate's one Linear, fused into the
-    projection or not (3 Hq = 12 columns are off the 8-column alignment: one product per module)."""
-    m = make_layer(gate_hidden=0, num_heads=8 if fused else 4)
+    """gate_hidden=0 (the default): the gates are sigmoid(x W^T + b) of the gate's one Linear, fused
+    into the projection (its 3 Hq = 12 columns padded to 16) or, with a hook on the gate, not."""
+    m = make_layer(gate_hidden=0)
+    if not fused:
+        m.gate.register_forward_hook(lambda module, args, out: None)
     assert len(m.gate) == 1 and m.gate[0].out_features == 3 * m.num_heads
     assert m._fuses(25) == fused
     assert "gate_hidden=0" in repr(m)

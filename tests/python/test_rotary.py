@@ -261,7 +261,8 @@ def old_project(self, x, positions):
     concatenates the parts'), where the layer now takes the product apart in one node (_SplitRotate)."""
     T, S = x.shape[0], self.num_kv_sets
     if self._fusable():
-        q, k, v, g = self._fused_projection(x).split([m.out_features for m in self._projections_of_x()], dim=-1)
+        widths = [m.out_features for m in self._projections_of_x()]
+        q, k, v, g = self._fused_projection(x)[:, :sum(widths)].split(widths, dim=-1)
         if len(self.gate) > 1:
             g = self.gate[2](self.gate[1](g))
     else:

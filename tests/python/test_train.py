@@ -366,16 +366,17 @@ def test_run_settings_are_fixed(runs):
 
 
 def test_gate_hidden_reaches_the_layer(tmp_path):
-    """--gate-hidden 0 trains NSA with the linear gate and the run's checkpoint rebuilds it; without
-    the flag the layers keep the layer's default MLP gate."""
-    out = tmp_path / "linear_gate"
-    train_cli.main(["--arm", "nsa", "--out-dir", str(out), "--steps", "1", "--gate-hidden", "0", *TINY])
+    """--gate-hidden 16 trains NSA with an MLP gate 16 wide and the run's checkpoint rebuilds it;
+    without the flag the layers keep the layer's default linear gate."""
+    out = tmp_path / "mlp_gate"
+    train_cli.main(["--arm", "nsa", "--out-dir", str(out), "--steps", "1", "--gate-hidden", "16", *TINY])
     cfg = ModelConfig(**torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)["model_config"])
-    assert cfg.gate_hidden == 0
+    assert cfg.gate_hidden == 16
     for layer in build_model(cfg).attention_layers():
-        assert [type(m) for m in layer.gate] == [torch.nn.Linear]
-    for layer in tiny_model("nsa").attention_layers():
         assert [type(m) for m in layer.gate] == [torch.nn.Linear, torch.nn.SiLU, torch.nn.Linear]
+        assert layer.gate[0].out_features == 16
+    for layer in tiny_model("nsa").attention_layers():
+        assert [type(m) for m in layer.gate] == [torch.nn.Linear]
 
 
 @pytest.fixture(scope="module")
