@@ -234,12 +234,20 @@ struct DqMainloopSm90 {
                                               const KeyTile& kt, int, P&&, PWg&& probabilities_wg, DScores&& dscores,
                                               bool acc_dg) {
     float s[kKeys / 8][4], dp[kKeys / 8][4];  // (overwritten: the first products have scale_d 0)
-    // S and dP in one batch, both operands from shared memory (no A fragments in registers).
-    cuda::wgmma_batch([&] {
-      cuda::wgmma_abt_ss_sw128<kKeys, kIsBf16<E>, DQK, kRows, true>(s, q_wg, cuda::smem_address(tk));
-      cuda::wgmma_abt_ss_sw128<kKeys, kIsBf16<E>, DV, kRows, true>(dp, do_wg, cuda::smem_address(tv));
-    }, s, dp);
+    // S and dP as two groups, both operands from shared memory (no A fragments in registers): P
+    // is formed from S while dP's products still run (groups complete in issue order).
+    cuda::wgmma_fence_operands(s);
+    cuda::wgmma_fence_operands(dp);
+    cuda::wgmma_fence();
+    cuda::wgmma_abt_ss_sw128<kKeys, kIsBf16<E>, DQK, kRows, true>(s, q_wg, cuda::smem_address(tk));
+    cuda::wgmma_commit();
+    cuda::wgmma_abt_ss_sw128<kKeys, kIsBf16<E>, DV, kRows, true>(dp, do_wg, cuda::smem_address(tv));
+    cuda::wgmma_commit();
+    cuda::wgmma_wait<1>();  // S (dP may still run)
+    cuda::wgmma_fence_operands(s);
     probabilities_wg(s, kt);
+    cuda::wgmma_wait<0>();
+    cuda::wgmma_fence_operands(dp);
     dscores(s, dp, acc_dg);
     uint32_t df[kKeys / 16][4];
     to_operand<E, kKeys / 8>(s, df);
