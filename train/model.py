@@ -18,7 +18,7 @@ sequence's start).
 Initialisation is the same for both twins wherever they share a parameter name and shape: each
 such tensor is drawn from its own generator seeded by (seed, name), so the embedding, MLPs,
 norms and the q/o projections of two arms built with one seed are bit-identical. The NSA layer's
-own extras (gate MLP, phi) keep the layer's initialisation.
+own extras (the gate, phi) keep the layer's initialisation.
 """
 from __future__ import annotations
 
@@ -215,7 +215,7 @@ class LM(nn.Module):
             elif leaf in ("embed", "lm_head", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
                 std = self.cfg.init_std
             else:
-                continue  # the NSA layer's gate MLP and phi: the layer's own initialisation
+                continue  # the NSA layer's gate and phi: the layer's own initialisation
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             p.copy_(torch.randn(p.shape, generator=gen) * std)
 
