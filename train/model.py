@@ -58,7 +58,7 @@ class ModelConfig:
     phi: str = "mlp"
     phi_hidden: Optional[int] = None  # the mlp phi's hidden width F (the layer's default: 4 x head dim)
     shared_kv: bool = False
-    gate_hidden: int = 0  # 0: the layer's linear gate; N > 0: an MLP gate N wide
+    gate_hidden: Optional[int] = 0  # 0: the layer's linear gate; N > 0: an MLP gate N wide; None: hidden // 4
     backbone_max_seqlen: int = 65536
     backbone_per_layer: int = 1
     save_branch_outputs: bool = False  # CUDA: ~25% faster NSA backward for 3x the output's memory
@@ -68,6 +68,8 @@ class ModelConfig:
             raise ValueError(f"attention = {self.attention!r}: must be one of {ARMS}")
         if self.head_dim is None:
             self.head_dim = self.hidden // self.n_heads
+        if self.gate_hidden is None:  # a saved config that left the gate to the layer's default of
+            self.gate_hidden = max(1, self.hidden // 4)  # its time, an MLP hidden // 4 wide
         if self.mlp_hidden is None:
             self.mlp_hidden = 64 * math.ceil(8 * self.hidden / 3 / 64)
         if self.n_heads % self.n_kv_heads:

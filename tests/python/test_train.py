@@ -377,6 +377,12 @@ def test_gate_hidden_reaches_the_layer(tmp_path):
         assert layer.gate[0].out_features == 16
     for layer in tiny_model("nsa").attention_layers():
         assert [type(m) for m in layer.gate] == [torch.nn.Linear]
+    # A config saved with gate_hidden None (the layer's default when that was an MLP gate hidden // 4
+    # wide) rebuilds that gate, so its checkpoint's weights load.
+    old = ModelConfig(**{**cfg.to_dict(), "gate_hidden": None})
+    assert old.gate_hidden == cfg.hidden // 4
+    for layer in build_model(old).attention_layers():
+        assert layer.gate[0].out_features == cfg.hidden // 4 and len(layer.gate) == 3
 
 
 @pytest.fixture(scope="module")
