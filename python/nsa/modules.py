@@ -200,7 +200,7 @@ class _SplitRotate(torch.autograd.Function):
             k = torch.ops.nsa.rotary(k, inv_freq, cu_seqlens, positions, False, backend, num_threads)
         ks = k.view(T, sets, hkv, dqk).unbind(1)
         vs = y[:, nq + nk:nq + nk + sets * hkv * dv].view(T, sets, hkv, dv).unbind(1)
-        g = y[:, nq + nk + sets * hkv * dv:][:, :gw]
+        g = y[:, nq + nk + sets * hkv * dv:nq + nk + sets * hkv * dv + gw]
         ctx.parts, ctx.statics, ctx.width = parts, (backend, num_threads), y.shape[1]
         ctx.save_for_backward(inv_freq, positions, cu_seqlens)
         return (q, *ks, *vs, g)

@@ -27,8 +27,8 @@
 // (wgmma_fence_operands); every thread fences its landed copies to the async proxy before the
 // tile's barrier (fence_proxy_async). Deterministic: the same fixed order of products every run.
 // S and dP go out as two groups, S first: P is formed from S (wait_group 1) while dP's products
-// still run, dS after the second wait (dq_mainloop_sm90.cuh). P uses ex2.approx (flushes below 2^-126), and a tile that every
-// row of the warp sees whole skips the per-key mask.
+// still run, dS after the second wait (dq_mainloop_sm90.cuh). P uses ex2.approx (flushes below
+// 2^-126), and a tile that every row of the warp sees whole skips the per-key mask.
 // Shared memory: where this body runs the launch asks for DqSmem::kSwLaunch (the swizzled layout
 // and its 1024-byte alignment slack; one K/V buffer at Dqk 192, DqSmem::kSwBufs), elsewhere for
 // DqSmem::kEnd (the padded layout, which also holds the swizzled one: static_assert in DqSmem).
