@@ -273,6 +273,22 @@ def test_adapters_and_hooks_on_the_projections_keep_their_effect():
     assert not torch.allclose(hooked(x), make_layer()(x))
 
 
+def test_padding_columns_of_the_product_get_a_zero_gradient():
+    """The fused product's padding (the linear gate's 12 columns padded to 16) gets a zero gradient,
+    not whatever dy's memory held: torch's deterministic mode fills new memory with NaN, which a
+    padding column left unwritten would carry into dx (NaN times the padding's zero weights)."""
+    m = make_layer(gate_hidden=0)
+    assert m._fuses(30) and sum(mod.out_features for mod in m._projections_of_x()) % 8
+    x = torch.randn(30, HIDDEN, dtype=torch.float64, requires_grad=True)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        m(x).square().sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert torch.isfinite(x.grad).all()
+
+
 def test_projection_parts_off_the_alignment_run_one_product_per_module():
     m = make_layer(num_heads=2, head_dim=6)  # q's 12 columns would misalign the parts after them
     assert not m._fusable()
