@@ -23,7 +23,10 @@
 # Per snapshot: AB_STEPS_<name> (the snapshot's folder name with '-' as '_', e.g. AB_STEPS_main="build
 # bench") replaces AB_STEPS for that snapshot, e.g. to run the tests only on the new branch.
 # Step "break": scripts/break_tests.sh on the snapshot's build (BREAK_ROUNDS, e.g. "2"; run it last,
-# it leaves broken objects in that build). AB_DEADLINE (seconds since the start, default 560): a step
+# it leaves broken objects in that build). Steps "pytest" and "layer": the snapshot's Python package
+# with the CUDA backend (its scripts/py_stage.sh, into the snapshot's build-py/), then its GPU tests
+# (tests/python/test_cuda.py) or its training layer against the dense twin (bench/layer_bench.py
+# with AB_LAYER_ARGS, default "--groups 16 --phi mlp --lens 8192,65536"; CSV rows in the summary). AB_DEADLINE (seconds since the start, default 560): a step
 # that would likely end after it is skipped (logged), so that the summary and the logs still come
 # back inside a 600 s device call.
 # Time on the H200 per snapshot (A/B runs from `d01e4ad` to `be59d88`): build 30-45 s (sm_90a
@@ -74,7 +77,9 @@ fi
 DEADLINE="${AB_DEADLINE:-560}"
 # Rough seconds per step on the H200 (above), for the deadline.
 step_cost() { case "$1" in build) echo 45 ;; tests) echo 150 ;; bench | bench_backward) echo 75 ;; profile) echo 120 ;;
-                           gather) echo 20 ;; break) echo 250 ;; *) echo 30 ;; esac; }
+                           gather) echo 20 ;; break) echo 250 ;; pytest) echo 120 ;; layer) echo 150 ;; *) echo 30 ;; esac; }
+# The snapshot's Python package (py_stage.sh: built once per snapshot, sm_90a); its path on stdout.
+py_stage_of() { bash "$1/scripts/py_stage.sh" 2> "$2/py_stage.log" | tail -1; }
 snap_steps="$STEPS"
 # has STEP: the step is asked for this snapshot and fits before the deadline (else logged as skipped).
 has() {
@@ -148,6 +153,30 @@ for dir in "${dirs[@]}"; do
     BUILD_DIR="$build" OUT="$log/profile" "$ROOT/scripts/profile_gpu.sh" > "$log/profile.log" 2>&1 ||
       { echo "  profile FAILED" | tee -a "$SUMMARY"; rc_all=1; }
     sed 's/^/  ncu: /' "$log/profile/kernel_times.txt" >> "$SUMMARY" 2>/dev/null
+  fi
+  if has pytest; then
+    if stage="$(py_stage_of "$dir" "$log")"; then
+      (cd "$dir" && PYTHONPATH="$stage" timeout "${AB_TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider \
+        tests/python/test_cuda.py) > "$log/pytest.log" 2>&1
+      rc=$?
+      echo "  pytest: rc=$rc, $(tail -1 "$log/pytest.log")" | tee -a "$SUMMARY"
+      [[ $rc -eq 0 ]] || rc_all=1
+    else
+      echo "  pytest: the package did not build (see $name/py_stage.log)" | tee -a "$SUMMARY"
+      rc_all=1
+    fi
+  fi
+  if has layer; then
+    if stage="$(py_stage_of "$dir" "$log")"; then
+      # shellcheck disable=SC2086  # AB_LAYER_ARGS: several words
+      PYTHONUNBUFFERED=1 PYTHONPATH="$stage" timeout "${AB_BENCH_TIMEOUT:-180}" python3 "$dir/bench/layer_bench.py" \
+        ${AB_LAYER_ARGS:---groups 16 --phi mlp --lens 8192,65536} --csv "$log/layer.csv" > "$log/layer.log" 2>&1 ||
+        { echo "  layer FAILED" | tee -a "$SUMMARY"; rc_all=1; }
+      sed 's/^/  layer: /' "$log/layer.csv" >> "$SUMMARY" 2>/dev/null
+    else
+      echo "  layer: the package did not build (see $name/py_stage.log)" | tee -a "$SUMMARY"
+      rc_all=1
+    fi
   fi
   if has break; then  # the planted bugs of tests/cuda/breaks in this snapshot (git apply outside the checkout)
     GIT_CEILING_DIRECTORIES="$ROOT/.snap" BREAK_ROUNDS="${BREAK_ROUNDS:-}" timeout 280 \
