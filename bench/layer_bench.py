@@ -12,11 +12,12 @@ up to 16K, 7 at 32K, 5 above: --reps); peak memory: the most
 allocated during one forward+backward beyond what was allocated before it.
 
     python3 bench/layer_bench.py [--lens 8192,16384,32768,65536] [--groups 16,4] [--phi mean,mlp]
-                                 [--kept o_cmp] [--gate linear] [--csv OUT.csv] [--markdown OUT.md]
+                                 [--kept o_cmp_win] [--gate linear] [--csv OUT.csv] [--markdown OUT.md]
 
---kept: what the layer keeps for the backward besides o, one or more of o_cmp (the compressed
-branch's output: the default, save_cmp_output), o (nothing more: save_cmp_output=False) and
-o_branch (every branch's output: save_branch_outputs=True), each measured in the same run.
+--kept: what the layer keeps for the backward besides o (KEPT), one or more of o_cmp_win (the
+compressed and window branches' outputs: the layer's default, save_cmp_output and save_win_output),
+o_cmp (the compressed branch's alone), o (nothing more) and o_branch (every branch's output:
+save_branch_outputs=True), each measured in the same run.
 --gate: the layer's gate, linear (the layer's default, gate_hidden=0: one Linear of 3 Hq columns, as
 the public NSA layers have it) and / or mlp (an MLP gate hidden / 4 wide, gate_hidden = hidden // 4).
 """
@@ -31,6 +32,13 @@ import nsa
 from sdpa_common import time_ms  # the script's folder is on sys.path
 
 HKV, D = 4, 128
+# --kept: the layer's arguments for what it keeps for the backward besides o.
+KEPT = {
+    "o_cmp_win": dict(save_cmp_output=True, save_win_output=True),
+    "o_cmp": dict(save_cmp_output=True, save_win_output=False),
+    "o": dict(save_cmp_output=False, save_win_output=False),
+    "o_branch": dict(save_branch_outputs=True, save_cmp_output=False, save_win_output=False),
+}
 
 
 class DenseTwin(torch.nn.Module):
@@ -86,14 +94,14 @@ def main():
     ap.add_argument("--groups", default="16,4")
     ap.add_argument("--phi", default="mean,mlp")
     ap.add_argument("--reps", type=int, default=0, help="timed runs (median); 0: 15 up to 16K, 7 at 32K, 5 above")
-    ap.add_argument("--kept", default="o_cmp", help="o_cmp, o, o_branch (comma-separated)")
+    ap.add_argument("--kept", default="o_cmp_win", help=", ".join(KEPT) + " (comma-separated)")
     ap.add_argument("--gate", default="linear", help="linear, mlp (comma-separated)")
     ap.add_argument("--csv")
     ap.add_argument("--markdown")
     a = ap.parse_args()
     for kept in a.kept.split(","):
-        if kept not in ("o", "o_cmp", "o_branch"):
-            raise SystemExit(f"--kept: {kept!r} is none of o, o_cmp, o_branch")
+        if kept not in KEPT:
+            raise SystemExit(f"--kept: {kept!r} is none of {', '.join(KEPT)}")
     for gate in a.gate.split(","):
         if gate not in ("mlp", "linear"):
             raise SystemExit(f"--gate: {gate!r} is neither mlp nor linear")
@@ -110,8 +118,7 @@ def main():
                 for kept, gate in [(k, g) for k in a.kept.split(",") for g in a.gate.split(",")]:
                     layer = nsa.NativeSparseAttention(hidden, hq, HKV, head_dim=D, phi=phi,
                                                        gate_hidden=0 if gate == "linear" else hidden // 4,
-                                                       save_branch_outputs=kept == "o_branch",
-                                                       save_cmp_output=kept == "o_cmp", device=dev, dtype=dt)
+                                                       device=dev, dtype=dt, **KEPT[kept])
                     if dense is None:
                         twin = DenseTwin(layer)
                         dense = measure(twin, x, a.reps or auto_reps(T))

@@ -9,7 +9,7 @@ twice: with K/V as six compact tensors, and as column slices of one [T, (Hq + 2 
 gate] product as the layer's fused projection gives them: the library's kernels in the layer
 against the same kernels alone.
 
-    python3 bench/layer_profile.py [--G 16] [--T 65536] [--phi mlp] [--kept o_cmp] [--alone]
+    python3 bench/layer_profile.py [--G 16] [--T 65536] [--phi mlp] [--kept o_cmp_win] [--alone]
                                    [--top 25] [--markdown OUT.md]
 """
 import argparse
@@ -20,7 +20,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import nsa
-from layer_bench import D, HKV, DenseTwin  # the script's folder is on sys.path
+from layer_bench import D, HKV, KEPT, DenseTwin  # the script's folder is on sys.path
 
 
 def kind(name):
@@ -86,7 +86,7 @@ def main():
     ap.add_argument("--G", type=int, default=16)
     ap.add_argument("--T", type=int, default=65536)
     ap.add_argument("--phi", default="mlp")
-    ap.add_argument("--kept", default="o_cmp", choices=["o", "o_cmp", "o_branch"],
+    ap.add_argument("--kept", default="o_cmp_win", choices=list(KEPT),
                     help="what the layer keeps for the backward besides o (bench/layer_bench.py's --kept)")
     ap.add_argument("--alone", action="store_true", help="also nsa.attention alone, compact and sliced K/V")
     ap.add_argument("--top", type=int, default=25)
@@ -97,8 +97,7 @@ def main():
     hidden = hq * D
     torch.manual_seed(0)
     x = torch.randn(a.T, hidden, device=dev, dtype=dt, requires_grad=True)
-    keep = {"save_branch_outputs": a.kept == "o_branch", "save_cmp_output": a.kept == "o_cmp"}
-    layer = nsa.NativeSparseAttention(hidden, hq, HKV, head_dim=D, phi=a.phi, device=dev, dtype=dt, **keep)
+    layer = nsa.NativeSparseAttention(hidden, hq, HKV, head_dim=D, phi=a.phi, device=dev, dtype=dt, **KEPT[a.kept])
     out = [f"GPU kernels of one forward+backward, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
            f"bf16, G {a.G} (Hq {hq}, Hkv {HKV}), D {D}, T {a.T}, phi {a.phi}, "
            f"kept for the backward: {a.kept}\n"]

@@ -4,8 +4,8 @@ forward+backward, from the three outputs of one device call (scripts/gpu_check.s
 `public_prefill` step writes them):
 
   - this library: the CSV of `nsa bench --suite backward` (rows of one variant, several runs of a
-    shape averaged; --variant, default saved_o_cmp: the backward given o and the compressed
-    branch's output, as the torch layer gives it);
+    shape averaged; --variant, default saved_o_cmp_win: the backward given o and the compressed
+    and window branches' outputs, as the torch layer gives them);
   - dense: the markdown table of bench/sdpa_backward_baseline.py on that suite's `full` rows (its
     dense forward and forward+backward columns);
   - the public NSA: the logs of ../shared/anchors/mdy_nsa's bench.py (`--no-decode --no-check
@@ -16,7 +16,7 @@ Writes the plot CSV of bench/plot_speed.py (--csv) and a markdown table with the
 (--markdown); prints the table. Needs nothing but the standard library.
 
     python3 bench/public_nsa_prefill.py --ours nsa.csv --dense dense.md --public 16=g16.txt --public 4=g4.txt \\
-        [--variant saved_o_cmp] [--csv OUT.csv] [--markdown OUT.md]
+        [--variant saved_o_cmp_win] [--csv OUT.csv] [--markdown OUT.md]
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def main() -> int:
     ap.add_argument("--public", action="append", default=[], metavar="G=LOG",
                     help="the public NSA's bench.py log for group G (repeatable)")
     ap.add_argument("--hkv", type=int, default=4, help="the public runs' Hkv (bench.py --hkv)")
-    ap.add_argument("--variant", default="saved_o_cmp")
+    ap.add_argument("--variant", default="saved_o_cmp_win")
     ap.add_argument("--csv")
     ap.add_argument("--markdown")
     a = ap.parse_args()

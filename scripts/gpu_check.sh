@@ -143,7 +143,7 @@ public_decode() {
 }
 
 # The same-run prefill table against the fastest public NSA (laid out in .anchors/mdy_nsa by
-# ../shared/anchors/mdy_nsa/setup.sh): this library's backward suite (variants full, saved_o_cmp
+# ../shared/anchors/mdy_nsa/setup.sh): this library's backward suite (variants full, saved_o_cmp_win
 # and saved_o_branch) at G = 16 and G = 4, dense SDPA on those shapes, the public NSA's bench.py at
 # the same lengths, merged by bench/public_nsa_prefill.py into $OUT/public_prefill.md and the plot
 # CSV $OUT/public_nsa_prefill.csv (bench/plot_speed.py --csv), and with saved_o_branch (the public
@@ -153,7 +153,7 @@ public_prefill() {
   local b lens="${PREFILL_LENS:-8192,16384,32768,65536}" csv="$OUT/prefill_ours.csv" v shape
   b="$(bin nsa)" || return 1
   : > "$csv"
-  for v in full saved_o_cmp saved_o_branch; do
+  for v in full saved_o_cmp_win saved_o_branch; do
     for shape in 64,4,128,128 16,4,128,128; do
       "$b" bench --suite backward --lengths "$lens" --shape "$shape" --variant "$v" --out "$OUT/prefill_part.csv" || return 1
       if [[ -s "$csv" ]]; then tail -n +2 "$OUT/prefill_part.csv" >> "$csv"; else cat "$OUT/prefill_part.csv" > "$csv"; fi
@@ -167,11 +167,11 @@ public_prefill() {
     (cd "$SRC/.anchors/mdy_nsa" && PYTHONUNBUFFERED=1 python3 bench.py --seqlens "$lens" --hq "$hq" --hkv 4 --no-decode \
       --no-check --no-breakdown > "$OUT/prefill_public_g$g.log" 2>&1) || { tail -20 "$OUT/prefill_public_g$g.log"; return 1; }
   done
-  # saved_o_cmp (the layer's default) and saved_o_branch (the public kernels' memory: they keep
-  # every branch's output for the backward), one table and CSV each.
+  # saved_o_cmp_win (the layer's default) and saved_o_branch (every branch's output kept, as the
+  # public kernels keep them for the backward), one table and CSV each.
   local sfx
-  for v in saved_o_cmp saved_o_branch; do
-    sfx=""; [[ "$v" == saved_o_cmp ]] || sfx="_o_branch"
+  for v in saved_o_cmp_win saved_o_branch; do
+    sfx=""; [[ "$v" == saved_o_cmp_win ]] || sfx="_o_branch"
     python3 "$SRC/bench/public_nsa_prefill.py" --ours "$csv" --dense "$OUT/prefill_dense.md" \
       --public "16=$OUT/prefill_public_g16.log" --public "4=$OUT/prefill_public_g4.log" --variant "$v" \
       --csv "$OUT/public_nsa_prefill$sfx.csv" --markdown "$OUT/public_prefill$sfx.md" || return 1

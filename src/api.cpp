@@ -304,8 +304,11 @@ void forward(const Context& ctx, const Config& cfg, const Inputs& call_in, const
   chk.optional_floats("o_branch", out.o_branch, qdims(p, "[3, Tq, Hq, Dv]", "[3, T, Hq, Dv]"),
                       {3, p.query_rows(), p.hq, p.dv});
   chk.optional_floats("o_cmp", out.o_cmp, qdims(p, "[Tq, Hq, Dv]", "[T, Hq, Dv]"), {p.query_rows(), p.hq, p.dv});
-  if (out.o_branch.defined())
+  chk.optional_floats("o_win", out.o_win, qdims(p, "[Tq, Hq, Dv]", "[T, Hq, Dv]"), {p.query_rows(), p.hq, p.dv});
+  if (out.o_branch.defined()) {
     require_absent("o_cmp", out.o_cmp, "o_branch holds the compressed branch's output already: pass one of the two");
+    require_absent("o_win", out.o_win, "o_branch holds the window branch's output already: pass one of the two");
+  }
   check_workspace(*ops, p, Op::forward, detail::problem_of(p), ws);
   require_op(*ops, ops->forward, "forward")(p, in, out, ws);
 }
@@ -321,8 +324,11 @@ void backward(const Context& ctx, const Config& cfg, const Inputs& call_in, cons
   chk.optional_floats("o", saved.o, qdims(p, "[Tq, Hq, Dv]", "[T, Hq, Dv]"), {Tq, p.hq, p.dv});
   chk.optional_floats("o_branch", saved.o_branch, qdims(p, "[3, Tq, Hq, Dv]", "[3, T, Hq, Dv]"), {3, Tq, p.hq, p.dv});
   chk.optional_floats("o_cmp", saved.o_cmp, qdims(p, "[Tq, Hq, Dv]", "[T, Hq, Dv]"), {Tq, p.hq, p.dv});
-  if (saved.o_branch.defined())
+  chk.optional_floats("o_win", saved.o_win, qdims(p, "[Tq, Hq, Dv]", "[T, Hq, Dv]"), {Tq, p.hq, p.dv});
+  if (saved.o_branch.defined()) {
     require_absent("o_cmp", saved.o_cmp, "o_branch holds the compressed branch's output already: pass one of the two");
+    require_absent("o_win", saved.o_win, "o_branch holds the window branch's output already: pass one of the two");
+  }
   chk.floats("d_o", d_o, qdims(p, "[Tq, Hq, Dv]", "[T, Hq, Dv]"), {Tq, p.hq, p.dv});
   chk.floats("dq", grads.dq, qdims(p, "[Tq, Hq, Dqk]", "[T, Hq, Dqk]"), {Tq, p.hq, p.dqk});
   static const char* kNames[3][2] = {{"dk_cmp", "dv_cmp"}, {"dk_slc", "dv_slc"}, {"dk_win", "dv_win"}};

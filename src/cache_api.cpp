@@ -253,6 +253,8 @@ void decode(const Context& ctx, const Config& cfg, const PagedCache& cache, cons
   chk.optional_floats("o_branch", out.o_branch, "[3, Tq, Hq, Dv]", {3, p.T, p.hq, p.dv});
   detail::require_absent("o_cmp", out.o_cmp,
                          "decode keeps nothing for a backward (o_branch holds each branch's output)");
+  detail::require_absent("o_win", out.o_win,
+                         "decode keeps nothing for a backward (o_branch holds each branch's output)");
   detail::check_workspace(*ops, p, Op::decode, detail::problem_of(p), ws);
   detail::require_op(*ops, ops->decode, "decode")(p, cache, in, out, ws);
 }

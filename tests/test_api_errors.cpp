@@ -111,6 +111,12 @@ std::vector<BadCase> bad_cases() {
     o.o_cmp = o.o;
     o.o_cmp.dtype = DType::i32;
   });
+  out_case("o_win_with_o_branch", "o_win", "", [](ForwardOutputs& o) { o.o_win = o.o; });
+  out_case("o_win_wrong_dv", "o_win.shape[2]", "3", [](ForwardOutputs& o) {
+    o.o_branch = TensorView();
+    o.o_win = o.o;
+    o.o_win.shape[2] = 3;
+  });
 
   auto ctx_case = [&](std::string name, std::string param, std::string value, std::function<void(Context&)> f) {
     c.push_back({std::move(name), std::move(param), std::move(value),
@@ -201,6 +207,15 @@ TEST(BadInputStages, BackwardGradientShapes) {
   saved.o_cmp.shape[0] = 5;
   expect_error("o_cmp.shape[0]", [&] { backward(context_of(Backend::reference), p.cfg, p.inputs(), saved, p.d_o.view(), p.gradients()); });
   saved.o_cmp = p.o.view();  // valid: the reference reads it not, and computes the same gradients
+  EXPECT_NO_THROW(backward(context_of(Backend::reference), p.cfg, p.inputs(), saved, p.d_o.view(), p.gradients()));
+  // The saved window output likewise.
+  saved = p.outputs();
+  saved.o_win = p.o.view();
+  expect_error("o_win", [&] { backward(context_of(Backend::reference), p.cfg, p.inputs(), saved, p.d_o.view(), p.gradients()); });
+  saved.o_branch = TensorView();
+  saved.o_win.shape[1] = 5;
+  expect_error("o_win.shape[1]", [&] { backward(context_of(Backend::reference), p.cfg, p.inputs(), saved, p.d_o.view(), p.gradients()); });
+  saved.o_win = p.o.view();
   EXPECT_NO_THROW(backward(context_of(Backend::reference), p.cfg, p.inputs(), saved, p.d_o.view(), p.gradients()));
 }
 

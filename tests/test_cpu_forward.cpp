@@ -53,9 +53,10 @@ TEST_P(CpuForward, LayerMatchesReference) {
   });
 }
 
-// The compressed branch's output kept alone (ForwardOutputs::o_cmp, which the CUDA backward reads)
-// is o_branch's first plane bit for bit, on the reference and the cpu backend, and o is unchanged.
-TEST_P(CpuForward, CompressedOutputIsTheFirstBranchOutput) {
+// The compressed and window branches' outputs kept without o_branch (ForwardOutputs::o_cmp and
+// o_win, which the CUDA backward reads) are o_branch's first and third planes bit for bit, on the
+// reference and the cpu backend, and o is unchanged.
+TEST_P(CpuForward, CompressedAndWindowOutputsAreTheirBranchOutputs) {
   for_each_case(cases(), dtype(), 10, [](const Case& c, const Sizes&, LayerProblem& p, uint64_t) {
     for (Backend backend : {Backend::reference, Backend::cpu}) {
       SCOPED_TRACE(backend_name(backend));
@@ -64,15 +65,18 @@ TEST_P(CpuForward, CompressedOutputIsTheFirstBranchOutput) {
       OwnedWorkspace ws = cpu_workspace(Op::forward, c.cfg, pr);
       LayerProblem with_oc = p;
       forward(ctx, c.cfg, p.inputs(), p.outputs(), ws.ws);
-      HostTensor oc(with_oc.o.dtype(), with_oc.o.shape());
+      HostTensor oc(with_oc.o.dtype(), with_oc.o.shape()), ow(with_oc.o.dtype(), with_oc.o.shape());
       oc.poison();
+      ow.poison();
       ForwardOutputs out = with_oc.outputs();
       out.o_branch = TensorView();
       out.o_cmp = oc.view();
+      out.o_win = ow.view();
       forward(ctx, c.cfg, with_oc.inputs(), out, ws.ws);
-      const std::vector<double> ob = p.o_branch.values(), got = oc.values();
+      const std::vector<double> ob = p.o_branch.values(), got = oc.values(), got_w = ow.values();
       ASSERT_EQ(got.size() * 3, ob.size());
       EXPECT_TRUE(std::equal(got.begin(), got.end(), ob.begin())) << "o_cmp against o_branch[0]";
+      EXPECT_TRUE(std::equal(got_w.begin(), got_w.end(), ob.begin() + 2 * got.size())) << "o_win against o_branch[2]";
       EXPECT_EQ(with_oc.o.values(), p.o.values()) << "o";
     }
   });

@@ -432,8 +432,8 @@ TEST(DecodeErrors, BadInputsAreNamedErrorsAndTouchNothing) {
   }
 }
 
-// Decoding keeps nothing for a backward: an o_cmp output is a named error (o_branch holds every
-// branch's output), and the cache is untouched.
+// Decoding keeps nothing for a backward: an o_cmp or o_win output is a named error (o_branch holds
+// every branch's output), and the cache is untouched.
 TEST(DecodeErrors, CompressedOutputIsRefused) {
   const DecodeCase c = cases()[0];
   for (Backend backend : {Backend::reference, Backend::cpu}) {
@@ -445,15 +445,17 @@ TEST(DecodeErrors, CompressedOutputIsRefused) {
     HostCache cache = make_cache(c.cfg, sz, c.page_size, longest(sz), 6);
     for (size_t i = 0; i < some.size(); ++i) cache.seq_lens.set(int64_t(i), double(some[i]));
     StepRows s = step_rows(p, none, some);
-    ForwardOutputs out = s.outputs();
-    out.o_cmp = out.o;
     std::vector<unsigned char> ws(1 << 22);
     const Workspace w{ws.data() + (256 - reinterpret_cast<uintptr_t>(ws.data()) % 256) % 256, (1 << 22) - 256};
-    try {
-      decode(context_of(backend), c.cfg, cache.view(), s.queries(), out, w);
-      ADD_FAILURE() << "decode accepted o_cmp";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.parameter(), "o_cmp") << e.what();
+    for (const char* name : {"o_cmp", "o_win"}) {
+      ForwardOutputs out = s.outputs();
+      (std::string(name) == "o_cmp" ? out.o_cmp : out.o_win) = out.o;
+      try {
+        decode(context_of(backend), c.cfg, cache.view(), s.queries(), out, w);
+        ADD_FAILURE() << "decode accepted " << name;
+      } catch (const Error& e) {
+        EXPECT_EQ(e.parameter(), name) << e.what();
+      }
     }
   }
 }

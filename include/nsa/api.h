@@ -114,6 +114,7 @@ struct ForwardOutputs {
   TensorView indices;   // [Tq, Hkv, n] int32: selected blocks, ascending, padded with -1
   TensorView o_branch;  // optional [3, Tq, Hq, Dv]: each branch's output before gating
   TensorView o_cmp;     // optional [Tq, Hq, Dv]: the compressed branch's output before gating
+  TensorView o_win;     // optional [Tq, Hq, Dv]: the window branch's output before gating
 };
 
 struct Gradients {
@@ -209,15 +210,16 @@ void forward(const Context& ctx, const Config& cfg, const Inputs& in, const Forw
              Workspace ws = {});
 
 // Spec §8: gradients of a loss with respect to every input, given d_o = dLoss/do [Tq, Hq, Dv] and
-// what forward() saved: lse and indices are read. o, o_branch and o_cmp are optional (the other
-// backends ignore them; at most one of o_branch and o_cmp): with o_branch (as forward() wrote it)
+// what forward() saved: lse and indices are read. o, o_branch, o_cmp and o_win are optional (the
+// other backends ignore them; o_branch or any of o_cmp and o_win): with o_branch (as forward() wrote it)
 // the cuda backend takes dg_b = <d_o, o_b> from it instead of recomputing every branch's output
 // (two of the nine products per query and key); without o_branch but with o (as forward() wrote
 // it) it recomputes the compressed and window outputs only and takes the selection's from
 // o = sum_b g_b o_b (one gather pass over the selected blocks less; D = g_slc <d_o, o_slc> then
 // carries o's rounding, as dense attention's D = <d_o, o> does); with o_cmp as well it takes the
-// compressed branch's dg from o_cmp and recomputes the window's output alone (o and o_cmp: twice
-// o's memory, against o_branch's three times).
+// compressed branch's dg from o_cmp, and with o_win the window branch's from o_win, and recomputes
+// only the branch outputs it was not given (o, o_cmp and o_win: no recompute at all, three times
+// o's memory as with o_branch, of which o is the layer's output anyway).
 // Selection is a constant. Every gradient is written (not accumulated).
 void backward(const Context& ctx, const Config& cfg, const Inputs& in, const ForwardOutputs& saved,
               const TensorView& d_o, const Gradients& grads, Workspace ws = {});

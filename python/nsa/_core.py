@@ -435,11 +435,11 @@ def _query_packing(fw, cu_seqlens_q, max_seqlen_q):
 
 def forward(fw, cfg: Config, q, kv6, g, phi_k: Optional[Phi], phi_v: Optional[Phi], cu_seqlens=None,
             max_seqlen=None, backend="auto", num_threads=0, branches=False, cu_seqlens_q=None,
-            max_seqlen_q=None, o_cmp=None) -> ForwardResult:
+            max_seqlen_q=None, o_cmp=None, o_win=None) -> ForwardResult:
     """cu_seqlens_q: the query packing (api.h Inputs::seqs_q): sequence b's queries are its last
     cu_seqlens_q[b+1] - cu_seqlens_q[b] positions, q and the outputs have cu_seqlens_q[-1] rows.
-    None: every position is a query. o_cmp: an array [T, Hq, Dv] of q's dtype to write the
-    compressed branch's output into (kept for the backward; not with branches)."""
+    None: every position is a query. o_cmp, o_win: arrays [T, Hq, Dv] of q's dtype to write the
+    compressed and the window branch's output into (kept for the backward; not with branches)."""
     q, g = fw.prepare(q), fw.prepare(g)
     kv6, shared, (T, Tk, Hq, Hkv, Dqk, Dv) = _layer_kv(fw, q, kv6)
     cu_q, ms_q = _query_packing(fw, cu_seqlens_q, max_seqlen_q)
@@ -453,7 +453,7 @@ def forward(fw, cfg: Config, q, kv6, g, phi_k: Optional[Phi], phi_v: Optional[Ph
     ws = call.workspace("forward", c, Tk, Hq, Hkv, Dqk, Dv, max(phi_hidden(phi_k), phi_hidden(phi_v)))
     with fw.device_guard(q):
         _nsa.forward(*call.ctx, c, q, kv6, g, _phi_tuple(fw, phi_k), _phi_tuple(fw, phi_v), call.cu,
-                     call.max_seqlen, o, lse, idx, ob, ws, cu_q, ms_q, o_cmp)
+                     call.max_seqlen, o, lse, idx, ob, ws, cu_q, ms_q, o_cmp, o_win)
     return ForwardResult(o, lse, idx, ob)
 
 
@@ -467,18 +467,19 @@ class Gradients(NamedTuple):
 
 def backward(fw, cfg: Config, q, kv6, g, phi_k: Optional[Phi], phi_v: Optional[Phi], lse, indices, d_o,
              cu_seqlens=None, max_seqlen=None, backend="auto", num_threads=0, o_branch=None,
-             o=None, cu_seqlens_q=None, max_seqlen_q=None, o_cmp=None) -> Gradients:
+             o=None, cu_seqlens_q=None, max_seqlen_q=None, o_cmp=None, o_win=None) -> Gradients:
     """o_branch: the forward's per-branch outputs [3, T, Hq, Dv] if they were kept (optional; the
     CUDA backend then takes dg from them instead of recomputing each branch's output). o: the
     forward's output [T, Hq, Dv] (optional; without o_branch the CUDA backend then takes the
     selection branch's part from it instead of recomputing that branch's output). o_cmp: the
     forward's compressed branch output [T, Hq, Dv] (optional, not with o_branch; the CUDA backend
-    then takes that branch's dg from it). cu_seqlens_q: the query packing, as for forward (dk, dv
+    then takes that branch's dg from it); o_win the same for the window branch. cu_seqlens_q: the query packing, as for forward (dk, dv
     have the keys' rows, the others the queries')."""
     q, g, lse, indices, d_o = (fw.prepare(x) for x in (q, g, lse, indices, d_o))
     o_branch = None if o_branch is None else fw.prepare(o_branch)
     o = None if o is None else fw.prepare(o)
     o_cmp = None if o_cmp is None else fw.prepare(o_cmp)
+    o_win = None if o_win is None else fw.prepare(o_win)
     kv6, shared, (T, Tk, Hq, Hkv, Dqk, Dv) = _layer_kv(fw, q, kv6)
     cu_q, ms_q = _query_packing(fw, cu_seqlens_q, max_seqlen_q)
     Tk = Tk if cu_q is not None else T
@@ -499,7 +500,7 @@ def backward(fw, cfg: Config, q, kv6, g, phi_k: Optional[Phi], phi_v: Optional[P
         _nsa.backward(*call.ctx, c, q, kv6, g, _phi_tuple(fw, phi_k), _phi_tuple(fw, phi_v), call.cu,
                       call.max_seqlen, o, lse, indices, o_branch, d_o, dq, dkv, dg,
                       None if dphi_k is None else tuple(dphi_k), None if dphi_v is None else tuple(dphi_v), ws,
-                      cu_q, ms_q, o_cmp)
+                      cu_q, ms_q, o_cmp, o_win)
     return Gradients(dq, dkv, dg, dphi_k, dphi_v)
 
 

@@ -55,7 +55,7 @@ def _stage(name: str, cfg: Config, arrays: tuple, *rest):
 def attention(q, k, v, g, phi_k=None, phi_v=None, *, cu_seqlens=None, max_seqlen=None,
               config: Optional[Config] = None, backend: str = "auto", num_threads: int = 0,
               return_aux: bool = False, save_branch_outputs: bool = False, save_cmp_output: bool = True,
-              cu_seqlens_q=None, max_seqlen_q=None, **config_fields):
+              save_win_output: bool = True, cu_seqlens_q=None, max_seqlen_q=None, **config_fields):
     """Native Sparse Attention (spec §2-§7): o [T, Hq, Dv] = sum_b g[..., b] * o_b.
 
     k, v: one array each, shared by the three branches, or a (cmp, slc, win) tuple each for
@@ -66,8 +66,10 @@ def attention(q, k, v, g, phi_k=None, phi_v=None, *, cu_seqlens=None, max_seqlen
     instead of recomputing the compressed and window branches (the CUDA backward ~13% faster at 64K,
     for three times o's memory until the backward runs). ``save_cmp_output`` (torch autograd on
     CUDA only, on by default): keep the compressed branch's output [T, Hq, Dv] for the backward,
-    which then takes that branch's dg from it and recomputes the window's alone (o's memory until
-    the backward runs); not needed with ``save_branch_outputs``.
+    which then takes that branch's dg from it instead of recomputing it (o's memory until the
+    backward runs); ``save_win_output`` (likewise) the same for the window branch. With both (and
+    o, which the backward keeps anyway) the CUDA backward recomputes no branch output. Neither is
+    needed with ``save_branch_outputs``.
     """
     cfg = make_config(config, config_fields)
     phi_k, phi_v = as_phi(phi_k, "phi_k"), as_phi(phi_v, "phi_v")
@@ -75,7 +77,7 @@ def attention(q, k, v, g, phi_k=None, phi_v=None, *, cu_seqlens=None, max_seqlen
     if is_torch(q):
         o, lse, idx = _torch_ops().attention(q, kv6, g, phi_k, phi_v, cfg, cu_seqlens, max_seqlen,
                                               backend, num_threads, save_branch_outputs, cu_seqlens_q,
-                                              max_seqlen_q, save_cmp_output)
+                                              max_seqlen_q, save_cmp_output, save_win_output)
     else:
         o, lse, idx, _ = _core.forward(arrays_for(q), cfg, q, kv6, g, phi_k, phi_v, cu_seqlens,
                                        max_seqlen, backend, num_threads, cu_seqlens_q=cu_seqlens_q,
@@ -97,7 +99,7 @@ def attention_branches(q, k, v, g, phi_k=None, phi_v=None, *, cu_seqlens=None, m
 
 def attention_backward(q, k, v, g, phi_k, phi_v, lse, indices, d_o, *, cu_seqlens=None, max_seqlen=None,
                        config: Optional[Config] = None, backend: str = "auto", num_threads: int = 0,
-                       o_branch=None, o=None, o_cmp=None, cu_seqlens_q=None, max_seqlen_q=None,
+                       o_branch=None, o=None, o_cmp=None, o_win=None, cu_seqlens_q=None, max_seqlen_q=None,
                        **config_fields) -> _core.Gradients:
     """Gradients of NSA (spec §8) given what ``attention(..., return_aux=True)`` returned and
     d_o = dLoss/do [T, Hq, Dv]. Selection is a constant. Returns ``Gradients(dq, dk, dv, dg,
@@ -107,13 +109,14 @@ def attention_backward(q, k, v, g, phi_k, phi_v, lse, indices, d_o, *, cu_seqlen
     o: optionally the forward's output; without o_branch the CUDA backend then takes the
     selection branch's part from it instead of recomputing that branch (the CPU backends ignore it).
     o_cmp: optionally the compressed branch's output (``attention_branches``' o_branch[0]; not with
-    o_branch); the CUDA backend then takes that branch's dg from it (the CPU backends ignore it)."""
+    o_branch); the CUDA backend then takes that branch's dg from it (the CPU backends ignore it).
+    o_win: the same for the window branch (o_branch[2])."""
     cfg = make_config(config, config_fields)
     phi_k, phi_v = as_phi(phi_k, "phi_k"), as_phi(phi_v, "phi_v")
     kv6, shared = split_kv(k, v)
     grads = _core.backward(arrays_for(q), cfg, q, kv6, g, phi_k, phi_v, lse, indices, d_o, cu_seqlens,
                            max_seqlen, backend, num_threads, o_branch=o_branch, o=o, cu_seqlens_q=cu_seqlens_q,
-                           max_seqlen_q=max_seqlen_q, o_cmp=o_cmp)
+                           max_seqlen_q=max_seqlen_q, o_cmp=o_cmp, o_win=o_win)
     d = grads.dkv
     dk, dv = (d[0], d[1]) if shared else ((d[0], d[2], d[4]), (d[1], d[3], d[5]))
     return Gradients(grads.dq, dk, dv, grads.dg, grads.dphi_k, grads.dphi_v)

@@ -259,6 +259,8 @@ class NativeSparseAttention(nn.Module):
             CUDA (on by default; the attention output's memory per layer; the CUDA backward then
             takes that branch's dg from it instead of recomputing the branch). Not needed with
             save_branch_outputs, which keeps it among the three.
+        save_win_output: the same for the window branch (on by default). With both the CUDA
+            backward recomputes no branch output (it keeps o, the layer's output, anyway).
         backbone: the reach backbone (spec §11): the layer forces the offsets that
             nsa.backbone_schedule(layer_idx, max_seqlen, l', backbone_per_layer) gives it (they take
             places of n; off by default: plain NSA). layer_idx (0-based) and max_seqlen (the longest
@@ -289,7 +291,8 @@ class NativeSparseAttention(nn.Module):
                  config: Optional[Config] = None, phi: str = "mlp", phi_hidden: Optional[int] = None,
                  shared_kv: bool = False, gate_hidden: int = 0, rotary: bool = True,
                  rope_theta: float = 10000.0, bias: bool = False, backend: str = "auto", num_threads: int = 0,
-                 save_branch_outputs: bool = False, save_cmp_output: bool = True, backbone: bool = False,
+                 save_branch_outputs: bool = False, save_cmp_output: bool = True, save_win_output: bool = True,
+                 backbone: bool = False,
                  layer_idx: Optional[int] = None,
                  max_seqlen: Optional[int] = None, backbone_per_layer: int = 1, process_group=None, device=None,
                  dtype=None):
@@ -328,6 +331,7 @@ class NativeSparseAttention(nn.Module):
         self.phi, self.shared_kv, self.rotary, self.rope_theta = phi, shared_kv, rotary, rope_theta
         self.backend, self.num_threads = backend, num_threads
         self.save_branch_outputs, self.save_cmp_output = save_branch_outputs, save_cmp_output
+        self.save_win_output = save_win_output
         self.process_group = process_group
         self.capture, self.aux = False, None
         self.num_kv_sets = 1 if shared_kv else 3  # K/V sets: one shared, or (cmp, slc, win)
@@ -502,7 +506,8 @@ class NativeSparseAttention(nn.Module):
         kv6 = (k, v, None, None, None, None) if self.shared_kv else (k[0], v[0], k[1], v[1], k[2], v[2])
         o, lse, indices = torch_ops.attention(q, kv6, g, self._phi(self.phi_k, q.dtype), self._phi(self.phi_v, q.dtype),
                                               self.config, cu_seqlens, max_seqlen, self.backend, self.num_threads,
-                                              self.save_branch_outputs, save_cmp=self.save_cmp_output)
+                                              self.save_branch_outputs, save_cmp=self.save_cmp_output,
+                                              save_win=self.save_win_output)
         if self.capture:
             self.aux = {"indices": indices.detach(), "lse": lse.detach(), "gates": g.detach()}
         return o

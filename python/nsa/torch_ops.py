@@ -73,37 +73,51 @@ def forward_op(
     phi_v_b2: Optional[Tensor], phi_v_pe: Optional[Tensor],
     cu_seqlens: Optional[Tensor], max_seqlen: int, config: List[int], scale: float, backend: str,
     num_threads: int, save_branches: bool, cu_seqlens_q: Optional[Tensor] = None, max_seqlen_q: int = 0,
-    save_cmp: bool = False,
+    save_cmp: bool = False, save_win: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """o [Tq, Hq, Dv], lse [Tq, Hq, 3] f32, indices [Tq, Hkv, n] int32, and what is kept for the
-    backward: o_branch [3, Tq, Hq, Dv] (each branch's output) if save_branches, else o_cmp
-    [Tq, Hq, Dv] (the compressed branch's) if save_cmp, else an empty tensor. Tq = T (k's rows)
-    unless cu_seqlens_q gives a query packing (each sequence's last positions)."""
-    kept_shape = _kept_shape(q, v_cmp, save_branches, save_cmp)
-    o_cmp = q.new_empty(kept_shape) if len(kept_shape) == 3 else None
+    backward (_kept_shape): o_branch [3, Tq, Hq, Dv] (each branch's output) if save_branches, else
+    the outputs of the compressed branch (save_cmp) and of the window branch (save_win) in that
+    order, [Tq, Hq, Dv] for one and [2, Tq, Hq, Dv] for both, else an empty tensor. Tq = T (k's
+    rows) unless cu_seqlens_q gives a query packing (each sequence's last positions)."""
+    kept_shape = _kept_shape(q, v_cmp, save_branches, save_cmp, save_win)
+    kept = None if save_branches else q.new_empty(kept_shape)
+    o_cmp, o_win = _kept_planes(kept, save_branches, save_cmp, save_win)
     r = _core.forward(_fw, _cfg(config, scale), q, (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win), g,
                       _phi(phi_k_w1, phi_k_b1, phi_k_w2, phi_k_b2, phi_k_pe),
                       _phi(phi_v_w1, phi_v_b1, phi_v_w2, phi_v_b2, phi_v_pe),
                       cu_seqlens, max_seqlen, backend, num_threads, branches=save_branches,
-                      cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, o_cmp=o_cmp)
-    kept = r.o_branch if save_branches else o_cmp if o_cmp is not None else q.new_empty((0,))
-    return r.o, r.lse, r.indices, kept
+                      cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, o_cmp=o_cmp, o_win=o_win)
+    return r.o, r.lse, r.indices, r.o_branch if save_branches else kept
 
 
-def _kept_shape(q, v_cmp, save_branches, save_cmp):
+def _kept_shape(q, v_cmp, save_branches, save_cmp, save_win=False):
     """The shape of nsa::forward's fourth output (what the backward reads besides o)."""
     T, Hq, Dv = q.shape[0], q.shape[1], v_cmp.shape[2]
-    return (3, T, Hq, Dv) if save_branches else (T, Hq, Dv) if save_cmp else (0,)
+    if save_branches:
+        return (3, T, Hq, Dv)
+    planes = int(bool(save_cmp)) + int(bool(save_win))
+    return (0,) if planes == 0 else (T, Hq, Dv) if planes == 1 else (2, T, Hq, Dv)
+
+
+def _kept_planes(kept, save_branches, save_cmp, save_win):
+    """(o_cmp, o_win) of nsa::forward's fourth output without save_branches: views of it, or None."""
+    if save_branches or not (save_cmp or save_win):
+        return None, None
+    if save_cmp and save_win:
+        return kept[0], kept[1]
+    return (kept, None) if save_cmp else (None, kept)
 
 
 @forward_op.register_fake
 def _forward_fake(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, g, *rest):
     config, save_branches = rest[2 * _N_PHI + 2], rest[2 * _N_PHI + 6]
     save_cmp = rest[2 * _N_PHI + 9] if len(rest) > 2 * _N_PHI + 9 else False
+    save_win = rest[2 * _N_PHI + 10] if len(rest) > 2 * _N_PHI + 10 else False
     T, Hq, Dv = q.shape[0], q.shape[1], v_cmp.shape[2]
     return (q.new_empty((T, Hq, Dv)), q.new_empty((T, Hq, 3), dtype=torch.float32),
             q.new_empty((T, k_cmp.shape[1], config[3]), dtype=torch.int32),
-            q.new_empty(_kept_shape(q, v_cmp, save_branches, save_cmp)))
+            q.new_empty(_kept_shape(q, v_cmp, save_branches, save_cmp, save_win)))
 
 
 @torch.library.custom_op("nsa::backward", mutates_args=())
@@ -117,17 +131,18 @@ def backward_op(
     cu_seqlens: Optional[Tensor], max_seqlen: int, config: List[int], scale: float, backend: str,
     num_threads: int, lse: Tensor, indices: Tensor, o_branch: Optional[Tensor], d_o: Tensor,
     o: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None, max_seqlen_q: int = 0,
-    o_cmp: Optional[Tensor] = None,
+    o_cmp: Optional[Tensor] = None, o_win: Optional[Tensor] = None,
 ) -> List[Tensor]:
     """The 18 gradients in the order of nsa::forward's tensor inputs; empty where an input was None
     (shared K/V: the sum over branches is in dk_cmp, dv_cmp). o_branch: the forward's kept branch
     outputs, or None (the CUDA backward then recomputes them; with the forward's output o it
-    recomputes only the compressed and window branches, with o_cmp as well the window alone)."""
+    recomputes only the compressed and window branches, and neither of those it is given as o_cmp
+    or o_win)."""
     phi_k = _phi(phi_k_w1, phi_k_b1, phi_k_w2, phi_k_b2, phi_k_pe)
     phi_v = _phi(phi_v_w1, phi_v_b1, phi_v_w2, phi_v_b2, phi_v_pe)
     r = _core.backward(_fw, _cfg(config, scale), q, (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win), g, phi_k,
                        phi_v, lse, indices, d_o, cu_seqlens, max_seqlen, backend, num_threads, o_branch=o_branch,
-                       o=o, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, o_cmp=o_cmp)
+                       o=o, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, o_cmp=o_cmp, o_win=o_win)
     grads = [r.dq, *r.dkv, r.dg, *_phi_args(r.dphi_k), *_phi_args(r.dphi_v)]
     return [x if x is not None else _empty_grad(q) for x in grads]
 
@@ -141,16 +156,17 @@ def _backward_fake(*args):
 
 # nsa::forward's inputs after the differentiable tensors and cu_seqlens: max_seqlen, config,
 # scale, backend, num_threads (the backward's statics), save_branches, cu_seqlens_q, max_seqlen_q,
-# save_cmp.
+# save_cmp, save_win.
 _N_TENSORS = 8 + 2 * _N_PHI + 1
 
 
 def _forward_setup(ctx, inputs, output):
-    inputs = list(inputs) + [None, 0, False][len(inputs) - _N_TENSORS - 6:]  # defaults of the last three
+    inputs = list(inputs) + [None, 0, False, False][len(inputs) - _N_TENSORS - 6:]  # defaults of the last four
     tensors = inputs[:_N_TENSORS]  # the differentiable inputs and cu_seqlens
     ctx.present = [x is not None for x in tensors]
     ctx.statics = inputs[_N_TENSORS:_N_TENSORS + 5]
     cu_seqlens_q, ctx.max_seqlen_q = inputs[_N_TENSORS + 6], inputs[_N_TENSORS + 7]
+    ctx.kept = (inputs[_N_TENSORS + 5], inputs[_N_TENSORS + 8], inputs[_N_TENSORS + 9])  # branches, cmp, win
     o, lse, indices, kept = output
     ctx.mark_non_differentiable(lse, indices, kept)
     # No zero-filled gradients for the outputs that get none (autograd's default): lse, indices and
@@ -169,14 +185,15 @@ def _forward_backward(ctx, d_o, _d_lse, _d_indices, _d_kept):
     else:
         saved = ctx.saved_tensors
         tensors, (lse, indices, kept, o, cu_seqlens_q) = saved[:-5], saved[-5:]
-        # (what forward_op kept: o_branch [3, T, Hq, Dv], o_cmp [T, Hq, Dv] or nothing)
-        o_branch = kept if kept.dim() == 4 else None
-        o_cmp = kept if kept.dim() == 3 else None
+        # (what forward_op kept: o_branch [3, T, Hq, Dv], o_cmp and / or o_win, or nothing)
+        save_branches, save_cmp, save_win = ctx.kept
+        o_branch = kept if save_branches else None
+        o_cmp, o_win = _kept_planes(kept, save_branches, save_cmp, save_win)
         grads = torch.ops.nsa.backward(*tensors, *ctx.statics, lse, indices, o_branch, d_o.contiguous(), o,
-                                       cu_seqlens_q, ctx.max_seqlen_q, o_cmp)
+                                       cu_seqlens_q, ctx.max_seqlen_q, o_cmp, o_win)
         out = [grad if present else None for grad, present in zip(grads, ctx.present[:n_grad])]
-    # cu_seqlens, the 6 statics, cu_seqlens_q, max_seqlen_q and save_cmp get none
-    return (*out, None, None, None, None, None, None, None, None, None, None)
+    # cu_seqlens, the 6 statics, cu_seqlens_q, max_seqlen_q, save_cmp and save_win get none
+    return (*out, None, None, None, None, None, None, None, None, None, None, None)
 
 
 forward_op.register_autograd(_forward_backward, setup_context=_forward_setup)
@@ -459,22 +476,25 @@ def rotary(x, inv_freq, positions=None, cu_seqlens=None, inverse=False, backend=
 
 
 def attention(q, kv6, g, phi_k, phi_v, cfg: Config, cu_seqlens, max_seqlen, backend, num_threads,
-              save_branches: bool = False, cu_seqlens_q=None, max_seqlen_q=None, save_cmp: bool = False):
+              save_branches: bool = False, cu_seqlens_q=None, max_seqlen_q=None, save_cmp: bool = False,
+              save_win: bool = False):
     """(o, lse, indices); save_branches keeps each branch's output for the backward, save_cmp the
-    compressed branch's (see nsa.attention's save_branch_outputs and save_cmp_output): only when
-    autograd records, since nothing else reads them, and o_cmp only on CUDA, whose backward alone
-    reads it. cu_seqlens_q: the query packing (None: every position is a query)."""
+    compressed branch's and save_win the window branch's (see nsa.attention's save_branch_outputs,
+    save_cmp_output and save_win_output): only when autograd records, since nothing else reads
+    them, and o_cmp / o_win only on CUDA, whose backward alone reads them. cu_seqlens_q: the query
+    packing (None: every position is a query)."""
     same_device(q, "q", g=g, phi_k=phi_k, phi_v=phi_v, **dict(zip(_KV6, kv6)))
     cu, ms = sequences(cu_seqlens, max_seqlen, q)
     save = bool(save_branches) and torch.is_grad_enabled()
     save_cmp = bool(save_cmp) and not save and torch.is_grad_enabled() and q.is_cuda
+    save_win = bool(save_win) and not save and torch.is_grad_enabled() and q.is_cuda
     if cu_seqlens_q is None:
         cu_q, ms_q = None, _core.check_int(max_seqlen_q or 0, "seqs_q.max_seqlen", 0)
     else:
         cu_q, ms_q = sequences(cu_seqlens_q, max_seqlen_q, q)
     o, lse, idx, _ = torch.ops.nsa.forward(q, *kv6, g, *_phi_args(phi_k), *_phi_args(phi_v), cu, ms, cfg.ints(),
                                            _scale(cfg.scale), backend, _core.threads(num_threads), save, cu_q, ms_q,
-                                           save_cmp)
+                                           save_cmp, save_win)
     return o, lse, idx
 
 

@@ -482,12 +482,13 @@ NB_MODULE(_nsa, m) {
          nb::handle q, nb::handle kv, nb::handle g, nb::handle phi_k, nb::handle phi_v,
          nb::handle cu_seqlens, int64_t max_seqlen, nb::handle o, nb::handle lse,
          nb::handle indices, nb::handle o_branch, nb::handle workspace, nb::handle cu_seqlens_q, int64_t max_seqlen_q,
-         nb::handle o_cmp) {
+         nb::handle o_cmp, nb::handle o_win) {
         Arrays a;
         const nsa::Context ctx = make_context(backend, stream, threads);
         const nsa::Inputs in = layer_inputs(a, q, kv, g, phi_k, phi_v, cu_seqlens, max_seqlen, cu_seqlens_q, max_seqlen_q);
         nsa::ForwardOutputs out = forward_outputs(a, o, lse, indices, o_branch);
         out.o_cmp = a.out(o_cmp, "o_cmp");
+        out.o_win = a.out(o_win, "o_win");
         const nsa::Workspace ws = a.workspace(workspace);
         nb::gil_scoped_release release;
         nsa::forward(ctx, cfg, in, out, ws);
@@ -496,7 +497,7 @@ NB_MODULE(_nsa, m) {
       nb::arg("phi_k").none(), nb::arg("phi_v").none(), nb::arg("cu_seqlens").none(),
       nb::arg("max_seqlen"), nb::arg("o").none(), nb::arg("lse").none(), nb::arg("indices").none(),
       nb::arg("o_branch").none(), nb::arg("workspace").none(), nb::arg("cu_seqlens_q").none() = nb::none(),
-      nb::arg("max_seqlen_q") = 0, nb::arg("o_cmp").none() = nb::none());
+      nb::arg("max_seqlen_q") = 0, nb::arg("o_cmp").none() = nb::none(), nb::arg("o_win").none() = nb::none());
 
   m.def(
       "backward",
@@ -505,7 +506,7 @@ NB_MODULE(_nsa, m) {
          nb::handle cu_seqlens, int64_t max_seqlen, nb::handle o, nb::handle lse,
          nb::handle indices, nb::handle o_branch, nb::handle d_o, nb::handle dq, nb::handle dkv, nb::handle dg,
          nb::handle dphi_k, nb::handle dphi_v, nb::handle workspace, nb::handle cu_seqlens_q, int64_t max_seqlen_q,
-         nb::handle o_cmp) {
+         nb::handle o_cmp, nb::handle o_win) {
         Arrays a;
         const nsa::Context ctx = make_context(backend, stream, threads);
         const nsa::Inputs in = layer_inputs(a, q, kv, g, phi_k, phi_v, cu_seqlens, max_seqlen, cu_seqlens_q, max_seqlen_q);
@@ -515,6 +516,7 @@ NB_MODULE(_nsa, m) {
         saved.indices = a.in(indices, "indices");
         saved.o_branch = a.in(o_branch, "o_branch");
         saved.o_cmp = a.in(o_cmp, "o_cmp");
+        saved.o_win = a.in(o_win, "o_win");
         const nsa::TensorView vdo = a.in(d_o, "d_o");
         nsa::Gradients grads;
         grads.dq = a.out(dq, "dq");
@@ -531,7 +533,7 @@ NB_MODULE(_nsa, m) {
       nb::arg("max_seqlen"), nb::arg("o").none(), nb::arg("lse").none(), nb::arg("indices").none(),
       nb::arg("o_branch").none(), nb::arg("d_o").none(), nb::arg("dq").none(), nb::arg("dkv").none(), nb::arg("dg").none(), nb::arg("dphi_k").none(),
       nb::arg("dphi_v").none(), nb::arg("workspace").none(), nb::arg("cu_seqlens_q").none() = nb::none(),
-      nb::arg("max_seqlen_q") = 0, nb::arg("o_cmp").none() = nb::none());
+      nb::arg("max_seqlen_q") = 0, nb::arg("o_cmp").none() = nb::none(), nb::arg("o_win").none() = nb::none());
 
   def_qkv_attention_fwd(m, "dense_attention_fwd", nsa::dense_attention_fwd, "scale");
 

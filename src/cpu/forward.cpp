@@ -225,7 +225,8 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
             }
             store_row(slice, row, h, ob, d.dv);
           }
-          if (b == 0 && out.o_cmp.defined()) store_row(out.o_cmp, row, h, ob, d.dv);  // (branch 0: compressed)
+          if (b == kCmp && out.o_cmp.defined()) store_row(out.o_cmp, row, h, ob, d.dv);
+          if (b == kWin && out.o_win.defined()) store_row(out.o_win, row, h, ob, d.dv);
         }
         store_row(out.o, row, h, acc, d.dv);
       }

@@ -353,6 +353,7 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
   require_rows_aligned("o", out.o);
   require_rows_aligned("o_branch", out.o_branch);
   require_rows_aligned("o_cmp", out.o_cmp);
+  require_rows_aligned("o_win", out.o_win);
   for (int b = 0; b < 3; ++b) {
     const KV& kv = detail::branch_kv(p.cfg, in, b);
     require_rows_aligned("k", kv.k);
@@ -424,6 +425,9 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
     if (out.o_branch.defined())
       set_branch_output(s, b, static_cast<char*>(out.o_branch.data) + (kSlc + b) * out.o_branch.stride[0] * es,
                         out.o_branch.stride[1], out.o_branch.stride[2], lse, out.lse.stride[0], out.lse.stride[1]);
+    else if (b == 1 && out.o_win.defined())  // the caller keeps o_win (for the backward)
+      set_branch_output(s, b, out.o_win.data, out.o_win.stride[0], out.o_win.stride[1], lse, out.lse.stride[0],
+                        out.lse.stride[1]);
     else  // o_slc in the workspace (none when n = 0), o_win only in the combine
       set_branch_output(s, b, b == 0 && p.cfg.n_selected > 0 ? w.o_slc : nullptr, p.hq * p.dv, p.dv, lse, out.lse.stride[0], out.lse.stride[1]);
   }

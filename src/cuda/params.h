@@ -164,6 +164,8 @@ struct BwdArgs {
   // the compressed tiles.
   bool dg_cmp_ready = false;
   Mat3 o_cmp;                // [T, Hq, Dv] the forward's compressed output (dg_cmp_ready)
+  bool dg_win_ready = false; // the same for the window branch from the forward's saved o_win
+  Mat3 o_win;                // [T, Hq, Dv] the forward's window output (dg_win_ready)
   // slc_dq_kernel without its pass 1 (no recompute of o_slc): the forward's o is given, so the
   // selection's softmax correction comes from o = sum_b g_b o_b as
   // D_slc = g_slc <dO, o_slc> = <dO, o> - g_cmp dg_cmp - g_win dg_win (dq_kernel wrote dg_cmp and

@@ -148,6 +148,7 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
     store(all, out.o_branch);
   }
   if (out.o_cmp.defined()) store(s.o_branch[kCmp], out.o_cmp);
+  if (out.o_win.defined()) store(s.o_branch[kWin], out.o_win);
 }
 
 void backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, const TensorView& d_o,

@@ -233,9 +233,10 @@ struct Paths {
 // the storage dtype, as forward() writes it). o_branch: the branch outputs, dg taken from them
 // instead of recomputing each branch's output. o: the forward's o, the selection's D taken from it
 // (BwdArgs::d_from_o). o_cmp: the compressed branch's output (o_branch's first plane, as a strided
-// view), its dg taken from it (BwdArgs::dg_cmp_ready).
+// view), its dg taken from it (BwdArgs::dg_cmp_ready); o_win: the window branch's (the third
+// plane; BwdArgs::dg_win_ready).
 struct Kept {
-  bool o_branch = false, o = false, o_cmp = false;
+  bool o_branch = false, o = false, o_cmp = false, o_win = false;
 };
 
 // Every gradient of the CUDA backward against the fp64 reference, given `kept`.
@@ -249,17 +250,20 @@ void check_against_reference(const BwdCase& c, Kept kept, const std::vector<Path
     const LongSequencePaths forced(run.cmp_splits, run.pair_sort, run.raw_piece_tiles);
     DeviceLayer dev(t.low, longest);
     DeviceTensor o_branch, o_saved;
-    if (kept.o_branch || kept.o_cmp) o_branch = DeviceTensor(t.low.o_branch);
+    if (kept.o_branch || kept.o_cmp || kept.o_win) o_branch = DeviceTensor(t.low.o_branch);
     if (kept.o_branch) dev.saved.o_branch = o_branch.view();
-    if (kept.o_cmp) {  // [T, Hq, Dv] of plane 0, with o_branch's strides
+    auto plane_of = [&](int b) {  // [T, Hq, Dv] of plane b, with o_branch's strides
       TensorView plane = o_branch.view();
+      plane.data = static_cast<char*>(plane.data) + b * plane.stride[0] * int64_t(dtype_size(plane.dtype));
       plane.ndim = 3;
       for (int k = 0; k < 3; ++k) {
         plane.shape[k] = plane.shape[k + 1];
         plane.stride[k] = plane.stride[k + 1];
       }
-      dev.saved.o_cmp = plane;
-    }
+      return plane;
+    };
+    if (kept.o_cmp) dev.saved.o_cmp = plane_of(kCmp);
+    if (kept.o_win) dev.saved.o_win = plane_of(kWin);
     if (kept.o) {
       o_saved = DeviceTensor(t.low.o);
       dev.saved.o = o_saved.view();
@@ -282,7 +286,7 @@ void check_against_reference(const BwdCase& c, Kept kept, const std::vector<Path
       double scale = max_abs(w);
       if (name.rfind("dphi_k.", 0) == 0) scale = phi_scale[0];
       if (name.rfind("dphi_v.", 0) == 0) scale = phi_scale[1];
-      const auto result = close(got.values(), w, grad_tol(c.dtype, scale, kept.o_branch || kept.o || kept.o_cmp ? 2.0 : 1.0));
+      const auto result = close(got.values(), w, grad_tol(c.dtype, scale, kept.o_branch || kept.o || kept.o_cmp || kept.o_win ? 2.0 : 1.0));
       EXPECT_TRUE(result) << name;
       std::printf("  %-14s max|ref| %.3g  %s\n", name.c_str(), max_abs(w), result.message());
     }
@@ -312,14 +316,14 @@ TEST_P(CudaBackward, EveryGradientWithPerTokenSelectionMatchesReference) {
 }
 
 // dK / dV: at Dqk = Dv = 128 on sm_90a the other tests run the warp-specialised dkv_ws_kernel; here
-// the one-warpgroup dkv_kernel that every other shape and target runs. With the forward's o and
-// o_cmp, as the torch layer calls it, and raw lists in pieces (pieces of 3 tiles), so that both
-// bodies' piece sums run.
+// the one-warpgroup dkv_kernel that every other shape and target runs. With the forward's o, o_cmp
+// and o_win, as the torch layer calls it, and raw lists in pieces (pieces of 3 tiles), so that
+// both bodies' piece sums run.
 TEST_P(CudaBackward, EveryGradientWithOneWarpgroupDkvMatchesReference) {
   NSA_REQUIRE_GPU();
   const OneWarpgroupDkv one_warpgroup;
   check_against_reference(GetParam(), {});
-  check_against_reference(GetParam(), {.o = true, .o_cmp = true}, {{0, false, 3}});
+  check_against_reference(GetParam(), {.o = true, .o_cmp = true, .o_win = true}, {{0, false, 3}});
 }
 
 // phi of k and of v recomputed in launches of their own (SeparatePhis) where the other tests run
@@ -327,7 +331,7 @@ TEST_P(CudaBackward, EveryGradientWithOneWarpgroupDkvMatchesReference) {
 TEST_P(CudaBackward, EveryGradientWithSeparatePhisMatchesReference) {
   NSA_REQUIRE_GPU();
   const SeparatePhis one_at_a_time;
-  check_against_reference(GetParam(), {.o = true, .o_cmp = true});
+  check_against_reference(GetParam(), {.o = true, .o_cmp = true, .o_win = true});
 }
 
 // phi's bf16 products (the recompute, the parameters' and x's gradients) on mma.sync
@@ -335,7 +339,7 @@ TEST_P(CudaBackward, EveryGradientWithSeparatePhisMatchesReference) {
 TEST_P(CudaBackward, EveryGradientWithPhiOnMmaSyncMatchesReference) {
   NSA_REQUIRE_GPU();
   const PhiOnMmaSync mma_sync;
-  check_against_reference(GetParam(), {.o = true, .o_cmp = true});
+  check_against_reference(GetParam(), {.o = true, .o_cmp = true, .o_win = true});
 }
 
 TEST_P(CudaBackward, SavedBranchOutputsGiveTheSameGradients) {
@@ -357,9 +361,9 @@ TEST_P(CudaBackward, SavedOutputGivesTheSameGradientsPerToken) {
   check_against_reference(GetParam(), {.o = true});
 }
 
-// With the forward's o and o_cmp (the torch layer's default on CUDA) the compressed branch's dg
-// comes from o_cmp and dq_kernel's first pass recomputes the window's output alone; then with the
-// union tiles off, and with o_cmp alone (the selection's output recomputed as without o).
+// With the forward's o and o_cmp the compressed branch's dg comes from o_cmp and dq_kernel's first
+// pass recomputes the window's output alone; then with the union tiles off, and with o_cmp alone
+// (the selection's output recomputed as without o).
 TEST_P(CudaBackward, SavedCompressedOutputGivesTheSameGradients) {
   NSA_REQUIRE_GPU();
   check_against_reference(GetParam(), {.o = true, .o_cmp = true});
@@ -372,6 +376,29 @@ TEST_P(CudaBackward, SavedCompressedOutputGivesTheSameGradientsPerToken) {
 TEST_P(CudaBackward, SavedCompressedOutputWithoutOGivesTheSameGradients) {
   NSA_REQUIRE_GPU();
   check_against_reference(GetParam(), {.o_cmp = true});
+}
+
+// With the forward's o, o_cmp and o_win (the torch layer's default on CUDA) dq_kernel's first pass
+// takes no tile: every branch's dg or D comes from a saved output. Then with the union tiles off,
+// without tensor maps (the cp.async sweep), and with o_win alone (the compressed and selection
+// outputs recomputed, the window's dg from o_win).
+TEST_P(CudaBackward, SavedCompressedAndWindowOutputsGiveTheSameGradients) {
+  NSA_REQUIRE_GPU();
+  check_against_reference(GetParam(), {.o = true, .o_cmp = true, .o_win = true});
+}
+TEST_P(CudaBackward, SavedCompressedAndWindowOutputsGiveTheSameGradientsPerToken) {
+  NSA_REQUIRE_GPU();
+  const NoSelectionUnionTiles per_token;
+  check_against_reference(GetParam(), {.o = true, .o_cmp = true, .o_win = true});
+}
+TEST_P(CudaBackward, SavedCompressedAndWindowOutputsWithoutTmaGiveTheSameGradients) {
+  NSA_REQUIRE_GPU();
+  const NoTensorMaps no_tma;
+  check_against_reference(GetParam(), {.o = true, .o_cmp = true, .o_win = true});
+}
+TEST_P(CudaBackward, SavedWindowOutputAloneGivesTheSameGradients) {
+  NSA_REQUIRE_GPU();
+  check_against_reference(GetParam(), {.o_win = true});
 }
 
 // Paths the backward's rules keep for sequences longer than these cases, forced

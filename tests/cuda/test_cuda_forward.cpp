@@ -438,10 +438,11 @@ TEST(CudaForwardSelection, UnionAndPerTokenTilesInOneCall) {
 
 // The CUDA forward of p (its inputs on the device, a workspace poisoned with the NaN pattern):
 // o, lse, indices and o_branch of p downloaded from the GPU. With o_cmp (a [T, Hq, Dv] tensor of
-// p's storage type): the forward writes the compressed branch's output there instead of o_branch.
+// p's storage type): the forward writes the compressed branch's output there instead of o_branch,
+// and with o_win as well the window branch's.
 // v_pe_shift: phi_v's pe that many elements off its allocation (DeviceTensor).
 void run_cuda_forward(const Case& c, const Config& cfg, LayerProblem& p, HostTensor* o_cmp = nullptr,
-                      int v_pe_shift = 0) {
+                      int v_pe_shift = 0, HostTensor* o_win = nullptr) {
   const int nkv = cfg.shared_kv ? 1 : 3;
   DeviceSeqs ds(p, max_seqlen(c));
   DeviceTensor q(p.q), g(p.g), k[3], v[3], phk[5], phv[5];
@@ -453,8 +454,9 @@ void run_cuda_forward(const Case& c, const Config& cfg, LayerProblem& p, HostTen
     phk[i] = DeviceTensor(p.phi_k[i]);
     phv[i] = DeviceTensor(p.phi_v[i], i == 4 ? v_pe_shift : 0);
   }
-  DeviceTensor o(p.o), lse(p.lse), idx(p.indices), ob(p.o_branch), oc;  // poisoned
+  DeviceTensor o(p.o), lse(p.lse), idx(p.indices), ob(p.o_branch), oc, ow;  // poisoned
   if (o_cmp) oc = DeviceTensor(*o_cmp);
+  if (o_win) ow = DeviceTensor(*o_win);
   Inputs in;
   in.q = q.view();
   for (int b = 0; b < 3; ++b) in.kv[b] = KV{k[b].view(), v[b].view()};
@@ -463,7 +465,7 @@ void run_cuda_forward(const Case& c, const Config& cfg, LayerProblem& p, HostTen
   in.phi_v = PhiParams{phv[0].view(), phv[1].view(), phv[2].view(), phv[3].view(), phv[4].view()};
   in.seqs = ds.seqs;
   const ForwardOutputs out{o.view(), lse.view(), idx.view(), o_cmp ? TensorView{} : ob.view(),
-                           o_cmp ? oc.view() : TensorView{}};
+                           o_cmp ? oc.view() : TensorView{}, o_win ? ow.view() : TensorView{}};
   const DeviceWorkspace ws(workspace_size(cuda_ctx(), Op::forward, cfg, problem_of(cfg, in)));  // NaN pattern
   forward(cuda_ctx(), cfg, in, out, ws.view());
   sync();
@@ -474,6 +476,7 @@ void run_cuda_forward(const Case& c, const Config& cfg, LayerProblem& p, HostTen
     oc.download(*o_cmp);
   else
     ob.download(p.o_branch);
+  if (o_win) ow.download(*o_win);
 }
 
 // The whole CUDA forward against the reference pipeline, stage by stage in fp64.
@@ -575,25 +578,39 @@ TEST_P(CudaForward, ForwardWithoutTmaMatchesReferencePipeline) {
   check_forward_pipeline(GetParam());
 }
 
-// The compressed branch's output kept alone (ForwardOutputs::o_cmp, as the torch layer keeps it
-// for the backward) is o_branch's first plane bit for bit, and o, lse and indices are unchanged.
-TEST_P(CudaForward, CompressedOutputIsTheFirstBranchOutput) {
+// The compressed branch's output kept alone (ForwardOutputs::o_cmp), then with the window's
+// (o_win, as the torch layer keeps them for the backward), is o_branch's first (and third) plane
+// bit for bit, and o, lse and indices are unchanged.
+TEST_P(CudaForward, CompressedAndWindowOutputsAreTheirBranchOutputs) {
   NSA_REQUIRE_GPU();
   const Case& c = GetParam();
   const Config cfg = config_of(c);
-  LayerProblem with_ob = make_problem(cfg, sizes_of(c), 71), with_oc = make_problem(cfg, sizes_of(c), 71);
+  LayerProblem with_ob = make_problem(cfg, sizes_of(c), 71);
   run_cuda_forward(c, cfg, with_ob);
-  HostTensor oc(with_oc.o.dtype(), with_oc.o.shape());
-  oc.poison();  // as o_branch was
-  run_cuda_forward(c, cfg, with_oc, &oc);
-  const std::vector<double> ob = with_ob.o_branch.values(), got = oc.values();
-  ASSERT_EQ(got.size() * 3, ob.size());
-  size_t differ = 0;
-  for (size_t i = 0; i < got.size(); ++i) differ += !(got[i] == ob[i] || (std::isnan(got[i]) && std::isnan(ob[i])));
-  EXPECT_EQ(differ, 0u) << "o_cmp against o_branch[0]";
-  EXPECT_TRUE(same_outside_rows(with_oc.o, with_ob.o, 0, 0)) << "o";
-  EXPECT_TRUE(same_outside_rows(with_oc.lse, with_ob.lse, 0, 0)) << "lse";
-  EXPECT_TRUE(same_outside_rows(with_oc.indices, with_ob.indices, 0, 0)) << "indices";
+  const std::vector<double> ob = with_ob.o_branch.values();
+  auto same_plane = [&](const HostTensor& got_t, int plane) {
+    const std::vector<double> got = got_t.values();
+    EXPECT_EQ(got.size() * 3, ob.size());
+    size_t differ = 0;
+    for (size_t i = 0; i < got.size() && i + plane * got.size() < ob.size(); ++i) {
+      const double want = ob[i + plane * got.size()];
+      differ += !(got[i] == want || (std::isnan(got[i]) && std::isnan(want)));
+    }
+    return differ;
+  };
+  for (bool win : {false, true}) {
+    SCOPED_TRACE(win ? "o_cmp and o_win" : "o_cmp");
+    LayerProblem with_oc = make_problem(cfg, sizes_of(c), 71);
+    HostTensor oc(with_oc.o.dtype(), with_oc.o.shape()), ow(with_oc.o.dtype(), with_oc.o.shape());
+    oc.poison();  // as o_branch was
+    ow.poison();
+    run_cuda_forward(c, cfg, with_oc, &oc, 0, win ? &ow : nullptr);
+    EXPECT_EQ(same_plane(oc, 0), 0u) << "o_cmp against o_branch[0]";
+    if (win) EXPECT_EQ(same_plane(ow, 2), 0u) << "o_win against o_branch[2]";
+    EXPECT_TRUE(same_outside_rows(with_oc.o, with_ob.o, 0, 0)) << "o";
+    EXPECT_TRUE(same_outside_rows(with_oc.lse, with_ob.lse, 0, 0)) << "lse";
+    EXPECT_TRUE(same_outside_rows(with_oc.indices, with_ob.indices, 0, 0)) << "indices";
+  }
 }
 
 // phi of k and of v as the two batches of one launch per product (the default where both have the

@@ -16,11 +16,11 @@ PREFILL = ROOT / "bench" / "public_nsa_prefill.py"
 
 OURS = """T,hq,hkv,dqk,dv,variant,fwd_ms,bwd_ms,fwd_bwd_ms,bwd_tflops,ws_mb,qkvo_mb,peak_mb
 8192,64,4,128,128,full,3.0000,7.0000,10.0000,150,27,319,939
-8192,64,4,128,128,saved_o_cmp,2.0000,6.0000,8.0000,160,27,319,939
-8192,64,4,128,128,saved_o_cmp,4.0000,8.0000,12.0000,160,27,319,939
-65536,64,4,128,128,saved_o_cmp,40.0000,80.0000,120.0000,230,268,2550,9521
-8192,16,4,128,128,saved_o_cmp,1.5000,2.5000,4.0000,110,12,80,325
-8192,64,4,192,128,saved_o_cmp,9.0000,9.0000,18.0000,110,12,80,325
+8192,64,4,128,128,saved_o_cmp_win,2.0000,6.0000,8.0000,160,27,319,939
+8192,64,4,128,128,saved_o_cmp_win,4.0000,8.0000,12.0000,160,27,319,939
+65536,64,4,128,128,saved_o_cmp_win,40.0000,80.0000,120.0000,230,268,2550,9521
+8192,16,4,128,128,saved_o_cmp_win,1.5000,2.5000,4.0000,110,12,80,325
+8192,64,4,192,128,saved_o_cmp_win,9.0000,9.0000,18.0000,110,12,80,325
 """
 # sdpa_backward_baseline.py's main table (only dense fwd / fwd+bwd are read).
 DENSE = """| Hq/Hkv | Dqk/Dv | T | NSA fwd ms | NSA bwd ms | NSA fwd+bwd ms | NSA bwd TFLOP/s | dense fwd ms | dense fwd+bwd ms | fwd+bwd speedup | x | y | z |

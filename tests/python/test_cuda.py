@@ -88,17 +88,19 @@ def test_forward_against_reference(dtype, phi):
     assert err <= 2 * err_cpu + floor, (err, err_cpu, floor)
 
 
-@pytest.mark.parametrize("kept", ["o", "o_cmp", "o_branch"])
+@pytest.mark.parametrize("kept", ["o", "o_cmp", "o_cmp_win", "o_win", "o_branch"])
 def test_backward_against_reference(kept):
     # What the forward keeps for the backward besides o: nothing (every dg recomputed), the
-    # compressed branch's output (its dg from it; the default) or every branch's output (each dg
-    # from them).
+    # compressed branch's output (its dg from it), the compressed and window branches' (no branch
+    # output recomputed; the default), the window's alone, or every branch's output (each dg from
+    # them).
     dtype = torch.bfloat16
     q, kv, g, pk, pv, cu = problem(dtype, seqlens=(200, 90))
     leaves = [q, *kv, g, *pk, *pv]
     for x in leaves:
         x.requires_grad_()
-    o, aux = run(q, kv, g, pk, pv, cu, save_branch_outputs=kept == "o_branch", save_cmp_output=kept == "o_cmp")
+    o, aux = run(q, kv, g, pk, pv, cu, save_branch_outputs=kept == "o_branch",
+                 save_cmp_output=kept in ("o_cmp", "o_cmp_win"), save_win_output=kept in ("o_win", "o_cmp_win"))
     d_o = torch.randn_like(o)
     o.backward(d_o)
     # The reference's gradients for the same selected blocks.

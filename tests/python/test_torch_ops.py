@@ -182,6 +182,17 @@ def test_saved_branch_outputs_give_the_same_gradients():
     both = torch.ops.nsa.forward(q, *kv6, g, *phi_k, *phi_v, cu, 0, SMALL.ints(), 0.0, "auto", 0, True, None, 0,
                                  True)[3]
     assert torch.equal(both, outs[3])
+    # save_win: the window branch's output, o_branch[2]; with save_cmp both, [2, T, Hq, Dv] in
+    # branch order; save_branches keeps all three whatever else is asked.
+    win = torch.ops.nsa.forward(q, *kv6, g, *phi_k, *phi_v, cu, 0, SMALL.ints(), 0.0, "auto", 0, False, None, 0,
+                                False, True)[3]
+    assert win.shape == kept.shape and torch.equal(win, outs[3][2])
+    pair = torch.ops.nsa.forward(q, *kv6, g, *phi_k, *phi_v, cu, 0, SMALL.ints(), 0.0, "auto", 0, False, None, 0,
+                                 True, True)[3]
+    assert pair.shape == (2, *kept.shape) and torch.equal(pair, outs[3][0::2])
+    every = torch.ops.nsa.forward(q, *kv6, g, *phi_k, *phi_v, cu, 0, SMALL.ints(), 0.0, "auto", 0, True, None, 0,
+                                  True, True)[3]
+    assert torch.equal(every, outs[3])
 
 
 def test_saved_compressed_output_gives_the_same_gradients():
@@ -195,6 +206,29 @@ def test_saved_compressed_output_gives_the_same_gradients():
     plain = torch.ops.nsa.backward(*args)
     with_cmp = torch.ops.nsa.backward(*args, None, 0, o_cmp)
     for a, b in zip(plain, with_cmp):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # And o_win, alone and beside o_cmp.
+    o_win = torch.ops.nsa.forward(q, *kv6, g, *phi_k, *phi_v, cu, 0, SMALL.ints(), 0.0, "auto", 0,
+                                  False, None, 0, False, True)[3]
+    for kept in ((None, o_win), (o_cmp, o_win)):
+        for a, b in zip(plain, torch.ops.nsa.backward(*args, None, 0, *kept)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kept", [(False, True), (True, True), (True, False)])
+def test_kept_outputs_reach_the_backward_through_autograd(kept):
+    # The autograd wiring of the kept compressed / window outputs (nsa.attention keeps them on CUDA
+    # only; the op itself takes the flags on any device, and the CPU backends ignore the planes):
+    # the gradients are those without anything kept.
+    p = make_problem(seed=47, seqlens=(9, 13), phi="mlp")
+    grads = []
+    for flags in ((False, False), kept):
+        q, kv6, g, phi_k, phi_v, cu = to_torch(p, requires_grad=True)
+        outs = torch.ops.nsa.forward(q, *kv6, g, *phi_k, *phi_v, cu, 0, SMALL.ints(), 0.0, "auto", 0, False, None,
+                                     0, *flags)
+        outs[0].square().sum().backward()
+        grads.append([x.grad for x in (q, *[x for x in kv6 if x is not None], g, *phi_k, *phi_v)])
+    for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 

@@ -11,8 +11,10 @@
 // 64K), the latter with phi's bf16 products on mma.sync where they would run on wgmma
 // (saved_o_cmp_phi_mlp_mma_sync: their same-run A/B), saved_o_cmp with the score pass's ring
 // accumulator where it would write each chunk's blocks directly (saved_o_cmp_score_ring, Dqk = Dv =
-// 128 at 8K and 64K: their same-run A/B), and the backward's extra memory (its workspace) against
-// the memory of q, k, v and o.
+// 128 at 8K and 64K: their same-run A/B), the forward's o_cmp and o_win kept, so that the backward
+// recomputes no branch output (saved_o_cmp_win; saved_o_cmp_win_phi_mlp: the torch layer's default
+// call, Hq 64 at 8K and 64K), and the backward's extra memory (its workspace) against the memory of
+// q, k, v and o.
 // Writes a CSV (T,hq,hkv,dqk,dv,variant,fwd_ms,bwd_ms,fwd_bwd_ms,bwd_tflops,ws_mb,qkvo_mb,peak_mb)
 // that bench/sdpa_backward_baseline.py joins with PyTorch SDPA forward+backward measured in the
 // same scripts/gpu_check.sh run.
@@ -58,7 +60,9 @@ const char* const kVariantNames[] = {"full",
                                      "local_q",
                                      "local_q_per_token",
                                      "saved_o_cmp_one_warpgroup_dkv",
-                                     "saved_o_cmp_score_ring"};
+                                     "saved_o_cmp_score_ring",
+                                     "saved_o_cmp_win",
+                                     "saved_o_cmp_win_phi_mlp"};
 
 struct Shape {
   int64_t hq, hkv, dqk, dv;
@@ -120,6 +124,7 @@ struct Variant {
   bool per_token = false;  // the selection's union tiles off (forward and backward): the A/B of them
   bool without_o = false;  // the backward is not given the forward's o (its selection recomputes o_slc)
   bool o_cmp = false;      // the forward keeps the compressed branch's output, the backward takes its dg from it
+  bool o_win = false;      // the same for the window branch's (with o_cmp: no branch output recomputed)
   bool one_warpgroup_dkv = false;  // dK / dV by dkv_kernel where dkv_ws_kernel would run (CudaKernelChoices)
   bool phi_mma_sync = false;       // phi's bf16 products on mma.sync where they would run on wgmma (CudaKernelChoices)
   bool score_ring = false;         // the score pass's ring accumulator everywhere (CudaKernelChoices)
@@ -134,6 +139,8 @@ std::vector<Variant> variants_of(const Shape& s, int64_t T) {
   if (square) {
     variants.push_back({.name = "saved_o_branch", .n = 16, .w = 512, .phi = PhiKind::mean, .o_branch = true});
     variants.push_back({.name = "saved_o_cmp", .n = 16, .w = 512, .phi = PhiKind::mean, .o_cmp = true});
+    variants.push_back(
+        {.name = "saved_o_cmp_win", .n = 16, .w = 512, .phi = PhiKind::mean, .o_cmp = true, .o_win = true});
   }
   if (square && s.dqk == 128 && (T == 65536 || T == 8192)) {
     variants.push_back({.name = "saved_o_cmp_one_warpgroup_dkv", .n = 16, .w = 512, .phi = PhiKind::mean,
@@ -148,6 +155,8 @@ std::vector<Variant> variants_of(const Shape& s, int64_t T) {
     variants.push_back({.name = "saved_o_cmp_phi_mlp", .n = 16, .w = 512, .phi = PhiKind::mlp, .o_cmp = true});
     variants.push_back({.name = "saved_o_cmp_phi_mlp_mma_sync", .n = 16, .w = 512, .phi = PhiKind::mlp, .o_cmp = true,
                         .phi_mma_sync = true});
+    variants.push_back({.name = "saved_o_cmp_win_phi_mlp", .n = 16, .w = 512, .phi = PhiKind::mlp, .o_cmp = true,
+                        .o_win = true});
   }
   if (square && T == 65536) {
     variants.push_back({.name = "full_without_o", .n = 16, .w = 512, .phi = PhiKind::mean, .without_o = true});
@@ -234,12 +243,14 @@ int run_backward_suite(const std::vector<std::string>& args) {
         std::unique_ptr<DeviceTensor> ob;
         if (var.o_branch) ob = std::make_unique<DeviceTensor>(bf16, std::initializer_list<int64_t>{3, T, s.hq, s.dv});
         if (var.o_cmp) ob = std::make_unique<DeviceTensor>(bf16, std::initializer_list<int64_t>{T, s.hq, s.dv});
+        std::unique_ptr<DeviceTensor> ow;
+        if (var.o_win) ow = std::make_unique<DeviceTensor>(bf16, std::initializer_list<int64_t>{T, s.hq, s.dv});
         const nsa::TensorView kept = ob ? ob->view : nsa::TensorView();
         const nsa::ForwardOutputs out{o.view, lse.view, idx.view, var.o_branch ? kept : nsa::TensorView(),
-                                      var.o_cmp ? kept : nsa::TensorView()};
+                                      var.o_cmp ? kept : nsa::TensorView(), ow ? ow->view : nsa::TensorView()};
         // What the backward is given: the forward's outputs, o left out for `without_o`.
         const nsa::ForwardOutputs saved{var.without_o ? nsa::TensorView() : o.view, lse.view, idx.view, out.o_branch,
-                                        out.o_cmp};
+                                        out.o_cmp, out.o_win};
         nsa::Gradients grads;
         grads.dq = dq.view;
         for (int b = 0; b < 3; ++b) grads.dkv[b] = {dk[b]->view, dv[b]->view};
@@ -273,7 +284,7 @@ int run_backward_suite(const std::vector<std::string>& args) {
         const double bwd_flops = (keys[0] + keys[1] + keys[2]) * s.hq * 2.0 * (3.0 * s.dqk + 2.0 * s.dv);
         const double tf = bwd_flops / (t_b * 1e-3) / 1e12;
         // Peak device memory of a training step through the layer: every tensor it reads or writes
-        // (inputs with three K/V pairs, o, lse, indices, o_branch or o_cmp where kept, dO, every gradient, phi's
+        // (inputs with three K/V pairs, o, lse, indices, o_branch, o_cmp or o_win where kept, dO, every gradient, phi's
         // parameters) and the larger of the two workspaces (the forward's is not needed once it ran).
         const double peak_bytes = double(g_tensor_bytes) + double(std::max(fws, bws));
         std::printf("T=%6lld Hq=%2lld Hkv=%lld D=%lld/%lld %-12s fwd %8.2f ms  bwd %8.2f ms  fwd+bwd %8.2f ms  "

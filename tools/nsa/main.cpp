@@ -91,8 +91,9 @@ options above apply):
                         and 16/4/128/128. CSV columns: T,hq,hkv,dqk,dv,stage,ms,tflops
                         (bench/sdpa_baseline.py adds PyTorch SDPA)
   --suite backward      forward, backward and forward+backward of the layer, same shapes, with the
-                        variants full, saved_o_branch, saved_o_cmp,
+                        variants full, saved_o_branch, saved_o_cmp, saved_o_cmp_win,
                         saved_o_cmp_one_warpgroup_dkv, no_window, no_selection, phi_mlp_F4D,
+                        saved_o_cmp_phi_mlp, saved_o_cmp_win_phi_mlp,
                         full_without_o, per_token, local_q, local_q_per_token (each where its
                         length and shape have it). CSV columns: T,hq,hkv,dqk,dv,variant,fwd_ms,
                         bwd_ms,fwd_bwd_ms,bwd_tflops,ws_mb,qkvo_mb,peak_mb

@@ -285,8 +285,8 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
   if (pairs > 0) a.sel_tokens = build_selection_index(p, a, L, s);
 
   // 3. dq and dg (dg from the saved branch outputs when the caller kept them: o_branch's three by
-  //    a kernel first, o_cmp's by dq_kernel's pass 1; dq_kernel then skips its recompute of those
-  //    branches' outputs). dq_kernel does the compressed and window branches; slc_dq_kernel then
+  //    a kernel first, o_cmp's and o_win's by dq_kernel's pass 1; dq_kernel then skips its
+  //    recompute of those branches' outputs). dq_kernel does the compressed and window branches; slc_dq_kernel then
   //    adds the selection's dq (and writes its dg).
   if (saved.o_branch.defined() && p.T > 0) {
     const TensorView& ob = saved.o_branch;
@@ -295,9 +295,15 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
         int(p.dv), a.dg32, a.dg);
     NSA_CUDA_CHECK_LAUNCH();
     a.dg_ready = true;
-  } else if (saved.o_cmp.defined() && p.T > 0) {  // the compressed branch's dg: dq_kernel's pass 1
-    a.o_cmp = mat3(saved.o_cmp);
-    a.dg_cmp_ready = true;
+  } else if (p.T > 0) {  // the compressed and window branches' dg: dq_kernel's pass 1
+    if (saved.o_cmp.defined()) {
+      a.o_cmp = mat3(saved.o_cmp);
+      a.dg_cmp_ready = true;
+    }
+    if (saved.o_win.defined()) {
+      a.o_win = mat3(saved.o_win);
+      a.dg_win_ready = true;
+    }
   }
   // Without o_branch but with the forward's o: slc_dq_kernel takes the selection's D from o and
   // the other branches' dg (which dq_kernel writes first) instead of recomputing o_slc.
@@ -401,6 +407,7 @@ void backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, cons
   cuda::require_rows_aligned("d_o", d_o);
   cuda::require_rows_aligned("o_branch", saved.o_branch);
   cuda::require_rows_aligned("o_cmp", saved.o_cmp);
+  cuda::require_rows_aligned("o_win", saved.o_win);
   cuda::require_rows_aligned("o", saved.o);
   cuda::require_rows_aligned("dq", grads.dq);
   for (int b = 0; b < 3; ++b) {

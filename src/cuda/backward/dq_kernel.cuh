@@ -28,10 +28,11 @@ struct DqKeyTiles {
   const int32_t* slc_blocks;               // [n_slc] ascending
   const unsigned long long* slc_tokens;    // [n_slc] the tile's tokens that picked each
 
-  // The tiles a sweep takes when it leaves out the compressed ones (skip_cmp) and the selection's
-  // (skip_slc): runs() of them, the j-th being tile run_tile(j) (buffers alternate with j).
-  __device__ __forceinline__ int runs(bool skip_cmp, bool skip_slc) const {
-    return n_tiles - (skip_cmp ? n_cmp : 0) - (skip_slc ? n_slc : 0);
+  // The tiles a sweep takes when it leaves out the compressed ones (skip_cmp), the selection's
+  // (skip_slc) and the window's (skip_win): runs() of them, the j-th being tile run_tile(j)
+  // (buffers alternate with j; the window's tiles are the last, so leaving them out shortens the run).
+  __device__ __forceinline__ int runs(bool skip_cmp, bool skip_slc, bool skip_win) const {
+    return n_tiles - (skip_cmp ? n_cmp : 0) - (skip_slc ? n_slc : 0) - (skip_win ? n_win : 0);
   }
   __device__ __forceinline__ int run_tile(int j, bool skip_cmp, bool skip_slc) const {
     const int i = skip_cmp ? j + n_cmp : j;
@@ -262,17 +263,21 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
   // ---- pass 1: each branch's output o_b = P V from the saved lse, then dg_b = <dO, o_b>
   // (skipped when the forward's o_branch gave dg already: a.dg_ready is the same for every block;
   // with the forward's o_cmp (a.dg_cmp_ready) the compressed branch's dg is <dO, o_cmp>, written
-  // on entering the first stage (dO has landed there), and its tiles are left out; with
-  // a.d_from_o without the selection's union tiles, whose D pass 2 takes from o)
+  // on entering the first stage (dO has landed there), and its tiles are left out, and likewise
+  // the window's with o_win (a.dg_win_ready); with a.d_from_o without the selection's union
+  // tiles, whose D pass 2 takes from o. With all three the sweep takes no tile.)
   float acc_o[DV / 8][4];
   zero(acc_o);
   if (!a.dg_ready) ml.sweep(
-      a, tiles, /*skip_cmp=*/a.dg_cmp_ready, /*skip_slc=*/a.d_from_o, choose, cta_sees,
+      a, tiles, /*skip_cmp=*/a.dg_cmp_ready, /*skip_slc=*/a.d_from_o, /*skip_win=*/a.dg_win_ready, choose, cta_sees,
       [&](int prev, int next) {
         if (prev < 0 && a.dg_cmp_ready)
 #pragma unroll
           for (int h = 0; h < 2; ++h) write_dg(h, kCmp, row_dot_output(h, a.o_cmp));
-        if (prev >= 0 && !(prev == kCmp && a.dg_cmp_ready)) {
+        if (prev < 0 && a.dg_win_ready)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) write_dg(h, kWin, row_dot_output(h, a.o_win));
+        if (prev >= 0 && !(prev == kCmp && a.dg_cmp_ready) && !(prev == kWin && a.dg_win_ready)) {
           const int branch = branch_at(prev);
           // dg of the thread's rows: its columns of o_b times dO, then the quad's partial sums.
 #pragma unroll
@@ -307,7 +312,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
         s[nt][e] *= fmaf(sg[e >> 1], dp[nt][e], -sd[e >> 1]);
       }
   };
-  ml.sweep(a, tiles, /*skip_cmp=*/false, /*skip_slc=*/false, choose, cta_sees, [&](int prev, int next) {
+  ml.sweep(a, tiles, /*skip_cmp=*/false, /*skip_slc=*/false, /*skip_win=*/false, choose, cta_sees, [&](int prev, int next) {
           if (slc_from_o && prev == kSlc)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {

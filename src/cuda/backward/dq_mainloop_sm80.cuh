@@ -61,14 +61,14 @@ struct DqMainloopSm80 {
   // j is computed. enter(prev, next) runs (block-uniformly) between stages (prev = -1 first, next
   // = 3 last; the stages are the branches in index order); half(tk, tv, kt, c0) does keys c0 ..
   // c0 + 31 of a tile in K/V buffers tk, tv, in a warp with a row that sees the tile. skip_cmp,
-  // skip_slc: the sweep leaves out the compressed tiles (pass 1 with a.dg_cmp_ready), the
-  // selection's (pass 1 with a.d_from_o); j counts the tiles it takes (buffers alternate with j),
-  // real(j) is the tile.
+  // skip_slc, skip_win: the sweep leaves out the compressed tiles (pass 1 with a.dg_cmp_ready),
+  // the selection's (pass 1 with a.d_from_o), the window's (pass 1 with a.dg_win_ready); j counts
+  // the tiles it takes (buffers alternate with j), real(j) is the tile.
   template <typename Tiles, typename Choose, typename CtaSees, typename Enter, typename Half>
-  __device__ __forceinline__ void sweep(const BwdArgs& a, const Tiles& tiles, bool skip_cmp, bool skip_slc, Choose&& choose,
+  __device__ __forceinline__ void sweep(const BwdArgs& a, const Tiles& tiles, bool skip_cmp, bool skip_slc, bool skip_win, Choose&& choose,
                                         CtaSees&&, Enter&& enter, Half&& half) {
     int cur = -1;
-    const int n_run = tiles.runs(skip_cmp, skip_slc);
+    const int n_run = tiles.runs(skip_cmp, skip_slc, skip_win);
     auto real = [&](int j) { return tiles.run_tile(j, skip_cmp, skip_slc); };
     if (n_run > 0) issue(a, tiles, real(0), 0);
     cuda::cp_async_commit();

@@ -58,14 +58,15 @@ struct WinTile : SeqRowTile {
 };
 
 // Row h's lse_win and normalised o_win (token t, query head `head`), where the caller asked for
-// them (the public window op; the forward that keeps its branch outputs for the backward).
+// them (the public window op; the forward that keeps its branch outputs for the backward); with
+// write_o false lse_win only (the staged epilogue writes o_win in whole pieces).
 template <typename Storage, typename Tile>
 __device__ __forceinline__ void win_write_branch(const BranchParams& p, const Tile& st, int h, int64_t t, int head,
-                                                 float lse2, float inv) {
+                                                 float lse2, float inv, bool write_o = true) {
   const int quad = threadIdx.x % 4;
   if (p.lse[1] != nullptr && quad == 0)
     p.lse[1][t * p.lse_st[1] + head * p.lse_sh[1]] = lse2 == kNegInf ? kNegInf : lse2 * kLn2;
-  if (p.o_branch[1] != nullptr) {
+  if (write_o && p.o_branch[1] != nullptr) {
     Storage* orow = static_cast<Storage*>(p.o_branch[1]) + t * p.ob_st[1] + head * p.ob_sh[1];
 #pragma unroll
     for (int i = 0; i < Tile::kOTiles; ++i)
@@ -112,10 +113,11 @@ __device__ __forceinline__ void win_epilogue(const BranchParams& p, const Tile& 
 // tile are free after the loop): each thread normalises its rows of o_win into an fp32 tile
 // [kRows][kDv + 8] (and its rows' gates), then the CTA forms o = g_cmp o_cmp + g_slc o_slc +
 // g_win o_win in 16-byte pieces, consecutive threads on consecutive pieces of a row: o_cmp and
-// o_slc are read and o written in whole 128-byte lines, all of a thread's pieces in flight at
-// once. (Read in the accumulator layout, a warp's load touched 8 rows x 4 bytes per 32-byte
-// sector, two loads per column pair for o_cmp, and the CTA, alone on its SM, waited on them.)
-// The numbers are those of win_epilogue: o_win in fp32, the same expression per element.
+// o_slc are read and o (and o_win where wanted) written in whole 128-byte lines, all of a thread's
+// pieces in flight at once. (Read in the accumulator layout, a warp's load touched 8 rows x 4
+// bytes per 32-byte sector, two loads per column pair for o_cmp, and the CTA, alone on its SM,
+// waited on them.) The numbers are those of win_epilogue: o_win in fp32, the same expression per
+// element, and o_win rounded from the same fp32 values.
 template <int kRows, int kDv>
 constexpr size_t win_staged_bytes() {
   return size_t(kRows) * ((kDv + 8) + 4) * sizeof(float);
@@ -142,7 +144,7 @@ __device__ __forceinline__ void win_epilogue_staged(const BranchParams& p, const
       *reinterpret_cast<float2*>(orow + i * 8 + 2 * quad) = make_float2(st.acc[i][2 * h] * inv, st.acc[i][2 * h + 1] * inv);
     if (t_row[h] < 0) continue;
     const int64_t t = wt.s0 + t_row[h];
-    win_write_branch<Storage>(p, st, h, t, head[h], lse2, inv);
+    win_write_branch<Storage>(p, st, h, t, head[h], lse2, inv, /*write_o=*/false);
     if (quad < 3) {
       const Storage* g = static_cast<const Storage*>(p.g) + t * p.g_st + head[h] * p.g_sh;
       gates[row * 4 + quad] = to_float(g[quad]);
@@ -191,6 +193,13 @@ __device__ __forceinline__ void win_epilogue_staged(const BranchParams& p, const
     }
     *reinterpret_cast<uint4*>(static_cast<Storage*>(p.o) + t * p.o_st + hq * p.o_sh + col) =
         make_uint4(out[0], out[1], out[2], out[3]);
+    if (p.o_branch[1] != nullptr) {
+      uint32_t ow4[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) ow4[q] = Traits::pack(win[2 * q], win[2 * q + 1]);
+      *reinterpret_cast<uint4*>(static_cast<Storage*>(p.o_branch[1]) + t * p.ob_st[1] + hq * p.ob_sh[1] + col) =
+          make_uint4(ow4[0], ow4[1], ow4[2], ow4[3]);
+    }
   }
 }
 
