@@ -334,7 +334,7 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
     }
   }
   // 5. phi's parameter gradients (and dpre), then its gradient to the raw tokens, of k then of v
-  //    (one set of planes): independent K/V straight into dk_cmp / dv_cmp; shared K/V in fp32 for
+  //    (one bf16 copy of dpre / dy): independent K/V straight into dk_cmp / dv_cmp; shared K/V in fp32 for
   //    the raw dk/dv epilogue to add before its one rounding.
   phi::slot_table(L.cu, a.B, p.T, a.d, L.slots, s);
   const int64_t n_slots = phi::slot_count(p.T, p.B, a.d);
@@ -342,12 +342,12 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
                        const PhiParams& dphi, const OutMat3& out, float* dx32) {
     bool filled = false;
     if (rc > 0)
-      filled = phi::backward_params<E>(rows, prm, x, dy, pre, dphi, L.gemm_part, L.row_splits, L.colsum, L.planes, s);
-    const uint16_t* planes = filled ? L.planes : nullptr;
+      filled = phi::backward_params<E>(rows, prm, x, dy, pre, dphi, L.gemm_part, L.row_splits, L.colsum, L.g16, s);
+    const uint16_t* g16 = filled ? L.g16 : nullptr;
     if (!p.cfg.shared_kv) {
-      phi::backward_x<E>(rows, prm, dy, pre, planes, L.slots, n_slots, phi::DxOut{out.p, out.s0, out.s1, false}, s);
+      phi::backward_x<E>(rows, prm, dy, pre, g16, L.slots, n_slots, phi::DxOut{out.p, out.s0, out.s1, false}, s);
     } else if (rc > 0) {
-      phi::backward_x<E>(rows, prm, dy, pre, planes, L.slots, n_slots, phi::DxOut{dx32, 0, 0, true}, s);
+      phi::backward_x<E>(rows, prm, dy, pre, g16, L.slots, n_slots, phi::DxOut{dx32, 0, 0, true}, s);
     }
   };
   phi_grads(rows_k, in.phi_k, in.kv[kCmp].k, L.dkc, L.pre_k, grads.dphi_k, a.grad_k[kCmp], L.dx_k32);
@@ -455,7 +455,7 @@ Layout carve_compress(const Sizes& z, void* base) {
     L.kc = w.take<uint16_t>(size_t(rows * z.dqk));
     L.pre_k = w.take<float>(size_t(phi::work_floats(PhiKind::mlp, rows, z.F, z.dqk)));
   }
-  if (z.has_params) L.planes = w.take<uint16_t>(size_t(phi::plane_elems(z.phi(), rows, z.F, z.dqk)));
+  if (z.has_params) L.g16 = w.take<uint16_t>(size_t(phi::grad_bf16_elems(z.phi(), rows, z.F, z.dqk)));
   L.colsum = w.take<float>(size_t(std::max(z.F, z.dqk)));
   L.slots = w.take<int32_t>(size_t(4 * (z.T / z.d + z.B)));
   if (z.has_params) carve_phi_partials(z, rows, w, L);
@@ -485,7 +485,7 @@ void run_compress_bwd(const Plan& p, const PhiParams& phi, const TensorView& x, 
   const int D = int(p.dqk);
   upload_cu(p, L.cu, s);
   const phi::Rows rows = phi_rows(p, L, D, F);
-  bool filled = false;  // phi's planes
+  bool filled = false;  // phi's bf16 copy of dpre / dy
   if (rc > 0) {
     phi::row_table(L.cu, int(p.B), p.T, int(p.cfg.cmp_block_len), int(p.cfg.cmp_stride), L.crow_token, s);
     dy_from_dxc_kernel<E><<<blocks_for(rc * p.hkv * D), 256, 0, s>>>(
@@ -494,7 +494,7 @@ void run_compress_bwd(const Plan& p, const PhiParams& phi, const TensorView& x, 
     NSA_CUDA_CHECK_LAUNCH();
     if (p.cfg.phi == PhiKind::mlp) phi::forward<E>(rows, phi, x, L.pre_k, L.kc, p.hkv * D, D, true, s);
     filled = phi::backward_params<E>(rows, phi, x, L.dkc, L.pre_k, dphi, L.gemm_part, L.row_splits, L.colsum,
-                                     L.planes, s);
+                                     L.g16, s);
   } else {
     // No compressed block: phi's parameters get no gradient.
     for (const TensorView* t : {&dphi.w1, &dphi.b1, &dphi.w2, &dphi.b2, &dphi.pe}) {
@@ -505,7 +505,7 @@ void run_compress_bwd(const Plan& p, const PhiParams& phi, const TensorView& x, 
     }
   }
   phi::slot_table(L.cu, int(p.B), p.T, int(p.cfg.cmp_stride), L.slots, s);
-  phi::backward_x<E>(rows, phi, L.dkc, L.pre_k, filled ? L.planes : nullptr, L.slots,
+  phi::backward_x<E>(rows, phi, L.dkc, L.pre_k, filled ? L.g16 : nullptr, L.slots,
                      phi::slot_count(p.T, p.B, p.cfg.cmp_stride), phi::DxOut{dx.data, dx.stride[0], dx.stride[1], false},
                      s);
 }

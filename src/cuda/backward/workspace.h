@@ -33,7 +33,7 @@ struct Layout {
   void* vc = nullptr;
   float* pre_k = nullptr;  // phi::forward's work (mlp: [Rc*Hkv, F] pre-activation first, then dpre in place)
   float* pre_v = nullptr;
-  uint16_t* planes = nullptr;  // phi's bf16 planes of dpre / dy (phi::plane_elems), of k then of v
+  uint16_t* g16 = nullptr;  // phi's bf16 copy of dpre / dy (phi::grad_bf16_elems), of k then of v
   float* dkc = nullptr;    // [Rc*Hkv, Dqk]
   float* dvc = nullptr;
   float* dkc_part = nullptr;  // the splits' partials (cmp_part_rows[z] rows each) [.., Hkv, Dqk]
@@ -91,7 +91,7 @@ inline Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
   if (z.has_params) {
     L.pre_k = w.take<float>(size_t(phi::work_floats(z.phi(), rows, z.F, z.dqk)));
     L.pre_v = w.take<float>(size_t(phi::work_floats(z.phi(), rows, z.F, z.dv)));
-    L.planes = w.take<uint16_t>(size_t(phi::plane_elems(z.phi(), rows, z.F, std::max(z.dqk, z.dv))));
+    L.g16 = w.take<uint16_t>(size_t(phi::grad_bf16_elems(z.phi(), rows, z.F, std::max(z.dqk, z.dv))));
   }
   L.dkc = w.take<float>(size_t(rows * z.dqk));
   L.dvc = w.take<float>(size_t(rows * z.dv));

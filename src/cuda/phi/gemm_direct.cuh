@@ -2,14 +2,13 @@
 // with fp32 accumulation on the tensor cores. gemm.cuh's kernel converts every element on its way
 // to shared memory (fp32 and fp16 operands); these serve the products whose operands are bf16 in
 // memory: x's blocks (u without pe: phi.cu folds pe into a bias), bf16 weights, and an fp32
-// gradient that phi.cu splits once into bf16 high and low planes (A's planes: a b = a_hi b + a_lo b,
-// about 17 significant bits of a). 16-byte pieces go from global memory straight into a ring of
-// shared stages (cp.async, zero-filled where an operand has no element).
+// gradient that phi.cu rounds once to bf16 (as the attention kernels round P and dS for their
+// products). 16-byte pieces go from global memory straight into a ring of shared stages
+// (cp.async, zero-filled where an operand has no element).
 //
-// An operand derives from DirOperand<kT, kPlanes>:
+// An operand derives from DirOperand<kT>:
 //   kT        false: its contiguous index is k (a tile row is one index i and a step's k);
 //             true: it is i (a tile row is one k and 128 i; the index's extent is a multiple of 8);
-//   kPlanes   1, or 2 for A's high and low planes at p and p + plane;
 // and has
 //   Fixed fixed(batch, i)           what a thread's piece needs of its tile index (with kT: of the
 //                                   piece's first index), computed once per tile;
@@ -24,10 +23,9 @@
 //     banks), fragments by ldmatrix;
 //   gemm_wgmma_kernel (sm_90a): wgmma m64n128k16 from shared memory, one warpgroup per 64 rows,
 //     64-deep steps, stages in the 128-byte swizzle layout (wgmma.h): a K-major operand (kT false)
-//     as rows of 64 k, an MN-major one (kT true) as 64 k rows of two 64-index blocks; A's planes
-//     are two products into the same accumulators. 3 stages with one plane (2 CTAs an SM), 4 with
-//     two. Every step waits for its products before the next step's barrier, so a stage is free
-//     again one step after it is read.
+//     as rows of 64 k, an MN-major one (kT true) as 64 k rows of two 64-index blocks; 3 stages,
+//     2 CTAs an SM. Every step waits for its products before the next step's barrier, so a stage
+//     is free again one step after it is read.
 // The products accumulate in the tensor cores' fp32 accumulators over the split's whole range of
 // K, as cuBLAS's bf16 products do (gemm.cuh adds each 16-deep partial in an ordinary addition
 // instead; here the registers that would take are the difference between spilling and not).
@@ -55,26 +53,21 @@ constexpr int kDirStages = 3;
 constexpr int kDirThreads = 256;  // 8 warps: 2 (m) x 4 (n), 64 x 32 outputs each (wgmma: 2 warpgroups)
 constexpr int kWgK = 64;           // gemm_wgmma_kernel's step: one 128-byte row of 16-bit k
 
-// An operand's layout and memory (derive from it and add fixed / at): p its data (the high plane),
-// plane the low plane's offset from p.
-template <bool T, int kP>
+// An operand's layout and memory (derive from it and add fixed / at): p its data.
+template <bool T>
 struct DirOperand {
   static constexpr bool kT = T;
-  static constexpr int kPlanes = kP;
   const __nv_bfloat16* p;
-  int64_t plane;
   __device__ const __nv_bfloat16* base(int) const { return p; }  // the data of a batch (DirPair: its own)
 };
 
 // Two operands of one kind as one of two batches (batch b: op[b], called as its batch 0): phi of
 // k and of v in one launch. Their data may lie anywhere; every offset is from the batch's base.
 template <class Op>
-struct DirPair : DirOperand<Op::kT, Op::kPlanes> {
-  // The kernels find a second plane at base(b) + plane: one offset for both members.
-  static_assert(Op::kPlanes == 1, "DirPair pairs one-plane operands");
+struct DirPair : DirOperand<Op::kT> {
   Op op0, op1;
   using Fixed = typename Op::Fixed;
-  DirPair(const Op& a, const Op& b) : DirOperand<Op::kT, Op::kPlanes>{a.p, a.plane}, op0(a), op1(b) {}
+  DirPair(const Op& a, const Op& b) : DirOperand<Op::kT>{a.p}, op0(a), op1(b) {}
   __device__ const __nv_bfloat16* base(int b) const { return b == 0 ? op0.p : op1.p; }
   __device__ Fixed fixed(int b, int64_t i) const { return b == 0 ? op0.fixed(0, i) : op1.fixed(0, i); }
   __device__ int64_t at(int b, const Fixed& f, int64_t i, int k) const {
@@ -144,8 +137,7 @@ struct DirPieces {
       f[r] = ld.fixed(batch, min(i0 + i[r], extent - 1));
     }
   }
-  // The step at k0 (elements past k_end or the extent: zeros) into the stage tile at dst, the
-  // operand's planes Tile::kElems apart.
+  // The step at k0 (elements past k_end or the extent: zeros) into the stage tile at dst.
   __device__ void copy(const Load& ld, const __nv_bfloat16* base, int batch, int64_t i0, int64_t extent, int k0,
                        int k_end, __nv_bfloat16* dst) const {
 #pragma unroll
@@ -153,17 +145,14 @@ struct DirPieces {
       const int64_t ii = i0 + i[r];
       const int kk = k0 + k[r];
       const int64_t off = (ii < extent && kk < k_end) ? ld.at(batch, f[r], ii, kk) : -1;
-#pragma unroll
-      for (int p = 0; p < Load::kPlanes; ++p)
-        cp_async_16(dst + p * Tile::kElems + Tile::at(i[r], k[r]), off < 0 ? ld.p : base + p * ld.plane + off,
-                    off >= 0);
+      cp_async_16(dst + Tile::at(i[r], k[r]), off < 0 ? ld.p : base + off, off >= 0);
     }
   }
 };
 
 // A CTA's tile of C and its split's range of K (blockIdx: x the 128 rows, y the 128 columns, z =
 // batch * splits + split), with the thread's pieces of A and B; copy(stage, k0) brings the step at
-// k0 into a stage (A's planes, then B) and steps(depth) counts the split's steps.
+// k0 into a stage (A, then B) and steps(depth) counts the split's steps.
 template <class LoadA, class LoadB, class TA, class TB>
 struct DirCta {
   int64_t m0;
@@ -195,13 +184,13 @@ struct DirCta {
   }
   __device__ void copy(const LoadA& la, const LoadB& lb, int64_t M, int N, __nv_bfloat16* stage, int k0) const {
     pa.copy(la, a_base, batch, m0, M, k0, k_end, stage);
-    pb.copy(lb, b_base, batch, n0, N, k0, k_end, stage + LoadA::kPlanes * TA::kElems);
+    pb.copy(lb, b_base, batch, n0, N, k0, k_end, stage + TA::kElems);
   }
 };
 
 template <class LoadA, class LoadB>
 constexpr int dir_stage_elems() {
-  return LoadA::kPlanes * DirTile<LoadA::kT, kDirM>::kElems + DirTile<LoadB::kT, kDirN>::kElems;
+  return DirTile<LoadA::kT, kDirM>::kElems + DirTile<LoadB::kT, kDirN>::kElems;
 }
 
 template <class LoadA, class LoadB, class Store>
@@ -209,9 +198,7 @@ __global__ void __launch_bounds__(kDirThreads, 2)
     gemm_direct_kernel(int64_t M, int N, int K, int k_chunk, int splits, LoadA la, LoadB lb, Store st) {
   using TA = DirTile<LoadA::kT, kDirM>;
   using TB = DirTile<LoadB::kT, kDirN>;
-  constexpr int kPA = LoadA::kPlanes;
   constexpr int kStage = dir_stage_elems<LoadA, LoadB>();
-  static_assert(LoadB::kPlanes == 1, "B is one plane");
   extern __shared__ __align__(16) __nv_bfloat16 dir_smem[];
 
   const DirCta<LoadA, LoadB, TA, TB> cta(M, N, K, k_chunk, splits, la, lb);
@@ -237,7 +224,7 @@ __global__ void __launch_bounds__(kDirThreads, 2)
       cp_async_commit();
     }
     const __nv_bfloat16* sa = dir_smem + (step % kDirStages) * kStage;
-    const __nv_bfloat16* sb = sa + kPA * TA::kElems;
+    const __nv_bfloat16* sb = sa + TA::kElems;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // k16 steps
       uint32_t bf[4][2];           // [n8 tile][b0, b1]
@@ -256,20 +243,14 @@ __global__ void __launch_bounds__(kDirThreads, 2)
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        uint32_t af[kPA][4];
-#pragma unroll
-        for (int p = 0; p < kPA; ++p) {
-          const __nv_bfloat16* plane = sa + p * TA::kElems;
-          if constexpr (LoadA::kT) {  // [k][m]: matrices (m lo, k lo), (m hi, k lo), (m lo, k hi), (m hi, k hi)
-            ldmatrix_x4_trans(af[p], plane + TA::at(wm + 16 * i + 8 * (mi % 2), 16 * h + mr + 8 * (mi / 2)));
-          } else {  // [m][k]
-            ldmatrix_x4(af[p], plane + TA::at(wm + 16 * i + mr + 8 * (mi % 2), 16 * h + 8 * (mi / 2)));
-          }
+        uint32_t af[4];
+        if constexpr (LoadA::kT) {  // [k][m]: matrices (m lo, k lo), (m hi, k lo), (m lo, k hi), (m hi, k hi)
+          ldmatrix_x4_trans(af, sa + TA::at(wm + 16 * i + 8 * (mi % 2), 16 * h + mr + 8 * (mi / 2)));
+        } else {  // [m][k]
+          ldmatrix_x4(af, sa + TA::at(wm + 16 * i + mr + 8 * (mi % 2), 16 * h + 8 * (mi / 2)));
         }
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int p = kPA - 1; p >= 0; --p) mma_16816<true>(acc[i][j], af[p], bf[j][0], bf[j][1]);
+        for (int j = 0; j < 4; ++j) mma_16816<true>(acc[i][j], af, bf[j][0], bf[j][1]);
       }
     }
   }
@@ -278,30 +259,25 @@ __global__ void __launch_bounds__(kDirThreads, 2)
   store_fragments(acc, m0 + wm, n0 + wn, M, N, cta.batch, cta.split, st);
 }
 
-// gemm_wgmma_kernel's ring: stages of A's planes then B, each tile from a 1024-byte boundary.
+// gemm_wgmma_kernel's ring: stages of A then B, each tile from a 1024-byte boundary.
+constexpr int kWgStages = 3;
 template <class LoadA, class LoadB>
 constexpr int wg_stage_bytes() {
-  return LoadA::kPlanes * WgTile<LoadA::kT, kDirM>::kBytes + WgTile<LoadB::kT, kDirN>::kBytes;
-}
-template <class LoadA>
-constexpr int wg_stages() {
-  return LoadA::kPlanes == 1 ? 3 : 4;
+  return WgTile<LoadA::kT, kDirM>::kBytes + WgTile<LoadB::kT, kDirN>::kBytes;
 }
 template <class LoadA, class LoadB>
 constexpr size_t wg_smem_bytes() {  // with the slack that aligns the ring
-  return size_t(wg_stages<LoadA>()) * wg_stage_bytes<LoadA, LoadB>() + 1024;
+  return size_t(kWgStages) * wg_stage_bytes<LoadA, LoadB>() + 1024;
 }
 
 template <class LoadA, class LoadB, class Store>
-__global__ void __launch_bounds__(kDirThreads, LoadA::kPlanes == 1 ? 2 : 1)
+__global__ void __launch_bounds__(kDirThreads, 2)
     gemm_wgmma_kernel(int64_t M, int N, int K, int k_chunk, int splits, LoadA la, LoadB lb, Store st) {
 #if NSA_WGMMA_AVAILABLE
   using TA = WgTile<LoadA::kT, kDirM>;
   using TB = WgTile<LoadB::kT, kDirN>;
-  constexpr int kPA = LoadA::kPlanes;
-  constexpr int kStages = wg_stages<LoadA>();
+  constexpr int kStages = kWgStages;
   constexpr int kStage = wg_stage_bytes<LoadA, LoadB>();
-  static_assert(LoadB::kPlanes == 1, "B is one plane");
   static_assert(kStage % 1024 == 0 && TA::kBytes % 1024 == 0, "every tile on a 1024-byte boundary");
   extern __shared__ __align__(16) unsigned char wg_smem[];
   unsigned char* const ring = wg_smem + ((1024u - (smem_address(wg_smem) & 1023u)) & 1023u);
@@ -327,16 +303,12 @@ __global__ void __launch_bounds__(kDirThreads, LoadA::kPlanes == 1 ? 2 : 1)
     cp_async_wait<kStages - 2>();
     fence_proxy_async();  // this thread's copies of the step, for wgmma's reads
     __syncthreads();      // the step's stage has landed; every product of the previous step has retired
-    const uint32_t sa = ring_addr + uint32_t((step % kStages) * kStage), sb = sa + kPA * TA::kBytes;
+    const uint32_t sa = ring_addr + uint32_t((step % kStages) * kStage), sb = sa + TA::kBytes;
     wgmma_fence_operands(acc);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kWgK / 16; ++kk) {
-      const uint64_t db = TB::desc(sb, 0, kk);
-#pragma unroll
-      for (int p = kPA - 1; p >= 0; --p)
-        wgmma_ss<kDirN, true, LoadB::kT ? 1 : 0, LoadA::kT ? 1 : 0>(acc, TA::desc(sa + p * TA::kBytes, 64 * wg, kk),
-                                                                    db, 1);
+      wgmma_ss<kDirN, true, LoadB::kT ? 1 : 0, LoadA::kT ? 1 : 0>(acc, TA::desc(sa, 64 * wg, kk), TB::desc(sb, 0, kk), 1);
     }
     wgmma_commit();
     {  // into the stage the previous step read, while this step's products run

@@ -261,13 +261,13 @@ struct DxWeight {  // B(s * F + f, n) = W[f, (rr + s d) * D + n] (0 past the blo
 
 using bf16 = __nv_bfloat16;
 
-struct XBlockA : DirOperand<false, 1> {  // A(m, k) = x[row m's block, token k / D, column k % D]: u without pe
+struct XBlockA : DirOperand<false> {  // A(m, k) = x[row m's block, token k / D, column k % D]: u without pe
   XRows<bf16> x;
   using Fixed = int64_t;
   __device__ Fixed fixed(int, int64_t m) const { return x.base(m); }
   __device__ int64_t at(int, Fixed base, int64_t, int k) const { return base < 0 ? -1 : base + x.column(k); }
 };
-struct XBlockBT : DirOperand<true, 1> {  // B(m, k) = u_m[k] without pe (m: the product's k, u's column: its n)
+struct XBlockBT : DirOperand<true> {  // B(m, k) = u_m[k] without pe (m: the product's k, u's column: its n)
   XRows<bf16> x;
   using Fixed = int64_t;
   __device__ Fixed fixed(int, int64_t n) const { return x.column(int(n)); }
@@ -276,19 +276,19 @@ struct XBlockBT : DirOperand<true, 1> {  // B(m, k) = u_m[k] without pe (m: the 
     return base < 0 ? -1 : base + col;
   }
 };
-struct WRowsB : DirOperand<false, 1> {  // B(k, n) = W[n, k]: a bf16 weight as stored, [out, in]
+struct WRowsB : DirOperand<false> {  // B(k, n) = W[n, k]: a bf16 weight as stored, [out, in]
   int64_t s0;
   using Fixed = int64_t;
   __device__ Fixed fixed(int, int64_t n) const { return n * s0; }
   __device__ int64_t at(int, Fixed row, int64_t, int k) const { return row + k; }
 };
-struct PlanesAT : DirOperand<true, 2> {  // A(f, m) = g[m, f] from its bf16 planes [2][rows, F] (dW = g^T u)
+struct GradAT : DirOperand<true> {  // A(f, m) = g[m, f] from its bf16 copy [rows, F] (dW = g^T u)
   int F;
   using Fixed = int;
   __device__ Fixed fixed(int, int64_t) const { return 0; }
   __device__ int64_t at(int, Fixed, int64_t f, int m) const { return int64_t(m) * F + f; }
 };
-struct DxPlanesA : DirOperand<false, 2> {  // DxGrad's A from the planes of g
+struct DxGradA : DirOperand<false> {  // DxGrad's A from the bf16 copy of g
   DxRows rows;
   int F;
   using Fixed = DxRows::Range;
@@ -298,7 +298,7 @@ struct DxPlanesA : DirOperand<false, 2> {  // DxGrad's A from the planes of g
     return (s < r.lo || s > r.hi) ? -1 : (r.row0 - int64_t(s) * rows.hkv) * F + f;
   }
 };
-struct DxWeightBT : DirOperand<true, 1> {  // DxWeight as stored: B(s * F + f, n) = W[f, (rr + s d) * D + n]
+struct DxWeightBT : DirOperand<true> {  // DxWeight as stored: B(s * F + f, n) = W[f, (rr + s d) * D + n]
   int64_t s0;
   int F, hkv, d, l, D;
   using Fixed = int;
@@ -505,10 +505,10 @@ __global__ void fold_bias_kernel(const E* w, int64_t s0, int N, int K, const E* 
   if (lane == 0) bias[n] = acc + (b != nullptr ? to_float(b[n]) : 0.f);
 }
 
-// The bf16 planes of an fp32 matrix: hi = bf16(a), lo = bf16(a - hi).
-__global__ void split_planes_kernel(const float* a, int64_t n, bf16* hi, bf16* lo) {
+// An fp32 matrix rounded to bf16 (to nearest even).
+__global__ void round_bf16_kernel(const float* a, int64_t n, bf16* out) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    split_bf16(a[i], hi[i], lo[i]);
+    out[i] = __float2bfloat16_rn(a[i]);
 }
 
 // Column sums in a fixed order: sum[n] = sum_m a[m, n]; also stored as E when out != nullptr.
@@ -613,9 +613,9 @@ int64_t work_floats(PhiKind kind, int64_t rows, int64_t F, int64_t D) {
   return kind == PhiKind::mlp ? rows * F + F : D;
 }
 
-int64_t plane_elems(PhiKind kind, int64_t rows, int64_t F, int64_t D) {
+int64_t grad_bf16_elems(PhiKind kind, int64_t rows, int64_t F, int64_t D) {
   if (kind == PhiKind::mean) return 0;
-  return 2 * rows * (kind == PhiKind::mlp ? F : D);
+  return rows * (kind == PhiKind::mlp ? F : D);
 }
 
 // The stores of one job's products: xc (rounded, + b2) and mlp's pre (+ b1).
@@ -665,8 +665,8 @@ void products(const Rows& r, const Job (&jobs)[2], int n, bool write_unused, cud
         auto* fold = pe == nullptr || (on16(pe) && K % 8 == 0) ? fold_bias_kernel<bf16, 8> : fold_bias_kernel<bf16, 1>;
         fold<<<blocks_for(int64_t(N) * 32, 128), 128, 0, s>>>(w1, j.phi.w1.stride[0], N, K, b1, pe, bias);
         NSA_CUDA_CHECK_LAUNCH();
-        a[i] = XBlockA{{static_cast<const bf16*>(j.x.data), 0}, x_rows<bf16>(r, j.x)};
-        b[i] = WRowsB{{w1, 0}, j.phi.w1.stride[0]};
+        a[i] = XBlockA{{static_cast<const bf16*>(j.x.data)}, x_rows<bf16>(r, j.x)};
+        b[i] = WRowsB{{w1}, j.phi.w1.stride[0]};
         if (mlp) {
           st[i].pre.bias = bias;
           st[i].pre.first = r.first_token;
@@ -745,11 +745,11 @@ void forward_pair(const Rows& r0, const Job& j0, const Rows& r1, const Job& j1, 
 
 template <typename E>
 bool backward_params(const Rows& r, const PhiParams& phi, const TensorView& x, const float* dy, float* pre,
-                     const PhiParams& dphi, float* part, int splits, float* colsum, uint16_t* planes, cudaStream_t s) {
+                     const PhiParams& dphi, float* part, int splits, float* colsum, uint16_t* g16, cudaStream_t s) {
   if (r.kind == PhiKind::mean) return false;
   const int64_t M = r.rc * r.hkv;
   const int K = r.l * r.D, D = r.D;
-  const bool direct = planes != nullptr && direct_products<E>(r, phi, x);
+  const bool direct = g16 != nullptr && direct_products<E>(r, phi, x);
   const E* pe = static_cast<const E*>(phi.pe.data);
   auto reduce_to = [&](int rows, int cols, const TensorView& out, const E* outer, int parts) {
     reduce_parts_kernel<E><<<blocks_for(int64_t(rows) * cols), 256, 0, s>>>(part, parts, rows, cols,
@@ -760,13 +760,12 @@ bool backward_params(const Rows& r, const PhiParams& phi, const TensorView& x, c
   // dW [N, l*D] = g^T u for g [M, N] (linear: dy; mlp: dpre) with its column sums in colsum.
   auto weight_grad = [&](const float* g, int N, const TensorView& out) {
     if constexpr (std::is_same_v<E, bf16>) {
-      if (direct) {  // g's planes, then g^T x, then + colsum(g) pe in the reduction
-        bf16* hi = reinterpret_cast<bf16*>(planes);
-        split_planes_kernel<<<capped_blocks(M * N), 256, 0, s>>>(g, M * N, hi, hi + M * N);
+      if (direct) {  // g in bf16, then g^T x, then + colsum(g) pe in the reduction
+        bf16* gb = reinterpret_cast<bf16*>(g16);
+        round_bf16_kernel<<<capped_blocks(M * N), 256, 0, s>>>(g, M * N, gb);
         NSA_CUDA_CHECK_LAUNCH();
-        const XBlockBT b{{static_cast<const bf16*>(x.data), 0}, x_rows<bf16>(r, x)};
-        gemm_direct(s, N, K, int(M), splits, 1, PlanesAT{{hi, M * N}, N}, b, StorePartial{part, K, int64_t(N) * K},
-                    r.wgmma);
+        const XBlockBT b{{static_cast<const bf16*>(x.data)}, x_rows<bf16>(r, x)};
+        gemm_direct(s, N, K, int(M), splits, 1, GradAT{{gb}, N}, b, StorePartial{part, K, int64_t(N) * K}, r.wgmma);
         reduce_to(N, K, out, pe, splits);
         return;
       }
@@ -807,7 +806,7 @@ bool backward_params(const Rows& r, const PhiParams& phi, const TensorView& x, c
 }
 
 template <typename E>
-void backward_x(const Rows& r, const PhiParams& phi, const float* dy, const float* dpre, const uint16_t* planes,
+void backward_x(const Rows& r, const PhiParams& phi, const float* dy, const float* dpre, const uint16_t* g16,
                 const int32_t* slots, int64_t n_slots, const DxOut& out, cudaStream_t s) {
   if (n_slots == 0) return;
   const int S = (r.l - 1) / r.d + 1;  // blocks that can hold one token
@@ -827,10 +826,9 @@ void backward_x(const Rows& r, const PhiParams& phi, const float* dy, const floa
   const bool mlp = r.kind == PhiKind::mlp;
   const int F = mlp ? r.F : r.D;
   if constexpr (std::is_same_v<E, bf16>) {
-    if (planes != nullptr) {
-      const bf16* hi = reinterpret_cast<const bf16*>(planes);
-      const DxPlanesA a{{hi, r.rc * r.hkv * F}, rows, F};
-      const DxWeightBT b{{static_cast<const bf16*>(phi.w1.data), 0}, phi.w1.stride[0], F, r.hkv, r.d, r.l, r.D};
+    if (g16 != nullptr) {
+      const DxGradA a{{reinterpret_cast<const bf16*>(g16)}, rows, F};
+      const DxWeightBT b{{static_cast<const bf16*>(phi.w1.data)}, phi.w1.stride[0], F, r.hkv, r.d, r.l, r.D};
       gemm_direct(s, n_slots, r.D, S * F, 1, batches, a, b, st, r.wgmma);
       return;
     }

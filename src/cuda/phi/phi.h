@@ -26,8 +26,9 @@
 // 16-byte pieces, F a multiple of 8) the products with l*D = 4096-long operands (u W1^T, dW1, x's
 // gradient) copy their bf16 operands as stored (gemm_direct.cuh): u without pe, pe folded into the
 // bias (u W1^T + b1 = x W1^T + (pe W1^T + b1); dW1 = dpre^T x + colsum(dpre) pe^T), and dpre (linear:
-// dy) split once into bf16 high and low planes. The others, and fp16 storage, convert their
-// elements on the way to shared memory (gemm.cuh). Every output is one thread's fixed-order sum:
+// dy) rounded once to bf16 (the precision of the attention kernels' P and dS operands and of a bf16
+// autograd's own dpre). The others, and fp16 storage, convert their elements on the way to shared
+// memory (gemm.cuh, fp32 operands as bf16 high and low parts). Every output is one thread's fixed-order sum:
 // the same inputs give the same bits.
 #pragma once
 
@@ -79,8 +80,8 @@ void slot_table(const int32_t* cu, int B, int64_t T, int d, int32_t* slots, cuda
 // Floats of forward's work area for `rows` = rc * Hkv matrix rows: mlp's pre [rows, F], then the
 // folded bias (F for mlp, D for linear).
 int64_t work_floats(PhiKind kind, int64_t rows, int64_t F, int64_t D);
-// bf16 elements of the high and low planes backward_params makes (mlp: of dpre; linear: of dy).
-int64_t plane_elems(PhiKind kind, int64_t rows, int64_t F, int64_t D);
+// bf16 elements of the copy of dpre (linear: dy) that backward_params rounds for the direct products.
+int64_t grad_bf16_elems(PhiKind kind, int64_t rows, int64_t F, int64_t D);
 
 // xc [rc, Hkv, D] (strides xc_st, xc_sh) = phi(x); work: work_floats (mlp's pre [rc * Hkv, F] fp32
 // first). write_unused = false leaves rows of no block untouched (the forward's contract); true
@@ -109,11 +110,11 @@ void forward_pair(const Rows& r0, const Job& j0, const Rows& r1, const Job& j1, 
 
 // Parameter gradients into dphi (storage dtype, rows of stride stride[0]) from dy [rc * Hkv, D]
 // fp32 (rows of no block: 0); mlp: pre (from forward) becomes dpre in place. part: splits
-// partial planes of the largest parameter; colsum: max(F, D) floats; planes: plane_elems, or
-// nullptr. Returns whether it filled planes (the direct products ran), for backward_x.
+// partial planes of the largest parameter; colsum: max(F, D) floats; g16: grad_bf16_elems, or
+// nullptr. Returns whether it filled g16 (the direct products ran), for backward_x.
 template <typename E>
 bool backward_params(const Rows& r, const PhiParams& phi, const TensorView& x, const float* dy, float* pre,
-                     const PhiParams& dphi, float* part, int splits, float* colsum, uint16_t* planes, cudaStream_t s);
+                     const PhiParams& dphi, float* part, int splits, float* colsum, uint16_t* g16, cudaStream_t s);
 
 // x's gradient: every token of x (tokens of no block: 0). f32: contiguous [T, Hkv, D] floats at
 // p; else the storage dtype with strides s0, s1.
@@ -122,9 +123,9 @@ struct DxOut {
   int64_t s0 = 0, s1 = 0;
   bool f32 = false;
 };
-// planes: the ones backward_params filled (its return value), else nullptr.
+// g16: the copy backward_params filled (its return value), else nullptr.
 template <typename E>
-void backward_x(const Rows& r, const PhiParams& phi, const float* dy, const float* dpre, const uint16_t* planes,
+void backward_x(const Rows& r, const PhiParams& phi, const float* dy, const float* dpre, const uint16_t* g16,
                 const int32_t* slots, int64_t n_slots, const DxOut& out, cudaStream_t s);
 
 }  // namespace nsa::cuda::phi
