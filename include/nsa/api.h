@@ -218,8 +218,8 @@ void forward(const Context& ctx, const Config& cfg, const Inputs& in, const Forw
 // o = sum_b g_b o_b (one gather pass over the selected blocks less; D = g_slc <d_o, o_slc> then
 // carries o's rounding, as dense attention's D = <d_o, o> does); with o_cmp as well it takes the
 // compressed branch's dg from o_cmp, and with o_win the window branch's from o_win, and recomputes
-// only the branch outputs it was not given (o, o_cmp and o_win: no recompute at all, three times
-// o's memory as with o_branch, of which o is the layer's output anyway).
+// only the branch outputs it was not given (o, o_cmp and o_win: no recompute at all, as with
+// o_branch, for two o-sized tensors besides o, the layer's output, where o_branch holds three).
 // Selection is a constant. Every gradient is written (not accumulated).
 void backward(const Context& ctx, const Config& cfg, const Inputs& in, const ForwardOutputs& saved,
               const TensorView& d_o, const Gradients& grads, Workspace ws = {});
