@@ -286,8 +286,8 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
 
   // 3. dq and dg (dg from the saved branch outputs when the caller kept them: o_branch's three by
   //    a kernel first, o_cmp's and o_win's by dq_kernel's pass 1; dq_kernel then skips its
-  //    recompute of those branches' outputs). dq_kernel does the compressed and window branches; slc_dq_kernel then
-  //    adds the selection's dq (and writes its dg).
+  //    recompute of those branches' outputs). dq_kernel does the compressed and window branches;
+  //    slc_dq_kernel then adds the selection's dq (and writes its dg).
   if (saved.o_branch.defined() && p.T > 0) {
     const TensorView& ob = saved.o_branch;
     dg_from_branches_kernel<E><<<blocks_for(p.T * p.hq * 32), 256, 0, s>>>(

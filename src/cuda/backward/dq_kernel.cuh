@@ -269,8 +269,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
   float acc_o[DV / 8][4];
   zero(acc_o);
   if (!a.dg_ready) ml.sweep(
-      a, tiles, /*skip_cmp=*/a.dg_cmp_ready, /*skip_slc=*/a.d_from_o, /*skip_win=*/a.dg_win_ready, choose, cta_sees,
-      [&](int prev, int next) {
+      a, tiles, /*skip_cmp=*/a.dg_cmp_ready, /*skip_slc=*/a.d_from_o, /*skip_win=*/a.dg_win_ready, choose,
+      cta_sees, [&](int prev, int next) {
         if (prev < 0 && a.dg_cmp_ready)
 #pragma unroll
           for (int h = 0; h < 2; ++h) write_dg(h, kCmp, row_dot_output(h, a.o_cmp));
@@ -312,7 +312,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
         s[nt][e] *= fmaf(sg[e >> 1], dp[nt][e], -sd[e >> 1]);
       }
   };
-  ml.sweep(a, tiles, /*skip_cmp=*/false, /*skip_slc=*/false, /*skip_win=*/false, choose, cta_sees, [&](int prev, int next) {
+  ml.sweep(a, tiles, /*skip_cmp=*/false, /*skip_slc=*/false, /*skip_win=*/false, choose, cta_sees,
+           [&](int prev, int next) {
           if (slc_from_o && prev == kSlc)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {

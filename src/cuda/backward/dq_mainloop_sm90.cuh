@@ -150,8 +150,9 @@ struct DqMainloopSm90 {
   // a.dg_cmp_ready), the selection's (pass 1 with a.d_from_o), the window's (pass 1 with
   // a.dg_win_ready); j counts the tiles it takes (buffers alternate with j), real(j) is the tile.
   template <typename Tiles, typename Choose, typename CtaSees, typename Enter, typename Half>
-  __device__ __forceinline__ void sweep(const BwdArgs& a, const Tiles& tiles, bool skip_cmp, bool skip_slc, bool skip_win,
-                                        Choose&& choose, CtaSees&& cta_sees, Enter&& enter, Half&& half) {
+  __device__ __forceinline__ void sweep(const BwdArgs& a, const Tiles& tiles, bool skip_cmp, bool skip_slc,
+                                        bool skip_win, Choose&& choose, CtaSees&& cta_sees, Enter&& enter,
+                                        Half&& half) {
     int cur = -1;
     const int n_run = tiles.runs(skip_cmp, skip_slc, skip_win);
     auto real = [&](int j) { return tiles.run_tile(j, skip_cmp, skip_slc); };

@@ -308,7 +308,8 @@ __global__ void __launch_bounds__(kDirThreads, 2)
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kWgK / 16; ++kk) {
-      wgmma_ss<kDirN, true, LoadB::kT ? 1 : 0, LoadA::kT ? 1 : 0>(acc, TA::desc(sa, 64 * wg, kk), TB::desc(sb, 0, kk), 1);
+      wgmma_ss<kDirN, true, LoadB::kT ? 1 : 0, LoadA::kT ? 1 : 0>(acc, TA::desc(sa, 64 * wg, kk), TB::desc(sb, 0, kk),
+                                                                  1);
     }
     wgmma_commit();
     {  // into the stage the previous step read, while this step's products run
