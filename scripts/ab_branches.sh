@@ -26,7 +26,12 @@
 # it leaves broken objects in that build). Steps "pytest" and "layer": the snapshot's Python package
 # with the CUDA backend (its scripts/py_stage.sh, into the snapshot's build-py/), then its GPU tests
 # (tests/python/test_cuda.py) or its training layer against the dense twin (bench/layer_bench.py
-# with AB_LAYER_ARGS, default "--groups 16 --phi mlp --lens 8192,65536"; CSV rows in the summary). AB_DEADLINE (seconds since the start, default 560): a step
+# with AB_LAYER_ARGS, default "--groups 16 --phi mlp --lens 8192,65536"; CSV rows in the summary). Step "public": the
+# same-run table against the fastest public NSA (carry ".anchors" too, laid out by
+# ../shared/anchors/mdy_nsa/setup.sh) and dense SDPA at AB_LENGTHS, G in AB_PUBLIC_GROUPS (default "16 4", Hkv 4, D 128):
+# the snapshot's backward suite with --variant AB_PUBLIC_VARIANT (default saved_o_cmp_win), merged by its
+# bench/public_nsa_prefill.py; the public kernels and the dense baseline are timed once per device call
+# (the first snapshot with the step) and shared by the others. AB_DEADLINE (seconds since the start, default 560): a step
 # that would likely end after it is skipped (logged), so that the summary and the logs still come
 # back inside a 600 s device call.
 # Time on the H200 per snapshot (A/B runs from `d01e4ad` to `be59d88`): build 30-45 s (sm_90a
@@ -77,7 +82,8 @@ fi
 DEADLINE="${AB_DEADLINE:-560}"
 # Rough seconds per step on the H200 (above), for the deadline.
 step_cost() { case "$1" in build) echo 45 ;; tests) echo 150 ;; bench | bench_backward) echo 75 ;; profile) echo 120 ;;
-                           gather) echo 20 ;; break) echo 250 ;; pytest) echo 120 ;; layer) echo 150 ;; *) echo 30 ;; esac; }
+                           gather) echo 20 ;; break) echo 250 ;; pytest) echo 120 ;; layer) echo 150 ;; public) echo 180 ;;
+                           *) echo 30 ;; esac; }
 # The snapshot's Python package (py_stage.sh: built once per snapshot, sm_90a); its path on stdout.
 py_stage_of() { bash "$1/scripts/py_stage.sh" 2> "$2/py_stage.log" | tail -1; }
 snap_steps="$STEPS"
@@ -88,6 +94,37 @@ has() {
     echo "  $1: skipped (AB_DEADLINE ${DEADLINE} s: ${SECONDS} s gone)" | tee -a "$SUMMARY"
     return 1
   fi
+}
+# public_step SNAPSHOT BUILD LOG: the snapshot's backward suite at LENGTHS for each G, then (first time in this
+# call) SDPA and the public kernels on the same shapes, merged into LOG/public.md and LOG/public.csv.
+public_step() {
+  local dir="$1" build="$2" log="$3" g csv="$3/public_ours.csv" part="$3/public_part.csv"
+  local variant="${AB_PUBLIC_VARIANT:-saved_o_cmp_win}" groups="${AB_PUBLIC_GROUPS:-16 4}" pub=() v
+  [[ -d "$ROOT/.anchors/mdy_nsa/src" ]] || { echo "no .anchors/mdy_nsa: carry it (../shared/anchors/mdy_nsa/setup.sh)" > "$log/public.log"; return 1; }
+  : > "$csv"
+  # (`full` too: the dense baseline times the shapes of the suite's `full` rows)
+  for g in $groups; do
+    for v in full "$variant"; do
+      timeout "${AB_BENCH_TIMEOUT:-180}" "$build/bin/nsa" bench --suite backward --lengths "$LENGTHS" \
+        --shape "$((g * 4)),4,128,128" --variant "$v" --out "$part" >> "$log/public.log" 2>&1 || return 1
+      if [[ -s "$csv" ]]; then tail -n +2 "$part" >> "$csv"; else cat "$part" > "$csv"; fi
+    done
+  done
+  rm -f "$part"
+  if [[ ! -s "$OUT/public_dense.md" ]]; then
+    (cd "$dir/bench" && PYTHONUNBUFFERED=1 timeout "${AB_BENCH_TIMEOUT:-180}" python3 sdpa_backward_baseline.py "$csv" \
+      --markdown "$OUT/public_dense.md") >> "$log/public.log" 2>&1 || { rm -f "$OUT/public_dense.md"; return 1; }
+  fi
+  for g in $groups; do
+    if [[ ! -s "$OUT/public_g$g.log" ]]; then
+      (cd "$ROOT/.anchors/mdy_nsa" && PYTHONUNBUFFERED=1 timeout "${AB_BENCH_TIMEOUT:-180}" python3 bench.py \
+        --seqlens "$LENGTHS" --hq "$((g * 4))" --hkv 4 --no-decode --no-check --no-breakdown > "$OUT/public_g$g.log" 2>&1) ||
+        { cat "$OUT/public_g$g.log" >> "$log/public.log"; rm -f "$OUT/public_g$g.log"; return 1; }
+    fi
+    pub+=(--public "$g=$OUT/public_g$g.log")
+  done
+  python3 "$dir/bench/public_nsa_prefill.py" --ours "$csv" --dense "$OUT/public_dense.md" "${pub[@]}" \
+    --variant "$variant" --csv "$log/public.csv" --markdown "$log/public.md" >> "$log/public.log" 2>&1
 }
 rc_all=0
 dirs=()
@@ -177,6 +214,10 @@ for dir in "${dirs[@]}"; do
       echo "  layer: the package did not build (see $name/py_stage.log)" | tee -a "$SUMMARY"
       rc_all=1
     fi
+  fi
+  if has public; then  # the same-run table against the public NSA and dense SDPA (once per call, then shared)
+    public_step "$dir" "$build" "$log" || { echo "  public FAILED (see $name/public.log)" | tee -a "$SUMMARY"; rc_all=1; }
+    sed 's/^/  public: /' "$log/public.md" >> "$SUMMARY" 2>/dev/null
   fi
   if has break; then  # the planted bugs of tests/cuda/breaks in this snapshot (git apply outside the checkout)
     GIT_CEILING_DIRECTORIES="$ROOT/.snap" BREAK_ROUNDS="${BREAK_ROUNDS:-}" timeout 280 \
