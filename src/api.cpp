@@ -100,9 +100,18 @@ const char* qdims(const Plan& p, const char* with_tq, const char* with_t) {
 void check_saved(const Plan& p, const Checker& chk, const ForwardOutputs& out, bool need_o) {
   const int64_t Tq = p.query_rows();
   if (need_o) chk.floats("o", out.o, qdims(p, "[Tq, Hq, Dv]", "[T, Hq, Dv]"), {Tq, p.hq, p.dv});
+  else chk.optional_floats("o", out.o, qdims(p, "[Tq, Hq, Dv]", "[T, Hq, Dv]"), {Tq, p.hq, p.dv});
   chk.tensor("lse", out.lse, qdims(p, "[Tq, Hq, 3]", "[T, Hq, 3]"), {Tq, p.hq, 3}, DType::f32);
   chk.tensor("indices", out.indices, qdims(p, "[Tq, Hkv, n]", "[T, Hkv, n]"), {Tq, p.hkv, p.cfg.n_selected},
              DType::i32);
+  // The branch outputs kept for the backward (optional): o_branch, or any of o_cmp and o_win.
+  chk.optional_floats("o_branch", out.o_branch, qdims(p, "[3, Tq, Hq, Dv]", "[3, T, Hq, Dv]"), {3, Tq, p.hq, p.dv});
+  chk.optional_floats("o_cmp", out.o_cmp, qdims(p, "[Tq, Hq, Dv]", "[T, Hq, Dv]"), {Tq, p.hq, p.dv});
+  chk.optional_floats("o_win", out.o_win, qdims(p, "[Tq, Hq, Dv]", "[T, Hq, Dv]"), {Tq, p.hq, p.dv});
+  if (out.o_branch.defined()) {
+    require_absent("o_cmp", out.o_cmp, "o_branch holds the compressed branch's output already: pass one of the two");
+    require_absent("o_win", out.o_win, "o_branch holds the window branch's output already: pass one of the two");
+  }
 }
 
 // What the attention stages on q, k, v share (selected, window, dense): q [T, Hq, Dqk],
@@ -301,14 +310,6 @@ void forward(const Context& ctx, const Config& cfg, const Inputs& call_in, const
   Plan p = plan_layer(ctx, cfg, in, ops);
   const Checker chk(p.dtype, p.device, in.q.device_index);
   check_saved(p, chk, out, /*need_o=*/true);
-  chk.optional_floats("o_branch", out.o_branch, qdims(p, "[3, Tq, Hq, Dv]", "[3, T, Hq, Dv]"),
-                      {3, p.query_rows(), p.hq, p.dv});
-  chk.optional_floats("o_cmp", out.o_cmp, qdims(p, "[Tq, Hq, Dv]", "[T, Hq, Dv]"), {p.query_rows(), p.hq, p.dv});
-  chk.optional_floats("o_win", out.o_win, qdims(p, "[Tq, Hq, Dv]", "[T, Hq, Dv]"), {p.query_rows(), p.hq, p.dv});
-  if (out.o_branch.defined()) {
-    require_absent("o_cmp", out.o_cmp, "o_branch holds the compressed branch's output already: pass one of the two");
-    require_absent("o_win", out.o_win, "o_branch holds the window branch's output already: pass one of the two");
-  }
   check_workspace(*ops, p, Op::forward, detail::problem_of(p), ws);
   require_op(*ops, ops->forward, "forward")(p, in, out, ws);
 }
@@ -321,14 +322,6 @@ void backward(const Context& ctx, const Config& cfg, const Inputs& call_in, cons
   const Checker chk(p.dtype, p.device, in.q.device_index);
   const int64_t Tq = p.query_rows();
   check_saved(p, chk, saved, /*need_o=*/false);
-  chk.optional_floats("o", saved.o, qdims(p, "[Tq, Hq, Dv]", "[T, Hq, Dv]"), {Tq, p.hq, p.dv});
-  chk.optional_floats("o_branch", saved.o_branch, qdims(p, "[3, Tq, Hq, Dv]", "[3, T, Hq, Dv]"), {3, Tq, p.hq, p.dv});
-  chk.optional_floats("o_cmp", saved.o_cmp, qdims(p, "[Tq, Hq, Dv]", "[T, Hq, Dv]"), {Tq, p.hq, p.dv});
-  chk.optional_floats("o_win", saved.o_win, qdims(p, "[Tq, Hq, Dv]", "[T, Hq, Dv]"), {Tq, p.hq, p.dv});
-  if (saved.o_branch.defined()) {
-    require_absent("o_cmp", saved.o_cmp, "o_branch holds the compressed branch's output already: pass one of the two");
-    require_absent("o_win", saved.o_win, "o_branch holds the window branch's output already: pass one of the two");
-  }
   chk.floats("d_o", d_o, qdims(p, "[Tq, Hq, Dv]", "[T, Hq, Dv]"), {Tq, p.hq, p.dv});
   chk.floats("dq", grads.dq, qdims(p, "[Tq, Hq, Dqk]", "[T, Hq, Dqk]"), {Tq, p.hq, p.dqk});
   static const char* kNames[3][2] = {{"dk_cmp", "dv_cmp"}, {"dk_slc", "dv_slc"}, {"dk_win", "dv_win"}};
