@@ -20,7 +20,7 @@ install(TARGETS nsa EXPORT nsaTargets
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/nsa DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
         FILES_MATCHING PATTERN "*.h")
 # nsa::nsa carries its usage requirements: OpenMP::OpenMP_CXX, and with the CUDA backend
-# CUDA::cudart (nsaConfig.cmake finds both again in the consumer).
+# CUDA::cudart and CUDA::cublasLt (nsaConfig.cmake finds them again in the consumer).
 install(EXPORT nsaTargets NAMESPACE nsa:: DESTINATION ${NSA_INSTALL_CMAKEDIR})
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/nsaConfig.cmake.in
                               ${PROJECT_BINARY_DIR}/nsaConfig.cmake
@@ -32,7 +32,7 @@ install(FILES ${PROJECT_BINARY_DIR}/nsaConfig.cmake ${PROJECT_BINARY_DIR}/nsaCon
         DESTINATION ${NSA_INSTALL_CMAKEDIR})
 
 # pkg-config: libnsa is a static library by default, so Libs lists what linking it needs (OpenMP,
-# and the CUDA runtime when the CUDA backend is in). The prefix is found from the .pc file's own
+# and the CUDA runtime and cuBLASLt when the CUDA backend is in). The prefix is found from the .pc file's own
 # place, so the file stays right for `cmake --install --prefix <elsewhere>`.
 file(RELATIVE_PATH NSA_PC_PREFIX_FROM_PCDIR ${CMAKE_INSTALL_FULL_LIBDIR}/pkgconfig ${CMAKE_INSTALL_PREFIX})
 string(REGEX REPLACE "/$" "" NSA_PC_PREFIX_FROM_PCDIR "${NSA_PC_PREFIX_FROM_PCDIR}")
@@ -40,7 +40,7 @@ file(RELATIVE_PATH NSA_PC_LIBDIR ${CMAKE_INSTALL_PREFIX} ${CMAKE_INSTALL_FULL_LI
 file(RELATIVE_PATH NSA_PC_INCLUDEDIR ${CMAKE_INSTALL_PREFIX} ${CMAKE_INSTALL_FULL_INCLUDEDIR})
 set(NSA_PC_LIBS "${OpenMP_CXX_FLAGS}")
 if(NSA_WITH_CUDA)
-  string(APPEND NSA_PC_LIBS " -L${CUDAToolkit_LIBRARY_DIR} -lcudart")
+  string(APPEND NSA_PC_LIBS " -L${CUDAToolkit_LIBRARY_DIR} -lcublasLt -lcudart")
 endif()
 configure_file(${PROJECT_SOURCE_DIR}/cmake/nsa.pc.in ${PROJECT_BINARY_DIR}/nsa.pc @ONLY)
 install(FILES ${PROJECT_BINARY_DIR}/nsa.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)

@@ -47,6 +47,7 @@ struct CudaKernelChoices {
   bool dkv_warp_specialized = true;  // false: the backward's dK/dV kernel is one warpgroup per CTA everywhere
   bool phi_pairs = true;        // false: phi of k and of v in launches of their own (never one launch for both)
   bool phi_wgmma = true;        // false: phi's bf16 products on mma.sync on every GPU (sm_90a: wgmma otherwise)
+  bool phi_blas = true;         // false: phi's large bf16 products on the library's own kernels, never cuBLASLt
   bool cmp_scores_by_chunk = true;  // false: the score pass's ring accumulator everywhere (else where l'/d divides 64 and l/d - 1 <= min(ring, 64))
 };
 

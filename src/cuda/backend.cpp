@@ -78,12 +78,23 @@ int64_t slc_union_list_len(const Config& cfg, const Problem& pr) {
   return slc_union_list_ints(pr.total_tokens, pr.batch, pr.hkv, pr.hq / pr.hkv);
 }
 
+// The scratch of phi's products on cuBLASLt for `rows` compressed rows (bf16 storage only: the
+// products run there on bf16 operands), or nullptr.
+void* take_phi_blas(WorkspaceCarver& w, const Config& cfg, const Problem& pr, int64_t rows) {
+  const int64_t bytes = pr.dtype == DType::bf16
+                            ? phi::blas_bytes(cfg.phi, rows, pr.hkv, std::max(pr.dqk, pr.dv), cfg.cmp_block_len,
+                                              cfg.cmp_stride)
+                            : 0;
+  return bytes > 0 ? w.take<char>(size_t(bytes)) : nullptr;
+}
+
 struct ForwardWorkspace {
   void* kc = nullptr;        // [T/d, Hkv, Dqk] storage dtype
   void* vc = nullptr;        // [T/d, Hkv, Dv]
   float* hidden = nullptr;   // phi::forward's work for k (mlp: [T/d * Hkv, F] f32 first)
   float* hidden_v = nullptr; // and for v (phi::forward_pair runs both at once; else = hidden)
   int32_t* first_token = nullptr;  // [T/d] phi's row table
+  void* phi_blas = nullptr;  // phi's products on cuBLASLt (phi::blas_bytes; nullptr: none)
   float* scores = nullptr;   // [T, Hkv, Ns] f32
   void* o_cmp = nullptr;     // [T, Hq, Dv] storage dtype (when o_branch is absent)
   void* o_slc = nullptr;     // [T, Hq, Dv] storage dtype (when o_branch is absent and n > 0)
@@ -102,6 +113,7 @@ struct ForwardWorkspace {
     // runs after k's in the same one.
     hidden_v = pr.dqk == pr.dv ? w.take<float>(phi::work_floats(cfg.phi, rows * pr.hkv, pr.phi_hidden, pr.dv)) : hidden;
     first_token = w.take<int32_t>(rows);
+    phi_blas = take_phi_blas(w, cfg, pr, rows);
     scores = w.take<float>(cfg.n_selected > 0 ? pr.total_tokens * pr.hkv * ns : 0);
     o_cmp = w.take<char>(pr.total_tokens * pr.hq * pr.dv * es);
     o_slc = w.take<char>(cfg.n_selected > 0 ? pr.total_tokens * pr.hq * pr.dv * es : 0);
@@ -115,12 +127,14 @@ struct ForwardWorkspace {
 struct CompressWorkspace {
   int32_t* first_token = nullptr;  // [T/d]
   float* hidden = nullptr;         // phi::forward's work (mlp: [T/d * Hkv, F] f32 first)
+  void* phi_blas = nullptr;        // phi's products on cuBLASLt (phi::blas_bytes; nullptr: none)
   size_t bytes = 0;
   CompressWorkspace(const Config& cfg, const Problem& pr, void* base) {
     WorkspaceCarver w(base);
     const int64_t rows = cmp_rows(pr.total_tokens, cfg.cmp_stride);
     first_token = w.take<int32_t>(rows);
     hidden = w.take<float>(phi::work_floats(cfg.phi, rows * pr.hkv, pr.phi_hidden, std::max(pr.dqk, pr.dv)));
+    phi_blas = take_phi_blas(w, cfg, pr, rows);
     bytes = w.bytes();
   }
 };
@@ -143,12 +157,15 @@ size_t workspace_size(const Context& ctx, Op op, const Config& cfg, const Proble
 
 // phi's rows for x (and its parameters' checks); the row table is the caller's (phi::row_table).
 phi::Rows phi_rows_of(const Plan& p, const PhiParams& phi, const TensorView& x, int64_t hidden_width,
-                      int32_t* first_token) {
+                      int32_t* first_token, void* blas_scratch) {
   require_storage_dtype(p.dtype);
   for (const TensorView* t : {&phi.w1, &phi.b1, &phi.w2, &phi.b2, &phi.pe})
     if (t->defined() && !t->is_contiguous())
       throw Error("phi parameters", "strided", "must be contiguous on the cuda backend");
-  return phi::rows_of(p.cfg, p.T, x.shape[1], x.shape[2], hidden_width, first_token, choices_of(p.ctx).phi_wgmma);
+  phi::Rows r = phi::rows_of(p.cfg, p.T, x.shape[1], x.shape[2], hidden_width, first_token,
+                             choices_of(p.ctx).phi_wgmma, choices_of(p.ctx).phi_blas);
+  r.blas_scratch = blas_scratch;
+  return r;
 }
 void row_table_of(const Plan& p, int32_t* first_token) {
   const SeqParams seqs = seq_params(p);
@@ -158,8 +175,8 @@ void row_table_of(const Plan& p, int32_t* first_token) {
 
 // xc = phi(x) on every compressed row a sequence uses (rows of none are left as they are).
 void run_phi(const Plan& p, const PhiParams& phi, const TensorView& x, const TensorView& xc, int64_t hidden_width,
-             float* hidden, int32_t* first_token) {
-  const phi::Rows r = phi_rows_of(p, phi, x, hidden_width, first_token);
+             float* hidden, int32_t* first_token, void* blas_scratch) {
+  const phi::Rows r = phi_rows_of(p, phi, x, hidden_width, first_token, blas_scratch);
   if (r.rc == 0) return;
   row_table_of(p, first_token);
   dispatch_storage(p.dtype, [&]<typename S>() {
@@ -169,7 +186,7 @@ void run_phi(const Plan& p, const PhiParams& phi, const TensorView& x, const Ten
 
 void compress_fwd(const Plan& p, const PhiParams& phi, const TensorView& x, const TensorView& xc, Workspace ws) {
   const CompressWorkspace w(p.cfg, detail::problem_of(p), ws.data);
-  run_phi(p, phi, x, xc, p.phi_hidden_k, w.hidden, w.first_token);
+  run_phi(p, phi, x, xc, p.phi_hidden_k, w.hidden, w.first_token, w.phi_blas);
 }
 
 CmpAttnParams cmp_params(const Plan& p, const TensorView& q, const void* kc, int64_t kc_rows, int64_t kc_st,
@@ -369,8 +386,8 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
   TensorView kc = make_view(w.kc, p.dtype, {rows, p.hkv, p.dqk}, Device::cuda);
   TensorView vc = make_view(w.vc, p.dtype, {rows, p.hkv, p.dv}, Device::cuda);
   if (rows > 0) {  // both at once (phi::forward_pair), each with its own hidden area
-    const phi::Rows rk = phi_rows_of(p, in.phi_k, cmp.k, p.phi_hidden_k, w.first_token);
-    const phi::Rows rv = phi_rows_of(p, in.phi_v, cmp.v, p.phi_hidden_v, w.first_token);
+    const phi::Rows rk = phi_rows_of(p, in.phi_k, cmp.k, p.phi_hidden_k, w.first_token, w.phi_blas);
+    const phi::Rows rv = phi_rows_of(p, in.phi_v, cmp.v, p.phi_hidden_v, w.first_token, w.phi_blas);
     row_table_of(p, w.first_token);
     dispatch_storage(p.dtype, [&]<typename S>() {
       phi::forward_pair<S>(rk, phi::Job{in.phi_k, cmp.k, w.hidden, kc.data, kc.stride[0], kc.stride[1]}, rv,

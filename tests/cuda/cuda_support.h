@@ -63,7 +63,11 @@ using OneWarpgroupDkv = ChoiceOff<&CudaKernelChoices::dkv_warp_specialized>;
 // forward's compression and the backward's recompute run them as the two batches of one launch
 // per product.
 using SeparatePhis = ChoiceOff<&CudaKernelChoices::phi_pairs>;
-// phi's bf16 products run on mma.sync, as on sm_80; elsewhere an sm_90a build runs them on wgmma.
+// phi's large bf16 products run on the library's own kernels (gemm_direct.cuh: wgmma on sm_90a,
+// else mma.sync); elsewhere they run on cuBLASLt where l is a multiple of d.
+using PhiOwnProducts = ChoiceOff<&CudaKernelChoices::phi_blas>;
+// phi's own bf16 products run on mma.sync, as on sm_80; elsewhere an sm_90a build runs them on
+// wgmma. (With PhiOwnProducts: the large ones too.)
 using PhiOnMmaSync = ChoiceOff<&CudaKernelChoices::phi_wgmma>;
 // The score pass sums S in its ring accumulator everywhere, as where l'/d does not divide its
 // 64-key chunk.

@@ -335,10 +335,20 @@ TEST_P(CudaBackward, EveryGradientWithSeparatePhisMatchesReference) {
 }
 
 // phi's bf16 products (the recompute, the parameters' and x's gradients) on mma.sync
-// (PhiOnMmaSync) where the default runs them on wgmma (sm_90a).
+// (PhiOnMmaSync, PhiOwnProducts) where the default runs the large ones on cuBLASLt and the others
+// on wgmma (sm_90a).
 TEST_P(CudaBackward, EveryGradientWithPhiOnMmaSyncMatchesReference) {
   NSA_REQUIRE_GPU();
+  const PhiOwnProducts own;
   const PhiOnMmaSync mma_sync;
+  check_against_reference(GetParam(), {.o = true, .o_cmp = true, .o_win = true});
+}
+
+// phi's large bf16 products on the library's own kernels (PhiOwnProducts: wgmma on sm_90a) where
+// the default runs them on cuBLASLt.
+TEST_P(CudaBackward, EveryGradientWithPhiOnOwnProductsMatchesReference) {
+  NSA_REQUIRE_GPU();
+  const PhiOwnProducts own;
   check_against_reference(GetParam(), {.o = true, .o_cmp = true, .o_win = true});
 }
 

@@ -167,10 +167,20 @@ TEST_P(CudaForward, CompressMatchesReference) {
   check_compress(GetParam());
 }
 
-// phi's bf16 products on mma.sync (PhiOnMmaSync) where the default runs them on wgmma (sm_90a).
+// phi's bf16 products on mma.sync (PhiOnMmaSync, PhiOwnProducts) where the default runs the large
+// ones on cuBLASLt and the others on wgmma (sm_90a).
 TEST_P(CudaForward, CompressOnMmaSyncMatchesReference) {
   NSA_REQUIRE_GPU();
+  const PhiOwnProducts own;
   const PhiOnMmaSync mma_sync;
+  check_compress(GetParam());
+}
+
+// phi's large bf16 products on the library's own kernels (PhiOwnProducts: wgmma on sm_90a) where
+// the default runs them on cuBLASLt.
+TEST_P(CudaForward, CompressOnOwnProductsMatchesReference) {
+  NSA_REQUIRE_GPU();
+  const PhiOwnProducts own;
   check_compress(GetParam());
 }
 

@@ -164,7 +164,7 @@ int run_cuda_bench(const nsa_cli::BenchOptions& o) {
     in.g = g.device_view();
     in.phi_k = params(phk, true, 0);
     in.phi_v = params(phv, true, 0);
-    const nsa::ForwardOutputs out{o_out.device_view(), lse.device_view(), idx.device_view(), {}, {}};
+    const nsa::ForwardOutputs out{o_out.device_view(), lse.device_view(), idx.device_view(), {}, {}, {}};
     const nsa::Problem pr = nsa::problem_of(o.cfg, in);
     size_t bytes = nsa::workspace_size(ctx, nsa::Op::forward, o.cfg, pr);
     if (o.backward) bytes = std::max(bytes, nsa::workspace_size(ctx, nsa::Op::backward, o.cfg, pr));
@@ -190,7 +190,7 @@ int run_cuda_bench(const nsa_cli::BenchOptions& o) {
       hin.phi_v = params(phv, false, 0);
       nsa::Context ref;
       ref.backend = nsa::Backend::reference;
-      nsa::forward(ref, o.cfg, hin, {ro.host_rows(rows), rl.host_rows(rows), ri.host_rows(rows), {}, {}});
+      nsa::forward(ref, o.cfg, hin, {ro.host_rows(rows), rl.host_rows(rows), ri.host_rows(rows), {}, {}, {}});
       const int64_t n = o.cfg.n_selected, G = o.hq / o.hkv;
       const auto* a = reinterpret_cast<const int32_t*>(idx.host.data());
       const auto* bb = reinterpret_cast<const int32_t*>(ri.host.data());

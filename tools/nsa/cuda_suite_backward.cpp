@@ -8,13 +8,14 @@
 // warpgroup per CTA where they would run warp-specialised (saved_o_cmp_one_warpgroup_dkv, Dqk = Dv
 // = 128 at 8K and 64K: the same-run A/B of dkv_ws_kernel), phi = mlp (F = 4D) without and with
 // the forward's o_cmp (phi_mlp_F4D, saved_o_cmp_phi_mlp: the torch layer's call; Hq 64 at 8K and
-// 64K), the latter with phi's bf16 products on mma.sync where they would run on wgmma
+// 64K), the latter with phi's bf16 products on mma.sync where they would run on cuBLASLt or wgmma
 // (saved_o_cmp_phi_mlp_mma_sync: their same-run A/B), saved_o_cmp with the score pass's ring
 // accumulator where it would write each chunk's blocks directly (saved_o_cmp_score_ring, Dqk = Dv =
 // 128 at 8K and 64K: their same-run A/B), the forward's o_cmp and o_win kept, so that the backward
 // recomputes no branch output (saved_o_cmp_win; saved_o_cmp_win_phi_mlp: the torch layer's default
-// call, Hq 64 at 8K and 64K), and the backward's extra memory (its workspace) against the memory of
-// q, k, v and o.
+// call, Hq 64 at 8K and 64K; saved_o_cmp_win_phi_mlp_own_products: the same with phi's large products
+// on the library's own wgmma kernels instead of cuBLASLt, their same-run A/B), and the backward's
+// extra memory (its workspace) against the memory of q, k, v and o.
 // Writes a CSV (T,hq,hkv,dqk,dv,variant,fwd_ms,bwd_ms,fwd_bwd_ms,bwd_tflops,ws_mb,qkvo_mb,peak_mb)
 // that bench/sdpa_backward_baseline.py joins with PyTorch SDPA forward+backward measured in the
 // same scripts/gpu_check.sh run.
@@ -62,7 +63,8 @@ const char* const kVariantNames[] = {"full",
                                      "saved_o_cmp_one_warpgroup_dkv",
                                      "saved_o_cmp_score_ring",
                                      "saved_o_cmp_win",
-                                     "saved_o_cmp_win_phi_mlp"};
+                                     "saved_o_cmp_win_phi_mlp",
+                                     "saved_o_cmp_win_phi_mlp_own_products"};
 
 struct Shape {
   int64_t hq, hkv, dqk, dv;
@@ -126,7 +128,8 @@ struct Variant {
   bool o_cmp = false;      // the forward keeps the compressed branch's output, the backward takes its dg from it
   bool o_win = false;      // the same for the window branch's (with o_cmp: no branch output recomputed)
   bool one_warpgroup_dkv = false;  // dK / dV by dkv_kernel where dkv_ws_kernel would run (CudaKernelChoices)
-  bool phi_mma_sync = false;       // phi's bf16 products on mma.sync where they would run on wgmma (CudaKernelChoices)
+  bool phi_mma_sync = false;       // phi's bf16 products on mma.sync where they would run on cuBLASLt / wgmma (CudaKernelChoices)
+  bool phi_own = false;            // phi's large bf16 products on wgmma where they would run on cuBLASLt (CudaKernelChoices)
   bool score_ring = false;         // the score pass's ring accumulator everywhere (CudaKernelChoices)
 };
 
@@ -157,6 +160,8 @@ std::vector<Variant> variants_of(const Shape& s, int64_t T) {
                         .phi_mma_sync = true});
     variants.push_back({.name = "saved_o_cmp_win_phi_mlp", .n = 16, .w = 512, .phi = PhiKind::mlp, .o_cmp = true,
                         .o_win = true});
+    variants.push_back({.name = "saved_o_cmp_win_phi_mlp_own_products", .n = 16, .w = 512, .phi = PhiKind::mlp,
+                        .o_cmp = true, .o_win = true, .phi_own = true});
   }
   if (square && T == 65536) {
     variants.push_back({.name = "full_without_o", .n = 16, .w = 512, .phi = PhiKind::mean, .without_o = true});
@@ -205,6 +210,7 @@ int run_backward_suite(const std::vector<std::string>& args) {
         choices.slc_union_tiles = !var.per_token;
         choices.dkv_warp_specialized = !var.one_warpgroup_dkv;
         choices.phi_wgmma = !var.phi_mma_sync;
+        choices.phi_blas = !var.phi_mma_sync && !var.phi_own;
         choices.cmp_scores_by_chunk = !var.score_ring;
         nsa::Config cfg;
         cfg.phi = var.phi;

@@ -87,7 +87,7 @@ int run_forward_suite(const std::vector<std::string>& args) {
       in.kv[1] = {k1.view, v1.view};
       in.kv[2] = {k2.view, v2.view};
       in.g = g.view;
-      const nsa::ForwardOutputs out{o.view, lse.view, idx.view, nsa::TensorView(), nsa::TensorView()};
+      const nsa::ForwardOutputs out{o.view, lse.view, idx.view, nsa::TensorView(), nsa::TensorView(), nsa::TensorView()};
       const size_t ws_bytes = nsa::workspace_size(ctx, nsa::Op::forward, cfg, nsa::problem_of(cfg, in));
       DeviceBuffer ws(ws_bytes);
       const nsa::Workspace w{ws.data, ws_bytes};

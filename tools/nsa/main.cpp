@@ -419,7 +419,7 @@ double check_rows(const BenchOptions& o, Layer& L, int64_t rows, int64_t* disagr
   nsa::Context ref;
   ref.backend = Backend::reference;
   Tensor ro(o.dtype, {rows, o.hq, o.dv}), rl(DType::f32, {rows, o.hq, 3}), ri(DType::i32, {rows, o.hkv, o.cfg.n_selected});
-  nsa::forward(ref, o.cfg, L.inputs(o.cfg, rows), nsa::ForwardOutputs{ro.view, rl.view, ri.view, {}, {}});
+  nsa::forward(ref, o.cfg, L.inputs(o.cfg, rows), nsa::ForwardOutputs{ro.view, rl.view, ri.view, {}, {}, {}});
   const int64_t n = o.cfg.n_selected, G = o.hq / o.hkv;
   const auto* a = static_cast<const int32_t*>(L.idx.view.data);
   const auto* b = static_cast<const int32_t*>(ri.view.data);
@@ -493,7 +493,7 @@ int bench(const BenchOptions& o) {
     const nsa::Workspace ws{wsbuf.data, bytes};
     // o_branch saved by the forward spares the backward recomputing the branch outputs (as dense
     // attention's backward reads the saved o).
-    const nsa::ForwardOutputs out{L.o.view, L.lse.view, L.idx.view, L.o_branch.view, {}};
+    const nsa::ForwardOutputs out{L.o.view, L.lse.view, L.idx.view, L.o_branch.view, {}, {}};
     const TensorView& kd = L.k[o.cfg.shared_kv ? 0 : nsa::kWin].view;
     const TensorView& vd = L.v[o.cfg.shared_kv ? 0 : nsa::kWin].view;
     Tensor dq2(o.dtype, {T, o.hq, o.dqk}), dk2(o.dtype, {T, o.hkv, o.dqk}), dv2(o.dtype, {T, o.hkv, o.dv});

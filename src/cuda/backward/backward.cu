@@ -136,7 +136,10 @@ __global__ void reduce_cmp_parts_kernel(BwdArgs a, const float* part, const int3
 
 // phi's rows (phi.h) for one compressed tensor: head dim D, hidden width F (mlp).
 phi::Rows phi_rows(const Plan& p, const Layout& L, int64_t D, int64_t F) {
-  return phi::rows_of(p.cfg, p.T, p.hkv, D, F, L.crow_token, choices_of(p.ctx).phi_wgmma);
+  phi::Rows r = phi::rows_of(p.cfg, p.T, p.hkv, D, F, L.crow_token, choices_of(p.ctx).phi_wgmma,
+                             choices_of(p.ctx).phi_blas);
+  r.blas_scratch = L.phi_blas;
+  return r;
 }
 
 Mat3 mat3(const TensorView& t) { return Mat3{t.data, t.ndim > 0 ? t.stride[0] : 0, t.ndim > 1 ? t.stride[1] : 0}; }
@@ -456,6 +459,8 @@ Layout carve_compress(const Sizes& z, void* base) {
     L.pre_k = w.take<float>(size_t(phi::work_floats(PhiKind::mlp, rows, z.F, z.dqk)));
   }
   if (z.has_params) L.g16 = w.take<uint16_t>(size_t(phi::grad_bf16_elems(z.phi(), rows, z.F, z.dqk)));
+  const int64_t blas = z.has_params && z.bf16 ? phi::blas_bytes(z.phi(), rc, z.hkv, z.dqk, z.l, z.d) : 0;
+  if (blas > 0) L.phi_blas = w.take<char>(size_t(blas));
   L.colsum = w.take<float>(size_t(std::max(z.F, z.dqk)));
   L.slots = w.take<int32_t>(size_t(4 * (z.T / z.d + z.B)));
   if (z.has_params) carve_phi_partials(z, rows, w, L);

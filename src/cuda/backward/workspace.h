@@ -34,6 +34,7 @@ struct Layout {
   float* pre_k = nullptr;  // phi::forward's work (mlp: [Rc*Hkv, F] pre-activation first, then dpre in place)
   float* pre_v = nullptr;
   uint16_t* g16 = nullptr;  // phi's bf16 copy of dpre / dy (phi::grad_bf16_elems), of k then of v
+  void* phi_blas = nullptr;  // phi's products on cuBLASLt (phi::blas_bytes; bf16 only; nullptr: none)
   float* dkc = nullptr;    // [Rc*Hkv, Dqk]
   float* dvc = nullptr;
   float* dkc_part = nullptr;  // the splits' partials (cmp_part_rows[z] rows each) [.., Hkv, Dqk]
@@ -64,6 +65,7 @@ struct Sizes {
   int64_t T, B, max_seqlen, hq, hkv, dqk, dv, F, l, d, lp, n;
   bool has_params;  // phi = linear or mlp
   bool shared_kv;
+  bool bf16;  // the storage dtype (phi's products on cuBLASLt take bf16 only)
   CudaKernelChoices choices;  // Context::cuda_choices (cmp_splits, packed_sort, raw pieces)
   PhiKind phi() const { return F > 0 ? PhiKind::mlp : has_params ? PhiKind::linear : PhiKind::mean; }
 };
@@ -92,6 +94,8 @@ inline Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
     L.pre_k = w.take<float>(size_t(phi::work_floats(z.phi(), rows, z.F, z.dqk)));
     L.pre_v = w.take<float>(size_t(phi::work_floats(z.phi(), rows, z.F, z.dv)));
     L.g16 = w.take<uint16_t>(size_t(phi::grad_bf16_elems(z.phi(), rows, z.F, std::max(z.dqk, z.dv))));
+    const int64_t blas = z.bf16 ? phi::blas_bytes(z.phi(), rc, z.hkv, std::max(z.dqk, z.dv), z.l, z.d) : 0;
+    if (blas > 0) L.phi_blas = w.take<char>(size_t(blas));
   }
   L.dkc = w.take<float>(size_t(rows * z.dqk));
   L.dvc = w.take<float>(size_t(rows * z.dv));
@@ -211,7 +215,7 @@ inline Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
 inline Sizes sizes_of(const Context& ctx, const Config& cfg, const Problem& p, int64_t F) {
   return Sizes{p.total_tokens, p.batch, p.max_seqlen, p.hq, p.hkv, p.dqk, p.dv, F,
                cfg.cmp_block_len, cfg.cmp_stride, cfg.slc_block_len, cfg.n_selected,
-               cfg.phi != PhiKind::mean, cfg.shared_kv, choices_of(ctx)};
+               cfg.phi != PhiKind::mean, cfg.shared_kv, p.dtype == DType::bf16, choices_of(ctx)};
 }
 
 }  // namespace nsa::cuda::bwd

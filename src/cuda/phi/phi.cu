@@ -13,6 +13,7 @@
 #include "cuda/common/check.h"
 #include "cuda/common/dtype.h"
 #include "cuda/common/launch.h"
+#include "cuda/phi/blas.h"
 #include "cuda/phi/gemm.cuh"
 #include "cuda/phi/gemm_direct.cuh"
 #include "nsa/blocks.h"
@@ -511,6 +512,81 @@ __global__ void round_bf16_kernel(const float* a, int64_t n, bf16* out) {
     out[i] = __float2bfloat16_rn(a[i]);
 }
 
+// ---- the products on cuBLASLt: blocks as rows of d-token chunks -----------------------------
+// With S = l / d, block r (compressed row r) is the S chunks r .. r + S - 1 of d tokens each,
+// chunk c of a sequence being its tokens c d .. c d + d - 1 (blocks start every d tokens). Row m
+// = r Hkv + h of u is then chunk rows (r + s) Hkv + h, s < S, of xg [(rc + S - 1) Hkv, d D]
+// (chunk c, head h: the d tokens' rows of x for h): u_s = xg from row s Hkv, uniform rows of d D.
+// So u W1^T = sum_s u_s W1_s^T, dW1_s = dpre^T u_s and x's gradient by chunk sum_s (dpre W1_s)
+// shifted down s Hkv rows, W1_s being W1's columns s d D .. (s + 1) d D.
+//
+// The chunk of compressed row c: its d tokens from the first token of a block that holds it
+// (block r, c - S < r <= c, starting at first_token[r]: the blocks holding one chunk belong to
+// one sequence and agree on it), or -1 when no block holds it.
+__device__ __forceinline__ int64_t chunk_first_token(const int32_t* first, int64_t rc, int S, int d, int64_t c) {
+  for (int s = 0; s < S; ++s) {
+    const int64_t r = c - s;
+    if (r < 0) break;
+    if (r < rc && first[r] >= 0) return int64_t(first[r]) + int64_t(s) * d;
+  }
+  return -1;
+}
+
+// xg (above) from x (rows of stride s0, heads of stride s1): one 16-byte piece a thread, zeros
+// for a chunk no block holds.
+__global__ void chunk_gather_kernel(const bf16* x, int64_t s0, int64_t s1, const int32_t* first, int64_t rc, int S,
+                                    int d, int hkv, int D, int64_t chunks, bf16* xg) {
+  const int pieces = D / 8;
+  const int64_t per_chunk = int64_t(hkv) * d * pieces;
+  const int64_t total = chunks * per_chunk;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t c = e / per_chunk;
+    const int rem = int(e - c * per_chunk);
+    const int h = rem / (d * pieces), j = (rem / pieces) % d, p = rem % pieces;
+    const int64_t tok = chunk_first_token(first, rc, S, d, c);
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (tok >= 0) v = *reinterpret_cast<const uint4*>(x + (tok + j) * s0 + h * s1 + p * 8);
+    *reinterpret_cast<uint4*>(xg + e * 8) = v;
+  }
+}
+
+// The store st (gemm_direct's: biases, rounding, rows of no block) of a product's fp32 result acc
+// [M, N] (rows of N). acc may be st's own output (each element read, then written, by one thread).
+// (A row of no block multiplied chunk rows that may hold other rows' tokens where the own kernels
+// read zeros: its pre and xc differ from theirs, and nothing reads them: its dy and dpre are 0.)
+template <class St>
+__global__ void blas_store_kernel(const float* acc, int64_t M, int N, St st) {
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < M * N; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t m = e / N;
+    st(0, m, int(e - m * N), 0, acc[e]);
+  }
+}
+
+// x's gradient from its sums by chunk dxg [(rc + S - 1) Hkv, d D] (fp32): a thread per V columns of
+// one (slot, token in the slot, head). A token gets its chunk row's sum when a block of its own
+// sequence holds that chunk (the row may be another sequence's chunk: a sequence's last, partial
+// chunk shares its row with the next sequence's first), else 0 (a token of no block).
+template <typename E, int V>
+__global__ void chunk_scatter_dx_kernel(const float* dxg, const int4* slots, int64_t n_slots, const int32_t* first,
+                                        int64_t rc, int S, int d, int hkv, int D, DxOut out) {
+  const int groups = D / V;
+  const int64_t per_slot = int64_t(d) * hkv * groups;
+  const int64_t total = n_slots * per_slot;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t j = e / per_slot;
+    const int rem = int(e - j * per_slot);
+    const int jj = rem / (hkv * groups), h = (rem / groups) % hkv, c = (rem % groups) * V;
+    const int4 sl = slots[j];
+    if (sl.x < 0) continue;
+    const int64_t tok = int64_t(sl.x) + jj;
+    if (tok >= sl.z) continue;
+    float v[V] = {};
+    if (chunk_first_token(first, rc, S, d, sl.y) == sl.x)
+      load_run<V>(dxg + ((int64_t(sl.y) * hkv + h) * d + jj) * D + c, v);
+    store_dx<E, V>(out, tok, h, hkv, D, c, v);
+  }
+}
+
 // Column sums in a fixed order: sum[n] = sum_m a[m, n]; also stored as E when out != nullptr.
 // A CTA takes kSumCols columns: its kSumLanes row lanes each add the rows m = lane, lane +
 // kSumLanes, .. (one coalesced 128-byte row piece per warp and step), then lane 0 adds the lanes'
@@ -592,6 +668,67 @@ bool direct_products(const Rows& r, const PhiParams& phi, const TensorView& x) {
   }
 }
 
+// Whether the products run on cuBLASLt (blas.h): the direct products' conditions, l a multiple of
+// d (a block is l / d whole chunks) and the caller's scratch.
+template <typename E>
+bool blas_products(const Rows& r, const PhiParams& phi, const TensorView& x) {
+  return r.blas && r.blas_scratch != nullptr && r.l % r.d == 0 && direct_products<E>(r, phi, x);
+}
+
+// The pieces of the scratch (blas_bytes): cuBLASLt's workspace, then xg (with linear's product
+// after it) or dxg in the same place.
+struct BlasScratch {
+  void* ws;
+  bf16* xg;
+  float* lin;
+  float* dxg;
+  int S;
+  int64_t chunk_rows;  // (rc + S - 1) Hkv
+};
+BlasScratch blas_scratch(const Rows& r) {
+  BlasScratch b{};
+  char* base = static_cast<char*>(r.blas_scratch);
+  const int S = r.l / r.d;
+  const int64_t chunk_rows = (r.rc + S - 1) * r.hkv;
+  b.ws = base;
+  b.xg = reinterpret_cast<bf16*>(base + blas::kWorkspaceBytes);
+  b.lin = reinterpret_cast<float*>(base + blas::kWorkspaceBytes + align_up(size_t(chunk_rows) * r.d * r.D * 2));
+  b.dxg = reinterpret_cast<float*>(b.xg);
+  b.S = S;
+  b.chunk_rows = chunk_rows;
+  return b;
+}
+
+// xg (chunk_gather_kernel) of x for r's rows.
+void gather_chunks(const Rows& r, const TensorView& x, const BlasScratch& b, cudaStream_t s) {
+  const int64_t pieces = b.chunk_rows * r.d * (r.D / 8);
+  chunk_gather_kernel<<<capped_blocks(pieces), 256, 0, s>>>(static_cast<const bf16*>(x.data), x.stride[0],
+                                                            x.stride[1], r.first_token, r.rc, b.S, r.d, r.hkv, r.D,
+                                                            b.chunk_rows / r.hkv, b.xg);
+  NSA_CUDA_CHECK_LAUNCH();
+}
+
+// out [M, N] (fp32, rows of N; beta: add to it) = u W1^T over the S chunk products.
+void blas_u_w1t(const Rows& r, const PhiParams& phi, const BlasScratch& b, int N, float* out, cudaStream_t s) {
+  const int64_t M = r.rc * r.hkv, dD = int64_t(r.d) * r.D;
+  const bf16* w1 = static_cast<const bf16*>(phi.w1.data);
+  for (int i = 0; i < b.S; ++i) {
+    blas::Product p;
+    p.M = M;
+    p.N = N;
+    p.K = dD;
+    p.a = b.xg + i * r.hkv * dD;
+    p.lda = dD;
+    p.b = w1 + i * dD;  // W1_s [N, d D] as stored: B^T
+    p.ldb = phi.w1.stride[0];
+    p.b_nk = true;
+    p.c = out;
+    p.ldc = N;
+    p.beta = i == 0 ? 0.f : 1.f;
+    blas::matmul(p, b.ws, s);
+  }
+}
+
 }  // namespace
 
 void row_table(const int32_t* cu, int B, int64_t T, int l, int d, int32_t* first_token, cudaStream_t s) {
@@ -611,6 +748,15 @@ void slot_table(const int32_t* cu, int B, int64_t T, int d, int32_t* slots, cuda
 int64_t work_floats(PhiKind kind, int64_t rows, int64_t F, int64_t D) {
   if (kind == PhiKind::mean) return 0;
   return kind == PhiKind::mlp ? rows * F + F : D;
+}
+
+int64_t blas_bytes(PhiKind kind, int64_t rc, int64_t hkv, int64_t D, int64_t l, int64_t d) {
+  if (kind == PhiKind::mean || d <= 0 || l % d != 0 || rc <= 0) return 0;
+  const int64_t chunk_elems = (rc + l / d - 1) * hkv * d * D;
+  const int64_t xg = int64_t(align_up(size_t(chunk_elems) * 2));
+  const int64_t lin = kind == PhiKind::linear ? int64_t(align_up(size_t(rc * hkv * D) * 4)) : 0;
+  const int64_t dxg = int64_t(align_up(size_t(chunk_elems) * 4));
+  return int64_t(blas::kWorkspaceBytes) + std::max(xg + lin, dxg);
 }
 
 int64_t grad_bf16_elems(PhiKind kind, int64_t rows, int64_t F, int64_t D) {
@@ -675,9 +821,27 @@ void products(const Rows& r, const Job (&jobs)[2], int n, bool write_unused, cud
           st[i].out.bias = bias;
         }
       }
-      auto launch = [&](int batches, auto la, auto lb, auto store) { gemm_direct(s, M, N, K, 1, batches, la, lb, store, r.wgmma); };
-      if (mlp) run_jobs<DirPair>(n, a, b, {st[0].pre, st[1].pre}, launch);
-      else run_jobs<DirPair>(n, a, b, {st[0].out, st[1].out}, launch);
+      bool blas = true;
+      for (int i = 0; i < n; ++i) blas = blas && blas_products<E>(r, jobs[i].phi, jobs[i].x);
+      if (blas) {  // each job's chunks, its S products into pre (linear: lin), then the store
+        const BlasScratch bs = blas_scratch(r);
+        for (int i = 0; i < n; ++i) {
+          gather_chunks(r, jobs[i].x, bs, s);
+          float* acc = mlp ? jobs[i].work : bs.lin;
+          blas_u_w1t(r, jobs[i].phi, bs, N, acc, s);
+          if (mlp)
+            blas_store_kernel<<<capped_blocks(M * N), 256, 0, s>>>(acc, M, N, st[i].pre);
+          else
+            blas_store_kernel<<<capped_blocks(M * N), 256, 0, s>>>(acc, M, N, st[i].out);
+          NSA_CUDA_CHECK_LAUNCH();
+        }
+      } else {
+        auto launch = [&](int batches, auto la, auto lb, auto store) {
+          gemm_direct(s, M, N, K, 1, batches, la, lb, store, r.wgmma);
+        };
+        if (mlp) run_jobs<DirPair>(n, a, b, {st[0].pre, st[1].pre}, launch);
+        else run_jobs<DirPair>(n, a, b, {st[0].out, st[1].out}, launch);
+      }
     }
   }
   if (!direct) {
@@ -764,6 +928,27 @@ bool backward_params(const Rows& r, const PhiParams& phi, const TensorView& x, c
         bf16* gb = reinterpret_cast<bf16*>(g16);
         round_bf16_kernel<<<capped_blocks(M * N), 256, 0, s>>>(g, M * N, gb);
         NSA_CUDA_CHECK_LAUNCH();
+        if (blas_products<E>(r, phi, x)) {  // dW_s = g^T u_s into the columns s d D .. of one partial
+          const BlasScratch bs = blas_scratch(r);
+          const int64_t dD = int64_t(r.d) * r.D;
+          gather_chunks(r, x, bs, s);
+          for (int i = 0; i < bs.S; ++i) {
+            blas::Product p;
+            p.M = N;
+            p.N = dD;
+            p.K = M;
+            p.a = gb;  // g [M, N] as stored: A^T
+            p.lda = N;
+            p.a_km = true;
+            p.b = bs.xg + i * r.hkv * dD;
+            p.ldb = dD;
+            p.c = part + i * dD;
+            p.ldc = K;
+            blas::matmul(p, bs.ws, s);
+          }
+          reduce_to(N, K, out, pe, 1);
+          return;
+        }
         const XBlockBT b{{static_cast<const bf16*>(x.data)}, x_rows<bf16>(r, x)};
         gemm_direct(s, N, K, int(M), splits, 1, GradAT{{gb}, N}, b, StorePartial{part, K, int64_t(N) * K}, r.wgmma);
         reduce_to(N, K, out, pe, splits);
@@ -826,6 +1011,38 @@ void backward_x(const Rows& r, const PhiParams& phi, const float* dy, const floa
   const bool mlp = r.kind == PhiKind::mlp;
   const int F = mlp ? r.F : r.D;
   if constexpr (std::is_same_v<E, bf16>) {
+    if (g16 != nullptr && r.blas && r.blas_scratch != nullptr && r.l % r.d == 0) {
+      // By chunk: dxg = sum_s (g W1_s) s Hkv rows down, then each token's row of its chunk. (The
+      // rows below the first product's are chunks no block holds completely, read by no token;
+      // zeroed so that the sums read no uninitialised memory.)
+      const BlasScratch bs = blas_scratch(r);
+      const int64_t M = r.rc * r.hkv, dD = int64_t(r.d) * r.D;
+      NSA_CUDA_CHECK(cudaMemsetAsync(bs.dxg + M * dD, 0, size_t(bs.chunk_rows - M) * dD * sizeof(float), s));
+      for (int i = 0; i < bs.S; ++i) {
+        blas::Product p;
+        p.M = M;
+        p.N = dD;
+        p.K = F;
+        p.a = reinterpret_cast<const bf16*>(g16);
+        p.lda = F;
+        p.b = static_cast<const bf16*>(phi.w1.data) + i * dD;  // W1_s [F, d D] as stored
+        p.ldb = phi.w1.stride[0];
+        p.c = bs.dxg + i * r.hkv * dD;
+        p.ldc = dD;
+        p.beta = i == 0 ? 0.f : 1.f;
+        blas::matmul(p, bs.ws, s);
+      }
+      const bool runs = r.D % 4 == 0 && (out.f32 ? on16(out.p) : on8(out.p) && out.s0 % 4 == 0 && out.s1 % 4 == 0);
+      const int64_t per_slot = int64_t(r.d) * r.hkv * r.D;
+      if (runs)
+        chunk_scatter_dx_kernel<E, 4><<<capped_blocks(n_slots * per_slot / 4), 256, 0, s>>>(
+            bs.dxg, sl, n_slots, r.first_token, r.rc, bs.S, r.d, r.hkv, r.D, out);
+      else
+        chunk_scatter_dx_kernel<E, 1><<<capped_blocks(n_slots * per_slot), 256, 0, s>>>(
+            bs.dxg, sl, n_slots, r.first_token, r.rc, bs.S, r.d, r.hkv, r.D, out);
+      NSA_CUDA_CHECK_LAUNCH();
+      return;
+    }
     if (g16 != nullptr) {
       const DxGradA a{{reinterpret_cast<const bf16*>(g16)}, rows, F};
       const DxWeightBT b{{static_cast<const bf16*>(phi.w1.data)}, phi.w1.stride[0], F, r.hkv, r.d, r.l, r.D};

@@ -48,11 +48,14 @@ struct Rows {
   int hkv = 0, D = 0, l = 0, d = 0;
   int F = 0;  // mlp: hidden width
   bool wgmma = true;  // the direct products on wgmma where the GPU runs it (CudaKernelChoices::phi_wgmma)
+  bool blas = true;   // the large products on cuBLASLt where they can (CudaKernelChoices::phi_blas)
+  // Their scratch (blas_bytes, 256-byte aligned), the caller's; nullptr: the library's own kernels.
+  void* blas_scratch = nullptr;
 };
 
 // The rows of one compressed tensor of T tokens: hkv heads of dim D, hidden width F (mlp only).
 inline Rows rows_of(const Config& cfg, int64_t T, int64_t hkv, int64_t D, int64_t F, const int32_t* first_token,
-                    bool wgmma) {
+                    bool wgmma, bool blas) {
   Rows r;
   r.kind = cfg.phi;
   r.first_token = first_token;
@@ -63,8 +66,16 @@ inline Rows rows_of(const Config& cfg, int64_t T, int64_t hkv, int64_t D, int64_
   r.d = static_cast<int>(cfg.cmp_stride);
   r.F = cfg.phi == PhiKind::mlp ? static_cast<int>(F) : 0;
   r.wgmma = wgmma;
+  r.blas = blas;
   return r;
 }
+
+// Bytes of the scratch of phi's products on cuBLASLt (blas.h) for rc compressed rows of hkv heads
+// of dim D (the larger of the two phis'), hidden width F: 0 where they never run there (phi =
+// mean, or l not a multiple of d). Holds cuBLASLt's workspace, then either the blocks' chunks of x
+// (bf16 [(rc + l/d - 1) * hkv, d * D]) with linear's fp32 product [rc * hkv, D], or x's gradient
+// by chunk (fp32, the chunks' shape).
+int64_t blas_bytes(PhiKind kind, int64_t rc, int64_t hkv, int64_t D, int64_t l, int64_t d);
 
 // first_token[r] for r < floor(T / d); cu: device offsets [B + 1], or nullptr for one sequence of T.
 void row_table(const int32_t* cu, int B, int64_t T, int l, int d, int32_t* first_token, cudaStream_t s);

@@ -1,0 +1,41 @@
+// phi's large products on cuBLASLt (the CUDA toolkit's own GEMM library): bf16 operands, fp32
+// accumulation and fp32 output, on the caller's stream and workspace. phi.cu lays its operands out
+// for them (blocks as rows of d-token chunks) and does the work around them.
+//
+// Row-major throughout: C [M, N] (rows of ldc floats) = A B + beta C, A [M, K] and B [K, N] as
+// stored: a_km = A stored as its transpose, rows of K (ld lda, [K, M]); b_nk = B stored as its
+// transpose ([N, K]). cuBLASLt's answer for one shape, pointer alignment and workspace is looked
+// up once per device (its heuristic) and kept; with a caller-owned workspace and one algorithm per
+// shape its results are the same bits on every run (cuBLAS's reproducibility rule: the same
+// architecture and SM count).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace nsa::cuda::phi::blas {
+
+// The workspace handed to every product (bytes, a multiple of 256).
+inline constexpr size_t kWorkspaceBytes = size_t(32) << 20;
+
+struct Product {
+  int64_t M = 0, N = 0, K = 0;
+  const __nv_bfloat16* a = nullptr;
+  int64_t lda = 0;
+  bool a_km = false;
+  const __nv_bfloat16* b = nullptr;
+  int64_t ldb = 0;
+  bool b_nk = false;
+  float* c = nullptr;
+  int64_t ldc = 0;
+  float beta = 0.f;  // 0: C is written, not read
+};
+
+// Runs p on stream s with workspace ws (kWorkspaceBytes, 256-byte aligned). Throws nsa::Error
+// naming the cuBLASLt call and its status when cuBLASLt refuses or fails.
+void matmul(const Product& p, void* ws, cudaStream_t s);
+
+}  // namespace nsa::cuda::phi::blas
