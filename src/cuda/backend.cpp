@@ -82,8 +82,8 @@ int64_t slc_union_list_len(const Config& cfg, const Problem& pr) {
 // products run there on bf16 operands), or nullptr.
 void* take_phi_blas(WorkspaceCarver& w, const Config& cfg, const Problem& pr, int64_t rows) {
   const int64_t bytes = pr.dtype == DType::bf16
-                            ? phi::blas_bytes(cfg.phi, rows, pr.hkv, std::max(pr.dqk, pr.dv), cfg.cmp_block_len,
-                                              cfg.cmp_stride)
+                            ? phi::blas_bytes(cfg.phi, rows, pr.hkv, std::max(pr.dqk, pr.dv), pr.phi_hidden,
+                                              cfg.cmp_block_len, cfg.cmp_stride)
                             : 0;
   return bytes > 0 ? w.take<char>(size_t(bytes)) : nullptr;
 }

@@ -459,7 +459,7 @@ Layout carve_compress(const Sizes& z, void* base) {
     L.pre_k = w.take<float>(size_t(phi::work_floats(PhiKind::mlp, rows, z.F, z.dqk)));
   }
   if (z.has_params) L.g16 = w.take<uint16_t>(size_t(phi::grad_bf16_elems(z.phi(), rows, z.F, z.dqk)));
-  const int64_t blas = z.has_params && z.bf16 ? phi::blas_bytes(z.phi(), rc, z.hkv, z.dqk, z.l, z.d) : 0;
+  const int64_t blas = z.has_params && z.bf16 ? phi::blas_bytes(z.phi(), rc, z.hkv, z.dqk, z.F, z.l, z.d) : 0;
   if (blas > 0) L.phi_blas = w.take<char>(size_t(blas));
   L.colsum = w.take<float>(size_t(std::max(z.F, z.dqk)));
   L.slots = w.take<int32_t>(size_t(4 * (z.T / z.d + z.B)));

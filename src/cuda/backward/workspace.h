@@ -94,7 +94,7 @@ inline Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
     L.pre_k = w.take<float>(size_t(phi::work_floats(z.phi(), rows, z.F, z.dqk)));
     L.pre_v = w.take<float>(size_t(phi::work_floats(z.phi(), rows, z.F, z.dv)));
     L.g16 = w.take<uint16_t>(size_t(phi::grad_bf16_elems(z.phi(), rows, z.F, std::max(z.dqk, z.dv))));
-    const int64_t blas = z.bf16 ? phi::blas_bytes(z.phi(), rc, z.hkv, std::max(z.dqk, z.dv), z.l, z.d) : 0;
+    const int64_t blas = z.bf16 ? phi::blas_bytes(z.phi(), rc, z.hkv, std::max(z.dqk, z.dv), z.F, z.l, z.d) : 0;
     if (blas > 0) L.phi_blas = w.take<char>(size_t(blas));
   }
   L.dkc = w.take<float>(size_t(rows * z.dqk));

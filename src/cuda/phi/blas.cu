@@ -45,8 +45,8 @@ uint32_t alignment_of(const void* p) {
   return al;
 }
 
-using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, bool, int64_t, bool, int64_t, bool, uint32_t, uint32_t,
-                       uint32_t>;
+using Key = std::tuple<int, bool, int64_t, int64_t, int64_t, int64_t, bool, int64_t, bool, int64_t, bool, uint32_t,
+                       uint32_t, uint32_t>;
 
 struct Plan {
   cublasLtMatmulDesc_t op = nullptr;
@@ -67,8 +67,9 @@ Plan make_plan(cublasLtHandle_t h, const Product& p, uint32_t al_a, uint32_t al_
   // Column-major stored shapes (rows, cols, ld): our B as stored, our A as stored, C^T [N, M].
   const uint64_t a_rows = p.b_nk ? p.K : p.N, a_cols = p.b_nk ? p.N : p.K;
   const uint64_t b_rows = p.a_km ? p.M : p.K, b_cols = p.a_km ? p.K : p.M;
-  check(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_16BF, a_rows, a_cols, p.ldb), "cublasLtMatrixLayoutCreate");
-  check(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_16BF, b_rows, b_cols, p.lda), "cublasLtMatrixLayoutCreate");
+  const cudaDataType_t in = p.f32 ? CUDA_R_32F : CUDA_R_16BF;
+  check(cublasLtMatrixLayoutCreate(&plan.a, in, a_rows, a_cols, p.ldb), "cublasLtMatrixLayoutCreate");
+  check(cublasLtMatrixLayoutCreate(&plan.b, in, b_rows, b_cols, p.lda), "cublasLtMatrixLayoutCreate");
   check(cublasLtMatrixLayoutCreate(&plan.c, CUDA_R_32F, uint64_t(p.N), uint64_t(p.M), p.ldc),
         "cublasLtMatrixLayoutCreate");
   cublasLtMatmulPreference_t pref = nullptr;
@@ -106,7 +107,7 @@ void matmul(const Product& p, void* ws, cudaStream_t s) {
   int device = 0;
   NSA_CUDA_CHECK(cudaGetDevice(&device));
   const uint32_t al_a = alignment_of(p.a), al_b = alignment_of(p.b), al_c = alignment_of(p.c);
-  const Key key{device, p.M, p.N, p.K, p.lda, p.a_km, p.ldb, p.b_nk, p.ldc, p.beta != 0.f, al_a, al_b, al_c};
+  const Key key{device, p.f32, p.M, p.N, p.K, p.lda, p.a_km, p.ldb, p.b_nk, p.ldc, p.beta != 0.f, al_a, al_b, al_c};
   static std::mutex mu;
   static std::map<Key, Plan> plans;
   const cublasLtHandle_t h = handle_of(device);

@@ -1,4 +1,4 @@
-// phi's large products on cuBLASLt (the CUDA toolkit's own GEMM library): bf16 operands, fp32
+// phi's products on cuBLASLt (the CUDA toolkit's own GEMM library): bf16 or fp32 operands, fp32
 // accumulation and fp32 output, on the caller's stream and workspace. phi.cu lays its operands out
 // for them (blocks as rows of d-token chunks) and does the work around them.
 //
@@ -10,7 +10,6 @@
 // architecture and SM count).
 #pragma once
 
-#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -23,10 +22,11 @@ inline constexpr size_t kWorkspaceBytes = size_t(32) << 20;
 
 struct Product {
   int64_t M = 0, N = 0, K = 0;
-  const __nv_bfloat16* a = nullptr;
+  bool f32 = false;  // a and b fp32 (a plain fp32 product, no TF32), else bf16
+  const void* a = nullptr;
   int64_t lda = 0;
   bool a_km = false;
-  const __nv_bfloat16* b = nullptr;
+  const void* b = nullptr;
   int64_t ldb = 0;
   bool b_nk = false;
   float* c = nullptr;

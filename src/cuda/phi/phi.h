@@ -71,11 +71,12 @@ inline Rows rows_of(const Config& cfg, int64_t T, int64_t hkv, int64_t D, int64_
 }
 
 // Bytes of the scratch of phi's products on cuBLASLt (blas.h) for rc compressed rows of hkv heads
-// of dim D (the larger of the two phis'), hidden width F: 0 where they never run there (phi =
-// mean, or l not a multiple of d). Holds cuBLASLt's workspace, then either the blocks' chunks of x
-// (bf16 [(rc + l/d - 1) * hkv, d * D]) with linear's fp32 product [rc * hkv, D], or x's gradient
-// by chunk (fp32, the chunks' shape).
-int64_t blas_bytes(PhiKind kind, int64_t rc, int64_t hkv, int64_t D, int64_t l, int64_t d);
+// of dim D (the larger of the two phis'), hidden width F (mlp): 0 where they never run there (phi
+// = mean, or l not a multiple of d). Holds cuBLASLt's workspace, then one of: the blocks' chunks
+// of x (bf16 [(rc + l/d - 1) * hkv, d * D]) with linear's fp32 product [rc * hkv, D]; x's gradient
+// by chunk (fp32, the chunks' shape); mlp's second layer in fp32 (gelu(pre) or dpre's product
+// [rc * hkv, F], W2 [D, F], the output [rc * hkv, D]).
+int64_t blas_bytes(PhiKind kind, int64_t rc, int64_t hkv, int64_t D, int64_t F, int64_t l, int64_t d);
 
 // first_token[r] for r < floor(T / d); cu: device offsets [B + 1], or nullptr for one sequence of T.
 void row_table(const int32_t* cu, int B, int64_t T, int l, int d, int32_t* first_token, cudaStream_t s);
