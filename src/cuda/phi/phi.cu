@@ -512,6 +512,20 @@ __global__ void round_bf16_kernel(const float* a, int64_t n, bf16* out) {
     out[i] = __float2bfloat16_rn(a[i]);
 }
 
+// h[i] = gelu(a[i]) (mlp's hidden layer for its second product on cuBLASLt).
+__global__ void gelu_kernel(const float* a, int64_t n, float* h) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    h[i] = gelu(a[i]);
+}
+// out [rows, cols] (fp32, contiguous) = w (rows of ld) in fp32.
+template <typename E>
+__global__ void to_f32_kernel(const E* w, int64_t ld, int rows, int cols, float* out) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= int64_t(rows) * cols) return;
+  const int64_t m = i / cols;
+  out[i] = to_float(w[m * ld + (i - m * cols)]);
+}
+
 // ---- the products on cuBLASLt: blocks as rows of d-token chunks -----------------------------
 // With S = l / d, block r (compressed row r) is the S chunks r .. r + S - 1 of d tokens each,
 // chunk c of a sequence being its tokens c d .. c d + d - 1 (blocks start every d tokens). Row m
@@ -682,6 +696,9 @@ struct BlasScratch {
   bf16* xg;
   float* lin;
   float* dxg;
+  float* h;   // mlp's second layer: gelu(pre), then (dy W2) [M, F]
+  float* w2;  // W2 in fp32 [D, F]
+  float* c;   // gelu(pre) W2^T [M, D]
   int S;
   int64_t chunk_rows;  // (rc + S - 1) Hkv
 };
@@ -694,6 +711,9 @@ BlasScratch blas_scratch(const Rows& r) {
   b.xg = reinterpret_cast<bf16*>(base + blas::kWorkspaceBytes);
   b.lin = reinterpret_cast<float*>(base + blas::kWorkspaceBytes + align_up(size_t(chunk_rows) * r.d * r.D * 2));
   b.dxg = reinterpret_cast<float*>(b.xg);
+  b.h = b.dxg;
+  b.w2 = reinterpret_cast<float*>(reinterpret_cast<char*>(b.h) + align_up(size_t(r.rc * r.hkv * r.F) * 4));
+  b.c = reinterpret_cast<float*>(reinterpret_cast<char*>(b.w2) + align_up(size_t(r.D) * r.F * 4));
   b.S = S;
   b.chunk_rows = chunk_rows;
   return b;
@@ -750,13 +770,16 @@ int64_t work_floats(PhiKind kind, int64_t rows, int64_t F, int64_t D) {
   return kind == PhiKind::mlp ? rows * F + F : D;
 }
 
-int64_t blas_bytes(PhiKind kind, int64_t rc, int64_t hkv, int64_t D, int64_t l, int64_t d) {
+int64_t blas_bytes(PhiKind kind, int64_t rc, int64_t hkv, int64_t D, int64_t F, int64_t l, int64_t d) {
   if (kind == PhiKind::mean || d <= 0 || l % d != 0 || rc <= 0) return 0;
   const int64_t chunk_elems = (rc + l / d - 1) * hkv * d * D;
   const int64_t xg = int64_t(align_up(size_t(chunk_elems) * 2));
   const int64_t lin = kind == PhiKind::linear ? int64_t(align_up(size_t(rc * hkv * D) * 4)) : 0;
   const int64_t dxg = int64_t(align_up(size_t(chunk_elems) * 4));
-  return int64_t(blas::kWorkspaceBytes) + std::max(xg + lin, dxg);
+  const int64_t second = kind == PhiKind::mlp ? int64_t(align_up(size_t(rc * hkv * F) * 4) + align_up(size_t(D * F) * 4) +
+                                                        align_up(size_t(rc * hkv * D) * 4))
+                                              : 0;
+  return int64_t(blas::kWorkspaceBytes) + std::max({xg + lin, dxg, second});
 }
 
 int64_t grad_bf16_elems(PhiKind kind, int64_t rows, int64_t F, int64_t D) {
@@ -795,7 +818,7 @@ void products(const Rows& r, const Job (&jobs)[2], int n, bool write_unused, cud
   const int K = r.l * r.D, N = mlp ? r.F : r.D;
   JobStores<E> st[2]{};
   for (int i = 0; i < n; ++i) st[i] = job_stores<E>(r, jobs[i], write_unused);
-  bool direct = false;
+  bool direct = false, blas = false;
   if constexpr (std::is_same_v<E, bf16>) {
     direct = direct_products<E>(r, jobs[0].phi, jobs[0].x);
     if (direct) {
@@ -821,7 +844,7 @@ void products(const Rows& r, const Job (&jobs)[2], int n, bool write_unused, cud
           st[i].out.bias = bias;
         }
       }
-      bool blas = true;
+      blas = true;
       for (int i = 0; i < n; ++i) blas = blas && blas_products<E>(r, jobs[i].phi, jobs[i].x);
       if (blas) {  // each job's chunks, its S products into pre (linear: lin), then the store
         const BlasScratch bs = blas_scratch(r);
@@ -856,6 +879,34 @@ void products(const Rows& r, const Job (&jobs)[2], int n, bool write_unused, cud
     else run_jobs<OpPair>(n, u, w1, {st[0].out, st[1].out}, launch);
   }
   if (!mlp) return;
+  if (blas) {  // gelu(pre) W2^T in fp32 on cuBLASLt, each job in turn (its pre, its W2)
+    const BlasScratch bs = blas_scratch(r);
+    for (int i = 0; i < n; ++i) {
+      const PhiParams& phi = jobs[i].phi;
+      gelu_kernel<<<capped_blocks(M * r.F), 256, 0, s>>>(jobs[i].work, M * r.F, bs.h);
+      NSA_CUDA_CHECK_LAUNCH();
+      to_f32_kernel<E><<<blocks_for(int64_t(r.D) * r.F), 256, 0, s>>>(static_cast<const E*>(phi.w2.data),
+                                                                     phi.w2.stride[0], r.D, r.F, bs.w2);
+      NSA_CUDA_CHECK_LAUNCH();
+      blas::Product p;
+      p.f32 = true;
+      p.M = M;
+      p.N = r.D;
+      p.K = r.F;
+      p.a = bs.h;
+      p.lda = r.F;
+      p.b = bs.w2;  // W2 [D, F]: B^T
+      p.ldb = r.F;
+      p.b_nk = true;
+      p.c = bs.c;
+      p.ldc = r.D;
+      blas::matmul(p, bs.ws, s);
+      st[i].out.b2 = static_cast<const E*>(phi.b2.data);
+      blas_store_kernel<<<capped_blocks(M * r.D), 256, 0, s>>>(bs.c, M, r.D, st[i].out);
+      NSA_CUDA_CHECK_LAUNCH();
+    }
+    return;
+  }
   Rows32<true> h[2]{};
   WeightT<E> w2[2]{};
   for (int i = 0; i < n; ++i) {
@@ -977,12 +1028,50 @@ bool backward_params(const Rows& r, const PhiParams& phi, const TensorView& x, c
   // (splits x the largest parameter, at least F l D floats: splits l of dW2's D F).
   const int w2_splits = int(std::clamp<int64_t>(M / 128, splits, std::min<int64_t>(64, int64_t(splits) * r.l)));
   column_sum<E>(dy, M, D, colsum, static_cast<E*>(dphi.b2.data), s);
-  gemm(s, D, F, int(M), w2_splits, 1, Cols32<false>{dy, D}, Cols32<true>{pre, F},
-       StorePartial{part, F, int64_t(D) * F});
-  reduce_to(D, F, dphi.w2, nullptr, w2_splits);
-  // dpre = (dy W2) gelu'(pre), in place.
-  gemm(s, M, F, D, 1, 1, Rows32<false>{dy, D}, Weight<E>{static_cast<const E*>(phi.w2.data), phi.w2.stride[0]},
-       StoreDpre{pre, F});
+  if (direct && blas_products<E>(r, phi, x)) {  // both in fp32 on cuBLASLt, on gelu(pre) and W2 in fp32
+    const BlasScratch bs = blas_scratch(r);
+    gelu_kernel<<<capped_blocks(M * F), 256, 0, s>>>(pre, M * F, bs.h);
+    NSA_CUDA_CHECK_LAUNCH();
+    to_f32_kernel<E><<<blocks_for(int64_t(D) * F), 256, 0, s>>>(static_cast<const E*>(phi.w2.data), phi.w2.stride[0],
+                                                               D, F, bs.w2);
+    NSA_CUDA_CHECK_LAUNCH();
+    blas::Product w;  // dW2 = dy^T gelu(pre) into one partial
+    w.f32 = true;
+    w.M = D;
+    w.N = F;
+    w.K = M;
+    w.a = dy;  // [M, D] as stored: A^T
+    w.lda = D;
+    w.a_km = true;
+    w.b = bs.h;
+    w.ldb = F;
+    w.c = part;
+    w.ldc = F;
+    blas::matmul(w, bs.ws, s);
+    reduce_to(D, F, dphi.w2, nullptr, 1);
+    blas::Product g;  // dy W2, over gelu(pre) (read by the product above, on the same stream)
+    g.f32 = true;
+    g.M = M;
+    g.N = F;
+    g.K = D;
+    g.a = dy;
+    g.lda = D;
+    g.b = bs.w2;
+    g.ldb = F;
+    g.c = bs.h;
+    g.ldc = F;
+    blas::matmul(g, bs.ws, s);
+    // dpre = (dy W2) gelu'(pre), in place.
+    blas_store_kernel<<<capped_blocks(M * F), 256, 0, s>>>(bs.h, M, F, StoreDpre{pre, F});
+    NSA_CUDA_CHECK_LAUNCH();
+  } else {
+    gemm(s, D, F, int(M), w2_splits, 1, Cols32<false>{dy, D}, Cols32<true>{pre, F},
+         StorePartial{part, F, int64_t(D) * F});
+    reduce_to(D, F, dphi.w2, nullptr, w2_splits);
+    // dpre = (dy W2) gelu'(pre), in place.
+    gemm(s, M, F, D, 1, 1, Rows32<false>{dy, D}, Weight<E>{static_cast<const E*>(phi.w2.data), phi.w2.stride[0]},
+         StoreDpre{pre, F});
+  }
   // db1 = column sums of dpre; dW1 [F, l*D] = dpre^T u; dpe = W1^T db1.
   column_sum<E>(pre, M, F, colsum, static_cast<E*>(dphi.b1.data), s);
   weight_grad(pre, F, dphi.w1);
