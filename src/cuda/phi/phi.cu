@@ -566,13 +566,16 @@ __global__ void chunk_gather_kernel(const bf16* x, int64_t s0, int64_t s1, const
 
 // The store st (gemm_direct's: biases, rounding, rows of no block) of a product's fp32 result acc
 // [M, N] (rows of N). acc may be st's own output (each element read, then written, by one thread).
-// (A row of no block multiplied chunk rows that may hold other rows' tokens where the own kernels
-// read zeros: its pre and xc differ from theirs, and nothing reads them: its dy and dpre are 0.)
+// With first (the row table; u W1^T's result): 0 instead of acc on a row of no block, as the own
+// kernels multiply a zero block there. Its product read chunk rows that may hold other sequences'
+// tokens: its pre must not depend on them (a NaN there would reach dpre = 0 * gelu'(pre) and, through
+// x's gradient by chunk, the tokens of the chunks it shares with its neighbours).
 template <class St>
-__global__ void blas_store_kernel(const float* acc, int64_t M, int N, St st) {
+__global__ void blas_store_kernel(const float* acc, int64_t M, int N, const int32_t* first, int hkv, St st) {
   for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < M * N; e += int64_t(gridDim.x) * blockDim.x) {
     const int64_t m = e / N;
-    st(0, m, int(e - m * N), 0, acc[e]);
+    const float v = first == nullptr || first[m / hkv] >= 0 ? acc[e] : 0.f;
+    st(0, m, int(e - m * N), 0, v);
   }
 }
 
@@ -853,9 +856,9 @@ void products(const Rows& r, const Job (&jobs)[2], int n, bool write_unused, cud
           float* acc = mlp ? jobs[i].work : bs.lin;
           blas_u_w1t(r, jobs[i].phi, bs, N, acc, s);
           if (mlp)
-            blas_store_kernel<<<capped_blocks(M * N), 256, 0, s>>>(acc, M, N, st[i].pre);
+            blas_store_kernel<<<capped_blocks(M * N), 256, 0, s>>>(acc, M, N, r.first_token, r.hkv, st[i].pre);
           else
-            blas_store_kernel<<<capped_blocks(M * N), 256, 0, s>>>(acc, M, N, st[i].out);
+            blas_store_kernel<<<capped_blocks(M * N), 256, 0, s>>>(acc, M, N, r.first_token, r.hkv, st[i].out);
           NSA_CUDA_CHECK_LAUNCH();
         }
       } else {
@@ -902,7 +905,7 @@ void products(const Rows& r, const Job (&jobs)[2], int n, bool write_unused, cud
       p.ldc = r.D;
       blas::matmul(p, bs.ws, s);
       st[i].out.b2 = static_cast<const E*>(phi.b2.data);
-      blas_store_kernel<<<capped_blocks(M * r.D), 256, 0, s>>>(bs.c, M, r.D, st[i].out);
+      blas_store_kernel<<<capped_blocks(M * r.D), 256, 0, s>>>(bs.c, M, r.D, nullptr, r.hkv, st[i].out);
       NSA_CUDA_CHECK_LAUNCH();
     }
     return;
@@ -1062,7 +1065,7 @@ bool backward_params(const Rows& r, const PhiParams& phi, const TensorView& x, c
     g.ldc = F;
     blas::matmul(g, bs.ws, s);
     // dpre = (dy W2) gelu'(pre), in place.
-    blas_store_kernel<<<capped_blocks(M * F), 256, 0, s>>>(bs.h, M, F, StoreDpre{pre, F});
+    blas_store_kernel<<<capped_blocks(M * F), 256, 0, s>>>(bs.h, M, F, nullptr, r.hkv, StoreDpre{pre, F});
     NSA_CUDA_CHECK_LAUNCH();
   } else {
     gemm(s, D, F, int(M), w2_splits, 1, Cols32<false>{dy, D}, Cols32<true>{pre, F},
