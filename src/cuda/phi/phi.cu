@@ -685,41 +685,54 @@ bool direct_products(const Rows& r, const PhiParams& phi, const TensorView& x) {
   }
 }
 
-// Whether the products run on cuBLASLt (blas.h): the direct products' conditions, l a multiple of
-// d (a block is l / d whole chunks) and the caller's scratch.
+// Whether r's products can run on cuBLASLt: asked for, l a multiple of d (a block is l / d whole
+// chunks) and the caller's scratch. blas_products adds the direct products' conditions on the
+// operands (backward_x, which has no x, relies on backward_params having checked them: g16).
+bool blas_rows(const Rows& r) { return r.blas && r.blas_scratch != nullptr && r.l % r.d == 0; }
 template <typename E>
 bool blas_products(const Rows& r, const PhiParams& phi, const TensorView& x) {
-  return r.blas && r.blas_scratch != nullptr && r.l % r.d == 0 && direct_products<E>(r, phi, x);
+  return blas_rows(r) && direct_products<E>(r, phi, x);
 }
 
-// The pieces of the scratch (blas_bytes): cuBLASLt's workspace, then xg (with linear's product
-// after it) or dxg in the same place.
+// The scratch of the products on cuBLASLt (one description for blas_bytes and the calls):
+// cuBLASLt's workspace, then one of three uses of the same place, one after another on the
+// stream: xg with linear's product after it; dxg; mlp's second layer (h, w2, c). base nullptr:
+// the sizes alone.
 struct BlasScratch {
   void* ws;
   bf16* xg;
-  float* lin;
+  float* lin;  // linear's u W^T [M, D]
   float* dxg;
-  float* h;   // mlp's second layer: gelu(pre), then (dy W2) [M, F]
-  float* w2;  // W2 in fp32 [D, F]
-  float* c;   // gelu(pre) W2^T [M, D]
+  float* h;    // mlp's second layer: gelu(pre), then (dy W2) [M, F]
+  float* w2;   // W2 in fp32 [D, F]
+  float* c;    // gelu(pre) W2^T [M, D]
   int S;
   int64_t chunk_rows;  // (rc + S - 1) Hkv
+  size_t bytes;
 };
-BlasScratch blas_scratch(const Rows& r) {
+BlasScratch blas_scratch(PhiKind kind, int64_t rc, int64_t hkv, int64_t D, int64_t F, int64_t l, int64_t d,
+                         void* base) {
   BlasScratch b{};
-  char* base = static_cast<char*>(r.blas_scratch);
-  const int S = r.l / r.d;
-  const int64_t chunk_rows = (r.rc + S - 1) * r.hkv;
-  b.ws = base;
-  b.xg = reinterpret_cast<bf16*>(base + blas::kWorkspaceBytes);
-  b.lin = reinterpret_cast<float*>(base + blas::kWorkspaceBytes + align_up(size_t(chunk_rows) * r.d * r.D * 2));
-  b.dxg = reinterpret_cast<float*>(b.xg);
-  b.h = b.dxg;
-  b.w2 = reinterpret_cast<float*>(reinterpret_cast<char*>(b.h) + align_up(size_t(r.rc * r.hkv * r.F) * 4));
-  b.c = reinterpret_cast<float*>(reinterpret_cast<char*>(b.w2) + align_up(size_t(r.D) * r.F * 4));
-  b.S = S;
-  b.chunk_rows = chunk_rows;
+  b.S = int(l / d);
+  b.chunk_rows = (rc + b.S - 1) * hkv;
+  WorkspaceCarver w(base);
+  b.ws = w.take<char>(blas::kWorkspaceBytes);
+  char* const area = base ? static_cast<char*>(base) + w.bytes() : nullptr;
+  const size_t chunk_elems = size_t(b.chunk_rows * d * D), M = size_t(rc * hkv);
+  WorkspaceCarver chunks(area), sums(area), second(area);
+  b.xg = chunks.take<bf16>(chunk_elems);
+  b.lin = kind == PhiKind::linear ? chunks.take<float>(M * D) : nullptr;
+  b.dxg = sums.take<float>(chunk_elems);
+  if (kind == PhiKind::mlp) {
+    b.h = second.take<float>(M * F);
+    b.w2 = second.take<float>(size_t(D * F));
+    b.c = second.take<float>(M * D);
+  }
+  b.bytes = w.bytes() + std::max({chunks.bytes(), sums.bytes(), second.bytes()});
   return b;
+}
+BlasScratch blas_scratch(const Rows& r) {
+  return blas_scratch(r.kind, r.rc, r.hkv, r.D, r.F, r.l, r.d, r.blas_scratch);
 }
 
 // xg (chunk_gather_kernel) of x for r's rows.
@@ -775,14 +788,7 @@ int64_t work_floats(PhiKind kind, int64_t rows, int64_t F, int64_t D) {
 
 int64_t blas_bytes(PhiKind kind, int64_t rc, int64_t hkv, int64_t D, int64_t F, int64_t l, int64_t d) {
   if (kind == PhiKind::mean || d <= 0 || l % d != 0 || rc <= 0) return 0;
-  const int64_t chunk_elems = (rc + l / d - 1) * hkv * d * D;
-  const int64_t xg = int64_t(align_up(size_t(chunk_elems) * 2));
-  const int64_t lin = kind == PhiKind::linear ? int64_t(align_up(size_t(rc * hkv * D) * 4)) : 0;
-  const int64_t dxg = int64_t(align_up(size_t(chunk_elems) * 4));
-  const int64_t second = kind == PhiKind::mlp ? int64_t(align_up(size_t(rc * hkv * F) * 4) + align_up(size_t(D * F) * 4) +
-                                                        align_up(size_t(rc * hkv * D) * 4))
-                                              : 0;
-  return int64_t(blas::kWorkspaceBytes) + std::max({xg + lin, dxg, second});
+  return int64_t(blas_scratch(kind, rc, hkv, D, F, l, d, nullptr).bytes);
 }
 
 int64_t grad_bf16_elems(PhiKind kind, int64_t rows, int64_t F, int64_t D) {
@@ -1103,7 +1109,7 @@ void backward_x(const Rows& r, const PhiParams& phi, const float* dy, const floa
   const bool mlp = r.kind == PhiKind::mlp;
   const int F = mlp ? r.F : r.D;
   if constexpr (std::is_same_v<E, bf16>) {
-    if (g16 != nullptr && r.blas && r.blas_scratch != nullptr && r.l % r.d == 0) {
+    if (g16 != nullptr && blas_rows(r)) {
       // By chunk: dxg = sum_s (g W1_s) s Hkv rows down, then each token's row of its chunk. (The
       // rows below the first product's are chunks no block holds completely, read by no token;
       // zeroed so that the sums read no uninitialised memory.)
