@@ -12,7 +12,8 @@ up to 16K, 7 at 32K, 5 above: --reps); peak memory: the most
 allocated during one forward+backward beyond what was allocated before it.
 
     python3 bench/layer_bench.py [--lens 8192,16384,32768,65536] [--groups 16,4] [--phi mean,mlp]
-                                 [--kept o_cmp_win] [--gate linear] [--csv OUT.csv] [--markdown OUT.md]
+                                 [--kept o_cmp_win] [--gate linear] [--kv-sets compact]
+                                 [--csv OUT.csv] [--markdown OUT.md]
 
 --kept: what the layer keeps for the backward besides o (KEPT), one or more of o_cmp_win (the
 compressed and window branches' outputs: the layer's default, save_cmp_output and save_win_output),
@@ -20,6 +21,9 @@ o_cmp (the compressed branch's alone), o (nothing more) and o_branch (every bran
 save_branch_outputs=True), each measured in the same run.
 --gate: the layer's gate, linear (the layer's default, gate_hidden=0: one Linear of 3 Hq columns, as
 the public NSA layers have it) and / or mlp (an MLP gate hidden / 4 wide, gate_hidden = hidden // 4).
+--kv-sets: how the layer hands its K and V sets to the library: compact (the layer's way: each set
+its own [T, Hkv, D] array) and / or views (strided views into the fused projection's rows and the
+rotated keys, without the copy).
 """
 import argparse
 import csv
@@ -96,6 +100,7 @@ def main():
     ap.add_argument("--reps", type=int, default=0, help="timed runs (median); 0: 15 up to 16K, 7 at 32K, 5 above")
     ap.add_argument("--kept", default="o_cmp_win", help=", ".join(KEPT) + " (comma-separated)")
     ap.add_argument("--gate", default="linear", help="linear, mlp (comma-separated)")
+    ap.add_argument("--kv-sets", default="compact", help="compact, views (comma-separated)")
     ap.add_argument("--csv")
     ap.add_argument("--markdown")
     a = ap.parse_args()
@@ -105,6 +110,9 @@ def main():
     for gate in a.gate.split(","):
         if gate not in ("mlp", "linear"):
             raise SystemExit(f"--gate: {gate!r} is neither mlp nor linear")
+    for sets in a.kv_sets.split(","):
+        if sets not in ("compact", "views"):
+            raise SystemExit(f"--kv-sets: {sets!r} is neither compact nor views")
     dev, dt = "cuda", torch.bfloat16
     rows = []
     for G in [int(g) for g in a.groups.split(",")]:
@@ -115,7 +123,9 @@ def main():
             x = torch.randn(T, hidden, device=dev, dtype=dt, requires_grad=True)
             dense = None
             for phi in a.phi.split(","):
-                for kept, gate in [(k, g) for k in a.kept.split(",") for g in a.gate.split(",")]:
+                for kept, gate, sets in [(k, g, s) for k in a.kept.split(",") for g in a.gate.split(",")
+                                         for s in a.kv_sets.split(",")]:
+                    nsa.modules._COMPACT_KV_SETS = sets == "compact"
                     layer = nsa.NativeSparseAttention(hidden, hq, HKV, head_dim=D, phi=phi,
                                                        gate_hidden=0 if gate == "linear" else hidden // 4,
                                                        device=dev, dtype=dt, **KEPT[kept])
@@ -126,12 +136,13 @@ def main():
                     ours = measure(layer, x, a.reps or auto_reps(T))
                     del layer
                     torch.cuda.empty_cache()
-                    row = {"G": G, "T": T, "phi": phi, "kept": kept, "gate": gate, "nsa_fwd_ms": ours[0],
+                    row = {"G": G, "T": T, "phi": phi, "kept": kept, "gate": gate, "kv_sets": sets,
+                           "nsa_fwd_ms": ours[0],
                            "dense_fwd_ms": dense[0],
                            "nsa_fwdbwd_ms": ours[1], "dense_fwdbwd_ms": dense[1], "nsa_peak_gib": ours[2],
                            "dense_peak_gib": dense[2]}
                     rows.append(row)
-                    print(f"G {G} T {T} phi {phi} kept {kept} gate {gate}: fwd {ours[0]:.2f} ms (dense {dense[0]:.2f}, "
+                    print(f"G {G} T {T} phi {phi} kept {kept} gate {gate} kv_sets {sets}: fwd {ours[0]:.2f} ms (dense {dense[0]:.2f}, "
                           f"{dense[0] / ours[0]:.2f}x), fwd+bwd {ours[1]:.2f} ms (dense {dense[1]:.2f}, "
                           f"{dense[1] / ours[1]:.2f}x), peak {ours[2]:.2f} GiB (dense {dense[2]:.2f})", flush=True)
             del x
@@ -145,10 +156,11 @@ def main():
         with open(a.markdown, "w") as f:
             f.write(f"Layer vs dense twin, {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, Hkv {HKV}, "
                     f"D {D}, hidden Hq*D\n\n")
-            f.write("| G | T | phi | kept | gate | NSA fwd ms | dense fwd ms | ratio | NSA fwd+bwd ms | dense fwd+bwd ms | "
-                    "ratio | NSA peak GiB | dense peak GiB |\n|" + " --- |" * 13 + "\n")
+            f.write("| G | T | phi | kept | gate | K/V sets | NSA fwd ms | dense fwd ms | ratio | NSA fwd+bwd ms | dense fwd+bwd ms | "
+                    "ratio | NSA peak GiB | dense peak GiB |\n|" + " --- |" * 14 + "\n")
             for r in rows:
-                f.write(f"| {r['G']} | {r['T']} | {r['phi']} | {r['kept']} | {r['gate']} | {r['nsa_fwd_ms']:.2f} | {r['dense_fwd_ms']:.2f} | "
+                f.write(f"| {r['G']} | {r['T']} | {r['phi']} | {r['kept']} | {r['gate']} | {r['kv_sets']} | "
+                        f"{r['nsa_fwd_ms']:.2f} | {r['dense_fwd_ms']:.2f} | "
                         f"{r['dense_fwd_ms'] / r['nsa_fwd_ms']:.2f}x | {r['nsa_fwdbwd_ms']:.2f} | "
                         f"{r['dense_fwdbwd_ms']:.2f} | {r['dense_fwdbwd_ms'] / r['nsa_fwdbwd_ms']:.2f}x | "
                         f"{r['nsa_peak_gib']:.2f} | {r['dense_peak_gib']:.2f} |\n")

@@ -176,12 +176,19 @@ class NSACache:
         self.page_size = ps
 
 
+# _SplitRotate hands each K and V set over as a compact [T, Hkv, D] array (the rotated keys written
+# set by set into one [S, T, Hkv, D] array, the values copied so), not as views into the rows of y
+# or of one rotated [T, S Hkv, D] array; False: views (the A/B of bench/layer_bench.py --kv-sets).
+_COMPACT_KV_SETS = True
+
+
 class _SplitRotate(torch.autograd.Function):
     """The fused projection's output y [T, q | k | v | gate | padding] taken apart: q [T, Hq, Dqk] and
     each K set [T, Hkv, Dqk] rotated (nsa::rotary, by positions [T] int32 or the places in the
-    sequences of cu_seqlens; inv_freq None: no rotary, views of y), each V set [T, Hkv, Dv] and the
-    gate's part [T, width] as views of y. parts: (Hq, K/V sets S, Hkv, Dqk, Dv, the gate's width).
-    Returns q, the S K sets, the S V sets, the gate's part.
+    sequences of cu_seqlens; inv_freq None: no rotary, q a view of y), each V set [T, Hkv, Dv]
+    (the K and V sets compact: _COMPACT_KV_SETS) and the gate's part [T, width] as a view of y.
+    parts: (Hq, K/V sets S, Hkv, Dqk, Dv, the gate's width). Returns q, the S K sets, the S V sets,
+    the gate's part.
 
     The backward writes y's gradient once, [T, N], each part into its own columns: q's and the K
     sets' rotated back straight there (nsa::rotary_into), the V sets' and the gate's copied. Without
@@ -194,12 +201,25 @@ class _SplitRotate(torch.autograd.Function):
         T = y.shape[0]
         nq, nk = hq * dqk, sets * hkv * dqk
         q = y[:, :nq].view(T, hq, dqk)
-        k = y[:, nq:nq + nk].view(T, sets * hkv, dqk)
+        k = y[:, nq:nq + nk].view(T, sets, hkv, dqk)
+        v = y[:, nq + nk:nq + nk + sets * hkv * dv].view(T, sets, hkv, dv)
         if inv_freq is not None:
             q = torch.ops.nsa.rotary(q, inv_freq, cu_seqlens, positions, False, backend, num_threads)
-            k = torch.ops.nsa.rotary(k, inv_freq, cu_seqlens, positions, False, backend, num_threads)
-        ks = k.view(T, sets, hkv, dqk).unbind(1)
-        vs = y[:, nq + nk:nq + nk + sets * hkv * dv].view(T, sets, hkv, dv).unbind(1)
+        if not _COMPACT_KV_SETS:
+            if inv_freq is not None:
+                k = torch.ops.nsa.rotary(k.reshape(T, sets * hkv, dqk), inv_freq, cu_seqlens, positions, False,
+                                         backend, num_threads).view(T, sets, hkv, dqk)
+            ks, vs = k.unbind(1), v.unbind(1)
+        else:
+            if inv_freq is not None:
+                kc = y.new_empty((sets, T, hkv, dqk))
+                for s in range(sets):
+                    torch.ops.nsa.rotary_into(k[:, s], inv_freq, cu_seqlens, positions, False, backend, num_threads,
+                                              kc[s])
+                ks = kc.unbind(0)
+            else:
+                ks = k.transpose(0, 1).contiguous().unbind(0)
+            vs = v.transpose(0, 1).contiguous().unbind(0)
         g = y[:, nq + nk + sets * hkv * dv:nq + nk + sets * hkv * dv + gw]
         ctx.parts, ctx.statics, ctx.width = parts, (backend, num_threads), y.shape[1]
         ctx.save_for_backward(inv_freq, positions, cu_seqlens)
