@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 import nsa
+import nsa.modules
 from sdpa_common import time_ms  # the script's folder is on sys.path
 
 HKV, D = 4, 128
