@@ -317,6 +317,34 @@ def test_linear_gate_is_sigmoid_of_one_product(fused):
     assert not torch.allclose(m.aux["gates"], expected.view(25, m.num_heads, 3))
 
 
+@pytest.mark.parametrize("rotary", [True, False])
+@pytest.mark.parametrize("shared_kv", [False, True])
+def test_fused_projection_hands_compact_kv_sets(rotary, shared_kv):
+    """From the fused product each K and V set reaches the library as its own compact [T, Hkv, D]
+    array, sharing no memory with the product's output (views into its rows would keep the whole
+    output alive until the backward), with the values of the separate projections."""
+    m = make_layer(rotary=rotary, shared_kv=shared_kv)
+    x = torch.randn(23, HIDDEN, dtype=torch.float64)
+    assert m._fuses(23)
+    outputs = []
+    fused = m._fused_projection
+    m._fused_projection = lambda x: outputs.append(fused(x)) or outputs[-1]
+    q, ks, vs, g = m._project(x)
+    (y,) = outputs
+    with torch.no_grad():
+        sep_k = m.k_proj(x).view(23, m.num_kv_sets, m.num_kv_heads, m.head_dim).unbind(1)
+        sep_v = m.v_proj(x).view(23, m.num_kv_sets, m.num_kv_heads, m.v_head_dim).unbind(1)
+    assert len(ks) == len(vs) == m.num_kv_sets
+    for i, (k, v) in enumerate(zip(ks, vs)):
+        for t in (k, v):
+            assert t.is_contiguous() and t.shape[:2] == (23, m.num_kv_heads)
+            assert t.untyped_storage().data_ptr() not in (y.untyped_storage().data_ptr(),
+                                                          q.untyped_storage().data_ptr())
+        torch.testing.assert_close(v.detach(), sep_v[i], rtol=1e-12, atol=1e-12)
+        if not rotary:
+            torch.testing.assert_close(k.detach(), sep_k[i], rtol=1e-12, atol=1e-12)
+
+
 def test_projection_fuses_while_training_and_for_long_inputs_only():
     """One product of x with the stacked weights while autograd records; without it only where x's
     three extra reads would cost more than stacking the weights (3 T > 2 N): a decode step's
