@@ -22,8 +22,8 @@
 # (a --gtest_filter; the parameterised suites are Cases/CudaForward.*, so write *CudaForward*), JOBS (default 16), AB_ARCH (default 90a).
 # Per snapshot: AB_STEPS_<name> (the snapshot's folder name with '-' as '_', e.g. AB_STEPS_main="build
 # bench") replaces AB_STEPS for that snapshot, e.g. to run the tests only on the new branch.
-# Step "break": scripts/break_tests.sh on the snapshot's build (BREAK_ROUNDS, e.g. "2"; run it last,
-# it leaves broken objects in that build). Steps "pytest" and "layer": the snapshot's Python package
+# Step "break": scripts/break_tests.sh on the snapshot's build (BREAK_ROUNDS, e.g. "2"; the objects
+# it builds with the bugs in are deleted afterwards, so a later call's build step compiles them again). Steps "pytest" and "layer": the snapshot's Python package
 # with the CUDA backend (its scripts/py_stage.sh, into the snapshot's build-py/), then its GPU tests
 # (tests/python/test_cuda.py) or its training layer against the dense twin (bench/layer_bench.py
 # with AB_LAYER_ARGS, default "--groups 16 --phi mlp --lens 8192,65536"; CSV rows in the summary). Step "public": the

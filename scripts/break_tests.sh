@@ -4,7 +4,8 @@
 # applied together and built once (~1 min on the GPU machine instead of one rebuild per patch);
 # then each patch's tests must fail, and every other GPU test must still pass (so the bugs are
 # independent: no test is counted as catching a bug another patch planted). The source tree is
-# restored on exit; the build directory is left with the broken objects (run this last).
+# restored on exit, and the objects built with the bugs in are deleted (the next build compiles
+# them again).
 # Patches whose bugs break the same tests go in different rounds (a header line "# round: N",
 # default 1): each round is applied, built and checked on its own, so that every patch's filter
 # is caught by its own bug. A header line "# also: FILTER" names tests that the bug may fail as
@@ -37,7 +38,18 @@ restore() {
   for ((i = ${#APPLIED[@]} - 1; i >= 0; --i)); do git apply -R "${APPLIED[$i]}" || echo "could not revert ${APPLIED[$i]}"; done
   APPLIED=()
 }
-trap restore EXIT
+# Every object, library and test binary built from here on holds a planted bug: on exit they are
+# deleted, so that the next build compiles them again from the restored sources even where those
+# come back with older modification times than the objects (a source tree copied over again, as
+# the device tool does).
+STAMP="$BUILD_DIR/.break_tests_start"
+touch "$STAMP"
+on_exit() {
+  restore
+  find "$BUILD_DIR" -type f \( -name '*.o' -o -name '*.a' -o -name nsa_cuda_tests \) -newer "$STAMP" -delete
+  rm -f "$STAMP"
+}
+trap on_exit EXIT
 
 rc=0
 mapfile -t ROUNDS < <(for p in "${PATCHES[@]}"; do round_of "$p"; done | sort -n | uniq)
