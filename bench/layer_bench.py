@@ -143,7 +143,8 @@ def main():
                            "nsa_fwdbwd_ms": ours[1], "dense_fwdbwd_ms": dense[1], "nsa_peak_gib": ours[2],
                            "dense_peak_gib": dense[2]}
                     rows.append(row)
-                    print(f"G {G} T {T} phi {phi} kept {kept} gate {gate} kv_sets {sets}: fwd {ours[0]:.2f} ms (dense {dense[0]:.2f}, "
+                    print(f"G {G} T {T} phi {phi} kept {kept} gate {gate} kv_sets {sets}: "
+                          f"fwd {ours[0]:.2f} ms (dense {dense[0]:.2f}, "
                           f"{dense[0] / ours[0]:.2f}x), fwd+bwd {ours[1]:.2f} ms (dense {dense[1]:.2f}, "
                           f"{dense[1] / ours[1]:.2f}x), peak {ours[2]:.2f} GiB (dense {dense[2]:.2f})", flush=True)
             del x
@@ -157,8 +158,8 @@ def main():
         with open(a.markdown, "w") as f:
             f.write(f"Layer vs dense twin, {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, Hkv {HKV}, "
                     f"D {D}, hidden Hq*D\n\n")
-            f.write("| G | T | phi | kept | gate | K/V sets | NSA fwd ms | dense fwd ms | ratio | NSA fwd+bwd ms | dense fwd+bwd ms | "
-                    "ratio | NSA peak GiB | dense peak GiB |\n|" + " --- |" * 14 + "\n")
+            f.write("| G | T | phi | kept | gate | K/V sets | NSA fwd ms | dense fwd ms | ratio | NSA fwd+bwd ms | "
+                    "dense fwd+bwd ms | ratio | NSA peak GiB | dense peak GiB |\n|" + " --- |" * 14 + "\n")
             for r in rows:
                 f.write(f"| {r['G']} | {r['T']} | {r['phi']} | {r['kept']} | {r['gate']} | {r['kv_sets']} | "
                         f"{r['nsa_fwd_ms']:.2f} | {r['dense_fwd_ms']:.2f} | "
