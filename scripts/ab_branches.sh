@@ -23,8 +23,10 @@
 # Per snapshot: AB_STEPS_<name> (the snapshot's folder name with '-' as '_', e.g. AB_STEPS_main="build
 # bench") replaces AB_STEPS for that snapshot, e.g. to run the tests only on the new branch.
 # Step "break": scripts/break_tests.sh on the snapshot's build (BREAK_ROUNDS, e.g. "2"; the objects
-# it builds with the bugs in are deleted afterwards, so a later call's build step compiles them again). Steps "pytest" and "layer": the snapshot's Python package
-# with the CUDA backend (its scripts/py_stage.sh, into the snapshot's build-py/), then its GPU tests
+# it builds with the bugs in are deleted afterwards, so a later call's build step compiles them
+# again). Steps "pytest" and "layer": the snapshot's Python package with the CUDA backend (its
+# extension built by the build step in the same build, or without that step by its
+# scripts/py_stage.sh into the snapshot's build-py/), then its GPU tests
 # (tests/python/test_cuda.py) or its training layer against the dense twin (bench/layer_bench.py
 # with AB_LAYER_ARGS, default "--groups 16 --phi mlp --lens 8192,65536"; CSV rows in the summary). Step "public": the
 # same-run table against the fastest public NSA (carry ".anchors" too, laid out by
@@ -84,8 +86,24 @@ DEADLINE="${AB_DEADLINE:-560}"
 step_cost() { case "$1" in build) echo 45 ;; tests) echo 150 ;; bench | bench_backward) echo 75 ;; profile) echo 120 ;;
                            gather) echo 20 ;; break) echo 250 ;; pytest) echo 120 ;; layer) echo 150 ;; public) echo 180 ;;
                            *) echo 30 ;; esac; }
-# The snapshot's Python package (py_stage.sh: built once per snapshot, sm_90a); its path on stdout.
-py_stage_of() { bash "$1/scripts/py_stage.sh" 2> "$2/py_stage.log" | tail -1; }
+# The snapshot's Python package, its path on stdout: the extension of the snapshot's build (the
+# build step makes it where a step needs the package: the library's objects shared, ~50 s less
+# than a build of its own; only when that step ran in this call, `built`) with the snapshot's
+# Python sources, laid out in BUILD/py-stage; else py_stage.sh's own build (once per snapshot,
+# sm_90a). py_stage_of SNAPSHOT LOG BUILD.
+py_stage_of() {
+  local so="" stage="$3/py-stage"
+  [[ "$built" == 1 ]] && so="$(ls "$3"/python/_nsa*.so 2> /dev/null | head -1)"
+  if [[ -n "$so" ]]; then
+    rm -rf "$stage" && mkdir -p "$stage/nsa" && cp "$1"/python/nsa/*.py "$so" "$stage/nsa/" &&
+      PYTHONPATH="$stage" python3 -c "import nsa, sys; sys.exit(0 if nsa.backend_available('cuda') else 1)" \
+        > "$2/py_stage.log" 2>&1 && { echo "py_stage: the build's extension, $so" >> "$2/py_stage.log"; echo "$stage"; return 0; }
+    echo "py_stage: the build's extension does not import with CUDA; py_stage.sh instead" >> "$2/py_stage.log"
+  fi
+  bash "$1/scripts/py_stage.sh" 2>> "$2/py_stage.log" | tail -1
+}
+# asks STEP: the step is asked for this snapshot (no deadline check, no log).
+asks() { [[ " $snap_steps " == *" $1 "* ]]; }
 snap_steps="$STEPS"
 # has STEP: the step is asked for this snapshot and fits before the deadline (else logged as skipped).
 has() {
@@ -141,17 +159,27 @@ for dir in "${dirs[@]}"; do
   var="AB_STEPS_${name//-/_}"
   snap_steps="${!var:-$STEPS}"
   echo "== $name ($(cat "$dir/.commit" 2>/dev/null)): $snap_steps" | tee -a "$SUMMARY"
+  built=0
   if has build; then
     t0=$SECONDS
-    if ! { cmake -S "$dir" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNSA_CUDA=ON \
-             -DNSA_CUDA_ARCHITECTURES="${AB_ARCH:-90a}" ${GTEST_PREFIX:+-DCMAKE_PREFIX_PATH=$GTEST_PREFIX} &&
+    # With a step that needs the Python package, its extension joins this build (py_stage_of); where
+    # the configure refuses it (no nanobind), the build goes on without it.
+    configure() {
+      cmake -S "$dir" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNSA_CUDA=ON -DNSA_BUILD_PYTHON="$1" \
+        -DPython_EXECUTABLE="$(command -v python3)" -DNSA_CUDA_ARCHITECTURES="${AB_ARCH:-90a}" \
+        ${GTEST_PREFIX:+-DCMAKE_PREFIX_PATH=$GTEST_PREFIX}
+    }
+    py=OFF
+    if asks pytest || asks layer; then py=ON; fi
+    if ! { { configure $py || { [[ $py == ON ]] && py=OFF && echo "== again without the Python extension" && configure OFF; }; } &&
            cmake --build "$build" -j "$JOBS"; } > "$log/build.log" 2>&1; then
       echo "  build FAILED (see $name/build.log)" | tee -a "$SUMMARY"
       tail -20 "$log/build.log"
       rc_all=1
       continue
     fi
-    echo "  build: $((SECONDS - t0)) s" | tee -a "$SUMMARY"
+    echo "  build: $((SECONDS - t0)) s (the Python extension: $py)" | tee -a "$SUMMARY"
+    built=1
   fi
   if has tests; then
     timeout "${AB_TEST_TIMEOUT:-240}" "$ROOT/scripts/gtest_sharded.sh" "$build/bin/nsa_cuda_tests" \
@@ -192,7 +220,7 @@ for dir in "${dirs[@]}"; do
     sed 's/^/  ncu: /' "$log/profile/kernel_times.txt" >> "$SUMMARY" 2>/dev/null
   fi
   if has pytest; then
-    if stage="$(py_stage_of "$dir" "$log")"; then
+    if stage="$(py_stage_of "$dir" "$log" "$build")"; then
       (cd "$dir" && PYTHONPATH="$stage" timeout "${AB_TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider \
         tests/python/test_cuda.py) > "$log/pytest.log" 2>&1
       rc=$?
@@ -204,7 +232,7 @@ for dir in "${dirs[@]}"; do
     fi
   fi
   if has layer; then
-    if stage="$(py_stage_of "$dir" "$log")"; then
+    if stage="$(py_stage_of "$dir" "$log" "$build")"; then
       # shellcheck disable=SC2086  # AB_LAYER_ARGS: several words
       PYTHONUNBUFFERED=1 PYTHONPATH="$stage" timeout "${AB_BENCH_TIMEOUT:-180}" python3 "$dir/bench/layer_bench.py" \
         ${AB_LAYER_ARGS:---groups 16 --phi mlp --lens 8192,65536} --csv "$log/layer.csv" > "$log/layer.log" 2>&1 ||
