@@ -88,16 +88,19 @@ step_cost() { case "$1" in build) echo 45 ;; tests) echo 150 ;; bench | bench_ba
                            *) echo 30 ;; esac; }
 # The snapshot's Python package, its path on stdout: the extension of the snapshot's build (the
 # build step makes it where a step needs the package: the library's objects shared, ~50 s less
-# than a build of its own; only when that step ran in this call, `built`) with the snapshot's
-# Python sources, laid out in BUILD/py-stage; else py_stage.sh's own build (once per snapshot,
-# sm_90a). py_stage_of SNAPSHOT LOG BUILD.
+# than a build of its own; only when that step built it in this call, `built_py`) with the
+# snapshot's Python sources, laid out in BUILD/py-stage; else py_stage.sh's own build (once per
+# snapshot, sm_90a). py_stage_of SNAPSHOT LOG BUILD.
 py_stage_of() {
-  local so="" stage="$3/py-stage"
-  [[ "$built" == 1 ]] && so="$(ls "$3"/python/_nsa*.so 2> /dev/null | head -1)"
+  local so="" stage="$3/py-stage" check="import nsa, sys; sys.exit(0 if nsa.backend_available('cuda') else 1)"
+  [[ "$built_py" == ON ]] && so="$(ls "$3"/python/_nsa*.so 2> /dev/null | head -1)"
   if [[ -n "$so" ]]; then
-    rm -rf "$stage" && mkdir -p "$stage/nsa" && cp "$1"/python/nsa/*.py "$so" "$stage/nsa/" &&
-      PYTHONPATH="$stage" python3 -c "import nsa, sys; sys.exit(0 if nsa.backend_available('cuda') else 1)" \
-        > "$2/py_stage.log" 2>&1 && { echo "py_stage: the build's extension, $so" >> "$2/py_stage.log"; echo "$stage"; return 0; }
+    if rm -rf "$stage" && mkdir -p "$stage/nsa" && cp "$1"/python/nsa/*.py "$so" "$stage/nsa/" &&
+       PYTHONPATH="$stage" python3 -c "$check" > "$2/py_stage.log" 2>&1; then
+      echo "py_stage: the build's extension, $so" >> "$2/py_stage.log"
+      echo "$stage"
+      return 0
+    fi
     echo "py_stage: the build's extension does not import with CUDA; py_stage.sh instead" >> "$2/py_stage.log"
   fi
   bash "$1/scripts/py_stage.sh" 2>> "$2/py_stage.log" | tail -1
@@ -159,27 +162,27 @@ for dir in "${dirs[@]}"; do
   var="AB_STEPS_${name//-/_}"
   snap_steps="${!var:-$STEPS}"
   echo "== $name ($(cat "$dir/.commit" 2>/dev/null)): $snap_steps" | tee -a "$SUMMARY"
-  built=0
+  built_py=OFF
   if has build; then
     t0=$SECONDS
     # With a step that needs the Python package, its extension joins this build (py_stage_of); where
-    # the configure refuses it (no nanobind), the build goes on without it.
-    configure() {
+    # that fails (no nanobind, say), the build runs again without it.
+    build_with() {
       cmake -S "$dir" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNSA_CUDA=ON -DNSA_BUILD_PYTHON="$1" \
         -DPython_EXECUTABLE="$(command -v python3)" -DNSA_CUDA_ARCHITECTURES="${AB_ARCH:-90a}" \
-        ${GTEST_PREFIX:+-DCMAKE_PREFIX_PATH=$GTEST_PREFIX}
+        ${GTEST_PREFIX:+-DCMAKE_PREFIX_PATH=$GTEST_PREFIX} && cmake --build "$build" -j "$JOBS"
     }
     py=OFF
     if asks pytest || asks layer; then py=ON; fi
-    if ! { { configure $py || { [[ $py == ON ]] && py=OFF && echo "== again without the Python extension" && configure OFF; }; } &&
-           cmake --build "$build" -j "$JOBS"; } > "$log/build.log" 2>&1; then
+    if ! { build_with $py || { [[ $py == ON ]] && py=OFF && echo "== again without the Python extension" &&
+                               build_with OFF; }; } > "$log/build.log" 2>&1; then
       echo "  build FAILED (see $name/build.log)" | tee -a "$SUMMARY"
       tail -20 "$log/build.log"
       rc_all=1
       continue
     fi
     echo "  build: $((SECONDS - t0)) s (the Python extension: $py)" | tee -a "$SUMMARY"
-    built=1
+    built_py=$py
   fi
   if has tests; then
     timeout "${AB_TEST_TIMEOUT:-240}" "$ROOT/scripts/gtest_sharded.sh" "$build/bin/nsa_cuda_tests" \
