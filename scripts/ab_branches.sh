@@ -25,8 +25,8 @@
 # Step "break": scripts/break_tests.sh on the snapshot's build (BREAK_ROUNDS, e.g. "2"; the objects
 # it builds with the bugs in are deleted afterwards, so a later call's build step compiles them
 # again). Steps "pytest" and "layer": the snapshot's Python package with the CUDA backend (its
-# extension built by the build step in the same build, or without that step by its
-# scripts/py_stage.sh into the snapshot's build-py/), then its GPU tests
+# scripts/py_stage.sh, given the extension the build step built in the same build, or without it
+# building its own into the snapshot's build-py/), then its GPU tests
 # (tests/python/test_cuda.py) or its training layer against the dense twin (bench/layer_bench.py
 # with AB_LAYER_ARGS, default "--groups 16 --phi mlp --lens 8192,65536"; CSV rows in the summary). Step "public": the
 # same-run table against the fastest public NSA (carry ".anchors" too, laid out by
@@ -86,27 +86,29 @@ DEADLINE="${AB_DEADLINE:-560}"
 step_cost() { case "$1" in build) echo 45 ;; tests) echo 150 ;; bench | bench_backward) echo 75 ;; profile) echo 120 ;;
                            gather) echo 20 ;; break) echo 250 ;; pytest) echo 120 ;; layer) echo 150 ;; public) echo 180 ;;
                            *) echo 30 ;; esac; }
-# The snapshot's Python package, its path on stdout: the extension of the snapshot's build (the
-# build step makes it where a step needs the package: the library's objects shared, ~50 s less
-# than a build of its own; only when that step built it in this call, `built_py`) with the
-# snapshot's Python sources, laid out in BUILD/py-stage; else py_stage.sh's own build (once per
-# snapshot, sm_90a). py_stage_of SNAPSHOT LOG BUILD.
+# The snapshot's Python package, its path on stdout: the snapshot's py_stage.sh, given the extension
+# of the snapshot's build where the build step made one in this call (`built_py`: the library's
+# objects shared, ~50 s less than py_stage.sh's own build), else (or where that one does not
+# import with CUDA) with its own build (once per snapshot, sm_90a). py_stage_of SNAPSHOT LOG BUILD.
 py_stage_of() {
-  local so="" stage="$3/py-stage" check="import nsa, sys; sys.exit(0 if nsa.backend_available('cuda') else 1)"
+  local so="" stage
+  : > "$2/py_stage.log"
   [[ "$built_py" == ON ]] && so="$(ls "$3"/python/_nsa*.so 2> /dev/null | head -1)"
-  if [[ -n "$so" ]]; then
-    if rm -rf "$stage" && mkdir -p "$stage/nsa" && cp "$1"/python/nsa/*.py "$so" "$stage/nsa/" &&
-       PYTHONPATH="$stage" python3 -c "$check" > "$2/py_stage.log" 2>&1; then
-      echo "py_stage: the build's extension, $so" >> "$2/py_stage.log"
-      echo "$stage"
-      return 0
-    fi
-    echo "py_stage: the build's extension does not import with CUDA; py_stage.sh instead" >> "$2/py_stage.log"
+  if [[ -n "$so" ]] && stage="$(NSA_PY_EXTENSION="$so" bash "$1/scripts/py_stage.sh" 2>> "$2/py_stage.log")"; then
+    echo "$stage" | tail -1
+    return 0
   fi
   bash "$1/scripts/py_stage.sh" 2>> "$2/py_stage.log" | tail -1
 }
 # asks STEP: the step is asked for this snapshot (no deadline check, no log).
 asks() { [[ " $snap_steps " == *" $1 "* ]]; }
+# build_with ON|OFF: configure and build the snapshot (dir) in build, with or without the Python
+# extension.
+build_with() {
+  cmake -S "$dir" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNSA_CUDA=ON -DNSA_BUILD_PYTHON="$1" \
+    -DPython_EXECUTABLE="$(command -v python3)" -DNSA_CUDA_ARCHITECTURES="${AB_ARCH:-90a}" \
+    ${GTEST_PREFIX:+-DCMAKE_PREFIX_PATH=$GTEST_PREFIX} && cmake --build "$build" -j "$JOBS"
+}
 snap_steps="$STEPS"
 # has STEP: the step is asked for this snapshot and fits before the deadline (else logged as skipped).
 has() {
@@ -167,11 +169,6 @@ for dir in "${dirs[@]}"; do
     t0=$SECONDS
     # With a step that needs the Python package, its extension joins this build (py_stage_of); where
     # that fails (no nanobind, say), the build runs again without it.
-    build_with() {
-      cmake -S "$dir" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNSA_CUDA=ON -DNSA_BUILD_PYTHON="$1" \
-        -DPython_EXECUTABLE="$(command -v python3)" -DNSA_CUDA_ARCHITECTURES="${AB_ARCH:-90a}" \
-        ${GTEST_PREFIX:+-DCMAKE_PREFIX_PATH=$GTEST_PREFIX} && cmake --build "$build" -j "$JOBS"
-    }
     py=OFF
     if asks pytest || asks layer; then py=ON; fi
     if ! { build_with $py || { [[ $py == ON ]] && py=OFF && echo "== again without the Python extension" &&
