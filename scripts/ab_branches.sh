@@ -22,7 +22,8 @@
 # (a --gtest_filter; the parameterised suites are Cases/CudaForward.*, so write *CudaForward*), JOBS (default 16), AB_ARCH (default 90a).
 # Per snapshot: AB_STEPS_<name> (the snapshot's folder name with '-' as '_', e.g. AB_STEPS_main="build
 # bench") replaces AB_STEPS for that snapshot, e.g. to run the tests only on the new branch.
-# Step "break": scripts/break_tests.sh on the snapshot's build (BREAK_ROUNDS, e.g. "2"; the objects
+# Step "break": scripts/break_tests.sh on the snapshot's build (BREAK_ROUNDS, e.g. "2"; BREAK_OTHERS=0: each
+# patch's filter only, without the check that the other tests pass; the objects
 # it builds with the bugs in are deleted afterwards, so a later call's build step compiles them
 # again). Steps "pytest" and "layer": the snapshot's Python package with the CUDA backend (its
 # scripts/py_stage.sh, given the extension the build step built in the same build, or without it

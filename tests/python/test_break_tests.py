@@ -53,18 +53,27 @@ diff --git a/bug.h b/bug.h
 '''
 
 
-@pytest.mark.skipif(shutil.which("cmake") is None or shutil.which("cc") is None or shutil.which("git") is None,
-                    reason="needs cmake, a C compiler and git")
-def test_round_catches_and_leaves_no_broken_objects(tmp_path: Path) -> None:
+NEEDS_TOOLS = pytest.mark.skipif(any(shutil.which(tool) is None for tool in ("cmake", "cc", "git")),
+                                 reason="needs cmake, a C compiler and git")
+
+
+def made_up_project(tmp_path: Path, other_test_passes: bool = True) -> tuple[Path, Path, dict]:
     src, build = tmp_path / "src", tmp_path / "build"
     (src / "tests" / "cuda" / "breaks").mkdir(parents=True)
-    (src / "main.c").write_text(MAIN)
+    main = MAIN if other_test_passes else MAIN.replace("if (target && BUG)", "if (BUG)")
+    (src / "main.c").write_text(main)
     (src / "bug.h").write_text("#define BUG 0\n")
     (src / "CMakeLists.txt").write_text(CMAKE)
     (src / "tests" / "cuda" / "breaks" / "bug_on.patch").write_text(PATCH)
     env = dict(os.environ, NSA_TEST_SHARDS="1", JOBS="1")
     subprocess.run(["cmake", "-S", str(src), "-B", str(build)], check=True, capture_output=True)
     subprocess.run(["cmake", "--build", str(build)], check=True, capture_output=True)
+    return src, build, env
+
+
+@NEEDS_TOOLS
+def test_round_catches_and_leaves_no_broken_objects(tmp_path: Path) -> None:
+    src, build, env = made_up_project(tmp_path)
     old = (build / "bin" / "nsa_cuda_tests").stat().st_mtime - 100
 
     r = subprocess.run(["bash", str(SCRIPT), str(build), str(src)], capture_output=True, text=True, env=env)
@@ -82,3 +91,20 @@ def test_round_catches_and_leaves_no_broken_objects(tmp_path: Path) -> None:
     run = subprocess.run([str(build / "bin" / "nsa_cuda_tests"), "--gtest_filter=*Target*"], capture_output=True,
                          text=True)
     assert run.returncode == 0 and "[       OK ] Target.Catches" in run.stdout, run.stdout
+
+
+@NEEDS_TOOLS
+def test_other_tests_checked_unless_told_not_to(tmp_path: Path) -> None:
+    # The planted bug breaks the other test too: the round fails, unless BREAK_OTHERS=0 leaves that
+    # check out (each patch's own filter still caught).
+    src, build, env = made_up_project(tmp_path, other_test_passes=False)
+    r = subprocess.run(["bash", str(SCRIPT), str(build), str(src)], capture_output=True, text=True, env=env)
+    assert r.returncode != 0, r.stdout
+    assert "round 1, other tests fail too" in r.stdout, r.stdout
+
+    r = subprocess.run(["bash", str(SCRIPT), str(build), str(src)], capture_output=True, text=True,
+                       env=dict(env, BREAK_OTHERS="0"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "caught: bug_on.patch: 1 failing test(s) in '*Target*'" in r.stdout, r.stdout
+    assert "round 1, the other tests: not run (BREAK_OTHERS=0)" in r.stdout, r.stdout
+    assert (src / "bug.h").read_text() == "#define BUG 0\n"
