@@ -150,6 +150,10 @@ class DeviceTensor {
   TensorView view() const {
     return host_shape_.empty() ? TensorView{} : contiguous_view(data_, dtype_, host_shape_, Device::cuda);
   }
+  // Fills the tensor with the NaN pattern 0xff on `stream` (the outputs before a replay).
+  cudaError_t poison(cudaStream_t stream) const {
+    return bytes_ == 0 ? cudaSuccess : cudaMemsetAsync(data_, 0xff, bytes_, stream);
+  }
   // Copies back into `h` (same shape and dtype).
   void download(HostTensor& h) const {
     if (bytes_ == 0) return;

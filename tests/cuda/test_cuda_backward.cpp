@@ -464,6 +464,80 @@ TEST_P(CudaBackward, BitwiseDeterministic) {
   }
 }
 
+// The backward captured in a CUDA graph on the caller's stream (after one eager call there, which
+// makes phi's cuBLASLt handle and plans), as a captured training step has it, given what the torch
+// layer keeps (o, o_cmp, o_win), and replayed with every gradient poisoned first, gives the eager
+// call's bits. A host synchronisation, a pageable copy or a host read of device data inside the call
+// would fail the capture.
+TEST_P(CudaBackward, ReplayOfACapturedBackwardGivesTheEagerBits) {
+  NSA_REQUIRE_GPU();
+  const BwdCase& c = GetParam();
+  const Config cfg = config_of(c);
+  Twin t = make_saved_twin(c, 109);
+  copy_values(t.ref.o, t.low.o);
+  copy_values(t.ref.o_branch, t.low.o_branch);
+  DeviceLayer dev(t.low, *std::max_element(c.seqlens.begin(), c.seqlens.end()));
+  DeviceTensor o_branch(t.low.o_branch), o(t.low.o);
+  auto plane_of = [&](int b) {  // [T, Hq, Dv] of plane b, with o_branch's strides
+    TensorView plane = o_branch.view();
+    plane.data = static_cast<char*>(plane.data) + b * plane.stride[0] * int64_t(dtype_size(plane.dtype));
+    plane.ndim = 3;
+    for (int k = 0; k < 3; ++k) {
+      plane.shape[k] = plane.shape[k + 1];
+      plane.stride[k] = plane.stride[k + 1];
+    }
+    return plane;
+  };
+  dev.saved.o = o.view();
+  dev.saved.o_cmp = plane_of(kCmp);
+  dev.saved.o_win = plane_of(kWin);
+  cudaStream_t stream;
+  NSA_TEST_CUDA(cudaStreamCreate(&stream));
+  Context ctx = cuda_context(Backend::cuda);
+  ctx.stream = stream;
+  const DeviceWorkspace ws(workspace_size(ctx, Op::backward, cfg, problem_of(cfg, dev.in)));
+  backward(ctx, cfg, dev.in, dev.saved, dev.d_o.view(), dev.grads, ws.view());
+  NSA_TEST_CUDA(cudaStreamSynchronize(stream));
+  const auto eager = dev.download(t.low);
+
+  cudaGraph_t graph = nullptr;
+  NSA_TEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  std::string failed;
+  try {
+    backward(ctx, cfg, dev.in, dev.saved, dev.d_o.view(), dev.grads, ws.view());
+  } catch (const std::exception& e) {
+    failed = e.what();
+  }
+  const cudaError_t ended = cudaStreamEndCapture(stream, &graph);  // (also after a throw: no capture left open)
+  ASSERT_TRUE(failed.empty()) << "the backward under capture threw: " << failed;
+  ASSERT_EQ(ended, cudaSuccess) << cudaGetErrorString(ended);
+  cudaGraphExec_t exec;
+  NSA_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  for (const DeviceTensor* d : {&dev.dq, &dev.dg}) NSA_TEST_CUDA(d->poison(stream));
+  for (int b = 0; b < 3; ++b) {
+    NSA_TEST_CUDA(dev.dk[b].poison(stream));
+    NSA_TEST_CUDA(dev.dv[b].poison(stream));
+  }
+  for (int i = 0; i < 5; ++i) {
+    NSA_TEST_CUDA(dev.dphi_k[i].poison(stream));
+    NSA_TEST_CUDA(dev.dphi_v[i].poison(stream));
+  }
+  NSA_TEST_CUDA(cudaGraphLaunch(exec, stream));
+  NSA_TEST_CUDA(cudaStreamSynchronize(stream));
+  const auto replayed = dev.download(t.low);
+  ASSERT_EQ(eager.size(), replayed.size());
+  for (size_t i = 0; i < eager.size(); ++i) {
+    const size_t bytes = size_t(eager[i].second.numel()) * dtype_size(eager[i].second.dtype());
+    EXPECT_EQ(std::memcmp(const_cast<HostTensor&>(eager[i].second).data(),
+                          const_cast<HostTensor&>(replayed[i].second).data(), bytes),
+              0)
+        << eager[i].first << " of the replay";
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
 // The sequences of a packed batch do not see each other: with every input row of one sequence
 // NaN (q, the gates, dO, k and v of every branch; the saved state from the clean inputs), every
 // per-token gradient row of the others (dq, dg, dk and dv of each branch) is bit for bit what it

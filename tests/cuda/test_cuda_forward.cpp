@@ -646,6 +646,74 @@ TEST_P(CudaForward, PairedPhisGiveTheBitsOfSeparateOnes) {
   }
 }
 
+// The forward captured in a CUDA graph on the caller's stream (after one eager call there, which
+// makes phi's cuBLASLt handle and plans) and replayed, its outputs poisoned first, gives the eager
+// call's bits: o, lse, indices, o_branch. A host synchronisation, a pageable copy or a host read of
+// device data inside the call would fail the capture.
+TEST_P(CudaForward, ReplayOfACapturedForwardGivesTheEagerBits) {
+  NSA_REQUIRE_GPU();
+  const Case& c = GetParam();
+  const Config cfg = config_of(c);
+  LayerProblem p = make_problem(cfg, sizes_of(c), 89);
+  const int nkv = cfg.shared_kv ? 1 : 3;
+  DeviceSeqs ds(p, max_seqlen(c));
+  DeviceTensor q(p.q), g(p.g), k[3], v[3], phk[5], phv[5];
+  for (int b = 0; b < nkv; ++b) {
+    k[b] = DeviceTensor(p.k[b]);
+    v[b] = DeviceTensor(p.v[b]);
+  }
+  for (int i = 0; i < 5; ++i) {
+    phk[i] = DeviceTensor(p.phi_k[i]);
+    phv[i] = DeviceTensor(p.phi_v[i]);
+  }
+  DeviceTensor o(p.o), lse(p.lse), idx(p.indices), ob(p.o_branch);
+  Inputs in;
+  in.q = q.view();
+  for (int b = 0; b < 3; ++b) in.kv[b] = KV{k[b].view(), v[b].view()};
+  in.g = g.view();
+  in.phi_k = PhiParams{phk[0].view(), phk[1].view(), phk[2].view(), phk[3].view(), phk[4].view()};
+  in.phi_v = PhiParams{phv[0].view(), phv[1].view(), phv[2].view(), phv[3].view(), phv[4].view()};
+  in.seqs = ds.seqs;
+  const ForwardOutputs out{o.view(), lse.view(), idx.view(), ob.view(), TensorView{}, TensorView{}};
+  cudaStream_t stream;
+  NSA_TEST_CUDA(cudaStreamCreate(&stream));
+  Context ctx = cuda_ctx();
+  ctx.stream = stream;
+  const DeviceWorkspace ws(workspace_size(ctx, Op::forward, cfg, problem_of(cfg, in)));
+  forward(ctx, cfg, in, out, ws.view());
+  NSA_TEST_CUDA(cudaStreamSynchronize(stream));
+  HostTensor eager[4] = {p.o, p.lse, p.indices, p.o_branch};
+  const DeviceTensor* dev[4] = {&o, &lse, &idx, &ob};
+  for (int i = 0; i < 4; ++i) dev[i]->download(eager[i]);
+
+  cudaGraph_t graph = nullptr;
+  NSA_TEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  std::string failed;
+  try {
+    forward(ctx, cfg, in, out, ws.view());
+  } catch (const std::exception& e) {
+    failed = e.what();
+  }
+  const cudaError_t ended = cudaStreamEndCapture(stream, &graph);  // (also after a throw: no capture left open)
+  ASSERT_TRUE(failed.empty()) << "the forward under capture threw: " << failed;
+  ASSERT_EQ(ended, cudaSuccess) << cudaGetErrorString(ended);
+  cudaGraphExec_t exec;
+  NSA_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  for (int i = 0; i < 4; ++i) NSA_TEST_CUDA(dev[i]->poison(stream));
+  NSA_TEST_CUDA(cudaGraphLaunch(exec, stream));
+  NSA_TEST_CUDA(cudaStreamSynchronize(stream));
+  const char* names[4] = {"o", "lse", "indices", "o_branch"};
+  for (int i = 0; i < 4; ++i) {
+    HostTensor replayed = eager[i];
+    dev[i]->download(replayed);
+    EXPECT_EQ(std::memcmp(replayed.data(), eager[i].data(), eager[i].numel() * dtype_size(eager[i].dtype())), 0)
+        << names[i] << " of the replay";
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
 // The sequences of a packed batch do not see each other: with every input row of one sequence
 // NaN (q, the gates, k and v of every branch), every output row of the others is bit for bit what
 // it was. The kernels read whole tiles of keys (a TMA box, 64 or 128 rows), so rows of the next
