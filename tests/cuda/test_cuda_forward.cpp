@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/phi/blas.h"
 #include "cuda_support.h"
 #include "cases.h"
 
@@ -115,6 +116,30 @@ class CudaForward : public ::testing::TestWithParam<Case> {};
 
 // ---- compress_fwd ---------------------------------------------------------------------------
 
+// The compress_fwd stage op on the GPU: phi_k of p over p's k[0] into xc ([rows, Hkv, Dqk], its
+// contents the output's before the call). pe_shift: pe's device copy that many elements off its
+// allocation.
+void compress_on_device(const Case& c, const Config& cfg, LayerProblem& p, HostTensor& xc, int pe_shift = 0) {
+  DeviceSeqs ds(p, max_seqlen(c));
+  DeviceTensor k(p.k[0]), out(xc);
+  DeviceTensor phi[5];
+  for (int i = 0; i < 5; ++i) phi[i] = DeviceTensor(p.phi_k[i], i == 4 ? pe_shift : 0);
+  const PhiParams params{phi[0].view(), phi[1].view(), phi[2].view(), phi[3].view(), phi[4].view()};
+  Problem pr;
+  pr.total_tokens = p.T;
+  pr.hkv = c.hkv;
+  pr.hq = c.hkv;
+  pr.dqk = pr.dv = c.dqk;
+  pr.phi_hidden = cfg.phi == PhiKind::mlp ? p.sizes.phi_hidden : 0;
+  pr.dtype = c.dtype;
+  pr.device = Device::cuda;
+  pr.max_seqlen = max_seqlen(c);
+  const DeviceWorkspace ws(workspace_size(cuda_ctx(), Op::compress_fwd, cfg, pr));  // NaN pattern
+  compress_fwd(cuda_ctx(), cfg, params, k.view(), ds.seqs, out.view(), ws.view());
+  sync();
+  out.download(xc);
+}
+
 // phi alone (the compress_fwd stage op), every kind, against the reference.
 // pe_shift: pe's device copy that many elements off its allocation (1: off 16 bytes, where phi's
 // folded bias reads pe one element at a time).
@@ -133,29 +158,7 @@ void check_compress(const Case& c, int pe_shift = 0) {
     for (int i = 0; i < 5; ++i) phi64[i] = to_f64(p.phi_k[i]);
     compress_fwd(ref_ctx(), cfg, LayerProblem::params(phi64), k64.view(), host_seqs(p), xc_ref.view());
 
-    DeviceSeqs ds(p, max_seqlen(c));
-    DeviceTensor k(p.k[0]), out(xc);
-    DeviceTensor phi[5];
-    for (int i = 0; i < 5; ++i) phi[i] = DeviceTensor(p.phi_k[i], i == 4 ? pe_shift : 0);
-    const PhiParams params{phi[0].view(), phi[1].view(), phi[2].view(), phi[3].view(), phi[4].view()};
-    Problem pr;
-    pr.total_tokens = p.T;
-    pr.hkv = c.hkv;
-    pr.hq = c.hkv;
-    pr.dqk = pr.dv = c.dqk;
-    pr.phi_hidden = kind == PhiKind::mlp ? p.sizes.phi_hidden : 0;
-    pr.dtype = c.dtype;
-    pr.device = Device::cuda;
-    pr.max_seqlen = max_seqlen(c);
-    const size_t ws_bytes = workspace_size(cuda_ctx(), Op::compress_fwd, cfg, pr);
-    void* ws = nullptr;
-    if (ws_bytes) {
-      NSA_TEST_CUDA(cudaMalloc(&ws, ws_bytes));
-    }
-    compress_fwd(cuda_ctx(), cfg, params, k.view(), ds.seqs, out.view(), Workspace{ws, ws_bytes});
-    sync();
-    out.download(xc);
-    if (ws) cudaFree(ws);
+    compress_on_device(ck, cfg, p, xc, pe_shift);
     const double u = unit_roundoff(c.dtype);
     EXPECT_TRUE(close(xc.values(), xc_ref.values(), [&](double w, size_t) { return 2 * u * std::fabs(w) + 1e-5; }))
         << "phi = " << phi_kind_name(kind);
@@ -182,6 +185,37 @@ TEST_P(CudaForward, CompressOnOwnProductsMatchesReference) {
   NSA_REQUIRE_GPU();
   const PhiOwnProducts own;
   check_compress(GetParam());
+}
+
+// phi's cuBLASLt plans (one per product shape: a new sequence length brings new ones) are kept up
+// to blas::kMaxPlans; past that the cache starts over, and a shape seen before gets the bits it had.
+TEST(CudaPhiBlas, PlanCacheStartsOverAndKeepsTheBits) {
+  NSA_REQUIRE_GPU();
+  auto run = [](int32_t T) {
+    const Case c{"bf16_d64_mlp", DType::bf16, 64, 64, 2, 2, {T}, 32, 16, 64, 4, 1, 1, 64, PhiKind::mlp, false, 64};
+    const Config cfg = config_of(c);
+    LayerProblem p = make_problem(cfg, sizes_of(c), 13);
+    HostTensor xc(c.dtype, {cmp_rows(p.T, cfg.cmp_stride), c.hkv, c.dqk});
+    xc.poison();
+    compress_on_device(c, cfg, p, xc);
+    return xc;
+  };
+  HostTensor first = run(300);
+  EXPECT_GT(nsa::cuda::phi::blas::cached_plans(), 0u) << "the case's products do not run on cuBLASLt";
+  size_t most = 0;
+  bool started_over = false;
+  for (int32_t T = 316; T < 300 + 16 * 400 && !started_over; T += 16) {  // a new row count each time
+    const size_t before = nsa::cuda::phi::blas::cached_plans();
+    run(T);
+    const size_t after = nsa::cuda::phi::blas::cached_plans();
+    most = std::max(most, after);
+    started_over = after < before;
+  }
+  EXPECT_TRUE(started_over) << "the cache never started over (" << most << " plans)";
+  EXPECT_LE(most, nsa::cuda::phi::blas::kMaxPlans);
+  HostTensor again = run(300);
+  EXPECT_EQ(std::memcmp(first.data(), again.data(), size_t(first.numel()) * dtype_size(first.dtype())), 0)
+      << "phi's output at T = 300 after the cache started over";
 }
 
 // pe off 16-byte alignment (a view one element into a buffer: contiguous, which is all the API

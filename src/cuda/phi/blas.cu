@@ -3,12 +3,14 @@
 // cuBLASLt is column-major; a row-major C = A B is the column-major C^T = B^T A^T, so the call
 // takes B as its first operand and A as its second, each transposed where it is stored the other
 // way round. One handle per device (made on first use, kept for the process); one plan per
-// (device, shape, layouts, beta, alignment): descriptors and the heuristic's first algorithm.
+// (device, shape, layouts, beta, alignment): descriptors and the heuristic's first algorithm, at
+// most kMaxPlans of them (below).
 #include "cuda/phi/blas.h"
 
 #include <cublasLt.h>
 
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <tuple>
@@ -48,14 +50,29 @@ uint32_t alignment_of(const void* p) {
 using Key = std::tuple<int, bool, int64_t, int64_t, int64_t, int64_t, bool, int64_t, bool, int64_t, bool, uint32_t,
                        uint32_t, uint32_t>;
 
+// Descriptors and algorithm of one product shape; destroys its descriptors with itself.
 struct Plan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;  // cuBLASLt's A (our B), B (our A), C
   cublasLtMatmulAlgo_t algo{};
+
+  Plan() = default;
+  Plan(const Plan&) = delete;
+  Plan& operator=(const Plan&) = delete;
+  ~Plan() {
+    for (cublasLtMatrixLayout_t l : {c, b, a})
+      if (l) cublasLtMatrixLayoutDestroy(l);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
 };
 
-Plan make_plan(cublasLtHandle_t h, const Product& p, uint32_t al_a, uint32_t al_b, uint32_t al_c) {
-  Plan plan;
+std::mutex plans_mu;
+std::map<Key, std::shared_ptr<const Plan>> plans;  // (under plans_mu)
+
+std::shared_ptr<const Plan> make_plan(cublasLtHandle_t h, const Product& p, uint32_t al_a, uint32_t al_b,
+                                      uint32_t al_c) {
+  const std::shared_ptr<Plan> made = std::make_shared<Plan>();  // (a throw below destroys what was made)
+  Plan& plan = *made;
   check(cublasLtMatmulDescCreate(&plan.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
   // cuBLASLt's A = our B^T [N, K] (column-major): B stored [K, N] row-major is exactly that (N);
   // stored [N, K] it is the column-major [K, N], transposed (T). Its B = our A^T [K, M]: A stored
@@ -97,7 +114,7 @@ Plan make_plan(cublasLtHandle_t h, const Product& p, uint32_t al_a, uint32_t al_
                 "for phi's product M " + std::to_string(p.M) + ", N " + std::to_string(p.N) + ", K " +
                     std::to_string(p.K));
   plan.algo = result.algo;
-  return plan;
+  return made;
 }
 
 }  // namespace
@@ -108,20 +125,26 @@ void matmul(const Product& p, void* ws, cudaStream_t s) {
   NSA_CUDA_CHECK(cudaGetDevice(&device));
   const uint32_t al_a = alignment_of(p.a), al_b = alignment_of(p.b), al_c = alignment_of(p.c);
   const Key key{device, p.f32, p.M, p.N, p.K, p.lda, p.a_km, p.ldb, p.b_nk, p.ldc, p.beta != 0.f, al_a, al_b, al_c};
-  static std::mutex mu;
-  static std::map<Key, Plan> plans;
   const cublasLtHandle_t h = handle_of(device);
-  Plan plan;
+  std::shared_ptr<const Plan> plan;  // (kept by this call while the cache may start over)
   {
-    const std::lock_guard<std::mutex> lock(mu);
+    const std::lock_guard<std::mutex> lock(plans_mu);
     auto it = plans.find(key);
-    if (it == plans.end()) it = plans.emplace(key, make_plan(h, p, al_a, al_b, al_c)).first;
+    if (it == plans.end()) {
+      if (plans.size() >= kMaxPlans) plans.clear();
+      it = plans.emplace(key, make_plan(h, p, al_a, al_b, al_c)).first;
+    }
     plan = it->second;
   }
   const float alpha = 1.f;
-  check(cublasLtMatmul(h, plan.op, &alpha, p.b, plan.a, p.a, plan.b, &p.beta, p.c, plan.c, p.c, plan.c, &plan.algo, ws,
-                       kWorkspaceBytes, s),
+  check(cublasLtMatmul(h, plan->op, &alpha, p.b, plan->a, p.a, plan->b, &p.beta, p.c, plan->c, p.c, plan->c,
+                       &plan->algo, ws, kWorkspaceBytes, s),
         "cublasLtMatmul");
+}
+
+size_t cached_plans() {
+  const std::lock_guard<std::mutex> lock(plans_mu);
+  return plans.size();
 }
 
 }  // namespace nsa::cuda::phi::blas

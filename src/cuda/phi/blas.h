@@ -5,9 +5,11 @@
 // Row-major throughout: C [M, N] (rows of ldc floats) = A B + beta C, A [M, K] and B [K, N] as
 // stored: a_km = A stored as its transpose, rows of K (ld lda, [K, M]); b_nk = B stored as its
 // transpose ([N, K]). cuBLASLt's answer for one shape, pointer alignment and workspace is looked
-// up once per device (its heuristic) and kept; with a caller-owned workspace and one algorithm per
-// shape its results are the same bits on every run (cuBLAS's reproducibility rule: the same
-// architecture and SM count).
+// up once per device (its heuristic) and kept, up to kMaxPlans shapes (a run whose lengths keep
+// changing makes a new shape at every length: past that the cache starts over, and the heuristic
+// gives the same answer again); with a caller-owned workspace and one algorithm per shape its
+// results are the same bits on every run (cuBLAS's reproducibility rule: the same architecture and
+// SM count).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -19,6 +21,8 @@ namespace nsa::cuda::phi::blas {
 
 // The workspace handed to every product (bytes, a multiple of 256).
 inline constexpr size_t kWorkspaceBytes = size_t(32) << 20;
+// The most plans (descriptors and algorithm of one shape) kept at once, all devices together.
+inline constexpr size_t kMaxPlans = 256;
 
 struct Product {
   int64_t M = 0, N = 0, K = 0;
@@ -37,5 +41,8 @@ struct Product {
 // Runs p on stream s with workspace ws (kWorkspaceBytes, 256-byte aligned). Throws nsa::Error
 // naming the cuBLASLt call and its status when cuBLASLt refuses or fails.
 void matmul(const Product& p, void* ws, cudaStream_t s);
+
+// The plans kept now (<= kMaxPlans).
+size_t cached_plans();
 
 }  // namespace nsa::cuda::phi::blas
