@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -97,6 +98,24 @@ struct LongSequencePaths {
 };
 
 #define NSA_TEST_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+
+// call() captured on `stream` into *graph (cudaStreamCaptureModeGlobal). Returns what went wrong
+// ("" when nothing did): what the call threw, or the capture's end refused (a synchronisation, a
+// pageable copy inside the call). The capture is ended either way.
+template <class F>
+std::string capture(cudaStream_t stream, cudaGraph_t* graph, F&& call) {
+  cudaError_t e = cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal);
+  if (e != cudaSuccess) return std::string("cudaStreamBeginCapture: ") + cudaGetErrorString(e);
+  std::string failed;
+  try {
+    call();
+  } catch (const std::exception& x) {
+    failed = std::string("threw: ") + x.what();
+  }
+  e = cudaStreamEndCapture(stream, graph);
+  if (failed.empty() && e != cudaSuccess) failed = std::string("cudaStreamEndCapture: ") + cudaGetErrorString(e);
+  return failed;
+}
 
 // A device workspace of `bytes` (none at 0), filled with the NaN pattern 0xff: nothing may rely on
 // zeros there.

@@ -229,6 +229,18 @@ struct Paths {
   int raw_piece_tiles = 0;
 };
 
+// Plane b ([T, Hq, Dv]) of a device o_branch [3, T, Hq, Dv], with its strides.
+TensorView plane_view(const DeviceTensor& o_branch, int b) {
+  TensorView plane = o_branch.view();
+  plane.data = static_cast<char*>(plane.data) + b * plane.stride[0] * int64_t(dtype_size(plane.dtype));
+  plane.ndim = 3;
+  for (int k = 0; k < 3; ++k) {
+    plane.shape[k] = plane.shape[k + 1];
+    plane.stride[k] = plane.stride[k + 1];
+  }
+  return plane;
+}
+
 // What the backward is given of the forward's outputs besides lse and indices (each rounded to
 // the storage dtype, as forward() writes it). o_branch: the branch outputs, dg taken from them
 // instead of recomputing each branch's output. o: the forward's o, the selection's D taken from it
@@ -252,18 +264,8 @@ void check_against_reference(const BwdCase& c, Kept kept, const std::vector<Path
     DeviceTensor o_branch, o_saved;
     if (kept.o_branch || kept.o_cmp || kept.o_win) o_branch = DeviceTensor(t.low.o_branch);
     if (kept.o_branch) dev.saved.o_branch = o_branch.view();
-    auto plane_of = [&](int b) {  // [T, Hq, Dv] of plane b, with o_branch's strides
-      TensorView plane = o_branch.view();
-      plane.data = static_cast<char*>(plane.data) + b * plane.stride[0] * int64_t(dtype_size(plane.dtype));
-      plane.ndim = 3;
-      for (int k = 0; k < 3; ++k) {
-        plane.shape[k] = plane.shape[k + 1];
-        plane.stride[k] = plane.stride[k + 1];
-      }
-      return plane;
-    };
-    if (kept.o_cmp) dev.saved.o_cmp = plane_of(kCmp);
-    if (kept.o_win) dev.saved.o_win = plane_of(kWin);
+    if (kept.o_cmp) dev.saved.o_cmp = plane_view(o_branch, kCmp);
+    if (kept.o_win) dev.saved.o_win = plane_view(o_branch, kWin);
     if (kept.o) {
       o_saved = DeviceTensor(t.low.o);
       dev.saved.o = o_saved.view();
@@ -478,19 +480,9 @@ TEST_P(CudaBackward, ReplayOfACapturedBackwardGivesTheEagerBits) {
   copy_values(t.ref.o_branch, t.low.o_branch);
   DeviceLayer dev(t.low, *std::max_element(c.seqlens.begin(), c.seqlens.end()));
   DeviceTensor o_branch(t.low.o_branch), o(t.low.o);
-  auto plane_of = [&](int b) {  // [T, Hq, Dv] of plane b, with o_branch's strides
-    TensorView plane = o_branch.view();
-    plane.data = static_cast<char*>(plane.data) + b * plane.stride[0] * int64_t(dtype_size(plane.dtype));
-    plane.ndim = 3;
-    for (int k = 0; k < 3; ++k) {
-      plane.shape[k] = plane.shape[k + 1];
-      plane.stride[k] = plane.stride[k + 1];
-    }
-    return plane;
-  };
   dev.saved.o = o.view();
-  dev.saved.o_cmp = plane_of(kCmp);
-  dev.saved.o_win = plane_of(kWin);
+  dev.saved.o_cmp = plane_view(o_branch, kCmp);
+  dev.saved.o_win = plane_view(o_branch, kWin);
   cudaStream_t stream;
   NSA_TEST_CUDA(cudaStreamCreate(&stream));
   Context ctx = cuda_context(Backend::cuda);
@@ -501,16 +493,9 @@ TEST_P(CudaBackward, ReplayOfACapturedBackwardGivesTheEagerBits) {
   const auto eager = dev.download(t.low);
 
   cudaGraph_t graph = nullptr;
-  NSA_TEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  std::string failed;
-  try {
-    backward(ctx, cfg, dev.in, dev.saved, dev.d_o.view(), dev.grads, ws.view());
-  } catch (const std::exception& e) {
-    failed = e.what();
-  }
-  const cudaError_t ended = cudaStreamEndCapture(stream, &graph);  // (also after a throw: no capture left open)
-  ASSERT_TRUE(failed.empty()) << "the backward under capture threw: " << failed;
-  ASSERT_EQ(ended, cudaSuccess) << cudaGetErrorString(ended);
+  const std::string failed =
+      capture(stream, &graph, [&] { backward(ctx, cfg, dev.in, dev.saved, dev.d_o.view(), dev.grads, ws.view()); });
+  ASSERT_TRUE(failed.empty()) << "the backward's capture: " << failed;
   cudaGraphExec_t exec;
   NSA_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
   for (const DeviceTensor* d : {&dev.dq, &dev.dg}) NSA_TEST_CUDA(d->poison(stream));

@@ -485,29 +485,39 @@ TEST(CudaForwardSelection, UnionAndPerTokenTilesInOneCall) {
 // p's storage type): the forward writes the compressed branch's output there instead of o_branch,
 // and with o_win as well the window branch's.
 // v_pe_shift: phi_v's pe that many elements off its allocation (DeviceTensor).
+// Device copies of p's forward inputs (q, g, the K/V sets, phi's parameters, the offsets) and
+// their Inputs. v_pe_shift: phi_v's pe that many elements off its allocation (DeviceTensor).
+struct DeviceInputs {
+  DeviceSeqs ds;
+  DeviceTensor q, g, k[3], v[3], phk[5], phv[5];
+  Inputs in;
+
+  DeviceInputs(const Case& c, const Config& cfg, LayerProblem& p, int v_pe_shift = 0)
+      : ds(p, max_seqlen(c)), q(p.q), g(p.g) {
+    for (int b = 0; b < (cfg.shared_kv ? 1 : 3); ++b) {
+      k[b] = DeviceTensor(p.k[b]);
+      v[b] = DeviceTensor(p.v[b]);
+    }
+    for (int i = 0; i < 5; ++i) {
+      phk[i] = DeviceTensor(p.phi_k[i]);
+      phv[i] = DeviceTensor(p.phi_v[i], i == 4 ? v_pe_shift : 0);
+    }
+    in.q = q.view();
+    for (int b = 0; b < 3; ++b) in.kv[b] = KV{k[b].view(), v[b].view()};
+    in.g = g.view();
+    in.phi_k = PhiParams{phk[0].view(), phk[1].view(), phk[2].view(), phk[3].view(), phk[4].view()};
+    in.phi_v = PhiParams{phv[0].view(), phv[1].view(), phv[2].view(), phv[3].view(), phv[4].view()};
+    in.seqs = ds.seqs;
+  }
+};
+
 void run_cuda_forward(const Case& c, const Config& cfg, LayerProblem& p, HostTensor* o_cmp = nullptr,
                       int v_pe_shift = 0, HostTensor* o_win = nullptr) {
-  const int nkv = cfg.shared_kv ? 1 : 3;
-  DeviceSeqs ds(p, max_seqlen(c));
-  DeviceTensor q(p.q), g(p.g), k[3], v[3], phk[5], phv[5];
-  for (int b = 0; b < nkv; ++b) {
-    k[b] = DeviceTensor(p.k[b]);
-    v[b] = DeviceTensor(p.v[b]);
-  }
-  for (int i = 0; i < 5; ++i) {
-    phk[i] = DeviceTensor(p.phi_k[i]);
-    phv[i] = DeviceTensor(p.phi_v[i], i == 4 ? v_pe_shift : 0);
-  }
+  const DeviceInputs dev(c, cfg, p, v_pe_shift);
+  const Inputs& in = dev.in;
   DeviceTensor o(p.o), lse(p.lse), idx(p.indices), ob(p.o_branch), oc, ow;  // poisoned
   if (o_cmp) oc = DeviceTensor(*o_cmp);
   if (o_win) ow = DeviceTensor(*o_win);
-  Inputs in;
-  in.q = q.view();
-  for (int b = 0; b < 3; ++b) in.kv[b] = KV{k[b].view(), v[b].view()};
-  in.g = g.view();
-  in.phi_k = PhiParams{phk[0].view(), phk[1].view(), phk[2].view(), phk[3].view(), phk[4].view()};
-  in.phi_v = PhiParams{phv[0].view(), phv[1].view(), phv[2].view(), phv[3].view(), phv[4].view()};
-  in.seqs = ds.seqs;
   const ForwardOutputs out{o.view(), lse.view(), idx.view(), o_cmp ? TensorView{} : ob.view(),
                            o_cmp ? oc.view() : TensorView{}, o_win ? ow.view() : TensorView{}};
   const DeviceWorkspace ws(workspace_size(cuda_ctx(), Op::forward, cfg, problem_of(cfg, in)));  // NaN pattern
@@ -689,25 +699,9 @@ TEST_P(CudaForward, ReplayOfACapturedForwardGivesTheEagerBits) {
   const Case& c = GetParam();
   const Config cfg = config_of(c);
   LayerProblem p = make_problem(cfg, sizes_of(c), 89);
-  const int nkv = cfg.shared_kv ? 1 : 3;
-  DeviceSeqs ds(p, max_seqlen(c));
-  DeviceTensor q(p.q), g(p.g), k[3], v[3], phk[5], phv[5];
-  for (int b = 0; b < nkv; ++b) {
-    k[b] = DeviceTensor(p.k[b]);
-    v[b] = DeviceTensor(p.v[b]);
-  }
-  for (int i = 0; i < 5; ++i) {
-    phk[i] = DeviceTensor(p.phi_k[i]);
-    phv[i] = DeviceTensor(p.phi_v[i]);
-  }
+  const DeviceInputs dev_in(c, cfg, p);
+  const Inputs& in = dev_in.in;
   DeviceTensor o(p.o), lse(p.lse), idx(p.indices), ob(p.o_branch);
-  Inputs in;
-  in.q = q.view();
-  for (int b = 0; b < 3; ++b) in.kv[b] = KV{k[b].view(), v[b].view()};
-  in.g = g.view();
-  in.phi_k = PhiParams{phk[0].view(), phk[1].view(), phk[2].view(), phk[3].view(), phk[4].view()};
-  in.phi_v = PhiParams{phv[0].view(), phv[1].view(), phv[2].view(), phv[3].view(), phv[4].view()};
-  in.seqs = ds.seqs;
   const ForwardOutputs out{o.view(), lse.view(), idx.view(), ob.view(), TensorView{}, TensorView{}};
   cudaStream_t stream;
   NSA_TEST_CUDA(cudaStreamCreate(&stream));
@@ -721,16 +715,8 @@ TEST_P(CudaForward, ReplayOfACapturedForwardGivesTheEagerBits) {
   for (int i = 0; i < 4; ++i) dev[i]->download(eager[i]);
 
   cudaGraph_t graph = nullptr;
-  NSA_TEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  std::string failed;
-  try {
-    forward(ctx, cfg, in, out, ws.view());
-  } catch (const std::exception& e) {
-    failed = e.what();
-  }
-  const cudaError_t ended = cudaStreamEndCapture(stream, &graph);  // (also after a throw: no capture left open)
-  ASSERT_TRUE(failed.empty()) << "the forward under capture threw: " << failed;
-  ASSERT_EQ(ended, cudaSuccess) << cudaGetErrorString(ended);
+  const std::string failed = capture(stream, &graph, [&] { forward(ctx, cfg, in, out, ws.view()); });
+  ASSERT_TRUE(failed.empty()) << "the forward's capture: " << failed;
   cudaGraphExec_t exec;
   NSA_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
   for (int i = 0; i < 4; ++i) NSA_TEST_CUDA(dev[i]->poison(stream));
