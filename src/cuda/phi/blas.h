@@ -38,6 +38,38 @@ struct Product {
   float beta = 0.f;  // 0: C is written, not read
 };
 
+// One operand of a product: its data, the leading dimension of its rows, and whether it is stored
+// as its transpose (A as [K, M]: a_km; B as [N, K]: b_nk).
+struct Operand {
+  const void* p;
+  int64_t ld;
+  bool transposed = false;
+};
+
+// C [M, N] (rows of ldc) = A B + beta C, A and B in bf16 (product) or fp32 (product_f32).
+inline Product product(int64_t M, int64_t N, int64_t K, Operand a, Operand b, float* c, int64_t ldc,
+                       float beta = 0.f) {
+  Product p;
+  p.M = M;
+  p.N = N;
+  p.K = K;
+  p.a = a.p;
+  p.lda = a.ld;
+  p.a_km = a.transposed;
+  p.b = b.p;
+  p.ldb = b.ld;
+  p.b_nk = b.transposed;
+  p.c = c;
+  p.ldc = ldc;
+  p.beta = beta;
+  return p;
+}
+inline Product product_f32(int64_t M, int64_t N, int64_t K, Operand a, Operand b, float* c, int64_t ldc) {
+  Product p = product(M, N, K, a, b, c, ldc);
+  p.f32 = true;
+  return p;
+}
+
 // Runs p on stream s with workspace ws (kWorkspaceBytes, 256-byte aligned). Throws nsa::Error
 // naming the cuBLASLt call and its status when cuBLASLt refuses or fails.
 void matmul(const Product& p, void* ws, cudaStream_t s);

@@ -744,25 +744,25 @@ void gather_chunks(const Rows& r, const TensorView& x, const BlasScratch& b, cud
   NSA_CUDA_CHECK_LAUNCH();
 }
 
+// mlp's second layer on cuBLASLt reads gelu(pre) [M, F] and W2 [D, F] in fp32: into bs.h and bs.w2.
+template <typename E>
+void gelu_and_w2_f32(const float* pre, int64_t M, const PhiParams& phi, int D, int F, const BlasScratch& bs,
+                     cudaStream_t s) {
+  gelu_kernel<<<capped_blocks(M * F), 256, 0, s>>>(pre, M * F, bs.h);
+  NSA_CUDA_CHECK_LAUNCH();
+  to_f32_kernel<E><<<blocks_for(int64_t(D) * F), 256, 0, s>>>(static_cast<const E*>(phi.w2.data), phi.w2.stride[0], D,
+                                                             F, bs.w2);
+  NSA_CUDA_CHECK_LAUNCH();
+}
+
 // out [M, N] (fp32, rows of N; beta: add to it) = u W1^T over the S chunk products.
 void blas_u_w1t(const Rows& r, const PhiParams& phi, const BlasScratch& b, int N, float* out, cudaStream_t s) {
   const int64_t M = r.rc * r.hkv, dD = int64_t(r.d) * r.D;
   const bf16* w1 = static_cast<const bf16*>(phi.w1.data);
-  for (int i = 0; i < b.S; ++i) {
-    blas::Product p;
-    p.M = M;
-    p.N = N;
-    p.K = dD;
-    p.a = b.xg + i * r.hkv * dD;
-    p.lda = dD;
-    p.b = w1 + i * dD;  // W1_s [N, d D] as stored: B^T
-    p.ldb = phi.w1.stride[0];
-    p.b_nk = true;
-    p.c = out;
-    p.ldc = N;
-    p.beta = i == 0 ? 0.f : 1.f;
-    blas::matmul(p, b.ws, s);
-  }
+  for (int i = 0; i < b.S; ++i)  // W1_s [N, d D] as stored: B^T
+    blas::matmul(blas::product(M, N, dD, {b.xg + i * r.hkv * dD, dD}, {w1 + i * dD, phi.w1.stride[0], true}, out, N,
+                               i == 0 ? 0.f : 1.f),
+                 b.ws, s);
 }
 
 }  // namespace
@@ -892,24 +892,9 @@ void products(const Rows& r, const Job (&jobs)[2], int n, bool write_unused, cud
     const BlasScratch bs = blas_scratch(r);
     for (int i = 0; i < n; ++i) {
       const PhiParams& phi = jobs[i].phi;
-      gelu_kernel<<<capped_blocks(M * r.F), 256, 0, s>>>(jobs[i].work, M * r.F, bs.h);
-      NSA_CUDA_CHECK_LAUNCH();
-      to_f32_kernel<E><<<blocks_for(int64_t(r.D) * r.F), 256, 0, s>>>(static_cast<const E*>(phi.w2.data),
-                                                                     phi.w2.stride[0], r.D, r.F, bs.w2);
-      NSA_CUDA_CHECK_LAUNCH();
-      blas::Product p;
-      p.f32 = true;
-      p.M = M;
-      p.N = r.D;
-      p.K = r.F;
-      p.a = bs.h;
-      p.lda = r.F;
-      p.b = bs.w2;  // W2 [D, F]: B^T
-      p.ldb = r.F;
-      p.b_nk = true;
-      p.c = bs.c;
-      p.ldc = r.D;
-      blas::matmul(p, bs.ws, s);
+      gelu_and_w2_f32<E>(jobs[i].work, M, phi, r.D, r.F, bs, s);
+      // W2 [D, F]: B^T
+      blas::matmul(blas::product_f32(M, r.D, r.F, {bs.h, r.F}, {bs.w2, r.F, true}, bs.c, r.D), bs.ws, s);
       st[i].out.b2 = static_cast<const E*>(phi.b2.data);
       blas_store_kernel<<<capped_blocks(M * r.D), 256, 0, s>>>(bs.c, M, r.D, nullptr, r.hkv, st[i].out);
       NSA_CUDA_CHECK_LAUNCH();
@@ -992,20 +977,9 @@ bool backward_params(const Rows& r, const PhiParams& phi, const TensorView& x, c
           const BlasScratch bs = blas_scratch(r);
           const int64_t dD = int64_t(r.d) * r.D;
           gather_chunks(r, x, bs, s);
-          for (int i = 0; i < bs.S; ++i) {
-            blas::Product p;
-            p.M = N;
-            p.N = dD;
-            p.K = M;
-            p.a = gb;  // g [M, N] as stored: A^T
-            p.lda = N;
-            p.a_km = true;
-            p.b = bs.xg + i * r.hkv * dD;
-            p.ldb = dD;
-            p.c = part + i * dD;
-            p.ldc = K;
-            blas::matmul(p, bs.ws, s);
-          }
+          for (int i = 0; i < bs.S; ++i)  // g [M, N] as stored: A^T
+            blas::matmul(blas::product(N, dD, M, {gb, N, true}, {bs.xg + i * r.hkv * dD, dD}, part + i * dD, K), bs.ws,
+                         s);
           reduce_to(N, K, out, pe, 1);
           return;
         }
@@ -1039,37 +1013,12 @@ bool backward_params(const Rows& r, const PhiParams& phi, const TensorView& x, c
   column_sum<E>(dy, M, D, colsum, static_cast<E*>(dphi.b2.data), s);
   if (direct && blas_products<E>(r, phi, x)) {  // both in fp32 on cuBLASLt, on gelu(pre) and W2 in fp32
     const BlasScratch bs = blas_scratch(r);
-    gelu_kernel<<<capped_blocks(M * F), 256, 0, s>>>(pre, M * F, bs.h);
-    NSA_CUDA_CHECK_LAUNCH();
-    to_f32_kernel<E><<<blocks_for(int64_t(D) * F), 256, 0, s>>>(static_cast<const E*>(phi.w2.data), phi.w2.stride[0],
-                                                               D, F, bs.w2);
-    NSA_CUDA_CHECK_LAUNCH();
-    blas::Product w;  // dW2 = dy^T gelu(pre) into one partial
-    w.f32 = true;
-    w.M = D;
-    w.N = F;
-    w.K = M;
-    w.a = dy;  // [M, D] as stored: A^T
-    w.lda = D;
-    w.a_km = true;
-    w.b = bs.h;
-    w.ldb = F;
-    w.c = part;
-    w.ldc = F;
-    blas::matmul(w, bs.ws, s);
+    gelu_and_w2_f32<E>(pre, M, phi, D, F, bs, s);
+    // dW2 = dy^T gelu(pre) into one partial (dy [M, D] as stored: A^T)
+    blas::matmul(blas::product_f32(D, F, M, {dy, D, true}, {bs.h, F}, part, F), bs.ws, s);
     reduce_to(D, F, dphi.w2, nullptr, 1);
-    blas::Product g;  // dy W2, over gelu(pre) (read by the product above, on the same stream)
-    g.f32 = true;
-    g.M = M;
-    g.N = F;
-    g.K = D;
-    g.a = dy;
-    g.lda = D;
-    g.b = bs.w2;
-    g.ldb = F;
-    g.c = bs.h;
-    g.ldc = F;
-    blas::matmul(g, bs.ws, s);
+    // dy W2, over gelu(pre) (read by the product above, on the same stream)
+    blas::matmul(blas::product_f32(M, F, D, {dy, D}, {bs.w2, F}, bs.h, F), bs.ws, s);
     // dpre = (dy W2) gelu'(pre), in place.
     blas_store_kernel<<<capped_blocks(M * F), 256, 0, s>>>(bs.h, M, F, nullptr, r.hkv, StoreDpre{pre, F});
     NSA_CUDA_CHECK_LAUNCH();
@@ -1116,20 +1065,10 @@ void backward_x(const Rows& r, const PhiParams& phi, const float* dy, const floa
       const BlasScratch bs = blas_scratch(r);
       const int64_t M = r.rc * r.hkv, dD = int64_t(r.d) * r.D;
       NSA_CUDA_CHECK(cudaMemsetAsync(bs.dxg + M * dD, 0, size_t(bs.chunk_rows - M) * dD * sizeof(float), s));
-      for (int i = 0; i < bs.S; ++i) {
-        blas::Product p;
-        p.M = M;
-        p.N = dD;
-        p.K = F;
-        p.a = reinterpret_cast<const bf16*>(g16);
-        p.lda = F;
-        p.b = static_cast<const bf16*>(phi.w1.data) + i * dD;  // W1_s [F, d D] as stored
-        p.ldb = phi.w1.stride[0];
-        p.c = bs.dxg + i * r.hkv * dD;
-        p.ldc = dD;
-        p.beta = i == 0 ? 0.f : 1.f;
-        blas::matmul(p, bs.ws, s);
-      }
+      for (int i = 0; i < bs.S; ++i)  // W1_s [F, d D] as stored
+        blas::matmul(blas::product(M, dD, F, {g16, F}, {static_cast<const bf16*>(phi.w1.data) + i * dD, phi.w1.stride[0]},
+                                   bs.dxg + i * r.hkv * dD, dD, i == 0 ? 0.f : 1.f),
+                     bs.ws, s);
       const bool runs = r.D % 4 == 0 && (out.f32 ? on16(out.p) : on8(out.p) && out.s0 % 4 == 0 && out.s1 % 4 == 0);
       const int64_t per_slot = int64_t(r.d) * r.hkv * r.D;
       if (runs)
