@@ -223,7 +223,7 @@ CmpAttnParams cmp_params(const Plan& p, const TensorView& q, const void* kc, int
 
 void launch_cmp(const Plan& p, const CmpAttnParams& c) {
   const size_t smem = cmp_attention_smem_bytes(static_cast<int>(p.dqk), static_cast<int>(p.dv), c.group, c.score_ring,
-                                               c.scores != nullptr, kMaxSmem);
+                                               c.scores != nullptr, kMaxSmem, c.choices.cmp_scores_rows);
   if (smem > kMaxSmem)
     throw Error("cmp_block_len / cmp_stride", std::to_string(p.cfg.cmp_block_len / p.cfg.cmp_stride),
                 "needs more shared memory (" + std::to_string(smem) + " bytes) than the cuda backend has");

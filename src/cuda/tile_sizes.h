@@ -174,24 +174,29 @@ constexpr size_t cmp_wide_smem_bytes(int dqk, int dv) {
 // kernel is instantiated). H200, 64K, Hq 64 / Hkv 4, same run (`3831e9f`):
 // Dqk 192 30.9 -> 24.5 ms for pass 1 + S with 128 rows; Dqk 128 20.9 -> 21.1 ms, so 64 rows stay there.
 constexpr bool scores_wide_tiles(int dqk) { return dqk > 128; }
-// The S pass's tile rows on sm_90a: kScoresRows where scores_wide_tiles and that tile's shared
-// memory fits in max_smem (at G = 1 a 128-row tile holds 128 tokens, each with a ring of scores),
-// else kTileRows.
-constexpr int scores_rows(int dqk, int dv, int group, int score_ring, size_t max_smem) {
-  return scores_wide_tiles(dqk) && cmp_smem_bytes(kScoresRows, dqk, dv, group, score_ring, false, true) <= max_smem
+// The head dims for which the kScoresRows-row S kernel is compiled (CudaKernelChoices::cmp_scores_rows
+// asks for it at Dqk 128 too).
+constexpr bool scores_wide_compiled(int dqk) { return dqk >= 128; }
+// The S pass's tile rows on sm_90a: kScoresRows where asked for (rows = 128) or, with rows = 0, where
+// scores_wide_tiles, and only where that kernel is compiled and its tile's shared memory fits in
+// max_smem (at G = 1 a 128-row tile holds 128 tokens, each with a ring of scores); else kTileRows.
+constexpr int scores_rows(int dqk, int dv, int group, int score_ring, size_t max_smem, int rows = 0) {
+  const bool wide = rows == 0 ? scores_wide_tiles(dqk) : rows == kScoresRows;
+  return wide && scores_wide_compiled(dqk) &&
+                 cmp_smem_bytes(kScoresRows, dqk, dv, group, score_ring, false, true) <= max_smem
              ? kScoresRows
              : kTileRows;
 }
 // The most any of its kernels takes: the fused 64-row kernel (sm_80), or the kWgRows-row pass 1
 // and the S pass in scores_rows() rows (sm_90a).
 constexpr size_t cmp_attention_smem_bytes(int dqk, int dv, int group, int score_ring, bool with_scores,
-                                          size_t max_smem) {
+                                          size_t max_smem, int scores_tile_rows = 0) {
   const size_t fused = cmp_smem_bytes(kTileRows, dqk, dv, group, score_ring, true, with_scores);
   const size_t pass1_cp = cmp_smem_bytes(kWgRows, dqk, dv, group, score_ring, true, false);
   const size_t pass1_wide = cmp_wide_smem_bytes(dqk, dv);
   const size_t pass1 = pass1_cp > pass1_wide ? pass1_cp : pass1_wide;
-  const size_t pass2 = with_scores ? cmp_smem_bytes(scores_rows(dqk, dv, group, score_ring, max_smem), dqk, dv, group,
-                                                    score_ring, false, true)
+  const size_t pass2 = with_scores ? cmp_smem_bytes(scores_rows(dqk, dv, group, score_ring, max_smem, scores_tile_rows),
+                                                    dqk, dv, group, score_ring, false, true)
                                    : 0;
   const size_t split = pass1 > pass2 ? pass1 : pass2;
   return fused > split ? fused : split;

@@ -74,6 +74,18 @@ using PhiOnMmaSync = ChoiceOff<&CudaKernelChoices::phi_wgmma>;
 // 64-key chunk.
 using ScoresByRing = ChoiceOff<&CudaKernelChoices::cmp_scores_by_chunk>;
 
+// While one lives, the sm_90a score pass runs in row tiles of `rows` (64 or 128; 128 only where
+// its shared memory fits) instead of its rule's.
+struct ScoresTileRows {
+  explicit ScoresTileRows(int rows) : before_(kernel_choices().cmp_scores_rows) { kernel_choices().cmp_scores_rows = rows; }
+  ~ScoresTileRows() { kernel_choices().cmp_scores_rows = before_; }
+  ScoresTileRows(const ScoresTileRows&) = delete;
+  ScoresTileRows& operator=(const ScoresTileRows&) = delete;
+
+ private:
+  int before_;
+};
+
 // While alive, the backward takes paths its rules keep for long sequences: the compressed dK/dV's
 // queries in `cmp_splits` parts (0: by the sequence length), with pair_sort the inverted index's
 // (key, token) pair sort, and the raw blocks' selection lists in pieces of at most

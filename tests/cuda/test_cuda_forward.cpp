@@ -293,6 +293,19 @@ TEST_P(CudaForward, CompressedAttentionAndScoresByRingMatchReference) {
   check_cmp_and_scores(GetParam());
 }
 
+// The sm_90a score pass in both of its row tiles (64: 4 tokens at G = 16, one warpgroup; 128: two
+// warpgroups sharing every K chunk), whichever its rule picks for the case.
+TEST_P(CudaForward, CompressedAttentionAndScoresIn64RowTilesMatchReference) {
+  NSA_REQUIRE_GPU();
+  const ScoresTileRows rows(64);
+  check_cmp_and_scores(GetParam());
+}
+TEST_P(CudaForward, CompressedAttentionAndScoresIn128RowTilesMatchReference) {
+  NSA_REQUIRE_GPU();
+  const ScoresTileRows rows(128);
+  check_cmp_and_scores(GetParam());
+}
+
 // ---- top-n on identical scores --------------------------------------------------------------
 
 // select_topn on the GPU against the reference for scores s [T, Hkv, blocks]: the same indices

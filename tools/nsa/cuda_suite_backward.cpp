@@ -11,7 +11,9 @@
 // 64K), the latter with phi's bf16 products on mma.sync where they would run on cuBLASLt or wgmma
 // (saved_o_cmp_phi_mlp_mma_sync: their same-run A/B), saved_o_cmp with the score pass's ring
 // accumulator where it would write each chunk's blocks directly (saved_o_cmp_score_ring, Dqk = Dv =
-// 128 at 8K and 64K: their same-run A/B), the forward's o_cmp and o_win kept, so that the backward
+// 128 at 8K and 64K: their same-run A/B), saved_o_cmp_win with the sm_90a score pass in 64- and in
+// 128-row tiles (saved_o_cmp_win_scores_64, _128; Dqk = Dv = 128 at 8K and 64K: their same-run A/B,
+// beside saved_o_cmp_win, the rule's), the forward's o_cmp and o_win kept, so that the backward
 // recomputes no branch output (saved_o_cmp_win; saved_o_cmp_win_phi_mlp: the torch layer's default
 // call, Hq 64 at 8K and 64K; saved_o_cmp_win_phi_mlp_own_products: the same with phi's large products
 // on the library's own wgmma kernels instead of cuBLASLt, their same-run A/B), and the backward's
@@ -64,7 +66,9 @@ const char* const kVariantNames[] = {"full",
                                      "saved_o_cmp_score_ring",
                                      "saved_o_cmp_win",
                                      "saved_o_cmp_win_phi_mlp",
-                                     "saved_o_cmp_win_phi_mlp_own_products"};
+                                     "saved_o_cmp_win_phi_mlp_own_products",
+                                     "saved_o_cmp_win_scores_64",
+                                     "saved_o_cmp_win_scores_128"};
 
 struct Shape {
   int64_t hq, hkv, dqk, dv;
@@ -131,6 +135,7 @@ struct Variant {
   bool phi_mma_sync = false;       // phi's bf16 products on mma.sync where they would run on cuBLASLt / wgmma (CudaKernelChoices)
   bool phi_own = false;            // phi's large bf16 products on wgmma where they would run on cuBLASLt (CudaKernelChoices)
   bool score_ring = false;         // the score pass's ring accumulator everywhere (CudaKernelChoices)
+  int scores_rows = 0;             // the sm_90a score pass's row tiles, 64 or 128 (0: the rule; CudaKernelChoices)
 };
 
 // The variants of one shape and length: the full layer, then one branch off at a time (64K and 8K
@@ -150,6 +155,9 @@ std::vector<Variant> variants_of(const Shape& s, int64_t T) {
                         .o_cmp = true, .one_warpgroup_dkv = true});
     variants.push_back(
         {.name = "saved_o_cmp_score_ring", .n = 16, .w = 512, .phi = PhiKind::mean, .o_cmp = true, .score_ring = true});
+    for (int rows : {64, 128})
+      variants.push_back({.name = rows == 64 ? "saved_o_cmp_win_scores_64" : "saved_o_cmp_win_scores_128", .n = 16,
+                          .w = 512, .phi = PhiKind::mean, .o_cmp = true, .o_win = true, .scores_rows = rows});
   }
   if (square && s.hq == 64 && (T == 65536 || T == 8192)) {
     variants.push_back({.name = "no_window", .n = 16, .w = 0, .phi = PhiKind::mean});
@@ -212,6 +220,7 @@ int run_backward_suite(const std::vector<std::string>& args) {
         choices.phi_wgmma = !var.phi_mma_sync;
         choices.phi_blas = !var.phi_mma_sync && !var.phi_own;
         choices.cmp_scores_by_chunk = !var.score_ring;
+        choices.cmp_scores_rows = var.scores_rows;
         nsa::Config cfg;
         cfg.phi = var.phi;
         cfg.n_selected = var.n;

@@ -593,8 +593,8 @@ void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream) {
   CUtensorMap kc_map{};  // the S pass's (64-row boxes)
   const int kc_tma =
       kv_rows_tensor_map<Storage, kDqk>(&kc_map, p.choices, p.kc, p.hkv, p.kc_rows, p.kc_st, p.kc_sh) ? 1 : 0;
-  if constexpr (scores_wide_tiles(kDqk)) {  // else the 128-row S kernel is not instantiated
-    if (scores_rows(kDqk, kDv, p.group, p.score_ring, kMaxSmem) == kScoresRows) {
+  if constexpr (scores_wide_compiled(kDqk)) {  // else the 128-row S kernel is not instantiated
+    if (scores_rows(kDqk, kDv, p.group, p.score_ring, kMaxSmem, p.choices.cmp_scores_rows) == kScoresRows) {
       cmp_launch(cmp_scores_kernel<Storage, kDqk, kDv, kScoresRows, 2>, kScoresRows,
                  cmp_smem_bytes(kScoresRows, kDqk, kDv, p.group, p.score_ring, false, true), p, stream, kc_map, kc_tma);
       return;
