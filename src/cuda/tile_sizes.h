@@ -170,18 +170,19 @@ inline constexpr int kCmpWideRows = 128, kCmpWideChunk = 128, kCmpWideStages = 2
 constexpr size_t cmp_wide_smem_bytes(int dqk, int dv) {
   return tma_ring_end(kCmpWideRows, dqk, dv, kCmpWideChunk, kCmpWideStages) + tma_ring_bar_bytes(kCmpWideStages);
 }
-// The head dims whose S pass may take kScoresRows-row tiles on sm_90a (the only ones for which that
-// kernel is instantiated). H200, 64K, Hq 64 / Hkv 4, same run (`3831e9f`):
-// Dqk 192 30.9 -> 24.5 ms for pass 1 + S with 128 rows; Dqk 128 20.9 -> 21.1 ms, so 64 rows stay there.
-constexpr bool scores_wide_tiles(int dqk) { return dqk > 128; }
-// The head dims for which the kScoresRows-row S kernel is compiled (CudaKernelChoices::cmp_scores_rows
-// asks for it at Dqk 128 too).
+// Where the S pass takes kScoresRows-row tiles on sm_90a by its rule: Dqk above 128, and Dqk 128 at
+// G <= 4 (a 128-row tile: 32 tokens share each K chunk at G = 4, 8 at G = 16). H200, 64K, Hq 64 /
+// Hkv 4, same run (`3831e9f`): Dqk 192 30.9 -> 24.5 ms for pass 1 + S with 128 rows. H100, 64K, ncu
+// of the S pass (`180f14a`): G = 16 5.86 ms in 64-row tiles, 6.15 in 128; G = 4 (Hq 16) 2.04 -> 1.86
+// (8K: G = 16 0.182 / 0.194, G = 4 0.067 / 0.064). Measured at G = 4 and 16 only.
+constexpr bool scores_wide_tiles(int dqk, int group) { return dqk > 128 || (dqk == 128 && group <= 4); }
+// The head dims for which the kScoresRows-row S kernel is compiled.
 constexpr bool scores_wide_compiled(int dqk) { return dqk >= 128; }
 // The S pass's tile rows on sm_90a: kScoresRows where asked for (rows = 128) or, with rows = 0, where
 // scores_wide_tiles, and only where that kernel is compiled and its tile's shared memory fits in
 // max_smem (at G = 1 a 128-row tile holds 128 tokens, each with a ring of scores); else kTileRows.
 constexpr int scores_rows(int dqk, int dv, int group, int score_ring, size_t max_smem, int rows = 0) {
-  const bool wide = rows == 0 ? scores_wide_tiles(dqk) : rows == kScoresRows;
+  const bool wide = rows == 0 ? scores_wide_tiles(dqk, group) : rows == kScoresRows;
   return wide && scores_wide_compiled(dqk) &&
                  cmp_smem_bytes(kScoresRows, dqk, dv, group, score_ring, false, true) <= max_smem
              ? kScoresRows

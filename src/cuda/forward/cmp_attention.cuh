@@ -564,10 +564,11 @@ inline void cmp_launch(Kernel kernel, int rows, size_t smem, const CmpAttnParams
 }
 
 // sm_90a: pass 1 in 128-row tiles and 128-key chunks by TMA (cmp_pass1_wide_kernel; the 192-row
-// cp.async kernel where no tensor map can be made), then the S pass as its own kernel: at Dqk = 192 in
-// kScoresRows = 128-row tiles (two warpgroups share every K chunk) at 2 CTAs per SM, except where
-// such a tile's score rings do not fit in shared memory (G = 1 with long rings); otherwise in
-// 64-row tiles at 4 CTAs per SM (3 at Dqk = 192, where 4 measured slower). See scores_rows.
+// cp.async kernel where no tensor map can be made), then the S pass as its own kernel: at Dqk = 192,
+// and at Dqk = 128 with G <= 4, in kScoresRows = 128-row tiles (two warpgroups share every K chunk)
+// at 2 CTAs per SM, except where such a tile's score rings do not fit in shared memory (G = 1 with
+// long rings); otherwise in 64-row tiles at 4 CTAs per SM (3 at Dqk = 192, where 4 measured
+// slower). See scores_rows.
 // Elsewhere (sm_80 and the compute_80 PTX): the fused 64-row kernel. H200, 64K, Hq 64 / Hkv 4,
 // D 128 (docs/cuda.md): cmp + S 27.7 ms split, 32.7 fused (tree of `95428a5`).
 template <typename Storage, int kDqk, int kDv>
