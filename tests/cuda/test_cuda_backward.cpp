@@ -443,6 +443,20 @@ TEST_P(CudaBackward, PairSortMatchesReference) {
   check_against_reference(GetParam(), {.o = true}, {{0, true}});
 }
 
+// The gradients of `got` have the bits of the same gradients in `want` (as DeviceLayer::download
+// names them); `what` says which run `got` is.
+void expect_same_bits(const std::vector<std::pair<std::string, HostTensor>>& want,
+                      const std::vector<std::pair<std::string, HostTensor>>& got, const std::string& what) {
+  ASSERT_EQ(want.size(), got.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    const size_t bytes = size_t(want[i].second.numel()) * dtype_size(want[i].second.dtype());
+    EXPECT_EQ(std::memcmp(const_cast<HostTensor&>(want[i].second).data(),
+                          const_cast<HostTensor&>(got[i].second).data(), bytes),
+              0)
+        << want[i].first << " of " << what;
+  }
+}
+
 TEST_P(CudaBackward, BitwiseDeterministic) {
   NSA_REQUIRE_GPU();
   const BwdCase& c = GetParam();
@@ -454,15 +468,7 @@ TEST_P(CudaBackward, BitwiseDeterministic) {
   const auto first = dev.download(t.low);
   for (int rep = 0; rep < 3; ++rep) {
     dev.run(cfg);
-    const auto again = dev.download(t.low);
-    ASSERT_EQ(first.size(), again.size());
-    for (size_t i = 0; i < first.size(); ++i) {
-      const size_t bytes = size_t(first[i].second.numel()) * dtype_size(first[i].second.dtype());
-      EXPECT_EQ(std::memcmp(const_cast<HostTensor&>(first[i].second).data(),
-                            const_cast<HostTensor&>(again[i].second).data(), bytes),
-                0)
-          << first[i].first << " differs on repetition " << rep;
-    }
+    expect_same_bits(first, dev.download(t.low), "repetition " + std::to_string(rep));
   }
 }
 
@@ -509,15 +515,7 @@ TEST_P(CudaBackward, ReplayOfACapturedBackwardGivesTheEagerBits) {
   }
   NSA_TEST_CUDA(cudaGraphLaunch(exec, stream));
   NSA_TEST_CUDA(cudaStreamSynchronize(stream));
-  const auto replayed = dev.download(t.low);
-  ASSERT_EQ(eager.size(), replayed.size());
-  for (size_t i = 0; i < eager.size(); ++i) {
-    const size_t bytes = size_t(eager[i].second.numel()) * dtype_size(eager[i].second.dtype());
-    EXPECT_EQ(std::memcmp(const_cast<HostTensor&>(eager[i].second).data(),
-                          const_cast<HostTensor&>(replayed[i].second).data(), bytes),
-              0)
-        << eager[i].first << " of the replay";
-  }
+  expect_same_bits(eager, dev.download(t.low), "the replay");
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
