@@ -11,7 +11,9 @@
 #                        AB_LENGTHS; logs in $OUT/<branch>/
 #                        and one table of the benchmark lines in $OUT/ab_summary.txt.
 # Environment: OUT (default ./out), AB_LENGTHS (default 65536), AB_STEPS (default "build tests bench
-# bench_backward"; add "profile" for every kernel's ncu time, scripts/profile_gpu.sh, and "gather" for
+# bench_backward"; add "profile" for every kernel's ncu time, scripts/profile_gpu.sh (AB_PROFILE_VARIANTS:
+# one run per backward-suite variant, e.g. "saved_o_cmp_win saved_o_cmp_win_softmax_no_slack", with
+# AB_PROFILE_FLAGS before --variant, default --g16-only, and AB_PROFILE_T, default 65536), and "gather" for
 # nsa_gather_bench), AB_BENCH_ARGS (default --no-locality; "" adds the local_q stages),
 # AB_BWD_ARGS (more options of the backward suite, e.g. "--shape 64,4,192,128"; a snapshot's bench
 # must know them; a snapshot older than the suites, one with bench/cuda_forward_bench.cu, runs its
@@ -84,7 +86,8 @@ fi
 
 DEADLINE="${AB_DEADLINE:-560}"
 # Rough seconds per step on the H200 (above), for the deadline.
-step_cost() { case "$1" in build) echo 45 ;; tests) echo 150 ;; bench | bench_backward) echo 75 ;; profile) echo 120 ;;
+step_cost() { case "$1" in build) echo 45 ;; tests) echo 150 ;; bench | bench_backward) echo 75 ;;
+                           profile) local v=(${AB_PROFILE_VARIANTS:-_}); echo $((90 * ${#v[@]})) ;;
                            gather) echo 20 ;; break) echo 250 ;; pytest) echo 120 ;; layer) echo 150 ;; public) echo 180 ;;
                            *) echo 30 ;; esac; }
 # The snapshot's Python package, its path on stdout: the snapshot's py_stage.sh, given the extension
@@ -216,9 +219,19 @@ for dir in "${dirs[@]}"; do
     sed 's/^/  gather: /' "$log/gather.txt" | tail -6 >> "$SUMMARY"
   fi
   if has profile; then
-    BUILD_DIR="$build" OUT="$log/profile" "$ROOT/scripts/profile_gpu.sh" > "$log/profile.log" 2>&1 ||
-      { echo "  profile FAILED" | tee -a "$SUMMARY"; rc_all=1; }
-    sed 's/^/  ncu: /' "$log/profile/kernel_times.txt" >> "$SUMMARY" 2>/dev/null
+    # One ncu run of the backward suite's --once (profile_gpu.sh), or one per variant of
+    # AB_PROFILE_VARIANTS (their kernels summed by name, side by side in the summary).
+    for v in ${AB_PROFILE_VARIANTS:-_}; do
+      pdir="$log/profile" flags="${AB_PROFILE_FLAGS---g16-only}" label=""
+      [[ "$v" == _ ]] || { pdir="$log/profile_$v"; flags="$flags --variant $v"; label=" $v"; }
+      BUILD_DIR="$build" OUT="$pdir" T="${AB_PROFILE_T:-65536}" BENCH_FLAGS="$flags" "$ROOT/scripts/profile_gpu.sh" \
+        > "$pdir.log" 2>&1 || { echo "  profile$label FAILED" | tee -a "$SUMMARY"; rc_all=1; }
+      if [[ "$v" == _ ]]; then
+        sed 's/^/  ncu: /' "$pdir/kernel_times.txt" >> "$SUMMARY" 2>/dev/null
+      else
+        { head -12 "$pdir/kernel_by_name.txt"; cat "$pdir/kernel_total.txt"; } 2>/dev/null | sed "s/^/  ncu $v: /" >> "$SUMMARY"
+      fi
+    done
   fi
   if has pytest; then
     if stage="$(py_stage_of "$dir" "$log" "$build")"; then
