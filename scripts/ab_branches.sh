@@ -87,7 +87,7 @@ fi
 DEADLINE="${AB_DEADLINE:-560}"
 # Rough seconds per step on the H200 (above), for the deadline.
 step_cost() { case "$1" in build) echo 45 ;; tests) echo 150 ;; bench | bench_backward) echo 75 ;;
-                           profile) local v=(${AB_PROFILE_VARIANTS:-_}); echo $((90 * ${#v[@]})) ;;
+                           profile) local v; read -ra v <<< "${AB_PROFILE_VARIANTS:-_}"; echo $((90 * ${#v[@]})) ;;
                            gather) echo 20 ;; break) echo 250 ;; pytest) echo 120 ;; layer) echo 150 ;; public) echo 180 ;;
                            *) echo 30 ;; esac; }
 # The snapshot's Python package, its path on stdout: the snapshot's py_stage.sh, given the extension
