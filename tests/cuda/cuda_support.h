@@ -11,6 +11,8 @@
 #include <limits>
 #include <sstream>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "support.h"
@@ -39,17 +41,24 @@ inline Context cuda_context(Backend backend = Backend::cuda) {
   return c;
 }
 
-// While one lives, the kernel choice Member is false; the value before it comes back with the
-// guard's end. The guards below name the choices the tests switch off.
-template <bool CudaKernelChoices::*Member>
-struct ChoiceOff {
-  ChoiceOff() : before_(kernel_choices().*Member) { kernel_choices().*Member = false; }
-  ~ChoiceOff() { kernel_choices().*Member = before_; }
-  ChoiceOff(const ChoiceOff&) = delete;
-  ChoiceOff& operator=(const ChoiceOff&) = delete;
+// While one lives, the kernel choice Member has the value it was given; the value before it comes
+// back with the guard's end.
+template <auto Member>
+class ChoiceSet {
+ public:
+  using Value = std::remove_reference_t<decltype(std::declval<CudaKernelChoices&>().*Member)>;
+  explicit ChoiceSet(Value value) : before_(kernel_choices().*Member) { kernel_choices().*Member = value; }
+  ~ChoiceSet() { kernel_choices().*Member = before_; }
+  ChoiceSet(const ChoiceSet&) = delete;
+  ChoiceSet& operator=(const ChoiceSet&) = delete;
 
  private:
-  bool before_;
+  Value before_;
+};
+// A boolean choice switched off while one lives. The guards below name the choices the tests switch.
+template <bool CudaKernelChoices::*Member>
+struct ChoiceOff : ChoiceSet<Member> {
+  ChoiceOff() : ChoiceSet<Member>(false) {}
 };
 
 // No tensor map is made, so every kernel takes the path it takes where a map cannot be encoded.
@@ -74,17 +83,9 @@ using PhiOnMmaSync = ChoiceOff<&CudaKernelChoices::phi_wgmma>;
 // 64-key chunk.
 using ScoresByRing = ChoiceOff<&CudaKernelChoices::cmp_scores_by_chunk>;
 
-// While one lives, the sm_90a score pass runs in row tiles of `rows` (64 or 128; 128 only where
-// its shared memory fits) instead of its rule's.
-struct ScoresTileRows {
-  explicit ScoresTileRows(int rows) : before_(kernel_choices().cmp_scores_rows) { kernel_choices().cmp_scores_rows = rows; }
-  ~ScoresTileRows() { kernel_choices().cmp_scores_rows = before_; }
-  ScoresTileRows(const ScoresTileRows&) = delete;
-  ScoresTileRows& operator=(const ScoresTileRows&) = delete;
-
- private:
-  int before_;
-};
+// The sm_90a score pass in row tiles of the given rows (64 or 128; 128 only where its shared
+// memory fits) instead of its rule's.
+using ScoresTileRows = ChoiceSet<&CudaKernelChoices::cmp_scores_rows>;
 
 // While alive, the backward takes paths its rules keep for long sequences: the compressed dK/dV's
 // queries in `cmp_splits` parts (0: by the sequence length), with pair_sort the inverted index's
@@ -111,11 +112,13 @@ struct LongSequencePaths {
 
 #define NSA_TEST_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
 
-// call() captured on `stream` into *graph (cudaStreamCaptureModeGlobal). Returns what went wrong
-// ("" when nothing did): what the call threw, or the capture's end refused (a synchronisation, a
-// pageable copy inside the call). The capture is ended either way.
-template <class F>
-std::string capture(cudaStream_t stream, cudaGraph_t* graph, F&& call) {
+// call() captured in a CUDA graph on `stream` (cudaStreamCaptureModeGlobal), then replayed there
+// once after poison() (which enqueues the outputs' poisoning on `stream` and returns its first
+// error), the stream synchronised. Returns what went wrong ("" when nothing did): what the call
+// threw, the capture's end refused (a synchronisation, a pageable copy inside the call), or a CUDA
+// error of the replay. The capture is ended and the graph destroyed either way.
+template <class Call, class Poison>
+std::string capture_and_replay(cudaStream_t stream, Call&& call, Poison&& poison) {
   cudaError_t e = cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal);
   if (e != cudaSuccess) return std::string("cudaStreamBeginCapture: ") + cudaGetErrorString(e);
   std::string failed;
@@ -124,8 +127,19 @@ std::string capture(cudaStream_t stream, cudaGraph_t* graph, F&& call) {
   } catch (const std::exception& x) {
     failed = std::string("threw: ") + x.what();
   }
-  e = cudaStreamEndCapture(stream, graph);
-  if (failed.empty() && e != cudaSuccess) failed = std::string("cudaStreamEndCapture: ") + cudaGetErrorString(e);
+  cudaGraph_t graph = nullptr;
+  e = cudaStreamEndCapture(stream, &graph);
+  // step(what, error): records the first error; true while there is none.
+  auto step = [&](const char* what, cudaError_t err) {
+    if (failed.empty() && err != cudaSuccess) failed = std::string(what) + ": " + cudaGetErrorString(err);
+    return failed.empty();
+  };
+  cudaGraphExec_t exec = nullptr;
+  if (step("cudaStreamEndCapture", e) && step("cudaGraphInstantiate", cudaGraphInstantiate(&exec, graph, 0)) &&
+      step("poisoning the outputs", poison()) && step("cudaGraphLaunch", cudaGraphLaunch(exec, stream)))
+    step("cudaStreamSynchronize", cudaStreamSynchronize(stream));
+  if (exec != nullptr) cudaGraphExecDestroy(exec);
+  if (graph != nullptr) cudaGraphDestroy(graph);
   return failed;
 }
 

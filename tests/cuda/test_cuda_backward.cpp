@@ -498,26 +498,18 @@ TEST_P(CudaBackward, ReplayOfACapturedBackwardGivesTheEagerBits) {
   NSA_TEST_CUDA(cudaStreamSynchronize(stream));
   const auto eager = dev.download(t.low);
 
-  cudaGraph_t graph = nullptr;
-  const std::string failed =
-      capture(stream, &graph, [&] { backward(ctx, cfg, dev.in, dev.saved, dev.d_o.view(), dev.grads, ws.view()); });
-  ASSERT_TRUE(failed.empty()) << "the backward's capture: " << failed;
-  cudaGraphExec_t exec;
-  NSA_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  for (const DeviceTensor* d : {&dev.dq, &dev.dg}) NSA_TEST_CUDA(d->poison(stream));
-  for (int b = 0; b < 3; ++b) {
-    NSA_TEST_CUDA(dev.dk[b].poison(stream));
-    NSA_TEST_CUDA(dev.dv[b].poison(stream));
-  }
-  for (int i = 0; i < 5; ++i) {
-    NSA_TEST_CUDA(dev.dphi_k[i].poison(stream));
-    NSA_TEST_CUDA(dev.dphi_v[i].poison(stream));
-  }
-  NSA_TEST_CUDA(cudaGraphLaunch(exec, stream));
-  NSA_TEST_CUDA(cudaStreamSynchronize(stream));
+  auto poison_gradients = [&] {  // dq, dg, every dK / dV and phi gradient
+    std::vector<const DeviceTensor*> grads = {&dev.dq, &dev.dg};
+    for (int b = 0; b < 3; ++b) grads.insert(grads.end(), {&dev.dk[b], &dev.dv[b]});
+    for (int i = 0; i < 5; ++i) grads.insert(grads.end(), {&dev.dphi_k[i], &dev.dphi_v[i]});
+    for (const DeviceTensor* d : grads)
+      if (const cudaError_t e = d->poison(stream); e != cudaSuccess) return e;
+    return cudaSuccess;
+  };
+  const std::string failed = capture_and_replay(
+      stream, [&] { backward(ctx, cfg, dev.in, dev.saved, dev.d_o.view(), dev.grads, ws.view()); }, poison_gradients);
+  ASSERT_TRUE(failed.empty()) << "the backward's capture and replay: " << failed;
   expect_same_bits(eager, dev.download(t.low), "the replay");
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }
 

@@ -493,11 +493,6 @@ TEST(CudaForwardSelection, UnionAndPerTokenTilesInOneCall) {
 
 // ---- whole forward ----------------------------------------------------------------------------
 
-// The CUDA forward of p (its inputs on the device, a workspace poisoned with the NaN pattern):
-// o, lse, indices and o_branch of p downloaded from the GPU. With o_cmp (a [T, Hq, Dv] tensor of
-// p's storage type): the forward writes the compressed branch's output there instead of o_branch,
-// and with o_win as well the window branch's.
-// v_pe_shift: phi_v's pe that many elements off its allocation (DeviceTensor).
 // Device copies of p's forward inputs (q, g, the K/V sets, phi's parameters, the offsets) and
 // their Inputs. v_pe_shift: phi_v's pe that many elements off its allocation (DeviceTensor).
 struct DeviceInputs {
@@ -524,6 +519,10 @@ struct DeviceInputs {
   }
 };
 
+// The CUDA forward of p (its inputs on the device, a workspace poisoned with the NaN pattern):
+// o, lse, indices and o_branch of p downloaded from the GPU. With o_cmp (a [T, Hq, Dv] tensor of
+// p's storage type): the forward writes the compressed branch's output there instead of o_branch,
+// and with o_win as well the window branch's. v_pe_shift: as DeviceInputs.
 void run_cuda_forward(const Case& c, const Config& cfg, LayerProblem& p, HostTensor* o_cmp = nullptr,
                       int v_pe_shift = 0, HostTensor* o_win = nullptr) {
   const DeviceInputs dev(c, cfg, p, v_pe_shift);
@@ -727,14 +726,12 @@ TEST_P(CudaForward, ReplayOfACapturedForwardGivesTheEagerBits) {
   const DeviceTensor* dev[4] = {&o, &lse, &idx, &ob};
   for (int i = 0; i < 4; ++i) dev[i]->download(eager[i]);
 
-  cudaGraph_t graph = nullptr;
-  const std::string failed = capture(stream, &graph, [&] { forward(ctx, cfg, in, out, ws.view()); });
-  ASSERT_TRUE(failed.empty()) << "the forward's capture: " << failed;
-  cudaGraphExec_t exec;
-  NSA_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  for (int i = 0; i < 4; ++i) NSA_TEST_CUDA(dev[i]->poison(stream));
-  NSA_TEST_CUDA(cudaGraphLaunch(exec, stream));
-  NSA_TEST_CUDA(cudaStreamSynchronize(stream));
+  const std::string failed = capture_and_replay(stream, [&] { forward(ctx, cfg, in, out, ws.view()); }, [&] {
+    for (const DeviceTensor* d : dev)
+      if (const cudaError_t e = d->poison(stream); e != cudaSuccess) return e;
+    return cudaSuccess;
+  });
+  ASSERT_TRUE(failed.empty()) << "the forward's capture and replay: " << failed;
   const char* names[4] = {"o", "lse", "indices", "o_branch"};
   for (int i = 0; i < 4; ++i) {
     HostTensor replayed = eager[i];
@@ -742,8 +739,6 @@ TEST_P(CudaForward, ReplayOfACapturedForwardGivesTheEagerBits) {
     EXPECT_EQ(std::memcmp(replayed.data(), eager[i].data(), eager[i].numel() * dtype_size(eager[i].dtype())), 0)
         << names[i] << " of the replay";
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }
 
