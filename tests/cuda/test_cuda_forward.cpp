@@ -452,6 +452,32 @@ TEST_P(CudaForward, SelectedAndWindowAttentionMatchReference) {
   EXPECT_TRUE(close(lse.values(), lse_ref.values(), lse_tol)) << "window";
 }
 
+// Keys whose size grows along each sequence (key t of a sequence times 1 + t / 32): every later
+// block scores higher, so a selection walk's running max keeps rising, by more than the per-token
+// kernels' rescale slack (slc_softmax_step: 2^8) between many steps, where random keys of one size
+// move it by a few units at most and only at the first step past the slack. Both per-token kernels
+// (by TMA and, without tensor maps, by cp.async) and the union tiles.
+TEST_P(CudaForward, SelectedAttentionWithRisingScoresMatchesReference) {
+  NSA_REQUIRE_GPU();
+  const Case& c = GetParam();
+  Config cfg = config_of(c);
+  if (cfg.n_selected == 0) cfg.n_selected = 2;
+  LayerProblem p = make_problem(cfg, sizes_of(c), 47);
+  HostTensor& k = p.k[0];
+  int64_t row = 0;
+  for (int32_t len : p.sizes.seqlens)
+    for (int32_t t = 0; t < len; ++t, ++row)
+      for (int64_t e = 0; e < c.hkv * c.dqk; ++e) {
+        const int64_t i = row * c.hkv * c.dqk + e;
+        k.set(i, k.get(i) * (1.0 + t / 32.0));
+      }
+  HostTensor idx = random_topn_rows(c, cfg, p, 12);
+  expect_selection_matches_reference(c, cfg, p, idx, 0);
+  expect_selection_matches_reference(c, cfg, p, idx, -1);
+  const NoTensorMaps no_tma;
+  expect_selection_matches_reference(c, cfg, p, idx, -1);
+}
+
 // A row of indices is a set (api.h): order, repeats and where the -1 padding sits do not matter.
 // Rows here are the top-n rows reversed (padding first, blocks descending) with the first block
 // repeated in the last place; the reference reads the same rows.

@@ -111,7 +111,13 @@ __device__ __forceinline__ void store_warp_rows(const BranchParams& p, Storage* 
 // The online softmax of a 16-key step (both per-token walks): s (the step's raw scores of rows g
 // and g + 8, masked keys -inf) becomes P, and the running max m, sum lsum (log2 units) and the
 // output accumulator acc (kOTiles n8 tiles) are rescaled, as TileAttention::softmax_update
-// (rescale skipped when no max moved).
+// (rescale skipped when no max moved). The reference max m moves only when a step's max exceeds
+// it by more than kSlcMaxSlack (log2 units; from -inf, at the first visible key): P then stays
+// below 2^kSlcMaxSlack (exact in fp32, bf16 / f16 keep their relative precision there), and o =
+// acc / lsum and lse = m + log2(lsum) are the same quotients. With 16-key steps the rescale (the
+// accumulator's kOTiles x 4 products) would otherwise run at most steps, whenever one of the warp's
+// 16 rows found a larger score; now at the first step and where scores jump.
+inline constexpr float kSlcMaxSlack = 8.f;
 template <int kOTiles>
 __device__ __forceinline__ void slc_softmax_step(float (&s)[2][4], float (&m)[2], float (&lsum)[2],
                                                  float (&acc)[kOTiles][4], float scale_log2) {
@@ -121,7 +127,8 @@ __device__ __forceinline__ void slc_softmax_step(float (&s)[2][4], float (&m)[2]
     float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m[h], mx * scale_log2);
+    const float m_step = mx * scale_log2;
+    const float m_new = m_step > m[h] + kSlcMaxSlack ? m_step : m[h];
     const float m_use = m_new == kNegInf ? 0.f : m_new;
     alpha[h] = fast_exp2(m[h] - m_use);
     float sum = 0.f;
