@@ -456,7 +456,8 @@ TEST_P(CudaForward, SelectedAndWindowAttentionMatchReference) {
 // block scores higher, so a selection walk's running max keeps rising, by more than the per-token
 // kernels' rescale slack (slc_softmax_step: 2^8) between many steps, where random keys of one size
 // move it by a few units at most and only at the first step past the slack. Both per-token kernels
-// (by TMA and, without tensor maps, by cp.async) and the union tiles.
+// (by TMA and, without tensor maps, by cp.async) and the union tiles; then the per-token kernels
+// with the max following every step (SelectionMaxWithoutSlack).
 TEST_P(CudaForward, SelectedAttentionWithRisingScoresMatchesReference) {
   NSA_REQUIRE_GPU();
   const Case& c = GetParam();
@@ -474,7 +475,13 @@ TEST_P(CudaForward, SelectedAttentionWithRisingScoresMatchesReference) {
   HostTensor idx = random_topn_rows(c, cfg, p, 12);
   expect_selection_matches_reference(c, cfg, p, idx, 0);
   expect_selection_matches_reference(c, cfg, p, idx, -1);
+  {
+    const SelectionMaxWithoutSlack no_slack;
+    expect_selection_matches_reference(c, cfg, p, idx, -1);
+  }
   const NoTensorMaps no_tma;
+  expect_selection_matches_reference(c, cfg, p, idx, -1);
+  const SelectionMaxWithoutSlack no_slack;
   expect_selection_matches_reference(c, cfg, p, idx, -1);
 }
 

@@ -116,11 +116,13 @@ __device__ __forceinline__ void store_warp_rows(const BranchParams& p, Storage* 
 // below 2^kSlcMaxSlack (exact in fp32, bf16 / f16 keep their relative precision there), and o =
 // acc / lsum and lse = m + log2(lsum) are the same quotients. With 16-key steps the rescale (the
 // accumulator's kOTiles x 4 products) would otherwise run at most steps, whenever one of the warp's
-// 16 rows found a larger score; now at the first step and where scores jump.
+// 16 rows found a larger score; now at the first step and where scores jump. slack = 0
+// (CudaKernelChoices::slc_max_slack off, slc_slack): the max follows every step's.
 inline constexpr float kSlcMaxSlack = 8.f;
+__host__ __device__ inline float slc_slack(const CudaKernelChoices& c) { return c.slc_max_slack ? kSlcMaxSlack : 0.f; }
 template <int kOTiles>
 __device__ __forceinline__ void slc_softmax_step(float (&s)[2][4], float (&m)[2], float (&lsum)[2],
-                                                 float (&acc)[kOTiles][4], float scale_log2) {
+                                                 float (&acc)[kOTiles][4], float scale_log2, float slack) {
   float alpha[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -128,7 +130,7 @@ __device__ __forceinline__ void slc_softmax_step(float (&s)[2][4], float (&m)[2]
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_step = mx * scale_log2;
-    const float m_new = m_step > m[h] + kSlcMaxSlack ? m_step : m[h];
+    const float m_new = m_step > m[h] + slack ? m_step : m[h];
     const float m_use = m_new == kNegInf ? 0.f : m_new;
     alpha[h] = fast_exp2(m[h] - m_use);
     float sum = 0.f;
@@ -249,7 +251,7 @@ __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_atten
           if (nt * 8 + 2 * quad + (e & 1) >= hi[e >> 1]) s[nt][e] = kNegInf;
     }
 
-    slc_softmax_step<kOTiles>(s, m, lsum, acc, p.scale_log2);
+    slc_softmax_step<kOTiles>(s, m, lsum, acc, p.scale_log2, slc_slack(p.choices));
     mma_p_rows_b<Storage, kVPieces>(acc, s, vr);  // O += P V
   }
 
