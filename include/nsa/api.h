@@ -49,7 +49,7 @@ struct CudaKernelChoices {
   bool phi_wgmma = true;        // false: phi's bf16 products on mma.sync on every GPU (sm_90a: wgmma otherwise)
   bool phi_blas = true;         // false: phi's large bf16 products on the library's own kernels, never cuBLASLt
   bool cmp_scores_by_chunk = true;  // false: the score pass's ring accumulator everywhere (else where l'/d divides 64 and l/d - 1 <= min(ring, 64))
-  bool slc_max_slack = true;  // false: the selection walks' softmax max follows every step's (a rescale at every rise)
+  bool softmax_max_slack = true;  // false: the forward's online softmax max follows every chunk's (a rescale at every rise)
   int cmp_scores_rows = 0;  // 64 or 128: the sm_90a score pass's row tiles (0: the rule; 128 only from Dqk 128, where its shared memory fits)
 };
 

@@ -82,8 +82,8 @@ using PhiOnMmaSync = ChoiceOff<&CudaKernelChoices::phi_wgmma>;
 // The score pass sums S in its ring accumulator everywhere, as where l'/d does not divide its
 // 64-key chunk.
 using ScoresByRing = ChoiceOff<&CudaKernelChoices::cmp_scores_by_chunk>;
-// The selection walks' online softmax moves its max at every rise, not only past the slack.
-using SelectionMaxWithoutSlack = ChoiceOff<&CudaKernelChoices::slc_max_slack>;
+// The forward's online softmax moves its max at every rise, not only past the slack.
+using SoftmaxMaxWithoutSlack = ChoiceOff<&CudaKernelChoices::softmax_max_slack>;
 
 // The sm_90a score pass in row tiles of the given rows (64 or 128; 128 only where its shared
 // memory fits) instead of its rule's.

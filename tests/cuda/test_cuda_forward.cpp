@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -225,11 +226,24 @@ TEST_P(CudaForward, CompressWithUnalignedPeMatchesReference) {
   check_compress(GetParam(), 1);
 }
 
+// Scales row t of each sequence of x ([rows, H, D], the sequences' rows packed as `lens` gives them)
+// by 1 + rate t: keys whose scores rise along the sequence, so that an online softmax's running max
+// moves by more than the forward's slack (kSoftmaxMaxSlack: 2^8) between chunks, where random keys
+// of one size move it by a few units at most and only at the first chunk past the slack.
+void scale_rows_rising(HostTensor& x, const std::vector<int64_t>& lens, double rate) {
+  const int64_t per_row = x.shape()[1] * x.shape()[2];
+  int64_t row = 0;
+  for (int64_t len : lens)
+    for (int64_t t = 0; t < len; ++t, ++row)
+      for (int64_t e = 0; e < per_row; ++e) x.set(row * per_row + e, x.get(row * per_row + e) * (1.0 + rate * t));
+}
+
 // ---- compressed attention + scores ----------------------------------------------------------
 
 // The compressed attention and the scores S (the compressed_attention_fwd stage op) against the
-// reference.
-void check_cmp_and_scores(const Case& c) {
+// reference; with rise > 0 each sequence's compressed keys scaled by 1 + rise r (row r of its
+// blocks: scale_rows_rising).
+void check_cmp_and_scores(const Case& c, double rise = 0) {
   const Config cfg = config_of(c);
   LayerProblem p = make_problem(cfg, sizes_of(c), 21);
   const int64_t T = p.T, rows = cmp_rows(T, cfg.cmp_stride);
@@ -257,6 +271,20 @@ void check_cmp_and_scores(const Case& c) {
       for (int64_t e = 0; e < c.hkv * c.dv; ++e) vc.set(r * c.hkv * c.dv + e, nan);
     }
   }
+  if (rise > 0) {  // (a sequence's rows start at cmp_row_offset: gaps between them are the unused rows)
+    std::vector<int64_t> lens;
+    int64_t start = 0, next_row = 0;
+    for (int32_t len : p.sizes.seqlens) {
+      const int64_t r0 = cmp_row_offset(start, cfg.cmp_stride);
+      lens.push_back(r0 - next_row);  // the unused rows before it (NaN: scaled, they stay NaN)
+      const int64_t n = num_cmp_blocks(len, cfg.cmp_block_len, cfg.cmp_stride);
+      lens.push_back(n);
+      next_row = r0 + n;
+      start += len;
+    }
+    lens.push_back(rows - next_row);
+    scale_rows_rising(kc, lens, rise);
+  }
   HostTensor o(c.dtype, {T, c.hq, c.dv}), lse(DType::f32, {T, c.hq}), s(DType::f32, {T, c.hkv, ns});
   o.poison();
   lse.poison();
@@ -282,6 +310,16 @@ void check_cmp_and_scores(const Case& c) {
 TEST_P(CudaForward, CompressedAttentionAndScoresMatchReference) {
   NSA_REQUIRE_GPU();
   check_cmp_and_scores(GetParam());
+}
+
+// Compressed keys whose scores rise along the sequence (1 + r / 2 for a sequence's row r): pass 1's
+// running max moves past the softmax's slack between chunks; again with the max following every
+// chunk (SoftmaxMaxWithoutSlack).
+TEST_P(CudaForward, CompressedAttentionWithRisingScoresMatchesReference) {
+  NSA_REQUIRE_GPU();
+  check_cmp_and_scores(GetParam(), 0.5);
+  const SoftmaxMaxWithoutSlack no_slack;
+  check_cmp_and_scores(GetParam(), 0.5);
 }
 
 // The score pass's ring accumulator (ScoresByRing) where the default writes each chunk's blocks
@@ -422,20 +460,8 @@ HostTensor random_topn_rows(const Case& c, const Config& cfg, LayerProblem& p, u
   return idx;
 }
 
-TEST_P(CudaForward, SelectedAndWindowAttentionMatchReference) {
-  NSA_REQUIRE_GPU();
-  const Case& c = GetParam();
-  Config cfg = config_of(c);
-  if (cfg.n_selected == 0) cfg.n_selected = 2;
-  if (cfg.window == 0) cfg.window = 17;
-  LayerProblem p = make_problem(cfg, sizes_of(c), 41);
-  HostTensor idx = random_topn_rows(c, cfg, p, 9);
-  // The selection with both kernels (with the union tiles: every tile of these short sequences
-  // whose union is small; again with one union CTA running all of them in turn), then the window.
-  expect_selection_matches_reference(c, cfg, p, idx, 0);
-  expect_selection_matches_reference(c, cfg, p, idx, 1);
-  expect_selection_matches_reference(c, cfg, p, idx, -1);
-
+// The window branch (window_attention_fwd) on p's q, k[0], v[0] against the reference.
+void expect_window_matches_reference(const Case& c, const Config& cfg, LayerProblem& p) {
   HostTensor q64 = to_f64(p.q), k64 = to_f64(p.k[0]), v64 = to_f64(p.v[0]);
   HostTensor o(c.dtype, {p.T, c.hq, c.dv}), lse(DType::f32, {p.T, c.hq});
   o.poison();
@@ -452,37 +478,52 @@ TEST_P(CudaForward, SelectedAndWindowAttentionMatchReference) {
   EXPECT_TRUE(close(lse.values(), lse_ref.values(), lse_tol)) << "window";
 }
 
-// Keys whose size grows along each sequence (key t of a sequence times 1 + t / 32): every later
-// block scores higher, so a selection walk's running max keeps rising, by more than the per-token
-// kernels' rescale slack (slc_softmax_step: 2^8) between many steps, where random keys of one size
-// move it by a few units at most and only at the first step past the slack. Both per-token kernels
-// (by TMA and, without tensor maps, by cp.async) and the union tiles; then the per-token kernels
-// with the max following every step (SelectionMaxWithoutSlack).
-TEST_P(CudaForward, SelectedAttentionWithRisingScoresMatchesReference) {
+TEST_P(CudaForward, SelectedAndWindowAttentionMatchReference) {
   NSA_REQUIRE_GPU();
   const Case& c = GetParam();
   Config cfg = config_of(c);
   if (cfg.n_selected == 0) cfg.n_selected = 2;
-  LayerProblem p = make_problem(cfg, sizes_of(c), 47);
-  HostTensor& k = p.k[0];
-  int64_t row = 0;
-  for (int32_t len : p.sizes.seqlens)
-    for (int32_t t = 0; t < len; ++t, ++row)
-      for (int64_t e = 0; e < c.hkv * c.dqk; ++e) {
-        const int64_t i = row * c.hkv * c.dqk + e;
-        k.set(i, k.get(i) * (1.0 + t / 32.0));
-      }
-  HostTensor idx = random_topn_rows(c, cfg, p, 12);
+  if (cfg.window == 0) cfg.window = 17;
+  LayerProblem p = make_problem(cfg, sizes_of(c), 41);
+  HostTensor idx = random_topn_rows(c, cfg, p, 9);
+  // The selection with both kernels (with the union tiles: every tile of these short sequences
+  // whose union is small; again with one union CTA running all of them in turn), then the window.
   expect_selection_matches_reference(c, cfg, p, idx, 0);
+  expect_selection_matches_reference(c, cfg, p, idx, 1);
   expect_selection_matches_reference(c, cfg, p, idx, -1);
-  {
-    const SelectionMaxWithoutSlack no_slack;
+  expect_window_matches_reference(c, cfg, p);
+}
+
+// Keys whose scores rise along each sequence (scale_rows_rising; key t times 1 + t / 32 for the
+// selection, 1 + t / 8 for the window's shorter reach): the selection's per-token kernels (by TMA
+// and, without tensor maps, by cp.async), its union tiles and the window, each with the forward's
+// slack and again with the max following every step (SoftmaxMaxWithoutSlack).
+TEST_P(CudaForward, SelectedAndWindowAttentionWithRisingScoresMatchReference) {
+  NSA_REQUIRE_GPU();
+  const Case& c = GetParam();
+  Config cfg = config_of(c);
+  if (cfg.n_selected == 0) cfg.n_selected = 2;
+  if (cfg.window == 0) cfg.window = 17;
+  const std::vector<int64_t> lens(c.seqlens.begin(), c.seqlens.end());
+  LayerProblem p = make_problem(cfg, sizes_of(c), 47);
+  const HostTensor k_random = p.k[0];
+  scale_rows_rising(p.k[0], lens, 1.0 / 32);
+  HostTensor idx = random_topn_rows(c, cfg, p, 12);
+  for (const bool slack : {true, false}) {
+    std::optional<SoftmaxMaxWithoutSlack> no_slack;
+    if (!slack) no_slack.emplace();
+    expect_selection_matches_reference(c, cfg, p, idx, 0);
     expect_selection_matches_reference(c, cfg, p, idx, -1);
+    {
+      const NoTensorMaps no_tma;
+      expect_selection_matches_reference(c, cfg, p, idx, -1);
+    }
   }
-  const NoTensorMaps no_tma;
-  expect_selection_matches_reference(c, cfg, p, idx, -1);
-  const SelectionMaxWithoutSlack no_slack;
-  expect_selection_matches_reference(c, cfg, p, idx, -1);
+  p.k[0] = k_random;
+  scale_rows_rising(p.k[0], lens, 1.0 / 8);
+  expect_window_matches_reference(c, cfg, p);
+  const SoftmaxMaxWithoutSlack no_slack;
+  expect_window_matches_reference(c, cfg, p);
 }
 
 // A row of indices is a set (api.h): order, repeats and where the -1 padding sits do not matter.

@@ -13,8 +13,8 @@
 // accumulator where it would write each chunk's blocks directly (saved_o_cmp_score_ring, Dqk = Dv =
 // 128 at 8K and 64K: their same-run A/B), saved_o_cmp_win with the sm_90a score pass in 64- and in
 // 128-row tiles (saved_o_cmp_win_scores_64, _128; Dqk = Dv = 128 at 8K and 64K: their same-run A/B,
-// beside saved_o_cmp_win, the rule's), saved_o_cmp_win with the selection walks' softmax max moved
-// at every rise (saved_o_cmp_win_slc_max_no_slack: the same-run A/B of its slack), the forward's
+// beside saved_o_cmp_win, the rule's), saved_o_cmp_win with the forward's online softmax max moved
+// at every rise (saved_o_cmp_win_softmax_no_slack: the same-run A/B of its slack), the forward's
 // o_cmp and o_win kept, so that the backward
 // recomputes no branch output (saved_o_cmp_win; saved_o_cmp_win_phi_mlp: the torch layer's default
 // call, Hq 64 at 8K and 64K; saved_o_cmp_win_phi_mlp_own_products: the same with phi's large products
@@ -71,7 +71,7 @@ const char* const kVariantNames[] = {"full",
                                      "saved_o_cmp_win_phi_mlp_own_products",
                                      "saved_o_cmp_win_scores_64",
                                      "saved_o_cmp_win_scores_128",
-                                     "saved_o_cmp_win_slc_max_no_slack"};
+                                     "saved_o_cmp_win_softmax_no_slack"};
 
 struct Shape {
   int64_t hq, hkv, dqk, dv;
@@ -139,7 +139,7 @@ struct Variant {
   bool phi_own = false;            // phi's large bf16 products on wgmma where they would run on cuBLASLt (CudaKernelChoices)
   bool score_ring = false;         // the score pass's ring accumulator everywhere (CudaKernelChoices)
   int scores_rows = 0;             // the sm_90a score pass's row tiles, 64 or 128 (0: the rule; CudaKernelChoices)
-  bool slc_no_slack = false;       // the selection walks' softmax max at every rise (CudaKernelChoices)
+  bool no_slack = false;           // the forward's online softmax max at every rise (CudaKernelChoices)
 };
 
 // The variants of one shape and length: the full layer, then one branch off at a time (64K and 8K
@@ -162,8 +162,8 @@ std::vector<Variant> variants_of(const Shape& s, int64_t T) {
     for (int rows : {64, 128})
       variants.push_back({.name = rows == 64 ? "saved_o_cmp_win_scores_64" : "saved_o_cmp_win_scores_128", .n = 16,
                           .w = 512, .phi = PhiKind::mean, .o_cmp = true, .o_win = true, .scores_rows = rows});
-    variants.push_back({.name = "saved_o_cmp_win_slc_max_no_slack", .n = 16, .w = 512, .phi = PhiKind::mean,
-                        .o_cmp = true, .o_win = true, .slc_no_slack = true});
+    variants.push_back({.name = "saved_o_cmp_win_softmax_no_slack", .n = 16, .w = 512, .phi = PhiKind::mean,
+                        .o_cmp = true, .o_win = true, .no_slack = true});
   }
   if (square && s.hq == 64 && (T == 65536 || T == 8192)) {
     variants.push_back({.name = "no_window", .n = 16, .w = 0, .phi = PhiKind::mean});
@@ -227,7 +227,7 @@ int run_backward_suite(const std::vector<std::string>& args) {
         choices.phi_blas = !var.phi_mma_sync && !var.phi_own;
         choices.cmp_scores_by_chunk = !var.score_ring;
         choices.cmp_scores_rows = var.scores_rows;
-        choices.slc_max_slack = !var.slc_no_slack;
+        choices.softmax_max_slack = !var.no_slack;
         nsa::Config cfg;
         cfg.phi = var.phi;
         cfg.n_selected = var.n;

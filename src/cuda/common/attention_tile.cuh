@@ -26,6 +26,17 @@ inline constexpr int kThreads = kWarps * 32;
 // Padding of every shared row, in elements: a row then starts 16 bytes further along the banks,
 // so the 8 rows an ldmatrix reads hit 8 different 16-byte bank groups (no conflicts).
 inline constexpr int kSmemPad = 8;
+// The forward's online softmax (TileAttention::softmax_update, slc_softmax_step) moves a row's
+// reference max only when a chunk's max exceeds it by more than kSoftmaxMaxSlack (log2 units; from
+// -inf at the first visible key): P then stays below 2^kSoftmaxMaxSlack (exact in fp32, bf16 / f16
+// keep their relative precision there) and o = acc / l, lse = m + log2 l are the same quotients,
+// while the accumulator's rescale runs at the first chunk and where scores jump instead of at most
+// chunks (whenever one row of the warp found a larger score). 0 (CudaKernelChoices::
+// softmax_max_slack off): the max follows every chunk's.
+inline constexpr float kSoftmaxMaxSlack = 8.f;
+__host__ __device__ inline float softmax_slack(const CudaKernelChoices& c) {
+  return c.softmax_max_slack ? kSoftmaxMaxSlack : 0.f;
+}
 inline constexpr float kLn2 = 0.6931471805599453f;
 inline constexpr float kNegInf = -__builtin_huge_valf();
 
@@ -71,13 +82,15 @@ struct TileAttention {
 
   uint32_t qf[kDqk / 16][4];  // this warp's 16 query rows as A fragments
   float acc[kOTiles][4];      // unnormalised O of rows (group, group + 8)
-  float m[2], lsum[2];        // running max (log2 units) and this thread's partial row sums
+  float m[2], lsum[2];        // running (reference) max (log2 units) and this thread's partial row sums
+  float max_slack;            // softmax_update's slack (softmax_slack)
 
-  __device__ __forceinline__ void reset() {
+  __device__ __forceinline__ void reset(float slack) {
 #pragma unroll
     for (int i = 0; i < kOTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
     m[0] = m[1] = kNegInf;
     lsum[0] = lsum[1] = 0.f;
+    max_slack = slack;
   }
 
   // Copies `count` rows (the rest of the kChunk zero-filled) of kD columns into a padded tile.
@@ -138,9 +151,9 @@ struct TileAttention {
 
   // Online softmax over one chunk: `s` holds raw scores Q K^T (-inf where masked), the running
   // max is kept in log2 units (scale_log2 = softmax scale * log2 e > 0, so max(s) * scale is the
-  // max of the scaled scores). On return s holds exp2(s * scale_log2 - m), one FFMA and one ex2
-  // per score; acc is rescaled (skipped when no row of the warp found a larger maximum: then
-  // every factor is exactly 1).
+  // max of the scaled scores) and moves only past max_slack (kSoftmaxMaxSlack above). On return s
+  // holds exp2(s * scale_log2 - m), one FFMA and one ex2 per score; acc is rescaled (skipped when
+  // no row of the warp moved its max: then every factor is exactly 1).
   __device__ __forceinline__ void softmax_update(float (&s)[kSTiles][4], float scale_log2) {
     float alpha[2];
 #pragma unroll
@@ -150,7 +163,8 @@ struct TileAttention {
       for (int i = 0; i < kSTiles; ++i) mx = fmaxf(mx, fmaxf(s[i][2 * h], s[i][2 * h + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m[h], mx * scale_log2);
+      const float m_step = mx * scale_log2;
+      const float m_new = m_step > m[h] + max_slack ? m_step : m[h];
       // A row with no key so far keeps m = -inf; exponents then use 0 so that exp2(-inf) = 0.
       const float m_use = m_new == kNegInf ? 0.f : m_new;
       alpha[h] = fast_exp2(m[h] - m_use);

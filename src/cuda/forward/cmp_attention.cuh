@@ -449,7 +449,7 @@ __global__ void __launch_bounds__(kRows / 16 * 32)
 
     const int num_chunks = ti.num_chunks;
     Tile tile_state;
-    tile_state.reset();
+    tile_state.reset(softmax_slack(p.choices));
     auto load_chunk = [&](int c, int buf) {
       const int64_t first = int64_t(c) * kKeyChunk;
       const int count = static_cast<int>(min64(kKeyChunk, ti.num_keys - first));
@@ -495,7 +495,7 @@ __global__ void __launch_bounds__(kCmpWideRows / 16 * 32, 1)
               p.log2_group);
     cp_async_commit();
     Tile tile_state;
-    tile_state.reset();
+    tile_state.reset(softmax_slack(p.choices));
     const int num_chunks = ti.num_chunks;
     uint64_t* bars = reinterpret_cast<uint64_t*>(sm.sk + kStages * (Tile::kKSwTile + Tile::kVSwTile));
     const int count_last = static_cast<int>(ti.num_keys - int64_t(num_chunks - 1) * kChunk);

@@ -111,15 +111,9 @@ __device__ __forceinline__ void store_warp_rows(const BranchParams& p, Storage* 
 // The online softmax of a 16-key step (both per-token walks): s (the step's raw scores of rows g
 // and g + 8, masked keys -inf) becomes P, and the running max m, sum lsum (log2 units) and the
 // output accumulator acc (kOTiles n8 tiles) are rescaled, as TileAttention::softmax_update
-// (rescale skipped when no max moved). The reference max m moves only when a step's max exceeds
-// it by more than kSlcMaxSlack (log2 units; from -inf, at the first visible key): P then stays
-// below 2^kSlcMaxSlack (exact in fp32, bf16 / f16 keep their relative precision there), and o =
-// acc / lsum and lse = m + log2(lsum) are the same quotients. With 16-key steps the rescale (the
-// accumulator's kOTiles x 4 products) would otherwise run at most steps, whenever one of the warp's
-// 16 rows found a larger score; now at the first step and where scores jump. slack = 0
-// (CudaKernelChoices::slc_max_slack off, slc_slack): the max follows every step's.
-inline constexpr float kSlcMaxSlack = 8.f;
-__host__ __device__ inline float slc_slack(const CudaKernelChoices& c) { return c.slc_max_slack ? kSlcMaxSlack : 0.f; }
+// (rescale skipped when no max moved), the reference max moving only past `slack`
+// (kSoftmaxMaxSlack, attention_tile.cuh): with 16-key steps the rescale (the accumulator's
+// kOTiles x 4 products) would otherwise run at most steps.
 template <int kOTiles>
 __device__ __forceinline__ void slc_softmax_step(float (&s)[2][4], float (&m)[2], float (&lsum)[2],
                                                  float (&acc)[kOTiles][4], float scale_log2, float slack) {
@@ -251,7 +245,7 @@ __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_atten
           if (nt * 8 + 2 * quad + (e & 1) >= hi[e >> 1]) s[nt][e] = kNegInf;
     }
 
-    slc_softmax_step<kOTiles>(s, m, lsum, acc, p.scale_log2, slc_slack(p.choices));
+    slc_softmax_step<kOTiles>(s, m, lsum, acc, p.scale_log2, softmax_slack(p.choices));
     mma_p_rows_b<Storage, kVPieces>(acc, s, vr);  // O += P V
   }
 
@@ -370,7 +364,7 @@ __global__ void __launch_bounds__(kSlcWarpThreads)
         t_row[h] = tok[h] < tokens_valid ? t0 + tok[h] : -1;  // -1: a padding row sees no key
       }
       Tile st;
-      st.reset();
+      st.reset(softmax_slack(p.choices));
       const int count_last =
           u > 0 ? static_cast<int>(min64(kKeyChunk, len - int64_t(ulist[u - 1]) * p.lp)) : kKeyChunk;
       // (The sorts in the ring are dead: the ring's first copy follows its own CTA barrier.)

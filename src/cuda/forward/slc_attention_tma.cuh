@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(kSlcWarpThreads, 2)
           for (int e = 0; e < 4; ++e)
             if (nt * 8 + 2 * quad + (e & 1) >= (e >> 1 ? hi1 : hi0)) s[nt][e] = kNegInf;
       }
-      slc_softmax_step<kOTiles>(s, m, lsum, acc, p.scale_log2, slc_slack(p.choices));
+      slc_softmax_step<kOTiles>(s, m, lsum, acc, p.scale_log2, softmax_slack(p.choices));
       mma_p_stage_sw<Storage, kDv>(acc, s, sk + kKBytes);  // O += P V
       __syncwarp();  // every lane is done with the stage
       off += 16;

@@ -275,7 +275,7 @@ __global__ void __launch_bounds__(kWinThreads) win_attention_kernel(const Branch
     wt.thread_rows(p, head, t_row);
 
     Tile st;
-    st.reset();
+    st.reset(softmax_slack(p.choices));
 
     // Prologue: warp 0 fills the stages Q does not occupy, then every warp takes its Q fragments,
     // then warp 0 fills the stages Q occupied.
@@ -390,7 +390,7 @@ __global__ void __launch_bounds__(kWinWgRows / 16 * 32)
     };
 
     Tile st;
-    st.reset();
+    st.reset(softmax_slack(p.choices));
     // Row h keeps chunk c's keys [lo, hi): loaded, not after its token, in its window.
     auto limits = [&](int c, int (&lo)[2], int (&hi)[2]) {
       const int64_t first = win_lo + int64_t(c) * kChunk;
