@@ -753,6 +753,26 @@ TEST_P(CudaForward, CompressedAndWindowOutputsAreTheirBranchOutputs) {
   }
 }
 
+// The window kernel's L2 prefetches (its combine's reads: o_cmp, o_slc, the gates; the next CTA's
+// Q tile) change no value: o, lse, indices and every branch output are the bits of a forward
+// without them (NoCombinePrefetch, NoNextQPrefetch).
+TEST_P(CudaForward, WindowPrefetchesGiveTheBitsWithoutThem) {
+  NSA_REQUIRE_GPU();
+  const Case& c = GetParam();
+  const Config cfg = config_of(c);
+  LayerProblem with = make_problem(cfg, sizes_of(c), 79), without = make_problem(cfg, sizes_of(c), 79);
+  run_cuda_forward(c, cfg, with);
+  {
+    const NoCombinePrefetch no_combine;
+    const NoNextQPrefetch no_next_q;
+    run_cuda_forward(c, cfg, without);
+  }
+  EXPECT_TRUE(same_outside_rows(with.o, without.o, 0, 0)) << "o";
+  EXPECT_TRUE(same_outside_rows(with.lse, without.lse, 0, 0)) << "lse";
+  EXPECT_TRUE(same_outside_rows(with.indices, without.indices, 0, 0)) << "indices";
+  EXPECT_TRUE(same_outside_rows(with.o_branch, without.o_branch, 0, 0)) << "o_branch";
+}
+
 // phi of k and of v as the two batches of one launch per product (the default where both have the
 // same shapes and path: phi = linear or mlp) give the bits of their launches one at a time
 // (SeparatePhis): o, lse, indices and every branch output; also with v's pe off 16 bytes (its

@@ -340,11 +340,15 @@ struct SeqRowTile {
   int64_t s0, len, t0;
   // False when the tile lies past its sequence (the CTA has nothing to do).
   __device__ __forceinline__ bool init(const SeqParams& seqs, int log2_group, int rows) {
+    return init_at(seqs, log2_group, rows, blockIdx.x, blockIdx.y);
+  }
+  // The tile of block (bx, by) of the same grid.
+  __device__ __forceinline__ bool init_at(const SeqParams& seqs, int log2_group, int rows, unsigned bx, unsigned by) {
     tokens_per_tile = rows >> log2_group;
     const int64_t tiles_per_seq = (seqs.max_seqlen + tokens_per_tile - 1) / tokens_per_tile;
-    b = static_cast<int>(blockIdx.x / tiles_per_seq);
-    const int64_t tile = tiles_per_seq - 1 - blockIdx.x % tiles_per_seq;
-    hk = blockIdx.y;
+    b = static_cast<int>(bx / tiles_per_seq);
+    const int64_t tile = tiles_per_seq - 1 - bx % tiles_per_seq;
+    hk = static_cast<int>(by);
     sequence_bounds(seqs, b, s0, len);
     t0 = tile * tokens_per_tile;
     if (t0 >= len) return false;
