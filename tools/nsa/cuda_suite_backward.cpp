@@ -15,9 +15,10 @@
 // 128-row tiles (saved_o_cmp_win_scores_64, _128; Dqk = Dv = 128 at 8K and 64K: their same-run A/B,
 // beside saved_o_cmp_win, the rule's), saved_o_cmp_win with the forward's online softmax max moved
 // at every rise (saved_o_cmp_win_softmax_no_slack: the same-run A/B of its slack) and with the
-// window's combine reading o_cmp, o_slc and the gates without their L2 prefetch, without its
-// prefetch of the next CTA's Q, or without either (saved_o_cmp_win_no_combine_prefetch,
-// _no_next_q_prefetch, _no_window_prefetch: their same-run A/B), the forward's
+// window's combine reading o_cmp, o_slc and the gates without their L2 prefetch, without pass 1's
+// and the window's prefetch of a later CTA's Q tile, or without either
+// (saved_o_cmp_win_no_combine_prefetch, _no_next_q_prefetch, _no_prefetch: their same-run
+// A/B), the forward's
 // o_cmp and o_win kept, so that the backward
 // recomputes no branch output (saved_o_cmp_win; saved_o_cmp_win_phi_mlp: the torch layer's default
 // call, Hq 64 at 8K and 64K; saved_o_cmp_win_phi_mlp_own_products: the same with phi's large products
@@ -77,7 +78,7 @@ const char* const kVariantNames[] = {"full",
                                      "saved_o_cmp_win_softmax_no_slack",
                                      "saved_o_cmp_win_no_combine_prefetch",
                                      "saved_o_cmp_win_no_next_q_prefetch",
-                                     "saved_o_cmp_win_no_window_prefetch"};
+                                     "saved_o_cmp_win_no_prefetch"};
 
 struct Shape {
   int64_t hq, hkv, dqk, dv;
@@ -147,7 +148,7 @@ struct Variant {
   int scores_rows = 0;             // the sm_90a score pass's row tiles, 64 or 128 (0: the rule; CudaKernelChoices)
   bool no_slack = false;           // the forward's online softmax max at every rise (CudaKernelChoices)
   bool no_prefetch = false;        // the window's combine without its L2 prefetch (CudaKernelChoices)
-  bool no_next_q = false;          // the window without its prefetch of the next CTA's Q (CudaKernelChoices)
+  bool no_next_q = false;          // pass 1 and the window without their prefetch of a later CTA's Q (CudaKernelChoices)
 };
 
 // The variants of one shape and length: the full layer, then one branch off at a time (64K and 8K
@@ -176,7 +177,7 @@ std::vector<Variant> variants_of(const Shape& s, int64_t T) {
                         .o_cmp = true, .o_win = true, .no_prefetch = true});
     variants.push_back({.name = "saved_o_cmp_win_no_next_q_prefetch", .n = 16, .w = 512, .phi = PhiKind::mean,
                         .o_cmp = true, .o_win = true, .no_next_q = true});
-    variants.push_back({.name = "saved_o_cmp_win_no_window_prefetch", .n = 16, .w = 512, .phi = PhiKind::mean,
+    variants.push_back({.name = "saved_o_cmp_win_no_prefetch", .n = 16, .w = 512, .phi = PhiKind::mean,
                         .o_cmp = true, .o_win = true, .no_prefetch = true, .no_next_q = true});
   }
   if (square && s.hq == 64 && (T == 65536 || T == 8192)) {
@@ -243,7 +244,7 @@ int run_backward_suite(const std::vector<std::string>& args) {
         choices.cmp_scores_rows = var.scores_rows;
         choices.softmax_max_slack = !var.no_slack;
         choices.win_combine_prefetch = !var.no_prefetch;
-        choices.win_next_q_prefetch = !var.no_next_q;
+        choices.next_q_prefetch = !var.no_next_q;
         nsa::Config cfg;
         cfg.phi = var.phi;
         cfg.n_selected = var.n;

@@ -357,4 +357,30 @@ struct SeqRowTile {
   }
 };
 
+__device__ __forceinline__ void prefetch_l2(const void* ptr) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
+}
+
+// The Q tile of the block `ahead` places later in launch order of the same row-tile grid, into L2
+// (CudaKernelChoices::next_q_prefetch), by a CTA of 2 x kRows threads: thread i takes the 128-byte
+// lines i / kRows, + 2, ... of row i % kRows. With `ahead` the CTAs resident at once
+// (resident_ctas), that block starts about when this one ends, on this SM or another: for kernels
+// whose CTA has its SM (or a half) to itself and would otherwise wait on its Q tile from memory
+// before its first product. Prefetches change no value.
+template <typename Storage, int kRows, int kDqk>
+__device__ __forceinline__ void prefetch_q_tile_ahead(const void* q, int64_t q_st, int64_t q_sh, const SeqParams& seqs,
+                                                      int log2_group, int ahead) {
+  static_assert(kRows / 16 * 32 == 2 * kRows, "two threads a row");
+  const uint64_t next = uint64_t(blockIdx.y) * gridDim.x + blockIdx.x + ahead;
+  if (ahead <= 0 || next >= uint64_t(gridDim.x) * gridDim.y) return;
+  SeqRowTile nt;
+  if (!nt.init_at(seqs, log2_group, kRows, unsigned(next % gridDim.x), unsigned(next / gridDim.x))) return;
+  const int row = threadIdx.x % kRows, tok = row >> log2_group;
+  if (tok >= nt.tokens_valid) return;
+  const Storage* src = static_cast<const Storage*>(q) + (nt.s0 + nt.t0 + tok) * q_st +
+                       ((nt.hk << log2_group) + (row & ((1 << log2_group) - 1))) * q_sh;
+  for (int b = threadIdx.x / kRows * 128; b < int(kDqk * sizeof(Storage)); b += 256)
+    prefetch_l2(reinterpret_cast<const char*>(src) + b);
+}
+
 }  // namespace nsa::cuda

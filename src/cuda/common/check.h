@@ -42,6 +42,17 @@ void allow_smem(Kernel* kernel, size_t bytes, bool max_carveout) {
                                         static_cast<int>(cudaSharedmemCarveoutMaxShared)));
 }
 
+// How many CTAs of `kernel` (`threads` threads, `smem` dynamic shared bytes, allowed already) the
+// device holds at once: SMs x CTAs an SM (at least one an SM).
+template <typename Kernel>
+int resident_ctas(Kernel* kernel, int threads, size_t smem) {
+  int device = 0, sms = 0, per_sm = 0;
+  NSA_CUDA_CHECK(cudaGetDevice(&device));
+  NSA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  NSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  return sms * (per_sm > 0 ? per_sm : 1);
+}
+
 // The grid of the row-tile kernels: x = the tiles of `tokens_per_tile` tokens of every sequence
 // (max_seqlen bounds them; a tile past its sequence's end returns at once), y = KV heads.
 inline dim3 row_tile_grid(int64_t max_seqlen, int64_t batch, int tokens_per_tile, int hkv) {

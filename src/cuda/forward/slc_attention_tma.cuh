@@ -206,11 +206,7 @@ void launch_slc_attention(const BranchParams& p_in, cudaStream_t stream) {
   const size_t usmem = slc_union_smem_bytes(kDqk, kDv);
   allow_smem(ukernel, usmem, /*max_carveout=*/true);
   // Persistent: as many CTAs as fit at once (the list's length is known only on the device).
-  int device = 0, sms = 0, per_sm = 0;
-  NSA_CUDA_CHECK(cudaGetDevice(&device));
-  NSA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  NSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ukernel, kSlcWarpThreads, usmem));
-  int64_t ctas = std::min<int64_t>(int64_t(grid.x) * grid.y, int64_t(sms) * std::max(per_sm, 1));
+  int64_t ctas = std::min<int64_t>(int64_t(grid.x) * grid.y, resident_ctas(ukernel, kSlcWarpThreads, usmem));
   if (p.choices.slc_union_ctas > 0) ctas = std::min<int64_t>(ctas, p.choices.slc_union_ctas);
   ukernel<<<static_cast<unsigned>(ctas), kSlcWarpThreads, usmem, stream>>>(p, grid.x, k_map, v_map);
   NSA_CUDA_CHECK_LAUNCH();

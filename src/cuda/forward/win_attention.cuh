@@ -110,13 +110,10 @@ __device__ __forceinline__ void win_epilogue(const BranchParams& p, const Tile& 
 }
 
 // The sm_90a CTA is alone on its SM: what it reads from memory after its last chunk (the staged
-// combine's o_cmp, o_slc and gates) and what the CTA after it reads before its first (its Q tile)
-// would be waited on with nothing to hide the wait. So while the loop still has kWinPrefetchAhead
-// chunks to go, the CTA prefetches them into L2. Prefetches change no value.
+// combine's o_cmp, o_slc and gates) and what the CTA after it reads before its first (its Q tile:
+// prefetch_q_tile_ahead) would be waited on with nothing to hide the wait. So while the loop still
+// has kWinPrefetchAhead chunks to go, the CTA prefetches them into L2. Prefetches change no value.
 inline constexpr int kWinPrefetchAhead = 4;
-__device__ __forceinline__ void prefetch_l2(const void* ptr) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
-}
 // The combine's reads (CudaKernelChoices::win_combine_prefetch): thread i takes row i % kRows of
 // o_cmp (i < kRows, with the row's gates) or of o_slc, one prefetch per 128-byte line.
 template <typename Storage, int kRows, int kDv>
@@ -137,24 +134,6 @@ __device__ __forceinline__ void win_prefetch_combine(const BranchParams& p, cons
 #pragma unroll
   for (int b = 0; b < int(kDv * sizeof(Storage)); b += 128) prefetch_l2(reinterpret_cast<const char*>(src) + b);
 }
-// The Q tile of the block `ahead` places later in launch order (CudaKernelChoices::
-// win_next_q_prefetch; ahead: the CTAs resident at once, so that block starts about when this one
-// ends, on this SM or another): thread i takes the 128-byte lines i / kRows, + 2, ... of row i % kRows.
-template <typename Storage, int kRows, int kDqk>
-__device__ __forceinline__ void win_prefetch_next_q(const BranchParams& p, int ahead) {
-  static_assert(kRows / 16 * 32 == 2 * kRows, "two threads a row");
-  const uint64_t next = uint64_t(blockIdx.y) * gridDim.x + blockIdx.x + ahead;
-  if (next >= uint64_t(gridDim.x) * gridDim.y) return;
-  SeqRowTile nt;
-  if (!nt.init_at(p.seqs, p.log2_group, kRows, unsigned(next % gridDim.x), unsigned(next / gridDim.x))) return;
-  const int row = threadIdx.x % kRows, tok = row >> p.log2_group;
-  if (tok >= nt.tokens_valid) return;
-  const Storage* src = static_cast<const Storage*>(p.q) + (nt.s0 + nt.t0 + tok) * p.q_st +
-                       (nt.hk * p.group + (row & (p.group - 1))) * p.q_sh;
-  for (int b = threadIdx.x / kRows * 128; b < int(kDqk * sizeof(Storage)); b += 256)
-    prefetch_l2(reinterpret_cast<const char*>(src) + b);
-}
-
 // The gated combine of the sm_90a kernel, staged through shared memory (the K/V buffers and the Q
 // tile are free after the loop): each thread normalises its rows of o_win into an fp32 tile
 // [kRows][kDv + 8] (and its rows' gates), then the CTA forms o = g_cmp o_cmp + g_slc o_slc +
@@ -444,7 +423,7 @@ __global__ void __launch_bounds__(kWinWgRows / 16 * 32)
     auto limits = [&](int c, int (&lo)[2], int (&hi)[2]) {
       if (c == prefetch_at) {
         if (prefetch_combine) win_prefetch_combine<Storage, kRows, kDv>(p, wt);
-        if (next_q_ahead > 0) win_prefetch_next_q<Storage, kRows, kDqk>(p, next_q_ahead);
+        prefetch_q_tile_ahead<Storage, kRows, kDqk>(p.q, p.q_st, p.q_sh, p.seqs, p.log2_group, next_q_ahead);
       }
       const int64_t first = win_lo + int64_t(c) * kChunk;
       const int count = static_cast<int>(min64(kChunk, t_last + 1 - first));
@@ -493,14 +472,7 @@ void launch_win_attention(const BranchParams& p, cudaStream_t stream) {
                 kv_rows_tensor_map<Storage, kDv>(&vw_map, p.choices, p.v_win, p.hkv, T, p.vw_st, p.vw_sh)
             ? 1
             : 0;
-    int next_q_ahead = 0;  // the CTAs resident at once: SMs x CTAs an SM
-    if (p.choices.win_next_q_prefetch) {
-      int device = 0, sms = 0, per_sm = 0;
-      NSA_CUDA_CHECK(cudaGetDevice(&device));
-      NSA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-      NSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, wg, kWinWgRows / 16 * 32, smem));
-      next_q_ahead = sms * per_sm;
-    }
+    const int next_q_ahead = p.choices.next_q_prefetch ? resident_ctas(wg, kWinWgRows / 16 * 32, smem) : 0;
     wg<<<grid, kWinWgRows / 16 * 32, smem, stream>>>(p, kw_map, vw_map, kv_tma, next_q_ahead);
     NSA_CUDA_CHECK_LAUNCH();
     return;
