@@ -51,7 +51,7 @@ struct CudaKernelChoices {
   bool cmp_scores_by_chunk = true;  // false: the score pass's ring accumulator everywhere (else where l'/d divides 64 and l/d - 1 <= min(ring, 64))
   bool softmax_max_slack = true;  // false: the forward's online softmax max follows every chunk's (a rescale at every rise)
   bool win_combine_prefetch = true;  // false: the sm_90a window kernel reads o_cmp, o_slc and the gates for its combine without prefetching them into L2 first
-  bool next_q_prefetch = true;       // false: the sm_90a pass 1 and window kernels do not prefetch the Q tile of the CTA one resident grid later into L2
+  bool next_q_prefetch = true;       // false: the sm_90a window kernel does not prefetch the Q tile of the CTA one resident grid later into L2
   int cmp_scores_rows = 0;  // 64 or 128: the sm_90a score pass's row tiles (0: the rule; 128 only from Dqk 128, where its shared memory fits)
 };
 

@@ -167,9 +167,6 @@ inline constexpr size_t kTmaRingBarBytes = tma_ring_bar_bytes(kCmpTmaStages);
 // sm_90a pass 1 in 128-row tiles and 128-key chunks (cmp_pass1_wide_kernel, cmp_attention.cuh), a
 // 2-stage ring: 163 KB at 128/128, 211 KB at 192/128.
 inline constexpr int kCmpWideRows = 128, kCmpWideChunk = 128, kCmpWideStages = 2;
-// Pass 1 prefetches the Q tile of the CTA one resident grid later (prefetch_q_tile_ahead) when its
-// loop has this many chunks to go.
-inline constexpr int kPass1PrefetchAhead = 2;
 constexpr size_t cmp_wide_smem_bytes(int dqk, int dv) {
   return tma_ring_end(kCmpWideRows, dqk, dv, kCmpWideChunk, kCmpWideStages) + tma_ring_bar_bytes(kCmpWideStages);
 }

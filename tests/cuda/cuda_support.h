@@ -86,7 +86,7 @@ using ScoresByRing = ChoiceOff<&CudaKernelChoices::cmp_scores_by_chunk>;
 using SoftmaxMaxWithoutSlack = ChoiceOff<&CudaKernelChoices::softmax_max_slack>;
 // The sm_90a window kernel's combine reads o_cmp, o_slc and the gates without their L2 prefetch.
 using NoCombinePrefetch = ChoiceOff<&CudaKernelChoices::win_combine_prefetch>;
-// The sm_90a pass 1 and window kernels do not prefetch the Q tile of the CTA one resident grid later.
+// The sm_90a window kernel does not prefetch the Q tile of the CTA one resident grid later.
 using NoNextQPrefetch = ChoiceOff<&CudaKernelChoices::next_q_prefetch>;
 
 // The sm_90a score pass in row tiles of the given rows (64 or 128; 128 only where its shared

@@ -753,10 +753,10 @@ TEST_P(CudaForward, CompressedAndWindowOutputsAreTheirBranchOutputs) {
   }
 }
 
-// The L2 prefetches (the window kernel's of its combine's reads: o_cmp, o_slc, the gates; pass 1's
-// and the window's of a later CTA's Q tile) change no value: o, lse, indices and every branch output are the bits of a forward
+// The window kernel's L2 prefetches (its combine's reads: o_cmp, o_slc, the gates; a later CTA's Q
+// tile) change no value: o, lse, indices and every branch output are the bits of a forward
 // without them (NoCombinePrefetch, NoNextQPrefetch).
-TEST_P(CudaForward, PrefetchesGiveTheBitsWithoutThem) {
+TEST_P(CudaForward, WindowPrefetchesGiveTheBitsWithoutThem) {
   NSA_REQUIRE_GPU();
   const Case& c = GetParam();
   const Config cfg = config_of(c);

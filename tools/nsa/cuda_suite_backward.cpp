@@ -15,8 +15,8 @@
 // 128-row tiles (saved_o_cmp_win_scores_64, _128; Dqk = Dv = 128 at 8K and 64K: their same-run A/B,
 // beside saved_o_cmp_win, the rule's), saved_o_cmp_win with the forward's online softmax max moved
 // at every rise (saved_o_cmp_win_softmax_no_slack: the same-run A/B of its slack) and with the
-// window's combine reading o_cmp, o_slc and the gates without their L2 prefetch, without pass 1's
-// and the window's prefetch of a later CTA's Q tile, or without either
+// window's combine reading o_cmp, o_slc and the gates without their L2 prefetch, without the
+// window's prefetch of a later CTA's Q tile, or without either
 // (saved_o_cmp_win_no_combine_prefetch, _no_next_q_prefetch, _no_prefetch: their same-run
 // A/B), the forward's
 // o_cmp and o_win kept, so that the backward
@@ -148,7 +148,7 @@ struct Variant {
   int scores_rows = 0;             // the sm_90a score pass's row tiles, 64 or 128 (0: the rule; CudaKernelChoices)
   bool no_slack = false;           // the forward's online softmax max at every rise (CudaKernelChoices)
   bool no_prefetch = false;        // the window's combine without its L2 prefetch (CudaKernelChoices)
-  bool no_next_q = false;          // pass 1 and the window without their prefetch of a later CTA's Q (CudaKernelChoices)
+  bool no_next_q = false;          // the window without its prefetch of a later CTA's Q (CudaKernelChoices)
 };
 
 // The variants of one shape and length: the full layer, then one branch off at a time (64K and 8K

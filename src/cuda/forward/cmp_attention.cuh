@@ -475,13 +475,11 @@ __global__ void __launch_bounds__(kRows / 16 * 32)
 // m64n128k16 per 16 head dims (half the Q reads from shared memory per key of m64n64, half the
 // waits, row maxima and sums per key), through a 2-stage TMA ring (tma_ring_attention; two 64 KB
 // stages at 128/128). 255 registers at most (256 threads, one CTA per SM). Launched where the
-// tensor maps of kc and vc with 128-row boxes can be made; else the 192-row kernel. kPass1PrefetchAhead
-// chunks before its loop ends the CTA prefetches the Q tile of the CTA one resident grid later
-// (next_q_ahead > 0: CudaKernelChoices::next_q_prefetch).
+// tensor maps of kc and vc with 128-row boxes can be made; else the 192-row kernel.
 template <typename Storage, int kDqk, int kDv>
 __global__ void __launch_bounds__(kCmpWideRows / 16 * 32, 1)
     cmp_pass1_wide_kernel(const CmpAttnParams p, const __grid_constant__ CUtensorMap kc_map,
-                          const __grid_constant__ CUtensorMap vc_map, int next_q_ahead) {
+                          const __grid_constant__ CUtensorMap vc_map) {
   if constexpr (!kWgmmaCompiled) {
     __trap();  // launched only where the wgmma body runs (sm_90a)
   } else {
@@ -501,12 +499,9 @@ __global__ void __launch_bounds__(kCmpWideRows / 16 * 32, 1)
     const int num_chunks = ti.num_chunks;
     uint64_t* bars = reinterpret_cast<uint64_t*>(sm.sk + kStages * (Tile::kKSwTile + Tile::kVSwTile));
     const int count_last = static_cast<int>(ti.num_keys - int64_t(num_chunks - 1) * kChunk);
-    const int prefetch_at = max(0, num_chunks - kPass1PrefetchAhead);  // the next CTA's Q tile, into L2
     tma_ring_attention<Storage, kDqk, kDv, kRows, kChunk, kStages, /*kPingPong=*/true>(
         tile_state, sm.sq, sm.sk, bars, &kc_map, &vc_map, ti.hk, static_cast<int>(cmp_row_offset(ti.s0, p.d)),
         num_chunks, count_last, p.scale_log2, [&](int c, float (&s)[Tile::kSTiles][4]) {
-          if (c == prefetch_at)
-            prefetch_q_tile_ahead<Storage, kRows, kDqk>(p.q, p.q_st, p.q_sh, p.seqs, p.log2_group, next_q_ahead);
           int lo[2], hi[2];
           ti.chunk_limits(c, lo, hi);
           tile_state.mask(s, lo, hi);
@@ -590,11 +585,8 @@ void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream) {
   if (kv_rows_tensor_map<Storage, kDqk>(&kc_wide, p.choices, p.kc, p.hkv, p.kc_rows, p.kc_st, p.kc_sh, wide) &&
       kv_rows_tensor_map<Storage, kDv>(&vc_wide, p.choices, p.vc, p.hkv, p.kc_rows, p.vc_st, p.vc_sh, wide)) {
     static_assert(cmp_wide_smem_bytes(kDqk, kDv) <= kMaxSmem, "the 128 x 128 pass 1 fits in shared memory");
-    const auto wide_kernel = cmp_pass1_wide_kernel<Storage, kDqk, kDv>;
-    constexpr size_t wide_smem = cmp_wide_smem_bytes(kDqk, kDv);
-    allow_smem(wide_kernel, wide_smem, /*max_carveout=*/true);
-    const int next_q_ahead = p.choices.next_q_prefetch ? resident_ctas(wide_kernel, kCmpWideRows / 16 * 32, wide_smem) : 0;
-    cmp_launch(wide_kernel, kCmpWideRows, wide_smem, p, stream, kc_wide, vc_wide, next_q_ahead);
+    cmp_launch(cmp_pass1_wide_kernel<Storage, kDqk, kDv>, kCmpWideRows, cmp_wide_smem_bytes(kDqk, kDv), p, stream,
+               kc_wide, vc_wide);
   } else {  // no tensor map: the 192-row kernel's cp.async copies
     cmp_launch(pass1, kWgRows, cmp_smem_bytes(kWgRows, kDqk, kDv, p.group, p.score_ring, true, false), p, stream);
   }
