@@ -478,12 +478,18 @@ void expect_window_matches_reference(const Case& c, const Config& cfg, LayerProb
   EXPECT_TRUE(close(lse.values(), lse_ref.values(), lse_tol)) << "window";
 }
 
-TEST_P(CudaForward, SelectedAndWindowAttentionMatchReference) {
-  NSA_REQUIRE_GPU();
-  const Case& c = GetParam();
+// The case's config with both the selection and the window on (n 2, w 17 where the case has none).
+Config selection_and_window_config(const Case& c) {
   Config cfg = config_of(c);
   if (cfg.n_selected == 0) cfg.n_selected = 2;
   if (cfg.window == 0) cfg.window = 17;
+  return cfg;
+}
+
+TEST_P(CudaForward, SelectedAndWindowAttentionMatchReference) {
+  NSA_REQUIRE_GPU();
+  const Case& c = GetParam();
+  const Config cfg = selection_and_window_config(c);
   LayerProblem p = make_problem(cfg, sizes_of(c), 41);
   HostTensor idx = random_topn_rows(c, cfg, p, 9);
   // The selection with both kernels (with the union tiles: every tile of these short sequences
@@ -501,9 +507,7 @@ TEST_P(CudaForward, SelectedAndWindowAttentionMatchReference) {
 TEST_P(CudaForward, SelectedAndWindowAttentionWithRisingScoresMatchReference) {
   NSA_REQUIRE_GPU();
   const Case& c = GetParam();
-  Config cfg = config_of(c);
-  if (cfg.n_selected == 0) cfg.n_selected = 2;
-  if (cfg.window == 0) cfg.window = 17;
+  const Config cfg = selection_and_window_config(c);
   const std::vector<int64_t> lens(c.seqlens.begin(), c.seqlens.end());
   LayerProblem p = make_problem(cfg, sizes_of(c), 47);
   const HostTensor k_random = p.k[0];
