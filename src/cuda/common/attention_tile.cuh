@@ -37,6 +37,12 @@ inline constexpr float kSoftmaxMaxSlack = 8.f;
 __host__ __device__ inline float softmax_slack(const CudaKernelChoices& c) {
   return c.softmax_max_slack ? kSoftmaxMaxSlack : 0.f;
 }
+// A row's reference max after a chunk whose largest scaled score is m_step: m_step where it
+// exceeds the max m by more than slack, else m. (Both online softmaxes: softmax_update below and
+// the selection walks' slc_softmax_step.)
+__device__ __forceinline__ float next_reference_max(float m, float m_step, float slack) {
+  return m_step > m + slack ? m_step : m;
+}
 inline constexpr float kLn2 = 0.6931471805599453f;
 inline constexpr float kNegInf = -__builtin_huge_valf();
 
@@ -163,8 +169,7 @@ struct TileAttention {
       for (int i = 0; i < kSTiles; ++i) mx = fmaxf(mx, fmaxf(s[i][2 * h], s[i][2 * h + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_step = mx * scale_log2;
-      const float m_new = m_step > m[h] + max_slack ? m_step : m[h];
+      const float m_new = next_reference_max(m[h], mx * scale_log2, max_slack);
       // A row with no key so far keeps m = -inf; exponents then use 0 so that exp2(-inf) = 0.
       const float m_use = m_new == kNegInf ? 0.f : m_new;
       alpha[h] = fast_exp2(m[h] - m_use);

@@ -123,8 +123,7 @@ __device__ __forceinline__ void slc_softmax_step(float (&s)[2][4], float (&m)[2]
     float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_step = mx * scale_log2;
-    const float m_new = m_step > m[h] + slack ? m_step : m[h];
+    const float m_new = next_reference_max(m[h], mx * scale_log2, slack);
     const float m_use = m_new == kNegInf ? 0.f : m_new;
     alpha[h] = fast_exp2(m[h] - m_use);
     float sum = 0.f;
