@@ -50,7 +50,8 @@ struct CudaKernelChoices {
   bool phi_blas = true;         // false: phi's large bf16 products on the library's own kernels, never cuBLASLt
   bool cmp_scores_by_chunk = true;  // false: the score pass's ring accumulator everywhere (else where l'/d divides 64 and l/d - 1 <= min(ring, 64))
   bool softmax_max_slack = true;  // false: the forward's online softmax max follows every chunk's (a rescale at every rise)
-  bool win_combine_prefetch = true;  // false: the sm_90a window kernel reads o_cmp, o_slc and the gates for its combine without prefetching them into L2 first
+  bool combine_prefetch = true;      // false: the sm_90a kernel that forms the gated combine (window or selection by TMA) reads its o_cmp, o_slc / o_win and gates without prefetching them into L2 first
+  bool combine_in_selection = true;  // false: the forward's gated combine in the window kernel after the selection (else, with a selection branch, in the selection kernels after the window)
   bool next_q_prefetch = true;       // false: the sm_90a window kernel does not prefetch the Q tile of the CTA one resident grid later into L2
   int cmp_scores_rows = 0;  // 64 or 128: the sm_90a score pass's row tiles (0: the rule; 128 only from Dqk 128, where its shared memory fits)
 };

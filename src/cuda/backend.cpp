@@ -97,7 +97,8 @@ struct ForwardWorkspace {
   void* phi_blas = nullptr;  // phi's products on cuBLASLt (phi::blas_bytes; nullptr: none)
   float* scores = nullptr;   // [T, Hkv, Ns] f32
   void* o_cmp = nullptr;     // [T, Hq, Dv] storage dtype (when o_branch is absent)
-  void* o_slc = nullptr;     // [T, Hq, Dv] storage dtype (when o_branch is absent and n > 0)
+  void* o_part = nullptr;    // [T, Hq, Dv] storage dtype (n > 0): the branch output the combine reads
+                             // back when the caller keeps it nowhere (o_win, or o_slc where the window combines)
   int32_t* slc_tiles = nullptr;  // [slc_union_list_len] the selection's union tiles (none: nullptr)
   size_t bytes = 0;
 
@@ -116,7 +117,7 @@ struct ForwardWorkspace {
     phi_blas = take_phi_blas(w, cfg, pr, rows);
     scores = w.take<float>(cfg.n_selected > 0 ? pr.total_tokens * pr.hkv * ns : 0);
     o_cmp = w.take<char>(pr.total_tokens * pr.hq * pr.dv * es);
-    o_slc = w.take<char>(cfg.n_selected > 0 ? pr.total_tokens * pr.hq * pr.dv * es : 0);
+    o_part = w.take<char>(cfg.n_selected > 0 ? pr.total_tokens * pr.hq * pr.dv * es : 0);
     const int64_t list = slc_union_list_len(cfg, pr);
     slc_tiles = list > 0 ? w.take<int32_t>(list) : nullptr;
     bytes = w.bytes();
@@ -428,8 +429,12 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
   // §4: top-n.
   if (p.cfg.n_selected > 0) launch_select_topn(topn_params(p, w.scores, p.hkv * ns, ns, out.indices), stream);
 
-  // §5: selection, into o_branch[kSlc] or the workspace; §6-§7: window and the gated combine, which
-  // reads o_cmp and o_slc back.
+  // §5-§7. With a selection branch (and CudaKernelChoices::combine_in_selection): the window first,
+  // into o_branch[kWin], the caller's o_win or the workspace, then the selection with the gated
+  // combine, which reads o_cmp and o_win back: the combine's memory traffic then runs beside the
+  // selection's gathers from L2 instead of after the window's loop. Otherwise the selection into
+  // o_branch[kSlc] or the workspace, then the window with the combine, reading o_cmp and o_slc back.
+  const bool slc_combines = p.cfg.n_selected > 0 && choices_of(p.ctx).combine_in_selection;
   BranchParams s = branch_params(p, in.q);
   const KV& slc = detail::branch_kv(p.cfg, in, kSlc);
   const KV& win = detail::branch_kv(p.cfg, in, kWin);
@@ -445,17 +450,12 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
     else if (b == 1 && out.o_win.defined())  // the caller keeps o_win (for the backward)
       set_branch_output(s, b, out.o_win.data, out.o_win.stride[0], out.o_win.stride[1], lse, out.lse.stride[0],
                         out.lse.stride[1]);
-    else  // o_slc in the workspace (none when n = 0), o_win only in the combine
-      set_branch_output(s, b, b == 0 && p.cfg.n_selected > 0 ? w.o_slc : nullptr, p.hq * p.dv, p.dv, lse, out.lse.stride[0], out.lse.stride[1]);
+    else {  // the combine's read-back in the workspace; the combining kernel's own output nowhere
+      const bool read_back = slc_combines ? b == 1 && p.cfg.window > 0 : b == 0 && p.cfg.n_selected > 0;
+      set_branch_output(s, b, read_back ? w.o_part : nullptr, p.hq * p.dv, p.dv, lse, out.lse.stride[0],
+                        out.lse.stride[1]);
+    }
   }
-  // Also at n = 0: the kernel then writes lse_slc = -inf and o_slc = 0 (if wanted).
-  launch_slc(p, s);
-  if (p.cfg.n_selected > 0) {
-    s.o_slc = s.o_branch[0];
-    s.os_st = s.ob_st[0];
-    s.os_sh = s.ob_sh[0];
-  }
-  s.combine = true;
   s.g = in.g.data;
   s.g_st = in.g.stride[0];
   s.g_sh = in.g.stride[1];
@@ -465,6 +465,23 @@ void forward(const Plan& p, const Inputs& in, const ForwardOutputs& out, Workspa
   s.o = out.o.data;
   s.o_st = out.o.stride[0];
   s.o_sh = out.o.stride[1];
+  if (slc_combines) {
+    launch_win(p, s);
+    s.o_win = s.o_branch[1];  // nullptr at w = 0: o_win = 0
+    s.ow_st = s.ob_st[1];
+    s.ow_sh = s.ob_sh[1];
+    s.combine = true;
+    launch_slc(p, s);
+    return;
+  }
+  // Also at n = 0: the kernel then writes lse_slc = -inf and o_slc = 0 (if wanted).
+  launch_slc(p, s);
+  if (p.cfg.n_selected > 0) {
+    s.o_slc = s.o_branch[0];
+    s.os_st = s.ob_st[0];
+    s.os_sh = s.ob_sh[0];
+  }
+  s.combine = true;
   launch_win(p, s);
 }
 

@@ -54,8 +54,10 @@ struct CmpAttnParams {
 };
 
 // Selection (spec §5, slc_attention.cuh) and sliding-window attention (spec §6,
-// win_attention.cuh, fused with the gated combine of spec §7 when `combine` is set). Each kernel
-// reads the fields of its branch.
+// win_attention.cuh), the one launched with `combine` set fused with the gated combine of spec §7:
+// the window, reading o_slc back, or (the forward with a selection branch, on by default:
+// CudaKernelChoices::combine_in_selection) the selection after the window, reading o_win back.
+// Each kernel reads the fields of its branch.
 struct BranchParams {
   SeqParams seqs;
   const void* q;  // [T, Hq, Dqk]
@@ -75,7 +77,7 @@ struct BranchParams {
   int64_t ob_st[2], ob_sh[2];
   float* lse[2];  // [T, Hq] f32 with strides; nullptr: not wanted
   int64_t lse_st[2], lse_sh[2];
-  // Gated combine: o = g0 * o_cmp + g1 * o_slc + g2 * o_win.
+  // Gated combine (by the kernel launched with it set): o = g0 * o_cmp + g1 * o_slc + g2 * o_win.
   bool combine;
   const void* g;  // [T, Hq, 3]
   int64_t g_st, g_sh;
@@ -93,6 +95,10 @@ struct BranchParams {
   // selection branch, o_slc = 0).
   const void* o_slc;
   int64_t os_st, os_sh;
+  // o_win for the selection kernels' combine, written by the window kernel (nullptr: no window
+  // branch, o_win = 0).
+  const void* o_win;
+  int64_t ow_st, ow_sh;
   // The selection's union tiles (slc_attention.cuh): when set, the per-token kernel leaves every
   // tile whose union of blocks is small (slc_union_takes) and appends it to slc_union_list (entry
   // 0: their count, zeroed before the launch; then the tiles, blockIdx.y * gridDim.x +

@@ -84,8 +84,12 @@ using PhiOnMmaSync = ChoiceOff<&CudaKernelChoices::phi_wgmma>;
 using ScoresByRing = ChoiceOff<&CudaKernelChoices::cmp_scores_by_chunk>;
 // The forward's online softmax moves its max at every rise, not only past the slack.
 using SoftmaxMaxWithoutSlack = ChoiceOff<&CudaKernelChoices::softmax_max_slack>;
-// The sm_90a window kernel's combine reads o_cmp, o_slc and the gates without their L2 prefetch.
-using NoCombinePrefetch = ChoiceOff<&CudaKernelChoices::win_combine_prefetch>;
+// The sm_90a kernel that forms the gated combine reads the other branches' outputs and the gates
+// without their L2 prefetch.
+using NoCombinePrefetch = ChoiceOff<&CudaKernelChoices::combine_prefetch>;
+// The forward's gated combine in the window kernel after the selection, as without a selection
+// branch (else the selection kernels form it after the window).
+using CombineInWindow = ChoiceOff<&CudaKernelChoices::combine_in_selection>;
 // The sm_90a window kernel does not prefetch the Q tile of the CTA one resident grid later.
 using NoNextQPrefetch = ChoiceOff<&CudaKernelChoices::next_q_prefetch>;
 

@@ -722,6 +722,14 @@ TEST_P(CudaForward, ForwardWithoutTmaMatchesReferencePipeline) {
   check_forward_pipeline(GetParam());
 }
 
+// The same with the gated combine in the window kernel after the selection (CombineInWindow), the
+// order without a selection branch: elsewhere the selection kernels form it after the window.
+TEST_P(CudaForward, ForwardWithCombineInWindowMatchesReferencePipeline) {
+  NSA_REQUIRE_GPU();
+  const CombineInWindow in_window;
+  check_forward_pipeline(GetParam());
+}
+
 // The compressed branch's output kept alone (ForwardOutputs::o_cmp), then with the window's
 // (o_win, as the torch layer keeps them for the backward), is o_branch's first (and third) plane
 // bit for bit, and o, lse and indices are unchanged.
@@ -757,10 +765,10 @@ TEST_P(CudaForward, CompressedAndWindowOutputsAreTheirBranchOutputs) {
   }
 }
 
-// The window kernel's L2 prefetches (its combine's reads: o_cmp, o_slc, the gates; a later CTA's Q
-// tile) change no value: o, lse, indices and every branch output are the bits of a forward
+// The L2 prefetches (the combining kernel's of its combine's reads: o_cmp, the other branch's output,
+// the gates; the window's of a later CTA's Q tile) change no value: o, lse, indices and every branch output are the bits of a forward
 // without them (NoCombinePrefetch, NoNextQPrefetch).
-TEST_P(CudaForward, WindowPrefetchesGiveTheBitsWithoutThem) {
+TEST_P(CudaForward, PrefetchesGiveTheBitsWithoutThem) {
   NSA_REQUIRE_GPU();
   const Case& c = GetParam();
   const Config cfg = config_of(c);

@@ -44,6 +44,14 @@ __device__ __forceinline__ float next_reference_max(float m, float m_step, float
   return m_step > m + slack ? m_step : m;
 }
 inline constexpr float kLn2 = 0.6931471805599453f;
+
+// The gated combine of spec §7 for one column pair, in one order wherever it is formed (the window
+// kernels, the selection kernels): g_slc o_slc + g_win o_win + g_cmp o_cmp, in fp32.
+__device__ __forceinline__ float2 gated_pair(float2 o_cmp, float2 o_slc, float2 o_win, float g_cmp, float g_slc,
+                                             float g_win) {
+  return make_float2(g_slc * o_slc.x + g_win * o_win.x + g_cmp * o_cmp.x,
+                     g_slc * o_slc.y + g_win * o_win.y + g_cmp * o_cmp.y);
+}
 inline constexpr float kNegInf = -__builtin_huge_valf();
 
 // 2^x on the special-function unit, subnormal results flushed to zero (p < 2^-126 adds nothing a

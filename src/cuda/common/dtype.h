@@ -22,6 +22,10 @@ struct StorageTraits<__nv_bfloat16> {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
   }
+  // pack's inverse: the two values of a 32-bit register, low half first.
+  static __device__ __forceinline__ float2 unpack(uint32_t packed) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed));
+  }
 };
 
 template <>
@@ -33,6 +37,9 @@ struct StorageTraits<__half> {
   static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
     __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
+  }
+  static __device__ __forceinline__ float2 unpack(uint32_t packed) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&packed));
   }
 };
 

@@ -93,19 +93,90 @@ __device__ __forceinline__ bool slc_tile_handed_over(const BranchParams& p, cons
 
 // One warp's 16 rows of o_slc out of shared memory (`so`: rows of kDv + 8 columns, the warp's
 // first row first) in 16-byte pieces, two whole rows per warp store: row r is token t0 + r / G
-// (only those before tokens_valid) and head hk G + r % G. (Both selection kernels' epilogue.)
+// (only those before tokens_valid) and head hk G + r % G; to `out` (o_branch[0]; nullptr: not
+// wanted) and, with p.combine, the same rows' o = g_slc o_slc + g_win o_win + g_cmp o_cmp to p.o
+// (gated_pair; o_cmp and o_win as the other kernels stored them, o_slc as staged: each branch
+// rounded to the storage type once, as the window's combine reads o_slc back). A lane's loads of
+// o_cmp, o_win and the gates all go out before its stores. (Every selection kernel's epilogue.)
 template <typename Storage, int kDv>
 __device__ __forceinline__ void store_warp_rows(const BranchParams& p, Storage* out, const Storage* so, int64_t t0,
                                                 int tokens_valid, int hk, int lane) {
   constexpr int kRowPieces = kDv / 8, kOStride = kDv + 8;
-  for (int e = lane; e < 16 * kRowPieces; e += 32) {
-    const int row = e / kRowPieces, piece = e % kRowPieces;
+  if (!p.combine) {
+    for (int e = lane; e < 16 * kRowPieces; e += 32) {
+      const int row = e / kRowPieces, piece = e % kRowPieces;
+      const int rtok = row >> p.log2_group;
+      if (rtok >= tokens_valid) continue;
+      const int rhead = hk * p.group + (row & (p.group - 1));
+      *reinterpret_cast<uint4*>(out + (t0 + rtok) * p.ob_st[0] + int64_t(rhead) * p.ob_sh[0] + 8 * piece) =
+          *reinterpret_cast<const uint4*>(so + row * kOStride + 8 * piece);
+    }
+    return;
+  }
+  using Traits = StorageTraits<Storage>;
+  constexpr int kIters = 16 * kRowPieces / 32;
+  static_assert(16 * kRowPieces % 32 == 0, "whole rounds of pieces");
+  uint4 oc[kIters], ow[kIters];
+  float gate[kIters][3];
+#pragma unroll
+  for (int k = 0; k < kIters; ++k) {
+    const int e = lane + 32 * k, row = e / kRowPieces, piece = e % kRowPieces;
+    const int rtok = row >> p.log2_group;
+    oc[k] = ow[k] = make_uint4(0u, 0u, 0u, 0u);  // no window branch: o_win = 0
+    gate[k][0] = gate[k][1] = gate[k][2] = 0.f;
+    if (rtok >= tokens_valid) continue;
+    const int64_t t = t0 + rtok, rhead = hk * p.group + (row & (p.group - 1));
+    oc[k] = *reinterpret_cast<const uint4*>(static_cast<const Storage*>(p.o_cmp) + t * p.oc_st + rhead * p.oc_sh +
+                                            8 * piece);
+    if (p.o_win != nullptr)
+      ow[k] = *reinterpret_cast<const uint4*>(static_cast<const Storage*>(p.o_win) + t * p.ow_st + rhead * p.ow_sh +
+                                              8 * piece);
+    const Storage* g = static_cast<const Storage*>(p.g) + t * p.g_st + rhead * p.g_sh;
+#pragma unroll
+    for (int b = 0; b < 3; ++b) gate[k][b] = to_float(g[b]);
+  }
+#pragma unroll
+  for (int k = 0; k < kIters; ++k) {
+    const int e = lane + 32 * k, row = e / kRowPieces, piece = e % kRowPieces;
     const int rtok = row >> p.log2_group;
     if (rtok >= tokens_valid) continue;
-    const int rhead = hk * p.group + (row & (p.group - 1));
-    *reinterpret_cast<uint4*>(out + (t0 + rtok) * p.ob_st[0] + int64_t(rhead) * p.ob_sh[0] + 8 * piece) =
-        *reinterpret_cast<const uint4*>(so + row * kOStride + 8 * piece);
+    const int64_t t = t0 + rtok, rhead = hk * p.group + (row & (p.group - 1));
+    const uint4 os = *reinterpret_cast<const uint4*>(so + row * kOStride + 8 * piece);
+    if (out != nullptr)
+      *reinterpret_cast<uint4*>(out + t * p.ob_st[0] + rhead * p.ob_sh[0] + 8 * piece) = os;
+    const uint32_t ocw[4] = {oc[k].x, oc[k].y, oc[k].z, oc[k].w}, osw[4] = {os.x, os.y, os.z, os.w},
+                   oww[4] = {ow[k].x, ow[k].y, ow[k].z, ow[k].w};
+    uint32_t o[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float2 v = gated_pair(Traits::unpack(ocw[q]), Traits::unpack(osw[q]), Traits::unpack(oww[q]), gate[k][0],
+                                  gate[k][1], gate[k][2]);
+      o[q] = Traits::pack(v.x, v.y);
+    }
+    *reinterpret_cast<uint4*>(static_cast<Storage*>(p.o) + t * p.o_st + rhead * p.o_sh + 8 * piece) =
+        make_uint4(o[0], o[1], o[2], o[3]);
   }
+}
+
+// The combine's reads of a warp's 16 rows (o_cmp, o_win and the gates), prefetched into L2 some
+// steps before the walk ends (CudaKernelChoices::combine_prefetch): lane l takes row l % 16 of
+// o_cmp (l < 16, with the row's gates) or of o_win, one prefetch per 128-byte line.
+template <typename Storage, int kDv>
+__device__ __forceinline__ void slc_prefetch_combine(const BranchParams& p, int64_t t0, int tokens_valid, int hk,
+                                                     int lane) {
+  const int row = lane % 16, rtok = row >> p.log2_group;
+  if (rtok >= tokens_valid) return;
+  const int64_t t = t0 + rtok, rhead = hk * p.group + (row & (p.group - 1));
+  const Storage* src;
+  if (lane < 16) {
+    prefetch_l2(static_cast<const Storage*>(p.g) + t * p.g_st + rhead * p.g_sh);
+    src = static_cast<const Storage*>(p.o_cmp) + t * p.oc_st + rhead * p.oc_sh;
+  } else {
+    if (p.o_win == nullptr) return;
+    src = static_cast<const Storage*>(p.o_win) + t * p.ow_st + rhead * p.ow_sh;
+  }
+#pragma unroll
+  for (int b = 0; b < int(kDv * sizeof(Storage)); b += 128) prefetch_l2(reinterpret_cast<const char*>(src) + b);
 }
 
 // The online softmax of a 16-key step (both per-token walks): s (the step's raw scores of rows g
@@ -278,8 +349,8 @@ __global__ void __launch_bounds__(kSlcWarpThreads, slc_min_ctas(kDqk)) slc_atten
       }
   }
   __syncwarp();
-  Storage* out = static_cast<Storage*>(p.o_branch[0]);  // nullptr: o_slc not wanted (n = 0 in forward)
-  if (out != nullptr) store_warp_rows<Storage, kDv>(p, out, so, s0 + t0, tokens_valid, hk, lane);
+  Storage* out = static_cast<Storage*>(p.o_branch[0]);  // nullptr: o_slc not wanted
+  if (out != nullptr || p.combine) store_warp_rows<Storage, kDv>(p, out, so, s0 + t0, tokens_valid, hk, lane);
 }
 
 // sm_90a: the selection of one per-token CTA's 64 rows (64/G tokens x the G heads of a KV head) as
@@ -388,25 +459,26 @@ __global__ void __launch_bounds__(kSlcWarpThreads)
       // half-filled its sectors (ncu: 34% excess global sectors).
       const int quad = lane % 4;
       Storage* const out = static_cast<Storage*>(p.o_branch[0]);
+      const bool rows_out = out != nullptr || p.combine;  // o_slc and / or the combine's o
       constexpr int kOStride = kDv + 8;
       static_assert(size_t(kRows) * kOStride <= size_t(kStages) * Tile::kKSwTile + size_t(kVStages) * Tile::kVSwTile,
                     "the output rows fit in the ring");
       Storage* const so = sm.sk;  // [kRows][kOStride]
-      if (out != nullptr) __syncthreads();  // every warp's last products have read the ring
+      if (rows_out) __syncthreads();  // every warp's last products have read the ring
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float lse2, inv;
         st.finish_row(h, lse2, inv);
         if (t_row[h] >= 0 && quad == 0 && p.lse[0] != nullptr)
           p.lse[0][(s0 + t_row[h]) * p.lse_st[0] + head[h] * p.lse_sh[0]] = lse2 == kNegInf ? kNegInf : lse2 * kLn2;
-        if (out == nullptr) continue;
+        if (!rows_out) continue;
         Storage* orow = so + (warp * 16 + g + 8 * h) * kOStride;
 #pragma unroll
         for (int i = 0; i < Tile::kOTiles; ++i)
           *reinterpret_cast<uint32_t*>(orow + i * 8 + 2 * quad) =
               StorageTraits<Storage>::pack(st.acc[i][2 * h] * inv, st.acc[i][2 * h + 1] * inv);
       }
-      if (out != nullptr) {
+      if (rows_out) {
         __syncwarp();  // a warp writes out its own 16 rows: tokens_per_warp tokens from its first
         store_warp_rows<Storage, kDv>(p, out, so + warp * 16 * kOStride, s0 + t0 + warp * tokens_per_warp,
                                       tokens_valid - warp * tokens_per_warp, hk, lane);

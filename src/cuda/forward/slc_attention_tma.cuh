@@ -15,6 +15,9 @@
 namespace nsa::cuda {
 
 inline constexpr int kSlcTmaStages = 3;
+// With the gated combine (BranchParams::combine) a warp prefetches its rows' o_cmp, o_win and gates
+// into L2 this many steps before its walk ends (slc_prefetch_combine).
+inline constexpr int kSlcPrefetchAhead = 8;
 constexpr size_t slc_tma_stage_bytes(int dqk, int dv) { return size_t(16) * 128 * size_t(dqk / 64 + dv / 64); }
 constexpr size_t slc_tma_ring_bytes(int dqk, int dv) { return kSlcTmaStages * slc_tma_stage_bytes(dqk, dv); }
 // From a 1024-byte boundary: the warps' rings (a warp's sort keys live in its ring before the
@@ -121,8 +124,11 @@ __global__ void __launch_bounds__(kSlcWarpThreads, 2)
     float m[2] = {kNegInf, kNegInf}, lsum[2] = {0.f, 0.f};
     int st = 0;
     uint32_t phase = 0;
+    // The step at which the combine's reads are prefetched (-1: none).
+    const int prefetch_at = p.combine && p.choices.combine_prefetch ? max(0, n_steps - kSlcPrefetchAhead) : -1;
     for (int i = 0; i < n_steps; ++i) {
       if (i + kSlcTmaStages - 1 < n_steps) issue(st == 0 ? kSlcTmaStages - 1 : st - 1);  // the stage step i - 1 left
+      if (i == prefetch_at) slc_prefetch_combine<Storage, kDv>(p, s0 + t0, tokens_valid, hk, lane);
       mbarrier_wait_parity(bars + st, phase);
       unsigned char* const stage = ring + st * kStageBytes;
       const int nv = min(16, nkeys - off);
@@ -161,8 +167,8 @@ __global__ void __launch_bounds__(kSlcWarpThreads, 2)
             StorageTraits<Storage>::pack(acc[t][2 * h] * inv, acc[t][2 * h + 1] * inv);
     }
     __syncwarp();
-    Storage* out = static_cast<Storage*>(p.o_branch[0]);  // nullptr: o_slc not wanted (n = 0 in forward)
-    if (out != nullptr) store_warp_rows<Storage, kDv>(p, out, so, s0 + t0, tokens_valid, hk, lane);
+    Storage* out = static_cast<Storage*>(p.o_branch[0]);  // nullptr: o_slc not wanted
+    if (out != nullptr || p.combine) store_warp_rows<Storage, kDv>(p, out, so, s0 + t0, tokens_valid, hk, lane);
   }
 }
 

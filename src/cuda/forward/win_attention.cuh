@@ -23,15 +23,6 @@
 
 namespace nsa::cuda {
 
-template <typename Storage>
-__device__ __forceinline__ float2 unpack_pair(uint32_t packed) {
-  if constexpr (StorageTraits<Storage>::is_bf16) {
-    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed));
-  } else {
-    return __half22float2(*reinterpret_cast<const __half2*>(&packed));
-  }
-}
-
 inline constexpr int kWinThreads = kWinRows / 16 * 32;
 
 // The query tile of a window CTA: rows / G tokens of one sequence x the G heads of KV head hk,
@@ -100,11 +91,11 @@ __device__ __forceinline__ void win_epilogue(const BranchParams& p, const Tile& 
     for (int i = 0; i < Tile::kOTiles; ++i) {
       const int col = i * 8 + 2 * quad;
       const float2 o_win = make_float2(st.acc[i][2 * h] * inv, st.acc[i][2 * h + 1] * inv);
-      const float2 o_slc = os != nullptr ? unpack_pair<Storage>(*reinterpret_cast<const uint32_t*>(os + col))
-                                         : make_float2(0.f, 0.f);
-      const float lo = g_slc * o_slc.x + g_win * o_win.x + g_cmp * to_float(oc[col]);
-      const float hi = g_slc * o_slc.y + g_win * o_win.y + g_cmp * to_float(oc[col + 1]);
-      *reinterpret_cast<uint32_t*>(orow + col) = Traits::pack(lo, hi);
+      const float2 o_slc =
+          os != nullptr ? Traits::unpack(*reinterpret_cast<const uint32_t*>(os + col)) : make_float2(0.f, 0.f);
+      const float2 o = gated_pair(Traits::unpack(*reinterpret_cast<const uint32_t*>(oc + col)), o_slc, o_win, g_cmp,
+                                  g_slc, g_win);
+      *reinterpret_cast<uint32_t*>(orow + col) = Traits::pack(o.x, o.y);
     }
   }
 }
@@ -114,7 +105,7 @@ __device__ __forceinline__ void win_epilogue(const BranchParams& p, const Tile& 
 // prefetch_q_tile_ahead) would be waited on with nothing to hide the wait. So while the loop still
 // has kWinPrefetchAhead chunks to go, the CTA prefetches them into L2. Prefetches change no value.
 inline constexpr int kWinPrefetchAhead = 4;
-// The combine's reads (CudaKernelChoices::win_combine_prefetch): thread i takes row i % kRows of
+// The combine's reads (CudaKernelChoices::combine_prefetch): thread i takes row i % kRows of
 // o_cmp (i < kRows, with the row's gates) or of o_slc, one prefetch per 128-byte line.
 template <typename Storage, int kRows, int kDv>
 __device__ __forceinline__ void win_prefetch_combine(const BranchParams& p, const WinTile& wt) {
@@ -134,6 +125,7 @@ __device__ __forceinline__ void win_prefetch_combine(const BranchParams& p, cons
 #pragma unroll
   for (int b = 0; b < int(kDv * sizeof(Storage)); b += 128) prefetch_l2(reinterpret_cast<const char*>(src) + b);
 }
+
 // The gated combine of the sm_90a kernel, staged through shared memory (the K/V buffers and the Q
 // tile are free after the loop): each thread normalises its rows of o_win into an fp32 tile
 // [kRows][kDv + 8] (and its rows' gates), then the CTA forms o = g_cmp o_cmp + g_slc o_slc +
@@ -142,7 +134,8 @@ __device__ __forceinline__ void win_prefetch_combine(const BranchParams& p, cons
 // pieces in flight at once. (Read in the accumulator layout, a warp's load touched 8 rows x 4
 // bytes per 32-byte sector, two loads per column pair for o_cmp, and the CTA, alone on its SM,
 // waited on them.) The numbers are those of win_epilogue: o_win in fp32, the same expression per
-// element, and o_win rounded from the same fp32 values.
+// element, and o_win rounded from the same fp32 values. Without p.combine (the selection kernels
+// combine after the window) it writes o_win alone, in the same whole lines.
 template <int kRows, int kDv>
 constexpr size_t win_staged_bytes() {
   return size_t(kRows) * ((kDv + 8) + 4) * sizeof(float);
@@ -170,7 +163,7 @@ __device__ __forceinline__ void win_epilogue_staged(const BranchParams& p, const
     if (t_row[h] < 0) continue;
     const int64_t t = wt.s0 + t_row[h];
     win_write_branch<Storage>(p, st, h, t, head[h], lse2, inv, /*write_o=*/false);
-    if (quad < 3) {
+    if (p.combine && quad < 3) {
       const Storage* g = static_cast<const Storage*>(p.g) + t * p.g_st + head[h] * p.g_sh;
       gates[row * 4 + quad] = to_float(g[quad]);
     }
@@ -188,7 +181,7 @@ __device__ __forceinline__ void win_epilogue_staged(const BranchParams& p, const
     const int row = e / kPieces, col = e % kPieces * 8;
     const int tok = row >> p.log2_group;
     oc[k] = os[k] = make_uint4(0u, 0u, 0u, 0u);  // no selection branch: o_slc = 0
-    if (tok >= wt.tokens_valid) continue;
+    if (!p.combine || tok >= wt.tokens_valid) continue;
     const int64_t t = wt.s0 + wt.t0 + tok;
     const int hq = wt.hk * p.group + (row & (p.group - 1));
     oc[k] = *reinterpret_cast<const uint4*>(static_cast<const Storage*>(p.o_cmp) + t * p.oc_st + hq * p.oc_sh + col);
@@ -203,21 +196,22 @@ __device__ __forceinline__ void win_epilogue_staged(const BranchParams& p, const
     if (tok >= wt.tokens_valid) continue;
     const int64_t t = wt.s0 + wt.t0 + tok;
     const int hq = wt.hk * p.group + (row & (p.group - 1));
-    const float g_cmp = gates[row * 4], g_slc = gates[row * 4 + 1], g_win = gates[row * 4 + 2];
     const float4 w0 = *reinterpret_cast<const float4*>(ow + row * kStride + col);
     const float4 w1 = *reinterpret_cast<const float4*>(ow + row * kStride + col + 4);
     const float win[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-    const uint32_t ocw[4] = {oc[k].x, oc[k].y, oc[k].z, oc[k].w}, osw[4] = {os[k].x, os[k].y, os[k].z, os[k].w};
-    uint32_t out[4];
+    if (p.combine) {
+      const float g_cmp = gates[row * 4], g_slc = gates[row * 4 + 1], g_win = gates[row * 4 + 2];
+      const uint32_t ocw[4] = {oc[k].x, oc[k].y, oc[k].z, oc[k].w}, osw[4] = {os[k].x, os[k].y, os[k].z, os[k].w};
+      uint32_t out[4];
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const float2 c2 = unpack_pair<Storage>(ocw[q]), s2 = unpack_pair<Storage>(osw[q]);
-      const float lo = g_slc * s2.x + g_win * win[2 * q] + g_cmp * c2.x;
-      const float hi = g_slc * s2.y + g_win * win[2 * q + 1] + g_cmp * c2.y;
-      out[q] = Traits::pack(lo, hi);
+      for (int q = 0; q < 4; ++q) {
+        const float2 o = gated_pair(Traits::unpack(ocw[q]), Traits::unpack(osw[q]),
+                                    make_float2(win[2 * q], win[2 * q + 1]), g_cmp, g_slc, g_win);
+        out[q] = Traits::pack(o.x, o.y);
+      }
+      *reinterpret_cast<uint4*>(static_cast<Storage*>(p.o) + t * p.o_st + hq * p.o_sh + col) =
+          make_uint4(out[0], out[1], out[2], out[3]);
     }
-    *reinterpret_cast<uint4*>(static_cast<Storage*>(p.o) + t * p.o_st + hq * p.o_sh + col) =
-        make_uint4(out[0], out[1], out[2], out[3]);
     if (p.o_branch[1] != nullptr) {
       uint32_t ow4[4];
 #pragma unroll
@@ -418,7 +412,7 @@ __global__ void __launch_bounds__(kWinWgRows / 16 * 32)
     st.reset(softmax_slack(p.choices));
     // The chunk at which the combine's reads and the next CTA's Q are prefetched.
     const int prefetch_at = max(0, num_chunks - kWinPrefetchAhead);
-    const bool prefetch_combine = p.combine && p.choices.win_combine_prefetch;
+    const bool prefetch_combine = p.combine && p.choices.combine_prefetch;
     // Row h keeps chunk c's keys [lo, hi): loaded, not after its token, in its window.
     auto limits = [&](int c, int (&lo)[2], int (&hi)[2]) {
       if (c == prefetch_at) {
@@ -447,7 +441,7 @@ __global__ void __launch_bounds__(kWinWgRows / 16 * 32)
     } else {  // without TMA: one CTA barrier per chunk (cmp_attention.cuh)
       cp_async_chunk_loop(sm, st, num_chunks, p.scale_log2, load_chunk, limits);
     }
-    if (p.combine)
+    if (p.combine || p.o_branch[1] != nullptr)  // o (and o_win), or o_win alone, in whole lines
       win_epilogue_staged<Storage, kRows, kDv>(p, st, wt, t_row, head, smem_raw);
     else
       win_epilogue<Storage>(p, st, t_row, head, s0);
