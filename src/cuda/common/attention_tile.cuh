@@ -374,6 +374,24 @@ __device__ __forceinline__ void prefetch_l2(const void* ptr) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
 }
 
+// One row's reads of the gated combine into L2 (the combining kernel's prefetch, CudaKernelChoices::
+// combine_prefetch), one prefetch per 128-byte line: with `cmp` the row's o_cmp and gates, else the
+// other branch's output `other` read back (o_slc in the window, o_win in the selection; nullptr: none).
+template <typename Storage, int kDv>
+__device__ __forceinline__ void prefetch_combine_row(const BranchParams& p, int64_t t, int64_t head, bool cmp,
+                                                     const void* other, int64_t other_st, int64_t other_sh) {
+  const Storage* src;
+  if (cmp) {
+    prefetch_l2(static_cast<const Storage*>(p.g) + t * p.g_st + head * p.g_sh);
+    src = static_cast<const Storage*>(p.o_cmp) + t * p.oc_st + head * p.oc_sh;
+  } else {
+    if (other == nullptr) return;
+    src = static_cast<const Storage*>(other) + t * other_st + head * other_sh;
+  }
+#pragma unroll
+  for (int b = 0; b < int(kDv * sizeof(Storage)); b += 128) prefetch_l2(reinterpret_cast<const char*>(src) + b);
+}
+
 // The Q tile of the block `ahead` places later in launch order of the same row-tile grid, into L2
 // (CudaKernelChoices::next_q_prefetch), by a CTA of 2 x kRows threads: thread i takes the 128-byte
 // lines i / kRows, + 2, ... of row i % kRows. With `ahead` the CTAs resident at once

@@ -166,17 +166,8 @@ __device__ __forceinline__ void slc_prefetch_combine(const BranchParams& p, int6
                                                      int lane) {
   const int row = lane % 16, rtok = row >> p.log2_group;
   if (rtok >= tokens_valid) return;
-  const int64_t t = t0 + rtok, rhead = hk * p.group + (row & (p.group - 1));
-  const Storage* src;
-  if (lane < 16) {
-    prefetch_l2(static_cast<const Storage*>(p.g) + t * p.g_st + rhead * p.g_sh);
-    src = static_cast<const Storage*>(p.o_cmp) + t * p.oc_st + rhead * p.oc_sh;
-  } else {
-    if (p.o_win == nullptr) return;
-    src = static_cast<const Storage*>(p.o_win) + t * p.ow_st + rhead * p.ow_sh;
-  }
-#pragma unroll
-  for (int b = 0; b < int(kDv * sizeof(Storage)); b += 128) prefetch_l2(reinterpret_cast<const char*>(src) + b);
+  prefetch_combine_row<Storage, kDv>(p, t0 + rtok, hk * p.group + (row & (p.group - 1)), lane < 16, p.o_win, p.ow_st,
+                                     p.ow_sh);
 }
 
 // The online softmax of a 16-key step (both per-token walks): s (the step's raw scores of rows g

@@ -112,18 +112,8 @@ __device__ __forceinline__ void win_prefetch_combine(const BranchParams& p, cons
   static_assert(kRows / 16 * 32 == 2 * kRows, "two threads a row: one for o_cmp, one for o_slc");
   const int row = threadIdx.x % kRows, tok = row >> p.log2_group;
   if (tok >= wt.tokens_valid) return;
-  const int64_t t = wt.s0 + wt.t0 + tok;
-  const int hq = wt.hk * p.group + (row & (p.group - 1));
-  const Storage* src;
-  if (threadIdx.x < kRows) {
-    prefetch_l2(static_cast<const Storage*>(p.g) + t * p.g_st + hq * p.g_sh);
-    src = static_cast<const Storage*>(p.o_cmp) + t * p.oc_st + hq * p.oc_sh;
-  } else {
-    if (p.o_slc == nullptr) return;
-    src = static_cast<const Storage*>(p.o_slc) + t * p.os_st + hq * p.os_sh;
-  }
-#pragma unroll
-  for (int b = 0; b < int(kDv * sizeof(Storage)); b += 128) prefetch_l2(reinterpret_cast<const char*>(src) + b);
+  prefetch_combine_row<Storage, kDv>(p, wt.s0 + wt.t0 + tok, wt.hk * p.group + (row & (p.group - 1)),
+                                     threadIdx.x < kRows, p.o_slc, p.os_st, p.os_sh);
 }
 
 // The gated combine of the sm_90a kernel, staged through shared memory (the K/V buffers and the Q
