@@ -13,7 +13,9 @@
 # Environment: OUT (default ./out), AB_LENGTHS (default 65536), AB_STEPS (default "build tests bench
 # bench_backward"; add "profile" for every kernel's ncu time, scripts/profile_gpu.sh (AB_PROFILE_VARIANTS:
 # one run per backward-suite variant, e.g. "saved_o_cmp_win saved_o_cmp_win_softmax_no_slack", with
-# AB_PROFILE_FLAGS before --variant, default --g16-only, and AB_PROFILE_T, default 65536), and "gather" for
+# AB_PROFILE_FLAGS before --variant, default --g16-only, and AB_PROFILE_T, default 65536;
+# AB_PROFILE_KERNELS, a kernel regex such as 'slc_attention_tma|slc_dq_kernel': profile_gpu.sh's detail
+# sections of its first LAUNCHES launches, their throughputs, issue and stall lines in the summary), and "gather" for
 # nsa_gather_bench), AB_BENCH_ARGS (default --no-locality; "" adds the local_q stages),
 # AB_BWD_ARGS (more options of the backward suite, e.g. "--shape 64,4,192,128"; a snapshot's bench
 # must know them; a snapshot older than the suites, one with bench/cuda_forward_bench.cu, runs its
@@ -225,7 +227,12 @@ for dir in "${dirs[@]}"; do
       pdir="$log/profile" flags="${AB_PROFILE_FLAGS---g16-only}" label=""
       [[ "$v" == _ ]] || { pdir="$log/profile_$v"; flags="$flags --variant $v"; label=" $v"; }
       BUILD_DIR="$build" OUT="$pdir" T="${AB_PROFILE_T:-65536}" BENCH_FLAGS="$flags" "$ROOT/scripts/profile_gpu.sh" \
-        > "$pdir.log" 2>&1 || { echo "  profile$label FAILED" | tee -a "$SUMMARY"; rc_all=1; }
+        ${AB_PROFILE_KERNELS:+"$AB_PROFILE_KERNELS"} > "$pdir.log" 2>&1 || { echo "  profile$label FAILED" | tee -a "$SUMMARY"; rc_all=1; }
+      if [[ -n "${AB_PROFILE_KERNELS:-}" && -f "$pdir/kernel_detail.txt" ]]; then
+        # What bounds each detailed launch: its name, time, throughputs, issue and stalls.
+        grep -E '^  [a-zA-Z_<].*\(.*\)x\(|Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|Issue Slots Busy|No Eligible|Warp Cycles Per Issued Instruction|Achieved Occupancy' \
+          "$pdir/kernel_detail.txt" | sed "s/^ */  ncu detail$label: /" >> "$SUMMARY"
+      fi
       if [[ "$v" == _ ]]; then
         sed 's/^/  ncu: /' "$pdir/kernel_times.txt" >> "$SUMMARY" 2>/dev/null
       else
