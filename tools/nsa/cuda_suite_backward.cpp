@@ -15,8 +15,9 @@
 // 128-row tiles (saved_o_cmp_win_scores_64, _128; Dqk = Dv = 128 at 8K and 64K: their same-run A/B,
 // beside saved_o_cmp_win, the rule's), saved_o_cmp_win with the forward's online softmax max moved
 // at every rise (saved_o_cmp_win_softmax_no_slack: the same-run A/B of its slack) and with the
-// window's combine reading o_cmp, o_slc and the gates without their L2 prefetch, without the
-// window's prefetch of a later CTA's Q tile, or without either
+// combining kernel (the selection by TMA; the window where it combines) reading o_cmp, the other
+// branch's output and the gates without their L2 prefetch, without the window's prefetch of a
+// later CTA's Q tile, or without either
 // (saved_o_cmp_win_no_combine_prefetch, _no_next_q_prefetch, _no_prefetch: their same-run
 // A/B), with the gated combine in the window kernel after the selection instead of in the selection
 // kernels after the window (saved_o_cmp_win_combine_in_window: its same-run A/B), the forward's
@@ -149,7 +150,7 @@ struct Variant {
   bool score_ring = false;         // the score pass's ring accumulator everywhere (CudaKernelChoices)
   int scores_rows = 0;             // the sm_90a score pass's row tiles, 64 or 128 (0: the rule; CudaKernelChoices)
   bool no_slack = false;           // the forward's online softmax max at every rise (CudaKernelChoices)
-  bool no_prefetch = false;        // the window's combine without its L2 prefetch (CudaKernelChoices)
+  bool no_prefetch = false;        // the combining kernel's reads without their L2 prefetch (CudaKernelChoices)
   bool no_next_q = false;          // the window without its prefetch of a later CTA's Q (CudaKernelChoices)
   bool combine_in_window = false;  // the gated combine in the window kernel after the selection (CudaKernelChoices)
 };
