@@ -15,7 +15,9 @@
 # one run per backward-suite variant, e.g. "saved_o_cmp_win saved_o_cmp_win_softmax_no_slack", with
 # AB_PROFILE_FLAGS before --variant, default --g16-only, and AB_PROFILE_T, default 65536;
 # AB_PROFILE_KERNELS, a kernel regex such as 'slc_attention_tma|slc_dq_kernel': profile_gpu.sh's detail
-# sections of its first LAUNCHES launches, their throughputs, issue and stall lines in the summary), and "gather" for
+# sections of its first LAUNCHES launches, their throughputs, L2 bytes, issue and stall lines in the summary;
+# "public_ncu": scripts/profile_public.sh, the same lines of the public NSA's selection kernels at AB_PROFILE_T,
+# G = AB_PUBLIC_NCU_G (default 16), once per call, carry ".anchors"), and "gather" for
 # nsa_gather_bench), AB_BENCH_ARGS (default --no-locality; "" adds the local_q stages),
 # AB_BWD_ARGS (more options of the backward suite, e.g. "--shape 64,4,192,128"; a snapshot's bench
 # must know them; a snapshot older than the suites, one with bench/cuda_forward_bench.cu, runs its
@@ -91,6 +93,7 @@ DEADLINE="${AB_DEADLINE:-560}"
 step_cost() { case "$1" in build) echo 45 ;; tests) echo 150 ;; bench | bench_backward) echo 75 ;;
                            profile) local v; read -ra v <<< "${AB_PROFILE_VARIANTS:-_}"; echo $((90 * ${#v[@]})) ;;
                            gather) echo 20 ;; break) echo 250 ;; pytest) echo 120 ;; layer) echo 150 ;; public) echo 180 ;;
+                           public_ncu) echo 90 ;;
                            *) echo 30 ;; esac; }
 # The snapshot's Python package, its path on stdout: the snapshot's py_stage.sh, given the extension
 # of the snapshot's build where the build step made one in this call (`built_py`: the library's
@@ -230,7 +233,7 @@ for dir in "${dirs[@]}"; do
         ${AB_PROFILE_KERNELS:+"$AB_PROFILE_KERNELS"} > "$pdir.log" 2>&1 || { echo "  profile$label FAILED" | tee -a "$SUMMARY"; rc_all=1; }
       if [[ -n "${AB_PROFILE_KERNELS:-}" && -f "$pdir/kernel_detail.txt" ]]; then
         # What bounds each detailed launch: its name, time, throughputs, issue and stalls.
-        grep -E '^  [a-zA-Z_<].*\(.*\)x\(|Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|Issue Slots Busy|No Eligible|Warp Cycles Per Issued Instruction|Achieved Occupancy' \
+        grep -E '^  [a-zA-Z_<].*\(.*\)x\(|Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|lts__t_bytes.sum|l1tex__m_xbar2l1tex_read_bytes.sum|Issue Slots Busy|No Eligible|Warp Cycles Per Issued Instruction|Achieved Occupancy' \
           "$pdir/kernel_detail.txt" | sed "s/^ */  ncu detail$label: /" >> "$SUMMARY"
       fi
       if [[ "$v" == _ ]]; then
@@ -262,6 +265,13 @@ for dir in "${dirs[@]}"; do
     else
       echo "  layer: the package did not build (see $name/py_stage.log)" | tee -a "$SUMMARY"
       rc_all=1
+    fi
+  fi
+  if has public_ncu; then  # the public NSA's selection kernels under ncu (once per call: they are not the snapshot's)
+    if [[ ! -s "$OUT/public_ncu.txt" ]]; then
+      OUT="$OUT/public_ncu" T="${AB_PROFILE_T:-65536}" G="${AB_PUBLIC_NCU_G:-16}" "$ROOT/scripts/profile_public.sh" \
+        > "$OUT/public_ncu.txt" 2>&1 || { echo "  public_ncu FAILED" | tee -a "$SUMMARY"; rc_all=1; }
+      sed 's/^ */  public ncu: /' "$OUT/public_ncu.txt" >> "$SUMMARY"
     fi
   fi
   if has public; then  # the same-run table against the public NSA and dense SDPA (once per call, then shared)
