@@ -232,9 +232,8 @@ for dir in "${dirs[@]}"; do
       BUILD_DIR="$build" OUT="$pdir" T="${AB_PROFILE_T:-65536}" BENCH_FLAGS="$flags" "$ROOT/scripts/profile_gpu.sh" \
         ${AB_PROFILE_KERNELS:+"$AB_PROFILE_KERNELS"} > "$pdir.log" 2>&1 || { echo "  profile$label FAILED" | tee -a "$SUMMARY"; rc_all=1; }
       if [[ -n "${AB_PROFILE_KERNELS:-}" && -f "$pdir/kernel_detail.txt" ]]; then
-        # What bounds each detailed launch: its name, time, throughputs, issue and stalls.
-        grep -E '^  [a-zA-Z_<].*\(.*\)x\(|Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|lts__t_bytes.sum|l1tex__m_xbar2l1tex_read_bytes.sum|Issue Slots Busy|No Eligible|Warp Cycles Per Issued Instruction|Achieved Occupancy' \
-          "$pdir/kernel_detail.txt" | sed "s/^ */  ncu detail$label: /" >> "$SUMMARY"
+        # What bounds each detailed launch (ncu_summary.sh).
+        "$ROOT/scripts/ncu_summary.sh" "$pdir/kernel_detail.txt" | sed "s/^ */  ncu detail$label: /" >> "$SUMMARY"
       fi
       if [[ "$v" == _ ]]; then
         sed 's/^/  ncu: /' "$pdir/kernel_times.txt" >> "$SUMMARY" 2>/dev/null

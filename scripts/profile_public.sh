@@ -8,8 +8,8 @@
 #
 #   scripts/profile_public.sh
 #
-# -> $OUT/public_kernel_detail.txt (ncu's report) and, on stdout, each launch's name, duration,
-# throughputs, L2 bytes, issue and occupancy lines.
+# -> $OUT/public_kernel_detail.txt (ncu's report) and, on stdout, its lines that say what bounds
+# each launch (scripts/ncu_summary.sh).
 # Environment: OUT (default ./out), T (default 65536), G (default 16: Hq = 4 G, Hkv 4, D 128),
 # KERNELS (default '^(_fwd_kernel|_dq_kernel|_dkdv_kernel)$'; the names are the Triton functions',
 # which no other public kernel shares), LAUNCHES (default 3: one step's launch of each; the
@@ -28,7 +28,6 @@ PYTHONPATH="$ANCHOR" ncu --clock-control none -k "regex:${KERNELS:-^(_fwd_kernel
   --metrics lts__t_bytes.sum,l1tex__m_xbar2l1tex_read_bytes.sum \
   python3 "$ROOT/bench/public_nsa_kernels.py" --groups "${G:-16}" --lens "${T:-65536}" --steps 1 > "$detail" 2>&1
 rc=$?
-grep -E '^  [a-zA-Z_<].*\(.*\)x\(|Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|lts__t_bytes.sum|l1tex__m_xbar2l1tex_read_bytes.sum|No Eligible|Warp Cycles Per Issued Instruction|Achieved Occupancy|Registers Per Thread|Block Size' \
-  "$detail"
+"$ROOT/scripts/ncu_summary.sh" "$detail"
 echo "public kernels' details: $detail (rc=$rc)"
 exit "$rc"
