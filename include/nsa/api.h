@@ -40,6 +40,7 @@ struct CudaKernelChoices {
   bool tma = true;              // false: no TMA tensor maps (cp.async copies everywhere)
   bool slc_union_tiles = true;  // false: the selection's per-token kernels (forward and backward)
   int slc_union_ctas = 0;       // > 0: at most this many CTAs of the selection's union-tile kernel
+  bool slc_block_steps = true;  // false: the sm_90a selection forward walks 16 keys a step (else a whole block where l' = 64 and Dqk, Dv are 64 or 128)
   int cmp_splits = 0;           // > 0: the backward's query splits of the compressed dK/dV (<= 16)
   bool raw_pieces = true;       // false: the backward's raw selection lists are never cut
   int raw_piece_tiles = 0;      // > 0: lists longer than this many query tiles are cut (else the rule)

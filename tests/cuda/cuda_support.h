@@ -66,6 +66,9 @@ using NoTensorMaps = ChoiceOff<&CudaKernelChoices::tma>;
 // The selection runs without its union tiles: the forward's per-token kernel and the backward's
 // slc_dq_kernel take every tile.
 using NoSelectionUnionTiles = ChoiceOff<&CudaKernelChoices::slc_union_tiles>;
+// The sm_90a selection forward walks 16 keys a step (slc_attention_tma_kernel) where it would walk
+// whole blocks (slc_attention_blocks_kernel: l' = 64, Dqk and Dv 64 or 128).
+using SelectionBy16KeySteps = ChoiceOff<&CudaKernelChoices::slc_block_steps>;
 // The backward's dK / dV run one warpgroup per CTA (dkv_kernel) where they would run
 // warp-specialised (dkv_ws_kernel: sm_90a, Dqk = Dv = 128).
 using OneWarpgroupDkv = ChoiceOff<&CudaKernelChoices::dkv_warp_specialized>;

@@ -493,17 +493,23 @@ TEST_P(CudaForward, SelectedAndWindowAttentionMatchReference) {
   LayerProblem p = make_problem(cfg, sizes_of(c), 41);
   HostTensor idx = random_topn_rows(c, cfg, p, 9);
   // The selection with both kernels (with the union tiles: every tile of these short sequences
-  // whose union is small; again with one union CTA running all of them in turn), then the window.
-  expect_selection_matches_reference(c, cfg, p, idx, 0);
-  expect_selection_matches_reference(c, cfg, p, idx, 1);
-  expect_selection_matches_reference(c, cfg, p, idx, -1);
+  // whose union is small; again with one union CTA running all of them in turn), by whole blocks
+  // where the sm_90a selection walks them and again 16 keys a step, then the window.
+  for (const bool blocks : {true, false}) {
+    std::optional<SelectionBy16KeySteps> by_16;
+    if (!blocks) by_16.emplace();
+    expect_selection_matches_reference(c, cfg, p, idx, 0);
+    expect_selection_matches_reference(c, cfg, p, idx, 1);
+    expect_selection_matches_reference(c, cfg, p, idx, -1);
+  }
   expect_window_matches_reference(c, cfg, p);
 }
 
 // Keys whose scores rise along each sequence (scale_rows_rising; key t times 1 + t / 32 for the
-// selection, 1 + t / 8 for the window's shorter reach): the selection's per-token kernels (by TMA
-// and, without tensor maps, by cp.async), its union tiles and the window, each with the forward's
-// slack and again with the max following every step (SoftmaxMaxWithoutSlack).
+// selection, 1 + t / 8 for the window's shorter reach): the selection's per-token kernels (by TMA,
+// by whole blocks and 16 keys a step, and, without tensor maps, by cp.async), its union tiles and
+// the window, each with the forward's slack and again with the max following every step
+// (SoftmaxMaxWithoutSlack).
 TEST_P(CudaForward, SelectedAndWindowAttentionWithRisingScoresMatchReference) {
   NSA_REQUIRE_GPU();
   const Case& c = GetParam();
@@ -518,6 +524,10 @@ TEST_P(CudaForward, SelectedAndWindowAttentionWithRisingScoresMatchReference) {
     if (!slack) no_slack.emplace();
     expect_selection_matches_reference(c, cfg, p, idx, 0);
     expect_selection_matches_reference(c, cfg, p, idx, -1);
+    {
+      const SelectionBy16KeySteps by_16;
+      expect_selection_matches_reference(c, cfg, p, idx, -1);
+    }
     {
       const NoTensorMaps no_tma;
       expect_selection_matches_reference(c, cfg, p, idx, -1);
@@ -719,6 +729,14 @@ TEST_P(CudaForward, ForwardMatchesReferencePipeline) {
 TEST_P(CudaForward, ForwardWithoutTmaMatchesReferencePipeline) {
   NSA_REQUIRE_GPU();
   const NoTensorMaps no_tma;
+  check_forward_pipeline(GetParam());
+}
+
+// The same with the sm_90a selection 16 keys a step where it would walk whole blocks
+// (SelectionBy16KeySteps; elsewhere the same kernels as above).
+TEST_P(CudaForward, ForwardBy16KeySelectionStepsMatchesReferencePipeline) {
+  NSA_REQUIRE_GPU();
+  const SelectionBy16KeySteps by_16;
   check_forward_pipeline(GetParam());
 }
 

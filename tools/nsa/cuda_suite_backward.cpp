@@ -20,7 +20,9 @@
 // later CTA's Q tile, or without either
 // (saved_o_cmp_win_no_combine_prefetch, _no_next_q_prefetch, _no_prefetch: their same-run
 // A/B), with the gated combine in the window kernel after the selection instead of in the selection
-// kernels after the window (saved_o_cmp_win_combine_in_window: its same-run A/B), the forward's
+// kernels after the window (saved_o_cmp_win_combine_in_window: its same-run A/B), with the sm_90a
+// selection forward 16 keys a step instead of by whole blocks (saved_o_cmp_win_slc_16_key_steps: its
+// same-run A/B), the forward's
 // o_cmp and o_win kept, so that the backward
 // recomputes no branch output (saved_o_cmp_win; saved_o_cmp_win_phi_mlp: the torch layer's default
 // call, Hq 64 at 8K and 64K; saved_o_cmp_win_phi_mlp_own_products: the same with phi's large products
@@ -81,7 +83,8 @@ const char* const kVariantNames[] = {"full",
                                      "saved_o_cmp_win_no_combine_prefetch",
                                      "saved_o_cmp_win_no_next_q_prefetch",
                                      "saved_o_cmp_win_no_prefetch",
-                                     "saved_o_cmp_win_combine_in_window"};
+                                     "saved_o_cmp_win_combine_in_window",
+                                     "saved_o_cmp_win_slc_16_key_steps"};
 
 struct Shape {
   int64_t hq, hkv, dqk, dv;
@@ -153,6 +156,7 @@ struct Variant {
   bool no_prefetch = false;        // the combining kernel's reads without their L2 prefetch (CudaKernelChoices)
   bool no_next_q = false;          // the window without its prefetch of a later CTA's Q (CudaKernelChoices)
   bool combine_in_window = false;  // the gated combine in the window kernel after the selection (CudaKernelChoices)
+  bool slc_16_key_steps = false;   // the selection forward 16 keys a step, not by whole blocks (CudaKernelChoices)
 };
 
 // The variants of one shape and length: the full layer, then one branch off at a time (64K and 8K
@@ -185,6 +189,8 @@ std::vector<Variant> variants_of(const Shape& s, int64_t T) {
                         .o_cmp = true, .o_win = true, .no_prefetch = true, .no_next_q = true});
     variants.push_back({.name = "saved_o_cmp_win_combine_in_window", .n = 16, .w = 512, .phi = PhiKind::mean,
                         .o_cmp = true, .o_win = true, .combine_in_window = true});
+    variants.push_back({.name = "saved_o_cmp_win_slc_16_key_steps", .n = 16, .w = 512, .phi = PhiKind::mean,
+                        .o_cmp = true, .o_win = true, .slc_16_key_steps = true});
   }
   if (square && s.hq == 64 && (T == 65536 || T == 8192)) {
     variants.push_back({.name = "no_window", .n = 16, .w = 0, .phi = PhiKind::mean});
@@ -252,6 +258,7 @@ int run_backward_suite(const std::vector<std::string>& args) {
         choices.combine_prefetch = !var.no_prefetch;
         choices.next_q_prefetch = !var.no_next_q;
         choices.combine_in_selection = !var.combine_in_window;
+        choices.slc_block_steps = !var.slc_16_key_steps;
         nsa::Config cfg;
         cfg.phi = var.phi;
         cfg.n_selected = var.n;

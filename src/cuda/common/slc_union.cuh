@@ -285,9 +285,10 @@ __device__ __forceinline__ void mma_p_stage(float (*acc)[4], const float (&p)[2]
 // rows x 128 bytes in the 128-byte swizzle (piece c of row r at piece c ^ (r % 8), common/tma.h),
 // the stage at a 1024-byte boundary (`stage`: its shared-memory address). A lane's row address
 // differs from its unswizzled one only in bits 4-6, so each ldmatrix is one XOR of a per-lane base
-// with a constant.
+// with a constant. kBlockBytes: the distance of the 64-column blocks (a stage of more rows, such as
+// slc_attention_blocks_kernel's 64, holds its 16-key pieces 2048 bytes apart inside each block).
 constexpr int kSwStageBlockBytes = 16 * 128;  // one 64-column block of a 16-row stage
-template <bool kBf16, int D>
+template <bool kBf16, int D, int kBlockBytes = kSwStageBlockBytes>
 __device__ __forceinline__ void mma_frags_stage_sw(float (&s)[2][4], const uint32_t (&f)[D / 16][4], uint32_t stage) {
   const int lane = threadIdx.x % 32, mrow = lane % 8, mat = lane / 8;
   // matrices 0, 1: keys 0-7, columns 16 kk + 0-7, 8-15; 2, 3: keys 8-15
@@ -297,12 +298,12 @@ __device__ __forceinline__ void mma_frags_stage_sw(float (&s)[2][4], const uint3
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     uint32_t b[4];
-    ldmatrix_x4_at(b, (base ^ uint32_t((2 * (kk % 4)) << 4)) + (kk / 4) * kSwStageBlockBytes);
+    ldmatrix_x4_at(b, (base ^ uint32_t((2 * (kk % 4)) << 4)) + (kk / 4) * kBlockBytes);
     mma_16816<kBf16>(s[0], f[kk], b[0], b[1]);
     mma_16816<kBf16>(s[1], f[kk], b[2], b[3]);
   }
 }
-template <typename E, int D>
+template <typename E, int D, int kBlockBytes = kSwStageBlockBytes>
 __device__ __forceinline__ void mma_p_stage_sw(float (*acc)[4], const float (&p)[2][4], uint32_t stage) {
   constexpr bool kBf16 = StorageTraits<E>::is_bf16;
   const int lane = threadIdx.x % 32, mrow = lane % 8, mat = lane / 8;
@@ -313,7 +314,7 @@ __device__ __forceinline__ void mma_p_stage_sw(float (*acc)[4], const float (&p)
 #pragma unroll
   for (int dt = 0; dt < D / 16; ++dt) {
     uint32_t b[4];
-    ldmatrix_x4_trans_at(b, (base ^ uint32_t((2 * (dt % 4)) << 4)) + (dt / 4) * kSwStageBlockBytes);
+    ldmatrix_x4_trans_at(b, (base ^ uint32_t((2 * (dt % 4)) << 4)) + (dt / 4) * kBlockBytes);
     mma_16816<kBf16>(acc[2 * dt], fa, b[0], b[1]);
     mma_16816<kBf16>(acc[2 * dt + 1], fa, b[2], b[3]);
   }

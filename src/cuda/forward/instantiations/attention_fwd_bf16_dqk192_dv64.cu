@@ -1,6 +1,6 @@
 // One explicit instantiation of the forward attention kernels: bf16, Dqk = 192, Dv = 64.
 #include "cuda/forward/cmp_attention.cuh"
-#include "cuda/forward/slc_attention_tma.cuh"
+#include "cuda/forward/slc_launch.cuh"
 #include "cuda/forward/win_attention.cuh"
 
 namespace nsa::cuda {

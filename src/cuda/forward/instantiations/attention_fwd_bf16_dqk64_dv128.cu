@@ -1,6 +1,6 @@
 // One explicit instantiation of the forward attention kernels: bf16, Dqk = 64, Dv = 128.
 #include "cuda/forward/cmp_attention.cuh"
-#include "cuda/forward/slc_attention_tma.cuh"
+#include "cuda/forward/slc_launch.cuh"
 #include "cuda/forward/win_attention.cuh"
 
 namespace nsa::cuda {
