@@ -1,10 +1,12 @@
 // Selection attention (spec §5) on sm_90a by whole blocks: where l' = 64 and Dqk, Dv are 64 or
-// 128, one warp per CTA walks the union of its tokens' blocks a whole block a step. Each step's K
-// and V come as 64-row TMA boxes (64 columns each, 8 KB) into one of two stages of the CTA's own
-// ring; the step's scores are four 16-key pieces of the ring-stage products (slc_union.cuh) and
-// one softmax update covers the 64 keys. Against slc_attention_tma_kernel (four warps per CTA,
-// 16-key steps, 2 KB boxes): four times fewer boxes and mbarrier waits per key, a quarter of the
-// softmax updates, and three CTAs (three warps) per SM, each with a 32 KB step in flight.
+// 128, one warp per CTA walks the union of its tokens' blocks a whole block a step. A block's K and
+// V come as 64-row TMA boxes (64 columns each, 8 KB) into the CTA's one K and one V buffer, each
+// completing on its own mbarrier: the next block's K is copied while this block's softmax and
+// P V run, its V while the next Q K^T runs. The step's scores are four 16-key pieces of the
+// ring-stage products (slc_union.cuh) and one softmax update covers the 64 keys. With one buffer
+// of each (32 KB at 128/128) six CTAs (six warps) share an SM. Against slc_attention_tma_kernel
+// (four warps per CTA, 16-key steps, 2 KB boxes): four times fewer boxes and mbarrier waits per
+// key and a quarter of the softmax updates.
 //
 // The tile of slc_attention.cuh (kSlcWarps warps' rows: SlcTile) is kept as the unit of the union
 // tiles: CTA x of the grid is warp x % kSlcWarps of tile x / kSlcWarps. With
@@ -18,27 +20,25 @@
 namespace nsa::cuda {
 
 inline constexpr int kSlcBlockKeys = 64;  // keys of a step: one block of l' = 64
-inline constexpr int kSlcBlockStages = 2;
-// The bytes of one 64-column block of a stage, and of a stage.
+// The bytes of one 64-column box, and of the K and V buffers (K's boxes, then V's).
 inline constexpr int kSlcBlockBoxBytes = kSlcBlockKeys * 128;
-constexpr size_t slc_block_stage_bytes(int dqk, int dv) { return size_t(kSlcBlockBoxBytes) * size_t(dqk / 64 + dv / 64); }
-constexpr size_t slc_block_ring_bytes(int dqk, int dv) { return kSlcBlockStages * slc_block_stage_bytes(dqk, dv); }
+constexpr size_t slc_block_ring_bytes(int dqk, int dv) { return size_t(kSlcBlockBoxBytes) * size_t(dqk / 64 + dv / 64); }
 // Slots of the hash set that counts a tile's union (at most kSlcUnionMax + 32 entries are ever
 // in it: the count is checked after each round of 32 insertions).
 inline constexpr int kSlcUnionHashSlots = 2 * kSlcUnionMax;
 static_assert(kSlcUnionMax + 32 < kSlcUnionHashSlots, "a free slot is always left");
-// From a 1024-byte boundary: the ring (the warp's sort keys first live in it, its output rows at
-// the end), the stages' mbarriers, the union list (blocks, masks: cap ints each), the hash set and
-// its counter.
-constexpr size_t slc_blocks_lists_offset(int dqk, int dv) { return slc_block_ring_bytes(dqk, dv) + kSlcBlockStages * 8; }
+// From a 1024-byte boundary: the buffers (the warp's sort keys first live in them, its output rows
+// at the end), K's and V's mbarriers, the union list (blocks, masks: cap ints each), the hash set
+// and its counter.
+constexpr size_t slc_blocks_lists_offset(int dqk, int dv) { return slc_block_ring_bytes(dqk, dv) + 2 * 8; }
 constexpr size_t slc_blocks_smem_bytes(int dqk, int dv, int cap) {
   return 1024 + slc_blocks_lists_offset(dqk, dv) + size_t(2) * size_t(cap) * 4 + size_t(kSlcUnionHashSlots) * 4 + 16;
 }
 // Where it runs: l' = 64 (checked by the launcher), Dqk and Dv 64 or 128, the warp's sort keys
-// within the ring, three CTAs per SM.
+// within the buffers, six CTAs per SM.
 constexpr bool slc_blocks_fits(int dqk, int dv, int cap) {
   return (dqk == 64 || dqk == 128) && (dv == 64 || dv == 128) && size_t(cap) * 4 <= slc_block_ring_bytes(dqk, dv) &&
-         3 * (slc_blocks_smem_bytes(dqk, dv, cap) + kSmemPerCtaReserved) <= kSmemPerSm;
+         6 * (slc_blocks_smem_bytes(dqk, dv, cap) + kSmemPerCtaReserved) <= kSmemPerSm;
 }
 
 // The number of distinct blocks the `tokens` tokens from t_first (index rows idx_token_stride apart)
@@ -80,17 +80,14 @@ __device__ __forceinline__ int warp_tile_union_size(const int32_t* idx, int64_t 
   return distinct;
 }
 
-// One lane's copy of a whole block, rows [row, row + 64) of the k and v maps (boxes of 64 rows x 64
-// columns), into a stage of DK / 64 then DV / 64 boxes, completing on bar.
-template <int DK, int DV>
-__device__ __forceinline__ void slc_issue_block(unsigned char* stage, uint64_t* bar, const CUtensorMap* k,
-                                                const CUtensorMap* v, int hk, int row) {
-  mbarrier_expect_tx(bar, kSlcBlockBoxBytes * (DK / 64 + DV / 64));
+// One lane's copy of a whole block's K or V, rows [row, row + 64) of `map` (boxes of 64 rows x 64
+// columns), as D / 64 boxes into buf, completing on bar.
+template <int D>
+__device__ __forceinline__ void slc_issue_block(unsigned char* buf, uint64_t* bar, const CUtensorMap* map, int hk,
+                                                int row) {
+  mbarrier_expect_tx(bar, kSlcBlockBoxBytes * (D / 64));
 #pragma unroll
-  for (int blk = 0; blk < DK / 64; ++blk) tma_load_3d(stage + blk * kSlcBlockBoxBytes, k, 64 * blk, hk, row, bar);
-#pragma unroll
-  for (int blk = 0; blk < DV / 64; ++blk)
-    tma_load_3d(stage + (DK / 64 + blk) * kSlcBlockBoxBytes, v, 64 * blk, hk, row, bar);
+  for (int blk = 0; blk < D / 64; ++blk) tma_load_3d(buf + blk * kSlcBlockBoxBytes, map, 64 * blk, hk, row, bar);
 }
 
 // The online softmax of a whole block (kPieces 16-key pieces of s: the block's raw scores of rows g
@@ -142,7 +139,6 @@ __global__ void __launch_bounds__(32) slc_attention_blocks_kernel(const BranchPa
     constexpr bool kBf16 = StorageTraits<Storage>::is_bf16;
     constexpr int kOTiles = kDv / 8;
     constexpr int kPieces = kSlcBlockKeys / 16;
-    constexpr int kStageBytes = int(slc_block_stage_bytes(kDqk, kDv));
     constexpr int kKBytes = kSlcBlockBoxBytes * (kDqk / 64);
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char* const base = smem + ((1024u - (smem_address(smem) & 1023u)) & 1023u);
@@ -195,20 +191,23 @@ __global__ void __launch_bounds__(32) slc_attention_blocks_kernel(const BranchPa
     uint32_t qf[kDqk / 16][4];
     load_a_fragments<Storage, kDqk>(qf, qrow[0], qrow[1]);
 
-    // ---- The walk: a whole block a step, the next one's boxes in flight ----
+    // ---- The walk: a whole block a step; K of the next block in flight during this block's
+    // softmax and P V, its V during the next Q K^T ----
     const SlcTmaWalk walk{ublk, umask, p.lp, tmax};
+    unsigned char* const kbuf = ring;
+    unsigned char* const vbuf = ring + kKBytes;
     fence_proxy_async();  // the sort's ordinary stores, before boxes overwrite them
     if (lane == 0) {
-      for (int st = 0; st < kSlcBlockStages; ++st) mbarrier_init(bars + st, 1);
+      mbarrier_init(bars, 1);      // K
+      mbarrier_init(bars + 1, 1);  // V
       fence_mbarrier_init();
     }
     __syncwarp();
-    auto issue = [&](int u) {
-      if (lane == 0)
-        slc_issue_block<kDqk, kDv>(ring + (u % kSlcBlockStages) * kStageBytes, bars + u % kSlcBlockStages, &maps.k,
-                                   &maps.v, hk, static_cast<int>(s0) + ublk[u] * p.lp);
-    };
-    for (int u = 0; u < kSlcBlockStages && u < num_blocks; ++u) issue(u);
+    auto block_row = [&](int u) { return static_cast<int>(s0) + ublk[u] * p.lp; };
+    if (lane == 0 && num_blocks > 0) {
+      slc_issue_block<kDqk>(kbuf, bars, &maps.k, hk, block_row(0));
+      slc_issue_block<kDv>(vbuf, bars + 1, &maps.v, hk, block_row(0));
+    }
 
     float acc[kOTiles][4];
 #pragma unroll
@@ -218,23 +217,24 @@ __global__ void __launch_bounds__(32) slc_attention_blocks_kernel(const BranchPa
     const int prefetch_at = p.combine && p.choices.combine_prefetch
                                 ? max(0, num_blocks - kSlcPrefetchAhead * 16 / kSlcBlockKeys)
                                 : -1;
+    const uint32_t sk = smem_address(kbuf), sv = smem_address(vbuf);
     for (int u = 0; u < num_blocks; ++u) {
-      const int st = u % kSlcBlockStages;
+      const uint32_t parity = static_cast<uint32_t>(u & 1);
       if (u == prefetch_at) slc_prefetch_combine<Storage, kDv>(p, s0 + t0, tokens_valid, hk, lane);
       int lim[2];
       const int nkeys = walk.enter(u, trow, tok, lim);
-      mbarrier_wait_parity(bars + st, static_cast<uint32_t>((u / kSlcBlockStages) & 1));
-      unsigned char* const stage = ring + st * kStageBytes;
+      mbarrier_wait_parity(bars, parity);
       if (nkeys < kSlcBlockKeys) {  // the rows past the walk's last key: zeros, not whatever the box brought
-        zero_sw128_rows<kSlcBlockKeys, 32>(stage, kDqk / 64 + kDv / 64, nkeys);
+        zero_sw128_rows<kSlcBlockKeys, 32>(kbuf, kDqk / 64, nkeys);
         fence_proxy_async();
         __syncwarp();
       }
-      const uint32_t sk = smem_address(stage);
       float s[kPieces][2][4];
 #pragma unroll
       for (int k = 0; k < kPieces; ++k)
         mma_frags_stage_sw<kBf16, kDqk, kSlcBlockBoxBytes>(s[k], qf, sk + k * kSwStageBlockBytes);  // S = Q K^T
+      __syncwarp();  // every lane is done with K
+      if (lane == 0 && u + 1 < num_blocks) slc_issue_block<kDqk>(kbuf, bars, &maps.k, hk, block_row(u + 1));
       if (!__all_sync(0xffffffffu, lim[0] >= kSlcBlockKeys && lim[1] >= kSlcBlockKeys)) {
 #pragma unroll
         for (int k = 0; k < kPieces; ++k)
@@ -245,11 +245,17 @@ __global__ void __launch_bounds__(32) slc_attention_blocks_kernel(const BranchPa
               if (16 * k + nt * 8 + 2 * quad + (e & 1) >= (e >> 1 ? lim[1] : lim[0])) s[k][nt][e] = kNegInf;
       }
       slc_softmax_block<kOTiles, kPieces>(s, m, lsum, acc, p.scale_log2, softmax_slack(p.choices));
+      mbarrier_wait_parity(bars + 1, parity);
+      if (nkeys < kSlcBlockKeys) {
+        zero_sw128_rows<kSlcBlockKeys, 32>(vbuf, kDv / 64, nkeys);
+        fence_proxy_async();
+        __syncwarp();
+      }
 #pragma unroll
       for (int k = 0; k < kPieces; ++k)  // O += P V
-        mma_p_stage_sw<Storage, kDv, kSlcBlockBoxBytes>(acc, s[k], sk + kKBytes + k * kSwStageBlockBytes);
-      __syncwarp();  // every lane is done with the stage
-      if (u + kSlcBlockStages < num_blocks) issue(u + kSlcBlockStages);
+        mma_p_stage_sw<Storage, kDv, kSlcBlockBoxBytes>(acc, s[k], sv + k * kSwStageBlockBytes);
+      __syncwarp();  // every lane is done with V
+      if (lane == 0 && u + 1 < num_blocks) slc_issue_block<kDv>(vbuf, bars + 1, &maps.v, hk, block_row(u + 1));
     }
 
     // ---- Epilogue: lse, and o_slc's rows through the ring (rows of Dv + 8 columns), out in
