@@ -568,15 +568,20 @@ TEST_P(CudaForward, SelectedAttentionTreatsIndicesAsASet) {
 // Union tiles and per-token tiles in one call: G = 1 and l' = 64, so a tile is 64 tokens; random
 // scores give the tiles of the first ~4000 tokens (at most 64 blocks to pick from) a union the
 // union-tile kernel takes, and most later tiles a larger one, left to the per-token kernel. Two
-// sequences, the second short. Both must match the reference.
+// sequences, the second short. Both must match the reference, with the per-token tiles by whole
+// blocks (on sm_90a: each CTA counts its tile's union itself) and 16 keys a step.
 TEST(CudaForwardSelection, UnionAndPerTokenTilesInOneCall) {
   NSA_REQUIRE_GPU();
   Case c{"x", DType::bf16, 128, 128, 2, 2, {6500, 300}, 32, 16, 64, 16, 1, 2, 64, PhiKind::mean, false};
   const Config cfg = config_of(c);
   LayerProblem p = make_problem(cfg, sizes_of(c), 47);
   HostTensor idx = random_topn_rows(c, cfg, p, 12);
-  expect_selection_matches_reference(c, cfg, p, idx, 0);
-  expect_selection_matches_reference(c, cfg, p, idx, 3);  // a CTA runs tiles of both sequences in turn
+  for (const bool blocks : {true, false}) {
+    std::optional<SelectionBy16KeySteps> by_16;
+    if (!blocks) by_16.emplace();
+    expect_selection_matches_reference(c, cfg, p, idx, 0);
+    expect_selection_matches_reference(c, cfg, p, idx, 3);  // a CTA runs tiles of both sequences in turn
+  }
 }
 
 // ---- whole forward ----------------------------------------------------------------------------
@@ -876,26 +881,33 @@ TEST_P(CudaForward, SequencesAreIsolated) {
   const Case& c = GetParam();
   if (c.seqlens.size() < 2) GTEST_SKIP() << "one sequence";
   const Config cfg = config_of(c);
-  LayerProblem clean = make_problem(cfg, sizes_of(c), 61);
-  run_cuda_forward(c, cfg, clean);
-  int64_t r0 = 0;
-  for (int32_t len : c.seqlens) {
-    const int64_t r1 = r0 + len;
-    if (len > 0) {
-      LayerProblem p = make_problem(cfg, sizes_of(c), 61);  // the same inputs
-      poison_rows(p.q, r0, r1);
-      poison_rows(p.g, r0, r1);
-      for (int b = 0; b < 3; ++b) {
-        poison_rows(p.k[b], r0, r1);
-        poison_rows(p.v[b], r0, r1);
+  // The selection by whole blocks where the sm_90a walk takes them, and again 16 keys a step.
+  for (const bool blocks : {true, false}) {
+    std::optional<SelectionBy16KeySteps> by_16;
+    if (!blocks) by_16.emplace();
+    LayerProblem clean = make_problem(cfg, sizes_of(c), 61);
+    run_cuda_forward(c, cfg, clean);
+    int64_t r0 = 0;
+    for (int32_t len : c.seqlens) {
+      const int64_t r1 = r0 + len;
+      if (len > 0) {
+        LayerProblem p = make_problem(cfg, sizes_of(c), 61);  // the same inputs
+        poison_rows(p.q, r0, r1);
+        poison_rows(p.g, r0, r1);
+        for (int b = 0; b < 3; ++b) {
+          poison_rows(p.k[b], r0, r1);
+          poison_rows(p.v[b], r0, r1);
+        }
+        run_cuda_forward(c, cfg, p);
+        const char* walk = blocks ? ", selection by blocks" : ", selection by 16-key steps";
+        EXPECT_TRUE(same_outside_rows(p.o, clean.o, r0, r1)) << "o, sequence at rows " << r0 << ".." << r1 << walk;
+        EXPECT_TRUE(same_outside_rows(p.lse, clean.lse, r0, r1)) << "lse, sequence at rows " << r0 << ".." << r1 << walk;
+        EXPECT_TRUE(same_outside_rows(p.indices, clean.indices, r0, r1)) << "indices, sequence at rows " << r0 << walk;
+        EXPECT_TRUE(same_outside_rows(p.o_branch, clean.o_branch, r0, r1, 1))
+            << "o_branch, sequence at rows " << r0 << walk;
       }
-      run_cuda_forward(c, cfg, p);
-      EXPECT_TRUE(same_outside_rows(p.o, clean.o, r0, r1)) << "o, sequence at rows " << r0 << ".." << r1;
-      EXPECT_TRUE(same_outside_rows(p.lse, clean.lse, r0, r1)) << "lse, sequence at rows " << r0 << ".." << r1;
-      EXPECT_TRUE(same_outside_rows(p.indices, clean.indices, r0, r1)) << "indices, sequence at rows " << r0;
-      EXPECT_TRUE(same_outside_rows(p.o_branch, clean.o_branch, r0, r1, 1)) << "o_branch, sequence at rows " << r0;
+      r0 = r1;
     }
-    r0 = r1;
   }
 }
 
