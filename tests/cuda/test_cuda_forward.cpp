@@ -881,10 +881,15 @@ TEST_P(CudaForward, SequencesAreIsolated) {
   const Case& c = GetParam();
   if (c.seqlens.size() < 2) GTEST_SKIP() << "one sequence";
   const Config cfg = config_of(c);
-  // The selection by whole blocks where the sm_90a walk takes them, and again 16 keys a step.
-  for (const bool blocks : {true, false}) {
+  // The selection by whole blocks where the sm_90a walk takes them, again 16 keys a step, and by
+  // whole blocks without the union tiles (which take most tiles of these short sequences, those at
+  // their ends included: the per-token walks' last boxes reach into the next sequence).
+  for (const int walk_kind : {0, 1, 2}) {
+    const bool blocks = walk_kind != 1;
     std::optional<SelectionBy16KeySteps> by_16;
+    std::optional<NoSelectionUnionTiles> per_token;
     if (!blocks) by_16.emplace();
+    if (walk_kind == 2) per_token.emplace();
     LayerProblem clean = make_problem(cfg, sizes_of(c), 61);
     run_cuda_forward(c, cfg, clean);
     int64_t r0 = 0;
@@ -899,7 +904,9 @@ TEST_P(CudaForward, SequencesAreIsolated) {
           poison_rows(p.v[b], r0, r1);
         }
         run_cuda_forward(c, cfg, p);
-        const char* walk = blocks ? ", selection by blocks" : ", selection by 16-key steps";
+        const char* walk = walk_kind == 0   ? ", selection by blocks"
+                           : walk_kind == 1 ? ", selection by 16-key steps"
+                                            : ", selection by blocks without union tiles";
         EXPECT_TRUE(same_outside_rows(p.o, clean.o, r0, r1)) << "o, sequence at rows " << r0 << ".." << r1 << walk;
         EXPECT_TRUE(same_outside_rows(p.lse, clean.lse, r0, r1)) << "lse, sequence at rows " << r0 << ".." << r1 << walk;
         EXPECT_TRUE(same_outside_rows(p.indices, clean.indices, r0, r1)) << "indices, sequence at rows " << r0 << walk;
