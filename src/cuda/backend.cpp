@@ -325,8 +325,9 @@ void set_branch_output(BranchParams& s, int b, const TensorView& o, const Tensor
                     lse.defined() ? lse.stride[0] : 0, lse.defined() ? lse.stride[1] : 0);
 }
 
-// Selection (slc_attention.cuh, slc_attention_tma.cuh): writes o_branch[0] and lse[0]. The kernel on
-// L1 loads, which runs wherever the TMA kernel does not, sets the bound on n.
+// Selection (slc_launch.cuh: slc_attention.cuh, slc_attention_tma.cuh, slc_attention_blocks.cuh):
+// writes o_branch[0] and lse[0]. The kernel on L1 loads, which runs wherever the TMA kernels do not,
+// sets the bound on n.
 void launch_slc(const Plan& p, const BranchParams& s) {
   const size_t smem = slc_smem_bytes(static_cast<int>(p.dqk), static_cast<int>(p.dv), s.sort_capacity);
   if (smem > kMaxSmem)

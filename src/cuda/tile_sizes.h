@@ -43,9 +43,10 @@ inline constexpr int kWinRows = 64;
 inline constexpr int kWinChunk = 64;
 
 // The selection's per-token kernels (slc_attention.cuh, slc_attention_tma.cuh): CTAs of kSlcWarps
-// independent warps, each owning 16 query rows. slc_min_ctas CTAs per SM bound the registers of the
-// kernel on L1 loads (it keeps no K/V in shared memory); the TMA kernel's rings hold two
-// (slc_tma_fits).
+// independent warps, each owning 16 query rows (slc_attention_blocks.cuh: one warp per CTA, the
+// tile of kSlcWarps warps' rows kept for the union tiles). slc_min_ctas CTAs per SM bound the
+// registers of the kernel on L1 loads (it keeps no K/V in shared memory); the TMA kernel's rings
+// hold two (slc_tma_fits).
 inline constexpr int kSlcWarps = 4;
 // 3 CTAs (12 warps) per SM fit without spills up to Dqk = 128; Dqk = 192 takes 2.
 constexpr int slc_min_ctas(int dqk) { return dqk > 128 ? 2 : 3; }
