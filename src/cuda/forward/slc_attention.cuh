@@ -170,19 +170,23 @@ __device__ __forceinline__ void slc_prefetch_combine(const BranchParams& p, int6
                                      p.ow_sh);
 }
 
-// The online softmax of a 16-key step (both per-token walks): s (the step's raw scores of rows g
-// and g + 8, masked keys -inf) becomes P, and the running max m, sum lsum (log2 units) and the
-// output accumulator acc (kOTiles n8 tiles) are rescaled, as TileAttention::softmax_update
-// (rescale skipped when no max moved), the reference max moving only past `slack`
-// (kSoftmaxMaxSlack, attention_tile.cuh): with 16-key steps the rescale (the accumulator's
-// kOTiles x 4 products) would otherwise run at most steps.
-template <int kOTiles>
-__device__ __forceinline__ void slc_softmax_step(float (&s)[2][4], float (&m)[2], float (&lsum)[2],
-                                                 float (&acc)[kOTiles][4], float scale_log2, float slack) {
+// The online softmax of a step of kPieces 16-key pieces (the per-token walks: one piece a step, a
+// whole block in slc_attention_blocks_kernel): s (the step's raw scores of rows g and g + 8, masked
+// keys -inf) becomes P, and the running max m, sum lsum (log2 units) and the output accumulator acc
+// (kOTiles n8 tiles) are rescaled, as TileAttention::softmax_update (rescale skipped when no max
+// moved), the reference max moving only past `slack` (kSoftmaxMaxSlack, attention_tile.cuh): with
+// 16-key steps the rescale (the accumulator's kOTiles x 4 products) would otherwise run at most
+// steps.
+template <int kOTiles, int kPieces>
+__device__ __forceinline__ void slc_softmax_block(float (&s)[kPieces][2][4], float (&m)[2], float (&lsum)[2],
+                                                  float (&acc)[kOTiles][4], float scale_log2, float slack) {
   float alpha[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
+    float mx = fmaxf(fmaxf(s[0][0][2 * h], s[0][0][2 * h + 1]), fmaxf(s[0][1][2 * h], s[0][1][2 * h + 1]));
+#pragma unroll
+    for (int k = 1; k < kPieces; ++k)
+      mx = fmaxf(mx, fmaxf(fmaxf(s[k][0][2 * h], s[k][0][2 * h + 1]), fmaxf(s[k][1][2 * h], s[k][1][2 * h + 1])));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_new = next_reference_max(m[h], mx * scale_log2, slack);
@@ -190,11 +194,13 @@ __device__ __forceinline__ void slc_softmax_step(float (&s)[2][4], float (&m)[2]
     alpha[h] = fast_exp2(m[h] - m_use);
     float sum = 0.f;
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      s[nt][2 * h] = fast_exp2(fmaf(s[nt][2 * h], scale_log2, -m_use));
-      s[nt][2 * h + 1] = fast_exp2(fmaf(s[nt][2 * h + 1], scale_log2, -m_use));
-      sum += s[nt][2 * h] + s[nt][2 * h + 1];
-    }
+    for (int k = 0; k < kPieces; ++k)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        s[k][nt][2 * h] = fast_exp2(fmaf(s[k][nt][2 * h], scale_log2, -m_use));
+        s[k][nt][2 * h + 1] = fast_exp2(fmaf(s[k][nt][2 * h + 1], scale_log2, -m_use));
+        sum += s[k][nt][2 * h] + s[k][nt][2 * h + 1];
+      }
     lsum[h] = lsum[h] * alpha[h] + sum;
     m[h] = m_new;
   }
@@ -207,6 +213,36 @@ __device__ __forceinline__ void slc_softmax_step(float (&s)[2][4], float (&m)[2]
       acc[t][3] *= alpha[1];
     }
   }
+}
+template <int kOTiles>
+__device__ __forceinline__ void slc_softmax_step(float (&s)[2][4], float (&m)[2], float (&lsum)[2],
+                                                 float (&acc)[kOTiles][4], float scale_log2, float slack) {
+  slc_softmax_block<kOTiles, 1>(reinterpret_cast<float(&)[1][2][4]>(s), m, lsum, acc, scale_log2, slack);
+}
+
+// The end of a walk by TMA (slc_attention_tma_kernel, slc_attention_blocks_kernel): each row's lse
+// and 1 / l (slc_finish_row), o_slc's 16 rows through `so` (the warp's ring, every box landed and
+// read; rows of Dv + 8 columns: a store's 8 rows x 4 quads on distinct banks), then out in 16-byte
+// pieces (store_warp_rows, with the gated combine). acc: O in natural column order.
+template <typename Storage, int kDv>
+__device__ __forceinline__ void slc_finish_walk(const BranchParams& p, const float (&acc)[kDv / 8][4],
+                                                const float (&m)[2], const float (&lsum)[2], Storage* so, int64_t s0,
+                                                int64_t t0, int tokens_valid, int hk, const int (&trow)[2],
+                                                const int (&head)[2]) {
+  constexpr int kOStride = kDv + 8;
+  const int lane = threadIdx.x % 32, g = lane / 4, quad = lane % 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float inv = slc_finish_row(p, m[h], lsum[h], s0, trow[h], head[h], quad);
+    Storage* orow = so + (g + 8 * h) * kOStride;
+#pragma unroll
+    for (int t = 0; t < kDv / 8; ++t)
+      *reinterpret_cast<uint32_t*>(orow + 8 * t + 2 * quad) =
+          StorageTraits<Storage>::pack(acc[t][2 * h] * inv, acc[t][2 * h + 1] * inv);
+  }
+  __syncwarp();
+  Storage* out = static_cast<Storage*>(p.o_branch[0]);  // nullptr: o_slc not wanted
+  if (out != nullptr || p.combine) store_warp_rows<Storage, kDv>(p, out, so, s0 + t0, tokens_valid, hk, lane);
 }
 
 template <typename Storage, int kDqk, int kDv>

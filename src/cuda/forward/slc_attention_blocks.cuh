@@ -90,46 +90,6 @@ __device__ __forceinline__ void slc_issue_block(unsigned char* buf, uint64_t* ba
   for (int blk = 0; blk < D / 64; ++blk) tma_load_3d(buf + blk * kSlcBlockBoxBytes, map, 64 * blk, hk, row, bar);
 }
 
-// The online softmax of a whole block (kPieces 16-key pieces of s: the block's raw scores of rows g
-// and g + 8, masked keys -inf) as slc_softmax_step does it for one piece: one max, one rescale.
-template <int kOTiles, int kPieces>
-__device__ __forceinline__ void slc_softmax_block(float (&s)[kPieces][2][4], float (&m)[2], float (&lsum)[2],
-                                                  float (&acc)[kOTiles][4], float scale_log2, float slack) {
-  float alpha[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float mx = kNegInf;
-#pragma unroll
-    for (int k = 0; k < kPieces; ++k)
-      mx = fmaxf(mx, fmaxf(fmaxf(s[k][0][2 * h], s[k][0][2 * h + 1]), fmaxf(s[k][1][2 * h], s[k][1][2 * h + 1])));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = next_reference_max(m[h], mx * scale_log2, slack);
-    const float m_use = m_new == kNegInf ? 0.f : m_new;
-    alpha[h] = fast_exp2(m[h] - m_use);
-    float sum = 0.f;
-#pragma unroll
-    for (int k = 0; k < kPieces; ++k)
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        s[k][nt][2 * h] = fast_exp2(fmaf(s[k][nt][2 * h], scale_log2, -m_use));
-        s[k][nt][2 * h + 1] = fast_exp2(fmaf(s[k][nt][2 * h + 1], scale_log2, -m_use));
-        sum += s[k][nt][2 * h] + s[k][nt][2 * h + 1];
-      }
-    lsum[h] = lsum[h] * alpha[h] + sum;
-    m[h] = m_new;
-  }
-  if (!__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) {
-#pragma unroll
-    for (int t = 0; t < kOTiles; ++t) {
-      acc[t][0] *= alpha[0];
-      acc[t][1] *= alpha[0];
-      acc[t][2] *= alpha[1];
-      acc[t][3] *= alpha[1];
-    }
-  }
-}
-
 template <typename Storage, int kDqk, int kDv>
 __global__ void __launch_bounds__(32) slc_attention_blocks_kernel(const BranchParams p,
                                                                   const __grid_constant__ SlcTmaMaps maps) {
@@ -258,22 +218,9 @@ __global__ void __launch_bounds__(32) slc_attention_blocks_kernel(const BranchPa
       if (lane == 0 && u + 1 < num_blocks) slc_issue_block<kDv>(vbuf, bars + 1, &maps.v, hk, block_row(u + 1));
     }
 
-    // ---- Epilogue: lse, and o_slc's rows through the ring (rows of Dv + 8 columns), out in
-    // 16-byte pieces ----
-    constexpr int kOStride = kDv + 8;
-    Storage* const so = reinterpret_cast<Storage*>(ring);  // every box has landed and been read
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float inv = slc_finish_row(p, m[h], lsum[h], s0, trow[h], head[h], quad);
-      Storage* orow = so + (g + 8 * h) * kOStride;
-#pragma unroll
-      for (int t = 0; t < kOTiles; ++t)
-        *reinterpret_cast<uint32_t*>(orow + 8 * t + 2 * quad) =
-            StorageTraits<Storage>::pack(acc[t][2 * h] * inv, acc[t][2 * h + 1] * inv);
-    }
-    __syncwarp();
-    Storage* out = static_cast<Storage*>(p.o_branch[0]);  // nullptr: o_slc not wanted
-    if (out != nullptr || p.combine) store_warp_rows<Storage, kDv>(p, out, so, s0 + t0, tokens_valid, hk, lane);
+    // ---- Epilogue: lse, and o_slc's rows through the buffers (every box has landed and been read) ----
+    slc_finish_walk<Storage, kDv>(p, acc, m, lsum, reinterpret_cast<Storage*>(ring), s0, t0, tokens_valid, hk, trow,
+                                  head);
   }
 }
 

@@ -153,22 +153,9 @@ __global__ void __launch_bounds__(kSlcWarpThreads, 2)
       phase ^= st == 0 ? 1u : 0u;
     }
 
-    // ---- Epilogue: lse, and o_slc's rows through the ring (rows of Dv + 8 columns: a store's 8
-    // rows x 4 quads on distinct banks), out in 16-byte pieces ----
-    constexpr int kOStride = kDv + 8;
-    Storage* const so = reinterpret_cast<Storage*>(ring);  // every box has landed and been read
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float inv = slc_finish_row(p, m[h], lsum[h], s0, trow[h], head[h], quad);
-      Storage* orow = so + (g + 8 * h) * kOStride;
-#pragma unroll
-      for (int t = 0; t < kOTiles; ++t)
-        *reinterpret_cast<uint32_t*>(orow + 8 * t + 2 * quad) =
-            StorageTraits<Storage>::pack(acc[t][2 * h] * inv, acc[t][2 * h + 1] * inv);
-    }
-    __syncwarp();
-    Storage* out = static_cast<Storage*>(p.o_branch[0]);  // nullptr: o_slc not wanted
-    if (out != nullptr || p.combine) store_warp_rows<Storage, kDv>(p, out, so, s0 + t0, tokens_valid, hk, lane);
+    // ---- Epilogue: lse, and o_slc's rows through the ring (every box has landed and been read) ----
+    slc_finish_walk<Storage, kDv>(p, acc, m, lsum, reinterpret_cast<Storage*>(ring), s0, t0, tokens_valid, hk, trow,
+                                  head);
   }
 }
 
