@@ -220,6 +220,25 @@ __device__ __forceinline__ void slc_softmax_step(float (&s)[2][4], float (&m)[2]
   slc_softmax_block<kOTiles, 1>(reinterpret_cast<float(&)[1][2][4]>(s), m, lsum, acc, scale_log2, slack);
 }
 
+// A lane's two rows of a TMA walk (slc_attention_tma_kernel, slc_attention_blocks_kernel): rows g
+// and g + 8 of the warp's 16 are token tok[h] of the warp's (from t0, in the sequence from s0) and
+// head head[h]; trow[h] the token's position (-1: a padding row, which sees no key); qrow[h] its
+// row of q (nullptr for a padding row).
+template <typename Storage>
+__device__ __forceinline__ void slc_walk_rows(const BranchParams& p, int hk, int64_t s0, int64_t t0, int tokens_valid,
+                                              int g, int (&tok)[2], int (&head)[2], int (&trow)[2],
+                                              const Storage* (&qrow)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = g + 8 * h;
+    tok[h] = row >> p.log2_group;
+    head[h] = hk * p.group + (row & (p.group - 1));
+    trow[h] = tok[h] < tokens_valid ? static_cast<int>(t0) + tok[h] : -1;
+    qrow[h] = trow[h] >= 0 ? static_cast<const Storage*>(p.q) + (s0 + trow[h]) * p.q_st + int64_t(head[h]) * p.q_sh
+                           : nullptr;
+  }
+}
+
 // The end of a walk by TMA (slc_attention_tma_kernel, slc_attention_blocks_kernel): each row's lse
 // and 1 / l (slc_finish_row), o_slc's 16 rows through `so` (the warp's ring, every box landed and
 // read; rows of Dv + 8 columns: a store's 8 rows x 4 quads on distinct banks), then out in 16-byte

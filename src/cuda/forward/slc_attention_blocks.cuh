@@ -137,17 +137,9 @@ __global__ void __launch_bounds__(32) slc_attention_blocks_kernel(const BranchPa
                          tokens_valid, cap, reinterpret_cast<int32_t*>(ring), ublk, umask);
 
     // ---- This lane's rows (g and g + 8) and its Q fragments ----
-    int tok[2], head[2], trow[2];
+    int tok[2], head[2], trow[2];  // trow -1: a padding row sees no key
     const Storage* qrow[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = g + 8 * h;
-      tok[h] = row >> p.log2_group;
-      head[h] = hk * p.group + (row & (p.group - 1));
-      trow[h] = tok[h] < tokens_valid ? static_cast<int>(t0) + tok[h] : -1;  // -1: a padding row sees no key
-      qrow[h] = trow[h] >= 0 ? static_cast<const Storage*>(p.q) + (s0 + trow[h]) * p.q_st + int64_t(head[h]) * p.q_sh
-                             : nullptr;
-    }
+    slc_walk_rows<Storage>(p, hk, s0, t0, tokens_valid, g, tok, head, trow, qrow);
     uint32_t qf[kDqk / 16][4];
     load_a_fragments<Storage, kDqk>(qf, qrow[0], qrow[1]);
 
