@@ -352,17 +352,23 @@ struct SlcTmaWalk {
   }
 };
 
+// One lane's TMA copies of rows [row, row + box rows) of `map` (D columns) as D / 64 boxes of 64
+// columns into dst, kBoxBytes apart, completing on bar (whose bytes the caller announces).
+template <int D, int kBoxBytes>
+__device__ __forceinline__ void slc_load_boxes(unsigned char* dst, const CUtensorMap* map, int hk, int row,
+                                               uint64_t* bar) {
+#pragma unroll
+  for (int blk = 0; blk < D / 64; ++blk) tma_load_3d(dst + blk * kBoxBytes, map, 64 * blk, hk, row, bar);
+}
+
 // One lane's copy of a walk step, rows [row, row + 16) of the k and v maps (boxes of 16 rows x 64
 // columns), into a stage of DK / 64 then DV / 64 blocks, completing on bar.
 template <int DK, int DV>
 __device__ __forceinline__ void slc_issue_step(unsigned char* stage, uint64_t* bar, const CUtensorMap* k,
                                                const CUtensorMap* v, int hk, int row) {
   mbarrier_expect_tx(bar, kSwStageBlockBytes * (DK / 64 + DV / 64));
-#pragma unroll
-  for (int blk = 0; blk < DK / 64; ++blk) tma_load_3d(stage + blk * kSwStageBlockBytes, k, 64 * blk, hk, row, bar);
-#pragma unroll
-  for (int blk = 0; blk < DV / 64; ++blk)
-    tma_load_3d(stage + (DK / 64 + blk) * kSwStageBlockBytes, v, 64 * blk, hk, row, bar);
+  slc_load_boxes<DK, kSwStageBlockBytes>(stage, k, hk, row, bar);
+  slc_load_boxes<DV, kSwStageBlockBytes>(stage + (DK / 64) * kSwStageBlockBytes, v, hk, row, bar);
 }
 
 // Zeroes rows [nv, 16) of a landed stage's kBlocks blocks by the warp's lanes (the keys a box

@@ -86,8 +86,7 @@ template <int D>
 __device__ __forceinline__ void slc_issue_block(unsigned char* buf, uint64_t* bar, const CUtensorMap* map, int hk,
                                                 int row) {
   mbarrier_expect_tx(bar, kSlcBlockBoxBytes * (D / 64));
-#pragma unroll
-  for (int blk = 0; blk < D / 64; ++blk) tma_load_3d(buf + blk * kSlcBlockBoxBytes, map, 64 * blk, hk, row, bar);
+  slc_load_boxes<D, kSlcBlockBoxBytes>(buf, map, hk, row, bar);
 }
 
 template <typename Storage, int kDqk, int kDv>

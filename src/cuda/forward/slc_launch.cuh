@@ -19,26 +19,29 @@ void launch_slc_attention(const BranchParams& p_in, cudaStream_t stream) {
   if (grid.x == 0) return;
   p.slc_union_tiles = false;
   const auto ukernel = slc_union_tile_kernel<Storage, kDqk, kDv>;
-  CUtensorMap k_map{}, v_map{};
-  if (p.lp == kKeyChunk && p.slc_union_list != nullptr && p.choices.slc_union_tiles &&
-      cmp_runs_wgmma(ukernel) && slc_union_sorts_fit(kDqk, kDv, p.sort_capacity) &&
-      kv_rows_tensor_map<Storage, kDqk>(&k_map, p.choices, p.k_slc, p.hkv, p.seqs.total_tokens, p.ks_st, p.ks_sh) &&
-      kv_rows_tensor_map<Storage, kDv>(&v_map, p.choices, p.v_slc, p.hkv, p.seqs.total_tokens, p.vs_st, p.vs_sh)) {
+  const auto bkernel = slc_attention_blocks_kernel<Storage, kDqk, kDv>;
+  const auto tkernel = slc_attention_tma_kernel<Storage, kDqk, kDv>;
+  static_assert(kSlcBlockKeys == kKeyChunk, "the union tiles' chunks and the whole-block walk's steps are one block");
+  // Where l' = 64, the union tiles and the whole-block walk read the same 64-row boxes: one pair of
+  // maps, made when either runs.
+  const bool union_tiles = p.lp == kKeyChunk && p.slc_union_list != nullptr && p.choices.slc_union_tiles &&
+                           cmp_runs_wgmma(ukernel) && slc_union_sorts_fit(kDqk, kDv, p.sort_capacity);
+  const bool block_steps = p.lp == kSlcBlockKeys && p.choices.slc_block_steps &&
+                           slc_blocks_fits(kDqk, kDv, p.sort_capacity) && cmp_runs_wgmma(bkernel);
+  SlcTmaMaps maps64{};
+  const bool have_maps64 =
+      (union_tiles || block_steps) &&
+      kv_rows_tensor_map<Storage, kDqk>(&maps64.k, p.choices, p.k_slc, p.hkv, p.seqs.total_tokens, p.ks_st, p.ks_sh) &&
+      kv_rows_tensor_map<Storage, kDv>(&maps64.v, p.choices, p.v_slc, p.hkv, p.seqs.total_tokens, p.vs_st, p.vs_sh);
+  if (union_tiles && have_maps64) {
     p.slc_union_tiles = true;
     NSA_CUDA_CHECK(cudaMemsetAsync(p.slc_union_list, 0, sizeof(int32_t), stream));  // the count
   }
-  const auto bkernel = slc_attention_blocks_kernel<Storage, kDqk, kDv>;
-  const auto tkernel = slc_attention_tma_kernel<Storage, kDqk, kDv>;
   SlcTmaMaps tmaps{};
-  if (p.lp == kSlcBlockKeys && p.choices.slc_block_steps && slc_blocks_fits(kDqk, kDv, p.sort_capacity) &&
-      cmp_runs_wgmma(bkernel) &&
-      kv_rows_tensor_map<Storage, kDqk>(&tmaps.k, p.choices, p.k_slc, p.hkv, p.seqs.total_tokens, p.ks_st, p.ks_sh,
-                                        kSlcBlockKeys) &&
-      kv_rows_tensor_map<Storage, kDv>(&tmaps.v, p.choices, p.v_slc, p.hkv, p.seqs.total_tokens, p.vs_st, p.vs_sh,
-                                       kSlcBlockKeys)) {
+  if (block_steps && have_maps64) {
     const size_t smem = slc_blocks_smem_bytes(kDqk, kDv, p.sort_capacity);
-    allow_smem(bkernel, smem, /*max_carveout=*/true);  // three CTAs' rings
-    bkernel<<<dim3(grid.x * kSlcWarps, grid.y), 32, smem, stream>>>(p, tmaps);
+    allow_smem(bkernel, smem, /*max_carveout=*/true);  // six CTAs' buffers
+    bkernel<<<dim3(grid.x * kSlcWarps, grid.y), 32, smem, stream>>>(p, maps64);
   } else if (slc_tma_fits(kDqk, kDv, p.sort_capacity) && cmp_runs_wgmma(tkernel) &&
       kv_rows_tensor_map<Storage, kDqk>(&tmaps.k, p.choices, p.k_slc, p.hkv, p.seqs.total_tokens, p.ks_st, p.ks_sh,
                                         16) &&
@@ -60,7 +63,7 @@ void launch_slc_attention(const BranchParams& p_in, cudaStream_t stream) {
   // Persistent: as many CTAs as fit at once (the list's length is known only on the device).
   int64_t ctas = std::min<int64_t>(int64_t(grid.x) * grid.y, resident_ctas(ukernel, kSlcWarpThreads, usmem));
   if (p.choices.slc_union_ctas > 0) ctas = std::min<int64_t>(ctas, p.choices.slc_union_ctas);
-  ukernel<<<static_cast<unsigned>(ctas), kSlcWarpThreads, usmem, stream>>>(p, grid.x, k_map, v_map);
+  ukernel<<<static_cast<unsigned>(ctas), kSlcWarpThreads, usmem, stream>>>(p, grid.x, maps64.k, maps64.v);
   NSA_CUDA_CHECK_LAUNCH();
 }
 
