@@ -885,10 +885,9 @@ TEST_P(CudaForward, SequencesAreIsolated) {
   // whole blocks without the union tiles (which take most tiles of these short sequences, those at
   // their ends included: the per-token walks' last boxes reach into the next sequence).
   for (const int walk_kind : {0, 1, 2}) {
-    const bool blocks = walk_kind != 1;
     std::optional<SelectionBy16KeySteps> by_16;
     std::optional<NoSelectionUnionTiles> per_token;
-    if (!blocks) by_16.emplace();
+    if (walk_kind == 1) by_16.emplace();
     if (walk_kind == 2) per_token.emplace();
     LayerProblem clean = make_problem(cfg, sizes_of(c), 61);
     run_cuda_forward(c, cfg, clean);
