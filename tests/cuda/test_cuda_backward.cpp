@@ -21,6 +21,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -529,34 +530,48 @@ TEST_P(CudaBackward, SequencesAreIsolated) {
   const int64_t longest = *std::max_element(c.seqlens.begin(), c.seqlens.end());
   Twin saved = make_twin(c, 404);
   forward(cuda_context(Backend::reference), cfg, saved.ref.inputs(), saved.ref.outputs());
-  // The backward of the inputs of make_twin(c, 404) with rows [r0, r1) poisoned (none: r0 == r1).
+  // The backward of the inputs of make_twin(c, 404) with rows [r0, r1) poisoned (none: r0 == r1);
+  // with_o: given the clean forward's o, every row tile per token (slc_dq_kernel's walk with D from
+  // o, the sequences' end tiles included), else without it (the selection's output recomputed).
+  bool with_o = false;
   auto gradients = [&](int64_t r0, int64_t r1) {
     Twin t = make_twin(c, 404);
     copy_values(saved.ref.lse, t.low.lse);
     copy_values(saved.ref.indices, t.low.indices);
+    copy_values(saved.ref.o, t.low.o);
     for (HostTensor* x : {&t.low.q, &t.low.g, &t.low.d_o}) poison_rows(*x, r0, r1);
     for (int b = 0; b < 3; ++b) {
       poison_rows(t.low.k[b], r0, r1);
       poison_rows(t.low.v[b], r0, r1);
     }
     DeviceLayer dev(t.low, longest);
+    DeviceTensor o(t.low.o);
+    std::optional<NoSelectionUnionTiles> per_token;
+    if (with_o) {
+      dev.saved.o = o.view();
+      per_token.emplace();
+    }
     dev.run(cfg);
     return dev.download(t.low);
   };
-  const auto clean = gradients(0, 0);
-  int64_t r0 = 0;
-  for (int32_t len : c.seqlens) {
-    const int64_t r1 = r0 + len;
-    if (len > 0) {
-      const auto got = gradients(r0, r1);
-      ASSERT_EQ(got.size(), clean.size());
-      for (size_t i = 0; i < got.size(); ++i) {
-        if (got[i].first.rfind("dphi", 0) == 0) continue;
-        EXPECT_TRUE(same_outside_rows(got[i].second, clean[i].second, r0, r1))
-            << got[i].first << ", sequence at rows " << r0 << ".." << r1;
+  for (const bool o_given : {false, true}) {
+    with_o = o_given;
+    SCOPED_TRACE(o_given ? "given o, per token" : "without o");
+    const auto clean = gradients(0, 0);
+    int64_t r0 = 0;
+    for (int32_t len : c.seqlens) {
+      const int64_t r1 = r0 + len;
+      if (len > 0) {
+        const auto got = gradients(r0, r1);
+        ASSERT_EQ(got.size(), clean.size());
+        for (size_t i = 0; i < got.size(); ++i) {
+          if (got[i].first.rfind("dphi", 0) == 0) continue;
+          EXPECT_TRUE(same_outside_rows(got[i].second, clean[i].second, r0, r1))
+              << got[i].first << ", sequence at rows " << r0 << ".." << r1;
+        }
       }
+      r0 = r1;
     }
-    r0 = r1;
   }
 }
 
