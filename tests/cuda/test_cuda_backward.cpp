@@ -533,8 +533,7 @@ TEST_P(CudaBackward, SequencesAreIsolated) {
   // The backward of the inputs of make_twin(c, 404) with rows [r0, r1) poisoned (none: r0 == r1);
   // with_o: given the clean forward's o, every row tile per token (slc_dq_kernel's walk with D from
   // o, the sequences' end tiles included), else without it (the selection's output recomputed).
-  bool with_o = false;
-  auto gradients = [&](int64_t r0, int64_t r1) {
+  auto gradients = [&](int64_t r0, int64_t r1, bool with_o) {
     Twin t = make_twin(c, 404);
     copy_values(saved.ref.lse, t.low.lse);
     copy_values(saved.ref.indices, t.low.indices);
@@ -554,15 +553,14 @@ TEST_P(CudaBackward, SequencesAreIsolated) {
     dev.run(cfg);
     return dev.download(t.low);
   };
-  for (const bool o_given : {false, true}) {
-    with_o = o_given;
-    SCOPED_TRACE(o_given ? "given o, per token" : "without o");
-    const auto clean = gradients(0, 0);
+  for (const bool with_o : {false, true}) {
+    SCOPED_TRACE(with_o ? "given o, per token" : "without o");
+    const auto clean = gradients(0, 0, with_o);
     int64_t r0 = 0;
     for (int32_t len : c.seqlens) {
       const int64_t r1 = r0 + len;
       if (len > 0) {
-        const auto got = gradients(r0, r1);
+        const auto got = gradients(r0, r1, with_o);
         ASSERT_EQ(got.size(), clean.size());
         for (size_t i = 0; i < got.size(); ++i) {
           if (got[i].first.rfind("dphi", 0) == 0) continue;

@@ -889,6 +889,9 @@ TEST_P(CudaForward, SequencesAreIsolated) {
     std::optional<NoSelectionUnionTiles> per_token;
     if (walk_kind == 1) by_16.emplace();
     if (walk_kind == 2) per_token.emplace();
+    SCOPED_TRACE(walk_kind == 0   ? "selection by blocks"
+                 : walk_kind == 1 ? "selection by 16-key steps"
+                                  : "selection by blocks without union tiles");
     LayerProblem clean = make_problem(cfg, sizes_of(c), 61);
     run_cuda_forward(c, cfg, clean);
     int64_t r0 = 0;
@@ -903,14 +906,10 @@ TEST_P(CudaForward, SequencesAreIsolated) {
           poison_rows(p.v[b], r0, r1);
         }
         run_cuda_forward(c, cfg, p);
-        const char* walk = walk_kind == 0   ? ", selection by blocks"
-                           : walk_kind == 1 ? ", selection by 16-key steps"
-                                            : ", selection by blocks without union tiles";
-        EXPECT_TRUE(same_outside_rows(p.o, clean.o, r0, r1)) << "o, sequence at rows " << r0 << ".." << r1 << walk;
-        EXPECT_TRUE(same_outside_rows(p.lse, clean.lse, r0, r1)) << "lse, sequence at rows " << r0 << ".." << r1 << walk;
-        EXPECT_TRUE(same_outside_rows(p.indices, clean.indices, r0, r1)) << "indices, sequence at rows " << r0 << walk;
-        EXPECT_TRUE(same_outside_rows(p.o_branch, clean.o_branch, r0, r1, 1))
-            << "o_branch, sequence at rows " << r0 << walk;
+        EXPECT_TRUE(same_outside_rows(p.o, clean.o, r0, r1)) << "o, sequence at rows " << r0 << ".." << r1;
+        EXPECT_TRUE(same_outside_rows(p.lse, clean.lse, r0, r1)) << "lse, sequence at rows " << r0 << ".." << r1;
+        EXPECT_TRUE(same_outside_rows(p.indices, clean.indices, r0, r1)) << "indices, sequence at rows " << r0;
+        EXPECT_TRUE(same_outside_rows(p.o_branch, clean.o_branch, r0, r1, 1)) << "o_branch, sequence at rows " << r0;
       }
       r0 = r1;
     }
