@@ -312,7 +312,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
         s[nt][e] *= fmaf(sg[e >> 1], dp[nt][e], -sd[e >> 1]);
       }
   };
-  ml.sweep(a, tiles, /*skip_cmp=*/false, /*skip_slc=*/false, /*skip_win=*/false, choose, cta_sees,
+  ml.template sweep</*kOverlap=*/true>(a, tiles, /*skip_cmp=*/false, /*skip_slc=*/false, /*skip_win=*/false, choose, cta_sees,
            [&](int prev, int next) {
           if (slc_from_o && prev == kSlc)
 #pragma unroll
@@ -334,6 +334,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
           ml.dq_products(acc_q, row0, tk, tv, kt, c0, probabilities, probabilities_wg, dscores,
                          slc_from_o && cur_branch == kSlc);
         });
+  ml.drain(acc_q);
   E* dqb = static_cast<E*>(a.dq.p);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {

@@ -64,7 +64,8 @@ struct DqMainloopSm80 {
   // skip_slc, skip_win: the sweep leaves out the compressed tiles (pass 1 with a.dg_cmp_ready),
   // the selection's (pass 1 with a.d_from_o), the window's (pass 1 with a.dg_win_ready); j counts
   // the tiles it takes (buffers alternate with j), real(j) is the tile.
-  template <typename Tiles, typename Choose, typename CtaSees, typename Enter, typename Half>
+  // (kOverlap: sm_90a's; here every tile's products complete inside it.)
+  template <bool kOverlap = false, typename Tiles, typename Choose, typename CtaSees, typename Enter, typename Half>
   __device__ __forceinline__ void sweep(const BwdArgs& a, const Tiles& tiles, bool skip_cmp, bool skip_slc,
                                         bool skip_win, Choose&& choose, CtaSees&&, Enter&& enter, Half&& half) {
     int cur = -1;
@@ -96,6 +97,10 @@ struct DqMainloopSm80 {
     for (; cur < 2; ++cur) enter(cur, cur + 1);
     enter(2, 3);
   }
+
+  // (sm_90a's overlapped sweep leaves a product in flight; here none is.)
+  template <int N>
+  __device__ __forceinline__ void drain(float (&)[N][4]) {}
 
   // Pass 1, keys c0 .. c0 + 31: S = Q K^T, P, then O += P V.
   template <typename P, typename PWg>

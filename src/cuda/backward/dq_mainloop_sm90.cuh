@@ -11,6 +11,9 @@
 namespace nsa::cuda::bwd {
 
 template <typename E, int DQK, int DV>
+struct DqKeyTiles;  // dq_kernel.cuh
+
+template <typename E, int DQK, int DV>
 struct DqMainloopSm90 {
   using L = DqSmem<E, DQK, DV>;
   // Elements from one K (V) buffer to the next; 0 where the swizzled layout has one buffer.
@@ -27,6 +30,18 @@ struct DqMainloopSm90 {
   bool tma = false;  // K/V tiles by TMA: one thread copies each (kDqk/64 + kDv/64 boxes)
   uint64_t* bars = nullptr;
   uint32_t bar_phase = 0;  // bit b: the parity of buffer b's next fill
+  // The overlapped sweep (sweep<true>: pass 2 with two buffers): each tile's dQ product stays in
+  // flight into the next tile, whose S / dP go out behind it; tile next_i's copy (into buffer
+  // next_buf, when has_next) goes out once every warp's previous dQ has retired (prefetch). The
+  // dQ product's A operand df lives until then.
+  // (At Dqk 192 the 96-register dQ accumulator and df spill: 224 bytes of stack at 192 / 64.)
+  static constexpr bool kCanOverlap = !kOneBuf && DQK <= 128;
+  bool overlap = false;
+  bool has_next = false;
+  int next_i = 0, next_buf = 0;
+  const BwdArgs* args = nullptr;
+  const DqKeyTiles<E, DQK, DV>* key_tiles = nullptr;
+  uint32_t df[kKeys / 16][4];
 
   __device__ __forceinline__ explicit DqMainloopSm90(unsigned char* smem) : base(smem) {
     base += (1024u - (cuda::smem_address(smem) & 1023u)) & 1023u;
@@ -127,6 +142,20 @@ struct DqMainloopSm90 {
     for (int blk = 0; blk < DV / 64; ++blk)
       cuda::tma_load_3d(sV + buf * kVBuf + blk * kKeys * 64, vm, 64 * blk, tiles.hk, row, bar);
   }
+  // The overlapped sweep, once this warp's previous dQ product has retired: when every warp's
+  // has (the barrier), its buffer takes the next tile.
+  __device__ __forceinline__ void prefetch() {
+    cuda::wgmma_fence_operands(df);
+    __syncthreads();
+    if (!has_next) return;
+    if (tma) {
+      if (threadIdx.x == 0) issue_tma(*args, *key_tiles, next_i, next_buf);
+    } else {
+      issue(*args, *key_tiles, next_i, next_buf);
+      cuda::cp_async_commit();
+    }
+  }
+
   // Without TMA: every thread copies its pieces of tile i into buffer buf (cp.async).
   template <typename Tiles>
   __device__ __forceinline__ void issue(const BwdArgs& a, const Tiles& tiles, int i, int buf) {
@@ -149,13 +178,22 @@ struct DqMainloopSm90 {
   // skip_cmp, skip_slc, skip_win: the sweep leaves out the compressed tiles (pass 1 with
   // a.dg_cmp_ready), the selection's (pass 1 with a.d_from_o), the window's (pass 1 with
   // a.dg_win_ready); j counts the tiles it takes (buffers alternate with j), real(j) is the tile.
-  template <typename Tiles, typename Choose, typename CtaSees, typename Enter, typename Half>
+  // kOverlap (pass 2, with two buffers): dq_products leaves each tile's dQ product in flight and
+  // sends tile j + 1's copy from inside tile j (prefetch), so no barrier ends a tile; every tile
+  // runs its products (a tile no row sees adds dS = 0); drain() retires the last product.
+  template <bool kOverlap = false, typename Tiles, typename Choose, typename CtaSees, typename Enter, typename Half>
   __device__ __forceinline__ void sweep(const BwdArgs& a, const Tiles& tiles, bool skip_cmp, bool skip_slc,
                                         bool skip_win, Choose&& choose, CtaSees&& cta_sees, Enter&& enter,
                                         Half&& half) {
+    constexpr bool kOv = kOverlap && kCanOverlap;
     int cur = -1;
     const int n_run = tiles.runs(skip_cmp, skip_slc, skip_win);
     auto real = [&](int j) { return tiles.run_tile(j, skip_cmp, skip_slc); };
+    overlap = kOv;
+    if constexpr (kOv) {
+      args = &a;
+      key_tiles = &tiles;
+    }
     if (tma) {
       if (threadIdx.x == 0 && n_run > 0) issue_tma(a, tiles, real(0), 0);
     } else {
@@ -168,9 +206,14 @@ struct DqMainloopSm90 {
       const E* vb;
       int64_t ks, vs;
       const KeyTile kt = tiles.at(a, i, kb, ks, vb, vs);
+      if constexpr (kOv) {  // tile j + 1's copy: prefetch() sends it
+        has_next = j + 1 < n_run;
+        next_i = has_next ? real(j + 1) : 0;
+        next_buf = (j + 1) & 1;
+      }
       if (tma) {
         // Tile j + 1's buffer: its last reader (tile j - 1) passed the barrier that ends its tile.
-        if (!kOneBuf && threadIdx.x == 0 && j + 1 < n_run) issue_tma(a, tiles, real(j + 1), (j + 1) & 1);
+        if (!kOv && !kOneBuf && threadIdx.x == 0 && j + 1 < n_run) issue_tma(a, tiles, real(j + 1), (j + 1) & 1);
         const int buf = j & 1;
         cuda::mbarrier_wait_parity(bars + buf, (bar_phase >> buf) & 1u);
         bar_phase ^= 1u << buf;
@@ -182,23 +225,28 @@ struct DqMainloopSm90 {
           __syncthreads();
         }
       } else {
-        // Its buffer's last reader (tile j - 1) is done.
-        if (!kOneBuf && j + 1 < n_run) issue(a, tiles, real(j + 1), (j + 1) & 1);
-        cuda::cp_async_commit();
-        if constexpr (kOneBuf)
-          cuda::cp_async_wait<0>();
-        else
-          cuda::cp_async_wait<1>();
+        if constexpr (kOv) {
+          cuda::cp_async_wait<0>();  // tile j (prefetch sent it in tile j - 1)
+        } else {
+          // Its buffer's last reader (tile j - 1) is done.
+          if (!kOneBuf && j + 1 < n_run) issue(a, tiles, real(j + 1), (j + 1) & 1);
+          cuda::cp_async_commit();
+          if constexpr (kOneBuf)
+            cuda::cp_async_wait<0>();
+          else
+            cuda::cp_async_wait<1>();
+        }
         cuda::fence_proxy_async();  // the landed K/V copies, for wgmma
         __syncthreads();
       }
       const int stage = tiles.branch_of(i);
       for (; cur < stage; ++cur) enter(cur, cur + 1);
       choose(kt);  // the rows that see the tile (its P's mask), whichever the CTA's decision
-      if (cta_sees(kt)) {
+      if (kOv || cta_sees(kt)) {
 #pragma unroll 1
         for (int c0 = 0; c0 < kKeys; c0 += kKeys) half(sK + (j & 1) * kKBuf, sV + (j & 1) * kVBuf, kt, c0);
       }
+      if constexpr (kOv) continue;
       __syncthreads();
       if constexpr (kOneBuf) {  // the one buffer's readers are done: tile j + 1 into it
         if (j + 1 < n_run) {
@@ -210,10 +258,20 @@ struct DqMainloopSm90 {
         }
       }
     }
+    if constexpr (kOv) {
+      cuda::wgmma_wait<0>();
+      cuda::wgmma_fence_operands(df);
+    }
     cuda::cp_async_wait<0>();
     __syncthreads();
     for (; cur < 2; ++cur) enter(cur, cur + 1);
     enter(2, 3);
+  }
+  // After an overlapped sweep: its last dQ product retired there; acc is read from here on.
+  template <int N>
+  __device__ __forceinline__ void drain(float (&acc)[N][4]) {
+    if (overlap) cuda::wgmma_fence_operands(acc);
+    overlap = false;
   }
 
   // Pass 1, the whole tile: S = Q K^T, P, then O += P V (64 keys).
@@ -244,14 +302,24 @@ struct DqMainloopSm90 {
     cuda::wgmma_commit();
     cuda::wgmma_abt_ss_sw128<kKeys, kIsBf16<E>, DV, kRows, true>(dp, do_wg, cuda::smem_address(tv));
     cuda::wgmma_commit();
-    cuda::wgmma_wait<1>();  // S (dP may still run)
+    cuda::wgmma_wait<1>();  // S (dP may still run), and before it the previous tile's dQ (overlap)
     cuda::wgmma_fence_operands(s);
+    if (overlap) {
+      cuda::wgmma_fence_operands(acc_q);
+      prefetch();
+    }
     probabilities_wg(s, kt);
     cuda::wgmma_wait<0>();
     cuda::wgmma_fence_operands(dp);
     dscores(s, dp, acc_dg);
-    uint32_t df[kKeys / 16][4];
     to_operand<E, kKeys / 8>(s, df);
+    if (overlap) {  // dQ += dS K left in flight: the next tile's S wait (or the sweep's end) retires it
+      cuda::wgmma_fence_operands(acc_q);
+      cuda::wgmma_fence();
+      wgmma_ab_issue<E, DQK>(acc_q, df, cuda::smem_address(tk));
+      cuda::wgmma_commit();
+      return;
+    }
     cuda::wgmma_batch([&] { wgmma_ab_issue<E, DQK>(acc_q, df, cuda::smem_address(tk)); }, acc_q);
   }
 };
