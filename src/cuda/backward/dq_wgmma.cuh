@@ -24,8 +24,9 @@
 // Descriptors as the forward's (docs/cuda.md): K-major SBO = 1024, k16 step +32 B within a 64-column
 // block, +8 KB to the next block; MN-major SBO = 1024, LBO = 8 KB (next 64 columns), k16 step +2 KB.
 // Each batch is wgmma_fence / issue / commit / wait<0> (cuda::wgmma_batch), accumulators fenced on both sides
-// (wgmma_fence_operands); every thread fences its landed copies to the async proxy before the
-// tile's barrier (fence_proxy_async). Deterministic: the same fixed order of products every run.
+// (wgmma_fence_operands), except pass 2's dQ product where Dqk <= 128, which the next tile's S wait
+// retires (DqMainloopSm90::sweep<true>); every thread fences its landed copies to the async proxy
+// before the tile's barrier (fence_proxy_async). Deterministic: the same fixed order of products every run.
 // S and dP go out as two groups, S first: P is formed from S (wait_group 1) while dP's products
 // still run, dS after the second wait (dq_mainloop_sm90.cuh). P uses ex2.approx (flushes below
 // 2^-126), and a tile that every row of the warp sees whole skips the per-key mask.
