@@ -165,12 +165,15 @@ constexpr size_t cmp_smem_bytes(int rows, int dqk, int dv, int group, int score_
 // keys. 192 rows: 145 KB at 128/128, 198 KB at 192/128.
 inline constexpr int kCmpTmaStages = 3;
 inline constexpr size_t kTmaRingBarBytes = tma_ring_bar_bytes(kCmpTmaStages);
-// sm_90a pass 1 in 128-row tiles and 128-key chunks (cmp_pass1_wide_kernel, cmp_attention.cuh), a
-// 2-stage ring: 163 KB at 128/128, 211 KB at 192/128.
-inline constexpr int kCmpWideRows = 128, kCmpWideChunk = 128, kCmpWideStages = 2;
-constexpr size_t cmp_wide_smem_bytes(int dqk, int dv) {
-  return tma_ring_end(kCmpWideRows, dqk, dv, kCmpWideChunk, kCmpWideStages) + tma_ring_bar_bytes(kCmpWideStages);
+// sm_90a pass 1 in 128-key chunks through a 2-stage ring (cmp_pass1_wide_kernel, cmp_attention.cuh),
+// in tiles of cmp_wide_rows(dqk, dv) rows: 192 (three warpgroups) where that Q tile and the ring fit
+// in shared memory (180 KB at 128/128, 204 KB at 192/64), else 128 (211 KB at 192/128).
+inline constexpr int kCmpWideChunk = 128, kCmpWideStages = 2;
+constexpr size_t cmp_wide_smem_bytes_at(int rows, int dqk, int dv) {
+  return tma_ring_end(rows, dqk, dv, kCmpWideChunk, kCmpWideStages) + tma_ring_bar_bytes(kCmpWideStages);
 }
+constexpr int cmp_wide_rows(int dqk, int dv) { return cmp_wide_smem_bytes_at(192, dqk, dv) <= kMaxSmem ? 192 : 128; }
+constexpr size_t cmp_wide_smem_bytes(int dqk, int dv) { return cmp_wide_smem_bytes_at(cmp_wide_rows(dqk, dv), dqk, dv); }
 // Where the S pass takes kScoresRows-row tiles on sm_90a by its rule: Dqk above 128, and Dqk 128 at
 // G <= 4 (a 128-row tile: 32 tokens share each K chunk at G = 4, 8 at G = 16). H200, 64K, Hq 64 /
 // Hkv 4, same run (`3831e9f`): Dqk 192 30.9 -> 24.5 ms for pass 1 + S with 128 rows. H100, 64K, ncu

@@ -470,20 +470,21 @@ __global__ void __launch_bounds__(kRows / 16 * 32)
   }
 }
 
-// sm_90a pass 1 in the shape of FlashAttention-3's forward: tiles of kCmpWideRows = 128 rows (two
-// warpgroups) and chunks of kCmpWideChunk = 128 keys, so the score product of a warpgroup is one
-// m64n128k16 per 16 head dims (half the Q reads from shared memory per key of m64n64, half the
+// sm_90a pass 1 in the shape of FlashAttention-3's forward: tiles of cmp_wide_rows = 192 rows
+// (three warpgroups taking turns on the tensor cores; 128, two warpgroups, where 192 rows do not fit:
+// Dqk 192 with Dv 128) and chunks of kCmpWideChunk = 128 keys, so the score product of a warpgroup is
+// one m64n128k16 per 16 head dims (half the Q reads from shared memory per key of m64n64, half the
 // waits, row maxima and sums per key), through a 2-stage TMA ring (tma_ring_attention; two 64 KB
-// stages at 128/128). 255 registers at most (256 threads, one CTA per SM). Launched where the
-// tensor maps of kc and vc with 128-row boxes can be made; else the 192-row kernel.
+// stages at 128/128). One CTA per SM (168 registers at 192 rows, 384 threads). Launched where the
+// tensor maps of kc and vc with 128-row boxes can be made; else the 192-row cp.async kernel.
 template <typename Storage, int kDqk, int kDv>
-__global__ void __launch_bounds__(kCmpWideRows / 16 * 32, 1)
+__global__ void __launch_bounds__(cmp_wide_rows(kDqk, kDv) / 16 * 32, 1)
     cmp_pass1_wide_kernel(const CmpAttnParams p, const __grid_constant__ CUtensorMap kc_map,
                           const __grid_constant__ CUtensorMap vc_map) {
   if constexpr (!kWgmmaCompiled) {
     __trap();  // launched only where the wgmma body runs (sm_90a)
   } else {
-    constexpr int kRows = kCmpWideRows, kChunk = kCmpWideChunk, kStages = kCmpWideStages;
+    constexpr int kRows = cmp_wide_rows(kDqk, kDv), kChunk = kCmpWideChunk, kStages = kCmpWideStages;
     using Tile = TileAttention<Storage, kDqk, kDv, kRows, kChunk>;
     using Smem = AttnSmem<Storage, kDqk, kDv, kRows>;  // (the Q tile and where the ring starts)
     static_assert(Smem::Tile::kQBytes == Tile::kQBytes, "the same Q tile");
@@ -563,7 +564,7 @@ inline void cmp_launch(Kernel kernel, int rows, size_t smem, const CmpAttnParams
   NSA_CUDA_CHECK_LAUNCH();
 }
 
-// sm_90a: pass 1 in 128-row tiles and 128-key chunks by TMA (cmp_pass1_wide_kernel; the 192-row
+// sm_90a: pass 1 in 192-row (or 128-row) tiles and 128-key chunks by TMA (cmp_pass1_wide_kernel; the 192-row
 // cp.async kernel where no tensor map can be made), then the S pass as its own kernel: at Dqk = 192,
 // and at Dqk = 128 with G <= 4, in kScoresRows = 128-row tiles (two warpgroups share every K chunk)
 // at 2 CTAs per SM, except where such a tile's score rings do not fit in shared memory (G = 1 with
@@ -584,9 +585,9 @@ void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream) {
   const uint32_t wide = kCmpWideChunk;
   if (kv_rows_tensor_map<Storage, kDqk>(&kc_wide, p.choices, p.kc, p.hkv, p.kc_rows, p.kc_st, p.kc_sh, wide) &&
       kv_rows_tensor_map<Storage, kDv>(&vc_wide, p.choices, p.vc, p.hkv, p.kc_rows, p.vc_st, p.vc_sh, wide)) {
-    static_assert(cmp_wide_smem_bytes(kDqk, kDv) <= kMaxSmem, "the 128 x 128 pass 1 fits in shared memory");
-    cmp_launch(cmp_pass1_wide_kernel<Storage, kDqk, kDv>, kCmpWideRows, cmp_wide_smem_bytes(kDqk, kDv), p, stream,
-               kc_wide, vc_wide);
+    static_assert(cmp_wide_smem_bytes(kDqk, kDv) <= kMaxSmem, "the pass 1 tile and ring fit in shared memory");
+    cmp_launch(cmp_pass1_wide_kernel<Storage, kDqk, kDv>, cmp_wide_rows(kDqk, kDv), cmp_wide_smem_bytes(kDqk, kDv), p,
+               stream, kc_wide, vc_wide);
   } else {  // no tensor map: the 192-row kernel's cp.async copies
     cmp_launch(pass1, kWgRows, cmp_smem_bytes(kWgRows, kDqk, kDv, p.group, p.score_ring, true, false), p, stream);
   }
