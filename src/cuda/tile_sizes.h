@@ -172,8 +172,12 @@ inline constexpr int kCmpWideChunk = 128, kCmpWideStages = 2;
 constexpr size_t cmp_wide_smem_bytes_at(int rows, int dqk, int dv) {
   return tma_ring_end(rows, dqk, dv, kCmpWideChunk, kCmpWideStages) + tma_ring_bar_bytes(kCmpWideStages);
 }
-constexpr int cmp_wide_rows(int dqk, int dv) { return cmp_wide_smem_bytes_at(192, dqk, dv) <= kMaxSmem ? 192 : 128; }
-constexpr size_t cmp_wide_smem_bytes(int dqk, int dv) { return cmp_wide_smem_bytes_at(cmp_wide_rows(dqk, dv), dqk, dv); }
+constexpr int cmp_wide_rows(int dqk, int dv) {
+  return cmp_wide_smem_bytes_at(kWgRows, dqk, dv) <= kMaxSmem ? kWgRows : 2 * kTileRows;
+}
+constexpr size_t cmp_wide_smem_bytes(int dqk, int dv) {
+  return cmp_wide_smem_bytes_at(cmp_wide_rows(dqk, dv), dqk, dv);
+}
 // Where the S pass takes kScoresRows-row tiles on sm_90a by its rule: Dqk above 128, and Dqk 128 at
 // G <= 4 (a 128-row tile: 32 tokens share each K chunk at G = 4, 8 at G = 16). H200, 64K, Hq 64 /
 // Hkv 4, same run (`3831e9f`): Dqk 192 30.9 -> 24.5 ms for pass 1 + S with 128 rows. H100, 64K, ncu
