@@ -7,7 +7,8 @@
 # Always: the time of every kernel (ncu gpu__time_duration, clocks not locked) -> $OUT/kernel_times.txt,
 # summed by kernel -> $OUT/kernel_by_name.txt, and their total -> $OUT/kernel_total.txt.
 # With KERNEL_REGEX (e.g. 'dkv_kernel|dq_kernel'): the first launch of each matching kernel with
-# the sections that say what bounds it (throughput, warp stalls, scheduler issue, occupancy) and
+# the sections that say what bounds it (throughput, warp stalls, scheduler issue, occupancy, each
+# pipe's utilisation and the instruction mix) and
 # the bytes it moves through L2 (as scripts/profile_public.sh asks of the public NSA's) ->
 # $OUT/kernel_detail.txt.
 # Environment: OUT (default ./out), BUILD_DIR (default /tmp/nsa-gpu-build), T (default 65536),
@@ -57,7 +58,7 @@ if [[ $# -ge 1 && -n "$1" ]]; then
   # SourceCounters: the SASS lines where the warps stall most (sampled), and uncoalesced accesses.
   ncu --clock-control none -k "regex:$1" --launch-count "${LAUNCHES:-8}" --section SpeedOfLight --section WarpStateStats \
     --section SchedulerStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
-    --section SourceCounters --metrics lts__t_bytes.sum,l1tex__m_xbar2l1tex_read_bytes.sum \
+    --section ComputeWorkloadAnalysis --section InstructionStats --section SourceCounters --metrics lts__t_bytes.sum,l1tex__m_xbar2l1tex_read_bytes.sum \
     "${BENCH[@]}" "${ARGS[@]}" > "$OUT/kernel_detail.txt" 2>&1
   echo "details of '$1': $OUT/kernel_detail.txt (rc=$?)"
 fi
