@@ -54,6 +54,7 @@ struct CudaKernelChoices {
   bool combine_prefetch = true;      // false: the sm_90a kernel that forms the gated combine (window or selection by TMA) reads its o_cmp, o_slc / o_win and gates without prefetching them into L2 first
   bool combine_in_selection = true;  // false: the forward's gated combine in the window kernel after the selection (else, with a selection branch, in the selection kernels after the window)
   bool next_q_prefetch = true;       // false: the sm_90a window kernel does not prefetch the Q tile of the CTA one resident grid later into L2
+  bool cmp_scores_pipelined = true;  // false: the sm_90a score pass in 64-row tiles multiplies a chunk only after the previous one's sums, behind a CTA barrier (else the next chunk's products run beside this chunk's sums where a tensor map of the keys can be made)
   int cmp_scores_rows = 0;  // 64 or 128: the sm_90a score pass's row tiles (0: the rule; 128 only from Dqk 128, where its shared memory fits)
 };
 

@@ -161,6 +161,23 @@ constexpr size_t cmp_smem_bytes(int rows, int dqk, int dv, int group, int score_
       with_scores ? tokens * ((kKeyChunk + score_ring) * sizeof(float) + sizeof(int)) + 8 + 2 * sizeof(uint64_t) : 0;
   return 1024 + q + k + (v > scores ? v : scores);
 }
+// The sm_90a S pass in 64-row tiles with chunk c + 1's score products issued before chunk c's sums
+// (cmp_scores_pass<..., kPipelined>), in groups of kScoresPipelinedGroup chunks: the Q tile,
+// kScoresPipelinedStages swizzled K buffers (unpadded), the score buffers and as many mbarriers;
+// kScoresPipelinedCtas CTAs share an SM (126 registers at Dqk 128). Only where the head sums stay
+// in registers (scores_pipelined_shape: G = 16 or 4 with l / d = 2, l' / d = 4, by chunk; the other
+// shapes' sums go through shared memory in lane loops, and ptxas serialises products in flight
+// across such branches) and its shared memory fits; else the 2-stage pass runs.
+inline constexpr int kScoresPipelinedStages = 3, kScoresPipelinedCtas = 3, kScoresPipelinedGroup = 4;
+constexpr bool scores_pipelined_shape(int group, int l_over_d, int lp_over_d, bool by_chunk) {
+  return by_chunk && l_over_d == 2 && lp_over_d == 4 && (group == 16 || group == 4);
+}
+constexpr size_t cmp_scores_pipelined_smem_bytes(int dqk, int group, int score_ring) {
+  const size_t es = 2, tokens = size_t(kTileRows) / group;
+  const size_t q = size_t(kTileRows) * (dqk + 8) * es, k = size_t(kScoresPipelinedStages) * kKeyChunk * dqk * es;
+  return 1024 + q + k + tokens * ((kKeyChunk + score_ring) * sizeof(float) + sizeof(int)) + 8 +
+         kScoresPipelinedStages * sizeof(uint64_t);
+}
 // The sm_90a window (win_attention.cuh places its mbarriers): kCmpTmaStages stages of kKeyChunk
 // keys. 192 rows: 145 KB at 128/128, 198 KB at 192/128.
 inline constexpr int kCmpTmaStages = 3;

@@ -96,6 +96,11 @@ using CombineInWindow = ChoiceOff<&CudaKernelChoices::combine_in_selection>;
 // The sm_90a window kernel does not prefetch the Q tile of the CTA one resident grid later.
 using NoNextQPrefetch = ChoiceOff<&CudaKernelChoices::next_q_prefetch>;
 
+// The sm_90a score pass in 64-row tiles multiplies each chunk behind a CTA barrier, as for the
+// shapes whose head sums go through shared memory, where it would run the next chunk's products
+// beside this chunk's sums (G = 16 and 4 with the paper's blocks).
+using ScoresUnpipelined = ChoiceOff<&CudaKernelChoices::cmp_scores_pipelined>;
+
 // The sm_90a score pass in row tiles of the given rows (64 or 128; 128 only where its shared
 // memory fits) instead of its rule's.
 using ScoresTileRows = ChoiceSet<&CudaKernelChoices::cmp_scores_rows>;

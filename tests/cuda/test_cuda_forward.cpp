@@ -344,6 +344,30 @@ TEST_P(CudaForward, CompressedAttentionAndScoresIn128RowTilesMatchReference) {
   check_cmp_and_scores(GetParam());
 }
 
+// The score pass on sm_90a at G = 16 and 4 with the paper's blocks runs in groups of four 64-key
+// chunks with the next chunk's products beside this chunk's sums, and the chunks after the last
+// whole group one by one (cmp_scores_pass): the cases above have at most three chunks a tile, so
+// these have more. T 5000: 311 keys (one group and a chunk); T 4112: 256 keys (exactly one group);
+// T 4150: 258 keys (one group and a chunk of two keys); T 300: a short sequence beside them. Again
+// with every chunk behind a CTA barrier (ScoresUnpipelined) and in 64-row tiles at G = 4, Dqk 128
+// (the rule takes 128 rows there).
+TEST(CudaForwardScores, ChunkGroupsMatchReference) {
+  NSA_REQUIRE_GPU();
+  const std::vector<Case> long_cases = {
+      // name, dtype, Dqk, Dv, Hq, Hkv, seqlens, l, d, l', n, n_init, n_local, w, phi, shared_kv
+      {"bf16_d128_G16_groups", DType::bf16, 128, 128, 16, 1, {5000, 4112}, 32, 16, 64, 16, 1, 2, 512, PhiKind::mean, false},
+      {"f16_d64_G4_groups", DType::f16, 64, 64, 8, 2, {4150, 300}, 32, 16, 64, 8, 1, 2, 256, PhiKind::mean, false},
+      {"bf16_d128_G4_groups", DType::bf16, 128, 128, 4, 1, {4150}, 32, 16, 64, 8, 1, 2, 256, PhiKind::mean, false},
+  };
+  for (const Case& c : long_cases) {
+    SCOPED_TRACE(c.name);
+    const ScoresTileRows rows(64);
+    check_cmp_and_scores(c);
+    const ScoresUnpipelined unpipelined;
+    check_cmp_and_scores(c);
+  }
+}
+
 // ---- top-n on identical scores --------------------------------------------------------------
 
 // select_topn on the GPU against the reference for scores s [T, Hkv, blocks]: the same indices

@@ -290,6 +290,18 @@ struct TileAttention {
     }, after, s);
   }
 
+  // scores_wgmma_sq's products issued and committed as one wgmma-group, not waited for: the caller
+  // waits (wgmma_wait<N>) and fences s (wgmma_fence_operands) before it reads s, so that another
+  // group's products can run beside its work on an earlier s.
+  __device__ __forceinline__ void scores_wgmma_issue(float (&s)[kSTiles][4], const Storage* sq, const Storage* sk) const {
+    static_assert(kRows % 64 == 0 && (kChunk == 64 || kChunk == 128), "whole warpgroups, one n64 or n128 product per k16 step");
+    wgmma_fence_operands(s);
+    wgmma_fence();
+    wgmma_abt_ss_sw128<kChunk, kBf16, kDqk, kRows, true>(s, smem_address(sq) + (threadIdx.x / 128) * (64 * 128),
+                                                         smem_address(sk));
+    wgmma_commit();
+  }
+
   // accumulate_pv() with one m64n{Dv}k16 wgmma per 16 keys: A = P packed from registers, B = the
   // swizzled V chunk in `sv` (MN-major, transposed operand).
   template <typename After = NoHook>

@@ -110,4 +110,47 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, i
 #endif
 }
 
+// mbarrier_expect_tx and tma_load_3d by the threads where `issue` holds, as predicated instructions
+// with no branch around them: for code that runs while a wgmma is in flight in the same warpgroup,
+// where a divergent branch makes ptxas serialise the wgmmas (C7518).
+__device__ __forceinline__ void mbarrier_expect_tx_if(bool issue, uint64_t* bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.u32 p, %2, 0;\n @p mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n}\n" ::"r"(
+          smem_address(bar)),
+      "r"(bytes), "r"(static_cast<uint32_t>(issue))
+      : "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void tma_load_3d_if(bool issue, void* dst, const CUtensorMap* map, int c0, int c1, int c2,
+                                               uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.u32 p, %6, 0;\n"
+      " @p cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];\n}\n" ::"r"(smem_address(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_address(bar)),
+      "r"(static_cast<uint32_t>(issue))
+      : "memory");
+#else
+  __trap();
+#endif
+}
+
+// mbarrier_wait_parity with its spin loop inside one asm block (sm_90): for code that runs while
+// a wgmma is in flight, where the C++ loop is a divergent path to ptxas (C7518).
+__device__ __forceinline__ void mbarrier_wait_parity_asm(uint64_t* bar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n .reg .pred p;\n wait_parity:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra wait_parity;\n}\n" ::"r"(smem_address(bar)),
+      "r"(parity)
+      : "memory");
+#else
+  __trap();
+#endif
+}
+
 }  // namespace nsa::cuda

@@ -136,30 +136,41 @@ struct CmpTileInfo : SeqRowTile {
   }
 };
 
-// Pass 2: the selection scores S of the tile from the final log-sum-exps lse2 (log2 units). K
-// chunks are double-buffered (one chunk in flight). With kc_map (sm_90a, common/tma.h) one thread
-// copies each chunk by TMA, its 64-column blocks as boxes in the 128-byte swizzle, completing on
-// the buffer's mbarrier; rows past the tile's keys then hold whatever kc holds there (other
-// sequences' rows, or zeros past its end), which the mask replaces by -inf before anything reads
-// them. Without it every thread copies its pieces by cp.async (rows past the keys zero-filled).
-// With wgmma the score products read Q from the swizzled Q tile, which must stay in shared memory
-// ("Q on sm_90a" at the kernel below).
-// s_pg: [tokens][kKeyChunk] + [tokens][score_ring] floats + [tokens] ints of shared memory
-// (cmp_smem_bytes).
+// Pass 2: the selection scores S of the tile from the final log-sum-exps lse2 (log2 units).
+// With kc_map (sm_90a, common/tma.h) one thread copies each K chunk by TMA, its 64-column blocks
+// as boxes in the 128-byte swizzle, completing on the buffer's mbarrier; rows past the tile's keys
+// then hold whatever kc holds there (other sequences' rows, or zeros past its end), which the mask
+// replaces by -inf before anything reads them. Without it every thread copies its pieces by
+// cp.async (rows past the keys zero-filled). With wgmma the score products read Q from the
+// swizzled Q tile, which must stay in shared memory ("Q on sm_90a" at the kernel below).
+// Without kPipelined (kStages = 2): K double-buffered, one chunk in flight, a CTA barrier per chunk
+// before its buffer is refilled. kPipelined (sm_90a with kc_map, kRows = 64: one warpgroup; G = 16
+// and 4 with the paper's blocks, scores_pipelined_shape): kStages K buffers, and in whole groups of
+// kScoresPipelinedGroup chunks the score products of chunk c + 1 are issued before the warp works on
+// chunk c's scores (two accumulators); thread 0 refills chunk c's buffer with chunk c + kStages as
+// soon as its own wait says chunk c's products are complete (one warpgroup's wgmma-group: every
+// read of the buffer is done), so there is no CTA barrier in the loop. Nothing is in flight between
+// groups, and the chunks after the last whole group run one by one (see the loop for why).
+// s_pg: [tokens][kKeyChunk] + [tokens][score_ring] floats + [tokens] ints of shared memory, then
+// kStages mbarriers (cmp_smem_bytes; cmp_scores_pipelined_smem_bytes).
 //
 // The bookkeeping per chunk (the ring update and the write-out of final blocks) walks (token,
 // block) pairs with the warp's lanes. It has no integer division in the loop: each lane's first
 // pair and the step of 32 pairs are divided out once per tile (or once per change of the number of
 // blocks a chunk completes), the column limit of every token is computed once per tile, and the
 // pairs advance by adding the step with a carry. (With a division per pair and per chunk the
-// bookkeeping was ~40% of the S pass's instructions: H200 ncu source counters.)
-template <typename Storage, int kDqk, int kDv, int kRows>
+// bookkeeping was ~40% of the S pass's instructions: H200 ncu source counters.) The chunks before
+// the first one that some row of the warp does not see whole need no mask: their count is taken
+// once per tile.
+template <typename Storage, int kDqk, int kDv, int kRows, int kStages = 2, bool kPipelined = false>
 __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const CmpTileInfo<kRows>& ti,
                                                 TileAttention<Storage, kDqk, kDv, kRows>& tile_state,
                                                 const AttnSmem<Storage, kDqk, kDv, kRows>& sm, float* s_pg,
                                                 const float (&lse2)[2], const CUtensorMap* kc_map) {
   using Tile = TileAttention<Storage, kDqk, kDv, kRows>;
   using Smem = AttnSmem<Storage, kDqk, kDv, kRows>;
+  static_assert(kStages >= 2 && (!kPipelined || (kRows == 64 && Smem::kWgmma)) && (kPipelined || kStages == 2),
+                "the pipelined form: one warpgroup on sm_90a");
   constexpr int kCta = kRows / 16 * 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // p_cmp = exp2(s * scale_log2 - lse2); a row without visible keys (lse2 = -inf) has only masked
@@ -174,7 +185,7 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
   const int B = kKeyChunk / R, log2_B = __ffs(B) - 1;
   float* s_acc = s_pg + tokens_per_tile * kKeyChunk;                 // [tokens][score_ring]
   int* s_limit = reinterpret_cast<int*>(s_acc + tokens_per_tile * ring);  // [tokens]
-  // Two mbarriers after the limits, on 8 bytes (cmp_smem_bytes counts them): buffer b's copies.
+  // kStages mbarriers after the limits, on 8 bytes (cmp_smem_bytes counts them): buffer b's copies.
   uint64_t* bars = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(s_limit + tokens_per_tile) + 7) & ~uintptr_t(7));
   const int64_t t0 = ti.t0, s0 = ti.s0;
   // Columns a token writes: all of them for the public op, else the admissible ones (top-n reads
@@ -185,34 +196,43 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
                      : p.scores_zero_fill
                          ? static_cast<int>(p.scores_width)
                          : static_cast<int>(min64(p.scores_width, last_slc_block(t0 + token, p.lp) + 1));
-  // (Both are read after the CTA barrier that opens every chunk, or the one after the loop.)
+  // (Both are read after the CTA barrier that opens every chunk, or the one before the loop.)
   // This warp's tokens: its 16 rows are tokens_per_warp whole tokens (G divides 16).
   const int tokens_per_warp = 16 >> p.log2_group;
   const int warp_token0 = warp * tokens_per_warp;
   float* const srow0 = p.scores + (s0 + t0) * p.s_st + ti.hk * p.s_sh;  // token 0's row
+  float* const wrow0 = srow0 + warp_token0 * p.s_st;                    // this warp's first token's row
   const Storage* kbase = static_cast<const Storage*>(p.kc) + cmp_row_offset(s0, p.d) * p.kc_st + ti.hk * p.kc_sh;
-  const int num_chunks = ti.num_chunks;
+  // (Warp-uniform to ptxas too: a chunk count it cannot prove uniform makes every branch of the
+  // pipelined loop divergent, and it serialises the products in flight across them, C7518.)
+  const int num_chunks = __shfl_sync(0xffffffffu, ti.num_chunks, 0);
   const int kc_row0 = static_cast<int>(cmp_row_offset(s0, p.d));
+  // Chunks c < whole_chunks are seen whole by every row of the warp (no mask).
+  int whole_chunks;
+  {
+    const int64_t v = min64(ti.visible[0], ti.visible[1]);
+    whole_chunks = __reduce_min_sync(0xffffffffu, static_cast<int>(min64(v, int64_t(1) << 30))) / kKeyChunk;
+  }
   auto load_chunk = [&](int c) {
     const int64_t first = int64_t(c) * kKeyChunk;
-    Storage* dst = sm.sk + (c & 1) * Smem::kKTile;
-    if (kc_map != nullptr) {
-      if (threadIdx.x == 0) {
-        uint64_t* bar = bars + (c & 1);
-        mbarrier_expect_tx(bar, kKeyChunk * kDqk * sizeof(Storage));
+    const int stage = c % kStages;
+    Storage* dst = sm.sk + stage * Smem::kKTile;
+    if (kPipelined || kc_map != nullptr) {
+      // Thread 0 copies, as predicated instructions: no branch where products may be in flight.
+      const bool issuer = threadIdx.x == 0;
+      const int row = kc_row0 + static_cast<int>(first);
+      mbarrier_expect_tx_if(issuer, bars + stage, kKeyChunk * kDqk * sizeof(Storage));
 #pragma unroll
-        for (int b = 0; b < kDqk / 64; ++b)
-          tma_load_3d(dst + b * kKeyChunk * 64, kc_map, 64 * b, ti.hk, kc_row0 + static_cast<int>(first), bar);
-      }
+      for (int b = 0; b < kDqk / 64; ++b) tma_load_3d_if(issuer, dst + b * kKeyChunk * 64, kc_map, 64 * b, ti.hk, row, bars + stage);
     } else {
       Smem::load_k(dst, kbase + first * p.kc_st, p.kc_st, static_cast<int>(min64(kKeyChunk, ti.num_keys - first)));
       cp_async_commit();
     }
   };
-  if (kc_map != nullptr) {
+  if (kPipelined || kc_map != nullptr) {
     if (threadIdx.x == 0) {
-      mbarrier_init(bars, 1);
-      mbarrier_init(bars + 1, 1);
+#pragma unroll
+      for (int b = 0; b < kStages; ++b) mbarrier_init(bars + b, 1);
       fence_mbarrier_init();
     }
     __syncthreads();  // the mbarriers, before the first copy and the first wait
@@ -236,61 +256,9 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
   // the carry, which for even g is key 63 of the previous chunk: lane (g + 1, 3)'s v[7]).
   const bool by_lanes4 = p.score_by_chunk && p.log2_group == 2 && R == 4 && L == 2;
   float lane_carry = 0.f;
-  if (num_chunks > 0) load_chunk(0);
-  for (int c = 0; c < num_chunks; ++c) {
-    // Chunk c has landed for everyone; every warp is done with chunk c - 1 (its buffer takes c + 1).
-    if (kc_map != nullptr) {
-      __syncthreads();
-      if (c + 1 < num_chunks) load_chunk(c + 1);
-      mbarrier_wait_parity(bars + (c & 1), (c >> 1) & 1);  // buffer c & 1's (c >> 1)-th fill
-    } else {
-      Smem::template wait_copies<0>();
-      __syncthreads();
-      if (c + 1 < num_chunks) load_chunk(c + 1);
-    }
-    float s[Tile::kSTiles][4];
-    sm.scores(tile_state, s, sm.sk + (c & 1) * Smem::kKTile);
-    int lo[2], hi[2];
-    ti.chunk_limits(c, lo, hi);
-    tile_state.mask(s, lo, hi);
-#pragma unroll
-    for (int i = 0; i < Tile::kSTiles; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[i][e] = fast_exp2(fmaf(s[i][e], p.scale_log2, -lse_use[e >> 1]));
-    if (by_lanes) {  // (uniform) G = 16, R = 4, L = 2: no shared memory, one block per even lane
-      float v[kHeadSumValues<true>];
-      head_sums<3, true>(s, v);
-      // Lane 2b holds keys 4b, 4b + 1 (weight 2 each in block b), lane 2b + 1 keys 4b + 2 (2) and
-      // 4b + 3 (1), and lane 2b - 1's second key is 4b - 1 (1; lane 0 takes it from the carry).
-      const float x = (lane & 1) ? 2.f * v[0] + v[1] : 2.f * (v[0] + v[1]);
-      const float next = __shfl_down_sync(0xffffffffu, x, 1);
-      const float up = __shfl_up_sync(0xffffffffu, v[1], 1);
-      const float prev = lane == 0 ? lane_carry : up;
-      lane_carry = __shfl_sync(0xffffffffu, v[1], 31);
-      const int j = c * (kKeyChunk / 4) + lane / 2;
-      if ((lane & 1) == 0 && j < s_limit[warp_token0]) srow0[warp_token0 * p.s_st + j] = x + next + prev;
-      jbase = (c + 1) * (kKeyChunk / 4);
-      continue;
-    }
-    if (by_lanes4) {  // (uniform) G = 4, R = 4, L = 2: no shared memory, four blocks per even quad
-      float v[kHeadSumValues<false>];
-      head_sums<2, false>(s, v);
-      const int g = lane / 4, q = lane % 4;
-      const int token = warp_token0 + (g >> 2) + 2 * ((g >> 1) & 1);
-#pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        const float x = (q & 1) ? 2.f * v[2 * t] + v[2 * t + 1] : 2.f * (v[2 * t] + v[2 * t + 1]);
-        const float next = __shfl_down_sync(0xffffffffu, x, 1);
-        const float send = q == 3 ? v[2 * ((t + 3) % 4) + 1] : v[2 * t + 1];
-        const float up = __shfl_sync(0xffffffffu, send, q == 0 && t > 0 ? lane + 3 : (lane + 31) % 32);
-        const float prev = q == 0 && t == 0 && (g & 1) == 0 ? lane_carry : up;
-        const int j = c * (kKeyChunk / 4) + 2 * (4 * (g & 1) + t) + q / 2;
-        if ((q & 1) == 0 && j < s_limit[token]) srow0[token * p.s_st + j] = x + next + prev;
-      }
-      lane_carry = __shfl_sync(0xffffffffu, v[7], lane | 7);
-      jbase = (c + 1) * (kKeyChunk / 4);
-      continue;
-    }
+  // The other shapes (the scores exponentiated): head sums through shared memory, then by chunk or
+  // through the ring.
+  auto consume_generic = [&](float (&s)[Tile::kSTiles][4], int c) {
     switch (p.log2_group) {
       case 0: store_head_sums<0, false>(s, s_pg, warp, p.log2_group); break;
       case 1: store_head_sums<1, false>(s, s_pg, warp, p.log2_group); break;
@@ -321,7 +289,7 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
       }
       __syncwarp();  // the carry is written; pg may be overwritten by the next chunk
       jbase = j0 + B;
-      continue;
+      return;
     }
     // S[token][j] += sum_i ov(i, j) * pg[token][i] over the chunk's compressed blocks i.
     for (int e = lane, tk = acc_tok0, jj = acc_jj0; e < acc_pairs; e += 32) {
@@ -358,6 +326,121 @@ __device__ __forceinline__ void cmp_scores_pass(const CmpAttnParams& p, const Cm
     }
     __syncwarp();
     jbase = jnext;
+  };
+  // Chunk c's raw scores s (this warp's 16 rows x kKeyChunk keys, complete) -> S.
+  // (s is read, not written: in the pipelined pass it is a product's accumulator, which only wgmma
+  // may define, or ptxas serialises the products, C7515.)
+  auto consume = [&](const float (&raw)[Tile::kSTiles][4], int c) {
+    float s[Tile::kSTiles][4];
+#pragma unroll
+    for (int i = 0; i < Tile::kSTiles; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[i][e] = raw[i][e];
+    if (c >= whole_chunks) {  // (uniform)
+      int lo[2], hi[2];
+      ti.chunk_limits(c, lo, hi);
+      tile_state.mask(s, lo, hi);
+    }
+#pragma unroll
+    for (int i = 0; i < Tile::kSTiles; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[i][e] = fast_exp2(fmaf(s[i][e], p.scale_log2, -lse_use[e >> 1]));
+    if (by_lanes) {  // (uniform) G = 16, R = 4, L = 2: no shared memory, one block per even lane
+      float v[kHeadSumValues<true>];
+      head_sums<3, true>(s, v);
+      // Lane 2b holds keys 4b, 4b + 1 (weight 2 each in block b), lane 2b + 1 keys 4b + 2 (2) and
+      // 4b + 3 (1), and lane 2b - 1's second key is 4b - 1 (1; lane 0 takes it from the carry).
+      const float x = (lane & 1) ? 2.f * v[0] + v[1] : 2.f * (v[0] + v[1]);
+      const float next = __shfl_down_sync(0xffffffffu, x, 1);
+      const float up = __shfl_up_sync(0xffffffffu, v[1], 1);
+      const float prev = lane == 0 ? lane_carry : up;
+      lane_carry = __shfl_sync(0xffffffffu, v[1], 31);
+      const int j = c * (kKeyChunk / 4) + lane / 2;
+      if ((lane & 1) == 0 && j < s_limit[warp_token0]) wrow0[j] = x + next + prev;
+      jbase = (c + 1) * (kKeyChunk / 4);
+      return;
+    }
+    if (by_lanes4) {  // (uniform) G = 4, R = 4, L = 2: no shared memory, four blocks per even quad
+      float v[kHeadSumValues<false>];
+      head_sums<2, false>(s, v);
+      const int g = lane / 4, q = lane % 4;
+      const int token = warp_token0 + (g >> 2) + 2 * ((g >> 1) & 1);
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const float x = (q & 1) ? 2.f * v[2 * t] + v[2 * t + 1] : 2.f * (v[2 * t] + v[2 * t + 1]);
+        const float next = __shfl_down_sync(0xffffffffu, x, 1);
+        const float send = q == 3 ? v[2 * ((t + 3) % 4) + 1] : v[2 * t + 1];
+        const float up = __shfl_sync(0xffffffffu, send, q == 0 && t > 0 ? lane + 3 : (lane + 31) % 32);
+        const float prev = q == 0 && t == 0 && (g & 1) == 0 ? lane_carry : up;
+        const int j = c * (kKeyChunk / 4) + 2 * (4 * (g & 1) + t) + q / 2;
+        if ((q & 1) == 0 && j < s_limit[token]) srow0[token * p.s_st + j] = x + next + prev;
+      }
+      lane_carry = __shfl_sync(0xffffffffu, v[7], lane | 7);
+      jbase = (c + 1) * (kKeyChunk / 4);
+      return;
+    }
+    if constexpr (!kPipelined) consume_generic(s, c);
+  };
+  if constexpr (kPipelined) {
+    if (!by_lanes && !by_lanes4) __trap();  // launched only where scores_pipelined_shape holds
+    // Chunk c's products into acc (issued, not waited for), once its copy has landed.
+    auto issue = [&](float (&acc)[Tile::kSTiles][4], int c) {
+      const int stage = c % kStages;
+      mbarrier_wait_parity_asm(bars + stage, (c / kStages) & 1);
+      tile_state.scores_wgmma_issue(acc, sm.sq, sm.sk + stage * Smem::kKTile);
+    };
+    // Chunk c's products are complete (this thread waited for them): its buffer takes c + kStages.
+    auto refill = [&](int c) {
+      if (c + kStages < num_chunks) load_chunk(c + kStages);  // (uniform)
+    };
+    for (int c = 0; c < kStages && c < num_chunks; ++c) load_chunk(c);
+    float sa[Tile::kSTiles][4], sb[Tile::kSTiles][4];
+    // Whole groups of kScoresPipelinedGroup chunks, nothing in flight between groups: inside a
+    // group chunk c + 1's products run beside chunk c's sums. The group has no branch (ptxas 13.0
+    // serialises every product where one is in flight across a branch on the chunk count, or
+    // across the loop's back edge: C7514), so the last num_chunks % group chunks run one by one.
+    const int grouped = num_chunks - num_chunks % kScoresPipelinedGroup;
+    for (int c0 = 0; c0 < grouped; c0 += kScoresPipelinedGroup) {
+      issue(sa, c0);
+#pragma unroll
+      for (int j = 0; j < kScoresPipelinedGroup; ++j) {
+        float(&cur)[Tile::kSTiles][4] = j % 2 == 0 ? sa : sb;
+        float(&next)[Tile::kSTiles][4] = j % 2 == 0 ? sb : sa;
+        if (j + 1 < kScoresPipelinedGroup) {
+          issue(next, c0 + j + 1);
+          wgmma_wait<1>();
+        } else {
+          wgmma_wait<0>();
+        }
+        wgmma_fence_operands(cur);
+        refill(c0 + j);
+        consume(cur, c0 + j);
+      }
+    }
+    for (int c = grouped; c < num_chunks; ++c) {
+      issue(sa, c);
+      wgmma_wait<0>();
+      wgmma_fence_operands(sa);
+      refill(c);
+      consume(sa, c);
+    }
+  } else {
+    if (num_chunks > 0) load_chunk(0);
+    for (int c = 0; c < num_chunks; ++c) {
+      // Chunk c has landed for everyone; every warp is done with chunk c - 1 (its buffer takes c + 1).
+      if (kc_map != nullptr) {
+        __syncthreads();
+        if (c + 1 < num_chunks) load_chunk(c + 1);
+        mbarrier_wait_parity(bars + (c & 1), (c >> 1) & 1);  // buffer c & 1's (c >> 1)-th fill
+      } else {
+        Smem::template wait_copies<0>();
+        __syncthreads();
+        if (c + 1 < num_chunks) load_chunk(c + 1);
+      }
+      float s[Tile::kSTiles][4];
+      sm.scores(tile_state, s, sm.sk + (c & 1) * Smem::kKTile);
+      consume(s, c);
+    }
   }
   // The tail's carry (none without chunks: the slot keeps the zero another thread wrote, with no
   // barrier between where the loop had none).
@@ -515,7 +598,9 @@ __global__ void __launch_bounds__(cmp_wide_rows(kDqk, kDv) / 16 * 32, 1)
 // Pass 2 on its own, after cmp_attention_kernel<..., false> on the same stream: reads that
 // kernel's lse back (natural log -> log2 units) and recomputes Q K^T. Without the 16 x Dv
 // accumulator it needs far fewer registers, so kMinCtas CTAs of kRows rows share an SM.
-template <typename Storage, int kDqk, int kDv, int kRows, int kMinCtas>
+// kPipelined: the pipelined pass with kStages K buffers (cmp_scores_pass), launched only with a
+// tensor map of kc and where scores_pipelined_shape holds.
+template <typename Storage, int kDqk, int kDv, int kRows, int kMinCtas, int kStages = 2, bool kPipelined = false>
 __global__ void __launch_bounds__(kRows / 16 * 32, kMinCtas)
     cmp_scores_kernel(const CmpAttnParams p, const __grid_constant__ CUtensorMap kc_map, int kc_tma) {
   if constexpr (!kWgmmaCompiled) {
@@ -542,8 +627,9 @@ __global__ void __launch_bounds__(kRows / 16 * 32, kMinCtas)
     Tile tile_state;
     Smem::template wait_copies<0>();
     __syncthreads();  // the Q tile (read by every score product: this kernel runs only with wgmma)
-    cmp_scores_pass<Storage, kDqk, kDv, kRows>(p, ti, tile_state, sm, reinterpret_cast<float*>(sm.sk + 2 * Smem::kKTile),
-                                               lse2, kc_tma ? &kc_map : nullptr);
+    cmp_scores_pass<Storage, kDqk, kDv, kRows, kStages, kPipelined>(p, ti, tile_state, sm,
+                                                        reinterpret_cast<float*>(sm.sk + kStages * Smem::kKTile), lse2,
+                                                        kc_tma ? &kc_map : nullptr);
   }
 }
 
@@ -599,6 +685,15 @@ void launch_cmp_attention(const CmpAttnParams& p, cudaStream_t stream) {
     if (scores_rows(kDqk, kDv, p.group, p.score_ring, kMaxSmem, p.choices.cmp_scores_rows) == kScoresRows) {
       cmp_launch(cmp_scores_kernel<Storage, kDqk, kDv, kScoresRows, 2>, kScoresRows,
                  cmp_smem_bytes(kScoresRows, kDqk, kDv, p.group, p.score_ring, false, true), p, stream, kc_map, kc_tma);
+      return;
+    }
+  }
+  if constexpr (kDqk <= 128) {
+    const size_t pipelined_smem = cmp_scores_pipelined_smem_bytes(kDqk, p.group, p.score_ring);
+    if (kc_tma && p.choices.cmp_scores_pipelined && pipelined_smem <= kMaxSmem &&
+        scores_pipelined_shape(p.group, p.l / p.d, p.lp / p.d, p.score_by_chunk)) {
+      cmp_launch(cmp_scores_kernel<Storage, kDqk, kDv, kTileRows, kScoresPipelinedCtas, kScoresPipelinedStages, true>,
+                 kTileRows, pipelined_smem, p, stream, kc_map, kc_tma);
       return;
     }
   }
