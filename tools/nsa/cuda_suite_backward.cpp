@@ -13,7 +13,9 @@
 // accumulator where it would write each chunk's blocks directly (saved_o_cmp_score_ring, Dqk = Dv =
 // 128 at 8K and 64K: their same-run A/B), saved_o_cmp_win with the sm_90a score pass in 64- and in
 // 128-row tiles (saved_o_cmp_win_scores_64, _128; Dqk = Dv = 128 at 8K and 64K: their same-run A/B,
-// beside saved_o_cmp_win, the rule's), saved_o_cmp_win with the forward's online softmax max moved
+// beside saved_o_cmp_win, the rule's) and with every chunk of the 64-row tiles multiplied behind a
+// CTA barrier where the next chunk's products would run beside this chunk's sums
+// (saved_o_cmp_win_scores_unpipelined: its same-run A/B), saved_o_cmp_win with the forward's online softmax max moved
 // at every rise (saved_o_cmp_win_softmax_no_slack: the same-run A/B of its slack) and with the
 // combining kernel (the selection by TMA; the window where it combines) reading o_cmp, the other
 // branch's output and the gates without their L2 prefetch, without the window's prefetch of a
@@ -79,6 +81,7 @@ const char* const kVariantNames[] = {"full",
                                      "saved_o_cmp_win_phi_mlp_own_products",
                                      "saved_o_cmp_win_scores_64",
                                      "saved_o_cmp_win_scores_128",
+                                     "saved_o_cmp_win_scores_unpipelined",
                                      "saved_o_cmp_win_softmax_no_slack",
                                      "saved_o_cmp_win_no_combine_prefetch",
                                      "saved_o_cmp_win_no_next_q_prefetch",
@@ -152,6 +155,7 @@ struct Variant {
   bool phi_own = false;            // phi's large bf16 products on wgmma where they would run on cuBLASLt (CudaKernelChoices)
   bool score_ring = false;         // the score pass's ring accumulator everywhere (CudaKernelChoices)
   int scores_rows = 0;             // the sm_90a score pass's row tiles, 64 or 128 (0: the rule; CudaKernelChoices)
+  bool scores_unpipelined = false;  // the sm_90a score pass's chunks behind a CTA barrier each (CudaKernelChoices)
   bool no_slack = false;           // the forward's online softmax max at every rise (CudaKernelChoices)
   bool no_prefetch = false;        // the combining kernel's reads without their L2 prefetch (CudaKernelChoices)
   bool no_next_q = false;          // the window without its prefetch of a later CTA's Q (CudaKernelChoices)
@@ -179,6 +183,8 @@ std::vector<Variant> variants_of(const Shape& s, int64_t T) {
     for (int rows : {64, 128})
       variants.push_back({.name = rows == 64 ? "saved_o_cmp_win_scores_64" : "saved_o_cmp_win_scores_128", .n = 16,
                           .w = 512, .phi = PhiKind::mean, .o_cmp = true, .o_win = true, .scores_rows = rows});
+    variants.push_back({.name = "saved_o_cmp_win_scores_unpipelined", .n = 16, .w = 512, .phi = PhiKind::mean,
+                        .o_cmp = true, .o_win = true, .scores_unpipelined = true});
     variants.push_back({.name = "saved_o_cmp_win_softmax_no_slack", .n = 16, .w = 512, .phi = PhiKind::mean,
                         .o_cmp = true, .o_win = true, .no_slack = true});
     variants.push_back({.name = "saved_o_cmp_win_no_combine_prefetch", .n = 16, .w = 512, .phi = PhiKind::mean,
@@ -254,6 +260,7 @@ int run_backward_suite(const std::vector<std::string>& args) {
         choices.phi_blas = !var.phi_mma_sync && !var.phi_own;
         choices.cmp_scores_by_chunk = !var.score_ring;
         choices.cmp_scores_rows = var.scores_rows;
+        choices.cmp_scores_pipelined = !var.scores_unpipelined;
         choices.softmax_max_slack = !var.no_slack;
         choices.combine_prefetch = !var.no_prefetch;
         choices.next_q_prefetch = !var.no_next_q;
