@@ -145,12 +145,13 @@ struct CmpTileInfo : SeqRowTile {
 // swizzled Q tile, which must stay in shared memory ("Q on sm_90a" at the kernel below).
 // Without kPipelined (kStages = 2): K double-buffered, one chunk in flight, a CTA barrier per chunk
 // before its buffer is refilled. kPipelined (sm_90a with kc_map, kRows = 64: one warpgroup; G = 16
-// and 4 with the paper's blocks, scores_pipelined_shape): kStages K buffers, and in whole groups of
-// kScoresPipelinedGroup chunks the score products of chunk c + 1 are issued before the warp works on
-// chunk c's scores (two accumulators); thread 0 refills chunk c's buffer with chunk c + kStages as
-// soon as its own wait says chunk c's products are complete (one warpgroup's wgmma-group: every
-// read of the buffer is done), so there is no CTA barrier in the loop. Nothing is in flight between
-// groups, and the chunks after the last whole group run one by one (see the loop for why).
+// and 4 with the paper's blocks, scores_pipelined_shape): kStages K buffers (kScoresPipelinedStages),
+// and in whole groups of kScoresPipelinedGroup chunks the score products of chunk c + 1 are issued
+// before the warp works on chunk c's scores (two accumulators); thread 0 refills chunk c's buffer
+// with chunk c + kStages as soon as its own wait says chunk c's products are complete (one
+// warpgroup's wgmma-group: every read of the buffer is done), so there is no CTA barrier in the
+// loop. Nothing is in flight between groups, and the chunks after the last whole group run one by
+// one (see the loop for why).
 // s_pg: [tokens][kKeyChunk] + [tokens][score_ring] floats + [tokens] ints of shared memory, then
 // kStages mbarriers (cmp_smem_bytes; cmp_scores_pipelined_smem_bytes).
 //
@@ -655,7 +656,8 @@ inline void cmp_launch(Kernel kernel, int rows, size_t smem, const CmpAttnParams
 // and at Dqk = 128 with G <= 4, in kScoresRows = 128-row tiles (two warpgroups share every K chunk)
 // at 2 CTAs per SM, except where such a tile's score rings do not fit in shared memory (G = 1 with
 // long rings); otherwise in 64-row tiles at 4 CTAs per SM (3 at Dqk = 192, where 4 measured
-// slower). See scores_rows.
+// slower), pipelined where scores_pipelined_shape holds (Dqk <= 128, a tensor map of kc, and
+// CudaKernelChoices::cmp_scores_pipelined). See scores_rows.
 // Elsewhere (sm_80 and the compute_80 PTX): the fused 64-row kernel. H200, 64K, Hq 64 / Hkv 4,
 // D 128 (docs/cuda.md): cmp + S 27.7 ms split, 32.7 fused (tree of `95428a5`).
 template <typename Storage, int kDqk, int kDv>
