@@ -170,7 +170,7 @@ constexpr size_t cmp_smem_bytes(int rows, int dqk, int dv, int group, int score_
 // stay in registers (scores_pipelined_shape: G = 16 or 4 with l / d = 2, l' / d = 4, by chunk; the
 // other shapes' sums go through shared memory in lane loops, and ptxas serialises products in flight
 // across such branches) and its shared memory fits; else the unpipelined pass runs.
-inline constexpr int kScoresPipelinedStages = 2, kScoresPipelinedCtas = 4, kScoresPipelinedGroup = 8;
+inline constexpr int kScoresPipelinedStages = 2, kScoresPipelinedCtas = 4, kScoresPipelinedGroup = 4;
 constexpr bool scores_pipelined_shape(int group, int l_over_d, int lp_over_d, bool by_chunk) {
   return by_chunk && l_over_d == 2 && lp_over_d == 4 && (group == 16 || group == 4);
 }
