@@ -146,6 +146,11 @@ constexpr int win_q_stages(int dqk, int dv) {
   return static_cast<int>((q + stage - 1) / stage);
 }
 
+// The S pass's score buffers: per token a row of the chunk's head sums and the score ring (floats)
+// and a column limit (int); then `bars` mbarriers (the TMA copies of K on sm_90a) on 8 bytes.
+constexpr size_t score_buffers_bytes(size_t tokens, int score_ring, int bars) {
+  return tokens * ((kKeyChunk + score_ring) * sizeof(float) + sizeof(int)) + 8 + size_t(bars) * sizeof(uint64_t);
+}
 // Shared-memory bytes of the kernels (used by the launchers and to check limits up front).
 // Compressed attention, a CTA of `rows` rows: Q tile + 2 K buffers + the larger of 2 V buffers
 // (pass 1) and the score buffers (pass 2: per token kKeyChunk head sums, score_ring accumulator
@@ -155,10 +160,7 @@ constexpr size_t cmp_smem_bytes(int rows, int dqk, int dv, int group, int score_
   const size_t es = 2, tokens = size_t(rows) / group;
   const size_t q = size_t(rows) * (dqk + 8) * es, k = 2 * size_t(kKeyChunk) * (dqk + 8) * es;
   const size_t v = with_v ? 2 * size_t(kKeyChunk) * (dv + 8) * es : 0;
-  // The S pass: per token a row of the chunk's head sums and the score ring (floats) and a column
-  // limit (int); then two mbarriers (the TMA copies of K on sm_90a) on 8 bytes.
-  const size_t scores =
-      with_scores ? tokens * ((kKeyChunk + score_ring) * sizeof(float) + sizeof(int)) + 8 + 2 * sizeof(uint64_t) : 0;
+  const size_t scores = with_scores ? score_buffers_bytes(tokens, score_ring, 2) : 0;
   return 1024 + q + k + (v > scores ? v : scores);
 }
 // The sm_90a S pass in 64-row tiles with chunk c + 1's score products issued before chunk c's sums
@@ -177,8 +179,7 @@ constexpr bool scores_pipelined_shape(int group, int l_over_d, int lp_over_d, bo
 constexpr size_t cmp_scores_pipelined_smem_bytes(int dqk, int group, int score_ring) {
   const size_t es = 2, tokens = size_t(kTileRows) / group;
   const size_t q = size_t(kTileRows) * (dqk + 8) * es, k = size_t(kScoresPipelinedStages) * kKeyChunk * dqk * es;
-  return 1024 + q + k + tokens * ((kKeyChunk + score_ring) * sizeof(float) + sizeof(int)) + 8 +
-         kScoresPipelinedStages * sizeof(uint64_t);
+  return 1024 + q + k + score_buffers_bytes(tokens, score_ring, kScoresPipelinedStages);
 }
 // The sm_90a window (win_attention.cuh places its mbarriers): kCmpTmaStages stages of kKeyChunk
 // keys. 192 rows: 145 KB at 128/128, 198 KB at 192/128.
