@@ -167,11 +167,12 @@ constexpr size_t cmp_smem_bytes(int rows, int dqk, int dv, int group, int score_
 // (cmp_scores_pass<..., kPipelined>), in groups of kScoresPipelinedGroup chunks: the Q tile,
 // kScoresPipelinedStages swizzled K buffers (unpadded), the score buffers and as many mbarriers;
 // kScoresPipelinedCtas CTAs share an SM (128 registers, 4 bytes spilled; 51 KB at Dqk 128, G 16).
-// ncu at 64K, G = 16 (H100, one warm machine): 5.17 ms with 2 buffers at 4 CTAs, 5.69 with 3 at 3
-// CTAs (130 registers), 5.52 without the pipeline (102 registers, 4 CTAs). Only where the head sums
-// stay in registers (scores_pipelined_shape: G = 16 or 4 with l / d = 2, l' / d = 4, by chunk; the
-// other shapes' sums go through shared memory in lane loops, and ptxas serialises products in flight
-// across such branches) and its shared memory fits; else the unpipelined pass runs.
+// ncu at 64K, G = 16 (H100, one warm machine, `a54c6fc` and `12096bd`): 5.17 ms with 2 buffers at
+// 4 CTAs, 5.69 with 3 at 3 CTAs (130 registers), 5.52 without the pipeline (102 registers, 4 CTAs).
+// Only where the head sums stay in registers (scores_pipelined_shape: G = 16 or 4 with l / d = 2,
+// l' / d = 4, by chunk; the other shapes' sums go through shared memory in lane loops, and ptxas
+// serialises products in flight across such branches) and its shared memory fits; else the
+// unpipelined pass runs.
 inline constexpr int kScoresPipelinedStages = 2, kScoresPipelinedCtas = 4, kScoresPipelinedGroup = 4;
 constexpr bool scores_pipelined_shape(int group, int l_over_d, int lp_over_d, bool by_chunk) {
   return by_chunk && l_over_d == 2 && lp_over_d == 4 && (group == 16 || group == 4);
