@@ -168,16 +168,30 @@ struct TileAttention {
   // max of the scaled scores) and moves only past max_slack (kSoftmaxMaxSlack above). On return s
   // holds exp2(s * scale_log2 - m), one FFMA and one ex2 per score; acc is rescaled (skipped when
   // no row of the warp moved its max: then every factor is exactly 1).
+  // The row maxima as trees (depth log2 of the row's values, both rows side by side, then the
+  // quad's shuffles of both): a max is exact in any order, so these are the bits a running max
+  // gives (the final fmaxf with -inf too: a row of NaN scores gives -inf, as a running max from
+  // -inf does), with a shorter chain of dependent instructions before the exponentials.
   __device__ __forceinline__ void softmax_update(float (&s)[kSTiles][4], float scale_log2) {
-    float alpha[2];
+    float alpha[2], mx[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // h = 0: row group, h = 1: row group + 8
-      float mx = kNegInf;
+      float t[kSTiles];
 #pragma unroll
-      for (int i = 0; i < kSTiles; ++i) mx = fmaxf(mx, fmaxf(s[i][2 * h], s[i][2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = next_reference_max(m[h], mx * scale_log2, max_slack);
+      for (int i = 0; i < kSTiles; ++i) t[i] = fmaxf(s[i][2 * h], s[i][2 * h + 1]);
+#pragma unroll
+      for (int w = 1; w < kSTiles; w *= 2)
+#pragma unroll
+        for (int i = 0; i + w < kSTiles; i += 2 * w) t[i] = fmaxf(t[i], t[i + w]);
+      mx[h] = fmaxf(kNegInf, t[0]);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m_new = next_reference_max(m[h], mx[h] * scale_log2, max_slack);
       // A row with no key so far keeps m = -inf; exponents then use 0 so that exp2(-inf) = 0.
       const float m_use = m_new == kNegInf ? 0.f : m_new;
       alpha[h] = fast_exp2(m[h] - m_use);
