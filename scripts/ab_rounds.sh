@@ -12,7 +12,8 @@
 # default the forward's and the backward's large kernels) and the suite's forward and
 # forward+backward times, each as the values of the rounds and their median.
 # Environment: OUT (default ./out), ROUNDS (default 3), KERNELS, VARIANT (default saved_o_cmp_win),
-# LENGTHS (default 8192,65536), SUITE_FLAGS (default --g16-only), BENCH_FLAGS / T (profile_gpu.sh's).
+# LENGTHS (default 8192,65536), SUITE_FLAGS (default --g16-only), BENCH_FLAGS / T (profile_gpu.sh's),
+# AB_BUILDS (default /tmp: where ab_branches.sh leaves ab-build-<name>).
 # Files: $OUT/rounds/<name>_<round>/ (profile_gpu.sh's), $OUT/rounds/bench_<name>_<round>.csv,
 # $OUT/rounds/summary.txt.
 set -u -o pipefail
@@ -25,16 +26,17 @@ R="$OUT/rounds"
 ROUNDS="${ROUNDS:-3}"
 KERNELS="${KERNELS:-cmp_pass1|cmp_scores|win_attention|slc_attention|select_topn|slc_union|dq_kernel|dkv_ws|slc_dq}"
 VARIANT="${VARIANT:-saved_o_cmp_win}"
+BUILDS="${AB_BUILDS:-/tmp}"
 for name in "$@"; do
-  [[ -x "/tmp/ab-build-$name/bin/nsa" ]] || { echo "no /tmp/ab-build-$name/bin/nsa: build it first (ab_branches.sh)" >&2; exit 1; }
+  [[ -x "$BUILDS/ab-build-$name/bin/nsa" ]] || { echo "no $BUILDS/ab-build-$name/bin/nsa: build it first (ab_branches.sh)" >&2; exit 1; }
 done
 for ((r = 1; r <= ROUNDS; ++r)); do
   for name in "$@"; do
     mkdir -p "$R/${name}_$r"
-    BUILD_DIR="/tmp/ab-build-$name" BENCH_FLAGS="${BENCH_FLAGS:---g16-only} --variant $VARIANT" OUT="$R/${name}_$r" \
+    BUILD_DIR="$BUILDS/ab-build-$name" BENCH_FLAGS="${BENCH_FLAGS:---g16-only} --variant $VARIANT" OUT="$R/${name}_$r" \
       timeout 120 "$ROOT/scripts/profile_gpu.sh" > "$R/${name}_$r/log" 2>&1 || echo "round $r $name: profile failed"
     # shellcheck disable=SC2086  # SUITE_FLAGS: several words
-    timeout 120 "/tmp/ab-build-$name/bin/nsa" bench --suite backward ${SUITE_FLAGS---g16-only} \
+    timeout 120 "$BUILDS/ab-build-$name/bin/nsa" bench --suite backward ${SUITE_FLAGS---g16-only} \
       --lengths "${LENGTHS:-8192,65536}" --variant "$VARIANT" --out "$R/bench_${name}_$r.csv" > /dev/null 2>&1 ||
       echo "round $r $name: bench failed"
   done
