@@ -25,7 +25,8 @@
 # AB_BENCH_TIMEOUT (seconds, default 240 / 180: a hung snapshot fails its step
 # instead of the device call), AB_PACK (default 1: the per-snapshot log folders packed into $OUT/ab_logs.tgz,
 # since the device tool brings back only a few files), AB_TEST_FILTER
-# (a --gtest_filter; the parameterised suites are Cases/CudaForward.*, so write *CudaForward*), JOBS (default 16), AB_ARCH (default 90a).
+# (a --gtest_filter; the parameterised suites are Cases/CudaForward.*, so write *CudaForward*), JOBS (default 16), AB_ARCH (default 90a),
+# AB_BUILDS (default /tmp: the builds go to AB_BUILDS/ab-build-<name>; scripts/ab_rounds.sh reads them there).
 # Per snapshot: AB_STEPS_<name> (the snapshot's folder name with '-' as '_', e.g. AB_STEPS_main="build
 # bench") replaces AB_STEPS for that snapshot, e.g. to run the tests only on the new branch.
 # Step "break": scripts/break_tests.sh on the snapshot's build (BREAK_ROUNDS, e.g. "2"; BREAK_OTHERS=0: each
@@ -169,7 +170,7 @@ for dir in "${dirs[@]}"; do
   name="$(basename "$dir")"
   log="$OUT/$name"
   mkdir -p "$log"
-  build="/tmp/ab-build-$name"
+  build="${AB_BUILDS:-/tmp}/ab-build-$name"
   var="AB_STEPS_${name//-/_}"
   snap_steps="${!var:-$STEPS}"
   echo "== $name ($(cat "$dir/.commit" 2>/dev/null)): $snap_steps" | tee -a "$SUMMARY"

@@ -13,7 +13,7 @@
 # forward+backward times, each as the values of the rounds and their median.
 # Environment: OUT (default ./out), ROUNDS (default 3), KERNELS, VARIANT (default saved_o_cmp_win),
 # LENGTHS (default 8192,65536), SUITE_FLAGS (default --g16-only), BENCH_FLAGS / T (profile_gpu.sh's),
-# AB_BUILDS (default /tmp: where ab_branches.sh leaves ab-build-<name>).
+# AB_BUILDS (default /tmp: where ab_branches.sh, given the same AB_BUILDS, leaves ab-build-<name>).
 # Files: $OUT/rounds/<name>_<round>/ (profile_gpu.sh's), $OUT/rounds/bench_<name>_<round>.csv,
 # $OUT/rounds/summary.txt.
 set -u -o pipefail
@@ -32,11 +32,12 @@ for name in "$@"; do
 done
 for ((r = 1; r <= ROUNDS; ++r)); do
   for name in "$@"; do
+    build="$BUILDS/ab-build-$name"
     mkdir -p "$R/${name}_$r"
-    BUILD_DIR="$BUILDS/ab-build-$name" BENCH_FLAGS="${BENCH_FLAGS:---g16-only} --variant $VARIANT" OUT="$R/${name}_$r" \
+    BUILD_DIR="$build" BENCH_FLAGS="${BENCH_FLAGS:---g16-only} --variant $VARIANT" OUT="$R/${name}_$r" \
       timeout 120 "$ROOT/scripts/profile_gpu.sh" > "$R/${name}_$r/log" 2>&1 || echo "round $r $name: profile failed"
     # shellcheck disable=SC2086  # SUITE_FLAGS: several words
-    timeout 120 "$BUILDS/ab-build-$name/bin/nsa" bench --suite backward ${SUITE_FLAGS---g16-only} \
+    timeout 120 "$build/bin/nsa" bench --suite backward ${SUITE_FLAGS---g16-only} \
       --lengths "${LENGTHS:-8192,65536}" --variant "$VARIANT" --out "$R/bench_${name}_$r.csv" > /dev/null 2>&1 ||
       echo "round $r $name: bench failed"
   done
