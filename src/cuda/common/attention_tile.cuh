@@ -299,7 +299,7 @@ struct TileAttention {
     static_assert(kRows % 64 == 0 && (kChunk == 64 || kChunk == 128), "whole warpgroups, one n64 or n128 product per k16 step");
     // (s is overwritten: the first product has scale_d 0.)
     wgmma_batch_then([&] {
-      wgmma_abt_ss_sw128<kChunk, kBf16, kDqk, kRows, true>(s, smem_address(sq) + (threadIdx.x / 128) * (64 * 128),
+      wgmma_abt_ss_sw128<kChunk, kBf16, kDqk, kRows, true>(s, smem_address(sq) + (kRows == 64 ? 0u : warpgroup_index()) * (64 * 128),
                                                            smem_address(sk));
     }, after, s);
   }
@@ -311,16 +311,19 @@ struct TileAttention {
     static_assert(kRows % 64 == 0 && (kChunk == 64 || kChunk == 128), "whole warpgroups, one n64 or n128 product per k16 step");
     wgmma_fence_operands(s);
     wgmma_fence();
-    wgmma_abt_ss_sw128<kChunk, kBf16, kDqk, kRows, true>(s, smem_address(sq) + (threadIdx.x / 128) * (64 * 128),
+    wgmma_abt_ss_sw128<kChunk, kBf16, kDqk, kRows, true>(s, smem_address(sq) + (kRows == 64 ? 0u : warpgroup_index()) * (64 * 128),
                                                          smem_address(sk));
     wgmma_commit();
   }
 
   // accumulate_pv() with one m64n{Dv}k16 wgmma per 16 keys: A = P packed from registers, B = the
   // swizzled V chunk in `sv` (MN-major, transposed operand).
-  template <typename After = NoHook>
+  // before(): run once P is packed and the accumulator and the row sums are final (fenced: ptxas
+  // may not move their instructions past it), before the products are issued; the ping-pong loop
+  // waits for its turn there, so that the turn is spent issuing, not finishing the softmax.
+  template <typename After = NoHook, typename Before = NoHook>
   __device__ __forceinline__ void accumulate_pv_wgmma(const float (&p)[kSTiles][4], const Storage* sv,
-                                                      After&& after = After{}) {
+                                                      After&& after = After{}, Before&& before = Before{}) {
     static_assert(kRows % 64 == 0 && (kDv == 64 || kDv == 128), "whole warpgroups, N = Dv in one product");
     uint32_t a[kChunk / 16][4];
 #pragma unroll
@@ -329,6 +332,13 @@ struct TileAttention {
       a[kk][1] = Traits::pack(p[2 * kk][2], p[2 * kk][3]);
       a[kk][2] = Traits::pack(p[2 * kk + 1][0], p[2 * kk + 1][1]);
       a[kk][3] = Traits::pack(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+    }
+    if constexpr (!std::is_same_v<std::decay_t<Before>, NoHook>) {
+      wgmma_fence_operands(a);
+      wgmma_fence_operands(acc);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) asm volatile("" : "+f"(lsum[h])::"memory");
+      before();
     }
     wgmma_batch_then([&] {
       const uint32_t base = smem_address(sv);

@@ -234,25 +234,27 @@ __device__ __forceinline__ void tma_ring_attention_rows(TileAttention<Storage, k
       release(kStages + vst, c + kVStages, issue_v);
       if (++vst == kVStages) vst = 0, vphase ^= 1u;
     } else {
-      zero_v_tail(c, sv + kst * Tile::kVSwTile);
+      // The stage as a warp-uniform value to ptxas (a broadcast): the products' descriptors then
+      // stay in uniform registers instead of two R2UR moves each.
+      const int ust = __shfl_sync(0xffffffffu, kst, 0);
+      zero_v_tail(c, sv + ust * Tile::kVSwTile);
       float s[Tile::kSTiles][4];
       if constexpr (kPingPong) {
         named_barrier_sync(kPpBar + wg, kPpThreads);
-        tile_state.scores_wgmma_sq(s, sq, sk + kst * Tile::kKSwTile,
+        tile_state.scores_wgmma_sq(s, sq, sk + ust * Tile::kKSwTile,
                                    [&] { named_barrier_arrive(kPpBar + wg_next, kPpThreads); });
       } else {
-        tile_state.scores_wgmma_sq(s, sq, sk + kst * Tile::kKSwTile);
+        tile_state.scores_wgmma_sq(s, sq, sk + ust * Tile::kKSwTile);
       }
       mask_fn(c, s);
       tile_state.softmax_update(s, scale_log2);
       if constexpr (kPingPong) {
-        named_barrier_sync(kPpBar + wg, kPpThreads);
         const bool last = wg == kWgs - 1 && c == num_chunks - 1;
-        tile_state.accumulate_pv_wgmma(s, sv + kst * Tile::kVSwTile, [&] {
-          if (!last) named_barrier_arrive(kPpBar + wg_next, kPpThreads);
-        });
+        tile_state.accumulate_pv_wgmma(
+            s, sv + ust * Tile::kVSwTile, [&] { if (!last) named_barrier_arrive(kPpBar + wg_next, kPpThreads); },
+            [&] { named_barrier_sync(kPpBar + wg, kPpThreads); });
       } else {
-        tile_state.accumulate_pv_wgmma(s, sv + kst * Tile::kVSwTile);  // waits for its products: the stage is read
+        tile_state.accumulate_pv_wgmma(s, sv + ust * Tile::kVSwTile);  // waits for its products: the stage is read
       }
       release(kst, c + kStages, issue_k);
     }

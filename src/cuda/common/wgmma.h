@@ -100,6 +100,12 @@ __host__ __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t base, uin
   return (d & ~uint64_t(0xFFFFFFFFu)) | uint32_t(uint32_t(d) + (offset >> 4));
 }
 
+// This thread's warpgroup (threadIdx.x / 128) as a value ptxas knows to be the same in every lane
+// of the warp (a broadcast from lane 0): addresses and descriptors built from it then stay in
+// uniform registers, where threadIdx.x / 128 puts them in per-thread ones and every descriptor
+// of a product costs two R2UR moves.
+__device__ __forceinline__ uint32_t warpgroup_index() { return __shfl_sync(0xffffffffu, threadIdx.x / 128, 0); }
+
 __device__ __forceinline__ void wgmma_fence() {
 #if NSA_WGMMA_AVAILABLE
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
