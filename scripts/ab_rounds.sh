@@ -4,6 +4,10 @@
 # a few-percent difference between branches is not the drift of one sitting.
 #
 #   scripts/ab_rounds.sh NAME...        (the .snap/ names, as ab_branches.sh prints them)
+#   scripts/ab_rounds.sh main main:saved_o_cmp_win_win_128
+#                                       (NAME:VARIANT: that snapshot with that suite variant, so that
+#                                        two kernel choices of one build alternate as two branches do;
+#                                        labelled NAME-VARIANT in the files and the summary)
 #
 # Per round and snapshot: every kernel's ncu time of one forward + backward (scripts/profile_gpu.sh's
 # timing pass, --g16-only at T 65536 unless BENCH_FLAGS / T say otherwise) and the event-timed
@@ -18,7 +22,7 @@
 # $OUT/rounds/summary.txt.
 set -u -o pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-[[ $# -ge 1 ]] || { echo "usage: $0 NAME... (snapshots built by scripts/ab_branches.sh run)" >&2; exit 2; }
+[[ $# -ge 1 ]] || { echo "usage: $0 NAME[:VARIANT]... (snapshots built by scripts/ab_branches.sh run)" >&2; exit 2; }
 OUT="${OUT:-./out}"
 mkdir -p "$OUT/rounds"
 OUT="$(cd "$OUT" && pwd)"
@@ -27,22 +31,27 @@ ROUNDS="${ROUNDS:-3}"
 KERNELS="${KERNELS:-cmp_pass1|cmp_scores|win_attention|slc_attention|select_topn|slc_union|dq_kernel|dkv_ws|slc_dq}"
 VARIANT="${VARIANT:-saved_o_cmp_win}"
 BUILDS="${AB_BUILDS:-/tmp}"
-for name in "$@"; do
-  [[ -x "$BUILDS/ab-build-$name/bin/nsa" ]] || { echo "no $BUILDS/ab-build-$name/bin/nsa: build it first (ab_branches.sh)" >&2; exit 1; }
+labels=()
+for entry in "$@"; do
+  snap="${entry%%:*}"
+  [[ -x "$BUILDS/ab-build-$snap/bin/nsa" ]] || { echo "no $BUILDS/ab-build-$snap/bin/nsa: build it first (ab_branches.sh)" >&2; exit 1; }
+  labels+=("${entry/:/-}")
 done
 for ((r = 1; r <= ROUNDS; ++r)); do
-  for name in "$@"; do
-    build="$BUILDS/ab-build-$name"
+  for entry in "$@"; do
+    snap="${entry%%:*}" variant="$VARIANT" name="${entry/:/-}"
+    [[ "$entry" == *:* ]] && variant="${entry#*:}"
+    build="$BUILDS/ab-build-$snap"
     mkdir -p "$R/${name}_$r"
-    BUILD_DIR="$build" BENCH_FLAGS="${BENCH_FLAGS:---g16-only} --variant $VARIANT" OUT="$R/${name}_$r" \
+    BUILD_DIR="$build" BENCH_FLAGS="${BENCH_FLAGS:---g16-only} --variant $variant" OUT="$R/${name}_$r" \
       timeout 120 "$ROOT/scripts/profile_gpu.sh" > "$R/${name}_$r/log" 2>&1 || echo "round $r $name: profile failed"
     # shellcheck disable=SC2086  # SUITE_FLAGS: several words
     timeout 120 "$build/bin/nsa" bench --suite backward ${SUITE_FLAGS---g16-only} \
-      --lengths "${LENGTHS:-8192,65536}" --variant "$VARIANT" --out "$R/bench_${name}_$r.csv" > /dev/null 2>&1 ||
+      --lengths "${LENGTHS:-8192,65536}" --variant "$variant" --out "$R/bench_${name}_$r.csv" > /dev/null 2>&1 ||
       echo "round $r $name: bench failed"
   done
 done
-python3 - "$R" "$ROUNDS" "$KERNELS" "$@" > "$R/summary.txt" <<'PY'
+python3 - "$R" "$ROUNDS" "$KERNELS" "${labels[@]}" > "$R/summary.txt" <<'PY'
 import csv, os, re, statistics, sys
 out, rounds, kernels, names = sys.argv[1], int(sys.argv[2]), re.compile(sys.argv[3]), sys.argv[4:]
 def fmt(v):

@@ -73,6 +73,22 @@ def test_rounds_alternate_and_summarise(tmp_path: Path) -> None:
     assert "fwd 44.500 / 48.500  (median 46.500)" in b, summary
 
 
+def test_variant_of_a_snapshot_alternates_as_a_snapshot(tmp_path: Path) -> None:
+    summary, calls, rc = run_rounds(tmp_path, ["a", "a:other_variant"], ["a"], ROUNDS="2", KERNELS="cmp_pass1",
+                                    VARIANT="fast_variant")
+    assert rc.startswith("rc=0"), rc
+    lines = calls.splitlines()
+    assert len(lines) == 8 and all("ab-build-a" in l for l in lines), calls
+    # Per round: a with the default variant, then a with its own; profile and bench alike.
+    variants = ["fast_variant", "fast_variant", "other_variant", "other_variant"] * 2
+    assert [l.rstrip().split("--variant ")[1].split()[0] for l in lines] == variants, calls
+    first, second = summary.split("== a-other_variant")
+    assert first.startswith("== a\n") and "11.000 / 13.000  (median 12.000)" in first, summary
+    assert "12.000 / 14.000  (median 13.000)" in second, summary
+    assert "fwd 34.500 / 38.500  (median 36.500)" in second, summary
+    assert (tmp_path / "out" / "rounds" / "bench_a-other_variant_2.csv").exists()
+
+
 def test_unbuilt_snapshot_is_refused(tmp_path: Path) -> None:
     summary, calls, rc = run_rounds(tmp_path, ["a", "missing"], ["a"])
     assert rc.startswith("rc=1") and "no " in rc and "ab-build-missing/bin/nsa" in rc, rc
