@@ -287,6 +287,13 @@ struct TileAttention {
     }
   }
 
+  // The score products of scores_wgmma_sq and scores_wgmma_issue: this warpgroup's 64 rows of the
+  // Q tile (its index warp-uniform, 0 for a 64-row tile) against the K chunk, issued only.
+  __device__ __forceinline__ void score_products(float (&s)[kSTiles][4], const Storage* sq, const Storage* sk) const {
+    wgmma_abt_ss_sw128<kChunk, kBf16, kDqk, kRows, true>(
+        s, smem_address(sq) + (kRows == 64 ? 0u : warpgroup_index()) * (64 * 128), smem_address(sk));
+  }
+
   // scores() on sm_90a: one m64n64k16 wgmma per 16 head dims with both operands in shared memory:
   // A = this warpgroup's 64 rows of the Q tile `sq` (kRows rows in the 128-byte swizzle layout,
   // load_q_tile<..., true>), B = the swizzled K chunk in `sk`, both K-major. No Q fragments in
@@ -299,8 +306,7 @@ struct TileAttention {
     static_assert(kRows % 64 == 0 && (kChunk == 64 || kChunk == 128), "whole warpgroups, one n64 or n128 product per k16 step");
     // (s is overwritten: the first product has scale_d 0.)
     wgmma_batch_then([&] {
-      wgmma_abt_ss_sw128<kChunk, kBf16, kDqk, kRows, true>(s, smem_address(sq) + (kRows == 64 ? 0u : warpgroup_index()) * (64 * 128),
-                                                           smem_address(sk));
+      score_products(s, sq, sk);
     }, after, s);
   }
 
@@ -311,8 +317,7 @@ struct TileAttention {
     static_assert(kRows % 64 == 0 && (kChunk == 64 || kChunk == 128), "whole warpgroups, one n64 or n128 product per k16 step");
     wgmma_fence_operands(s);
     wgmma_fence();
-    wgmma_abt_ss_sw128<kChunk, kBf16, kDqk, kRows, true>(s, smem_address(sq) + (kRows == 64 ? 0u : warpgroup_index()) * (64 * 128),
-                                                         smem_address(sk));
+    score_products(s, sq, sk);
     wgmma_commit();
   }
 
