@@ -56,6 +56,7 @@ struct CudaKernelChoices {
   bool next_q_prefetch = true;       // false: the sm_90a window kernel does not prefetch the Q tile of the CTA one resident grid later into L2
   bool cmp_scores_pipelined = true;  // false: the sm_90a score pass in 64-row tiles multiplies a chunk only after the previous one's sums, behind a CTA barrier (else the next chunk's products run beside this chunk's sums where a tensor map of the keys can be made)
   int cmp_scores_rows = 0;  // 64 or 128: the sm_90a score pass's row tiles (0: the rule; 128 only from Dqk 128, where its shared memory fits)
+  int win_chunk = 0;        // 64 or 112: keys per chunk of the sm_90a window (0: the rule; 112 only at Dqk, Dv <= 128 with tensor maps, else 64)
 };
 
 struct Context {

@@ -185,7 +185,36 @@ constexpr size_t cmp_scores_pipelined_smem_bytes(int dqk, int group, int score_r
 // The sm_90a window (win_attention.cuh places its mbarriers): kCmpTmaStages stages of kKeyChunk
 // keys. 192 rows: 145 KB at 128/128, 198 KB at 192/128.
 inline constexpr int kCmpTmaStages = 3;
-inline constexpr size_t kTmaRingBarBytes = tma_ring_bar_bytes(kCmpTmaStages);
+// The sm_90a window's chunks: kWinChunk = 64 keys through kCmpTmaStages stages, or kWinLongChunk = 112
+// where fewer chunks cost less. A tile of kWgRows rows (192 / G tokens) reads the window span
+// w - 1 + 192 / G keys in ceil(span / chunk) chunks; each chunk costs its keys' products plus fixed
+// work (the turn barriers, the waits, the row maxima and sums) that measured about kWinChunkCostKeys
+// keys' worth (H100, 64K, G = 16, ncu: nine 64-key chunks a tile, 576 keys, 3.34 ms; five 128-key
+// chunks, 640 keys, 3.32 ms). At the paper's w = 512 and G = 16 (span 523): nine chunks of 64
+// (576 keys) or five of 112 (560). 112 keys = 7 k16 steps of P V and one m64n112k16 score product
+// per 16 head dims; compiled where Dqk and Dv are at most 128 and run only with tensor maps.
+inline constexpr int kWinLongChunk = 112, kWinChunkCostKeys = 16;
+constexpr bool win_long_chunk_compiled(int dqk, int dv) { return dqk <= 128 && dv <= 128; }
+constexpr int win_chunk_cost(int span, int chunk) { return (span + chunk - 1) / chunk * (chunk + kWinChunkCostKeys); }
+// The chunk of the sm_90a window: `forced` where it is 64 or 112 (CudaKernelChoices::win_chunk) and
+// compiled, else the one of lower win_chunk_cost over a whole tile's span (64 on a tie).
+constexpr int win_chunk_keys(int window, int group, int dqk, int dv, int forced = 0) {
+  if (!win_long_chunk_compiled(dqk, dv) || window <= 0 || group <= 0) return kWinChunk;
+  if (forced == kWinChunk || forced == kWinLongChunk) return forced;
+  const int span = window - 1 + kWgRows / group;
+  return win_chunk_cost(span, kWinLongChunk) < win_chunk_cost(span, kWinChunk) ? kWinLongChunk : kWinChunk;
+}
+// Stages of the window's TMA ring at `chunk` keys: kCmpTmaStages where they fit beside the 192-row Q
+// tile (225 KB at 112 keys, 128/128), else 2.
+constexpr int win_tma_stages(int dqk, int dv, int chunk) {
+  return tma_ring_end(kWgRows, dqk, dv, chunk, kCmpTmaStages) + tma_ring_bar_bytes(kCmpTmaStages) + 8 <= kMaxSmem
+             ? kCmpTmaStages
+             : 2;
+}
+static_assert(win_chunk_keys(512, 16, 128, 128) == kWinLongChunk && win_chunk_keys(512, 4, 128, 128) == kWinLongChunk &&
+                  win_chunk_keys(512, 1, 128, 128) == kWinChunk && win_chunk_keys(512, 16, 192, 128) == kWinChunk &&
+                  win_tma_stages(128, 128, kWinLongChunk) == 3,
+              "the window's chunks at the paper's settings");
 // sm_90a pass 1 in 128-key chunks through a 2-stage ring (cmp_pass1_wide_kernel, cmp_attention.cuh),
 // in tiles of cmp_wide_rows(dqk, dv) rows: 192 (three warpgroups) where that Q tile and the ring fit
 // in shared memory (180 KB at 128/128, 204 KB at 192/64), else 128 (211 KB at 192/128).

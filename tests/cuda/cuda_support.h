@@ -105,6 +105,10 @@ using ScoresUnpipelined = ChoiceOff<&CudaKernelChoices::cmp_scores_pipelined>;
 // memory fits) instead of its rule's.
 using ScoresTileRows = ChoiceSet<&CudaKernelChoices::cmp_scores_rows>;
 
+// The sm_90a window in chunks of the given keys (64, or 112 where its tensor maps can be made at
+// Dqk, Dv <= 128; elsewhere 64) instead of its rule's.
+using WindowChunkKeys = ChoiceSet<&CudaKernelChoices::win_chunk>;
+
 // While alive, the backward takes paths its rules keep for long sequences: the compressed dK/dV's
 // queries in `cmp_splits` parts (0: by the sequence length), with pair_sort the inverted index's
 // (key, token) pair sort, and the raw blocks' selection lists in pieces of at most

@@ -777,6 +777,28 @@ TEST_P(CudaForward, ForwardWithCombineInWindowMatchesReferencePipeline) {
   check_forward_pipeline(GetParam());
 }
 
+// The sm_90a window in both of its chunk sizes whatever its rule picks for the case: 64 keys, and
+// 112 (five chunks a tile at w = 512 and G = 16, where 64-key chunks take nine; elsewhere the
+// 112-key kernel runs where tensor maps can be made at Dqk, Dv <= 128, else 64): the window branch
+// on random keys and on keys whose scores rise (the online softmax's rescales), then the forward
+// with the gated combine in the window kernel (its staged epilogue after a 112-key ring).
+TEST_P(CudaForward, WindowInEachChunkSizeMatchesReference) {
+  NSA_REQUIRE_GPU();
+  const Case& c = GetParam();
+  const Config cfg = selection_and_window_config(c);
+  const std::vector<int64_t> lens(c.seqlens.begin(), c.seqlens.end());
+  for (const int keys : {64, 112}) {
+    SCOPED_TRACE(keys);
+    const WindowChunkKeys chunk(keys);
+    LayerProblem p = make_problem(cfg, sizes_of(c), 43);
+    expect_window_matches_reference(c, cfg, p);
+    scale_rows_rising(p.k[0], lens, 1.0 / 8);
+    expect_window_matches_reference(c, cfg, p);
+    const CombineInWindow in_window;
+    check_forward_pipeline(c);
+  }
+}
+
 // The compressed branch's output kept alone (ForwardOutputs::o_cmp), then with the window's
 // (o_win, as the torch layer keeps them for the backward), is o_branch's first (and third) plane
 // bit for bit, and o, lse and indices are unchanged.

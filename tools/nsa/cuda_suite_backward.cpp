@@ -24,7 +24,8 @@
 // A/B), with the gated combine in the window kernel after the selection instead of in the selection
 // kernels after the window (saved_o_cmp_win_combine_in_window: its same-run A/B), with the sm_90a
 // selection forward 16 keys a step instead of by whole blocks (saved_o_cmp_win_slc_16_key_steps: its
-// same-run A/B), the forward's
+// same-run A/B), with the sm_90a window in 64- and in 112-key chunks (saved_o_cmp_win_win_64, _112:
+// their same-run A/B beside the rule's), the forward's
 // o_cmp and o_win kept, so that the backward
 // recomputes no branch output (saved_o_cmp_win; saved_o_cmp_win_phi_mlp: the torch layer's default
 // call, Hq 64 at 8K and 64K; saved_o_cmp_win_phi_mlp_own_products: the same with phi's large products
@@ -87,7 +88,9 @@ const char* const kVariantNames[] = {"full",
                                      "saved_o_cmp_win_no_next_q_prefetch",
                                      "saved_o_cmp_win_no_prefetch",
                                      "saved_o_cmp_win_combine_in_window",
-                                     "saved_o_cmp_win_slc_16_key_steps"};
+                                     "saved_o_cmp_win_slc_16_key_steps",
+                                     "saved_o_cmp_win_win_64",
+                                     "saved_o_cmp_win_win_112"};
 
 struct Shape {
   int64_t hq, hkv, dqk, dv;
@@ -161,6 +164,7 @@ struct Variant {
   bool no_next_q = false;          // the window without its prefetch of a later CTA's Q (CudaKernelChoices)
   bool combine_in_window = false;  // the gated combine in the window kernel after the selection (CudaKernelChoices)
   bool slc_16_key_steps = false;   // the selection forward 16 keys a step, not by whole blocks (CudaKernelChoices)
+  int win_chunk = 0;               // the sm_90a window's chunk keys, 64 or 112 (0: the rule; CudaKernelChoices)
 };
 
 // The variants of one shape and length: the full layer, then one branch off at a time (64K and 8K
@@ -197,6 +201,9 @@ std::vector<Variant> variants_of(const Shape& s, int64_t T) {
                         .o_cmp = true, .o_win = true, .combine_in_window = true});
     variants.push_back({.name = "saved_o_cmp_win_slc_16_key_steps", .n = 16, .w = 512, .phi = PhiKind::mean,
                         .o_cmp = true, .o_win = true, .slc_16_key_steps = true});
+    for (int keys : {64, 112})
+      variants.push_back({.name = keys == 64 ? "saved_o_cmp_win_win_64" : "saved_o_cmp_win_win_112", .n = 16,
+                          .w = 512, .phi = PhiKind::mean, .o_cmp = true, .o_win = true, .win_chunk = keys});
   }
   if (square && s.hq == 64 && (T == 65536 || T == 8192)) {
     variants.push_back({.name = "no_window", .n = 16, .w = 0, .phi = PhiKind::mean});
@@ -266,6 +273,7 @@ int run_backward_suite(const std::vector<std::string>& args) {
         choices.next_q_prefetch = !var.no_next_q;
         choices.combine_in_selection = !var.combine_in_window;
         choices.slc_block_steps = !var.slc_16_key_steps;
+        choices.win_chunk = var.win_chunk;
         nsa::Config cfg;
         cfg.phi = var.phi;
         cfg.n_selected = var.n;

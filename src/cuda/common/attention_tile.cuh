@@ -294,7 +294,7 @@ struct TileAttention {
         s, smem_address(sq) + (kRows == 64 ? 0u : warpgroup_index()) * (64 * 128), smem_address(sk));
   }
 
-  // scores() on sm_90a: one m64n64k16 wgmma per 16 head dims with both operands in shared memory:
+  // scores() on sm_90a: one m64n{kChunk}k16 wgmma per 16 head dims with both operands in shared memory:
   // A = this warpgroup's 64 rows of the Q tile `sq` (kRows rows in the 128-byte swizzle layout,
   // load_q_tile<..., true>), B = the swizzled K chunk in `sk`, both K-major. No Q fragments in
   // registers (32 of them at Dqk = 128) and no ldmatrix per chunk. Every thread of the warpgroup
@@ -303,7 +303,8 @@ struct TileAttention {
   template <typename After = NoHook>
   __device__ __forceinline__ void scores_wgmma_sq(float (&s)[kSTiles][4], const Storage* sq, const Storage* sk,
                                                   After&& after = After{}) const {
-    static_assert(kRows % 64 == 0 && (kChunk == 64 || kChunk == 128), "whole warpgroups, one n64 or n128 product per k16 step");
+    static_assert(kRows % 64 == 0 && (kChunk == 64 || kChunk == 112 || kChunk == 128),
+                  "whole warpgroups, one n64, n112 or n128 product per k16 step");
     // (s is overwritten: the first product has scale_d 0.)
     wgmma_batch_then([&] {
       score_products(s, sq, sk);
@@ -314,7 +315,8 @@ struct TileAttention {
   // waits (wgmma_wait<N>) and fences s (wgmma_fence_operands) before it reads s, so that another
   // group's products can run beside its work on an earlier s.
   __device__ __forceinline__ void scores_wgmma_issue(float (&s)[kSTiles][4], const Storage* sq, const Storage* sk) const {
-    static_assert(kRows % 64 == 0 && (kChunk == 64 || kChunk == 128), "whole warpgroups, one n64 or n128 product per k16 step");
+    static_assert(kRows % 64 == 0 && (kChunk == 64 || kChunk == 112 || kChunk == 128),
+                  "whole warpgroups, one n64, n112 or n128 product per k16 step");
     wgmma_fence_operands(s);
     wgmma_fence();
     score_products(s, sq, sk);

@@ -339,29 +339,36 @@ __global__ void __launch_bounds__(kWinThreads) win_attention_kernel(const Branch
 
 // sm_90a: the window in tiles of kWinWgRows = kWgRows = 192 rows (three warpgroups share every K/V
 // chunk: a third of the L2 reads per row of the 64-row kernel), scores and P V as warpgroup MMAs
-// (TileAttention::scores_wgmma_sq / accumulate_pv_wgmma), K/V chunks of 64 keys through the TMA
-// ring of the compressed branch's pass 1 (tma_ring_attention, cmp_attention.cuh; double-buffered
-// cp.async with one CTA barrier per chunk where a tensor map cannot be encoded) over the keys
-// [t0 - w + 1, t_last] of the tile, each row masked to [t - w + 1, t], and the same epilogue as
+// (TileAttention::scores_wgmma_sq / accumulate_pv_wgmma), K/V chunks of kChunk keys (64, or
+// kWinLongChunk = 112 where win_chunk_keys takes it) through the TMA ring of the compressed branch's
+// pass 1 (tma_ring_attention, win_tma_stages stages; with 64-key chunks double-buffered cp.async
+// and one CTA barrier per chunk where a tensor map cannot be encoded, cmp_attention.cuh) over the
+// keys [t0 - w + 1, t_last] of the tile, each row masked to [t - w + 1, t], and the same epilogue as
 // win_attention_kernel. Q is read by the score products from the swizzled Q tile
 // (scores_wgmma_sq). Not compiled for other targets.
 inline constexpr int kWinWgRows = kWgRows;
 // With TMA (tma_ring_attention) the ring's mbarriers and counters sit past both the ring and the
 // staged combine's bytes, which reuse the ring's.
-constexpr size_t win_tma_bar_offset(int dqk, int dv) {
-  const size_t staged = dv == 64 ? win_staged_bytes<kWinWgRows, 64>() : win_staged_bytes<kWinWgRows, 128>();
-  const size_t ring = tma_ring_end(kWinWgRows, dqk, dv, kKeyChunk, kCmpTmaStages);
+constexpr size_t win_staged_bytes_of(int dv) {
+  return dv == 64 ? win_staged_bytes<kWinWgRows, 64>() : win_staged_bytes<kWinWgRows, 128>();
+}
+constexpr size_t win_tma_bar_offset(int dqk, int dv, int chunk = kWinChunk) {
+  const size_t staged = win_staged_bytes_of(dv);
+  const size_t ring = tma_ring_end(kWinWgRows, dqk, dv, chunk, win_tma_stages(dqk, dv, chunk));
   return ((ring > staged ? ring : staged) + 7) / 8 * 8;
 }
-constexpr size_t win_wgmma_smem_bytes(int dqk, int dv) {
+constexpr size_t win_wgmma_smem_bytes(int dqk, int dv, int chunk = kWinChunk) {
+  const size_t tma = win_tma_bar_offset(dqk, dv, chunk) + tma_ring_bar_bytes(win_tma_stages(dqk, dv, chunk));
+  if (chunk != kWinChunk) return tma;  // TMA only
   const size_t loop = cmp_smem_bytes(kWinWgRows, dqk, dv, 1, 0, /*with_v=*/true, /*with_scores=*/false);
-  const size_t staged = dv == 64 ? win_staged_bytes<kWinWgRows, 64>() : win_staged_bytes<kWinWgRows, 128>();
+  const size_t staged = win_staged_bytes_of(dv);
   const size_t cp = loop > staged ? loop : staged;  // the staged combine reuses the loop's buffers
-  const size_t tma = win_tma_bar_offset(dqk, dv) + kTmaRingBarBytes;
   return cp > tma ? cp : tma;
 }
+static_assert(win_tma_stages(128, 128, kWinChunk) == kCmpTmaStages && win_tma_stages(192, 128, kWinChunk) == kCmpTmaStages,
+              "64-key chunks keep the 3-stage ring");
 
-template <typename Storage, int kDqk, int kDv>
+template <typename Storage, int kDqk, int kDv, int kChunk = kWinChunk>
 __global__ void __launch_bounds__(kWinWgRows / 16 * 32)
     win_attention_wgmma_kernel(const BranchParams p, const __grid_constant__ CUtensorMap kw_map,
                                const __grid_constant__ CUtensorMap vw_map, int kv_tma, int next_q_ahead) {
@@ -369,10 +376,10 @@ __global__ void __launch_bounds__(kWinWgRows / 16 * 32)
     __trap();  // launched only where the wgmma body runs (sm_90a)
   } else {
     constexpr int kRows = kWinWgRows;
-    constexpr int kChunk = kKeyChunk;
-    using Tile = TileAttention<Storage, kDqk, kDv, kRows>;
-    using Smem = AttnSmem<Storage, kDqk, kDv, kRows>;
-    static_assert(kChunk == kWinChunk && Smem::kWgmma, "the pass-1 plan with 64-key chunks, swizzled");
+    constexpr int kStages = win_tma_stages(kDqk, kDv, kChunk);
+    using Tile = TileAttention<Storage, kDqk, kDv, kRows, kChunk>;
+    using Smem = AttnSmem<Storage, kDqk, kDv, kRows>;  // the Q tile, the ring after it; the 64-key cp.async plan
+    static_assert(Smem::kWgmma && Smem::Tile::kQBytes == Tile::kQBytes, "the pass-1 plan's Q tile, swizzled");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const Smem sm(smem_raw);
 
@@ -385,23 +392,16 @@ __global__ void __launch_bounds__(kWinWgRows / 16 * 32)
 
     const int64_t win_lo = p.window > 0 ? window_start(t0, p.window) : 0;
     const int num_chunks = p.window > 0 ? static_cast<int>((t_last - win_lo + kChunk) / kChunk) : 0;
-    const Storage* kw = static_cast<const Storage*>(p.k_win) + s0 * p.kw_st + hk * p.kw_sh;
-    const Storage* vw = static_cast<const Storage*>(p.v_win) + s0 * p.vw_st + hk * p.vw_sh;
     int head[2];
     int64_t t_row[2];
     wt.thread_rows(p, head, t_row);
-    auto load_chunk = [&](int c, int buf) {
-      const int64_t first = win_lo + int64_t(c) * kChunk;
-      const int count = static_cast<int>(min64(kChunk, t_last + 1 - first));
-      Smem::load_k(sm.sk + buf * Smem::kKTile, kw + first * p.kw_st, p.kw_st, count);
-      Smem::load_v(sm.sv + buf * Smem::kVTile, vw + first * p.vw_st, p.vw_st, count);
-      cp_async_commit();
-    };
 
     Tile st;
     st.reset(softmax_slack(p.choices));
-    // The chunk at which the combine's reads and the next CTA's Q are prefetched.
-    const int prefetch_at = max(0, num_chunks - kWinPrefetchAhead);
+    // The chunk at which the combine's reads and the next CTA's Q are prefetched (about
+    // kWinPrefetchAhead 64-key chunks before the end).
+    constexpr int kPrefetchAhead = (kWinPrefetchAhead * kWinChunk + kChunk / 2) / kChunk;
+    const int prefetch_at = max(0, num_chunks - kPrefetchAhead);
     const bool prefetch_combine = p.combine && p.choices.combine_prefetch;
     // Row h keeps chunk c's keys [lo, hi): loaded, not after its token, in its window.
     auto limits = [&](int c, int (&lo)[2], int (&hi)[2]) {
@@ -418,18 +418,29 @@ __global__ void __launch_bounds__(kWinWgRows / 16 * 32)
       }
     };
     if (kv_tma) {
-      uint64_t* bars = reinterpret_cast<uint64_t*>(smem_raw + win_tma_bar_offset(kDqk, kDv));
+      uint64_t* bars = reinterpret_cast<uint64_t*>(smem_raw + win_tma_bar_offset(kDqk, kDv, kChunk));
       const int count_last =
           num_chunks > 0 ? static_cast<int>(t_last + 1 - (win_lo + int64_t(num_chunks - 1) * kChunk)) : kChunk;
-      tma_ring_attention<Storage, kDqk, kDv, kRows, kKeyChunk, kCmpTmaStages, /*kPingPong=*/true>(
+      tma_ring_attention<Storage, kDqk, kDv, kRows, kChunk, kStages, /*kPingPong=*/true>(
           st, sm.sq, sm.sk, bars, &kw_map, &vw_map, hk, static_cast<int>(s0 + win_lo), num_chunks, count_last,
           p.scale_log2, [&](int c, float (&s)[Tile::kSTiles][4]) {
             int lo[2], hi[2];
             limits(c, lo, hi);
             st.mask(s, lo, hi);
           });
-    } else {  // without TMA: one CTA barrier per chunk (cmp_attention.cuh)
+    } else if constexpr (kChunk == kWinChunk) {  // without TMA: one CTA barrier per chunk (cmp_attention.cuh)
+      const Storage* kw = static_cast<const Storage*>(p.k_win) + s0 * p.kw_st + hk * p.kw_sh;
+      const Storage* vw = static_cast<const Storage*>(p.v_win) + s0 * p.vw_st + hk * p.vw_sh;
+      auto load_chunk = [&](int c, int buf) {
+        const int64_t first = win_lo + int64_t(c) * kChunk;
+        const int count = static_cast<int>(min64(kChunk, t_last + 1 - first));
+        Smem::load_k(sm.sk + buf * Smem::kKTile, kw + first * p.kw_st, p.kw_st, count);
+        Smem::load_v(sm.sv + buf * Smem::kVTile, vw + first * p.vw_st, p.vw_st, count);
+        cp_async_commit();
+      };
       cp_async_chunk_loop(sm, st, num_chunks, p.scale_log2, load_chunk, limits);
+    } else {
+      __trap();  // longer chunks are launched only with tensor maps
     }
     if (p.combine || p.o_branch[1] != nullptr)  // o (and o_win), or o_win alone, in whole lines
       win_epilogue_staged<Storage, kRows, kDv>(p, st, wt, t_row, head, smem_raw);
@@ -438,27 +449,44 @@ __global__ void __launch_bounds__(kWinWgRows / 16 * 32)
   }
 }
 
-// sm_90a: the wgmma kernel in 192-row tiles; elsewhere (sm_80 and the compute_80 PTX) the 64-row
-// mma.sync kernel with its ring of stages.
+// The sm_90a window in chunks of kChunk keys, its K/V boxes of kChunk rows; false (nothing
+// launched) where kChunk is longer than 64 and a tensor map cannot be made.
+template <typename Storage, int kDqk, int kDv, int kChunk>
+bool launch_win_wgmma(const BranchParams& p, dim3 grid, cudaStream_t stream) {
+  const auto wg = win_attention_wgmma_kernel<Storage, kDqk, kDv, kChunk>;
+  constexpr size_t kSmem = win_wgmma_smem_bytes(kDqk, kDv, kChunk);
+  static_assert(kSmem <= kMaxSmem, "the sm_90a window tile fits in shared memory");
+  CUtensorMap kw_map{}, vw_map{};
+  const int64_t T = p.seqs.total_tokens;
+  const int kv_tma = p.window > 0 &&
+                             kv_rows_tensor_map<Storage, kDqk>(&kw_map, p.choices, p.k_win, p.hkv, T, p.kw_st, p.kw_sh,
+                                                               kChunk) &&
+                             kv_rows_tensor_map<Storage, kDv>(&vw_map, p.choices, p.v_win, p.hkv, T, p.vw_st, p.vw_sh,
+                                                              kChunk)
+                         ? 1
+                         : 0;
+  if (kChunk != kWinChunk && !kv_tma) return false;
+  allow_smem(wg, kSmem, /*max_carveout=*/true);
+  const int next_q_ahead = p.choices.next_q_prefetch ? resident_ctas(wg, kWinWgRows / 16 * 32, kSmem) : 0;
+  wg<<<grid, kWinWgRows / 16 * 32, kSmem, stream>>>(p, kw_map, vw_map, kv_tma, next_q_ahead);
+  NSA_CUDA_CHECK_LAUNCH();
+  return true;
+}
+
+// sm_90a: the wgmma kernel in 192-row tiles, in the chunks win_chunk_keys picks (112 keys only with
+// tensor maps, else 64); elsewhere (sm_80 and the compute_80 PTX) the 64-row mma.sync kernel with its
+// ring of stages.
 template <typename Storage, int kDqk, int kDv>
 void launch_win_attention(const BranchParams& p, cudaStream_t stream) {
-  const auto wg = win_attention_wgmma_kernel<Storage, kDqk, kDv>;
-  if (cmp_runs_wgmma(wg)) {
-    const size_t smem = win_wgmma_smem_bytes(kDqk, kDv);
-    static_assert(win_wgmma_smem_bytes(kDqk, kDv) <= kMaxSmem, "the sm_90a window tile fits in shared memory");
-    allow_smem(wg, smem, /*max_carveout=*/true);
+  if (cmp_runs_wgmma(win_attention_wgmma_kernel<Storage, kDqk, kDv>)) {
     const dim3 grid = row_tile_grid(p.seqs.max_seqlen, p.seqs.batch, kWinWgRows / p.group, p.hkv);
     if (grid.x == 0) return;
-    CUtensorMap kw_map{}, vw_map{};
-    const int64_t T = p.seqs.total_tokens;
-    const int kv_tma =
-        p.window > 0 && kv_rows_tensor_map<Storage, kDqk>(&kw_map, p.choices, p.k_win, p.hkv, T, p.kw_st, p.kw_sh) &&
-                kv_rows_tensor_map<Storage, kDv>(&vw_map, p.choices, p.v_win, p.hkv, T, p.vw_st, p.vw_sh)
-            ? 1
-            : 0;
-    const int next_q_ahead = p.choices.next_q_prefetch ? resident_ctas(wg, kWinWgRows / 16 * 32, smem) : 0;
-    wg<<<grid, kWinWgRows / 16 * 32, smem, stream>>>(p, kw_map, vw_map, kv_tma, next_q_ahead);
-    NSA_CUDA_CHECK_LAUNCH();
+    if constexpr (win_long_chunk_compiled(kDqk, kDv)) {
+      if (win_chunk_keys(p.window, p.group, kDqk, kDv, p.choices.win_chunk) == kWinLongChunk &&
+          launch_win_wgmma<Storage, kDqk, kDv, kWinLongChunk>(p, grid, stream))
+        return;
+    }
+    launch_win_wgmma<Storage, kDqk, kDv, kWinChunk>(p, grid, stream);
     return;
   }
   const size_t smem = win_smem_bytes(kDqk, kDv);
