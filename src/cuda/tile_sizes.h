@@ -211,7 +211,8 @@ constexpr int win_tma_stages(int dqk, int dv, int chunk) {
              ? kCmpTmaStages
              : 2;
 }
-static_assert(win_chunk_keys(512, 16, 128, 128) == kWinLongChunk && win_chunk_keys(512, 4, 128, 128) == kWinLongChunk &&
+static_assert(win_chunk_keys(512, 16, 128, 128) == kWinLongChunk && win_chunk_keys(512, 8, 128, 128) == kWinLongChunk &&
+                  win_chunk_keys(512, 4, 128, 128) == kWinLongChunk && win_chunk_keys(512, 2, 128, 128) == kWinLongChunk &&
                   win_chunk_keys(512, 1, 128, 128) == kWinChunk && win_chunk_keys(512, 16, 192, 128) == kWinChunk &&
                   win_tma_stages(128, 128, kWinLongChunk) == 3,
               "the window's chunks at the paper's settings");
