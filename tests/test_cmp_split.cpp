@@ -4,7 +4,9 @@
 // writes only those rows and the reduction reads only those).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "cuda/tile_sizes.h"
 #include "nsa/blocks.h"
@@ -93,6 +95,108 @@ TEST(CmpSplit, SplitsFollowTheLongestSequenceAndTheGroup) {
       EXPECT_GE(s, 1);
       EXPECT_LE(s, kMaxCmpSplits);
     }
+}
+
+
+// The schedule model of one sequence's splits (cmp_splits_balanced), against direct counts: each
+// CTA's query tiles from its tokens one by one, the schedule by a plain scan for the first place
+// to free up, and the pick against every count's time.
+int64_t tokens_of_cta(int64_t len, int splits, int z, int64_t x, int64_t l, int64_t d) {
+  const auto cs = cmp_split_of(len, splits);
+  int64_t n = 0;
+  for (int64_t t = 0; t < len; ++t) {
+    const int zt = int(t / cs.S);  // the split holding token t
+    if (zt != z) continue;
+    if (t >= x * 64 * d + l - 1) ++n;  // t sees the tile's first block
+  }
+  return n;
+}
+
+int64_t scan_makespan(int64_t len, int splits, int64_t group, int64_t hkv, int64_t l, int64_t d, int slots) {
+  const int64_t tq = 64 / group, tiles = (num_cmp_blocks(len, l, d) + 63) / 64;
+  std::vector<int64_t> at(size_t(slots), 0);
+  for (int z = splits - 1; z >= 0; --z)
+    for (int64_t y = 0; y < hkv; ++y)
+      for (int64_t x = 0; x < tiles; ++x) {
+        const int64_t tok = tokens_of_cta(len, splits, z, x, l, d);
+        if (tok == 0) continue;
+        size_t first = 0;
+        for (size_t i = 1; i < at.size(); ++i)
+          if (at[i] < at[first]) first = i;
+        at[first] += (tok + tq - 1) / tq + cuda::bwd::kCmpCtaFixedTiles;
+      }
+  return *std::max_element(at.begin(), at.end());
+}
+
+TEST(CmpSplit, TheScheduleModelCountsEachCtaAndPlacesItOnTheFirstFreePlace) {
+  using cuda::bwd::cmp_cta_query_tiles;
+  using cuda::bwd::cmp_split_makespan;
+  int checked = 0;
+  for (int64_t len : {1, 31, 32, 100, 1024, 1500, 3000, 4097})
+    for (int splits : {1, 2, 3, 7, 16})
+      for (int64_t group : {1, 4, 16}) {
+        const int64_t l = 32, d = 16, tq = 64 / group;
+        const auto cs = cmp_split_of(len, splits);
+        const int64_t tiles = (num_cmp_blocks(len, l, d) + 63) / 64;
+        for (int z = 0; z < splits; ++z)
+          for (int64_t x = 0; x < tiles; ++x) {
+            const int64_t tok = tokens_of_cta(len, splits, z, x, l, d);
+            ASSERT_EQ(cmp_cta_query_tiles(len, cs, z, x, l, d, tq), (tok + tq - 1) / tq)
+                << "len " << len << " splits " << splits << " z " << z << " x " << x;
+          }
+        for (int slots : {1, 3, 132})
+          ASSERT_EQ(cmp_split_makespan(len, splits, group, 2, l, d, slots),
+                    scan_makespan(len, splits, group, 2, l, d, slots))
+              << "len " << len << " splits " << splits << " G " << group << " slots " << slots;
+        EXPECT_EQ(cuda::bwd::cmp_split_part_rows(len, splits, l, d), [&] {
+          int64_t r = 0;
+          for (int z = 0; z < cs.last; ++z) r += cmp_split_rows(len, z, cs, l, d);
+          return r;
+        }());
+        ++checked;
+      }
+  EXPECT_EQ(checked, 8 * 5 * 3);
+}
+
+TEST(CmpSplit, OneSequenceTakesTheCountOfLeastModelledTime) {
+  using cuda::bwd::cmp_split_makespan;
+  using cuda::bwd::cmp_splits_balanced;
+  using cuda::bwd::cmp_splits_cap;
+  using cuda::bwd::cmp_splits_for;
+  // 8K, G = 16, Hkv 4 on 132 places: 8 splits are 144 CTAs of 1024 tokens (two rounds, the second
+  // of 12); 14 splits 268 CTAs of 586 tokens.
+  EXPECT_EQ(cmp_splits_balanced(8192, 16, 4, 32, 16, 132), 14);
+  EXPECT_LT(cmp_split_makespan(8192, 14, 16, 4, 32, 16, 132), cmp_split_makespan(8192, 8, 16, 4, 32, 16, 132) * 2 / 3);
+  // Many rounds of CTAs at the cap: cmp_splits_for's count, unmodelled.
+  EXPECT_EQ(cmp_splits_balanced(65536, 16, 4, 32, 16, 132), 16);
+  EXPECT_EQ(cmp_splits_balanced(65536, 4, 4, 32, 16, 132), 4);
+  // Places not known: cmp_splits_for.
+  EXPECT_EQ(cmp_splits_balanced(8192, 16, 4, 32, 16, 0), cmp_splits_for(8192, 16));
+  int modelled = 0;
+  for (int64_t len : {0, 1, 100, 1025, 2048, 4096, 6000, 8192, 12000, 16384})
+    for (int64_t group : {1, 2, 4, 8, 16})
+      for (int64_t hkv : {1, 4, 8})
+        for (int slots : {108, 132}) {
+          const int s = cmp_splits_balanced(len, group, hkv, 32, 16, slots);
+          const int cap = cmp_splits_cap(group);
+          ASSERT_GE(s, 1);
+          ASSERT_LE(s, cap);
+          if (len == 0) continue;
+          // Where it modelled: no count up to the cap is faster, and none fewer is as fast.
+          const int64_t t = cmp_split_makespan(len, s, group, hkv, 32, 16, slots);
+          bool is_pick = true;
+          for (int o = 1; o <= cap; ++o) {
+            const int64_t to = cmp_split_makespan(len, o, group, hkv, 32, 16, slots);
+            if (to < t || (to == t && o < s)) is_pick = false;
+          }
+          if (is_pick) ++modelled;
+          else
+            EXPECT_EQ(s, cmp_splits_for(len, group)) << "len " << len << " G " << group << " Hkv " << hkv << " slots "
+                                                      << slots << ": neither the pick nor the rule";
+          // Asked again (the kept answers): the same.
+          EXPECT_EQ(cmp_splits_balanced(len, group, hkv, 32, 16, slots), s);
+        }
+  EXPECT_GT(modelled, 200);
 }
 
 }  // namespace

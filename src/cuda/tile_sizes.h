@@ -1,6 +1,7 @@
 // Every tuning rule of the CUDA backend, as pure functions of sizes (never of device data, so a
 // CUDA graph captured once replays with the same launches): tile rows, chunk sizes, shared-memory
-// plans and the CTAs they let share an SM, split counts. One section per room (forward:
+// plans and the CTAs they let share an SM, split counts (the backward's compressed splits also of
+// how many CTAs the device holds). One section per room (forward:
 // nsa::cuda; backward: nsa::cuda::bwd; decode: nsa::cuda::decode; rotary embeddings:
 // nsa::cuda::rotary). Plain C++ with NSA_HOST_DEVICE,
 // so the host tests check the invariants the kernels rely on (tests/test_cmp_split.cpp,
@@ -10,6 +11,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "cuda/common/constants.h"
 #include "nsa/blocks.h"
@@ -272,7 +274,8 @@ namespace nsa::cuda::bwd {
 constexpr int kMaxCmpSplits = 16;   // query splits of the compressed dk/dv, at most
 constexpr int kCmpSplitTokens = 1024;  // one more split per this many tokens of max_seqlen
 
-// Splits of one backward call: one per kCmpSplitTokens tokens of the longest sequence, at most 16
+// Splits of a backward call over packed sequences (one sequence: cmp_splits_balanced below, which
+// this rule bounds): one per kCmpSplitTokens tokens of the longest sequence, at most 16
 // for one sequence at G >= 16, 8 at G >= 8 (and for packed batches,
 // whose earlier splits keep every row) and 4 below. Each split after the first keeps fp32
 // partials of the rows its queries see (about 1.5 copies of the compressed rows at 4 splits, 3.5
@@ -281,8 +284,11 @@ constexpr int kCmpSplitTokens = 1024;  // one more split per this many tokens of
 // for 34 MB, 1.3% of q, k, v and o, but at G = 4 the same 34 MB is 3.6% of them (workspace 8.5%
 // -> 12.1%, past the 10% budget) for 0.4 ms (53.0 -> 52.6 ms). 16 splits at G = 16 (`8c78670`,
 // with the heavy-first order): 64K backward 105.7 -> 104.7 ms, workspace 151 -> 218 MB = 8.5%.
+NSA_HOST_DEVICE int cmp_splits_cap(int64_t group, int64_t batch = 1) {
+  return group >= 16 && batch == 1 ? kMaxCmpSplits : group >= 8 ? 8 : 4;
+}
 NSA_HOST_DEVICE int cmp_splits_for(int64_t max_seqlen, int64_t group, int64_t batch = 1) {
-  const int cap = group >= 16 && batch == 1 ? kMaxCmpSplits : group >= 8 ? 8 : 4;
+  const int cap = cmp_splits_cap(group, batch);
   const int64_t want = (max_seqlen + kCmpSplitTokens - 1) / kCmpSplitTokens;
   return want < 1 ? 1 : want > cap ? cap : int(want);
 }
@@ -307,6 +313,99 @@ NSA_HOST_DEVICE int64_t cmp_split_rows(int64_t len, int z, const CmpSplit& cs, i
   const int64_t r = lim <= 0 ? 0 : (lim + d - 1) / d;
   const int64_t nc = num_cmp_blocks(len, l, d);
   return r < nc ? r : nc;
+}
+
+// ---- the split count for one sequence, from the kernel's schedule
+
+// Compressed keys a dkv_kernel<cmp> CTA owns (the backward's kKeys), and a CTA's fixed work (its
+// K / V tile, the epilogue's fp32 rows) in query tiles, for the model below.
+constexpr int kCmpKeyTile = 64;
+constexpr int kCmpCtaFixedTiles = 8;
+
+// Query tiles (tq tokens each) CTA (key tile x, split z) of one sequence works through, as
+// DkvPlan's compressed phase counts them; 0: it returns at once.
+NSA_HOST_DEVICE int64_t cmp_cta_query_tiles(int64_t len, const CmpSplit& cs, int z, int64_t x, int64_t l, int64_t d,
+                                            int64_t tq) {
+  if (z > cs.last) return 0;
+  const int64_t t_first = x * kCmpKeyTile * d + l - 1;
+  const int64_t q0 = t_first > z * cs.S ? t_first : z * cs.S;
+  const int64_t q1 = z == cs.last ? len : ((z + 1) * cs.S < len ? (z + 1) * cs.S : len);
+  return q0 < q1 ? (q1 - q0 + tq - 1) / tq : 0;
+}
+
+// Rows of every split's partial together, one sequence of len tokens in `splits` splits.
+NSA_HOST_DEVICE int64_t cmp_split_part_rows(int64_t len, int splits, int64_t l, int64_t d) {
+  const CmpSplit cs = cmp_split_of(len, splits);
+  int64_t rows = 0;
+  for (int z = 0; z < cs.last; ++z) rows += cmp_split_rows(len, z, cs, l, d);
+  return rows;
+}
+
+// The modelled time of dkv_kernel<cmp> over one sequence in `splits` splits, in query tiles:
+// the CTAs in launch order (blockIdx.z = 0 is the last split, then the KV heads, then the key
+// tiles), each started on the first of `slots` resident places to free up (a greedy list
+// schedule), costing its query tiles plus kCmpCtaFixedTiles; an empty CTA costs nothing.
+// The CTAs of a split cost the same but the diagonal one, so the time is set by how many rounds
+// of `slots` the working CTAs fill: at 8K, G = 16, eight splits give 144 CTAs of 1024 tokens on
+// an H100's 132 SMs (two rounds, the second almost empty), fourteen 268 of 586 tokens.
+inline int64_t cmp_split_makespan(int64_t len, int splits, int64_t group, int64_t hkv, int64_t l, int64_t d,
+                                  int slots) {
+  if (len <= 0 || slots <= 0) return 0;
+  const CmpSplit cs = cmp_split_of(len, splits);
+  const int64_t tq = group >= kTileRows ? 1 : kTileRows / group;
+  const int64_t tiles = (num_cmp_blocks(len, l, d) + kCmpKeyTile - 1) / kCmpKeyTile;
+  std::vector<int64_t> free_at(size_t(slots), 0);  // a min-heap of when each place frees up
+  auto later = [](int64_t a, int64_t b) { return a > b; };
+  for (int bz = 0; bz < splits; ++bz) {
+    const int z = splits - 1 - bz;
+    for (int64_t y = 0; y < hkv; ++y)
+      for (int64_t x = 0; x < tiles; ++x) {
+        const int64_t n = cmp_cta_query_tiles(len, cs, z, x, l, d, tq);
+        if (n == 0) continue;
+        std::pop_heap(free_at.begin(), free_at.end(), later);
+        free_at.back() += n + kCmpCtaFixedTiles;
+        std::push_heap(free_at.begin(), free_at.end(), later);
+      }
+  }
+  return *std::max_element(free_at.begin(), free_at.end());
+}
+
+// Splits of one sequence where the device holds `slots` dkv_kernel<cmp> CTAs at once: the count
+// up to cmp_splits_cap of least modelled time (ties: fewer splits, fewer partials). Where the
+// working CTAs at the cap fill more than kCmpModelRounds rounds of the slots the last round's
+// tail is a small part, and the count stays cmp_splits_for's. The last few answers are kept per
+// thread (the workspace query and the call ask the same).
+constexpr int64_t kCmpModelRounds = 8;
+inline int cmp_splits_balanced(int64_t len, int64_t group, int64_t hkv, int64_t l, int64_t d, int slots) {
+  const int cap = cmp_splits_cap(group);
+  if (slots <= 0 || len <= 0) return cmp_splits_for(len, group);
+  {  // the working CTAs at the cap
+    const CmpSplit cs = cmp_split_of(len, cap);
+    const int64_t tq = group >= kTileRows ? 1 : kTileRows / group;
+    const int64_t tiles = (num_cmp_blocks(len, l, d) + kCmpKeyTile - 1) / kCmpKeyTile;
+    int64_t ctas = 0;
+    for (int z = 0; z <= cs.last; ++z)
+      for (int64_t x = 0; x < tiles; ++x) ctas += cmp_cta_query_tiles(len, cs, z, x, l, d, tq) > 0 ? 1 : 0;
+    if (ctas * hkv > kCmpModelRounds * slots) return cmp_splits_for(len, group);
+  }
+  struct Answer {
+    int64_t len, group, hkv, l, d;
+    int slots, splits;
+  };
+  thread_local Answer kept[4] = {};
+  thread_local int next = 0;
+  for (const Answer& k : kept)
+    if (k.splits > 0 && k.len == len && k.group == group && k.hkv == hkv && k.l == l && k.d == d && k.slots == slots)
+      return k.splits;
+  int best = 1;
+  int64_t best_t = cmp_split_makespan(len, 1, group, hkv, l, d, slots);
+  for (int s = 2; s <= cap; ++s) {
+    const int64_t t = cmp_split_makespan(len, s, group, hkv, l, d, slots);
+    if (t < best_t) best = s, best_t = t;
+  }
+  kept[next] = Answer{len, group, hkv, l, d, slots, best};
+  next = (next + 1) % 4;
+  return best;
 }
 
 }  // namespace nsa::cuda::bwd

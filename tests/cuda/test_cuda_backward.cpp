@@ -28,6 +28,7 @@
 
 #include "cuda_support.h"
 #include "cases.h"
+#include "cuda/tile_sizes.h"
 
 using namespace nsa;
 using namespace nsa::test;
@@ -771,6 +772,59 @@ TEST(CudaBackwardLong, WarpSpecializedDkvMatchesOneWarpgroup) {
           << name << " does not come from dK / dV: it must not change";
     }
   }
+}
+
+// One sequence takes the compressed keys' split count of least modelled time on the device's
+// resident CTAs (cmp_splits_balanced): at 8K, G = 16, Hkv = 4 that is 14 on 132 SMs (and on 264
+// places, dkv_kernel's two CTAs an SM) where the packed batches' rule gives 8. The call without a
+// forced count has the bits of the call forced to the model's count (for the one or two CTAs an
+// SM of the kernel that runs), and not those of the rule's count.
+TEST(CudaBackwardLong, OneSequenceTakesTheModelledSplitCount) {
+  NSA_REQUIRE_GPU();
+  const BwdCase c{"bf16_d128_G16_8k", DType::bf16, 128, 128, 64, 4, {8192}, 32, 16, 64, 16, 1, 2, 512, PhiKind::mean,
+                  false};
+  const Config cfg = config_of(c);
+  Twin t = make_twin(c, 808);
+  DeviceLayer dev(t.low, 8192);
+  DeviceTensor o(t.low.o);
+  ForwardOutputs fwd = dev.saved;
+  fwd.o = o.view();
+  {
+    const Context ctx = cuda_context(Backend::cuda);
+    const DeviceWorkspace ws(workspace_size(ctx, Op::forward, cfg, problem_of(cfg, dev.in)));
+    forward(ctx, cfg, dev.in, fwd, ws.view());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
+  int device = 0, sms = 0;
+  NSA_TEST_CUDA(cudaGetDevice(&device));
+  NSA_TEST_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int rule = cuda::bwd::cmp_splits_for(8192, 16);
+  std::vector<int> modelled;
+  for (int per_sm : {1, 2}) modelled.push_back(cuda::bwd::cmp_splits_balanced(8192, 16, 4, 32, 16, sms * per_sm));
+  std::printf("  %d SMs: modelled %d / %d splits, the rule %d\n", sms, modelled[0], modelled[1], rule);
+  for (int m : modelled) ASSERT_NE(m, rule) << "this shape no longer tells the model from the rule";
+
+  dev.run(cfg);
+  const auto chosen = dev.download(t.low);
+  auto same_bits = [&](const std::vector<std::pair<std::string, HostTensor>>& got) {
+    for (size_t i = 0; i < got.size(); ++i) {
+      const HostTensor& a = chosen[i].second;
+      if (std::memcmp(const_cast<HostTensor&>(a).data(), const_cast<HostTensor&>(got[i].second).data(),
+                      size_t(a.numel()) * dtype_size(a.dtype())) != 0)
+        return false;
+    }
+    return true;
+  };
+  int matches = 0;
+  for (int splits : {modelled[0], modelled[1], rule}) {
+    const LongSequencePaths forced(splits, false);
+    dev.run(cfg);
+    const bool same = same_bits(dev.download(t.low));
+    std::printf("  forced to %d splits: %s\n", splits, same ? "the same bits" : "other bits");
+    if (splits == rule) EXPECT_FALSE(same) << "the call took the rule's count";
+    else matches += same ? 1 : 0;
+  }
+  EXPECT_GE(matches, 1) << "the call took neither modelled count";
 }
 
 TEST(CudaBackwardErrors, UnsupportedHeadDimNamesTheValue) {

@@ -33,9 +33,11 @@ namespace nsa::cuda::bwd {
 
 // ---- the attention kernels: run-time dtype/head dims -> templates -------------------------
 // (compiled in attention_<dtype>_hdim<Dqk>.cu)
-#define NSA_BWD_EXTERN(E, DQK)                                                       \
-  extern template void launch_attention<E, DQK, 64>(const BwdArgs&, cudaStream_t, BwdKernel); \
-  extern template void launch_attention<E, DQK, 128>(const BwdArgs&, cudaStream_t, BwdKernel);
+#define NSA_BWD_EXTERN(E, DQK)                                                               \
+  extern template void launch_attention<E, DQK, 64>(const BwdArgs&, cudaStream_t, BwdKernel);         \
+  extern template void launch_attention<E, DQK, 128>(const BwdArgs&, cudaStream_t, BwdKernel);        \
+  extern template int dkv_cmp_resident_ctas<E, DQK, 64>(const CudaKernelChoices&);                   \
+  extern template int dkv_cmp_resident_ctas<E, DQK, 128>(const CudaKernelChoices&);
 NSA_BWD_EXTERN(__nv_bfloat16, 64)
 NSA_BWD_EXTERN(__nv_bfloat16, 128)
 NSA_BWD_EXTERN(__nv_bfloat16, 192)
@@ -178,6 +180,15 @@ template <typename E>
 void dispatch_dims(const BwdArgs& a, cudaStream_t s, BwdKernel kernel) {
   cuda::dispatch_dims<E>(a.dqk, a.dv, LaunchAttention{a, s, kernel});
 }
+// dkv_kernel<cmp>'s resident CTAs for the call's head dims.
+struct CmpResident {
+  const CudaKernelChoices& c;
+  int& ctas;
+  template <typename E, int DQK, int DV>
+  void operator()() const {
+    ctas = dkv_cmp_resident_ctas<E, DQK, DV>(c);
+  }
+};
 
 // The sequence table cu [B+1] on the device, from a device tensor, or from the host table.
 void upload_cu(const Plan& p, int32_t* dst, cudaStream_t s) {
@@ -212,7 +223,11 @@ void run_backward(const Plan& p, const Inputs& in, const ForwardOutputs& saved, 
   }
 
   const Problem prob = problem_of(p);
-  const Layout L = carve(sizes_of(p.ctx, p.cfg, prob, p.cfg.phi == PhiKind::mlp ? prob.phi_hidden : 0), ws.data, s);
+  Sizes sizes = sizes_of(p.ctx, p.cfg, prob, p.cfg.phi == PhiKind::mlp ? prob.phi_hidden : 0);
+  if (p.B == 1 && p.T > 0) {  // one sequence: the compressed keys' splits by the device's schedule
+    cuda::dispatch_dims<E>(p.dqk, p.dv, CmpResident{sizes.choices, sizes.cmp_slots});
+  }
+  const Layout L = carve(sizes, ws.data, s);
   if (p.T == 0) return;
   const int64_t rc = cmp_rows(p.T, p.cfg.cmp_stride);
 

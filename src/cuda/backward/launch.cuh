@@ -104,6 +104,23 @@ bool dkv_ws_enabled(const BwdArgs& a) {
          runs_sm90<dkv_ws_kernel<E, DQK, DV, KeySet::cmp>>();
 }
 
+// How many dkv_kernel<cmp> CTAs (the warp-specialised one where it runs) the device holds at once:
+// the places cmp_splits_balanced schedules the compressed keys' splits on.
+template <typename E, int DQK, int DV>
+int dkv_cmp_resident_ctas(const CudaKernelChoices& c) {
+  static_assert(kKeys == kCmpKeyTile && kRows == kTileRows, "the split model's tiles are the kernel's");
+  if constexpr (DQK == 128 && DV == 128) {
+    if (c.dkv_warp_specialized && runs_sm90<dkv_ws_kernel<E, DQK, DV, KeySet::cmp>>()) {
+      allow_smem(dkv_ws_kernel<E, DQK, DV, KeySet::cmp>, DkvWsSmem<E, DQK, DV>::kLaunch);
+      return resident_ctas(dkv_ws_kernel<E, DQK, DV, KeySet::cmp>, kWsThreads, DkvWsSmem<E, DQK, DV>::kLaunch);
+    }
+  }
+  using Lk = DkvSmem<E, DQK, DV>;
+  const size_t smem = runs_sm90<dkv_kernel<E, DQK, DV, KeySet::cmp>>() ? Lk::kSwLaunch : Lk::kEnd;
+  allow_smem(dkv_kernel<E, DQK, DV, KeySet::cmp>, smem);
+  return resident_ctas(dkv_kernel<E, DQK, DV, KeySet::cmp>, kThreads, smem);
+}
+
 // The backward's attention kernels, in the order backward() launches them.
 enum class BwdKernel : int {
   dq,       // dq_kernel: dq and dg of the compressed and window branches (and the union tiles' selection)

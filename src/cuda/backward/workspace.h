@@ -67,6 +67,7 @@ struct Sizes {
   bool shared_kv;
   bool bf16;  // the storage dtype (phi's products on cuBLASLt take bf16 only)
   CudaKernelChoices choices;  // Context::cuda_choices (cmp_splits, packed_sort, raw pieces)
+  int cmp_slots = 0;          // one sequence: dkv_kernel<cmp>'s resident CTAs (0: not asked, cmp_splits_for)
   PhiKind phi() const { return F > 0 ? PhiKind::mlp : has_params ? PhiKind::linear : PhiKind::mean; }
 };
 
@@ -104,8 +105,12 @@ inline Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
     L.dx_k32 = w.take<float>(size_t(z.T * z.hkv * z.dqk));
     L.dx_v32 = w.take<float>(size_t(z.T * z.hkv * z.dv));
   }
+  // The compressed keys' query splits: forced, else for one sequence the count of least modelled
+  // time on the device's resident CTAs (cmp_splits_balanced), else cmp_splits_for.
   const int test_splits = std::min(z.choices.cmp_splits, kMaxCmpSplits);  // forced (0: the rule)
-  L.cmp_splits = test_splits > 0 ? test_splits : cmp_splits_for(z.max_seqlen, z.hq / z.hkv, z.B);
+  L.cmp_splits = test_splits > 0                  ? test_splits
+                 : z.B == 1 && z.cmp_slots > 0 ? cmp_splits_balanced(z.T, z.hq / z.hkv, z.hkv, z.l, z.d, z.cmp_slots)
+                                                  : cmp_splits_for(z.max_seqlen, z.hq / z.hkv, z.B);
   // Rows of each split's partial: with one sequence the blocks its queries see; with several (whose
   // lengths the host does not know) every row, indexed as dkc.
   int64_t part_rows = 0;
@@ -117,6 +122,15 @@ inline Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
       L.cmp_part_rows[zz] = rc;
     }
     part_rows += L.cmp_part_rows[zz];
+  }
+  // The partials' room and the raw pieces' budget do not depend on the device (the workspace query
+  // does not know its CTAs): for one sequence, the room is the most any count up to the cap needs,
+  // and the budget counts cmp_splits_for's partials.
+  int64_t part_room = part_rows, part_rule = part_rows;
+  if (test_splits <= 0 && z.B == 1) {
+    part_rule = cmp_split_part_rows(z.T, cmp_splits_for(z.max_seqlen, z.hq / z.hkv, z.B), z.l, z.d);
+    for (int s = 1; s <= cmp_splits_cap(z.hq / z.hkv); ++s)
+      part_room = std::max(part_room, cmp_split_part_rows(z.T, s, z.l, z.d));
   }
   L.dg32 = w.take<float>(size_t(z.T * z.hq * 3));
   L.g32 = w.take<float>(size_t(z.T * z.hq * 3));
@@ -168,21 +182,27 @@ inline Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
       }
       most = std::max(most, c.bytes());
     }
+    size_t budget_base = most;  // what the raw pieces' budget counts of phase 4: the same on every device
     {  // 4.
       WorkspaceCarver c(region);
-      L.dkc_part = c.take<float>(size_t(part_rows * z.hkv * z.dqk));
-      L.dvc_part = c.take<float>(size_t(part_rows * z.hkv * z.dv));
+      L.dkc_part = c.take<float>(size_t(part_room * z.hkv * z.dqk));
+      L.dvc_part = c.take<float>(size_t(part_room * z.hkv * z.dv));
       most = std::max(most, c.bytes());
+      WorkspaceCarver rule(nullptr);
+      rule.take<float>(size_t(part_rule * z.hkv * z.dqk));
+      rule.take<float>(size_t(part_rule * z.hkv * z.dv));
+      budget_base = std::max(budget_base, rule.bytes());
     }
     if (z.has_params) {  // 5. split-K partials of phi's parameter gradients, capped in bytes
       WorkspaceCarver c(region);
       carve_phi_partials(z, rows, c, L);
       most = std::max(most, c.bytes());
+      budget_base = std::max(budget_base, c.bytes());
     }
     if (z.n > 0) {  // 6.
       WorkspaceCarver c(region);
       const int64_t qkvo = z.T * (z.hq + z.hkv) * (z.dqk + z.dv) * 2;  // (one K/V: the least there is)
-      const int64_t budget = std::max<int64_t>(int64_t(most), qkvo / 32);
+      const int64_t budget = std::max<int64_t>(int64_t(budget_base), qkvo / 32);
       const int64_t chunks = (z.lp + kKeys - 1) / kKeys;
       const int64_t slot_bytes = kKeys * (z.dqk + z.dv) * 4 + 12;
       const int64_t raw_ctas = z.hkv * z.B * n_slc_max * chunks;

@@ -4,5 +4,7 @@
 
 namespace nsa::cuda::bwd {
 template void launch_attention<__nv_bfloat16, 192, 64>(const BwdArgs&, cudaStream_t, BwdKernel);
+template int dkv_cmp_resident_ctas<__nv_bfloat16, 192, 64>(const CudaKernelChoices&);
 template void launch_attention<__nv_bfloat16, 192, 128>(const BwdArgs&, cudaStream_t, BwdKernel);
+template int dkv_cmp_resident_ctas<__nv_bfloat16, 192, 128>(const CudaKernelChoices&);
 }  // namespace nsa::cuda::bwd
