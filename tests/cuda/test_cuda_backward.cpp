@@ -725,6 +725,20 @@ TEST(CudaCompressMean, BackwardOddHeadDimsAndStridesMatchReference) {
   check_compress_mean(true);
 }
 
+// The saved state of `dev` (lse, indices) from the CUDA forward, for lengths where the fp64
+// reference would take minutes.
+::testing::AssertionResult save_cuda_forward(const Config& cfg, const Twin& t, DeviceLayer& dev) {
+  DeviceTensor o(t.low.o);
+  ForwardOutputs fwd = dev.saved;
+  fwd.o = o.view();
+  const Context ctx = cuda_context(Backend::cuda);
+  const DeviceWorkspace ws(workspace_size(ctx, Op::forward, cfg, problem_of(cfg, dev.in)));
+  forward(ctx, cfg, dev.in, fwd, ws.view());
+  const cudaError_t e = cudaDeviceSynchronize();
+  if (e != cudaSuccess) return ::testing::AssertionFailure() << "the CUDA forward: " << cudaGetErrorString(e);
+  return ::testing::AssertionSuccess();
+}
+
 // Long sequences, where a dK / dV CTA runs hundreds of query tiles (its pipeline stages wrap
 // around many times; at the cases' lengths a few dozen): G = 16, 9000 + 3000 tokens, a window of
 // 512, 16 blocks of 64. The warp-specialised dkv_ws_kernel (sm_90a, Dqk = Dv = 128) against the
@@ -738,15 +752,7 @@ TEST(CudaBackwardLong, WarpSpecializedDkvMatchesOneWarpgroup) {
   const Config cfg = config_of(c);
   Twin t = make_twin(c, 606);
   DeviceLayer dev(t.low, 9000);
-  DeviceTensor o(t.low.o);
-  ForwardOutputs fwd = dev.saved;
-  fwd.o = o.view();
-  {
-    const Context ctx = cuda_context(Backend::cuda);
-    const DeviceWorkspace ws(workspace_size(ctx, Op::forward, cfg, problem_of(cfg, dev.in)));
-    forward(ctx, cfg, dev.in, fwd, ws.view());
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  }
+  ASSERT_TRUE(save_cuda_forward(cfg, t, dev));
   dev.run(cfg);
   const auto ws_grads = dev.download(t.low);
   {
@@ -786,15 +792,7 @@ TEST(CudaBackwardLong, OneSequenceTakesTheModelledSplitCount) {
   const Config cfg = config_of(c);
   Twin t = make_twin(c, 808);
   DeviceLayer dev(t.low, 8192);
-  DeviceTensor o(t.low.o);
-  ForwardOutputs fwd = dev.saved;
-  fwd.o = o.view();
-  {
-    const Context ctx = cuda_context(Backend::cuda);
-    const DeviceWorkspace ws(workspace_size(ctx, Op::forward, cfg, problem_of(cfg, dev.in)));
-    forward(ctx, cfg, dev.in, fwd, ws.view());
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  }
+  ASSERT_TRUE(save_cuda_forward(cfg, t, dev));
   int device = 0, sms = 0;
   NSA_TEST_CUDA(cudaGetDevice(&device));
   NSA_TEST_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
