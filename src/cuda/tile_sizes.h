@@ -274,8 +274,8 @@ namespace nsa::cuda::bwd {
 constexpr int kMaxCmpSplits = 16;   // query splits of the compressed dk/dv, at most
 constexpr int kCmpSplitTokens = 1024;  // one more split per this many tokens of max_seqlen
 
-// Splits of a backward call over packed sequences (one sequence: cmp_splits_balanced below, which
-// this rule bounds): one per kCmpSplitTokens tokens of the longest sequence, at most 16
+// Splits of a backward call over packed sequences (one sequence: cmp_splits_balanced below, under
+// the same cap): one per kCmpSplitTokens tokens of the longest sequence, at most 16
 // for one sequence at G >= 16, 8 at G >= 8 (and for packed batches,
 // whose earlier splits keep every row) and 4 below. Each split after the first keeps fp32
 // partials of the rows its queries see (about 1.5 copies of the compressed rows at 4 splits, 3.5
