@@ -333,6 +333,13 @@ NSA_HOST_DEVICE int64_t cmp_cta_query_tiles(int64_t len, const CmpSplit& cs, int
   return q0 < q1 ? (q1 - q0 + tq - 1) / tq : 0;
 }
 
+// Tokens of a query tile (64 rows of G heads) and compressed key tiles of one sequence, as the
+// kernel has them.
+NSA_HOST_DEVICE int64_t cmp_query_tile_tokens(int64_t group) { return group >= kTileRows ? 1 : kTileRows / group; }
+NSA_HOST_DEVICE int64_t cmp_key_tiles(int64_t len, int64_t l, int64_t d) {
+  return (num_cmp_blocks(len, l, d) + kCmpKeyTile - 1) / kCmpKeyTile;
+}
+
 // Rows of every split's partial together, one sequence of len tokens in `splits` splits.
 NSA_HOST_DEVICE int64_t cmp_split_part_rows(int64_t len, int splits, int64_t l, int64_t d) {
   const CmpSplit cs = cmp_split_of(len, splits);
@@ -352,8 +359,7 @@ inline int64_t cmp_split_makespan(int64_t len, int splits, int64_t group, int64_
                                   int slots) {
   if (len <= 0 || slots <= 0) return 0;
   const CmpSplit cs = cmp_split_of(len, splits);
-  const int64_t tq = group >= kTileRows ? 1 : kTileRows / group;
-  const int64_t tiles = (num_cmp_blocks(len, l, d) + kCmpKeyTile - 1) / kCmpKeyTile;
+  const int64_t tq = cmp_query_tile_tokens(group), tiles = cmp_key_tiles(len, l, d);
   std::vector<int64_t> free_at(size_t(slots), 0);  // a min-heap of when each place frees up
   auto later = [](int64_t a, int64_t b) { return a > b; };
   for (int bz = 0; bz < splits; ++bz) {
@@ -374,20 +380,10 @@ inline int64_t cmp_split_makespan(int64_t len, int splits, int64_t group, int64_
 // up to cmp_splits_cap of least modelled time (ties: fewer splits, fewer partials). Where the
 // working CTAs at the cap fill more than kCmpModelRounds rounds of the slots the last round's
 // tail is a small part, and the count stays cmp_splits_for's. The last few answers are kept per
-// thread (the workspace query and the call ask the same).
+// thread (a training loop's backward asks the same every step).
 constexpr int64_t kCmpModelRounds = 8;
 inline int cmp_splits_balanced(int64_t len, int64_t group, int64_t hkv, int64_t l, int64_t d, int slots) {
-  const int cap = cmp_splits_cap(group);
   if (slots <= 0 || len <= 0) return cmp_splits_for(len, group);
-  {  // the working CTAs at the cap
-    const CmpSplit cs = cmp_split_of(len, cap);
-    const int64_t tq = group >= kTileRows ? 1 : kTileRows / group;
-    const int64_t tiles = (num_cmp_blocks(len, l, d) + kCmpKeyTile - 1) / kCmpKeyTile;
-    int64_t ctas = 0;
-    for (int z = 0; z <= cs.last; ++z)
-      for (int64_t x = 0; x < tiles; ++x) ctas += cmp_cta_query_tiles(len, cs, z, x, l, d, tq) > 0 ? 1 : 0;
-    if (ctas * hkv > kCmpModelRounds * slots) return cmp_splits_for(len, group);
-  }
   struct Answer {
     int64_t len, group, hkv, l, d;
     int slots, splits;
@@ -397,15 +393,25 @@ inline int cmp_splits_balanced(int64_t len, int64_t group, int64_t hkv, int64_t 
   for (const Answer& k : kept)
     if (k.splits > 0 && k.len == len && k.group == group && k.hkv == hkv && k.l == l && k.d == d && k.slots == slots)
       return k.splits;
-  int best = 1;
-  int64_t best_t = cmp_split_makespan(len, 1, group, hkv, l, d, slots);
-  for (int s = 2; s <= cap; ++s) {
-    const int64_t t = cmp_split_makespan(len, s, group, hkv, l, d, slots);
-    if (t < best_t) best = s, best_t = t;
-  }
-  kept[next] = Answer{len, group, hkv, l, d, slots, best};
+  const int splits = [&] {
+    const int cap = cmp_splits_cap(group);
+    const CmpSplit cs = cmp_split_of(len, cap);
+    const int64_t tq = cmp_query_tile_tokens(group), tiles = cmp_key_tiles(len, l, d);
+    int64_t ctas = 0;  // the working CTAs at the cap
+    for (int z = 0; z <= cs.last; ++z)
+      for (int64_t x = 0; x < tiles; ++x) ctas += cmp_cta_query_tiles(len, cs, z, x, l, d, tq) > 0 ? 1 : 0;
+    if (ctas * hkv > kCmpModelRounds * slots) return cmp_splits_for(len, group);
+    int best = 1;
+    int64_t best_t = cmp_split_makespan(len, 1, group, hkv, l, d, slots);
+    for (int s = 2; s <= cap; ++s) {
+      const int64_t t = cmp_split_makespan(len, s, group, hkv, l, d, slots);
+      if (t < best_t) best = s, best_t = t;
+    }
+    return best;
+  }();
+  kept[next] = Answer{len, group, hkv, l, d, slots, splits};
   next = (next + 1) % 4;
-  return best;
+  return splits;
 }
 
 }  // namespace nsa::cuda::bwd

@@ -445,18 +445,19 @@ TEST_P(CudaBackward, PairSortMatchesReference) {
   check_against_reference(GetParam(), {.o = true}, {{0, true}});
 }
 
+// Whether two tensors of one shape and dtype hold the same bytes.
+bool same_bytes(const HostTensor& a, const HostTensor& b) {
+  return std::memcmp(const_cast<HostTensor&>(a).data(), const_cast<HostTensor&>(b).data(),
+                     size_t(a.numel()) * dtype_size(a.dtype())) == 0;
+}
+
 // The gradients of `got` have the bits of the same gradients in `want` (as DeviceLayer::download
 // names them); `what` says which run `got` is.
 void expect_same_bits(const std::vector<std::pair<std::string, HostTensor>>& want,
                       const std::vector<std::pair<std::string, HostTensor>>& got, const std::string& what) {
   ASSERT_EQ(want.size(), got.size());
-  for (size_t i = 0; i < want.size(); ++i) {
-    const size_t bytes = size_t(want[i].second.numel()) * dtype_size(want[i].second.dtype());
-    EXPECT_EQ(std::memcmp(const_cast<HostTensor&>(want[i].second).data(),
-                          const_cast<HostTensor&>(got[i].second).data(), bytes),
-              0)
-        << want[i].first << " of " << what;
-  }
+  for (size_t i = 0; i < want.size(); ++i)
+    EXPECT_TRUE(same_bytes(want[i].second, got[i].second)) << want[i].first << " of " << what;
 }
 
 TEST_P(CudaBackward, BitwiseDeterministic) {
@@ -770,11 +771,7 @@ TEST(CudaBackwardLong, WarpSpecializedDkvMatchesOneWarpgroup) {
       EXPECT_TRUE(result) << name;
       std::printf("  %-8s max|one warpgroup| %.3g  %s\n", name.c_str(), max_abs(want), result.message());
     } else {
-      const HostTensor& a = ws_grads[i].second;
-      const HostTensor& b = one_grads[i].second;
-      EXPECT_EQ(std::memcmp(const_cast<HostTensor&>(a).data(), const_cast<HostTensor&>(b).data(),
-                            size_t(a.numel()) * dtype_size(a.dtype())),
-                0)
+      EXPECT_TRUE(same_bytes(ws_grads[i].second, one_grads[i].second))
           << name << " does not come from dK / dV: it must not change";
     }
   }
@@ -805,12 +802,8 @@ TEST(CudaBackwardLong, OneSequenceTakesTheModelledSplitCount) {
   dev.run(cfg);
   const auto chosen = dev.download(t.low);
   auto same_bits = [&](const std::vector<std::pair<std::string, HostTensor>>& got) {
-    for (size_t i = 0; i < got.size(); ++i) {
-      const HostTensor& a = chosen[i].second;
-      if (std::memcmp(const_cast<HostTensor&>(a).data(), const_cast<HostTensor&>(got[i].second).data(),
-                      size_t(a.numel()) * dtype_size(a.dtype())) != 0)
-        return false;
-    }
+    for (size_t i = 0; i < got.size(); ++i)
+      if (!same_bytes(chosen[i].second, got[i].second)) return false;
     return true;
   };
   int matches = 0;

@@ -108,9 +108,10 @@ inline Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
   // The compressed keys' query splits: forced, else for one sequence the count of least modelled
   // time on the device's resident CTAs (cmp_splits_balanced), else cmp_splits_for.
   const int test_splits = std::min(z.choices.cmp_splits, kMaxCmpSplits);  // forced (0: the rule)
+  const int rule_splits = cmp_splits_for(z.max_seqlen, z.hq / z.hkv, z.B);
   L.cmp_splits = test_splits > 0                  ? test_splits
                  : z.B == 1 && z.cmp_slots > 0 ? cmp_splits_balanced(z.T, z.hq / z.hkv, z.hkv, z.l, z.d, z.cmp_slots)
-                                                  : cmp_splits_for(z.max_seqlen, z.hq / z.hkv, z.B);
+                                                  : rule_splits;
   // Rows of each split's partial: with one sequence the blocks its queries see; with several (whose
   // lengths the host does not know) every row, indexed as dkc.
   int64_t part_rows = 0;
@@ -128,7 +129,7 @@ inline Layout carve(const Sizes& z, void* base, cudaStream_t stream) {
   // and the budget counts cmp_splits_for's partials.
   int64_t part_room = part_rows, part_rule = part_rows;
   if (test_splits <= 0 && z.B == 1) {
-    part_rule = cmp_split_part_rows(z.T, cmp_splits_for(z.max_seqlen, z.hq / z.hkv, z.B), z.l, z.d);
+    part_rule = cmp_split_part_rows(z.T, rule_splits, z.l, z.d);
     for (int s = 1; s <= cmp_splits_cap(z.hq / z.hkv); ++s)
       part_room = std::max(part_room, cmp_split_part_rows(z.T, s, z.l, z.d));
   }
