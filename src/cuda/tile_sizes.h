@@ -322,15 +322,24 @@ NSA_HOST_DEVICE int64_t cmp_split_rows(int64_t len, int z, const CmpSplit& cs, i
 constexpr int kCmpKeyTile = 64;
 constexpr int kCmpCtaFixedTiles = 8;
 
+// The query positions [q0, q1) split z of one sequence gives the compressed keys whose first
+// query is t_first (key tile x: x kCmpKeyTile d + l - 1): dkv_kernel<cmp>'s range (DkvPlan) and
+// the schedule model's. Empty (q0 >= q1) where the split sees none of the tile or z > cs.last.
+struct CmpQueries {
+  int64_t q0, q1;
+};
+NSA_HOST_DEVICE CmpQueries cmp_split_queries(int64_t len, const CmpSplit& cs, int z, int64_t t_first) {
+  if (z > cs.last) return CmpQueries{0, 0};
+  const int64_t q0 = t_first > z * cs.S ? t_first : z * cs.S;
+  const int64_t q1 = z == cs.last ? len : ((z + 1) * cs.S < len ? (z + 1) * cs.S : len);
+  return CmpQueries{q0, q1};
+}
 // Query tiles (tq tokens each) CTA (key tile x, split z) of one sequence works through, as
 // DkvPlan's compressed phase counts them; 0: it returns at once.
 NSA_HOST_DEVICE int64_t cmp_cta_query_tiles(int64_t len, const CmpSplit& cs, int z, int64_t x, int64_t l, int64_t d,
                                             int64_t tq) {
-  if (z > cs.last) return 0;
-  const int64_t t_first = x * kCmpKeyTile * d + l - 1;
-  const int64_t q0 = t_first > z * cs.S ? t_first : z * cs.S;
-  const int64_t q1 = z == cs.last ? len : ((z + 1) * cs.S < len ? (z + 1) * cs.S : len);
-  return q0 < q1 ? (q1 - q0 + tq - 1) / tq : 0;
+  const CmpQueries r = cmp_split_queries(len, cs, z, x * kCmpKeyTile * d + l - 1);
+  return r.q0 < r.q1 ? (r.q1 - r.q0 + tq - 1) / tq : 0;
 }
 
 // Tokens of a query tile (64 rows of G heads) and compressed key tiles of one sequence, as the

@@ -103,13 +103,13 @@ struct DkvPlan {
     } else {
       // Compressed keys: the queries t >= key0 * d + l - 1 of split z (cmp_split_of, cmp_split_index).
       // A split before `last` that sees none of the tile's blocks has nothing to write.
+      // (the schedule model counts the same range: cmp_cta_query_tiles, tile_sizes.h)
       const CmpSplit cs = cmp_split_of(len, a.cmp_splits);
       const int z = cmp_split_index();
-      if (z > cs.last) return false;
-      const int t_first = key0 * a.d + a.l - 1;
-      cmp_q0 = max(t_first, int(z * cs.S));
-      cmp_q1 = z == cs.last ? len : int(min(int64_t(len), (z + 1) * cs.S));
-      if (cmp_q0 >= cmp_q1) return false;
+      const CmpQueries r = cmp_split_queries(len, cs, z, int64_t(key0) * a.d + a.l - 1);
+      if (r.q0 >= r.q1) return false;
+      cmp_q0 = int(r.q0);
+      cmp_q1 = int(r.q1);
       n0 = (cmp_q1 - cmp_q0 + tq - 1) / tq;
       if (z < cs.last) nk_emit = int(min(int64_t(nk), cmp_split_rows(len, z, cs, a.l, a.d) - key0));
     }
