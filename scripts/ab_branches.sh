@@ -27,6 +27,8 @@
 # since the device tool brings back only a few files), AB_TEST_FILTER
 # (a --gtest_filter; the parameterised suites are Cases/CudaForward.*, so write *CudaForward*), JOBS (default 16), AB_ARCH (default 90a),
 # AB_BUILDS (default /tmp: the builds go to AB_BUILDS/ab-build-<name>; scripts/ab_rounds.sh reads them there).
+# AB_TARGETS (the build step builds only these, e.g. "nsa_cli" for a baseline that is only timed;
+# default everything), AB_TARGETS_<name> for one snapshot.
 # Per snapshot: AB_STEPS_<name> (the snapshot's folder name with '-' as '_', e.g. AB_STEPS_main="build
 # bench") replaces AB_STEPS for that snapshot, e.g. to run the tests only on the new branch.
 # Step "break": scripts/break_tests.sh on the snapshot's build (BREAK_ROUNDS, e.g. "2"; BREAK_OTHERS=0: each
@@ -117,7 +119,7 @@ asks() { [[ " $snap_steps " == *" $1 "* ]]; }
 build_with() {
   cmake -S "$dir" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNSA_CUDA=ON -DNSA_BUILD_PYTHON="$1" \
     -DPython_EXECUTABLE="$(command -v python3)" -DNSA_CUDA_ARCHITECTURES="${AB_ARCH:-90a}" \
-    ${GTEST_PREFIX:+-DCMAKE_PREFIX_PATH=$GTEST_PREFIX} && cmake --build "$build" -j "$JOBS"
+    ${GTEST_PREFIX:+-DCMAKE_PREFIX_PATH=$GTEST_PREFIX} && cmake --build "$build" -j "$JOBS" ${targets:+--target $targets}
 }
 snap_steps="$STEPS"
 # has STEP: the step is asked for this snapshot and fits before the deadline (else logged as skipped).
@@ -173,6 +175,8 @@ for dir in "${dirs[@]}"; do
   build="${AB_BUILDS:-/tmp}/ab-build-$name"
   var="AB_STEPS_${name//-/_}"
   snap_steps="${!var:-$STEPS}"
+  var="AB_TARGETS_${name//-/_}"
+  targets="${!var:-${AB_TARGETS:-}}"
   echo "== $name ($(cat "$dir/.commit" 2>/dev/null)): $snap_steps" | tee -a "$SUMMARY"
   built_py=OFF
   if has build; then
