@@ -80,12 +80,7 @@ bin() {
 # before the wait that retires their wgmma).
 sass_check() {
   local lib; lib="$(find "$BUILD_DIR" -name libnsa.a | head -1)"
-  cuobjdump -sass "$lib" > "$BUILD_DIR/libnsa.sass" || return 1
-  python3 "$SRC/tools/check_wgmma_a_regs.py" "$BUILD_DIR/libnsa.sass" > "$OUT/sass_check_kernels.txt"
-  local rc=$?
-  echo "$(grep -c '^ok' "$OUT/sass_check_kernels.txt") kernels ok, $(grep -c '^CLOBBERED' "$OUT/sass_check_kernels.txt") clobbered"
-  grep -A1 '^CLOBBERED' "$OUT/sass_check_kernels.txt" | head -20
-  return $rc
+  "$SRC/scripts/sass_check.sh" "$lib" "$OUT/sass_check_kernels.txt"
 }
 host_tests() { "$(bin nsa_tests)" --gtest_brief=1; }
 # (in NSA_TEST_SHARDS processes at once, default 8: scripts/gtest_sharded.sh)

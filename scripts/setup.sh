@@ -24,3 +24,14 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 # CMake >= 3.25 is required (Debian 12 ships 3.25).
 cmake --version | head -1
+# With nvcc but without cuobjdump / nvdisasm (the SASS check of the sm_90a kernels, ctest
+# sass_wgmma_a_regs): NVIDIA's wheels of them, pinned in tools/requirements-sass.txt, into
+# .tools/cuda-sass (no root needed).
+cuda_bin="${CUDA_HOME:-/usr/local/cuda}/bin"
+if { command -v nvcc >/dev/null || [ -x "$cuda_bin/nvcc" ]; } &&
+   ! { command -v cuobjdump >/dev/null || [ -x "$cuda_bin/cuobjdump" ]; } &&
+   [ ! -x .tools/cuda-sass/nvidia/cu13/bin/nvdisasm ]; then
+  echo "setup: installing cuobjdump and nvdisasm into .tools/cuda-sass (tools/requirements-sass.txt)"
+  python3 -m pip install --quiet --no-deps --disable-pip-version-check --root-user-action=ignore --target .tools/cuda-sass \
+    -r tools/requirements-sass.txt
+fi
