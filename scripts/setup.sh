@@ -27,11 +27,12 @@ cmake --version | head -1
 # With nvcc but without cuobjdump / nvdisasm (the SASS check of the sm_90a kernels, ctest
 # sass_wgmma_a_regs): NVIDIA's wheels of them, pinned in tools/requirements-sass.txt, into
 # .tools/cuda-sass (no root needed).
+# (The paths from the checkout's root, wherever this runs from.)
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cuda_bin="${CUDA_HOME:-/usr/local/cuda}/bin"
-if { command -v nvcc >/dev/null || [ -x "$cuda_bin/nvcc" ]; } &&
-   ! { command -v cuobjdump >/dev/null || [ -x "$cuda_bin/cuobjdump" ]; } &&
-   [ ! -x .tools/cuda-sass/nvidia/cu13/bin/nvdisasm ]; then
+have() { command -v "$1" >/dev/null || [ -x "$cuda_bin/$1" ]; }
+if have nvcc && ! { have cuobjdump && have nvdisasm; } && [ ! -x "$root/.tools/cuda-sass/nvidia/cu13/bin/nvdisasm" ]; then
   echo "setup: installing cuobjdump and nvdisasm into .tools/cuda-sass (tools/requirements-sass.txt)"
-  python3 -m pip install --quiet --no-deps --disable-pip-version-check --root-user-action=ignore --target .tools/cuda-sass \
-    -r tools/requirements-sass.txt
+  python3 -m pip install --quiet --no-deps --disable-pip-version-check --root-user-action=ignore \
+    --target "$root/.tools/cuda-sass" -r "$root/tools/requirements-sass.txt"
 fi
