@@ -116,12 +116,40 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
   };
   ml.load_q_do(a, q_row, do_row, qb, dob);
   cuda::cp_async_commit();  // completes with the first key tile's group (without TMA)
+  // The rows' state per branch (lse, gate; dg where the forward gave every branch's) from global
+  // memory into shared memory (ml.row_state(): field f, branch b, row r at (3 f + b) kRows + r),
+  // where the stage switches read it: its loads go out here, all at once, under the Q / dO copies
+  // and the union's work, instead of one wait at each switch of each pass. Entry e of the 3 kRows
+  // (branch e / kRows, row e % kRows) is thread e % kThreads's.
+  constexpr int kStateEntries = 3 * kRows, kStatePer = (kStateEntries + kThreads - 1) / kThreads;
+  float* const rs = ml.row_state();
+  float st_lse[kStatePer], st_gate[kStatePer], st_dg[kStatePer];
+#pragma unroll
+  for (int k = 0; k < kStatePer; ++k) {
+    const int e = int(threadIdx.x) + k * kThreads, r = e % kRows, branch = e / kRows;
+    const int64_t tok = e < kStateEntries ? row_token(r) : -1;
+    st_lse[k] = st_gate[k] = st_dg[k] = 0.f;
+    if (tok < 0) continue;  // a padding row: never read
+    const int64_t head = row_head(r);
+    st_lse[k] = static_cast<const float*>(a.lse.p)[tok * a.lse.s0 + head * a.lse.s1 + branch];
+    st_gate[k] = load_f32<E>(a.g.p, tok * a.g.s0 + head * a.g.s1 + branch);
+    if (a.dg_ready) st_dg[k] = a.dg32[(tok * a.hq + head) * 3 + branch];
+  }
   // sm_90a: the selection's union tiles (a.slc_union; DqMainloopSm90::union_tiles), else none:
   // this kernel has no selection tiles.
   int n_slc = 0;
   const int32_t* slc_blocks = nullptr;                // [n_slc] ascending
   const unsigned long long* slc_tokens = nullptr;     // [n_slc] the tile's tokens that picked each
   ml.union_tiles(a, u0, len, s0, hk, ntok, warp, lane, n_slc, slc_blocks, slc_tokens);
+#pragma unroll
+  for (int k = 0; k < kStatePer; ++k) {
+    const int e = int(threadIdx.x) + k * kThreads;
+    if (e >= kStateEntries) continue;
+    rs[e] = st_lse[k] * kLog2e;
+    rs[kStateEntries + e] = st_gate[k];
+    rs[2 * kStateEntries + e] = st_dg[k];
+  }
+  __syncthreads();  // the rows' state, for every thread's stage switches
   ml.start(maps);  // sm_90a with TMA: the K/V tiles' mbarriers; Q and dO landed
 
   // The key tiles of the compressed and window branches as one sequence. The selection branch
@@ -150,7 +178,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
   }
   // Per-branch state of the two rows: lse in log2 units, sg = scale gate and sd = scale D with
   // D = gate dg (pass 2's dS = scale P (gate dP - D) = P (sg dP - sd): one FFMA and one FMUL per
-  // score), visible positions [lo, hi].
+  // score), visible positions [lo, hi]. From the rows' state in shared memory (rs, above; dg there
+  // is pass 1's, or the forward's with a.dg_ready).
   float lse2[2], sg[2], sd[2];
   int lo[2], hi[2];
   int cur_branch = kCmp;  // the branch of set_branch's state
@@ -162,11 +191,11 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
       lo[h] = 0;
       hi[h] = -1;  // a padding row sees nothing
       if (rtok[h] < 0) continue;
-      const int64_t tok = rtok[h];
-      lse2[h] = static_cast<const float*>(a.lse.p)[tok * a.lse.s0 + rhead[h] * a.lse.s1 + branch] * kLog2e;
-      const float gate = load_f32<E>(a.g.p, tok * a.g.s0 + rhead[h] * a.g.s1 + branch);
+      const int e = branch * kRows + row0 + group + 8 * h;
+      lse2[h] = rs[e];
+      const float gate = rs[kStateEntries + e];
       sg[h] = a.scale * gate;
-      if (with_dg) sd[h] = a.scale * (gate * a.dg32[(tok * a.hq + rhead[h]) * 3 + branch]);
+      if (with_dg) sd[h] = a.scale * (gate * rs[2 * kStateEntries + e]);
       lo[h] = branch == kWin ? rt[h] - a.w + 1 : INT32_MIN;
       hi[h] = rt[h];
     }
@@ -252,11 +281,13 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
       return row ? make_float2(to_float(orow[8 * nt]), to_float(orow[8 * nt + 1])) : make_float2(0.f, 0.f);
     });
   };
+  // dg of the thread's row h (the quad's sum) into dg32, dg and the rows' state (pass 2's D).
   auto write_dg = [&](int h, int branch, float part) {
     if (quad == 0 && rtok[h] >= 0) {
       const int64_t tok = rtok[h];
       a.dg32[(tok * a.hq + rhead[h]) * 3 + branch] = part;
       static_cast<E*>(a.dg.p)[tok * a.dg.s0 + rhead[h] * a.dg.s1 + branch] = from_float<E>(part);
+      rs[2 * kStateEntries + branch * kRows + row0 + group + 8 * h] = part;
     }
   };
 
@@ -266,17 +297,28 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
   // on entering the first stage (dO has landed there), and its tiles are left out, and likewise
   // the window's with o_win (a.dg_win_ready); with a.d_from_o without the selection's union
   // tiles, whose D pass 2 takes from o. With all three the sweep takes no tile.)
+  // Where pass 1 takes no tile, pass 2's first tile is sent now (sm_90a with TMA: ml.prime), under
+  // pass 1's dot products with the saved outputs.
+  if (a.dg_ready || tiles.runs(a.dg_cmp_ready, a.d_from_o, a.dg_win_ready) == 0) ml.prime(a, tiles);
   float acc_o[DV / 8][4];
   zero(acc_o);
   if (!a.dg_ready) ml.sweep(
       a, tiles, /*skip_cmp=*/a.dg_cmp_ready, /*skip_slc=*/a.d_from_o, /*skip_win=*/a.dg_win_ready, choose,
       cta_sees, [&](int prev, int next) {
-        if (prev < 0 && a.dg_cmp_ready)
+        if (prev < 0 && (a.dg_cmp_ready || a.dg_win_ready)) {
+          // Both saved outputs' dot products before any store: their loads go out together.
+          float dot_cmp[2], dot_win[2];
 #pragma unroll
-          for (int h = 0; h < 2; ++h) write_dg(h, kCmp, row_dot_output(h, a.o_cmp));
-        if (prev < 0 && a.dg_win_ready)
+          for (int h = 0; h < 2; ++h) {
+            dot_cmp[h] = a.dg_cmp_ready ? row_dot_output(h, a.o_cmp) : 0.f;
+            dot_win[h] = a.dg_win_ready ? row_dot_output(h, a.o_win) : 0.f;
+          }
 #pragma unroll
-          for (int h = 0; h < 2; ++h) write_dg(h, kWin, row_dot_output(h, a.o_win));
+          for (int h = 0; h < 2; ++h) {
+            if (a.dg_cmp_ready) write_dg(h, kCmp, dot_cmp[h]);
+            if (a.dg_win_ready) write_dg(h, kWin, dot_win[h]);
+          }
+        }
         if (prev >= 0 && !(prev == kCmp && a.dg_cmp_ready) && !(prev == kWin && a.dg_win_ready)) {
           const int branch = branch_at(prev);
           // dg of the thread's rows: its columns of o_b times dO, then the quad's partial sums.
@@ -290,7 +332,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a, const __g
       [&](const E* tk, const E* tv, const KeyTile& kt, int c0) {
         ml.output_products(acc_o, row0, tk, tv, kt, c0, probabilities, probabilities_wg);
       });
-  __syncthreads();  // dg32 of this tile's rows is written (read back below by the same block)
+  __syncthreads();  // dg of this tile's rows is written (the rows' state, read back by pass 2's switches)
 
   // ---- pass 2: dQ = scale * sum_b dS_b K_b, summed in registers over the three branches
   float acc_q[DQK / 8][4];

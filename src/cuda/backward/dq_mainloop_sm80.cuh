@@ -19,12 +19,15 @@ struct DqMainloopSm80 {
   E* sV;
   E* sQ;
   E* sDo;
+  float* rs;  // the rows' state (DqSmem::kRowState)
 
   __device__ __forceinline__ explicit DqMainloopSm80(unsigned char* smem)
       : sK(reinterpret_cast<E*>(smem + L::kK)),
         sV(reinterpret_cast<E*>(smem + L::kV)),
         sQ(reinterpret_cast<E*>(smem + L::kQ)),
-        sDo(reinterpret_cast<E*>(smem + L::kDo)) {}
+        sDo(reinterpret_cast<E*>(smem + L::kDo)),
+        rs(reinterpret_cast<float*>(smem + L::kRowState)) {}
+  __device__ __forceinline__ float* row_state() const { return rs; }
 
   // The tile's Q and dO rows (row pointers as copy_rows takes them), not yet committed.
   template <typename QRow, typename DoRow>
@@ -35,8 +38,10 @@ struct DqMainloopSm80 {
   // The selection's union tiles are sm_90a's (dq_mainloop_sm90.cuh): none here.
   __device__ __forceinline__ void union_tiles(const BwdArgs&, int, int, int64_t, int, int, int, int, int&,
                                               const int32_t*&, const unsigned long long*&) {}
-  // Nothing to set up before the first sweep (no tensor maps).
+  // Nothing to set up before the first sweep (no tensor maps), and no copy sent ahead of it.
   __device__ __forceinline__ void start(const DqMaps&) {}
+  template <typename Tiles>
+  __device__ __forceinline__ void prime(const BwdArgs&, const Tiles&) {}
 
   // dO[r][8 nt + 2 quad], the first of the pair of columns the thread's C fragment holds.
   __device__ __forceinline__ const E* do_pair(int r, int quad, int nt) const {

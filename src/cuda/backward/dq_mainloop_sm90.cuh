@@ -28,6 +28,7 @@ struct DqMainloopSm90 {
   uint32_t q_wg = 0, do_wg = 0;  // this warpgroup's 64 rows of Q and dO (the A operands of S and dP)
   const DqMaps* maps = nullptr;
   bool tma = false;  // K/V tiles by TMA: one thread copies each (kDqk/64 + kDv/64 boxes)
+  bool primed = false;  // the next sweep's first tile is on its way into buffer 0 (prime)
   uint64_t* bars = nullptr;
   uint32_t bar_phase = 0;  // bit b: the parity of buffer b's next fill
   // The overlapped sweep (sweep<true>: pass 2 with two buffers): each tile's dQ product stays in
@@ -50,6 +51,8 @@ struct DqMainloopSm90 {
     sQ = reinterpret_cast<E*>(base + L::kSwQ);
     sDo = reinterpret_cast<E*>(base + L::kSwDo);
   }
+  // The rows' state (DqSmem::kSwRowState).
+  __device__ __forceinline__ float* row_state() const { return reinterpret_cast<float*>(base + L::kSwRowState); }
 
   // The tile's Q and dO rows, swizzled (the A operands of S and dP in shared memory), not yet
   // committed.
@@ -112,6 +115,17 @@ struct DqMainloopSm90 {
       cuda::fence_proxy_async();  // Q and dO, for wgmma
       __syncthreads();
     }
+  }
+
+  // With TMA, where the next sweep is the one over every tile (pass 2) and nothing else uses
+  // the K/V buffers before it: its first tile's copy goes out now (after start's barrier: the
+  // union's sorts are done with the buffers), so that it lands under the work before that sweep
+  // (pass 1's dg from the saved outputs); the sweep then waits for it without sending it again.
+  template <typename Tiles>
+  __device__ __forceinline__ void prime(const BwdArgs& a, const Tiles& tiles) {
+    if (!tma || tiles.runs(false, false, false) == 0) return;
+    if (threadIdx.x == 0) issue_tma(a, tiles, tiles.run_tile(0, false, false), 0);
+    primed = true;
   }
 
   // dO[r][8 nt + 2 quad]: in the swizzled tile the pair lies in the 16-byte piece of columns 8 nt
@@ -195,7 +209,9 @@ struct DqMainloopSm90 {
       key_tiles = &tiles;
     }
     if (tma) {
-      if (threadIdx.x == 0 && n_run > 0) issue_tma(a, tiles, real(0), 0);
+      // (primed: prime sent this sweep's first tile, the whole sweep's tile 0, already)
+      if (n_run > 0 && primed) primed = false;
+      else if (threadIdx.x == 0 && n_run > 0) issue_tma(a, tiles, real(0), 0);
     } else {
       if (n_run > 0) issue(a, tiles, real(0), 0);
       cuda::cp_async_commit();

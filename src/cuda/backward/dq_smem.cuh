@@ -14,7 +14,11 @@ struct DqSmem {
   static constexpr int kV = kK + 2 * tile_bytes<DQK>();    // [2][kKeys][DV + kPad]
   static constexpr int kQ = kV + 2 * tile_bytes<DV>();     // [kRows][DQK + kPad]
   static constexpr int kDo = kQ + tile_bytes<DQK>();       // [kRows][DV + kPad]
-  static constexpr size_t kEnd = size_t(kDo) + tile_bytes<DV>();
+  // The rows' state per branch (both layouts): lse in log2 units, the gate and dg, each
+  // [3 branches][kRows] floats (DqRowState, dq_kernel.cuh).
+  static constexpr int kRowStateBytes = 3 * 3 * kRows * int(sizeof(float));
+  static constexpr int kRowState = kDo + tile_bytes<DV>();
+  static constexpr size_t kEnd = size_t(kRowState) + kRowStateBytes;
   // sm_90a (dq_wgmma.cuh): from the first 1024-byte boundary, K [kSwBufs][kKeys][DQK], V
   // [kSwBufs][kKeys][DV], Q [kRows][DQK] and dO [kRows][DV], all 128-byte swizzled without padding
   // (Q and dO are the A operands of S and dP in shared memory). The padding saved pays for the
@@ -29,7 +33,8 @@ struct DqSmem {
   // kSwTail: the layout past them (Q, dO, the mbarriers, the union lists; static_assert below).
   static constexpr int kSwKv = sw_tile_bytes<DQK>() + sw_tile_bytes<DV>();
   static constexpr int kSwTail = kSwKv + 2 * int(sizeof(uint64_t)) + 8 * int(sizeof(int)) +
-                                 cuda::kSlcUnionMax * int(2 * sizeof(int32_t) + sizeof(unsigned long long));
+                                 cuda::kSlcUnionMax * int(2 * sizeof(int32_t) + sizeof(unsigned long long)) +
+                                 kRowStateBytes;
   static constexpr int kSwBufs = two_ctas_fit_sm90(1024 + size_t(2 * kSwKv + kSwTail)) ? 2 : 1;
   static constexpr int kSwV = kSwBufs * sw_tile_bytes<DQK>();
   static constexpr int kSwQ = kSwV + kSwBufs * sw_tile_bytes<DV>();
@@ -44,12 +49,15 @@ struct DqSmem {
   static constexpr int kSwUnionList = kSwUnion + 8 * int(sizeof(int));
   static constexpr int kSwUnionMember = kSwUnionList + 2 * cuda::kSlcUnionMax * int(sizeof(int32_t));
   static constexpr int kSwUnionEnd = kSwUnionMember + cuda::kSlcUnionMax * int(sizeof(unsigned long long));
+  // Then the rows' state (kRowStateBytes).
+  static constexpr int kSwRowState = kSwUnionEnd;
+  static constexpr int kSwEnd = kSwRowState + kRowStateBytes;
   static_assert(kSwUnionMember % 8 == 0, "the token masks are 8-byte words");
-  static_assert(1023 + size_t(kSwUnionEnd) <= kEnd, "the swizzled layout fits after alignment");
-  static_assert(kSwUnionEnd == kSwBufs * kSwKv + kSwTail, "kSwTail is the layout past the K / V buffers");
+  static_assert(1023 + size_t(kSwEnd) <= kEnd, "the swizzled layout fits after alignment");
+  static_assert(kSwEnd == kSwBufs * kSwKv + kSwTail, "kSwTail is the layout past the K / V buffers");
   // What the launch asks for where the sm_90a body runs (runs_sm90): the swizzled layout and its
   // alignment slack only.
-  static constexpr size_t kSwLaunch = 1024 + size_t(kSwUnionEnd);
+  static constexpr size_t kSwLaunch = 1024 + size_t(kSwEnd);
   static constexpr bool slc_union_sorts_fit(int cap) { return size_t(kWarps) * 3 * cap * sizeof(int32_t) <= size_t(kSwQ); }
 };
 
