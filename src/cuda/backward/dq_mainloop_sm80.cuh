@@ -4,6 +4,8 @@
 // kernel's (DqMask, dq_kernel.cuh); the same interface on sm_90a: dq_mainloop_sm90.cuh.
 #pragma once
 
+#include <type_traits>
+
 #include "cuda/backward/dq_smem.cuh"
 
 namespace nsa::cuda::bwd {
@@ -128,7 +130,7 @@ struct DqMainloopSm80 {
     mma_abt<E, DQK, kSubTiles>(s, sQ + row0 * kLdK, tk + c0 * kLdK);
     mma_abt<E, DV, kSubTiles>(dp, sDo + row0 * kLdV, tv + c0 * kLdV);
     probabilities(s, kt, c0);
-    dscores(s, dp, false);
+    dscores(s, dp, std::false_type{});
     uint32_t df[kSubTiles / 2][4];
     to_operand<E, kSubTiles>(s, df);
     mma_ab<E, DQK, kSubTiles / 2>(acc_q, df, tk + c0 * kLdK);

@@ -6,6 +6,8 @@
 // dq_mainloop_sm80.cuh.
 #pragma once
 
+#include <type_traits>
+
 #include "cuda/backward/dq_smem.cuh"
 
 namespace nsa::cuda::bwd {
@@ -327,7 +329,10 @@ struct DqMainloopSm90 {
     probabilities_wg(s, kt);
     cuda::wgmma_wait<0>();
     cuda::wgmma_fence_operands(dp);
-    dscores(s, dp, acc_dg);
+    if (acc_dg)
+      dscores(s, dp, std::true_type{});
+    else
+      dscores(s, dp, std::false_type{});
     to_operand<E, kKeys / 8>(s, df);
     if (overlap) {  // dQ += dS K left in flight: the next tile's S wait (or the sweep's end) retires it
       cuda::wgmma_fence_operands(acc_q);
