@@ -13,7 +13,7 @@ blocks), and uniformly random admissible blocks up to n.
 
 It prints the model's DRAM bytes of those rows (misses x row bytes). The model leaves out the K / V
 tiles, the row statistics and dK / dV's writes, and L2's sectors and partitions: the cache size is
-the knob that stands for them (25 MB reproduces the H100's measured DRAM bytes at 8K, see
+the knob that stands for them (25-50 MB brackets the H100's DRAM bytes measured at 8K, see
 docs/cuda_backward.md).
 
 --ranges R > 1 models a schedule the kernel does not have: every list cut into R token ranges
@@ -21,7 +21,7 @@ docs/cuda_backward.md).
 than --range-cap tiles cut further; it also prints the fp32 partial dK / dV bytes such pieces would
 write and read back.
 
-  tools/dkv_l2_model.py --T 8192                    (H100 at 8K: ~5.0 GB)
+  tools/dkv_l2_model.py --T 8192                    (5.2 GB; measured on the H100: 4.96)
   tools/dkv_l2_model.py --T 8192 --ranges 4 --range-cap 64
 """
 import argparse
@@ -69,7 +69,7 @@ def cut(tiles, cap):
 def kernel_order(lists, T, lp, w, tq, min_piece_tiles=32, target_ctas=1024):
     """The CTAs as the kernel runs them (see DkvPlan::init and raw_pieces_plan_kernel)."""
     hkv, nb = len(lists), len(lists[0])
-    total = sum(len(tiles_of(0, l, tq)) for sel in lists for l in sel)
+    total = sum((len(l) + tq - 1) // tq for sel in lists for l in sel)
     total += hkv * sum(len(window_tiles(0, b, T, lp, w, tq)) for b in range(nb))
     cap = max((total + target_ctas - 1) // target_ctas, min_piece_tiles)
     pieces, own = [], [[] for _ in range(hkv)]
